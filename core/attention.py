@@ -1,0 +1,119 @@
+"""The attention-backend contract and the batch metadata every backend receives."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+
+class AttentionConfig(BaseModel):
+    """Config section ``attention``. Plugins subclass it to add their own keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = "sdpa"
+
+
+class BackendUnavailableError(RuntimeError):
+    """The backend cannot run here (no CUDA, unsupported dtype or head size); the message says what to use."""
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's flattened, unpadded batch: B sequences, T tokens in all.
+
+    Sequence ``i`` owns query tokens ``query_start_loc[i]:query_start_loc[i+1]`` at positions
+    ``seq_lens[i] - query_len_i ... seq_lens[i] - 1``; each attends to every position ``<=`` its own in its sequence
+    (bottom-right causal), reading cached positions through ``block_tables[i]``.
+    """
+
+    positions: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, context length after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (the null block)
+    slot_mapping: torch.Tensor  # [T] int64, -1 = padding (not written)
+    max_query_len: int
+    max_seq_len: int
+    # Host copies for backends that loop on the CPU side.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Reads and writes the paged KV pool for one model.
+
+    Pool layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V); the engine allocates
+    one tensor for all layers of shape ``kv_cache_shape(num_layers, num_blocks)`` and passes ``kv_cache[layer]``.
+    ``slot = block_table[pos // block_size] * block_size + pos % block_size``.
+    """
+
+    config_model: ClassVar[type[AttentionConfig]] = AttentionConfig
+
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        config: AttentionConfig | None = None,
+    ):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.config = config or self.config_model()
+        self.scale = head_dim**-0.5
+        self.check_supported()
+
+    def check_supported(self) -> None:
+        """Raise ``BackendUnavailableError`` with a clear message when this backend cannot run with these settings."""
+
+    def kv_cache_shape(self, num_layers: int, num_blocks: int) -> tuple[int, ...]:
+        return (num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        """Called once per step before the layers run; backends may precompute per-step data here."""
+        return metadata
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write this step's K/V into the pool at ``metadata.slot_mapping``, then attend (see AttentionMetadata)."""
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store K/V of this step's tokens at their slots (slots < 0 are skipped). The reference every backend may use."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))

@@ -1,0 +1,116 @@
+"""Block tables: the request-level API over the allocator and the prefix cache (what schedulers call)."""
+
+from __future__ import annotations
+
+from infer.allocator import Allocator
+from infer.prefix_cache import Match, PrefixCache
+from infer.sequence import Sequence
+
+
+class KVCacheManager:
+    """Gives sequences the blocks they need, credits prefix-cache hits, and takes blocks back.
+
+    Every block a sequence holds is in ``seq.block_table`` with one reference owned by the sequence.
+    """
+
+    def __init__(self, allocator: Allocator, prefix_cache: PrefixCache, max_model_len: int):
+        self.allocator = allocator
+        self.prefix_cache = prefix_cache
+        self.block_size = allocator.block_size
+        self.max_model_len = max_model_len
+
+    # -- queries -------------------------------------------------------------------------------------------------
+    @property
+    def num_available_blocks(self) -> int:
+        """Free blocks plus blocks the prefix cache would give back on demand."""
+        return self.allocator.num_free + self.prefix_cache.num_evictable
+
+    def cached_prefix_len(self, seq: Sequence) -> int:
+        """Tokens of waiting ``seq`` an admission now would not compute (cache hit or shared fork prefix)."""
+        cached = self.prefix_cache.peek(seq.token_ids, seq.params.cache_salt)
+        return max(cached, self._fork_prefix_len(seq))
+
+    def is_ready(self, seq: Sequence) -> bool:
+        """False for an n > 1 follower while its leader has not computed the shared prompt yet."""
+        leader = seq.fork_of
+        return leader is None or leader.is_finished or leader.num_computed_tokens >= leader.num_prompt_tokens - 1
+
+    # -- mutations -----------------------------------------------------------------------------------------------
+    def admit(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Take the cached prefix of a waiting ``seq`` and allocate room for ``num_new_tokens`` more tokens.
+
+        ``num_new_tokens`` counts tokens after the cached prefix (see ``cached_prefix_len``). All or nothing: on
+        failure ``seq`` is left exactly as it was.
+        """
+        assert not seq.block_table, f"sequence {seq.seq_id} is admitted while holding blocks"
+        if not self._share_fork_prefix(seq):
+            match = self.prefix_cache.match(seq.token_ids, seq.params.cache_salt)
+            self.prefix_cache.lock(match)
+            self.allocator.retain(list(match.blocks))
+            seq.cache_match = match
+            seq.block_table = list(match.blocks)
+            seq.num_computed_tokens = match.num_tokens
+        if self.allocate(seq, num_new_tokens):
+            seq.num_cached_prompt_tokens = max(seq.num_cached_prompt_tokens, min(seq.num_computed_tokens, seq.num_prompt_tokens))
+            return True
+        self._drop_blocks(seq)
+        return False
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow ``seq.block_table`` to hold ``num_computed_tokens + num_new_tokens`` slots. Evicts cached blocks when
+        the allocator runs dry; returns False (no change) when even that is not enough."""
+        num_slots = min(seq.num_computed_tokens + num_new_tokens, self.max_model_len)
+        missing = self.allocator.blocks_needed(num_slots) - len(seq.block_table)
+        if missing <= 0:
+            return True
+        shortfall = missing - self.allocator.num_free
+        if shortfall > 0:
+            if self.prefix_cache.num_evictable < shortfall:
+                return False
+            self.prefix_cache.evict(shortfall)
+        blocks = self.allocator.allocate(missing)
+        if blocks is None:
+            return False
+        seq.block_table.extend(blocks)
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Offer the sequence's computed, committed tokens to the prefix cache (called after every step)."""
+        num_committed = min(seq.num_computed_tokens, seq.num_tokens)
+        num_full_blocks = num_committed // self.block_size
+        if num_full_blocks == 0:
+            return
+        num_tokens = num_full_blocks * self.block_size
+        self.prefix_cache.insert(seq.token_ids[:num_tokens], seq.block_table[:num_full_blocks], seq.params.cache_salt)
+
+    def free(self, seq: Sequence) -> None:
+        """Return all of ``seq``'s blocks (its computed prefix stays in the prefix cache for the next request)."""
+        self.commit(seq)
+        self._drop_blocks(seq)
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        if isinstance(seq.cache_match, Match):
+            self.prefix_cache.unlock(seq.cache_match)
+        seq.cache_match = None
+        # Tail first, so that an LRU cache sees a chain's head as the more recently used end.
+        self.allocator.release(seq.block_table[::-1])
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    # -- n > 1: followers share the leader's computed prompt blocks ----------------------------------------------
+    def _fork_prefix_len(self, seq: Sequence) -> int:
+        leader = seq.fork_of
+        if leader is None or not leader.block_table:
+            return 0
+        shareable = min(leader.num_computed_tokens, seq.num_prompt_tokens - 1)
+        return (shareable // self.block_size) * self.block_size
+
+    def _share_fork_prefix(self, seq: Sequence) -> bool:
+        num_tokens = self._fork_prefix_len(seq)
+        if num_tokens <= self.prefix_cache.peek(seq.token_ids, seq.params.cache_salt):
+            return False
+        blocks = seq.fork_of.block_table[: num_tokens // self.block_size]
+        self.allocator.retain(blocks)
+        seq.block_table = list(blocks)
+        seq.num_computed_tokens = num_tokens
+        return True

@@ -1,0 +1,81 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+class SamplingParamsError(ValueError):
+    """A sampling field has an invalid value; ``field`` names it."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one request. ``temperature == 0`` means greedy.
+
+    ``seed`` makes sampling reproducible per request: the random draw for the token at absolute position ``p`` comes
+    from a generator keyed by ``(seed, p)``, so a request gives the same text alone or in any batch.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise SamplingParamsError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise SamplingParamsError("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise SamplingParamsError("top_k", f"must be >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise SamplingParamsError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.n < 1:
+            raise SamplingParamsError("n", f"must be >= 1, got {self.n!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise SamplingParamsError("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SamplingParams":
+        """Build from a plain dict (a JSONL line, an API body); unknown keys are an error naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            import difflib
+
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise SamplingParamsError(unknown[0], "unknown sampling field(s): " + ", ".join(hints))
+        return cls(**data)

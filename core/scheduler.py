@@ -1,0 +1,171 @@
+"""The scheduler contract and the budgeted base class the built-in schedulers share.
+
+A scheduler decides, every step, who runs and with how many tokens. The budget mechanics (token budget, sequence
+limit, block allocation, preemption by recompute) live in ``BudgetedScheduler``; a policy only orders the waiting
+queue (and may hold some requests back) by overriding ``order_waiting``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from infer.kv_cache_manager import KVCacheManager
+from infer.sequence import Sequence, SequenceStatus
+
+
+class SchedulerConfig(BaseModel):
+    """Config section ``scheduler``. Plugins subclass it to add their own keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = "fcfs"
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences running at once.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Most tokens (prefill + decode + drafts) in one step.")
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What runs this step: ``(sequence, num_new_tokens)`` pairs in batch order, and who was preempted."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class SchedulerView:
+    """What a scheduler sees and may do in one step. The engine builds one; tests build one over a real allocator.
+
+    ``waiting`` is in arrival order (preempted sequences go back to the front); ``running`` in admission order.
+    Actions (``admit``, ``allocate``, ``preempt``) change block tables and queues immediately.
+    """
+
+    def __init__(self, waiting: deque[Sequence], running: list[Sequence], kv: KVCacheManager,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.waiting = waiting
+        self.running = running
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    @property
+    def num_available_blocks(self) -> int:
+        return self.kv.num_available_blocks
+
+    def cached_prefix_len(self, seq: Sequence) -> int:
+        return self.kv.cached_prefix_len(seq)
+
+    def is_ready(self, seq: Sequence) -> bool:
+        return self.kv.is_ready(seq)
+
+    def num_pending_tokens(self, seq: Sequence) -> int:
+        """Tokens ``seq`` would compute this step if the budget allowed: the uncomputed committed tokens plus its
+        draft tokens (a budget cut drops drafts from the end)."""
+        pending = seq.num_uncomputed_tokens + len(seq.draft_token_ids)
+        return min(pending, self.max_model_len - seq.num_computed_tokens)
+
+    def admit(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Move waiting ``seq`` to running with room for ``num_new_tokens`` tokens past its cached prefix."""
+        if not self.kv.admit(seq, num_new_tokens):
+            return False
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.kv.allocate(seq, num_new_tokens)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute later: release ``seq``'s blocks (its prefix stays cached) and put it at the front of waiting."""
+        self.kv.free(seq)
+        seq.draft_token_ids = []
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+
+class Scheduler(ABC):
+    """Decides who runs this step. Plugin authors usually subclass ``BudgetedScheduler`` instead."""
+
+    config_model: ClassVar[type[SchedulerConfig]] = SchedulerConfig
+
+    def __init__(self, config: SchedulerConfig | None = None):
+        self.config = config or self.config_model()
+
+    @abstractmethod
+    def schedule(self, view: SchedulerView) -> StepPlan:
+        """Plan one step. Must respect ``max_num_batched_tokens`` and ``max_num_seqs``, schedule a sequence at most
+        once, and allocate through ``view`` the blocks every scheduled sequence needs."""
+
+
+class BudgetedScheduler(Scheduler):
+    """Token-budget mechanics shared by every built-in policy (vLLM v1's unified loop, Sarathi-style mixing).
+
+    1. Running sequences, in order, take what they need (1 decode token, 1 + k with drafts, or the next prefill
+       chunk). When blocks run out the most recently admitted running sequence is preempted (recompute).
+    2. If nobody was preempted, waiting sequences are admitted in ``order_waiting`` order while the budget, the
+       sequence limit and the blocks last; a prompt larger than the remaining budget is chunked.
+    """
+
+    def order_waiting(self, view: SchedulerView) -> list[Sequence]:
+        """The waiting sequences to try, best first. Leaving one out holds it back this step. Default: FCFS."""
+        return list(view.waiting)
+
+    def pick_victim(self, view: SchedulerView, scheduled: dict[Sequence, int]) -> Sequence:
+        """The running sequence to preempt when blocks run out. Default: the most recently admitted."""
+        return view.running[-1]
+
+    def schedule(self, view: SchedulerView) -> StepPlan:
+        plan = StepPlan()
+        scheduled: dict[Sequence, int] = {}
+        budget = view.max_num_batched_tokens
+        for seq in list(view.running):
+            if seq not in view.running:  # preempted earlier in this loop
+                continue
+            num_new = min(view.num_pending_tokens(seq), budget)
+            if num_new <= 0:
+                continue
+            while not view.allocate(seq, num_new):
+                victim = self.pick_victim(view, scheduled)
+                budget += scheduled.pop(victim, 0)
+                view.preempt(victim)
+                plan.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled[seq] = num_new
+                budget -= num_new
+        if not plan.preempted:
+            self._admit_waiting(view, scheduled, budget)
+        plan.scheduled = list(scheduled.items())
+        return plan
+
+    def _admit_waiting(self, view: SchedulerView, scheduled: dict[Sequence, int], budget: int) -> None:
+        for seq in self.order_waiting(view):
+            if budget <= 0 or len(view.running) >= view.max_num_seqs:
+                break
+            if not view.is_ready(seq):
+                continue
+            cached = view.cached_prefix_len(seq)
+            num_new = min(seq.num_tokens - cached, budget)
+            if not view.admit(seq, num_new):
+                break  # head-of-line: waiting requests never preempt running ones
+            num_new = min(num_new, seq.num_tokens - seq.num_computed_tokens)
+            scheduled[seq] = num_new
+            budget -= num_new

@@ -1,0 +1,1 @@
+"""Conformance suites for infer plugins (shipped in the wheel; needs ``infer[testing]``)."""
