@@ -68,3 +68,46 @@ class Allocator(ABC):
         ``max_model_len``'s worth from the first token on, which is how it reserves at admission.
         """
         return -(-num_tokens // self.block_size)
+
+
+class RefcountingAllocator(Allocator):
+    """Reference-count bookkeeping shared by allocators; subclasses decide how free blocks are found and kept."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, config: AllocatorConfig | None = None):
+        super().__init__(num_blocks, block_size, max_model_len, config)
+        self._refcounts = [0] * num_blocks
+
+    @abstractmethod
+    def _take_free(self, n: int) -> list[int] | None:
+        """Remove ``n`` blocks from the free set (or return None, changing nothing)."""
+
+    @abstractmethod
+    def _put_free(self, block: int) -> None:
+        """Return a block whose count reached 0 to the free set."""
+
+    def allocate(self, n: int) -> list[int] | None:
+        blocks = self._take_free(n) if n <= self.num_free else None
+        for block in blocks or ():
+            self._refcounts[block] = 1
+        return blocks
+
+    def retain(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._check_held(block, "retain")
+            self._refcounts[block] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._check_held(block, "release")
+            self._refcounts[block] -= 1
+            if self._refcounts[block] == 0:
+                self._put_free(block)
+
+    def refcount(self, block: int) -> int:
+        return self._refcounts[block]
+
+    def _check_held(self, block: int, action: str) -> None:
+        if not 0 < block < self.num_blocks:
+            raise BlockAllocationError(f"cannot {action} block {block}: not a block of this pool (1..{self.num_blocks - 1})")
+        if self._refcounts[block] == 0:
+            raise BlockAllocationError(f"cannot {action} block {block}: it is free (double release?)")

@@ -51,7 +51,8 @@ class KVCacheManager:
             seq.block_table = list(match.blocks)
             seq.num_computed_tokens = match.num_tokens
         if self.allocate(seq, num_new_tokens):
-            seq.num_cached_prompt_tokens = max(seq.num_cached_prompt_tokens, min(seq.num_computed_tokens, seq.num_prompt_tokens))
+            if seq.num_preemptions == 0:  # a resumed sequence's hit is its own earlier work, not a saving
+                seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             return True
         self._drop_blocks(seq)
         return False

@@ -32,6 +32,7 @@ class Sequence:
     params: SamplingParams
     request_id: str = ""
     sample_index: int = 0
+    seed: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -41,6 +42,7 @@ class Sequence:
     arrival_time: float = 0.0
     # Prefix-cache bookkeeping (set by the KV cache manager).
     cache_match: object | None = None
+    num_blocks_offered_to_cache: int = 0
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     # Steps this sequence has waited while others were admitted ahead of it (for schedulers' aging bounds).

@@ -1,0 +1,465 @@
+"""The engine: one ``step()`` = schedule -> run the model -> sample/verify -> update sequences.
+
+Offline generation (``infer.LLM``, ``infer run``) and serving (``infer serve``) both drive ``Engine.step()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from infer.kv_cache_manager import KVCacheManager
+from infer.kv_pool import free_device_memory, kv_bytes_per_token, plan_kv_pool
+from infer.memory import measure_peak_bytes
+from infer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from infer.runner import ModelRunner, StepOutput
+from infer.sampler import Sampler, SampleRequest
+from infer.sampling_params import SamplingParams
+from infer.scheduler import SchedulerView, StepPlan
+from infer.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("infer")
+
+
+class RequestError(ValueError):
+    """A request was refused (over-long or empty prompt, bad sampling value); the engine keeps serving others."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One step's counts and timing (the ``step_finished`` hook receives it)."""
+
+    num_seqs: int = 0
+    num_batched_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_preempted: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    duration_s: float = 0.0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Totals since start (``infer run`` and ``infer bench`` summarize these)."""
+
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_prefill_tokens_computed: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    peak_blocks_used: int = 0
+    peak_running: int = 0
+    num_verify_passes: int = 0
+    num_accepted_tokens: int = 0
+    num_draft_tokens: int = 0
+    busy_time_s: float = 0.0
+    # Time-weighted sums for KV utilization: token slots holding real tokens / slots reserved by running sequences.
+    weighted_used_slots: float = 0.0
+    weighted_reserved_slots: float = 0.0
+    weighted_running: float = 0.0
+
+    @property
+    def kv_utilization(self) -> float:
+        return self.weighted_used_slots / self.weighted_reserved_slots if self.weighted_reserved_slots else 0.0
+
+    @property
+    def mean_running(self) -> float:
+        return self.weighted_running / self.busy_time_s if self.busy_time_s else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    @property
+    def mean_accepted_per_pass(self) -> float:
+        """Tokens committed per verify pass (bonus token included)."""
+        return self.num_accepted_tokens / self.num_verify_passes if self.num_verify_passes else 0.0
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float
+    aborted: bool = False
+    outputs_cache: list[CompletionOutput] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class Engine:
+    """Loads the model and the configured plugins, sizes the KV pool, and runs steps."""
+
+    def __init__(self, config, registry=None):
+        from infer.loader import load_model, resolve_device, resolve_dtype
+        from infer.registry import get_registry
+
+        self.config = config
+        self.registry = registry or get_registry(config.plugins.load)
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        torch.manual_seed(config.model.seed)
+        self._rng = random.Random(config.model.seed)
+        loaded = load_model(config.model.path, self.dtype, self.device, config.model)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        self.model_name = loaded.name
+        self.max_model_len = config.model.max_model_len
+        self._check_max_model_len(loaded)
+        self.attention = self._build_attention()
+        self.pool_plan = self._size_pool()
+        self.kv_cache = torch.zeros(self.attention.kv_cache_shape(self.model.num_layers, self.pool_plan.num_blocks),
+                                    dtype=self.dtype, device=self.device)
+        self.allocator = self._plugin("allocator")(self.pool_plan.num_blocks, config.cache.block_size,
+                                                   self.max_model_len, config.allocator)
+        self.prefix_cache = self._plugin("prefix_cache")(self.allocator, config.cache.block_size, config.prefix_cache)
+        self.scheduler = self._plugin("scheduler")(config.scheduler)
+        self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device)
+        self.drafter = self._plugin("drafter")(config.drafter, engine=self)
+        self.sampler = Sampler()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._request_counter = 0
+        logger.info(self.pool_plan.describe())
+        self.registry.hook.engine_started(engine=self)
+
+    # -- construction ------------------------------------------------------------------------------------------
+    def _plugin(self, kind: str):
+        return self.registry.load(kind, getattr(self.config, kind).name)
+
+    def _build_attention(self):
+        return self._plugin("attention")(
+            num_heads=self.model.num_heads, num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
+            block_size=self.config.cache.block_size, dtype=self.dtype, device=self.device,
+            config=self.config.attention)
+
+    def _check_max_model_len(self, loaded) -> None:
+        limit = getattr(loaded.hf_config, "max_position_embeddings", None)
+        if limit is not None and self.max_model_len > limit:
+            raise ValueError(f"model.max_model_len={self.max_model_len} exceeds the model's limit "
+                             f"(max_position_embeddings={limit}); lower model.max_model_len")
+
+    def _size_pool(self):
+        cache = self.config.cache
+        bytes_per_token = kv_bytes_per_token(self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
+                                             self.dtype)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        activation_bytes = 0 if cache.num_blocks is not None else self._profile_activations(bytes_per_token)
+        return plan_kv_pool(
+            budget_bytes=cache.budget_bytes(free_device_memory(self.device) + weight_bytes),
+            weight_bytes=weight_bytes, activation_bytes=activation_bytes, bytes_per_token=bytes_per_token,
+            block_size=cache.block_size, max_model_len=self.max_model_len, num_blocks_override=cache.num_blocks)
+
+    def _profile_activations(self, bytes_per_token: int) -> int:
+        """Peak memory of one worst-case step (a full token budget split over max_num_seqs sequences, plus their
+        logits), measured on a scratch pool just large enough for it."""
+        budget = self.config.scheduler.max_num_batched_tokens
+        num_seqs = max(1, min(self.config.scheduler.max_num_seqs, budget))
+        block_size = self.config.cache.block_size
+        lengths = [budget // num_seqs + (1 if i < budget % num_seqs else 0) for i in range(num_seqs)]
+        lengths = [n for n in lengths if n > 0]
+        num_blocks = sum(-(-n // block_size) for n in lengths) + 1
+        scratch = torch.zeros(self.attention.kv_cache_shape(self.model.num_layers, num_blocks), dtype=self.dtype,
+                              device=self.device)
+        runner = ModelRunner(self.model, self.attention, scratch, self.device)
+        seqs, next_block = [], 1
+        for i, n in enumerate(lengths):
+            seq = Sequence(seq_id=f"profile-{i}", prompt_token_ids=[0] * n, params=SamplingParams())
+            blocks = -(-n // block_size)
+            seq.block_table = list(range(next_block, next_block + blocks))
+            next_block += blocks
+            seqs.append((seq, n))
+        peak = measure_peak_bytes(lambda: runner.execute(seqs), self.device)
+        del scratch
+        return peak
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """A prompt is a string, a list of token ids, or a list of chat messages (``{"role", "content"}``)."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise RequestError("prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; raises ``RequestError`` (and queues nothing) when it cannot be served."""
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{self._next_request_number()}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        text, token_ids = self.tokenize(prompt)
+        self._validate_prompt(request_id, token_ids)
+        seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
+        arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(seq_id=f"{request_id}/{index}", prompt_token_ids=list(token_ids), params=params,
+                           request_id=request_id, sample_index=index, seed=seed + index, arrival_time=arrival_time,
+                           fork_of=seqs[0] if seqs else None)
+            seqs.append(seq)
+        self.requests[request_id] = Request(request_id, text, list(token_ids), params, seqs, arrival_time)
+        self.waiting.extend(seqs)
+        self.stats.num_prompt_tokens += len(token_ids) * params.n
+        return request_id
+
+    def _next_request_number(self) -> int:
+        self._request_counter += 1
+        return self._request_counter
+
+    def _validate_prompt(self, request_id: str, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise RequestError(f"request {request_id}: the prompt is empty", "prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"request {request_id}: the prompt has {len(token_ids)} tokens but model.max_model_len is "
+                f"{self.max_model_len} (room is needed for at least one output token); shorten the prompt",
+                "prompt")
+        vocab = self.model.vocab_size
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise RequestError(f"request {request_id}: token ids must be in [0, {vocab})", "prompt")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now (client gone); its blocks are freed at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        request.aborted = True
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_blocks_used(self) -> int:
+        return self.allocator.capacity - self.allocator.num_free
+
+    # -- the step ----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the requests that finished in it."""
+        start = time.perf_counter()
+        view = SchedulerView(self.waiting, self.running, self.kv, self.config.scheduler.max_num_seqs,
+                             self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        plan = self.scheduler.schedule(view)
+        for seq in plan.preempted:
+            self.drafter.release(seq)
+        self.stats.num_preemptions += len(plan.preempted)
+        finished: list[Request] = []
+        if plan:
+            output = self.runner.execute(plan.scheduled, want_hidden=self.drafter.needs_hidden_states)
+            finished = self._process(plan, output)
+            self._propose_drafts()
+        elif self.waiting and not self.running:
+            self._refuse_unschedulable()
+        self._record_step(plan, time.perf_counter() - start)
+        return [self._request_output(request) for request in finished]
+
+    def _process(self, plan: StepPlan, output: StepOutput) -> list[Request]:
+        for seq, num_new in plan.scheduled:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.stats.num_prefill_tokens_computed += min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += num_new
+        requests = [SampleRequest(row.seq.params, row.first_position + j, row.seq.seed,
+                                  self._banned_tokens(row.seq, row.first_position + j))
+                    for row in output.rows for j in range(row.count)]
+        tokens = self.sampler.sample(output.logits, requests)
+        logprobs = self.sampler.logprobs(output.logits, tokens, [r.params.logprobs for r in requests])
+        now = time.perf_counter()
+        finished: list[Request] = []
+        for row in output.rows:
+            self._accept(row.seq, tokens[row.start:row.start + row.count], logprobs[row.start:row.start + row.count],
+                         now)
+            if row.seq.is_finished and self.requests[row.seq.request_id].finished:
+                finished.append(self.requests[row.seq.request_id])
+        for seq in self.running:
+            self._offer_to_cache(seq)
+        return finished
+
+    def _banned_tokens(self, seq: Sequence, position: int) -> tuple[int, ...]:
+        if position - seq.num_prompt_tokens >= seq.params.min_tokens:
+            return ()
+        return tuple(self.eos_token_ids) + tuple(seq.params.stop_token_ids)
+
+    def _accept(self, seq: Sequence, sampled: list[int], logprobs: list, now: float) -> None:
+        """Commit the longest prefix of ``sampled`` that agrees with the drafts, plus the target's next token."""
+        drafts = seq.draft_token_ids
+        accepted = []
+        for j, token in enumerate(sampled):
+            accepted.append(token)
+            if j >= len(drafts) or token != drafts[j]:
+                break
+        if len(sampled) > 1:
+            seq.num_verify_passes += 1
+            seq.num_accepted_tokens += len(accepted)
+            self.stats.num_verify_passes += 1
+            self.stats.num_accepted_tokens += len(accepted)
+        seq.draft_token_ids = []
+        # K/V is valid for the committed tokens and the accepted drafts; rejected draft slots are overwritten later.
+        seq.num_computed_tokens = seq.num_tokens + len(accepted) - 1
+        for token, logprob in zip(accepted, logprobs):
+            self._append_token(seq, token, logprob, now)
+            if seq.is_finished:
+                return
+        self._trim_blocks(seq)
+        self.drafter.rollback(seq, seq.num_tokens)
+
+    def _append_token(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> None:
+        seq.output_token_ids.append(token)
+        seq.token_times.append(now)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        self.stats.num_output_tokens += 1
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self._finish(seq, *reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, str | int | None] | None:
+        params = seq.params
+        num_output = seq.num_output_tokens
+        if num_output >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return "stop", None
+            if token in params.stop_token_ids:
+                return "stop", token
+            if params.stop and self._find_stop_string(seq) is not None:
+                return "stop", self._find_stop_string(seq)
+        if num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
+
+    def _find_stop_string(self, seq: Sequence) -> str | None:
+        tail = self.tokenizer.decode(seq.output_token_ids[-32:], skip_special_tokens=True)
+        return next((stop for stop in seq.params.stop if stop in tail), None)
+
+    def _trim_blocks(self, seq: Sequence) -> None:
+        """Release blocks wholly past what the sequence needs after a rejected draft."""
+        keep = self.allocator.blocks_needed(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self.allocator.release(seq.block_table[keep:][::-1])
+            del seq.block_table[keep:]
+
+    def _offer_to_cache(self, seq: Sequence) -> None:
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.kv.block_size
+        if num_full > seq.num_blocks_offered_to_cache:
+            self.kv.commit(seq)
+            seq.num_blocks_offered_to_cache = num_full
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.finish_time = time.perf_counter()
+        if seq in self.running:
+            self.running.remove(seq)
+            self.kv.free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+            self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.num_blocks_offered_to_cache = 0
+        self.stats.num_cached_prompt_tokens += seq.num_cached_prompt_tokens
+        self.drafter.release(seq)
+        request = self.requests.get(seq.request_id)
+        if request is not None and request.finished:
+            self.registry.hook.request_finished(engine=self, output=self._request_output(request))
+
+    def _refuse_unschedulable(self) -> None:
+        """Nothing runs and nothing could be admitted: fail the head request rather than spin forever."""
+        seq = self.waiting[0]
+        logger.error("request %s cannot be scheduled with an empty batch; finishing it with an error", seq.request_id)
+        self._finish(seq, "error")
+
+    def _propose_drafts(self) -> None:
+        k = self.config.drafter.num_speculative_tokens
+        decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
+        if not decoding or k <= 0 or len(self.running) > self.config.drafter.max_batch_size:
+            return
+        proposals = self.drafter.propose(decoding, k)
+        for seq, drafts in zip(decoding, proposals):
+            room = min(self.max_model_len - seq.num_tokens - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
+            seq.draft_token_ids = list(drafts[: max(room, 0)])
+            self.stats.num_draft_tokens += len(seq.draft_token_ids)
+
+    def _record_step(self, plan: StepPlan, duration: float) -> None:
+        stats = self.stats
+        used_blocks = self.num_blocks_used
+        stats.num_steps += 1
+        stats.peak_blocks_used = max(stats.peak_blocks_used, used_blocks)
+        stats.peak_running = max(stats.peak_running, len(self.running))
+        if plan:
+            stats.busy_time_s += duration
+            reserved = sum(len(seq.block_table) for seq in self.running) * self.kv.block_size
+            used = sum(min(seq.num_computed_tokens, seq.num_tokens) for seq in self.running)
+            stats.weighted_reserved_slots += reserved * duration
+            stats.weighted_used_slots += used * duration
+            stats.weighted_running += len(self.running) * duration
+        if self.registry.hook.step_finished.get_hookimpls():
+            step = StepStats(num_seqs=len(plan.scheduled), num_batched_tokens=plan.num_batched_tokens,
+                             num_preempted=len(plan.preempted), num_running=len(self.running),
+                             num_waiting=len(self.waiting), kv_blocks_used=used_blocks, duration_s=duration)
+            self.registry.hook.step_finished(engine=self, step_stats=step)
+
+    # -- outputs -----------------------------------------------------------------------------------------------
+    def _request_output(self, request: Request) -> RequestOutput:
+        completions = [self._completion(seq) for seq in request.seqs]
+        first = min((s.first_token_time for s in request.seqs if s.first_token_time), default=None)
+        finish = max((s.finish_time for s in request.seqs if s.finish_time), default=None)
+        lead = request.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time, first_token_time=first, finish_time=finish,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_prompt_tokens=lead.num_cached_prompt_tokens,
+            num_output_tokens=sum(s.num_output_tokens for s in request.seqs),
+            num_preemptions=sum(s.num_preemptions for s in request.seqs),
+            num_verify_passes=sum(s.num_verify_passes for s in request.seqs),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in request.seqs),
+            token_times=list(lead.token_times))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             request.finished, metrics)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        return CompletionOutput(index=seq.sample_index, text=self.output_text(seq), token_ids=list(seq.output_token_ids),
+                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None)
+
+    def output_text(self, seq: Sequence) -> str:
+        """Detokenized output; a matched stop string and what follows it are cut (unless asked to keep it)."""
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if isinstance(seq.stop_reason, str):
+            cut = text.find(seq.stop_reason)
+            if cut >= 0:
+                text = text[: cut + (len(seq.stop_reason) if seq.params.include_stop_str_in_output else 0)]
+        return text
+
+    def release_request(self, request_id: str) -> None:
+        """Forget a finished request (its output was delivered)."""
+        self.requests.pop(request_id, None)

@@ -1,0 +1,83 @@
+"""Summaries of a finished run (``infer run``, ``infer bench``): throughput, latency percentiles, KV use."""
+
+from __future__ import annotations
+
+from infer.outputs import RequestOutput
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for an empty list."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def inter_token_latencies(outputs: list[RequestOutput]) -> list[float]:
+    gaps: list[float] = []
+    for output in outputs:
+        times = output.metrics.token_times
+        gaps.extend(b - a for a, b in zip(times, times[1:]) if b > a)
+    return gaps
+
+
+def summarize(outputs: list[RequestOutput], engine, wall_time_s: float) -> dict:
+    """Numbers for the summary table; latencies in seconds."""
+    served = [o for o in outputs if o.error is None]
+    stats = engine.stats
+    ttfts = [o.metrics.ttft_s for o in served if o.metrics.ttft_s is not None]
+    tpots = [o.metrics.tpot_s for o in served if o.metrics.tpot_s is not None]
+    itls = inter_token_latencies(served)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in served)
+    output_tokens = sum(len(c.token_ids) for o in served for c in o.outputs)
+    return {
+        "requests": len(outputs),
+        "errors": len(outputs) - len(served),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "wall_time_s": wall_time_s,
+        "output_tok_per_s": output_tokens / wall_time_s if wall_time_s else 0.0,
+        "requests_per_s": len(served) / wall_time_s if wall_time_s else 0.0,
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+        "tpot_p50_s": percentile(tpots, 50), "tpot_p99_s": percentile(tpots, 99),
+        "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
+        "prefill_tokens_computed": stats.num_prefill_tokens_computed,
+        "prefix_hit_rate": stats.prefix_hit_rate,
+        "kv_utilization": stats.kv_utilization,
+        "peak_kv_blocks": stats.peak_blocks_used,
+        "total_kv_blocks": engine.allocator.capacity,
+        "peak_running": stats.peak_running,
+        "mean_running": stats.mean_running,
+        "preemptions": stats.num_preemptions,
+        "spec_accepted_per_pass": stats.mean_accepted_per_pass,
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f} ms"
+
+
+def format_summary(summary: dict) -> str:
+    """A two-column text table."""
+    rows = [
+        ("requests", f"{summary['requests']} ({summary['errors']} refused)"),
+        ("prompt / output tokens", f"{summary['prompt_tokens']} / {summary['output_tokens']}"),
+        ("wall time", f"{summary['wall_time_s']:.2f} s"),
+        ("output tok/s", f"{summary['output_tok_per_s']:.1f}"),
+        ("requests/s", f"{summary['requests_per_s']:.2f}"),
+        ("TTFT p50 / p99", f"{_ms(summary['ttft_p50_s'])} / {_ms(summary['ttft_p99_s'])}"),
+        ("TPOT p50 / p99", f"{_ms(summary['tpot_p50_s'])} / {_ms(summary['tpot_p99_s'])}"),
+        ("ITL p50 / p99", f"{_ms(summary['itl_p50_s'])} / {_ms(summary['itl_p99_s'])}"),
+        ("prefill tokens computed", str(summary["prefill_tokens_computed"])),
+        ("prefix hit rate", f"{summary['prefix_hit_rate']:.1%}"),
+        ("peak KV blocks in use / total", f"{summary['peak_kv_blocks']} / {summary['total_kv_blocks']}"),
+        ("KV utilization (time-avg)", f"{summary['kv_utilization']:.1%}"),
+        ("running seqs peak / mean", f"{summary['peak_running']} / {summary['mean_running']:.1f}"),
+        ("preemptions", str(summary["preemptions"])),
+        ("spec tokens per verify pass", f"{summary['spec_accepted_per_pass']:.2f}" if summary["spec_accepted_per_pass"] else "-"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

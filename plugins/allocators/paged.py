@@ -1,0 +1,31 @@
+"""``allocator: paged``: vLLM-style free list with reference counts; blocks are taken one at a time, on demand."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from infer import hookimpl
+from infer.allocator import AllocatorConfig, RefcountingAllocator
+
+
+class PagedAllocator(RefcountingAllocator):
+    """A FIFO free list of block ids (1 .. num_blocks-1): any free block serves, so nothing fragments."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, config: AllocatorConfig | None = None):
+        super().__init__(num_blocks, block_size, max_model_len, config)
+        self._free: deque[int] = deque(range(1, num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def _take_free(self, n: int) -> list[int]:
+        return [self._free.popleft() for _ in range(n)]
+
+    def _put_free(self, block: int) -> None:
+        self._free.append(block)
+
+
+@hookimpl
+def register_allocators(register):
+    register("paged", PagedAllocator, description="On-demand fixed-size blocks from a free list (PagedAttention)")

@@ -1,0 +1,18 @@
+"""``drafter: none``: no speculative decoding."""
+
+from __future__ import annotations
+
+from infer import hookimpl
+from infer.drafter import Drafter
+
+
+class NoDrafter(Drafter):
+    """Proposes nothing; every step decodes one token per sequence."""
+
+    def propose(self, sequences, k):
+        return [[] for _ in sequences]
+
+
+@hookimpl
+def register_drafters(register):
+    register("none", NoDrafter, description="No speculative decoding")
