@@ -1,0 +1,462 @@
+"""The engine config: YAML file (or shipped preset, or dict) → ``key=value`` overrides → validated, frozen models.
+
+OmegaConf only merges, parses overrides and resolves interpolation; pydantic is the one schema. Each plugin section
+(``allocator``, ``prefix_cache``, ``scheduler``, ``attention``, ``drafter``) is validated by the model its selected
+plugin registered, so ``load_config(...).scheduler`` is an instance of that plugin's model. Every problem is reported
+at once in a ``ConfigError``, one line each: ``scheduler.max_num_seq: unknown key; did you mean "max_num_seqs"?``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.resources
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, create_model, field_validator,
+                      model_validator)
+
+from infer.allocator import AllocatorConfig
+from infer.attention import AttentionConfig
+from infer.drafter import DrafterConfig
+from infer.prefix_cache import PrefixCacheConfig
+from infer.registry import KIND_INFO, KINDS, PluginError, Registry, get_registry, import_object, normalize_name
+from infer.scheduler import SchedulerConfig
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+SHIPPED_CONFIGS = "infer.configs"
+DEFAULT_PLUGINS = {"allocator": "paged", "prefix_cache": "none", "scheduler": "fcfs", "attention": "sdpa",
+                   "drafter": "none"}
+SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+CORE_MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ConfigError(ValueError):
+    """Everything wrong with a config, one line per problem (``.errors``), each starting with its dotted path."""
+
+    def __init__(self, errors: Sequence[str]):
+        self.errors = list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+class ModelConfig(BaseModel):
+    """Section ``model``: which weights to run, and how."""
+
+    model_config = CORE_MODEL_CONFIG
+    path: str = "smollm2-135m-instruct"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = Field(2048, ge=2, description="Longest prompt + output a request may reach, in tokens.")
+    seed: int = 0
+    device: str = Field("auto", description='"auto": cuda when available, else cpu.')
+    quantization: Literal["none", "int8", "int4"] | None = None
+    compile: bool = False
+
+    def resolved_device(self) -> str:
+        """The device to run on, with ``auto`` resolved (imports torch)."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class CacheConfig(BaseModel):
+    """Section ``cache``: KV pool geometry and size."""
+
+    model_config = CORE_MODEL_CONFIG
+    block_size: int = Field(16, description="Tokens per KV block; a power of 2 from 1 to 256.")
+    memory_budget: str | float | int = Field(
+        "2GiB", description='KV pool size: "2GiB", "512MiB", "1.5GB", bytes, or a float in (0, 1] = fraction of free '
+                            "device memory.")
+    num_blocks: int | None = Field(None, ge=2, description="Force the pool size in blocks (tests); beats the budget.")
+
+    @field_validator("block_size")
+    @classmethod
+    def _check_block_size(cls, value: int) -> int:
+        if not 1 <= value <= 256 or value & (value - 1):
+            raise ValueError("must be a power of 2 from 1 to 256")
+        return value
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _check_memory_budget(cls, value: Any) -> Any:
+        parse_memory_budget(value, free_bytes=1)
+        return value
+
+    def budget_bytes(self, free_bytes: int) -> int:
+        """The pool budget in bytes, given the device's free memory (used when the budget is a fraction)."""
+        return parse_memory_budget(self.memory_budget, free_bytes)
+
+
+class PluginsConfig(BaseModel):
+    """Section ``plugins``: ``load`` lists the third-party distributions to load (None = all; infer's always load)."""
+
+    model_config = CORE_MODEL_CONFIG
+    load: list[str] | None = None
+
+
+class ServerConfig(BaseModel):
+    """Section ``server``: the OpenAI-compatible HTTP server."""
+
+    model_config = CORE_MODEL_CONFIG
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = None
+    max_waiting: int = Field(256, ge=1, description="Requests queued beyond this are refused with 503.")
+    shutdown_timeout_s: float = Field(30.0, ge=0)
+
+
+CORE_SECTIONS: dict[str, type[BaseModel]] = {
+    "model": ModelConfig, "cache": CacheConfig, "server": ServerConfig, "plugins": PluginsConfig,
+}
+
+
+class InferConfig(BaseModel):
+    """The whole engine config. Build it with ``load_config`` (files, presets, overrides) or ``InferConfig.from_dict``;
+    both report every error at once. Plugin sections hold the selected plugin's own model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    allocator: SerializeAsAny[AllocatorConfig] = AllocatorConfig()
+    prefix_cache: SerializeAsAny[PrefixCacheConfig] = PrefixCacheConfig()
+    scheduler: SerializeAsAny[SchedulerConfig] = SchedulerConfig()
+    attention: SerializeAsAny[AttentionConfig] = AttentionConfig()
+    drafter: SerializeAsAny[DrafterConfig] = DrafterConfig()
+    server: ServerConfig = ServerConfig()
+    plugins: PluginsConfig = PluginsConfig()
+
+    @classmethod
+    def from_dict(cls, data: Any, registry: Registry | None = None) -> InferConfig:
+        """Validate plain data (no interpolation left); raises ``ConfigError`` listing every problem."""
+        if not isinstance(data, Mapping):
+            raise ConfigError([f"config: expected a mapping of sections (got {_show(data)})"])
+        registry = registry or get_registry(_plugins_load(data))
+        errors = _unknown_keys(data, list(cls.model_fields))
+        sections = {}
+        for name in cls.model_fields:  # absent sections too: they get the default plugin's own model
+            try:
+                sections[name] = _validate_section(name, data.get(name), registry)
+            except ConfigError as error:
+                errors.extend(error.errors)
+        if errors:
+            raise ConfigError(errors)
+        return cls(**sections)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _select_plugin_models(cls, data: Any) -> Any:
+        # Direct construction (InferConfig(scheduler={...})) validates plugin sections by the selected plugin too.
+        if not isinstance(data, Mapping) or not any(isinstance(data.get(kind), Mapping) for kind in KINDS):
+            return data
+        registry = get_registry(_plugins_load(data))
+        return {key: _validate_section(key, value, registry) if key in KINDS and isinstance(value, Mapping)
+                else value for key, value in data.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every section with defaults filled in, as plain JSON-compatible data."""
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML; loading it back gives an equal config."""
+        return OmegaConf.to_yaml(OmegaConf.create(self.to_dict()))
+
+
+def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides: Sequence[str] = (),
+                registry: Registry | None = None) -> InferConfig:
+    """Load ``source`` (a YAML path, a shipped config name like ``baseline``, a dict, or None for defaults), apply
+    ``key=value`` overrides (values typed by YAML: ``scheduler.max_num_seqs=8`` is an int) and validate.
+
+    Overriding ``<kind>.name`` drops the file's keys in that section that the newly selected plugin's model does not
+    know. Raises ``ConfigError`` with every problem found.
+    """
+    base = _load_source(source)
+    errors: list[str] = []
+    override_config = _parse_overrides(overrides, errors)
+    registry = registry or get_registry(_select_plugins_load(base, override_config))
+    _drop_switched_keys(base, override_config, registry)
+    try:
+        merged = OmegaConf.merge(base, override_config)
+    except OmegaConfBaseException as error:
+        raise ConfigError([*errors, _omegaconf_message(error)]) from error
+    data = _resolve(merged, errors)
+    try:
+        config = InferConfig.from_dict(data, registry)
+    except ConfigError as error:
+        raise ConfigError([*errors, *error.errors]) from None
+    if errors:
+        raise ConfigError(errors)
+    return config
+
+
+def shipped_configs() -> list[str]:
+    """Names of the configs shipped in ``infer.configs`` (``baseline.yaml``, ``ablations/....yaml``)."""
+    root = importlib.resources.files(SHIPPED_CONFIGS)
+    return sorted(_yaml_names(root, prefix=""))
+
+
+def config_json_schema(registry: Registry | None = None) -> dict[str, Any]:
+    """JSON Schema of the whole config; each plugin section is any of its registered plugins' models."""
+    registry = registry or get_registry()
+    fields: dict[str, Any] = {}
+    for name, field in InferConfig.model_fields.items():
+        if name in KINDS:
+            fields[name] = (_section_union(name, registry), Field(default={"name": DEFAULT_PLUGINS[name]}))
+        else:
+            fields[name] = (field.annotation, field)
+    schema_model = create_model("InferConfig", __config__=ConfigDict(extra="forbid"), **fields)
+    return schema_model.model_json_schema()
+
+
+def parse_memory_budget(value: Any, free_bytes: int) -> int:
+    """Bytes for a budget given as a size string, a byte count, or a fraction of ``free_bytes``."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size like 2GiB, a byte count or a fraction in (0, 1]")
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise ValueError('a float is a fraction of free device memory in (0, 1]; for a size write e.g. "2GiB"')
+        return int(value * free_bytes)
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError("must be a positive number of bytes")
+        return value
+    if isinstance(value, str):
+        return _parse_size(value)
+    raise ValueError("expected a size like 2GiB, a byte count or a fraction in (0, 1]")
+
+
+def _parse_size(text: str) -> int:
+    match = SIZE_PATTERN.match(text)
+    unit = (match.group(2) or "b").lower() if match else ""
+    if not match or unit not in SIZE_UNITS:
+        raise ValueError("not a size: use a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 2GiB")
+    size = int(float(match.group(1)) * SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError("must be a positive size")
+    return size
+
+
+def _validate_section(name: str, value: Any, registry: Registry) -> BaseModel:
+    if name in KINDS:
+        return _plugin_section(name, value, registry)
+    return _core_section(name, value)
+
+
+def _core_section(name: str, value: Any) -> BaseModel:
+    model = CORE_SECTIONS[name]
+    if isinstance(value, model):
+        return value
+    try:
+        return model.model_validate({} if value is None else value)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error, name, model)) from error
+
+
+def _plugin_section(kind: str, value: Any, registry: Registry) -> BaseModel:
+    if isinstance(value, BaseModel):
+        return value
+    section = {} if value is None else value
+    if not isinstance(section, Mapping):
+        raise ConfigError([f"{kind}: expected a mapping with a name key (got {_show(section)})"])
+    name = section.get("name", DEFAULT_PLUGINS[kind])
+    if not isinstance(name, str):
+        raise ConfigError([f"{kind}.name: expected a plugin name (got {_show(name)})"])
+    try:
+        model = registry.config_model(kind, name)
+    except PluginError as error:
+        raise ConfigError([f"{kind}.name: {error}"]) from error
+    try:
+        return model.model_validate({**section, "name": normalize_name(name)})
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error, kind, model)) from error
+
+
+def _format_validation_error(error: ValidationError, prefix: str, model: type[BaseModel]) -> list[str]:
+    return [_format_error_line(item, prefix, model) for item in error.errors()]
+
+
+def _format_error_line(item: Mapping[str, Any], prefix: str, model: type[BaseModel]) -> str:
+    location = tuple(item["loc"])
+    path = ".".join([prefix, *map(str, location)])
+    if item["type"] == "extra_forbidden":
+        return f"{path}: unknown key{_did_you_mean(str(location[-1]), _field_names(model, location[:-1]))}"
+    message = item["msg"].removeprefix("Value error, ")
+    if item["type"] == "missing":
+        return f"{path}: {message}"
+    return f"{path}: {message} (got {_show(item['input'])})"
+
+
+def _field_names(model: type[BaseModel], location: tuple[Any, ...]) -> list[str]:
+    for key in location:
+        field = model.model_fields.get(str(key))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def _unknown_keys(data: Mapping[str, Any], known: list[str]) -> list[str]:
+    return [f"{key}: unknown key{_did_you_mean(str(key), known)}" for key in data if key not in known]
+
+
+def _did_you_mean(key: str, candidates: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    return f'; did you mean "{close[0]}"?' if close else ""
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _plugins_load(data: Mapping[str, Any]) -> list[str] | None:
+    # Only a well-formed list limits loading; a malformed one is reported by the plugins section's validation.
+    plugins = data.get("plugins")
+    load = plugins.get("load") if isinstance(plugins, Mapping) else None
+    return load if isinstance(load, list) and all(isinstance(name, str) for name in load) else None
+
+
+def _select_plugins_load(base: DictConfig, override_config: DictConfig) -> list[str] | None:
+    for config in (override_config, base):
+        load = _plugins_load(_plain(config, resolve=False))
+        if load is not None:
+            return load
+    return None
+
+
+def _load_source(source: str | Path | Mapping[str, Any] | None) -> DictConfig:
+    if source is None:
+        return OmegaConf.create()
+    if isinstance(source, Mapping):
+        return _as_mapping(OmegaConf.create(dict(source)), "config")
+    path = Path(source)
+    if path.is_file():
+        return _as_mapping(_parse_yaml(path.read_text(), str(path)), str(path))
+    if isinstance(source, str):
+        shipped = _find_shipped(source)
+        if shipped is not None:
+            return _as_mapping(_parse_yaml(shipped.read_text(), f"{SHIPPED_CONFIGS}/{shipped.name}"), source)
+    raise ConfigError([f"config: no file {str(source)!r} and no shipped config of that name "
+                       f"(shipped: {', '.join(shipped_configs()) or 'none'})"])
+
+
+def _find_shipped(name: str) -> Traversable | None:
+    file_name = name if name.endswith(".yaml") else f"{name}.yaml"
+    resource = importlib.resources.files(SHIPPED_CONFIGS).joinpath(*file_name.split("/"))
+    return resource if resource.is_file() else None
+
+
+def _yaml_names(folder: Traversable, prefix: str) -> list[str]:
+    names = []
+    for entry in folder.iterdir():
+        if entry.is_dir():
+            names.extend(_yaml_names(entry, f"{prefix}{entry.name}/"))
+        elif entry.name.endswith(".yaml"):
+            names.append(prefix + entry.name)
+    return names
+
+
+def _parse_yaml(text: str, origin: str) -> DictConfig | ListConfig:
+    try:
+        return OmegaConf.create(text)
+    except Exception as error:  # YAML syntax errors come from yaml, not OmegaConf
+        raise ConfigError([f"{origin}: invalid YAML: {' '.join(str(error).split())}"]) from error
+
+
+def _as_mapping(config: DictConfig | ListConfig, origin: str) -> DictConfig:
+    if not isinstance(config, DictConfig):
+        raise ConfigError([f"{origin}: expected a mapping of sections at the top level (got a list)"])
+    return config
+
+
+def _parse_overrides(overrides: Sequence[str], errors: list[str]) -> DictConfig:
+    parsed = OmegaConf.create()
+    for item in overrides:
+        problem = _override_problem(item)
+        if problem:
+            errors.append(f'override "{item}": {problem}')
+            continue
+        try:
+            parsed = OmegaConf.merge(parsed, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as error:
+            errors.append(f'override "{item}": {_omegaconf_message(error)}')
+    return parsed
+
+
+def _override_problem(item: str) -> str | None:
+    key, separator, _ = item.partition("=")
+    if key.startswith(("+", "~")):
+        return ('"+" (add) and "~" (delete) prefixes are not supported; '
+                f"write {key.lstrip('+~') or 'key'}=value (any key may be set without declaring it)")
+    if not separator or not key.strip():
+        return "expected key=value, e.g. scheduler.max_num_seqs=8"
+    return None
+
+
+def _drop_switched_keys(base: DictConfig, override_config: DictConfig, registry: Registry) -> None:
+    for kind in KINDS:
+        new_name = _section_name(override_config, kind)
+        section = base.get(kind)
+        if new_name is None or not isinstance(section, DictConfig):
+            continue
+        old_name = _section_name(base, kind) or DEFAULT_PLUGINS[kind]
+        if normalize_name(old_name) == normalize_name(new_name):
+            continue
+        known = _known_fields(kind, new_name, registry)
+        base[kind] = {key: value for key, value in _plain(section, resolve=False).items() if key in known}
+
+
+def _section_name(config: DictConfig, kind: str) -> str | None:
+    section = config.get(kind)
+    name = section.get("name") if isinstance(section, DictConfig) else None
+    return name if isinstance(name, str) else None
+
+
+def _known_fields(kind: str, name: str, registry: Registry) -> set[str]:
+    try:
+        return set(registry.config_model(kind, name).model_fields) - {"name"}
+    except PluginError:
+        return set()  # the unknown or broken name is reported by validation
+
+
+def _resolve(config: DictConfig, errors: list[str]) -> dict[str, Any]:
+    # Section by section, so one bad interpolation does not hide problems elsewhere.
+    data = {}
+    for key in _plain(config, resolve=False):
+        try:
+            data[key] = _plain(config[key])
+        except OmegaConfBaseException as error:
+            errors.append(_omegaconf_message(error))
+    return data
+
+
+def _plain(value: Any, resolve: bool = True) -> Any:
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=resolve, throw_on_missing=resolve)
+    return value
+
+
+def _omegaconf_message(error: OmegaConfBaseException) -> str:
+    message = (getattr(error, "msg", None) or str(error)).splitlines()[0]
+    key = getattr(error, "full_key", None)
+    return f"{key}: {message}" if key else message
+
+
+def _section_union(kind: str, registry: Registry) -> Any:
+    models = []
+    for name in registry.names(kind):
+        try:
+            model = registry.config_model(kind, name)
+        except PluginError:
+            continue  # a broken plugin cannot describe its section
+        if model not in models:
+            models.append(model)
+    return Union[tuple(models)] if models else import_object(KIND_INFO[kind].config_base)

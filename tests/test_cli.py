@@ -1,0 +1,245 @@
+"""The ``infer`` command line, driven through click's CliRunner over a registry of stand-in plugins."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import click
+import pytest
+from click.testing import CliRunner
+from omegaconf import OmegaConf
+
+import infer.cli
+import infer.config
+from infer import hookimpl
+from infer.allocator import Allocator
+from infer.attention import AttentionBackend
+from infer.cli import main
+from infer.config import ConfigError
+from infer.drafter import Drafter
+from infer.prefix_cache import PrefixCache
+from infer.registry import Distribution, Registry
+from infer.scheduler import BudgetedScheduler
+
+FAKE = Distribution("infer-fake", "1.0")
+
+
+class AllocatorStub(Allocator):
+    pass
+
+
+class PrefixCacheStub(PrefixCache):
+    pass
+
+
+class SchedulerStub(BudgetedScheduler):
+    pass
+
+
+class AttentionStub(AttentionBackend):
+    pass
+
+
+class DrafterStub(Drafter):
+    pass
+
+
+class BuiltinsStub:
+    @hookimpl
+    def register_allocators(self, register):
+        register("paged", AllocatorStub, description="stand-in allocator")
+
+    @hookimpl
+    def register_prefix_caches(self, register):
+        register("none", PrefixCacheStub)
+
+    @hookimpl
+    def register_schedulers(self, register):
+        register("fcfs", SchedulerStub)
+
+    @hookimpl
+    def register_attention_backends(self, register):
+        register("sdpa", AttentionStub)
+
+    @hookimpl
+    def register_drafters(self, register):
+        register("none", DrafterStub)
+
+
+class HelloCommand:
+    @hookimpl
+    def register_commands(self, cli):
+        @cli.command()
+        def hello():
+            """Say hello from a plugin."""
+            click.echo("hello from a plugin")
+
+
+class ShadowingCommand:
+    @hookimpl
+    def register_commands(self, cli):
+        cli.add_command(click.Command("run", callback=lambda: None))
+
+
+def use_registry(monkeypatch, *plugins) -> Registry:
+    registry = Registry.from_plugins([(BuiltinsStub(), FAKE), *plugins])
+    monkeypatch.setattr(infer.cli, "get_registry", lambda load=None: registry)
+    monkeypatch.setattr(infer.config, "get_registry", lambda load=None: registry)
+    return registry
+
+
+@pytest.fixture
+def runner(monkeypatch):
+    use_registry(monkeypatch)
+    return CliRunner()
+
+
+def test_config_print_shows_the_resolved_config_with_overrides(runner):
+    result = runner.invoke(main, ["config", "baseline", "scheduler.max_num_seqs=8", "--print"])
+    assert result.exit_code == 0, result.output
+    printed = OmegaConf.to_container(OmegaConf.create(result.output))
+    assert printed["scheduler"] == {"name": "fcfs", "max_num_seqs": 8, "max_num_batched_tokens": 2048}
+    assert printed["model"]["path"] == "smollm2-135m-instruct"
+
+
+def test_config_without_print_only_validates(runner):
+    result = runner.invoke(main, ["config", "baseline"])
+    assert (result.exit_code, result.output) == (0, "baseline: valid (--print shows it resolved)\n")
+
+
+def test_config_errors_print_as_one_block_with_exit_code_2(runner):
+    result = runner.invoke(main, ["config", "baseline", "scheduler.max_num_seq=8", "model.max_model_len=abc"])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert result.output.startswith("Error: invalid config (2 problems):\n")
+    assert '  scheduler.max_num_seq: unknown key; did you mean "max_num_seqs"?\n' in result.output
+    assert "  model.max_model_len: Input should be a valid integer (got 'abc')\n" in result.output
+
+
+def test_unknown_plugin_name_exits_with_code_2(runner):
+    result = runner.invoke(main, ["config", "baseline", "scheduler.name=fcsf"])
+    assert result.exit_code == 2
+    assert 'unknown scheduler "fcsf"; did you mean "fcfs"? available: fcfs' in result.output
+
+
+def test_verbose_lets_the_original_error_through(runner):
+    result = runner.invoke(main, ["-v", "config", "baseline", "scheduler.max_num_seq=8"])
+    assert isinstance(result.exception, ConfigError)
+
+
+def test_config_needs_a_config_unless_printing_the_schema(runner):
+    assert runner.invoke(main, ["config"]).exit_code == 2
+    result = runner.invoke(main, ["config", "--schema"])
+    assert result.exit_code == 0, result.output
+    assert "scheduler" in json.loads(result.output)["properties"]
+
+
+def test_plugins_lists_each_kind_with_provider_and_description(runner):
+    result = runner.invoke(main, ["plugins"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == "allocator"
+    assert lines[1] == "  paged  infer-fake 1.0  stand-in allocator"
+    assert {"prefix_cache", "scheduler", "attention", "drafter"} <= set(lines)
+
+
+def test_plugins_json_lists_every_registration(runner):
+    result = runner.invoke(main, ["plugins", "--json"])
+    listing = json.loads(result.output)
+    assert {(p["kind"], p["name"]) for p in listing["plugins"]} == {
+        ("allocator", "paged"), ("prefix_cache", "none"), ("scheduler", "fcfs"), ("attention", "sdpa"),
+        ("drafter", "none"),
+    }
+    assert listing["plugins"][0]["target"] == f"{__name__}:AllocatorStub"
+    assert listing["failed"] == []
+
+
+def test_plugins_shows_modules_that_failed_to_load(monkeypatch):
+    class Broken:
+        @hookimpl
+        def register_schedulers(self, register):
+            raise ImportError("needs triton")
+
+    with pytest.warns(UserWarning, match="needs triton"):
+        use_registry(monkeypatch, Broken())
+    output = CliRunner().invoke(main, ["plugins"]).output
+    assert "not loaded (failed to import or register):\n  local:Broken (local 0): ImportError: needs triton" in output
+
+
+def test_plugins_check_runs_the_conformance_sweep_with_extra_pytest_args(runner, monkeypatch):
+    calls = []
+    monkeypatch.setattr(pytest, "main", lambda args: calls.append(args) or 5)
+    result = runner.invoke(main, ["plugins", "check", "-k", "allocator", "-x"])
+    assert calls == [["--pyargs", "infer.testing.test_registered", "-k", "allocator", "-x"]]
+    assert result.exit_code == 5
+
+
+def test_run_routes_its_arguments_to_run_command(runner, monkeypatch, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    calls = []
+    monkeypatch.setitem(sys.modules, "infer.run", types.SimpleNamespace(run_command=lambda *args: calls.append(args)))
+    result = runner.invoke(main, ["run", "baseline", "model.seed=1", "--prompts", str(prompts),
+                                  "--output", str(tmp_path / "out.jsonl")])
+    assert result.exit_code == 0, result.output
+    assert calls == [("baseline", ["model.seed=1"], prompts, tmp_path / "out.jsonl")]
+
+
+def test_serve_routes_its_arguments_to_serve_command(runner, monkeypatch):
+    calls = []
+    server = types.SimpleNamespace(serve_command=lambda *args: calls.append(args))
+    monkeypatch.setitem(sys.modules, "infer.serve", types.SimpleNamespace(server=server))
+    monkeypatch.setitem(sys.modules, "infer.serve.server", server)
+    result = runner.invoke(main, ["serve", "baseline", "--port", "9000", "--api-key", "secret"])
+    assert result.exit_code == 0, result.output
+    assert calls == [("baseline", [], None, 9000, "secret")]
+
+
+def test_config_error_raised_inside_a_command_exits_with_code_2(runner, monkeypatch):
+    def failing_run_command(*args):
+        raise ConfigError(["model.path: no such model (got 'x')"])
+
+    monkeypatch.setitem(sys.modules, "infer.run", types.SimpleNamespace(run_command=failing_run_command))
+    result = runner.invoke(main, ["run", "baseline"])
+    assert (result.exit_code, result.output) == (
+        2, "Error: invalid config (1 problem):\n  model.path: no such model (got 'x')\n")
+
+
+def test_lazy_command_whose_module_is_missing_says_so(runner, monkeypatch):
+    monkeypatch.setitem(infer.cli.LAZY_COMMANDS, "ghost", ("infer_no_such_module:ghost", "A missing command."))
+    assert "ghost        A missing command." in runner.invoke(main, ["--help"]).output
+    result = runner.invoke(main, ["ghost"])
+    assert result.exit_code == 1
+    assert '"infer ghost" is not available in this installation' in result.output
+
+
+def test_plugin_commands_appear_in_help_and_run(monkeypatch):
+    use_registry(monkeypatch, HelloCommand())
+    runner = CliRunner()
+    assert "Say hello from a plugin." in runner.invoke(main, ["--help"]).output
+    assert runner.invoke(main, ["hello"]).output == "hello from a plugin\n"
+
+
+def test_plugin_command_may_not_shadow_a_core_command(monkeypatch):
+    use_registry(monkeypatch, (ShadowingCommand(), Distribution("infer-shadow", "2.0")))
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 2
+    assert 'plugin command "run" from infer-shadow 2.0 shadows the core command "infer run"' in result.output
+
+
+def test_help_imports_neither_torch_nor_lazy_command_modules():
+    script = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "import infer.cli\n"
+        "from infer.registry import Registry\n"
+        "infer.cli.get_registry = lambda load=None: Registry.from_plugins([])\n"
+        "result = CliRunner().invoke(infer.cli.main, ['--help'])\n"
+        "assert result.exit_code == 0, result.output\n"
+        "print(sorted(name for name in ('torch', 'infer.config', 'infer.bench.cli') if name in sys.modules))\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert completed.stdout == "[]\n"
