@@ -28,6 +28,8 @@ class Allocator(ABC):
     """
 
     config_model: ClassVar[type[AllocatorConfig]] = AllocatorConfig
+    # True when allocate(n) may refuse although n blocks are free (it needs contiguous runs).
+    may_fragment: ClassVar[bool] = False
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, config: AllocatorConfig | None = None):
         self.num_blocks = num_blocks

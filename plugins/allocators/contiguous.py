@@ -10,6 +10,8 @@ from infer.allocator import AllocatorConfig, RefcountingAllocator
 class ContiguousAllocator(RefcountingAllocator):
     """First-fit allocation of contiguous block ranges; ``blocks_needed`` always answers a full reservation."""
 
+    may_fragment = True
+
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, config: AllocatorConfig | None = None):
         super().__init__(num_blocks, block_size, max_model_len, config)
         self._num_free = num_blocks - 1

@@ -1,0 +1,256 @@
+"""Conformance suite for attention backends (contract: ``infer.attention.AttentionBackend``).
+
+Every check compares the backend with a naive softmax oracle (float64, one sequence at a time, no paging) on random
+ragged batches: decodes, prefills and prefill chunks after a cached prefix, grouped-query heads, block tables that
+are shuffled physical blocks, and a pool filled with garbage so that reading the wrong slot shows. A backend that
+cannot run here (``BackendUnavailableError``: no GPU, unsupported block size) is skipped with its own message.
+
+A plugin author's whole test file::
+
+    from infer.testing import AttentionConformance
+
+    class TestMyKernels(AttentionConformance):
+        impl_name = "mine"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+
+from infer.attention import AttentionBackend, AttentionMetadata, BackendUnavailableError, write_kv
+from infer.testing.suite import ConformanceSuite
+
+AttentionFactory = Callable[..., AttentionBackend]
+Shape = tuple[int, int]  # (cached tokens, query tokens) of one sequence
+
+
+def reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """The oracle: one sequence's ``query`` [L, heads, D] at its last L positions, over ``keys``/``values``
+    [S, kv_heads, D], bottom-right causal, in float64."""
+    query_len, num_heads, _ = query.shape
+    context_len, num_kv_heads, _ = keys.shape
+    keys = keys.double().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [S, heads, D]
+    values = values.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scores = torch.einsum("lhd,shd->hls", query.double(), keys) * scale  # [heads, L, S]
+    query_positions = torch.arange(context_len - query_len, context_len, device=query.device)
+    visible = torch.arange(context_len, device=query.device)[None, :] <= query_positions[:, None]  # [L, S]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hls,shd->lhd", weights, values)
+
+
+def build_metadata(block_tables: list[list[int]], shapes: list[Shape], block_size: int,
+                   device: torch.device) -> AttentionMetadata:
+    """The batch metadata the engine's runner would build for sequences with these cached and query lengths."""
+    query_lens = [query_len for _, query_len in shapes]
+    seq_lens = [cached + query_len for cached, query_len in shapes]
+    positions = [position for cached, query_len in shapes for position in range(cached, cached + query_len)]
+    slots = [
+        table[position // block_size] * block_size + position % block_size
+        for table, (cached, query_len) in zip(block_tables, shapes)
+        for position in range(cached, cached + query_len)
+    ]
+    width = max(len(table) for table in block_tables)
+    padded_tables = [table + [0] * (width - len(table)) for table in block_tables]
+    query_start_loc = [0]
+    for query_len in query_lens:
+        query_start_loc.append(query_start_loc[-1] + query_len)
+    return AttentionMetadata(
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+
+
+@dataclass
+class PagedContext:
+    """Sequences with their whole K/V (cached and new positions) and shuffled block tables into one garbage pool."""
+
+    backend: AttentionBackend
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, kv_heads, D]
+    block_tables: list[list[int]]
+    keys: list[torch.Tensor]  # per sequence [seq_len, kv_heads, D]
+    values: list[torch.Tensor]
+    generator: torch.Generator
+
+    @classmethod
+    def create(cls, backend: AttentionBackend, seq_lens: list[int], seed: int) -> PagedContext:
+        generator = torch.Generator().manual_seed(seed)
+        tables_len = [-(-seq_len // backend.block_size) for seq_len in seq_lens]
+        num_blocks = 1 + sum(tables_len) + 3  # spare blocks, so tables are not simply the whole pool
+        shape = backend.kv_cache_shape(1, num_blocks)[1:]
+        kv_cache = random_tensor(shape, generator, backend).mul_(4.0)  # garbage, the null block included
+        physical = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+        tables, start = [], 0
+        for length in tables_len:
+            tables.append(physical[start : start + length])
+            start += length
+        kv_shape = (backend.num_kv_heads, backend.head_dim)
+        keys = [random_tensor((seq_len, *kv_shape), generator, backend) for seq_len in seq_lens]
+        values = [random_tensor((seq_len, *kv_shape), generator, backend) for seq_len in seq_lens]
+        return cls(backend, kv_cache, tables, keys, values, generator)
+
+    def write_prefix(self, cached_lens: list[int]) -> None:
+        """Store the first ``cached_lens[i]`` positions of each sequence with the reference ``write_kv``."""
+        metadata = build_metadata(self.block_tables, [(0, cached) for cached in cached_lens], self.backend.block_size,
+                                  self.backend.device)
+        write_kv(self.kv_cache, *self.new_kv([(0, cached) for cached in cached_lens]), metadata.slot_mapping)
+
+    def new_kv(self, shapes: list[Shape]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's K and V [T, kv_heads, D]: positions ``cached .. cached + query_len`` of each sequence."""
+        keys = torch.cat([k[cached : cached + query_len] for k, (cached, query_len) in zip(self.keys, shapes)])
+        values = torch.cat([v[cached : cached + query_len] for v, (cached, query_len) in zip(self.values, shapes)])
+        return keys, values
+
+    def forward(self, shapes: list[Shape], query: torch.Tensor) -> torch.Tensor:
+        """One step through the backend: ``query`` [T, heads, D] for the given (cached, query length) shapes."""
+        metadata = self.backend.prepare(build_metadata(self.block_tables, shapes, self.backend.block_size,
+                                                       self.backend.device))
+        keys, values = self.new_kv(shapes)
+        return self.backend.forward(0, query, keys, values, self.kv_cache, metadata)
+
+    def random_query(self, shapes: list[Shape]) -> torch.Tensor:
+        num_tokens = sum(query_len for _, query_len in shapes)
+        return random_tensor((num_tokens, self.backend.num_heads, self.backend.head_dim), self.generator, self.backend)
+
+    def expected(self, shapes: list[Shape], query: torch.Tensor) -> torch.Tensor:
+        """The oracle's output for ``query``, sequence by sequence."""
+        outputs, start = [], 0
+        for keys, values, (cached, query_len) in zip(self.keys, self.values, shapes):
+            end = cached + query_len
+            outputs.append(reference_attention(query[start : start + query_len], keys[:end], values[:end],
+                                               self.backend.scale))
+            start += query_len
+        return torch.cat(outputs)
+
+
+def random_tensor(shape: tuple[int, ...], generator: torch.Generator, backend: AttentionBackend) -> torch.Tensor:
+    return torch.randn(shape, generator=generator).to(device=backend.device, dtype=backend.dtype)
+
+
+def random_shapes(seed: int, max_cached: int = 40, max_query: int = 24) -> list[Shape]:
+    """A ragged mix: some decodes, some prefills from scratch, some prefill chunks after a cached prefix."""
+    generator = torch.Generator().manual_seed(seed)
+    num_seqs = int(torch.randint(1, 6, (), generator=generator))
+    shapes = []
+    for _ in range(num_seqs):
+        kind = int(torch.randint(3, (), generator=generator))
+        cached = 0 if kind == 1 else int(torch.randint(1, max_cached + 1, (), generator=generator))
+        query_len = 1 if kind == 0 else int(torch.randint(1, max_query + 1, (), generator=generator))
+        shapes.append((cached, query_len))
+    return shapes
+
+
+BATCHES = {
+    "decode_only": [(5, 1), (17, 1), (1, 1), (33, 1)],
+    "prefill_only": [(0, 7), (0, 1), (0, 20)],
+    "mixed_a": random_shapes(1),
+    "mixed_b": random_shapes(2),
+    "mixed_c": random_shapes(3),
+}
+
+
+class AttentionConformance(ConformanceSuite):
+    """Agreement with the naive oracle on ragged, paged, GQA batches.
+
+    ``tolerances`` gives (atol, rtol) per dtype; ``head_dim``, ``num_kv_heads`` keep shapes small enough for Triton's
+    CPU interpreter. ``device`` None means CUDA when available, else CPU.
+    """
+
+    kind = "attention"
+    device: ClassVar[str | None] = None
+    head_dim: ClassVar[int] = 16
+    num_kv_heads: ClassVar[int] = 2
+    tolerances: ClassVar[dict[torch.dtype, tuple[float, float]]] = {
+        torch.float32: (1e-5, 1e-4),
+        torch.float16: (2e-3, 2e-3),
+        torch.bfloat16: (2e-2, 2e-2),
+    }
+
+    @pytest.fixture
+    def attention_factory(self) -> AttentionFactory:
+        """Makes a backend: ``factory(block_size=, queries_per_kv_head=, dtype=)``. Override to construct yours."""
+        return self.make_attention_factory(self.impl_name)
+
+    def make_attention_factory(self, name: str | None) -> AttentionFactory:
+        implementation = self.load_implementation(name)
+        config = self.implementation_config(name)
+
+        def make(block_size: int = 8, queries_per_kv_head: int = 1, dtype: torch.dtype = torch.float32):
+            try:
+                return implementation(
+                    num_heads=self.num_kv_heads * queries_per_kv_head, num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim, block_size=block_size, dtype=dtype, device=self.target_device(),
+                    config=config,
+                )
+            except BackendUnavailableError as error:
+                pytest.skip(f"{name}: {error}")
+
+        return make
+
+    def target_device(self) -> torch.device:
+        return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def assert_close(self, actual: torch.Tensor, expected: torch.Tensor) -> None:
+        atol, rtol = self.tolerances[actual.dtype]
+        torch.testing.assert_close(actual.double(), expected.to(actual.device), atol=atol, rtol=rtol)
+
+    @pytest.mark.parametrize("batch", sorted(BATCHES))
+    @pytest.mark.parametrize("queries_per_kv_head", [1, 3])
+    @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+    def test_matches_the_oracle_on_ragged_paged_batches(self, attention_factory, block_size, queries_per_kv_head,
+                                                          batch):
+        backend = attention_factory(block_size=block_size, queries_per_kv_head=queries_per_kv_head)
+        self.check_against_oracle(backend, BATCHES[batch], seed=block_size * 10 + queries_per_kv_head)
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+    def test_matches_the_oracle_in_half_precision(self, attention_factory, dtype):
+        backend = attention_factory(block_size=16, queries_per_kv_head=3, dtype=dtype)
+        self.check_against_oracle(backend, BATCHES["mixed_a"], seed=5)
+
+    def check_against_oracle(self, backend: AttentionBackend, shapes: list[Shape], seed: int) -> None:
+        context = PagedContext.create(backend, [cached + query_len for cached, query_len in shapes], seed)
+        context.write_prefix([cached for cached, _ in shapes])
+        query = context.random_query(shapes)
+        self.assert_close(context.forward(shapes, query), context.expected(shapes, query))
+
+    def test_writes_this_steps_kv_into_its_slots_and_nowhere_else(self, attention_factory):
+        backend = attention_factory(block_size=8, queries_per_kv_head=3)
+        shapes = BATCHES["mixed_b"]
+        context = PagedContext.create(backend, [cached + query_len for cached, query_len in shapes], seed=11)
+        expected_pool = context.kv_cache.clone()
+        metadata = build_metadata(context.block_tables, shapes, backend.block_size, backend.device)
+        write_kv(expected_pool, *context.new_kv(shapes), metadata.slot_mapping)
+        context.forward(shapes, context.random_query(shapes))
+        assert torch.equal(context.kv_cache, expected_pool), "the pool differs from one with only this step's slots"
+
+    def test_decode_after_prefill_reads_its_own_writes(self, attention_factory):
+        backend = attention_factory(block_size=8, queries_per_kv_head=3)
+        prompt_lens = [9, 1, 20]
+        context = PagedContext.create(backend, [length + 2 for length in prompt_lens], seed=12)
+        context.forward([(0, length) for length in prompt_lens], context.random_query([(0, n) for n in prompt_lens]))
+        for step in range(2):
+            shapes = [(length + step, 1) for length in prompt_lens]
+            query = context.random_query(shapes)
+            self.assert_close(context.forward(shapes, query), context.expected(shapes, query))
+
+    def test_prefix_hit_gives_the_same_output_as_a_miss(self, attention_factory):
+        backend = attention_factory(block_size=16, queries_per_kv_head=1)
+        prompt_len, cached = 40, 32
+        missed = PagedContext.create(backend, [prompt_len], seed=13)
+        query = missed.random_query([(0, prompt_len)])
+        full = missed.forward([(0, prompt_len)], query)
+        hit = PagedContext.create(backend, [prompt_len], seed=13)
+        hit.write_prefix([cached])
+        tail = hit.forward([(cached, prompt_len - cached)], query[cached:])
+        self.assert_close(tail, full[cached:].double())

@@ -1,0 +1,143 @@
+"""Conformance suite for speculative-decoding drafters (contract: ``infer.drafter.Drafter``).
+
+Proposals are checked on ``infer.sequence.Sequence`` objects in decode state (prompts with repeats, so that
+prompt-lookup drafters have something to find). A drafter that needs more than its config (a draft model, the
+target's hidden size) gets it by overriding the ``drafter_context`` fixture method; its keyword arguments go to the
+constructor as ``Drafter(config, **context)``.
+
+A plugin author's whole test file::
+
+    from infer.testing import DrafterConformance
+
+    class TestMyDrafter(DrafterConformance):
+        impl_name = "mine"
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from infer.drafter import Drafter
+from infer.sampling_params import SamplingParams
+from infer.sequence import Sequence, SequenceStatus
+from infer.testing.suite import ConformanceSuite
+
+DrafterFactory = Callable[[], Drafter]
+# Generates greedy output token ids for prompt token ids, with (True) or without (False) the drafter under test.
+EngineFactory = Callable[[bool], Callable[[list[list[int]]], list[list[int]]]]
+
+
+def make_sequences(seed: int, count: int, vocab_size: int) -> list[Sequence]:
+    """Sequences in decode state whose prompts repeat short phrases, and whose outputs start one again."""
+    generator = random.Random(seed)
+    sequences = []
+    for index in range(count):
+        phrases = [[generator.randrange(vocab_size) for _ in range(generator.randint(2, 5))] for _ in range(3)]
+        prompt = [token for _ in range(4) for token in generator.choice(phrases)]
+        output = generator.choice(phrases)[: generator.randint(0, 3)]
+        seq = Sequence(f"seq-{seed}-{index}", prompt, SamplingParams(max_tokens=64, temperature=0.0, seed=seed),
+                       output_token_ids=output, status=SequenceStatus.RUNNING)
+        seq.num_computed_tokens = seq.num_tokens - 1  # the last sampled token is the next one to compute
+        sequences.append(seq)
+    return sequences
+
+
+def seed_everything(seed: int) -> None:
+    """A drafter that samples may draw from Python's or torch's global generators; pin both."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class DrafterConformance(ConformanceSuite):
+    """The drafter contract: at most k valid tokens per sequence, deterministic, nothing shared between sequences.
+
+    ``vocab_size`` bounds the token ids the suite uses and the drafter may propose.
+    """
+
+    kind = "drafter"
+    vocab_size: ClassVar[int] = 64
+    num_speculative_tokens: ClassVar[int] = 4
+
+    @pytest.fixture
+    def drafter_context(self) -> dict[str, Any]:
+        """Keyword arguments for the drafter's constructor beyond its config. Override to give it a model."""
+        return {}
+
+    @pytest.fixture
+    def drafter_factory(self, drafter_context) -> DrafterFactory:
+        """Makes a fresh drafter. Override to construct yours directly."""
+        return self.make_drafter_factory(self.impl_name, drafter_context)
+
+    @pytest.fixture
+    def engine_factory(self, drafter_factory) -> EngineFactory:
+        """``engine_factory(use_drafter)`` returns a greedy ``generate(prompts) -> outputs``, with or without a
+        drafter from ``drafter_factory``. Override to run the drafter inside the engine; without it the end-to-end
+        check is skipped."""
+        pytest.skip("no engine_factory: override it to check the target's output inside the engine")
+
+    def make_drafter_factory(self, name: str | None, context: dict[str, Any]) -> DrafterFactory:
+        implementation = self.load_implementation(name)
+        config = self.implementation_config(name, num_speculative_tokens=self.num_speculative_tokens)
+        return lambda: implementation(config, **context)
+
+    def propose(self, factory: DrafterFactory, sequences: list[Sequence], k: int, seed: int = 0) -> list[list[int]]:
+        """Proposals of a fresh drafter under ``seed``."""
+        seed_everything(seed)
+        return self.checked_proposals(factory().propose(sequences, k), sequences, k)
+
+    def checked_proposals(self, proposals: list[list[int]], sequences: list[Sequence], k: int) -> list[list[int]]:
+        assert len(proposals) == len(sequences), f"{len(proposals)} proposal lists for {len(sequences)} sequences"
+        for seq, tokens in zip(sequences, proposals):
+            assert len(tokens) <= k, f"{len(tokens)} tokens proposed for {seq.seq_id} with k={k}"
+            for token in tokens:
+                assert isinstance(token, int), f"proposed {token!r} ({type(token).__name__}), not an int token id"
+                assert 0 <= token < self.vocab_size, f"proposed token {token} outside the vocabulary"
+        return [list(tokens) for tokens in proposals]
+
+    @pytest.mark.parametrize("k", [0, 1, 4])
+    def test_proposes_at_most_k_valid_tokens_per_sequence(self, drafter_factory, k):
+        self.propose(drafter_factory, make_sequences(1, 5, self.vocab_size), k)
+
+    def test_same_seed_gives_the_same_proposals(self, drafter_factory):
+        sequences = make_sequences(2, 4, self.vocab_size)
+        first = self.propose(drafter_factory, sequences, 4, seed=3)
+        assert self.propose(drafter_factory, sequences, 4, seed=3) == first
+
+    def test_proposals_do_not_depend_on_the_rest_of_the_batch(self, drafter_factory):
+        alone, *others = make_sequences(4, 4, self.vocab_size)
+        (expected,) = self.propose(drafter_factory, [alone], 4)
+        batched = self.propose(drafter_factory, [others[0], alone, *others[1:]], 4)
+        assert batched[1] == expected, "a sequence's proposals changed when others were proposed alongside it"
+
+    def test_rollback_forgets_rejected_drafts(self, drafter_factory):
+        (seq,) = make_sequences(5, 1, self.vocab_size)
+        seed_everything(0)
+        drafter = drafter_factory()
+        (before,) = self.checked_proposals(drafter.propose([seq], 4), [seq], 4)
+        seq.output_token_ids.append((seq.token_ids[-1] + 1) % self.vocab_size)
+        drafter.propose([seq], 4)
+        seq.output_token_ids.pop()
+        drafter.rollback(seq, seq.num_tokens)
+        seed_everything(0)
+        (after,) = self.checked_proposals(drafter.propose([seq], 4), [seq], 4)
+        assert after == before, "proposals after a rollback differ from those made at the same length before"
+
+    def test_released_state_does_not_leak_into_a_new_sequence(self, drafter_factory):
+        old, new = make_sequences(6, 2, self.vocab_size)
+        new.seq_id = old.seq_id  # an id reused after release must not find the old sequence's state
+        (expected,) = self.propose(drafter_factory, [new], 4)
+        seed_everything(0)
+        drafter = drafter_factory()
+        drafter.propose([old], 4)
+        drafter.release(old)
+        seed_everything(0)
+        assert self.checked_proposals(drafter.propose([new], 4), [new], 4) == [expected]
+
+    def test_target_output_unchanged(self, engine_factory):
+        prompts = [seq.prompt_token_ids for seq in make_sequences(7, 3, self.vocab_size)]
+        assert engine_factory(True)(prompts) == engine_factory(False)(prompts)

@@ -1,0 +1,256 @@
+"""Conformance suite for schedulers (contract: ``infer.scheduler.Scheduler``).
+
+The scheduler plans steps over a real ``SchedulerView`` (a ``KVCacheManager`` over the registered ``paged`` allocator
+and ``none`` prefix cache by default), and a simulated model carries each plan out: scheduled tokens become computed,
+a sequence that has computed all its tokens gets a fake sampled token, and one at its ``max_tokens`` finishes and
+gives its blocks back. Every plan is checked against the limits.
+
+A plugin author's whole test file::
+
+    from infer.testing import SchedulerConformance
+
+    class TestSJF(SchedulerConformance):
+        impl_name = "sjf"
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from infer.kv_cache_manager import KVCacheManager
+from infer.registry import get_registry
+from infer.sampling_params import SamplingParams
+from infer.scheduler import Scheduler, SchedulerView, StepPlan
+from infer.sequence import Sequence, SequenceStatus
+from infer.testing.suite import ConformanceSuite
+
+SAMPLED_TOKEN = 7  # what the simulated model "samples"; its value never matters to a scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of a workload: it arrives before step ``arrival_step`` runs."""
+
+    prompt_len: int
+    max_tokens: int
+    arrival_step: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the engine promises the scheduler and what every plan must respect."""
+
+    num_blocks: int = 64
+    block_size: int = 4
+    max_model_len: int = 64
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 32
+
+
+SchedulerFactory = Callable[[Limits], Scheduler]
+KVCacheFactory = Callable[[Limits], KVCacheManager]
+
+
+class SimulatedEngine:
+    """The engine's step loop with the model replaced by bookkeeping, checking every plan the scheduler makes."""
+
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, limits: Limits):
+        self.scheduler = scheduler
+        self.kv = kv
+        self.limits = limits
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.finished: list[Sequence] = []
+        self.view = SchedulerView(self.waiting, self.running, kv, limits.max_num_seqs,
+                                  limits.max_num_batched_tokens, limits.max_model_len)
+
+    def run(self, workload: list[Request]) -> list[Sequence]:
+        """Serve ``workload`` to the end; fails when it takes more than ``step_bound`` steps."""
+        sequences = [make_sequence(index, request) for index, request in enumerate(workload)]
+        bound = step_bound(workload)
+        step = 0
+        while len(self.finished) < len(sequences):
+            assert step < bound, (
+                f"{len(sequences) - len(self.finished)} of {len(sequences)} requests unfinished after {bound} steps "
+                f"(waiting {[seq.seq_id for seq in self.waiting]}, running {[seq.seq_id for seq in self.running]})"
+            )
+            self.waiting.extend(seq for seq, request in zip(sequences, workload) if request.arrival_step == step)
+            self.step()
+            step += 1
+        self.check_all_blocks_returned()
+        return sequences
+
+    def step(self) -> StepPlan:
+        plan = self.scheduler.schedule(self.view)
+        check_plan(plan, self.view, self.limits)
+        for seq, num_new_tokens in plan.scheduled:
+            self.advance(seq, num_new_tokens)
+        return plan
+
+    def advance(self, seq: Sequence, num_new_tokens: int) -> None:
+        seq.num_computed_tokens += num_new_tokens
+        self.kv.commit(seq)
+        if seq.num_computed_tokens < seq.num_tokens:
+            return  # a prefill chunk: no logits sampled yet
+        seq.output_token_ids.append(SAMPLED_TOKEN)
+        if seq.num_output_tokens == seq.params.max_tokens:
+            self.kv.free(seq)
+            seq.status = SequenceStatus.FINISHED
+            self.running.remove(seq)
+            self.finished.append(seq)
+
+    def check_all_blocks_returned(self) -> None:
+        allocator, cache = self.kv.allocator, self.kv.prefix_cache
+        held = allocator.capacity - allocator.num_free - cache.num_cached_blocks
+        assert held == 0, f"{held} blocks still held after every request finished"
+
+
+def check_plan(plan: StepPlan, view: SchedulerView, limits: Limits) -> None:
+    """One step's plan respects the budget, the sequence limit and the block tables it promised."""
+    scheduled = [seq for seq, _ in plan.scheduled]
+    assert plan.num_batched_tokens <= limits.max_num_batched_tokens, (
+        f"plan schedules {plan.num_batched_tokens} tokens, over the budget of {limits.max_num_batched_tokens}"
+    )
+    assert len(view.running) <= limits.max_num_seqs, (
+        f"{len(view.running)} sequences running, over max_num_seqs={limits.max_num_seqs}"
+    )
+    assert len({id(seq) for seq in scheduled}) == len(scheduled), "a sequence is scheduled twice in one step"
+    for seq, num_new_tokens in plan.scheduled:
+        check_scheduled_sequence(seq, num_new_tokens, view)
+    for seq in plan.preempted:
+        assert seq in view.waiting and seq not in scheduled, f"preempted {seq.seq_id} is not back in waiting"
+        assert not seq.block_table, f"preempted {seq.seq_id} still holds blocks {seq.block_table}"
+
+
+def check_scheduled_sequence(seq: Sequence, num_new_tokens: int, view: SchedulerView) -> None:
+    assert seq in view.running and seq.status is SequenceStatus.RUNNING, f"{seq.seq_id} is scheduled but not running"
+    assert num_new_tokens >= 1, f"{seq.seq_id} is scheduled for {num_new_tokens} tokens"
+    assert seq.num_computed_tokens + num_new_tokens <= seq.num_tokens, (
+        f"{seq.seq_id} is scheduled for {num_new_tokens} tokens but has only {seq.num_uncomputed_tokens} to compute"
+    )
+    num_slots = len(seq.block_table) * view.block_size
+    assert num_slots >= seq.num_computed_tokens + num_new_tokens, (
+        f"{seq.seq_id}: block table holds {num_slots} slots, the step writes up to "
+        f"{seq.num_computed_tokens + num_new_tokens}"
+    )
+
+
+def make_sequence(index: int, request: Request) -> Sequence:
+    # Distinct prompts: the suite pins scheduling, not prefix sharing.
+    prompt = [(index * 31 + position) % 1000 + 1 for position in range(request.prompt_len)]
+    return Sequence(f"seq-{index}", prompt, SamplingParams(max_tokens=request.max_tokens, temperature=0.0),
+                    request_id=f"request-{index}")
+
+
+def step_bound(workload: list[Request]) -> int:
+    """Generous: every request could be recomputed from scratch once per other request, one token per step."""
+    work = sum(request.prompt_len + request.max_tokens for request in workload)
+    last_arrival = max((request.arrival_step for request in workload), default=0)
+    return last_arrival + work * (len(workload) + 1) + 16
+
+
+@st.composite
+def scenarios(draw: st.DrawFn, chunked_prefill: bool) -> tuple[Limits, list[Request]]:
+    """Limits and a workload in which every request fits the pool alone (else no scheduler could finish it)."""
+    block_size = draw(st.sampled_from([1, 4, 8]))
+    max_model_len = 40
+    budget = draw(st.integers(4, 48))
+    max_prompt = 24 if chunked_prefill else min(24, budget)
+    requests = draw(st.lists(st.builds(
+        Request, st.integers(1, max_prompt), st.integers(1, 12), st.integers(0, 10)), min_size=1, max_size=8))
+    largest = max(request.prompt_len + request.max_tokens for request in requests)
+    num_blocks = 1 + draw(st.integers(-(-largest // block_size), 2 * max_model_len // block_size))
+    limits = Limits(num_blocks, block_size, max_model_len, draw(st.integers(1, 6)), budget)
+    return limits, requests
+
+
+class SchedulerConformance(ConformanceSuite):
+    """The scheduler contract, on a simulated engine.
+
+    Capability flags:
+    - ``supports_chunked_prefill``: a prompt longer than the token budget still runs (in chunks).
+    - ``preempts_when_out_of_blocks``: when running sequences outgrow the pool, some are preempted (recompute).
+    """
+
+    kind = "scheduler"
+    capability_flags = ("supports_chunked_prefill", "preempts_when_out_of_blocks")
+    supports_chunked_prefill: ClassVar[bool] = True
+    preempts_when_out_of_blocks: ClassVar[bool] = True
+    allocator_name: ClassVar[str] = "paged"
+    prefix_cache_name: ClassVar[str] = "none"
+
+    @pytest.fixture
+    def scheduler_factory(self) -> SchedulerFactory:
+        """Makes a fresh scheduler for given limits. Override to construct yours directly."""
+        return self.make_scheduler_factory(self.impl_name)
+
+    @pytest.fixture
+    def kv_cache_factory(self) -> KVCacheFactory:
+        """Block tables over the registered ``allocator_name`` and ``prefix_cache_name``."""
+        registry = get_registry()
+        allocator_class = registry.load("allocator", self.allocator_name)
+        cache_class = registry.load("prefix_cache", self.prefix_cache_name)
+
+        def make(limits: Limits) -> KVCacheManager:
+            allocator = allocator_class(limits.num_blocks, limits.block_size, limits.max_model_len)
+            return KVCacheManager(allocator, cache_class(allocator, limits.block_size), limits.max_model_len)
+
+        return make
+
+    @pytest.fixture
+    def engine_factory(self, scheduler_factory, kv_cache_factory) -> Callable[[Limits], SimulatedEngine]:
+        return lambda limits: SimulatedEngine(scheduler_factory(limits), kv_cache_factory(limits), limits)
+
+    def make_scheduler_factory(self, name: str | None) -> SchedulerFactory:
+        implementation = self.load_implementation(name)
+
+        def make(limits: Limits) -> Scheduler:
+            return implementation(self.implementation_config(
+                name, max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens))
+
+        return make
+
+    def test_single_request_finishes(self, engine_factory):
+        (seq,) = engine_factory(Limits()).run([Request(prompt_len=10, max_tokens=5)])
+        assert seq.num_output_tokens == 5
+
+    def test_budget_and_sequence_limit_hold_every_step(self, engine_factory):
+        limits = Limits(max_num_seqs=3, max_num_batched_tokens=12)
+        workload = [Request(prompt_len=3 + 2 * index, max_tokens=4 + index % 3) for index in range(10)]
+        engine_factory(limits).run(workload)
+
+    def test_late_arrivals_all_finish(self, engine_factory):
+        workload = [Request(prompt_len=5 + index, max_tokens=6, arrival_step=3 * index) for index in range(8)]
+        engine_factory(Limits(max_num_seqs=4, max_num_batched_tokens=16)).run(workload)
+
+    def test_prompt_longer_than_the_budget_finishes(self, engine_factory):
+        if not self.supports_chunked_prefill:
+            pytest.skip("supports_chunked_prefill is False")
+        limits = Limits(max_num_batched_tokens=8)
+        sequences = engine_factory(limits).run([Request(prompt_len=30, max_tokens=3), Request(4, 8)])
+        assert [seq.num_output_tokens for seq in sequences] == [3, 8]
+
+    def test_tiny_pool_preempts_and_everyone_still_finishes(self, engine_factory):
+        # Four requests of 6 blocks each over a pool of 9: they can all start, not all finish side by side.
+        limits = Limits(num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+        sequences = engine_factory(limits).run([Request(prompt_len=8, max_tokens=16) for _ in range(4)])
+        assert all(seq.num_output_tokens == 16 for seq in sequences)
+        if self.preempts_when_out_of_blocks:
+            assert sum(seq.num_preemptions for seq in sequences) > 0, "no preemption although the pool ran out"
+
+    def test_random_workloads_finish_within_the_limits(self, engine_factory):
+        @self.hypothesis_settings
+        @given(scenario=scenarios(chunked_prefill=self.supports_chunked_prefill))
+        def serve_to_completion(scenario: tuple[Limits, list[Request]]) -> None:
+            limits, workload = scenario
+            sequences = engine_factory(limits).run(workload)
+            assert [seq.num_output_tokens for seq in sequences] == [request.max_tokens for request in workload]
+
+        serve_to_completion()

@@ -1,0 +1,1 @@
+"""An example third-party infer plugin: ``scheduler: sjf`` and ``allocator: stack``."""

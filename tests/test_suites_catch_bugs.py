@@ -1,0 +1,178 @@
+"""Each conformance suite fails on a deliberately broken implementation: a suite that passes everything proves
+nothing. The broken classes are one-line bugs in real built-ins; each runs through its suite in an inner pytest
+session (pytester, in process), and the test asserts which suite tests failed and why.
+
+The ``expected_failures`` hook is pinned here too: it turns a known bug into a strict xfail, fails the run when the
+bug is gone, and rejects names that match no test.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import Phase, settings
+
+from infer.plugins.allocators.paged import PagedAllocator
+from infer.plugins.prefix_cache.hash import HashPrefixCache
+from infer.plugins.schedulers.fcfs import FCFSScheduler
+from infer.testing import AllocatorConformance, PrefixCacheConformance, SchedulerConformance
+from infer.testing.suite import ConformanceSuite
+
+pytest_plugins = ["pytester"]
+
+# Finding the bug is what is pinned here: shrinking it to a minimal example would only cost time, and a fixed
+# generation order keeps the run the same every time.
+WITHOUT_SHRINKING = settings(ConformanceSuite.hypothesis_settings, phases=[Phase.generate], database=None,
+                             derandomize=True)
+
+
+# -- broken implementations ------------------------------------------------------------------------------------------
+class LeakyAllocator(PagedAllocator):
+    """Never gives back the first block of a release."""
+
+    def release(self, blocks):
+        super().release(list(blocks)[1:])
+
+
+class RepeatingAllocator(PagedAllocator):
+    """Hands the most recently allocated block out again while it is still held."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.last_block = None
+
+    def allocate(self, n):
+        blocks = super().allocate(n)
+        if blocks and self.last_block is not None and self.refcount(self.last_block) > 0:
+            blocks[0] = self.last_block
+        if blocks:
+            self.last_block = blocks[-1]
+        return blocks
+
+
+class LockIgnoringPrefixCache(HashPrefixCache):
+    """Forgets locks, so eviction may take a prefix a request is about to use."""
+
+    def lock(self, match):
+        pass
+
+    def unlock(self, match):
+        pass
+
+
+class OverBudgetScheduler(FCFSScheduler):
+    """Plans as if the token budget were twice what the engine allows."""
+
+    def schedule(self, view):
+        view.max_num_batched_tokens *= 2
+        try:
+            return super().schedule(view)
+        finally:
+            view.max_num_batched_tokens //= 2
+
+
+# -- the suites, pointed at them (not collected here: the names do not start with Test) -------------------------------
+class LeakyAllocatorSuite(AllocatorConformance):
+    hypothesis_settings = WITHOUT_SHRINKING
+
+    @pytest.fixture
+    def allocator_factory(self):
+        return lambda: LeakyAllocator(self.num_blocks, self.block_size, self.max_model_len)
+
+
+class RepeatingAllocatorSuite(AllocatorConformance):
+    hypothesis_settings = WITHOUT_SHRINKING
+
+    @pytest.fixture
+    def allocator_factory(self):
+        return lambda: RepeatingAllocator(self.num_blocks, self.block_size, self.max_model_len)
+
+
+class PagedAllocatorSuite(AllocatorConformance):
+    impl_name = "paged"
+
+
+class LockIgnoringPrefixCacheSuite(PrefixCacheConformance):
+    hypothesis_settings = WITHOUT_SHRINKING
+
+    @pytest.fixture
+    def prefix_cache_factory(self):
+        return lambda allocator: LockIgnoringPrefixCache(allocator, allocator.block_size)
+
+
+class OverBudgetSchedulerSuite(SchedulerConformance):
+    hypothesis_settings = WITHOUT_SHRINKING
+
+    @pytest.fixture
+    def scheduler_factory(self):
+        return lambda limits: OverBudgetScheduler()
+
+
+def run_suite(pytester: pytest.Pytester, suite: type, expected_failures: dict[str, str] | None = None,
+              *args: str) -> pytest.RunResult:
+    """Run ``suite`` (a class of this module) as the inner session's ``TestSuite``; the session runs in this process,
+    so it finds this module, broken classes and all, in ``sys.modules``."""
+    pytester.makepyfile(test_inner=f"""
+        import sys
+
+        class TestSuite(sys.modules[{__name__!r}].{suite.__name__}):
+            expected_failures = {expected_failures or {}!r}
+        """)
+    return pytester.runpytest("-p", "no:cacheprovider", "-q", *args)
+
+
+def assert_failed(result: pytest.RunResult, tests: set[str], message: str) -> None:
+    """Exactly ``tests`` failed (nothing errored, the rest passed), and ``message`` explains a failure."""
+    failed = set(re.findall(r"^FAILED test_inner\.py::TestSuite::(\w+)", result.stdout.str(), re.MULTILINE))
+    assert failed == tests, result.stdout.str()
+    outcomes = result.parseoutcomes()
+    assert "error" not in outcomes and outcomes.get("passed", 0) > 0, outcomes
+    result.stdout.fnmatch_lines([f"*{message}*"])
+
+
+def test_allocator_suite_catches_a_leak_on_release(pytester):
+    result = run_suite(pytester, LeakyAllocatorSuite)
+    assert_failed(result, {"test_state_machine", "test_release_makes_blocks_free_again", "test_double_release_raises",
+                           "test_release_of_null_or_foreign_block_raises", "test_retain_then_release_twice_frees"},
+                  "1 blocks are not free after releasing all of *")
+
+
+def test_allocator_suite_catches_a_block_handed_out_twice(pytester):
+    result = run_suite(pytester, RepeatingAllocatorSuite)
+    assert_failed(result, {"test_state_machine", "test_blocks_held_at_once_are_distinct"},
+                  "block * handed out again while still held")
+
+
+def test_prefix_cache_suite_catches_eviction_of_a_locked_entry(pytester):
+    result = run_suite(pytester, LockIgnoringPrefixCacheSuite)
+    assert_failed(result, {"test_state_machine", "test_evict_never_touches_a_locked_entry"},
+                  "evict dropped locked or shared blocks *")
+
+
+def test_scheduler_suite_catches_a_blown_token_budget(pytester):
+    result = run_suite(pytester, OverBudgetSchedulerSuite)
+    assert_failed(result, {"test_budget_and_sequence_limit_hold_every_step",
+                           "test_prompt_longer_than_the_budget_finishes",
+                           "test_random_workloads_finish_within_the_limits"},
+                  "plan schedules * tokens, over the budget of *")
+
+
+def test_expected_failure_becomes_a_strict_xfail(pytester):
+    known = {"test_double_release_raises": "leaks the first block of a release"}
+    result = run_suite(pytester, LeakyAllocatorSuite, known, "-k", "double_release", "-rx")
+    result.assert_outcomes(xfailed=1)
+    result.stdout.fnmatch_lines(["XFAIL *test_double_release_raises* leaks the first block of a release"])
+
+
+def test_expected_failure_that_passes_fails_the_run(pytester):
+    result = run_suite(pytester, PagedAllocatorSuite, {"test_double_release_raises": "fixed since"}, "-k", "double")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*XPASS(strict)*fixed since*"])
+
+
+def test_expected_failure_naming_no_test_is_a_usage_error(pytester):
+    result = run_suite(pytester, PagedAllocatorSuite, {"test_double_relase_raises": "typo"})
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*expected_failures names no test of the suite: test_double_relase_raises*"])
+
