@@ -109,16 +109,16 @@ class Engine:
     """Loads the model and the configured plugins, sizes the KV pool, and runs steps."""
 
     def __init__(self, config, registry=None):
-        from infer.loader import load_model, resolve_device, resolve_dtype
+        from infer.loader import load_model, resolve_dtype
         from infer.registry import get_registry
 
         self.config = config
         self.registry = registry or get_registry(config.plugins.load)
-        self.device = resolve_device(config.model.device)
+        self.device = torch.device(config.model.resolved_device())
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         torch.manual_seed(config.model.seed)
         self._rng = random.Random(config.model.seed)
-        loaded = load_model(config.model.path, self.dtype, self.device, config.model)
+        loaded = load_model(config.model.path, self.dtype, self.device)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = set(loaded.eos_token_ids)
@@ -257,6 +257,15 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def check_idle(self) -> None:
+        """Integrity check when no request is left: every block is free or held by the prefix cache alone."""
+        if self.has_unfinished():
+            raise AssertionError("check_idle called while requests are unfinished")
+        held_by_cache = self.prefix_cache.num_cached_blocks
+        if self.allocator.num_free + held_by_cache != self.allocator.capacity:
+            raise AssertionError(f"block leak: {self.allocator.num_free} free + {held_by_cache} cached != "
+                                 f"{self.allocator.capacity} capacity")
 
     @property
     def num_blocks_used(self) -> int:

@@ -1,0 +1,130 @@
+"""Engine behaviour on a tiny random model: sampling reproducibility, bad input, n > 1, stops, aborts, metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer import LLM, SamplingParams
+from infer.config import ConfigError
+from infer.sampling_params import SamplingParamsError
+
+PROMPTS = [f"Tell me fact number {i} about the ocean, please." for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM("baseline", model__path=tiny_model_dir, model__dtype="float32", model__max_model_len=256,
+               cache__num_blocks=256)
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_16(llm):
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i)
+              for i in range(len(PROMPTS))]
+    batched = llm.generate(PROMPTS, params)
+    alone = llm.generate([PROMPTS[5]], [params[5]])[0]
+    assert alone.token_ids == batched[5].token_ids
+    assert len({tuple(o.token_ids) for o in batched}) > 1  # different seeds do sample differently
+
+
+def test_unseeded_sampling_differs_between_requests(llm):
+    outputs = llm.generate([PROMPTS[0]] * 4, SamplingParams(max_tokens=8, temperature=1.0))
+    assert len({tuple(o.token_ids) for o in outputs}) > 1
+
+
+def test_over_long_prompt_is_refused_while_others_finish(llm):
+    too_long = list(range(100, 400))  # 300 tokens >= max_model_len 256
+    outputs = llm.generate([PROMPTS[0], too_long, PROMPTS[1]], SamplingParams(max_tokens=4, temperature=0))
+    assert outputs[1].finish_reason == "error"
+    assert "max_model_len" in outputs[1].error and "300 tokens" in outputs[1].error
+    assert [len(outputs[0].token_ids), len(outputs[2].token_ids)] == [4, 4]
+
+
+def test_generation_stops_at_max_model_len(llm):
+    prompt = list(range(1000, 1250))  # 250 tokens: room for 6 more
+    output = llm.generate([prompt], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
+    assert len(output.token_ids) == 6 and output.finish_reason == "length"
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_tokens", 0), ("max_tokens", -3), ("top_p", 0.0), ("top_p", 1.5),
+                                              ("temperature", -1.0), ("min_p", 2.0), ("n", 0)])
+def test_bad_sampling_values_name_the_field(field, value):
+    with pytest.raises(SamplingParamsError) as error:
+        SamplingParams(**{field: value})
+    assert error.value.field == field and field in str(error.value)
+
+
+def test_unknown_config_key_names_the_path(tiny_model_dir):
+    with pytest.raises(ConfigError) as error:
+        LLM("baseline", model__path=tiny_model_dir, scheduler__max_num_seq=4)
+    assert "scheduler.max_num_seq" in str(error.value) and "max_num_seqs" in str(error.value)
+
+
+def test_n_samples_share_the_prompt_blocks(llm):
+    prompt = list(range(2000, 2100))  # 100 tokens = 6 full blocks of 16 + 4
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=4)
+    engine = llm.engine
+    request_id = engine.add_request(prompt, params)
+    seen_shared = False
+    while engine.has_unfinished():
+        engine.step()
+        seqs = engine.requests[request_id].seqs
+        tables = [s.block_table for s in seqs if s.block_table]
+        if len(tables) == 4:
+            seen_shared |= all(t[:6] == tables[0][:6] for t in tables)
+    output = engine._request_output(engine.requests[request_id])
+    engine.release_request(request_id)
+    assert seen_shared
+    assert len(output.outputs) == 4 and len({tuple(c.token_ids) for c in output.outputs}) > 1
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    free = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=10, temperature=0))[0]
+    stop_at = free.token_ids[3]
+    stopped = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop_at) + 1]
+    assert stopped.finish_reason == "stop" and stopped.outputs[0].stop_reason == stop_at
+    delayed = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at],
+                                                        min_tokens=10))[0]
+    assert len(delayed.token_ids) == 10 and stop_at not in delayed.token_ids
+
+
+def test_stop_string_cuts_the_text(llm):
+    free = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=10, temperature=0))[0]
+    stop = free.text[len(free.text) // 2:][:3]
+    assert stop.strip(), "need a non-blank stop string"
+    stopped = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=10, temperature=0, stop=[stop]))[0]
+    assert stopped.finish_reason == "stop" and stop not in stopped.text
+    assert free.text.startswith(stopped.text)
+
+
+def test_logprobs_of_chosen_tokens(llm):
+    output = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=5, temperature=0, logprobs=3))[0]
+    entries = output.outputs[0].logprobs
+    assert len(entries) == 5
+    for token, entry in zip(output.token_ids, entries):
+        assert entry["token_id"] == token and len(entry["top"]) == 3
+        assert entry["top"][0][0] == token  # greedy picks the most likely token
+        assert entry["logprob"] == pytest.approx(entry["top"][0][1])
+
+
+def test_abort_frees_blocks_at_once(llm):
+    engine = llm.engine
+    request_id = engine.add_request(PROMPTS[5], SamplingParams(max_tokens=50, temperature=0))
+    engine.step()
+    assert engine.num_blocks_used > 0
+    engine.abort(request_id)
+    engine.release_request(request_id)
+    assert engine.num_blocks_used == 0 and not engine.has_unfinished()
+
+
+def test_metrics_are_reported(llm):
+    output = llm.generate([PROMPTS[6]], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert output.metrics.ttft_s > 0 and output.metrics.tpot_s > 0
+    assert output.metrics.num_prompt_tokens == len(output.prompt_token_ids)
+
+
+def test_pool_too_small_for_max_model_len_refuses_to_start(tiny_model_dir):
+    from infer.kv_pool import KVPoolTooSmallError
+
+    with pytest.raises(KVPoolTooSmallError, match="Largest max_model_len that fits: 64"):
+        LLM("baseline", model__path=tiny_model_dir, model__max_model_len=256, cache__num_blocks=5)
