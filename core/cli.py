@@ -136,7 +136,7 @@ def run_cli(config: str, overrides: tuple[str, ...], prompts: Path | None, outpu
 def serve_cli(config: str, overrides: tuple[str, ...], host: str | None, port: int | None,
               api_key: str | None) -> None:
     """Serve an OpenAI-compatible HTTP API."""
-    from infer.serve.server import serve_command
+    from infer.serve.cli import serve_command
 
     serve_command(config, list(overrides), host, port, api_key)
 

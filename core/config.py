@@ -110,7 +110,7 @@ class ServerConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = None
-    max_waiting: int = Field(256, ge=1, description="Requests queued beyond this are refused with 503.")
+    max_waiting: int = Field(256, ge=1, description="Requests queued beyond this are refused with 429 and Retry-After.")
     shutdown_timeout_s: float = Field(30.0, ge=0)
 
 

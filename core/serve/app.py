@@ -1,0 +1,165 @@
+"""The FastAPI application: OpenAI's ``/v1`` routes plus ``/health`` and ``/metrics``.
+
+Handlers never touch the engine: they validate, submit to the ``EngineLoop`` and relay its updates. Every failure a
+client can cause is a 4xx in OpenAI's error body, and none of them reaches another request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from infer.engine import RequestError
+from infer.sampling_params import SamplingParamsError
+from infer.serve.delivery import EventStreamResponse, respond_when_done, stream_events
+from infer.serve.engine_loop import EngineLoop, EngineStopped, ServerBusy
+from infer.serve.errors import ApiError, error_response, install_error_handlers
+from infer.serve.metrics import ServerMetrics
+from infer.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from infer.serve.responses import ChatFormat, CompletionFormat, ResponseMeta
+
+# Seconds a refused client is told to wait; a step takes milliseconds, a queue this long drains in about that.
+RETRY_AFTER_S = 1
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the handlers share. Engine attributes read here are fixed after construction."""
+
+    engine_loop: EngineLoop
+    api_key: str | None = None
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.engine_loop.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine_loop.engine.max_model_len
+
+    def check_model(self, requested: str | None) -> None:
+        """Accept the served name or the configured model path; OpenAI answers an unknown model with a 404."""
+        engine = self.engine_loop.engine
+        if requested is not None and requested not in (engine.model_name, engine.config.model.path):
+            raise ApiError(404, f"the model {requested!r} does not exist; this server serves {engine.model_name!r}",
+                           param="model", code="model_not_found")
+
+
+class ApiKeyMiddleware:
+    """Bearer-token check for ``/v1`` routes, before the body is read (``/health`` and ``/metrics`` stay open)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+            error = ApiError(401, "invalid or missing API key; send the header 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
+            await error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        return hmac.compare_digest(header, self.expected)
+
+
+router = APIRouter()
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 while the engine thread runs; the KV counts let tests and operators check that blocks come back."""
+    state = server_state(request)
+    snapshot = state.engine_loop.snapshot
+    body = {"status": "ok" if state.engine_loop.alive else "engine stopped",
+            "requests_running": snapshot.num_requests_running, "requests_waiting": snapshot.num_requests_waiting,
+            "kv_blocks_used": snapshot.kv_blocks_used, "kv_blocks_cached": snapshot.kv_blocks_cached,
+            "kv_blocks_total": snapshot.kv_blocks_total}
+    return JSONResponse(body, status_code=200 if state.engine_loop.alive else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> PlainTextResponse:
+    state = server_state(request)
+    return PlainTextResponse(state.metrics.render(state.engine_loop.snapshot),
+                             media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    state = server_state(request)
+    card = ModelCard(id=state.model_name, created=state.started, max_model_len=state.max_model_len)
+    return JSONResponse(ModelList(data=[card]).model_dump())
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    return await _generate(request, body, CompletionFormat, "cmpl", prompt_field="prompt")
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _generate(request, body, ChatFormat, "chatcmpl", prompt_field="messages")
+
+
+async def _generate(request: Request, body, format_class, id_prefix: str, prompt_field: str) -> Response:
+    state = server_state(request)
+    state.check_model(body.model)
+    try:
+        params = body.to_sampling_params(state.max_model_len)
+    except SamplingParamsError as error:
+        raise ApiError(400, str(error), param=error.field) from error
+    stream = await _submit(state, f"{id_prefix}-{uuid.uuid4().hex}", body.engine_prompt(), params, prompt_field)
+    meta = ResponseMeta(stream.request_id, int(time.time()), state.model_name, params.n, params.logprobs is not None)
+    if body.stream:
+        return EventStreamResponse(stream_events(stream, format_class(meta), body.include_usage, state.metrics),
+                                   stream)
+    return await respond_when_done(request, stream, format_class(meta), state.metrics)
+
+
+async def _submit(state: ServerState, request_id: str, prompt, params, prompt_field: str):
+    try:
+        return await state.engine_loop.submit(request_id, prompt, params)
+    except ServerBusy as error:
+        state.metrics.observe_rejected("queue_full")
+        raise ApiError(429, f"the server is busy: {error}; retry later", "rate_limit_error",
+                       code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}) from error
+    except EngineStopped as error:
+        raise ApiError(503, str(error), "server_error") from error
+    except RequestError as error:
+        param = prompt_field if error.field == "prompt" else error.field
+        raise ApiError(400, str(error), param=param) from error
+
+
+def create_app(engine_loop: EngineLoop, api_key: str | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine_loop.start(asyncio.get_running_loop())
+        yield
+        # In a worker thread: the event loop must stay free to deliver the aborted requests' last updates.
+        await asyncio.to_thread(engine_loop.stop)
+
+    app = FastAPI(title="infer", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = ServerState(engine_loop, api_key)
+    install_error_handlers(app)
+    app.include_router(router)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app

@@ -1,0 +1,247 @@
+"""Request and response bodies of the OpenAI API, as pydantic models, and the mapping to ``SamplingParams``.
+
+Requests are strict (``"5"`` is not an int, NaN is not a float) and closed (an unknown field is a 400 naming it, not
+silently dropped). Extensions beyond OpenAI's fields follow vLLM's names: ``top_k``, ``min_p``, ``min_tokens``,
+``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+from infer.sampling_params import SamplingParams
+
+# Python's json module reads NaN and Infinity, which would slip past range checks (NaN < 0 is False).
+REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+# OpenAI's own bounds: they keep one request from flooding the engine with samples or stop-string checks.
+MAX_SAMPLES = 128
+MAX_STOP_STRINGS = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = REQUEST_CONFIG
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = REQUEST_CONFIG
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _only_zero_penalty(cls, value: float | None) -> float | None:
+        # Clients often send the 0 default explicitly; anything else would be silently ignored, so refuse it.
+        if value not in (None, 0, 0.0):
+            raise ValueError("penalties are not supported by infer; send 0 or leave it out")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises ``SamplingParamsError`` naming the field for a bad value (API names and engine names agree)."""
+        defaults = SamplingParams()
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            top_k=defaults.top_k if self.top_k is None else self.top_k,
+            min_p=defaults.min_p if self.min_p is None else self.min_p,
+            seed=self.seed, stop=self.stop or [], min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, n=self.n,
+            logprobs=logprobs)
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: one prompt, as text or token ids."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+
+    def to_sampling_params(self, max_model_len: int) -> SamplingParams:
+        return self.sampling_params(max_model_len if self.max_tokens is None else self.max_tokens, self.logprobs)
+
+    def engine_prompt(self) -> str | list[int]:
+        return self.prompt
+
+
+class TextPart(BaseModel):
+    model_config = REQUEST_CONFIG
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = REQUEST_CONFIG
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``: the messages go through the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def to_sampling_params(self, max_model_len: int) -> SamplingParams:
+        # Chat's default is "until the model stops": the engine ends the request at max_model_len anyway.
+        limit = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), max_model_len)
+        return self.sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None)
+
+    def engine_prompt(self) -> list[dict[str, str]]:
+        return [{"role": message.role, "content": message.text()} for message in self.messages]
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_in_range(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= 20:
+            raise ValueError(f"must be in [0, 20], got {value}")
+        return value
+
+
+# -- responses ---------------------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """The whole response, and also each stream chunk (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _without_empty_fields(self) -> dict:
+        # OpenAI sends the role once, in the first chunk, and the last chunk's delta may be empty: {}.
+        return {name: value for name, value in (("role", self.role), ("content", self.content)) if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "infer"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
