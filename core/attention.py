@@ -41,6 +41,31 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
 
+    @classmethod
+    def build(cls, block_tables: list[list[int]], num_cached: list[int], num_new: list[int], block_size: int,
+              device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Metadata for sequences with ``num_cached[i]`` tokens already in the pool computing ``num_new[i]`` more,
+        their K/V stored through ``block_tables[i]`` (what the engine's runner builds each step)."""
+        width = max(len(table) for table in block_tables)
+        tables = torch.tensor([table + [0] * (width - len(table)) for table in block_tables], dtype=torch.int32)
+        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(num_cached, num_new)])
+        seq_index = torch.repeat_interleave(torch.arange(len(num_new)), torch.tensor(num_new))
+        slots = tables[seq_index, positions // block_size].to(torch.int64) * block_size + positions % block_size
+        seq_lens = [c + n for c, n in zip(num_cached, num_new)]
+        query_start_loc = torch.zeros(len(num_new) + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.cumsum(torch.tensor(num_new, dtype=torch.int32), 0)
+        return cls(
+            positions=positions.to(device),
+            query_start_loc=query_start_loc.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=tables.to(device),
+            slot_mapping=slots.to(device),
+            max_query_len=max(num_new),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=list(num_new),
+            seq_lens_cpu=seq_lens,
+        )
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)

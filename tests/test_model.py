@@ -3,7 +3,6 @@ through the paged pool; the loader finds, fetches, converts and loads models."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import subprocess
 import zipfile
@@ -110,7 +109,7 @@ class PagedPool:
             table = self.block_tables.setdefault(name, [])
             needed = math.ceil((self.num_cached.get(name, 0) + len(new_tokens[name])) / self.block_size)
             table.extend(self.free_blocks.pop() for _ in range(needed - len(table)))
-        metadata = build_metadata(
+        metadata = AttentionMetadata.build(
             [self.block_tables[name] for name in names],
             [self.num_cached.get(name, 0) for name in names],
             [len(new_tokens[name]) for name in names],
@@ -122,29 +121,6 @@ class PagedPool:
         for name in names:
             self.num_cached[name] = self.num_cached.get(name, 0) + len(new_tokens[name])
         return dict(zip(names, logits))
-
-
-def build_metadata(block_tables: list[list[int]], num_cached: list[int], num_new: list[int], block_size: int):
-    """AttentionMetadata for sequences that have ``num_cached`` tokens in the pool and compute ``num_new`` more."""
-    positions = [list(range(cached, cached + new)) for cached, new in zip(num_cached, num_new)]
-    slots = [
-        table[position // block_size] * block_size + position % block_size
-        for table, seq_positions in zip(block_tables, positions)
-        for position in seq_positions
-    ]
-    width = max(len(table) for table in block_tables)
-    seq_lens = [cached + new for cached, new in zip(num_cached, num_new)]
-    return AttentionMetadata(
-        positions=torch.tensor([p for seq_positions in positions for p in seq_positions], dtype=torch.int64),
-        query_start_loc=torch.tensor([0, *itertools.accumulate(num_new)], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([table + [0] * (width - len(table)) for table in block_tables], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(num_new),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=list(num_new),
-        seq_lens_cpu=seq_lens,
-    )
 
 
 def random_tokens(count: int, seed: int, vocab_size: int = SMALL_VOCAB) -> list[int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -40,29 +39,6 @@ class Step:
     values: list[torch.Tensor]
 
 
-def build_metadata(block_tables: list[list[int]], num_cached: list[int], num_new: list[int], block_size: int):
-    """AttentionMetadata for sequences that have ``num_cached`` tokens in the pool and compute ``num_new`` more."""
-    positions = [list(range(cached, cached + new)) for cached, new in zip(num_cached, num_new)]
-    slots = [
-        table[position // block_size] * block_size + position % block_size
-        for table, seq_positions in zip(block_tables, positions)
-        for position in seq_positions
-    ]
-    width = max(len(table) for table in block_tables)
-    seq_lens = [cached + new for cached, new in zip(num_cached, num_new)]
-    return AttentionMetadata(
-        positions=torch.tensor([p for seq_positions in positions for p in seq_positions], dtype=torch.int64),
-        query_start_loc=torch.tensor([0, *itertools.accumulate(num_new)], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([table + [0] * (width - len(table)) for table in block_tables], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(num_new),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=list(num_new),
-        seq_lens_cpu=seq_lens,
-    )
-
-
 def make_step(sequences, *, num_heads, num_kv_heads, block_size, seed=0, dtype=torch.float32) -> Step:
     """Scatter each sequence over shuffled pool blocks, write its cached prefix, and draw this step's Q/K/V."""
     generator = torch.Generator().manual_seed(seed)
@@ -76,14 +52,14 @@ def make_step(sequences, *, num_heads, num_kv_heads, block_size, seed=0, dtype=t
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=generator).to(dtype)
     keys = [torch.randn(c + n, num_kv_heads, HEAD_DIM, generator=generator).to(dtype) for c, n in sequences]
     values = [torch.randn(c + n, num_kv_heads, HEAD_DIM, generator=generator).to(dtype) for c, n in sequences]
-    prefix = build_metadata(block_tables, [0] * len(sequences), num_cached, block_size)
+    prefix = AttentionMetadata.build(block_tables, [0] * len(sequences), num_cached, block_size)
     cached_keys = torch.cat([key[:cached] for key, cached in zip(keys, num_cached)])
     cached_values = torch.cat([value[:cached] for value, cached in zip(values, num_cached)])
     write_kv(kv_cache, cached_keys, cached_values, prefix.slot_mapping)
     q = torch.randn(sum(num_new), num_heads, HEAD_DIM, generator=generator).to(dtype)
     k = torch.cat([key[cached:] for key, cached in zip(keys, num_cached)])
     v = torch.cat([value[cached:] for value, cached in zip(values, num_cached)])
-    metadata = build_metadata(block_tables, num_cached, num_new, block_size)
+    metadata = AttentionMetadata.build(block_tables, num_cached, num_new, block_size)
     return Step(q, k, v, kv_cache, metadata, keys, values)
 
 

@@ -46,30 +46,8 @@ def reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.T
 def build_metadata(block_tables: list[list[int]], shapes: list[Shape], block_size: int,
                    device: torch.device) -> AttentionMetadata:
     """The batch metadata the engine's runner would build for sequences with these cached and query lengths."""
-    query_lens = [query_len for _, query_len in shapes]
-    seq_lens = [cached + query_len for cached, query_len in shapes]
-    positions = [position for cached, query_len in shapes for position in range(cached, cached + query_len)]
-    slots = [
-        table[position // block_size] * block_size + position % block_size
-        for table, (cached, query_len) in zip(block_tables, shapes)
-        for position in range(cached, cached + query_len)
-    ]
-    width = max(len(table) for table in block_tables)
-    padded_tables = [table + [0] * (width - len(table)) for table in block_tables]
-    query_start_loc = [0]
-    for query_len in query_lens:
-        query_start_loc.append(query_start_loc[-1] + query_len)
-    return AttentionMetadata(
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-    )
+    return AttentionMetadata.build(block_tables, [cached for cached, _ in shapes], [new for _, new in shapes],
+                                   block_size, device)
 
 
 @dataclass
