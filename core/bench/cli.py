@@ -1,0 +1,122 @@
+"""``infer bench`` and ``infer ablate`` (loaded lazily by ``infer.cli``)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from infer.bench.workloads import WORKLOADS
+from infer.cli import CONFIG_HELP
+
+# Workload option flags: (flag, type, help). Only the flags given are passed on, so each workload keeps its defaults.
+WORKLOAD_FLAGS = [
+    ("--num-requests", int, "Number of requests (chat, long-prompt short ones, single-stream, jsonl)."),
+    ("--input-len", int, "Prompt tokens (chat: the mean, +-20%; long-prompt: the short prompts)."),
+    ("--output-len", int, "Output tokens (chat: the maximum)."),
+    ("--min-output-len", int, "chat: the minimum output tokens."),
+    ("--groups", int, "shared-prefix: number of system prompts."),
+    ("--questions", int, "shared-prefix: questions per system prompt."),
+    ("--system-len", int, "shared-prefix: system prompt tokens."),
+    ("--question-len", int, "shared-prefix: question tokens."),
+    ("--long-len", int, "long-prompt: tokens of each long prompt."),
+    ("--num-long", int, "long-prompt: number of long prompts."),
+    ("--long-arrival-s", float, "long-prompt: seconds between long prompts' arrivals."),
+    ("--passage-words", int, "single-stream: words in a copy-heavy prompt's passage."),
+    ("--prompt-kind", click.Choice(["copy", "open", "mixed"]), "single-stream: which prompts."),
+    ("--prompts", click.Path(exists=True, dir_okay=False), "jsonl: the prompts file (infer run --prompts format)."),
+    ("--rate", float, "Poisson arrivals at this many requests/s (default: all at once)."),
+    ("--batch-size", int, "At most this many requests in flight (default: no cap; single-stream: 1)."),
+    ("--seed", int, "Seed of the workload generator (default 0)."),
+]
+
+
+def workload_flags(command):
+    for flag, flag_type, help_text in reversed(WORKLOAD_FLAGS):
+        command = click.option(flag, type=flag_type, default=None, help=help_text)(command)
+    return command
+
+
+def _command_line() -> str:
+    return "infer " + shlex.join(sys.argv[1:]) if sys.argv and Path(sys.argv[0]).name == "infer" else "infer"
+
+
+@click.command("bench", epilog=CONFIG_HELP)
+@click.argument("config")
+@click.argument("overrides", nargs=-1)
+@click.option("--workload", "workload_name", type=click.Choice(list(WORKLOADS)), default="chat", show_default=True,
+              help="Which workload to run.")
+@workload_flags
+@click.option("--baseline", type=click.Choice(["hf"]), help="Also run HF transformers generate on the same requests.")
+@click.option("--hf-batch-size", type=int, default=16, show_default=True, help="Static batch size of the HF baseline.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
+def bench(config: str, overrides: tuple[str, ...], workload_name: str, baseline: str | None, hf_batch_size: int,
+          json_path: Path | None, **flags) -> None:
+    """Run a workload on CONFIG and print throughput, latency and KV-cache metrics."""
+    from infer.bench.report import (
+        environment,
+        format_bench,
+        throughput_ratio,
+        write_json,
+    )
+    from infer.bench.runner import run_workload, tokenize_workload
+    from infer.bench.workloads import WorkloadError, build_workload
+    from infer.config import load_config
+    from infer.engine import Engine
+
+    resolved = load_config(config, list(overrides))
+    engine = Engine(resolved)
+    click.echo(engine.pool_plan.describe(), err=True)
+    options = {name: value for name, value in flags.items() if value is not None}
+    try:
+        workload = build_workload(workload_name, engine.tokenizer, **options)
+    except WorkloadError as error:
+        raise click.UsageError(str(error)) from error
+    click.echo(f"running {len(workload.requests)} {workload_name} requests ...", err=True)
+    summary = run_workload(engine, workload, show_progress=True).summary
+    hf = None
+    if baseline == "hf":
+        click.echo(f"running the HF transformers baseline (static batches of {hf_batch_size}) ...", err=True)
+        from infer.bench.hf_baseline import run_hf_baseline
+
+        hf = run_hf_baseline(resolved.model.path, engine.dtype, engine.device, tokenize_workload(engine, workload),
+                             hf_batch_size, engine.eos_token_ids, show_progress=True)
+    click.echo(format_bench(workload_name, summary, hf))
+    if json_path is not None:
+        write_json(json_path, {"command": _command_line(), **environment(), "config": resolved.to_dict(),
+                               "dtype": str(engine.dtype).removeprefix("torch."),
+                               "workload": {"name": workload_name, "options": workload.options}, "infer": summary,
+                               "hf": hf, "infer_over_hf": throughput_ratio(summary, hf) if hf else None})
+        click.echo(f"wrote {json_path}", err=True)
+
+
+@click.command("ablate")
+@click.argument("ablation_file", metavar="ABLATION")
+@click.argument("overrides", nargs=-1)
+@click.option("--repeats", type=click.IntRange(min=1), help="Runs per combination (default: the file's, else 1).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Output folder (default: ablation-results/NAME).")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+def ablate(ablation_file: str, overrides: tuple[str, ...], repeats: int | None, out_dir: Path | None,
+           no_progress: bool) -> None:
+    """Run every combination of an ablation file's grid and write CSV, JSON, a markdown table and plots.
+
+    ABLATION is a YAML file or a shipped ablation (memory, prefix, spec, attention). OVERRIDES are key=value for the
+    base config, or workload.KEY=VALUE for the workload (workload.num_requests=16).
+    """
+    from infer.bench.ablate import AblationError, load_ablation, run_ablation
+    from infer.bench.report import write_ablation_report
+
+    try:
+        ablation = load_ablation(ablation_file, list(overrides), repeats)
+    except AblationError as error:
+        raise click.UsageError(str(error)) from error
+    results = run_ablation(ablation, show_progress=not no_progress)
+    out_dir = out_dir or Path("ablation-results") / ablation.name
+    paths = write_ablation_report(ablation, results, out_dir, _command_line())
+    click.echo((out_dir / "results.md").read_text())
+    failed = [result for result in results if result.error is not None]
+    click.echo(f"wrote {len(paths)} files to {out_dir}" + (f"; {len(failed)} combination(s) failed" if failed else ""),
+               err=True)

@@ -1,0 +1,121 @@
+"""Replays a workload against an engine: each request is added when its arrival time comes (and, with a batch
+size, when a slot is free), the engine steps until everything finished, and the run is summarized.
+
+TTFT counts from the moment a request could be sent: its arrival time, or later when every slot was busy then (the
+time the slot it takes became free), as vLLM's benchmark starts its clock after the concurrency semaphore.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from infer.bench.workloads import Workload
+from infer.engine import RequestError
+from infer.metrics import summarize
+from infer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from infer.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedRequest:
+    """A workload request with its prompt already tokenized (tokenizing is not part of what is timed)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_s: float
+
+
+@dataclass(slots=True)
+class RunResult:
+    """What a run produced: per-request outputs, the wall time from start to the last finish, and the summary."""
+
+    outputs: list[RequestOutput]
+    wall_time_s: float
+    summary: dict
+
+
+class RequestSlots:
+    """Free in-flight slots, each with the time it became free; unlimited without a batch size."""
+
+    def __init__(self, batch_size: int | None, start: float):
+        self.free_since = deque([start] * batch_size) if batch_size else None
+
+    def available(self) -> bool:
+        return self.free_since is None or bool(self.free_since)
+
+    def take(self, arrival: float) -> float:
+        """Occupy a slot for a request that arrived at ``arrival``; returns when it could first be sent."""
+        return arrival if self.free_since is None else max(arrival, self.free_since.popleft())
+
+    def give_back(self, when: float) -> None:
+        if self.free_since is not None:
+            self.free_since.append(when)
+
+
+def tokenize_workload(engine, workload: Workload) -> list[TokenizedRequest]:
+    """Every prompt as token ids with the engine's tokenizer (chat templates applied), in arrival order."""
+    requests = sorted(enumerate(workload.requests), key=lambda pair: pair[1].arrival_s)
+    return [TokenizedRequest(f"bench-{index}", engine.tokenize(request.prompt)[1], request.params, request.arrival_s)
+            for index, request in requests]
+
+
+def run_workload(engine, workload: Workload, show_progress: bool = False) -> RunResult:
+    """Replay ``workload`` on ``engine`` (fresh, or at least idle) and summarize it."""
+    from tqdm import tqdm
+
+    requests = tokenize_workload(engine, workload)
+    with tqdm(total=len(requests), desc=workload.name, unit="req", disable=not show_progress,
+              dynamic_ncols=True) as progress:
+        outputs, wall_time_s = replay(engine, requests, workload.batch_size, on_finish=lambda: progress.update(1))
+    summary = summarize(outputs, engine, wall_time_s)
+    summary["batch_size"] = workload.batch_size
+    return RunResult(outputs, wall_time_s, summary)
+
+
+def replay(engine, requests: list[TokenizedRequest], batch_size: int | None,
+           on_finish: Callable[[], None] = lambda: None) -> tuple[list[RequestOutput], float]:
+    """Step ``engine`` until every request (in arrival order) is added and finished, calling ``on_finish`` for each
+    finished one; returns the outputs in finishing order and the wall time."""
+    pending = deque(requests)
+    outputs: list[RequestOutput] = []
+    start = time.perf_counter()
+    slots = RequestSlots(batch_size, start)
+
+    def finish(output: RequestOutput, slot_free_at: float) -> None:
+        outputs.append(output)
+        slots.give_back(slot_free_at)
+        on_finish()
+
+    while pending or engine.has_unfinished():
+        _add_due_requests(engine, pending, slots, start, finish)
+        if engine.has_unfinished():
+            for output in engine.step():
+                engine.release_request(output.request_id)
+                finish(output, output.metrics.finish_time)
+        elif pending and not slots.available():
+            raise RuntimeError("the engine is idle but requests it was given never came back as outputs "
+                               f"({len(pending)} still to send); a request was dropped without an output")
+        elif pending:
+            time.sleep(max(0.0, start + pending[0].arrival_s - time.perf_counter()))
+    return outputs, time.perf_counter() - start
+
+
+def _add_due_requests(engine, pending: deque[TokenizedRequest], slots: RequestSlots, start: float,
+                      finish: Callable[[RequestOutput, float], None]) -> None:
+    """Add every request whose arrival time has come, while slots are free; a refused one finishes at once."""
+    while pending and slots.available() and start + pending[0].arrival_s <= time.perf_counter():
+        request = pending.popleft()
+        arrival_time = slots.take(start + request.arrival_s)
+        try:
+            engine.add_request(request.prompt_token_ids, request.params, request.request_id, arrival_time)
+        except RequestError as error:
+            finish(_refused_output(request, arrival_time, str(error)), time.perf_counter())
+
+
+def _refused_output(request: TokenizedRequest, arrival_time: float, message: str) -> RequestOutput:
+    return RequestOutput(request.request_id, None, request.prompt_token_ids,
+                         [CompletionOutput(0, "", [], "error")], True, RequestMetrics(arrival_time), error=message)

@@ -1,0 +1,323 @@
+"""``infer bench`` and ``infer ablate``: seeded workloads, arrival patterns, the replaying runner, the HF baseline,
+and a whole ablation on a tiny random model, end to end through the command line."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import random
+import statistics
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from infer.bench.ablate import CombinationResult, load_ablation
+from infer.bench.arrivals import arrival_offsets
+from infer.bench.hf_baseline import left_pad, own_output_length
+from infer.bench.runner import TokenizedRequest, run_workload
+from infer.bench.workloads import WorkloadError, build_workload, workload_options
+from infer.cli import main
+from infer.config import load_config
+from infer.registry import get_registry
+from infer.sampling_params import SamplingParams
+
+SYNTHETIC = ["chat", "shared-prefix", "long-prompt", "single-stream"]
+SMALL_OPTIONS = {
+    "chat": {"num_requests": 6, "min_output_len": 2, "output_len": 6},
+    "shared-prefix": {"groups": 2, "questions": 3, "system_len": 40, "question_len": 6, "output_len": 3},
+    "long-prompt": {"num_requests": 3, "output_len": 4, "long_len": 100, "long_arrival_s": 0.05},
+    "single-stream": {"num_requests": 3, "output_len": 4, "passage_words": 20},
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The tiny model's matmuls are too small to split; one thread spares OpenMP waits on a busy shared machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from infer.loader import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture
+def tiny_overrides(model_dir):
+    # A fixed pool (cache.num_blocks) skips the startup activation profile: tests stay fast.
+    return [f"model.path={model_dir}", "model.dtype=float32", "model.max_model_len=256", "cache.num_blocks=129"]
+
+
+def tiny_engine(overrides):
+    from infer.engine import Engine
+
+    return Engine(load_config("baseline", overrides))
+
+
+# -- workloads -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_workloads_are_deterministic_under_a_seed(tokenizer, name):
+    first = build_workload(name, tokenizer, seed=3, **SMALL_OPTIONS[name])
+    again = build_workload(name, tokenizer, seed=3, **SMALL_OPTIONS[name])
+    other = build_workload(name, tokenizer, seed=4, **SMALL_OPTIONS[name])
+    assert first.requests == again.requests
+    assert [r.prompt for r in first.requests] != [r.prompt for r in other.requests]
+
+
+def test_poisson_arrivals_have_the_requested_mean_gap():
+    offsets = arrival_offsets(4001, rate=8.0, rng=random.Random(1))
+    gaps = [b - a for a, b in itertools.pairwise(offsets)]
+    assert offsets[0] == 0.0 and all(gap >= 0 for gap in gaps)
+    assert statistics.mean(gaps) == pytest.approx(1 / 8, rel=0.05)
+    # Exponential gaps: the spread equals the mean (a fixed interval would have none).
+    assert statistics.stdev(gaps) == pytest.approx(1 / 8, rel=0.1)
+
+
+def test_arrivals_are_all_at_once_without_a_rate():
+    assert arrival_offsets(5, rate=None, rng=random.Random(0)) == [0.0] * 5
+    with pytest.raises(ValueError, match="rate must be positive"):
+        arrival_offsets(5, rate=0.0, rng=random.Random(0))
+
+
+def test_chat_mixes_lengths_within_bounds_and_outputs_are_exact(tokenizer):
+    workload = build_workload("chat", tokenizer, num_requests=40, rate=10.0)
+    lengths = [len(request.prompt) for request in workload.requests]
+    outputs = [request.params.max_tokens for request in workload.requests]
+    assert all(40 <= length <= 60 for length in lengths) and len(set(lengths)) > 5
+    assert all(16 <= n <= 256 for n in outputs) and len(set(outputs)) > 10
+    assert all(request.params.greedy and request.params.ignore_eos for request in workload.requests)
+    arrivals = [request.arrival_s for request in workload.requests]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 0
+
+
+def test_synthetic_prompts_are_real_words(tokenizer):
+    prompt = build_workload("chat", tokenizer, num_requests=1).requests[0].prompt
+    words = tokenizer.decode(prompt).split()
+    from infer.bench.words import WORDS
+
+    assert sum(word in WORDS for word in words[:-1]) == len(words) - 1
+
+
+def test_shared_prefix_groups_share_system_prompts_and_arrive_interleaved(tokenizer):
+    workload = build_workload("shared-prefix", tokenizer, groups=3, questions=2, system_len=40, question_len=6,
+                              output_len=5)
+    prompts = [request.prompt for request in workload.requests]
+    assert len(prompts) == 6 and all(len(prompt) == 46 for prompt in prompts)
+    systems = [prompt[:40] for prompt in prompts]
+    assert systems[:3] == systems[3:]  # question 0 of groups 0, 1, 2, then question 1 of each
+    assert len({tuple(system) for system in systems}) == 3
+    assert len({tuple(prompt[40:]) for prompt in prompts}) == 6
+    assert {request.params.max_tokens for request in workload.requests} == {5}
+
+
+def test_long_prompt_arrives_while_short_requests_decode(tokenizer):
+    workload = build_workload("long-prompt", tokenizer, num_requests=4, input_len=10, long_len=300, num_long=2,
+                              long_arrival_s=0.5)
+    long = [request for request in workload.requests if len(request.prompt) == 300]
+    assert [request.arrival_s for request in long] == [0.5, 1.0]
+    assert sum(len(request.prompt) == 10 and request.arrival_s == 0 for request in workload.requests) == 4
+
+
+def test_single_stream_alternates_copy_and_open_prompts_at_batch_size_one(tokenizer):
+    workload = build_workload("single-stream", tokenizer, num_requests=4, passage_words=30)
+    texts = [request.prompt[0]["content"] for request in workload.requests]
+    assert workload.batch_size == 1
+    assert texts[0].startswith("Repeat the following passage") and texts[2].startswith("Copy the following")
+    assert len(texts[0].split("\n\n")[1].split()) == 30
+    assert "\n\n" not in texts[1]
+
+
+def test_jsonl_workload_replays_the_users_prompts(tokenizer, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "Hello there"}\n{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 7}\n'
+                    '{"prompt": [1, 2, 3]}\n')
+    workload = build_workload("jsonl", tokenizer, prompts=str(path), num_requests=2)
+    assert [request.prompt for request in workload.requests] == ["Hello there", [{"role": "user", "content": "Hi"}]]
+    assert workload.requests[1].params.max_tokens == 7 and workload.requests[0].params.greedy
+
+
+def test_unknown_workload_option_names_the_close_one(tokenizer):
+    with pytest.raises(WorkloadError, match='"question" \\(did you mean "questions"\\?\\)'):
+        build_workload("shared-prefix", tokenizer, question=3)
+    with pytest.raises(WorkloadError, match='unknown workload "chatt" \\(did you mean "chat"\\?\\)'):
+        build_workload("chatt", tokenizer)
+    assert {"seed", "batch_size", "groups"} <= set(workload_options("shared-prefix"))
+
+
+# -- runner and HF baseline ------------------------------------------------------------------------------------
+def test_runner_caps_requests_in_flight_at_the_batch_size(tiny_overrides):
+    engine = tiny_engine(tiny_overrides)
+    workload = build_workload("chat", engine.tokenizer, num_requests=5, min_output_len=3, output_len=5,
+                              batch_size=2)
+    result = run_workload(engine, workload)
+    assert engine.stats.peak_running == 2
+    assert result.summary["output_tokens"] == sum(request.params.max_tokens for request in workload.requests)
+    assert result.summary["batch_size"] == 2
+
+
+def test_runner_adds_requests_at_their_arrival_times(tiny_overrides):
+    engine = tiny_engine(tiny_overrides)
+    workload = build_workload("chat", engine.tokenizer, num_requests=4, min_output_len=2, output_len=3, rate=10.0)
+    result = run_workload(engine, workload)
+    first_arrival = min(output.metrics.arrival_time for output in result.outputs)
+    arrivals = sorted(output.metrics.arrival_time - first_arrival for output in result.outputs)
+    assert arrivals == pytest.approx([request.arrival_s for request in workload.requests], abs=1e-6)
+    assert result.wall_time_s >= workload.requests[-1].arrival_s
+
+
+def test_runner_reports_a_refused_prompt_and_serves_the_rest(tiny_overrides, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": [5] * 300}, {"prompt": [5] * 10, "max_tokens": 3, "ignore_eos": True}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    engine = tiny_engine(tiny_overrides)
+    workload = build_workload("jsonl", engine.tokenizer, prompts=str(path), batch_size=1)
+    result = run_workload(engine, workload)
+    assert result.summary["requests"] == 2 and result.summary["errors"] == 1
+    refused = next(output for output in result.outputs if output.error)
+    assert "max_model_len" in refused.error and result.summary["output_tokens"] == 3
+
+
+def test_hf_baseline_counts_only_each_requests_own_tokens():
+    eos = {2}
+    row = torch.tensor([5, 2, 7, 8, 2, 9])
+
+    def own(**params):
+        return own_output_length(row, TokenizedRequest("r", [1], SamplingParams(**params), 0.0), eos)
+
+    assert own(max_tokens=4, ignore_eos=True) == 4
+    assert own(max_tokens=6) == 2  # up to and including the first EOS
+    assert own(max_tokens=6, min_tokens=2) == 5  # the engine bans EOS before min_tokens
+    assert own(max_tokens=3, stop_token_ids=[7], ignore_eos=True) == 3
+
+
+def test_left_padding_puts_every_prompt_at_the_right_edge():
+    input_ids, mask = left_pad([[4, 5, 6], [7]], pad_token_id=0)
+    assert input_ids.tolist() == [[4, 5, 6], [0, 0, 7]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_bench_prints_the_table_and_writes_json_with_the_hf_baseline(tiny_overrides, tmp_path):
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, ["bench", "baseline", *tiny_overrides, "--workload", "chat", "--num-requests",
+                                       "5", "--min-output-len", "2", "--output-len", "6", "--baseline", "hf",
+                                       "--hf-batch-size", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    for row in ("output tok/s", "TTFT p50 / p99", "TPOT p50 / p99", "ITL p50 / p99", "prefill tokens computed",
+                "prefix hit rate", "KV utilization", "peak KV blocks", "preemptions", "spec tokens per verify pass",
+                "HF transformers generate (static batches of 2", "infer / HF output tok/s"):
+        assert row in result.output
+    data = json.loads(out.read_text())
+    requested = data["infer"]["output_tokens"]
+    # Both sides produce exactly each request's own length (ignore_eos), so they count the same tokens.
+    assert 5 * 2 <= requested <= 5 * 6 and data["hf"]["output_tokens"] == requested
+    assert data["hf"]["generated_tokens"] >= requested
+    assert data["infer_over_hf"] == pytest.approx(data["infer"]["output_tok_per_s"] / data["hf"]["output_tok_per_s"])
+    assert data["workload"]["options"]["num_requests"] == 5 and data["dtype"] == "float32"
+
+
+def test_bench_rejects_an_option_the_workload_does_not_have(tiny_overrides):
+    result = CliRunner().invoke(main, ["bench", "baseline", *tiny_overrides, "--workload", "chat", "--groups", "2"])
+    assert result.exit_code == 2 and 'workload "chat" has no option "groups"' in result.output
+
+
+# -- ablations ---------------------------------------------------------------------------------------------------
+def write_ablation(tmp_path, model_dir, grid: str, repeats: int = 1):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(f"""
+base:
+  config: baseline
+  overrides:
+    model.path: {model_dir}
+    model.dtype: float32
+    model.max_model_len: 256
+    cache.num_blocks: 129
+workload: {{name: shared-prefix, groups: 2, questions: 3, system_len: 48, question_len: 6, output_len: 3}}
+grid:
+{grid}
+repeats: {repeats}
+""")
+    return path
+
+
+def test_ablate_runs_every_combination_and_writes_csv_table_json_and_plots(tmp_path, model_dir):
+    ablation = write_ablation(tmp_path, model_dir, "  prefix_cache.name: [none, radix]\n"
+                                                   "  scheduler.name: [fcfs, lpm]", repeats=2)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["ablate", str(ablation), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    combinations = [("none", "fcfs"), ("none", "lpm"), ("radix", "fcfs"), ("radix", "lpm")]
+
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert [(row["prefix_cache.name"], row["scheduler.name"]) for row in rows] == combinations
+    assert all(row["error"] == "" and row["repeats_ok"] == "2" for row in rows)
+    assert all(float(row["output_tok_per_s_min"]) <= float(row["output_tok_per_s"])
+               <= float(row["output_tok_per_s_max"]) for row in rows)
+    # The grid really reached the engine: only radix reuses the shared system prompts (with lpm holding back the
+    # second request of a group until the first one's prefix is cached).
+    hits = {(row["prefix_cache.name"], row["scheduler.name"]): float(row["prefix_hit_rate"]) for row in rows}
+    assert hits["none", "fcfs"] == hits["none", "lpm"] == 0 and hits["radix", "lpm"] > 0
+
+    table = (out / "results.md").read_text()
+    assert "`infer" in table and "median of 2 run(s) [min-max]" in table
+    for cache, scheduler in combinations:
+        assert f"| {cache} | {scheduler} |" in table
+
+    data = json.loads((out / "results.json").read_text())
+    assert [tuple(c["settings"].values()) for c in data["combinations"]] == combinations
+    assert all(len(c["runs"]) == 2 for c in data["combinations"])
+
+    for metric in ("output_tok_per_s", "ttft_p50_s", "prefix_hit_rate", "kv_utilization", "peak_kv_blocks"):
+        assert (out / "plots" / f"{metric}.png").read_bytes().startswith(b"\x89PNG")
+    assert not (out / "plots" / "spec_accepted_per_pass.png").exists()  # nothing measured it
+
+
+def test_a_failing_combination_is_reported_and_the_others_still_run(tmp_path, model_dir):
+    ablation = write_ablation(tmp_path, model_dir, "  scheduler.name: [lmp, fcfs]")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["ablate", str(ablation), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert 'unknown scheduler "lmp"' in rows[0]["error"] and rows[0]["repeats_ok"] == "0"
+    assert rows[1]["error"] == "" and float(rows[1]["output_tok_per_s"]) > 0
+    assert 'unknown scheduler "lmp"' in (out / "results.md").read_text()
+    assert "1 combination(s) failed" in result.output
+
+
+def test_median_and_spread_over_repeats():
+    result = CombinationResult({"k": 1}, runs=[{"tok": 10.0, "ttft": None}, {"tok": 30.0, "ttft": 0.5},
+                                               {"tok": 20.0, "ttft": 0.7}])
+    assert result.aggregate(statistics.median) == {"tok": 20.0, "ttft": 0.6}
+    assert result.aggregate(min)["tok"] == 10.0 and result.aggregate(max)["tok"] == 30.0
+
+
+@pytest.mark.parametrize(("name", "count"), [("memory", 2), ("prefix", 6), ("spec", 24), ("attention", 4)])
+def test_shipped_ablations_parse_and_name_only_real_workload_options(name, count):
+    ablation = load_ablation(name)
+    combinations = ablation.combinations()
+    assert len(combinations) == count
+    drafters = get_registry().names("drafter")
+    for combination in combinations:
+        options = ablation.workload_options(combination)
+        assert set(options) - {"name"} <= set(workload_options(options["name"]))
+        if combination.get("drafter.name", "none") in drafters:  # drafters still being written may be absent
+            load_config(ablation.base_config, ablation.config_overrides(combination))
+
+
+def test_command_line_overrides_reach_the_base_config_and_the_workload():
+    ablation = load_ablation("memory", ["model.dtype=float32", "workload.num_requests=8"], repeats=3)
+    assert ablation.base_overrides[-1] == "model.dtype=float32"
+    assert ablation.workload["num_requests"] == 8 and ablation.repeats == 3
+    assert ablation.config_overrides({"allocator.name": "paged"})[-1] == "allocator.name=paged"
