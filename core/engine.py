@@ -17,6 +17,7 @@ from infer.kv_cache_manager import KVCacheManager
 from infer.kv_pool import free_device_memory, kv_bytes_per_token, plan_kv_pool
 from infer.memory import measure_peak_bytes
 from infer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from infer.rejection_sampler import verify_sampled_drafts
 from infer.runner import ModelRunner, StepOutput
 from infer.sampler import Sampler, SampleRequest
 from infer.sampling_params import SamplingParams
@@ -126,16 +127,19 @@ class Engine:
         self.max_model_len = config.model.max_model_len
         self._check_max_model_len(loaded)
         self.attention = self._build_attention()
+        # Before sizing the pool: a drafter with its own KV takes its share of the budget.
+        self.drafter = self._plugin("drafter")(config.drafter, engine=self)
         self.pool_plan = self._size_pool()
         self.kv_cache = torch.zeros(self.attention.kv_cache_shape(self.model.num_layers, self.pool_plan.num_blocks),
                                     dtype=self.dtype, device=self.device)
+        if self.drafter.kv_bytes_per_token():
+            self.drafter.allocate_kv_cache(self.pool_plan.num_blocks)
         self.allocator = self._plugin("allocator")(self.pool_plan.num_blocks, config.cache.block_size,
                                                    self.max_model_len, config.allocator)
         self.prefix_cache = self._plugin("prefix_cache")(self.allocator, config.cache.block_size, config.prefix_cache)
         self.scheduler = self._plugin("scheduler")(config.scheduler)
         self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
         self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device)
-        self.drafter = self._plugin("drafter")(config.drafter, engine=self)
         self.sampler = Sampler()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -164,7 +168,7 @@ class Engine:
     def _size_pool(self):
         cache = self.config.cache
         bytes_per_token = kv_bytes_per_token(self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
-                                             self.dtype)
+                                             self.dtype) + self.drafter.kv_bytes_per_token()
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         activation_bytes = 0 if cache.num_blocks is not None else self._profile_activations(bytes_per_token)
         return plan_kv_pool(
@@ -285,9 +289,10 @@ class Engine:
         if plan:
             output = self.runner.execute(plan.scheduled, want_hidden=self.drafter.needs_hidden_states)
             finished = self._process(plan, output)
+            self.drafter.observe(output)
             self._propose_drafts()
         elif self.waiting and not self.running:
-            self._refuse_unschedulable()
+            finished = self._refuse_unschedulable()
         self._record_step(plan, time.perf_counter() - start)
         return [self._request_output(request) for request in finished]
 
@@ -300,6 +305,7 @@ class Engine:
                                   self._banned_tokens(row.seq, row.first_position + j))
                     for row in output.rows for j in range(row.count)]
         tokens = self.sampler.sample(output.logits, requests)
+        self._verify_sampled_drafts(output, requests, tokens)
         logprobs = self.sampler.logprobs(output.logits, tokens, [r.params.logprobs for r in requests])
         now = time.perf_counter()
         finished: list[Request] = []
@@ -311,6 +317,19 @@ class Engine:
         for seq in self.running:
             self._offer_to_cache(seq)
         return finished
+
+    @staticmethod
+    def _verify_sampled_drafts(output: StepOutput, requests: list[SampleRequest], tokens: list[int]) -> None:
+        """For sampled requests whose drafts came with q, replace the row's tokens by rejection sampling's choice
+        (accept with min(1, p/q), residual max(0, p - q)); ``_accept`` then commits exactly those."""
+        for row in output.rows:
+            seq = row.seq
+            if seq.draft_probs is None or not seq.draft_token_ids or seq.params.greedy:
+                continue
+            rows = slice(row.start, row.start + row.count)
+            drafts = seq.draft_token_ids[: row.count - 1]
+            chosen = verify_sampled_drafts(output.logits[rows], requests[rows], drafts, seq.draft_probs)
+            tokens[row.start:row.start + len(chosen)] = chosen
 
     def _banned_tokens(self, seq: Sequence, position: int) -> tuple[int, ...]:
         if position - seq.num_prompt_tokens >= seq.params.min_tokens:
@@ -331,6 +350,7 @@ class Engine:
             self.stats.num_verify_passes += 1
             self.stats.num_accepted_tokens += len(accepted)
         seq.draft_token_ids = []
+        seq.draft_probs = None
         # K/V is valid for the committed tokens and the accepted drafts; rejected draft slots are overwritten later.
         seq.num_computed_tokens = seq.num_tokens + len(accepted) - 1
         for token, logprob in zip(accepted, logprobs):
@@ -401,21 +421,31 @@ class Engine:
         if request is not None and request.finished:
             self.registry.hook.request_finished(engine=self, output=self._request_output(request))
 
-    def _refuse_unschedulable(self) -> None:
+    def _refuse_unschedulable(self) -> list[Request]:
         """Nothing runs and nothing could be admitted: fail the head request rather than spin forever."""
         seq = self.waiting[0]
         logger.error("request %s cannot be scheduled with an empty batch; finishing it with an error", seq.request_id)
-        self._finish(seq, "error")
+        request = self.requests[seq.request_id]
+        for member in request.seqs:
+            if not member.is_finished:
+                self._finish(member, "error")
+        return [request]
 
     def _propose_drafts(self) -> None:
         k = self.config.drafter.num_speculative_tokens
         decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
         if not decoding or k <= 0 or len(self.running) > self.config.drafter.max_batch_size:
             return
+        if self.drafter.kv_bytes_per_token():
+            # The drafter writes KV for the guesses it feeds itself: reserve the verify step's slots now (a sequence
+            # that cannot get them drafts nothing this step).
+            decoding = [seq for seq in decoding if self.kv.allocate(seq, k + 1)]
         proposals = self.drafter.propose(decoding, k)
         for seq, drafts in zip(decoding, proposals):
             room = min(self.max_model_len - seq.num_tokens - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
             seq.draft_token_ids = list(drafts[: max(room, 0)])
+            probs = getattr(drafts, "probs", None)
+            seq.draft_probs = None if probs is None else probs[: len(seq.draft_token_ids)]
             self.stats.num_draft_tokens += len(seq.draft_token_ids)
 
     def _record_step(self, plan: StepPlan, duration: float) -> None:
