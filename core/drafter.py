@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
+    import torch
+
+    from infer.runner import StepOutput
     from infer.sequence import Sequence
 
 
@@ -21,12 +24,32 @@ class DrafterConfig(BaseModel):
     max_batch_size: int = 8
 
 
+class SampledDrafts(list):
+    """Draft token ids that a drafter drew at random, with the distributions it drew them from.
+
+    ``probs`` is ``[len(self), vocab]`` float32: row j is the q that token j was sampled from. For sampled requests
+    the engine then accepts token j with probability min(1, p/q) and, on rejection, samples from
+    normalize(max(0, p - q)), so the output follows the target's distribution. A plain list means one-hot q (a
+    deterministic guess): the engine samples the target's token at each position and accepts while it agrees.
+    """
+
+    def __init__(self, token_ids: list[int], probs: "torch.Tensor"):
+        super().__init__(token_ids)
+        self.probs = probs
+
+
 class Drafter(ABC):
     """Proposes up to k draft tokens per running sequence; the engine verifies them with the target.
 
     ``propose`` is called after each step for sequences in decode; ``rollback`` tells the drafter that sequence
     ``seq`` now has ``num_tokens`` committed tokens (drafts past it were rejected) so it can drop its own state.
-    ``release`` is called when a sequence finishes or is preempted.
+    ``release`` is called when a sequence finishes or is preempted. ``observe`` sees every target step.
+
+    A drafter with its own KV (a draft model, an EAGLE head) keeps it in a pool of the target's block geometry,
+    indexed by the sequences' own ``block_table``: the allocator and the prefix cache then serve both pools. It
+    says how many bytes a token slot of that pool costs (``kv_bytes_per_token``), so the engine sizes the target
+    pool and its own from one budget, and receives the block count in ``allocate_kv_cache``. Before ``propose`` the
+    engine gives each sequence blocks for k more tokens, so guesses fed to the drafter have slots.
     """
 
     config_model: ClassVar[type[DrafterConfig]] = DrafterConfig
@@ -38,7 +61,23 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, sequences: list["Sequence"], k: int) -> list[list[int]]:
-        """At most ``k`` draft token ids for each sequence (an empty list: no guess)."""
+        """At most ``k`` draft token ids for each sequence (an empty list: no guess); ``SampledDrafts`` for guesses
+        drawn at random."""
+
+    def observe(self, output: "StepOutput") -> None:
+        """Called after every target step, once its tokens are accepted. When ``needs_hidden_states`` is set,
+        ``output.hidden_states[row.start + j]`` is the target's final hidden state at position
+        ``row.first_position + j`` of ``row.seq``, for each ``row`` in ``output.token_rows``; rows past the sequence's
+        ``num_computed_tokens`` belong to rejected drafts, and a sequence that finished in this step was already
+        released."""
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of the drafter's own KV per token slot (0: it keeps none)."""
+        return 0
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the drafter's KV pool: ``num_blocks`` blocks of the target's block size (called once, when
+        ``kv_bytes_per_token`` is not 0)."""
 
     def rollback(self, seq: "Sequence", num_tokens: int) -> None:
         """The sequence's committed length is now ``num_tokens``; forget draft-side state past it."""

@@ -25,7 +25,11 @@ class BatchRows:
 class StepOutput:
     logits: torch.Tensor  # [num_rows, vocab] float32
     rows: list[BatchRows]
-    hidden_states: torch.Tensor | None = None  # [num_rows, hidden] when a drafter needs them
+    # When a drafter needs them: the final hidden state of every token of the step, [num_tokens, hidden], and where
+    # each scheduled sequence's tokens sit in it (``token_rows``; there ``first_position`` is the position of the
+    # span's first token itself, not of a predicted one).
+    hidden_states: torch.Tensor | None = None
+    token_rows: list[BatchRows] | None = None
 
 
 def step_tokens(seq: Sequence, num_new_tokens: int) -> list[int]:
@@ -41,6 +45,36 @@ def step_tokens(seq: Sequence, num_new_tokens: int) -> list[int]:
     return tokens + seq.draft_token_ids[: end - committed]
 
 
+def paged_metadata(block_tables: list[list[int]], starts: list[int], query_lens: list[int], block_size: int,
+                   device: torch.device) -> AttentionMetadata:
+    """Batch metadata for sequences whose ``query_lens[i]`` new tokens sit at positions ``starts[i]`` onwards, their
+    K/V at slots of ``block_tables[i]`` (the runner's, and any drafter's pool in the same block geometry)."""
+    positions: list[int] = []
+    for start, num_new in zip(starts, query_lens):
+        positions.extend(range(start, start + num_new))
+    seq_lens = [start + num_new for start, num_new in zip(starts, query_lens)]
+    max_blocks = max(len(table) for table in block_tables)
+    padded_tables = torch.tensor([table + [0] * (max_blocks - len(table)) for table in block_tables],
+                                 dtype=torch.int32)
+    positions_t = torch.tensor(positions, dtype=torch.int64)
+    seq_index = torch.repeat_interleave(torch.arange(len(block_tables)), torch.tensor(query_lens))
+    block_ids = padded_tables[seq_index, positions_t // block_size].to(torch.int64)
+    slot_mapping = block_ids * block_size + positions_t % block_size
+    query_start_loc = torch.zeros(len(block_tables) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
+    return AttentionMetadata(
+        positions=positions_t.to(device),
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=padded_tables.to(device),
+        slot_mapping=slot_mapping.to(device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=seq_lens,
+    )
+
+
 class ModelRunner:
     """Owns the KV pool tensor and runs one forward pass per step."""
 
@@ -53,35 +87,11 @@ class ModelRunner:
 
     def build_metadata(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
         input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
         for seq, num_new in scheduled:
-            start = seq.num_computed_tokens
             input_ids.extend(step_tokens(seq, num_new))
-            positions.extend(range(start, start + num_new))
-            query_lens.append(num_new)
-            seq_lens.append(start + num_new)
-        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in scheduled]
-        block_tables = torch.tensor(tables, dtype=torch.int32)
-        positions_t = torch.tensor(positions, dtype=torch.int64)
-        seq_index = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(query_lens))
-        block_ids = block_tables[seq_index, positions_t // self.block_size].to(torch.int64)
-        slot_mapping = block_ids * self.block_size + positions_t % self.block_size
-        query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
-        metadata = AttentionMetadata(
-            positions=positions_t.to(self.device),
-            query_start_loc=query_start_loc.to(self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            block_tables=block_tables.to(self.device),
-            slot_mapping=slot_mapping.to(self.device),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
+        metadata = paged_metadata([seq.block_table for seq, _ in scheduled],
+                                  [seq.num_computed_tokens for seq, _ in scheduled],
+                                  [num_new for _, num_new in scheduled], self.block_size, self.device)
         return torch.tensor(input_ids, dtype=torch.int64, device=self.device), metadata
 
     @staticmethod
@@ -108,4 +118,18 @@ class ModelRunner:
         index = torch.tensor(indices, dtype=torch.int64, device=hidden.device)
         selected = hidden.index_select(0, index)
         logits = self.model.compute_logits(selected)
-        return StepOutput(logits=logits.float(), rows=rows, hidden_states=selected if want_hidden else None)
+        if not want_hidden:
+            return StepOutput(logits=logits.float(), rows=rows)
+        return StepOutput(logits=logits.float(), rows=rows, hidden_states=hidden,
+                          token_rows=self.token_rows(scheduled))
+
+    @staticmethod
+    def token_rows(scheduled: list[tuple[Sequence, int]]) -> list[BatchRows]:
+        """Each scheduled sequence's span of the step's flattened tokens (taken before the engine advances
+        ``num_computed_tokens``)."""
+        rows: list[BatchRows] = []
+        offset = 0
+        for seq, num_new in scheduled:
+            rows.append(BatchRows(seq, offset, num_new, seq.num_computed_tokens))
+            offset += num_new
+        return rows

@@ -37,6 +37,8 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
+    # [len(draft_token_ids), vocab] float32 when the drafter sampled its guesses (``infer.drafter.SampledDrafts``).
+    draft_probs: object | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
     arrival_time: float = 0.0

@@ -1,9 +1,11 @@
 """Conformance suite for speculative-decoding drafters (contract: ``infer.drafter.Drafter``).
 
 Proposals are checked on ``infer.sequence.Sequence`` objects in decode state (prompts with repeats, so that
-prompt-lookup drafters have something to find). A drafter that needs more than its config (a draft model, the
+prompt-lookup drafters have something to find), each holding its own blocks so that a drafter with its own KV pool
+(allocated with ``NUM_BLOCKS`` blocks) can write it. A drafter that needs more than its config (a draft model, the
 target's hidden size) gets it by overriding the ``drafter_context`` fixture method; its keyword arguments go to the
-constructor as ``Drafter(config, **context)``.
+constructor as ``Drafter(config, **context)``. A drafter class that declares ``needs_engine = True`` (it reads the
+target model from ``context["engine"]``) is skipped unless the context provides that engine.
 
 A plugin author's whole test file::
 
@@ -30,10 +32,15 @@ from infer.testing.suite import ConformanceSuite
 DrafterFactory = Callable[[], Drafter]
 # Generates greedy output token ids for prompt token ids, with (True) or without (False) the drafter under test.
 EngineFactory = Callable[[bool], Callable[[list[list[int]]], list[list[int]]]]
+# Every suite sequence holds this many blocks of its own: room for its tokens and drafts at any block size.
+BLOCKS_PER_SEQUENCE = 64
+MAX_SEQUENCES = 8
+NUM_BLOCKS = 1 + BLOCKS_PER_SEQUENCE * MAX_SEQUENCES
 
 
 def make_sequences(seed: int, count: int, vocab_size: int) -> list[Sequence]:
     """Sequences in decode state whose prompts repeat short phrases, and whose outputs start one again."""
+    assert count <= MAX_SEQUENCES, f"the suite's block layout holds {MAX_SEQUENCES} sequences"
     generator = random.Random(seed)
     sequences = []
     for index in range(count):
@@ -43,8 +50,16 @@ def make_sequences(seed: int, count: int, vocab_size: int) -> list[Sequence]:
         seq = Sequence(f"seq-{seed}-{index}", prompt, SamplingParams(max_tokens=64, temperature=0.0, seed=seed),
                        output_token_ids=output, status=SequenceStatus.RUNNING)
         seq.num_computed_tokens = seq.num_tokens - 1  # the last sampled token is the next one to compute
+        seq.block_table = list(range(1 + index * BLOCKS_PER_SEQUENCE, 1 + (index + 1) * BLOCKS_PER_SEQUENCE))
         sequences.append(seq)
     return sequences
+
+
+def with_kv_cache(drafter: Drafter) -> Drafter:
+    """Give a drafter with its own KV its pool, as the engine does once the pool is sized."""
+    if drafter.kv_bytes_per_token():
+        drafter.allocate_kv_cache(NUM_BLOCKS)
+    return drafter
 
 
 def seed_everything(seed: int) -> None:
@@ -60,8 +75,10 @@ class DrafterConformance(ConformanceSuite):
     """
 
     kind = "drafter"
+    capability_flags = ("needs_engine",)
     vocab_size: ClassVar[int] = 64
     num_speculative_tokens: ClassVar[int] = 4
+    needs_engine: ClassVar[bool] = False
 
     @pytest.fixture
     def drafter_context(self) -> dict[str, Any]:
@@ -82,8 +99,11 @@ class DrafterConformance(ConformanceSuite):
 
     def make_drafter_factory(self, name: str | None, context: dict[str, Any]) -> DrafterFactory:
         implementation = self.load_implementation(name)
+        if self.needs_engine and "engine" not in context:
+            pytest.skip(f"drafter {name!r} needs a target engine: override drafter_context to provide "
+                        f"{{'engine': ...}} (a model with vocab_size={self.vocab_size})")
         config = self.implementation_config(name, num_speculative_tokens=self.num_speculative_tokens)
-        return lambda: implementation(config, **context)
+        return lambda: with_kv_cache(implementation(config, **context))
 
     def propose(self, factory: DrafterFactory, sequences: list[Sequence], k: int, seed: int = 0) -> list[list[int]]:
         """Proposals of a fresh drafter under ``seed``."""
