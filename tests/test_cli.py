@@ -190,9 +190,9 @@ def test_run_routes_its_arguments_to_run_command(runner, monkeypatch, tmp_path):
 
 def test_serve_routes_its_arguments_to_serve_command(runner, monkeypatch):
     calls = []
-    server = types.SimpleNamespace(serve_command=lambda *args: calls.append(args))
-    monkeypatch.setitem(sys.modules, "infer.serve", types.SimpleNamespace(server=server))
-    monkeypatch.setitem(sys.modules, "infer.serve.server", server)
+    serve_cli = types.SimpleNamespace(serve_command=lambda *args: calls.append(args))
+    monkeypatch.setitem(sys.modules, "infer.serve", types.SimpleNamespace(cli=serve_cli))
+    monkeypatch.setitem(sys.modules, "infer.serve.cli", serve_cli)
     result = runner.invoke(main, ["serve", "baseline", "--port", "9000", "--api-key", "secret"])
     assert result.exit_code == 0, result.output
     assert calls == [("baseline", [], None, 9000, "secret")]
