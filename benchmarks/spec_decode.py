@@ -1,0 +1,160 @@
+"""Speculative decoding on the default model: each drafter side by side with no drafter, in one run.
+
+Workloads: ``copy`` prompts repeat or edit a given passage (what prompt lookup is for); ``chat`` prompts are open
+questions written for this benchmark, on topics and in phrasings absent from ``infer train-eagle``'s built-in
+training prompts. Each (drafter, workload) pair runs at every batch size, as waves of that many requests, greedy;
+drafting stays on at every batch size here (``drafter.max_batch_size`` is raised to the largest batch).
+
+Per row: tokens per verify pass (the bonus token included), output tokens/s, its ratio to no drafter on the same
+workload and batch, and how many outputs equal no drafter's token for token (in bfloat16 a different batch shape can
+flip a near-tie; float32 is exact). Prints a markdown table.
+
+    OMP_NUM_THREADS=1 python benchmarks/spec_decode.py                     # bfloat16, batch 1, 4 and 16
+    python benchmarks/spec_decode.py --dtype float32 --batch-sizes 1 --max-tokens 64
+
+On a CPU shared with other processes, one thread per process (``OMP_NUM_THREADS=1``) avoids OpenMP threads waiting
+on descheduled siblings, which on 2 busy cores made every step several times slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+from infer import LLM, SamplingParams
+
+PASSAGE = ("The old lighthouse stood at the edge of the cliff, its white paint peeling in long strips. Every night "
+           "the keeper climbed the one hundred and twelve steps to light the lamp, and every morning he wrote the "
+           "weather in a thick leather book. Ships passed safely for forty years, and nobody in the village could "
+           "remember a single wreck on the rocks below.")
+CODE = ("def average(values):\n    total = 0\n    for value in values:\n        total = total + value\n"
+        "    return total / len(values)\n")
+COPY_PROMPTS = [
+    f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
+    f"Rewrite the following passage, replacing the word 'keeper' with 'guardian' and changing nothing else:\n\n"
+    f"{PASSAGE}",
+    f"Copy this Python function and add a docstring to it, keeping the code the same:\n\n{CODE}",
+    f"Here is a paragraph:\n\n{PASSAGE}\n\nWrite the same paragraph again, but in the present tense.",
+    f"Correct any mistakes in this text and return the full corrected text:\n\n{PASSAGE.replace('the', 'teh', 3)}",
+    f"Quote the first two sentences of this passage, then explain them briefly:\n\n{PASSAGE}",
+    f"Rename the function below to compute_mean and return the whole function:\n\n{CODE}",
+    f"Repeat this text twice:\n\n{PASSAGE[:180]}",
+]
+CHAT_PROMPTS = [
+    "How do I make a paper airplane that flies far?",
+    "What's a good name for a pet goldfish, and why?",
+    "Can you suggest a simple workout for someone who sits all day?",
+    "Why do onions make people cry?",
+    "What should I consider before adopting a rabbit?",
+    "How can I keep my houseplants alive while I'm on vacation?",
+    "Tell me how a refrigerator keeps food cold.",
+    "What are some fun things to do on a rainy afternoon with kids?",
+    "How do I politely decline an invitation to a party?",
+    "Why is the sky orange at sunset?",
+    "Give me tips for writing a birthday card to my grandmother.",
+    "What is the difference between baking soda and baking powder?",
+    "How do noise-cancelling headphones work?",
+    "Suggest a name and a motto for a neighborhood book club.",
+    "What makes a good cup of hot chocolate?",
+    "How do I start learning to play the guitar?",
+]
+DRAFTERS = {
+    "none": {"drafter.name": "none"},
+    "ngram": {"drafter.name": "ngram"},
+    "eagle": {"drafter.name": "eagle"},
+    "model": {"drafter.name": "model"},
+}
+PLAN = [("copy", "none"), ("copy", "ngram"), ("chat", "none"), ("chat", "eagle"), ("chat", "model")]
+
+
+@dataclass(slots=True)
+class Result:
+    workload: str
+    drafter: str
+    batch_size: int
+    output_tokens: int
+    seconds: float
+    tokens_per_pass: float
+    token_ids: list[list[int]]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16])
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts per workload at batch 1 (more at "
+                                                                   "larger batches: one full wave at least)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4, help="drafts per verify pass")
+    parser.add_argument("--model-layers", type=int, default=8, help="self-speculative draft depth (drafter: model)")
+    parser.add_argument("--drafters", nargs="+", default=[drafter for _, drafter in PLAN],
+                        help="subset of none ngram eagle model")
+    return parser.parse_args()
+
+
+def prompts_for(workload: str, count: int) -> list[list[dict]]:
+    texts = COPY_PROMPTS if workload == "copy" else CHAT_PROMPTS
+    return [[{"role": "user", "content": texts[i % len(texts)]}] for i in range(count)]
+
+
+def run_drafter(drafter: str, workloads: list[str], args) -> list[Result]:
+    overrides = {**DRAFTERS[drafter], "drafter.num_speculative_tokens": args.k,
+                 "drafter.max_batch_size": max(args.batch_sizes), "model.dtype": args.dtype,
+                 "scheduler.max_num_seqs": max(args.batch_sizes)}
+    if drafter == "model":
+        overrides["drafter.layers"] = args.model_layers
+    llm = LLM("baseline", dotlist=[f"{key}={value}" for key, value in overrides.items()])
+    llm.generate(prompts_for("chat", 1), SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+    return [run_workload(llm, drafter, workload, batch_size, args)
+            for workload in workloads for batch_size in args.batch_sizes]
+
+
+def run_workload(llm: LLM, drafter: str, workload: str, batch_size: int, args) -> Result:
+    prompts = prompts_for(workload, max(args.num_prompts, batch_size))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    outputs, seconds = [], 0.0
+    for start in range(0, len(prompts), batch_size):
+        began = time.perf_counter()
+        outputs.extend(llm.generate(prompts[start:start + batch_size], params))
+        seconds += time.perf_counter() - began
+    passes = sum(output.metrics.num_verify_passes for output in outputs)
+    accepted = sum(output.metrics.num_accepted_tokens for output in outputs)
+    return Result(workload, drafter, batch_size, sum(len(output.token_ids) for output in outputs), seconds,
+                  accepted / passes if passes else 1.0, [output.token_ids for output in outputs])
+
+
+def table(results: list[Result]) -> str:
+    baseline = {(r.workload, r.batch_size): r for r in results if r.drafter == "none"}
+    lines = ["| workload | drafter | batch | tokens/pass | tok/s | vs none | same output |",
+             "|---|---|---|---|---|---|---|"]
+    order = list(DRAFTERS)
+    for r in sorted(results, key=lambda r: (r.workload != "copy", r.batch_size, order.index(r.drafter))):
+        base = baseline.get((r.workload, r.batch_size))
+        ratio = f"{r.tokens_per_second / base.tokens_per_second:.2f}x" if base else "-"
+        same = (f"{sum(a == b for a, b in zip(r.token_ids, base.token_ids))}/{len(r.token_ids)}" if base else "-")
+        lines.append(f"| {r.workload} | {r.drafter} | {r.batch_size} | {r.tokens_per_pass:.2f} | "
+                     f"{r.tokens_per_second:.1f} | {ratio} | {same} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_arguments()
+    torch.manual_seed(0)
+    results: list[Result] = []
+    for drafter in dict.fromkeys(args.drafters):
+        workloads = [workload for workload, name in PLAN if name == drafter]
+        results.extend(run_drafter(drafter, workloads, args))
+        print(table(results), flush=True)
+        print(flush=True)
+    print(f"dtype {args.dtype}, k={args.k}, max_tokens={args.max_tokens}, threads {torch.get_num_threads()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""``drafter: eagle``: a one-layer head drafts from the target's own features (EAGLE, Li et al., 2024), as a chain.
+
+The head reads pairs (f_t, x_{t+1}) of a target feature and the token it chose (see ``eagle_head``). After every
+target step the drafter keeps the features of the tokens the target committed (``observe``); ``propose`` then runs the
+head over the pairs it has not seen, whose last output guesses the next token, and feeds each guess back with its own
+predicted feature for the following ones. The head's KV lives in a one-layer pool of the target's block geometry,
+addressed through the sequences' own block tables.
+
+Guesses never count as computed: after verification the head re-runs the accepted tokens with the target's true
+features. Prefix-cache hits: the head cannot compute KV for positions the target did not compute for this sequence
+(no features), so it keeps what the pool holds there: the head KV that the sequence which computed those blocks wrote
+for the same tokens, or stale data when that sequence never drafted over them, which costs acceptance, never
+correctness.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from pydantic import Field
+
+from infer import hookimpl
+from infer.drafter import Drafter, DrafterConfig
+from infer.kv_pool import kv_bytes_per_token
+from infer.plugins.drafters import eagle_head
+from infer.plugins.drafters.eagle_head import EagleHead, draft_head_weight, load_head, random_head
+from infer.runner import paged_metadata
+
+SHIPPED_HEADS = "assets/eagle"
+
+
+class EagleDrafterConfig(DrafterConfig):
+    name: str = "eagle"
+    head: str = Field("auto", description='Trained head: "auto" (the one shipped for the target model), a path to a '
+                                          '.safetensors head or its folder, or "random" (untrained, for tests).')
+
+
+def shipped_head_path(model_name: str) -> Path:
+    """Where ``infer`` ships the trained head for ``model_name`` (which may not exist)."""
+    return Path(str(importlib.resources.files("infer") / SHIPPED_HEADS / model_name / "head.safetensors"))
+
+
+@dataclass(slots=True)
+class FeatureLog:
+    """One sequence: the head's KV covers pair positions ``[0, num_computed)``; ``features`` hold the target's
+    features for positions ``num_computed`` onwards, in order."""
+
+    num_computed: int
+    features: list[torch.Tensor] = field(default_factory=list)
+    num_features: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.num_computed + self.num_features
+
+    def append(self, first_position: int, rows: torch.Tensor) -> None:
+        if first_position != self.end:
+            # Not where the last features ended (the target restarted this sequence): start over from here.
+            self.num_computed, self.features, self.num_features = first_position, [], 0
+        self.features.append(rows)
+        self.num_features += rows.shape[0]
+
+    def take(self, end: int) -> torch.Tensor:
+        """Features of positions ``[num_computed, end)``; afterwards the log starts at ``end - 1``, whose pair the
+        next ``propose`` re-runs (its output gives the first guess even when nothing new was committed)."""
+        stacked = torch.cat(self.features) if len(self.features) > 1 else self.features[0]
+        used = stacked[: end - self.num_computed]
+        self.features = [stacked[end - 1 - self.num_computed:]]
+        self.num_features = self.features[0].shape[0]
+        self.num_computed = end - 1
+        return used
+
+
+class EagleDrafter(Drafter):
+    """Chain drafting with an EAGLE head over the target's features."""
+
+    config_model = EagleDrafterConfig
+    needs_hidden_states = True
+    needs_engine = True
+    # What ``infer train-eagle`` builds, initializes and saves: it reaches the head through the registry.
+    head_module = eagle_head
+
+    def __init__(self, config: EagleDrafterConfig | None = None, **context):
+        super().__init__(config, **context)
+        engine = context["engine"]
+        self.target = engine.model
+        self.attention = engine.attention  # the head's layer has the target's layer shapes
+        self.device = engine.device
+        self.dtype = engine.dtype
+        self.block_size = engine.attention.block_size
+        self.head = self._load_head(engine)
+        self.head_weight = draft_head_weight(self.target, self.head.vocab_ids)
+        self.kv_cache: torch.Tensor | None = None
+        self._logs: dict[str, FeatureLog] = {}
+
+    def _load_head(self, engine) -> EagleHead:
+        choice = self.config.head
+        config = self.target.config
+        if choice == "random":
+            return random_head(config, self.target, self.dtype, self.device, engine.config.model.seed)
+        path = shipped_head_path(engine.model_name) if choice == "auto" else Path(choice)
+        if path.is_dir():
+            path = path / "head.safetensors"
+        if not path.is_file():
+            hint = (f"no EAGLE head is shipped for model {engine.model_name!r}" if choice == "auto"
+                    else f"drafter.head: no file at {path}")
+            raise FileNotFoundError(f"{hint}; train one with `infer train-eagle CONFIG --out DIR` and set "
+                                    f"drafter.head=DIR")
+        return load_head(path, config, self.dtype, self.device)
+
+    # -- the head's pool -----------------------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(1, self.target.num_kv_heads, self.target.head_dim, self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = self.attention.kv_cache_shape(1, num_blocks)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # -- features ------------------------------------------------------------------------------------------------
+    def observe(self, output):
+        if output.hidden_states is None:
+            return
+        for row in output.token_rows:
+            seq = row.seq
+            # Rows past num_computed_tokens scored rejected drafts; a finished sequence was already released.
+            count = min(row.count, seq.num_computed_tokens - row.first_position)
+            if seq.is_finished or count <= 0:
+                continue
+            rows = output.hidden_states[row.start: row.start + count].clone()
+            log = self._logs.get(seq.seq_id)
+            if log is None:
+                self._logs[seq.seq_id] = log = FeatureLog(row.first_position)
+            log.append(row.first_position, rows)
+
+    # -- drafting ------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, sequences, k):
+        drafts: list[list[int]] = [[] for _ in sequences]
+        limits = [self._max_drafts(seq, k) for seq in sequences]
+        active = [i for i, limit in enumerate(limits) if limit > 0]
+        features = self._first_pass(sequences, active, drafts) if active else None
+        for step in range(1, k):
+            keep = [j for j, i in enumerate(active) if len(drafts[i]) < limits[i]]
+            if not keep:
+                break
+            active = [active[j] for j in keep]
+            features = self._chain_step(sequences, active, features[keep], drafts, step)
+        return drafts
+
+    def _max_drafts(self, seq, k: int) -> int:
+        """Drafts this sequence can get: the head needs the features of every pair up to its last committed token,
+        and a slot for each pair it runs (guess j runs at position num_tokens + j - 3)."""
+        log = self._logs.get(seq.seq_id)
+        last_pair = seq.num_tokens - 2
+        if log is None or last_pair < log.num_computed or log.end <= last_pair:
+            return 0
+        capacity = len(seq.block_table) * self.block_size
+        return max(0, min(k, capacity - last_pair))
+
+    def _first_pass(self, sequences, active, drafts) -> torch.Tensor:
+        """The pairs each sequence has not run yet (at least its last one); returns the last pair's predicted
+        feature per sequence, ``[len(active), hidden]``, after appending the first guess."""
+        starts, tokens, features = [], [], []
+        for i in active:
+            seq = sequences[i]
+            log = self._logs[seq.seq_id]
+            start, last_pair = log.num_computed, seq.num_tokens - 2
+            starts.append(start)
+            tokens.append(seq.token_ids[start + 1: last_pair + 2])
+            features.append(log.take(last_pair + 1))
+        return self._run(sequences, active, starts, tokens, torch.cat(features), drafts)
+
+    def _chain_step(self, sequences, active, features: torch.Tensor, drafts, step: int) -> torch.Tensor:
+        """Feed each active sequence its latest guess with the feature predicted for it."""
+        starts = [sequences[i].num_tokens - 2 + step for i in active]
+        return self._run(sequences, active, starts, [[drafts[i][-1]] for i in active], features, drafts)
+
+    def _run(self, sequences, active, starts, tokens, features, drafts) -> torch.Tensor:
+        seqs = [sequences[i] for i in active]
+        metadata = paged_metadata([seq.block_table for seq in seqs], starts, [len(t) for t in tokens],
+                                  self.block_size, self.device)
+        metadata = self.attention.prepare(metadata)
+        input_ids = torch.tensor([t for row in tokens for t in row], dtype=torch.int64, device=self.device)
+        embeds = self.target.embed_tokens(input_ids)
+        cos, sin = self.target.rotary(metadata.positions, embeds.dtype)
+        predicted = self.head(embeds, features, cos, sin, self.kv_cache, metadata, self.attention)
+        last = predicted.index_select(0, (metadata.query_start_loc[1:] - 1).to(torch.int64))
+        guesses = self.head.vocab_ids[(last @ self.head_weight.T).argmax(dim=-1)].tolist()
+        for i, guess in zip(active, guesses):
+            drafts[i].append(guess)
+        return last
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------------
+    def release(self, seq):
+        self._logs.pop(seq.seq_id, None)
+
+
+@hookimpl
+def register_drafters(register):
+    register("eagle", EagleDrafter, description="EAGLE: a one-layer head drafting from the target's features")

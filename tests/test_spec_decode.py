@@ -1,0 +1,346 @@
+"""Speculative decoding with the ngram, model and eagle drafters: the output is exactly the target's.
+
+Greedy outputs (float32) with every drafter equal the outputs without drafts in mixed batches (chunked prefills next
+to verification), with a radix cache hit and under preemption, and so do seeded samples at temperature 0.8 (the
+drafters here are deterministic). A draft model identical to the target has every draft accepted, random drafts
+change nothing, and a drafter that samples its guesses leaves the target's token distribution intact.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.drafter import Drafter
+from infer.loader import make_tiny_model_dir
+from infer.rejection_sampler import verify_sampled_drafts
+from infer.sampler import SampleRequest
+from infer.testing import DrafterConformance
+from infer.testing.drafter import with_kv_cache
+
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tiny_model_dir, tmp_path_factory):
+    """The target with noise on every weight (20% of their scale), saved with the same tokenizer: a draft model that
+    agrees with the target only some of the time."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.02)
+    destination = tmp_path_factory.mktemp("tiny-draft")
+    model.save_pretrained(destination)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(destination)
+    return str(destination)
+
+
+@pytest.fixture(params=["ngram", "model-self", "model-other", "eagle"])
+def drafter(request, other_model_dir):
+    """Config overrides selecting each drafter (the eagle head is untrained: output must not depend on it)."""
+    return {
+        "ngram": {"drafter__name": "ngram"},
+        "model-self": {"drafter__name": "model", "drafter__layers": 1},
+        "model-other": {"drafter__name": "model", "drafter__path": other_model_dir},
+        "eagle": {"drafter__name": "eagle", "drafter__head": "random"},
+    }[request.param]
+
+
+def mixed_prompts(seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of very different lengths, some repeating a phrase (so prompt lookup finds matches)."""
+    rng = random.Random(seed)
+    phrase = [rng.randrange(100, 5000) for _ in range(6)]
+    return [
+        phrase * 4 + [7, 8],
+        [rng.randrange(100, 5000) for _ in range(70)],
+        phrase[:3] * 3,
+        [rng.randrange(100, 5000) for _ in range(12)] + phrase * 2,
+        [42] * 5,
+    ]
+
+
+def make_llm(model_dir: str, **overrides) -> LLM:
+    settings = {"model__path": model_dir, "model__dtype": "float32", "model__max_model_len": 256,
+                "cache__num_blocks": 128, **overrides}
+    return LLM("baseline", **settings)
+
+
+def generate(model_dir: str, prompts, params, **overrides):
+    """Output token ids per prompt, and the engine's stats."""
+    llm = make_llm(model_dir, **overrides)
+    return [output.token_ids for output in llm.generate(prompts, params)], llm.engine.stats
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def accepted_drafts(stats) -> int:
+    """Drafts the target agreed with (each verify pass also commits one token of its own)."""
+    return stats.num_accepted_tokens - stats.num_verify_passes
+
+
+# -- the output is the target's -------------------------------------------------------------------------------------
+def test_greedy_output_equals_no_draft_in_a_mixed_batch(tiny_model_dir, drafter):
+    prompts = mixed_prompts()
+    # A 32-token budget chunks the 70-token prompt over steps in which the others already verify drafts.
+    expected, _ = generate(tiny_model_dir, prompts, greedy(), scheduler__max_num_batched_tokens=32)
+    outputs, stats = generate(tiny_model_dir, prompts, greedy(), scheduler__max_num_batched_tokens=32, **drafter)
+    assert outputs == expected
+    assert stats.num_verify_passes > 0
+    assert 0 < accepted_drafts(stats) < stats.num_draft_tokens, "drafts should be both accepted and rejected"
+
+
+def test_greedy_output_equals_no_draft_with_a_radix_cache_hit(tiny_model_dir, drafter):
+    shared = mixed_prompts()[1][:40]
+    first_wave = [shared + [11, 12, 13], shared[:20] * 2]
+    second_wave = [shared + [21, 22], shared + [31] * 6]
+    expected, _ = generate(tiny_model_dir, second_wave, greedy())
+    llm = make_llm(tiny_model_dir, prefix_cache__name="radix", scheduler__name="lpm", **drafter)
+    llm.generate(first_wave, greedy())
+    hits_before = llm.engine.stats.num_cached_prompt_tokens
+    outputs = [output.token_ids for output in llm.generate(second_wave, greedy())]
+    assert llm.engine.stats.num_cached_prompt_tokens - hits_before >= 2 * 32, "the second wave should hit the cache"
+    assert outputs == expected
+
+
+def test_greedy_output_equals_no_draft_under_preemption(tiny_model_dir, drafter):
+    prompts = mixed_prompts()
+    # 7 usable blocks of 16 tokens cannot hold five sequences growing to 40-100 tokens: some are preempted.
+    settings = {"model__max_model_len": 112, "cache__num_blocks": 8}
+    expected, _ = generate(tiny_model_dir, prompts, greedy(), **settings)
+    outputs, stats = generate(tiny_model_dir, prompts, greedy(), **settings, **drafter)
+    assert stats.num_preemptions > 0
+    assert stats.num_verify_passes > 0
+    assert outputs == expected
+
+
+def test_seeded_sampling_equals_no_draft(tiny_model_dir, drafter):
+    prompts = mixed_prompts(seed=3)
+    # top_k=2 keeps the random model's samples repetitive enough for drafts to come true now and then.
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=2, seed=100 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    expected, _ = generate(tiny_model_dir, prompts, params)
+    outputs, stats = generate(tiny_model_dir, prompts, params, **drafter)
+    assert accepted_drafts(stats) > 0
+    assert outputs == expected
+
+
+# -- acceptance -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("identical", [{"drafter__path": "TARGET"}, {"drafter__layers": 2}], ids=["model", "self"])
+def test_draft_identical_to_the_target_accepts_every_draft(tiny_model_dir, identical):
+    # The tiny target has 2 layers, so its first 2 layers are the whole model. A drafter that forgot to feed its
+    # last guess after a fully accepted pass would draft from a stale KV slot and see rejections.
+    overrides = {key: tiny_model_dir if value == "TARGET" else value for key, value in identical.items()}
+    prompts = mixed_prompts()
+    expected, _ = generate(tiny_model_dir, prompts, greedy())
+    outputs, stats = generate(tiny_model_dir, prompts, greedy(), drafter__name="model", **overrides)
+    assert outputs == expected
+    assert stats.num_draft_tokens > 0
+    assert accepted_drafts(stats) == stats.num_draft_tokens
+    assert stats.mean_accepted_per_pass > 4.5  # k = 4: five tokens a pass, fewer only where max_tokens cuts drafts
+
+
+class RandomTokenDrafter(Drafter):
+    """Guesses k random token ids."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.rng = random.Random(0)
+
+    def propose(self, sequences, k):
+        return [[self.rng.randrange(self.vocab_size) for _ in range(k)] for _ in sequences]
+
+
+def test_random_drafts_leave_the_output_unchanged(tiny_model_dir):
+    prompts = mixed_prompts()
+    expected, _ = generate(tiny_model_dir, prompts, greedy())
+    llm = make_llm(tiny_model_dir)
+    llm.engine.drafter = RandomTokenDrafter(llm.engine.model.vocab_size)
+    outputs = [output.token_ids for output in llm.generate(prompts, greedy())]
+    assert outputs == expected
+    assert llm.engine.stats.num_draft_tokens > 0
+
+
+# -- a drafter that samples: verification with q --------------------------------------------------------------------
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# Chi-square critical value for 15 degrees of freedom (16 tokens) at significance 0.001.
+CRITICAL_15_DOF = 37.7
+
+
+def shifted_by(probs: torch.Tensor, amount: float) -> torch.Tensor:
+    """``probs`` with ``amount`` of mass moved from its likeliest token to its least likely one (a TV error)."""
+    shifted = probs.clone()
+    shifted[probs.argmax()] -= amount
+    shifted[probs.argmin()] += amount
+    return shifted
+
+
+def test_rejection_sampler_follows_p_whatever_q():
+    generator = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(16, generator=generator) * 1.5, 0)
+    q = torch.softmax(torch.randn(16, generator=generator) * 1.5, 0)
+    logits = torch.log(p).repeat(2, 1)  # temperature 1: the sampler's p is softmax(logits)
+    params = SamplingParams(temperature=1.0)
+    counts = torch.zeros(16)
+    for seed in range(20000):
+        draft = int(torch.multinomial(q, 1, generator=generator))
+        requests = [SampleRequest(params, 10, seed), SampleRequest(params, 11, seed)]
+        counts[verify_sampled_drafts(logits, requests, [draft], q[None])[0]] += 1
+    assert chi_square(counts, p) < CRITICAL_15_DOF
+    assert chi_square(counts, shifted_by(p, 0.02)) > CRITICAL_15_DOF, "20000 draws should expose a 2% error"
+    assert chi_square(counts, q) > CRITICAL_15_DOF
+
+
+@pytest.fixture(scope="module")
+def small_vocab_models(tmp_path_factory):
+    """A target and a different draft model over a 16-token vocabulary (one distribution is easy to tabulate)."""
+    target = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-v16"), seed=0, vocab_size=16)
+    draft = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-v16-draft"), seed=5, vocab_size=16)
+    return str(target), str(draft)
+
+
+def next_token_probs(model_dir: str, prefix: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return torch.softmax(model(torch.tensor([prefix])).logits[0, -1].float(), dim=-1)
+
+
+def test_sampling_drafter_keeps_the_target_distribution(small_vocab_models):
+    """The second output token comes out of verification (the first is the prefill's). Given the first token t0 it
+    must follow the target's p(. | prompt, t0), so over all samples its counts must match the mixture of those
+    conditionals over the observed t0 (chi-square at 0.001), while the draft model's own mixture must be rejected."""
+    target_dir, draft_dir = small_vocab_models
+    prompt = [3, 9, 4, 12, 7]
+    num_samples = 6000
+    llm = make_llm(target_dir, drafter__name="model", drafter__path=draft_dir, drafter__sampling=True,
+                   drafter__num_speculative_tokens=3, drafter__max_batch_size=512, scheduler__max_num_seqs=512,
+                   cache__num_blocks=2200)
+    params = [SamplingParams(max_tokens=4, temperature=1.0, seed=seed, ignore_eos=True) for seed in range(num_samples)]
+    outputs = llm.generate([prompt] * num_samples, params)
+    stats = llm.engine.stats
+    assert 0 < accepted_drafts(stats) < stats.num_draft_tokens
+    first = torch.tensor([output.token_ids[0] for output in outputs])
+    second = torch.tensor([output.token_ids[1] for output in outputs])
+    first_counts = torch.bincount(first, minlength=16).float()
+    target_mixture = sum(first_counts[t] * next_token_probs(target_dir, prompt + [t]) for t in range(16)
+                         if first_counts[t] > 0) / num_samples
+    draft_mixture = sum(first_counts[t] * next_token_probs(draft_dir, prompt + [t]) for t in range(16)
+                        if first_counts[t] > 0) / num_samples
+    counts = torch.bincount(second, minlength=16).float()
+    assert chi_square(counts, target_mixture) < CRITICAL_15_DOF
+    assert chi_square(counts, shifted_by(target_mixture, 0.02)) > CRITICAL_15_DOF, "too few samples for a 2% error"
+    assert chi_square(counts, draft_mixture) > CRITICAL_15_DOF
+
+
+# -- the drafter conformance suite with a target engine -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vocab64_model_dir(tmp_path_factory):
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-v64"), seed=2, vocab_size=64))
+
+
+class EngineBackedConformance(DrafterConformance):
+    """The suite's drafter gets a tiny target engine; its end-to-end check runs it inside that engine."""
+
+    @pytest.fixture
+    def drafter_context(self, vocab64_model_dir):
+        return {"engine": make_llm(vocab64_model_dir).engine}
+
+    @pytest.fixture
+    def engine_factory(self, vocab64_model_dir):
+        def factory(use_drafter: bool):
+            overrides = self.drafter_overrides() if use_drafter else {}
+
+            def run(prompts: list[list[int]]) -> list[list[int]]:
+                outputs, stats = generate(vocab64_model_dir, prompts, greedy(24), **overrides)
+                assert stats.num_verify_passes > 0 or not use_drafter
+                return outputs
+
+            return run
+
+        return factory
+
+    def drafter_overrides(self) -> dict:
+        return {"drafter__name": self.impl_name}
+
+
+class TestModelDrafterConformance(EngineBackedConformance):
+    impl_name = "model"
+
+
+class TestEagleDrafterConformance(EngineBackedConformance):
+    impl_name = "eagle"
+
+    @pytest.fixture
+    def drafter_factory(self, drafter_context):
+        from infer.registry import get_registry
+
+        implementation = self.load_implementation("eagle")
+        config = get_registry().config_model("drafter", "eagle")(head="random")
+        return lambda: with_kv_cache(implementation(config, **drafter_context))
+
+    def drafter_overrides(self) -> dict:
+        return {"drafter__name": "eagle", "drafter__head": "random"}
+
+
+# -- training and the shipped head ----------------------------------------------------------------------------------
+def test_train_eagle_writes_a_head_the_drafter_uses(tiny_model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from infer.eagle_train import train_eagle_command
+
+    out = tmp_path / "head"
+    result = CliRunner().invoke(train_eagle_command, [
+        "baseline", f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256",
+        "--out", str(out), "--num-prompts", "24", "--max-tokens", "24", "--epochs", "1"])
+    assert result.exit_code == 0, result.output
+    assert (out / "head.safetensors").is_file()
+    card = (out / "README.md").read_text()
+    assert "tokens per verify pass" in card and "infer train-eagle" in card
+    prompts = mixed_prompts()
+    expected, _ = generate(tiny_model_dir, prompts, greedy())
+    outputs, stats = generate(tiny_model_dir, prompts, greedy(), drafter__name="eagle", drafter__head=str(out))
+    assert outputs == expected
+    assert stats.num_verify_passes > 0
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "core" / "assets" / "eagle" / "smollm2-135m-instruct"
+
+
+def test_shipped_head_is_small_and_documented():
+    from safetensors import safe_open
+
+    head = SHIPPED / "head.safetensors"
+    assert head.stat().st_size < 20 * 2**20
+    with safe_open(str(head), framework="pt") as handle:
+        metadata = handle.metadata()
+    assert metadata["target"] == "smollm2-135m-instruct"
+    card = (SHIPPED / "README.md").read_text()
+    assert "tokens per verify pass" in card and "infer train-eagle" in card
+
+
+@pytest.mark.slow
+def test_flagship_config_runs_the_shipped_head_with_the_target_output():
+    chats = [[{"role": "user", "content": text}] for text in
+             ("What is the capital of Italy?", "Write two sentences about rivers.", "Name three colors.")]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    plain = LLM("radix_lpm_eagle", model__dtype="float32", drafter__name="none").generate(chats, params)
+    llm = LLM("radix_lpm_eagle", model__dtype="float32")
+    outputs = llm.generate(chats, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert llm.engine.stats.mean_accepted_per_pass > 1.5
