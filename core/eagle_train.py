@@ -49,8 +49,9 @@ TOPICS = [
     "encryption", "operating systems", "compilers", "the history of mathematics", "prime numbers", "geometry",
 ]
 TASKS = [
-    "Explain {topic} to a beginner.", "Write a short story about {topic}.", "Give me three interesting facts about "
-    "{topic}.", "What are the pros and cons of {topic}?", "Write a short poem about {topic}.",
+    "Explain {topic} to a beginner.", "Write a short story about {topic}.",
+    "Give me three interesting facts about {topic}.", "What are the pros and cons of {topic}?",
+    "Write a short poem about {topic}.",
     "Describe the history of {topic} in a few sentences.", "How does {topic} work?",
     "Write a friendly email to a colleague about {topic}.", "What is a common misconception about {topic}?",
     "List five questions a student might ask about {topic}, with short answers.",
@@ -191,7 +192,7 @@ class Batch:
     next_tokens: torch.Tensor  # [B, L] x_{t+1}
     features: torch.Tensor  # [B, L, hidden] f_t
     target_features: torch.Tensor  # [B, L, hidden] f_{t+1}
-    labels: torch.Tensor  # [B, L] draft-vocabulary index of x_{t+2}, -1 outside answers or the vocabulary
+    labels: torch.Tensor  # [B, L] draft-vocabulary index of answer token x_{t+2}; -2: not in it; -1: no answer
     has_target: torch.Tensor  # [B, L] bool: f_{t+1} exists
     is_real: torch.Tensor  # [B, L] bool: not padding
 
@@ -210,6 +211,7 @@ def make_batch(examples: list[Example], vocab_index: torch.Tensor) -> Batch:
         batch.has_target[row, : num_pairs - 1] = True
         batch.is_real[row, :num_pairs] = True
         labels = vocab_index[example.token_ids[2:]]
+        labels[labels < 0] = -2
         labels[: max(example.num_prompt_tokens - 2, 0)] = -1
         batch.labels[row, : num_pairs - 1] = labels
     return batch
@@ -239,7 +241,7 @@ def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     ``q`` [B, L, heads, d]; ``keys``/``values`` [B, L, kv_heads, d] per step; returns [B, L, heads, d].
     """
     steps = len(keys) - 1
-    size, length, heads, dim = q.shape
+    length, heads, dim = q.shape[1:]
     group = heads // keys[0].shape[2]
     scale = dim ** -0.5
     query = q.transpose(1, 2)  # [B, heads, L, d]
@@ -314,26 +316,29 @@ def unrolled_loss(outputs: list[torch.Tensor], batch: Batch, head_weight: torch.
 
 @torch.no_grad()
 def acceptance(head, target, batches_: list[Batch], head_weight: torch.Tensor, num_drafts: int) -> float:
-    """Mean tokens per verify pass (bonus included) of greedy chain drafting with ``num_drafts`` guesses, over every
-    answer position of the held-out batches: 1 + the number of leading guesses that equal the target's tokens."""
+    """Tokens per verify pass (bonus included) of greedy chain drafting with ``num_drafts`` guesses on the held-out
+    answers, replaying the engine: a pass at pair position a commits 1 + the number of leading guesses equal to the
+    target's tokens, and the next pass starts right after them (easy stretches take few passes)."""
     head.eval()
-    total, passes = 0.0, 0
+    tokens, passes = 0, 0
     for batch in batches_:
         outputs = unrolled_forward(head, target, batch, num_drafts, noise=0.0)
         length = batch.labels.shape[1]
         run = torch.ones_like(batch.labels, dtype=torch.bool)
-        accepted = torch.zeros(batch.labels.shape)
+        accepted = torch.zeros(batch.labels.shape, dtype=torch.int64)
         for step, predicted in enumerate(outputs):
             correct = (predicted @ head_weight.T).argmax(-1) == batch.labels
-            # The chain started at position a predicts with step s at position a + s.
-            shifted = F.pad(correct, (0, step), value=False)[:, step: step + length]
-            run = run & shifted
-            accepted += run.float()
-        starts = batch.labels >= 0
-        total += float((1 + accepted)[starts].sum())
-        passes += int(starts.sum())
+            # The chain that starts at position a makes its guess number s + 1 at position a + s.
+            run = run & F.pad(correct, (0, step), value=False)[:, step: step + length]
+            accepted += run
+        for labels, row in zip(batch.labels.tolist(), accepted.tolist()):
+            position = next((t for t, label in enumerate(labels) if label != -1), length)
+            while position < length and labels[position] != -1:
+                tokens += 1 + row[position]
+                passes += 1
+                position += 1 + row[position]
     head.train()
-    return total / max(passes, 1)
+    return tokens / max(passes, 1)
 
 
 # -- 3. the training loop -------------------------------------------------------------------------------------------
@@ -451,19 +456,19 @@ def model_card(report: TrainReport, options: TrainEagleOptions, config, override
     return "\n".join([
         f"# EAGLE draft head for {report.target}",
         "",
-        "One decoder layer over `fc(concat(embed(next token), target feature))`, trained by self-distillation with",
-        "`infer train-eagle`; used by `drafter: eagle` (`configs/radix_lpm_eagle.yaml`).",
+        "One decoder layer over `fc(concat(norm(embed(next token)), norm(target feature)))`, trained by",
+        "self-distillation with `infer train-eagle`; used by `drafter: eagle` (`configs/radix_lpm_eagle.yaml`).",
         "",
-        f"- Data: {report.num_train_examples} greedy answers of the target (max {options.max_tokens} tokens) to "
-        f"prompts from {source}; {report.num_train_tokens} tokens ({report.num_answer_tokens} in answers), "
-        f"generated by infer's engine in {report.generation_s / 60:.1f} min.",
-        f"- Draft vocabulary: the {report.draft_vocab_size} most frequent answer tokens, covering "
-        f"{report.draft_vocab_coverage:.1%} of answer tokens.",
-        f"- Training: {report.steps} steps ({report.training_s / 60:.1f} min on CPU), {options.unroll_steps} unrolled "
-        f"steps, feature noise {options.feature_noise}, best at step {report.best_step}.",
-        f"- Held-out acceptance ({report.num_held_out_examples} answers to unseen prompts, greedy chain of "
-        f"{options.eval_drafts} drafts): **{report.held_out_acceptance:.2f} tokens per verify pass** (bonus "
-        f"included).",
+        (f"- Data: {report.num_train_examples} greedy answers of the target (max {options.max_tokens} tokens) to "
+         f"prompts from {source}; {report.num_train_tokens} tokens ({report.num_answer_tokens} in answers), "
+         f"generated by infer's engine in {report.generation_s / 60:.1f} min."),
+        (f"- Draft vocabulary: the {report.draft_vocab_size} most frequent answer tokens, covering "
+         f"{report.draft_vocab_coverage:.1%} of answer tokens."),
+        (f"- Training: {report.steps} steps ({report.training_s / 60:.1f} min on CPU), {options.unroll_steps} "
+         f"unrolled steps, feature noise {options.feature_noise}, best at step {report.best_step}."),
+        (f"- Held-out acceptance ({report.num_held_out_examples} answers to unseen prompts, greedy chain of "
+         f"{options.eval_drafts} drafts, replayed as the engine verifies): **{report.held_out_acceptance:.2f} tokens "
+         f"per verify pass** (bonus included)."),
         f"- Acceptance during training (step, tokens per pass): {report.acceptance_curve}",
         "",
         "Reproduce:",
