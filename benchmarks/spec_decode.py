@@ -34,8 +34,8 @@ CODE = ("def average(values):\n    total = 0\n    for value in values:\n        
         "    return total / len(values)\n")
 COPY_PROMPTS = [
     f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
-    f"Rewrite the following passage, replacing the word 'keeper' with 'guardian' and changing nothing else:\n\n"
-    f"{PASSAGE}",
+    (f"Rewrite the following passage, replacing the word 'keeper' with 'guardian' and changing nothing else:\n\n"
+     f"{PASSAGE}"),
     f"Copy this Python function and add a docstring to it, keeping the code the same:\n\n{CODE}",
     f"Here is a paragraph:\n\n{PASSAGE}\n\nWrite the same paragraph again, but in the present tense.",
     f"Correct any mistakes in this text and return the full corrected text:\n\n{PASSAGE.replace('the', 'teh', 3)}",

@@ -13,8 +13,8 @@ the head may be cut to a draft vocabulary (the most frequent tokens, ``vocab_ids
 backend, over its own one-layer KV pool.
 
 File format (safetensors): ``embed_norm.weight``, ``feature_norm.weight``, ``fc.*``, ``layer.*`` (the fused layout of
-``infer.model.DecoderLayer``), ``norm.weight`` and ``vocab_ids`` (int64 target ids of the draft vocabulary), with metadata ``format``, ``target`` (the model it was
-trained for) and ``hidden_size``.
+``infer.model.DecoderLayer``), ``norm.weight`` and ``vocab_ids`` (int64 target ids of the draft vocabulary), with
+metadata ``format``, ``target`` (the model it was trained for) and ``hidden_size``.
 """
 
 from __future__ import annotations
