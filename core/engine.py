@@ -19,6 +19,7 @@ from infer.memory import measure_peak_bytes
 from infer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from infer.rejection_sampler import verify_sampled_drafts
 from infer.runner import ModelRunner, StepOutput
+from infer.quantization import model_weight_bytes, quantize_model, resolve_quantization
 from infer.sampler import Sampler, SampleRequest
 from infer.sampling_params import SamplingParams
 from infer.scheduler import SchedulerView, StepPlan
@@ -120,7 +121,9 @@ class Engine:
         torch.manual_seed(config.model.seed)
         self._rng = random.Random(config.model.seed)
         loaded = load_model(config.model.path, self.dtype, self.device)
-        self.model = loaded.model
+        self.quantization = resolve_quantization(config.model.quantization, config.model.dtype, self.dtype,
+                                                 self.device)
+        self.model = quantize_model(loaded.model, self.quantization)
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.model_name = loaded.name
@@ -169,7 +172,7 @@ class Engine:
         cache = self.config.cache
         bytes_per_token = kv_bytes_per_token(self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
                                              self.dtype) + self.drafter.kv_bytes_per_token()
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weight_bytes = model_weight_bytes(self.model)
         activation_bytes = 0 if cache.num_blocks is not None else self._profile_activations(bytes_per_token)
         return plan_kv_pool(
             budget_bytes=cache.budget_bytes(free_device_memory(self.device) + weight_bytes),

@@ -83,25 +83,29 @@ class Embedding(nn.Embedding):
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables for every position below ``max_positions``; a step only indexes them."""
+    """Precomputed cos/sin tables for every position below ``max_positions``; a step only indexes them.
+
+    The sin table's first half is negated (``[-sin, sin]``) so that ``apply_rotary`` needs only a half swap, no
+    negation."""
 
     def __init__(self, inverse_frequencies: torch.Tensor, max_positions: int, device: torch.device):
         super().__init__()
         # Computed on the CPU whatever the device, so every device rotates by bit-identical angles.
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inverse_frequencies)
-        angles = torch.cat((angles, angles), dim=-1).to(device)  # [max_positions, head_dim]
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        sin = angles.sin()
+        self.register_buffer("cos", torch.cat((angles, angles), dim=-1).cos().to(device), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each token, ``[T, 1, head_dim]`` each (broadcast over heads), in ``dtype``."""
+        """cos and signed sin for each token, ``[T, 1, head_dim]`` each (broadcast over heads), in ``dtype``."""
         return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` (HF's half-split layout: pairs are (i, i + head_dim/2))."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-second, first), dim=-1) * sin
+    """Rotate ``x`` ``[..., heads, head_dim]`` by ``RotaryEmbedding``'s tables (HF's half-split layout: pairs are
+    (i, i + head_dim/2)): ``x * cos + swap_halves(x) * [-sin, sin]``, three kernels."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return torch.addcmul(x * cos, swapped, sin)
 
 
 class RMSNorm(nn.Module):
@@ -113,6 +117,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
@@ -143,10 +149,11 @@ class Attention(nn.Module):
         attention: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        # Q and K heads rotate together: one set of kernels for both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attention.forward(self.layer_index, q, k, v, kv_cache[self.layer_index], metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -190,7 +190,8 @@ def run_combination(ablation: Ablation, combination: dict[str, Any]) -> dict[str
     engine = Engine(load_config(ablation.base_config, ablation.config_overrides(combination)))
     workload = build_workload(options.pop("name"), engine.tokenizer, **options)
     summary = run_workload(engine, workload).summary
-    return {**summary, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}
+    return {**summary, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+            "quantization": engine.quantization}
 
 
 def _release_memory() -> None:

@@ -51,9 +51,11 @@ def _command_line() -> str:
 @workload_flags
 @click.option("--baseline", type=click.Choice(["hf"]), help="Also run HF transformers generate on the same requests.")
 @click.option("--hf-batch-size", type=int, default=16, show_default=True, help="Static batch size of the HF baseline.")
+@click.option("--hf-dtype", type=click.Choice(["same", "float32", "bfloat16"]), default="same", show_default=True,
+              help="dtype of the HF baseline (same: the engine's).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
 def bench(config: str, overrides: tuple[str, ...], workload_name: str, baseline: str | None, hf_batch_size: int,
-          json_path: Path | None, **flags) -> None:
+          hf_dtype: str, json_path: Path | None, **flags) -> None:
     """Run a workload on CONFIG and print throughput, latency and KV-cache metrics."""
     from infer.bench.report import (
         environment,
@@ -78,15 +80,19 @@ def bench(config: str, overrides: tuple[str, ...], workload_name: str, baseline:
     summary = run_workload(engine, workload, show_progress=True).summary
     hf = None
     if baseline == "hf":
-        click.echo(f"running the HF transformers baseline (static batches of {hf_batch_size}) ...", err=True)
+        import torch
+
         from infer.bench.hf_baseline import run_hf_baseline
 
-        hf = run_hf_baseline(resolved.model.path, engine.dtype, engine.device, tokenize_workload(engine, workload),
+        dtype = engine.dtype if hf_dtype == "same" else getattr(torch, hf_dtype)
+        click.echo(f"running the HF transformers baseline (static batches of {hf_batch_size}, {dtype}) ...", err=True)
+        hf = run_hf_baseline(resolved.model.path, dtype, engine.device, tokenize_workload(engine, workload),
                              hf_batch_size, engine.eos_token_ids, show_progress=True)
     click.echo(format_bench(workload_name, summary, hf))
     if json_path is not None:
         write_json(json_path, {"command": _command_line(), **environment(), "config": resolved.to_dict(),
                                "dtype": str(engine.dtype).removeprefix("torch."),
+                               "quantization": engine.quantization,
                                "workload": {"name": workload_name, "options": workload.options}, "infer": summary,
                                "hf": hf, "infer_over_hf": throughput_ratio(summary, hf) if hf else None})
         click.echo(f"wrote {json_path}", err=True)

@@ -40,6 +40,7 @@ def run_hf_baseline(model_path: str, dtype: torch.dtype, device: torch.device, r
     return {
         "requests": len(requests),
         "batch_size": batch_size,
+        "dtype": str(dtype).removeprefix("torch."),
         "output_tokens": output_tokens,
         "generated_tokens": generated_tokens,
         "wall_time_s": wall_time_s,

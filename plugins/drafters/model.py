@@ -115,7 +115,9 @@ class ModelDrafter(Drafter):
         if loaded.tokenizer.get_vocab() != engine.tokenizer.get_vocab():
             raise ValueError(f"drafter.path={self.config.path!r} does not use the target's tokenizer; a draft model "
                              f"must share it token for token")
-        draft = loaded.model
+        from infer.quantization import quantize_model
+
+        draft = quantize_model(loaded.model, engine.quantization)
         attention = type(engine.attention)(
             num_heads=draft.num_heads, num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim,
             block_size=engine.attention.block_size, dtype=engine.dtype, device=engine.device,

@@ -1,0 +1,102 @@
+"""``model.quantization``: packed fp16/int8 weights give the float32 model's results within their precision, the
+``auto`` rule picks them only where it should, and the engine runs, sizes its pool and drafts with them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.loader import load_model
+from infer.model import Linear
+from infer.quantization import (
+    PackedLinear,
+    fbgemm_available,
+    model_weight_bytes,
+    quantize_linears,
+    quantize_model,
+    resolve_quantization,
+)
+
+pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="needs torch's fbgemm (x86 CPU build)")
+CPU = torch.device("cpu")
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize(("mode", "tolerance"), [("fp16", 1e-3), ("int8", 5e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_float32_within_its_precision(mode, tolerance, bias):
+    torch.manual_seed(0)
+    linear = Linear(96, 160, bias=bias)
+    torch.nn.init.normal_(linear.weight, std=0.1)
+    if bias:
+        torch.nn.init.normal_(linear.bias)
+    packed = PackedLinear(linear, mode)
+    for shape in [(1, 96), (7, 96), (2, 3, 96)]:
+        x = torch.randn(shape)
+        with torch.no_grad():
+            expected = linear(x)
+            actual = packed(x)
+        assert actual.shape == expected.shape and actual.dtype == torch.float32
+        assert 0 < relative_error(actual, expected) < tolerance
+    assert packed.weight is None  # the float32 copy is dropped unless shared
+    assert packed.nbytes < linear.weight.numel() * 4
+
+
+def test_auto_packs_fp16_only_for_float32_reached_through_dtype_auto():
+    assert resolve_quantization("auto", "auto", torch.float32, CPU) == "fp16"
+    assert resolve_quantization("auto", "float32", torch.float32, CPU) == "none"  # asked for exact float32
+    assert resolve_quantization("auto", "auto", torch.bfloat16, CPU) == "none"  # native bfloat16 CPU
+    assert resolve_quantization("auto", "auto", torch.float32, torch.device("cuda")) == "none"
+    assert resolve_quantization("int8", "float32", torch.float32, CPU) == "int8"
+
+
+@pytest.mark.parametrize(("name", "dtype", "device", "message"), [
+    ("int8", torch.bfloat16, CPU, "model.dtype=float32"),
+    ("fp16", torch.float32, torch.device("cuda"), "fbgemm"),
+    ("int4", torch.float32, CPU, "choose one of auto, none, fp16, int8"),
+])
+def test_unusable_quantization_is_refused_clearly(name, dtype, device, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_quantization(name, "float32", dtype, device)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
+def test_packed_model_logits_track_float32(tiny_model_dir, mode):
+    from test_model import PagedPool, random_tokens
+
+    model = load_model(tiny_model_dir, torch.float32).model
+    packed = quantize_model(copy.deepcopy(model), mode)
+    assert not any(isinstance(module, Linear) for module in packed.modules())
+    assert packed.lm_head.weight is packed.embed_tokens.weight  # kept for drafters that slice the head
+    # Layers shrink; the head's packed copy is counted beside the float32 table it shares with the embedding.
+    assert model_weight_bytes(packed.layers) < model_weight_bytes(model.layers) * (0.3 if mode == "int8" else 0.6)
+    assert model_weight_bytes(packed) > model_weight_bytes(model)
+    tokens = random_tokens(24, seed=1, vocab_size=model.vocab_size)
+    expected = PagedPool(model).step({"a": tokens})["a"]
+    actual = PagedPool(packed).step({"a": tokens})["a"]
+    assert relative_error(actual, expected) < (2e-3 if mode == "fp16" else 0.1)
+
+
+def test_quantize_linears_with_none_changes_nothing():
+    layer = torch.nn.Sequential(Linear(4, 4))
+    assert isinstance(quantize_linears(layer, "none")[0], Linear)
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+def test_engine_runs_with_packed_weights(tiny_model_dir, drafter):
+    overrides = dict(model__path=tiny_model_dir, model__dtype="float32", model__quantization="fp16",
+                     model__max_model_len=256, cache__num_blocks=128, drafter__name=drafter)
+    if drafter == "model":
+        overrides["drafter__layers"] = 1
+    llm = LLM("baseline", **overrides)
+    assert llm.engine.quantization == "fp16"
+    outputs = llm.generate(["The tide comes in and the tide goes out"] * 3,
+                           SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert [len(output.token_ids) for output in outputs] == [16] * 3
+    assert outputs[0].token_ids == outputs[1].token_ids == outputs[2].token_ids
