@@ -59,6 +59,21 @@ TASKS = [
     "Give me a step-by-step guide related to {topic}.", "Why is {topic} important?",
     "Write a product description inspired by {topic}.", "Explain {topic} as if I were ten years old.",
 ]
+# Everyday requests, phrased the way people ask a chat assistant for help.
+EVERYDAY_TOPICS = [
+    "houseplants", "a first apartment", "a long flight", "a job offer", "a leaky faucet", "a noisy neighbor",
+    "a school science project", "a road trip", "a wedding toast", "a picky eater", "a rainy weekend", "a new puppy",
+    "a slow laptop", "a tight budget", "a morning routine", "a first date", "a group project", "a garden in spring",
+    "a sore back", "a language exam", "a birthday party", "a house move", "an online course", "a vegetable soup",
+    "a bike repair", "a winter coat", "a family reunion", "a marathon", "a study schedule", "a small balcony",
+    "a cover letter", "a team meeting", "a cold", "a sourdough starter", "an aquarium", "a camping trip",
+]
+EVERYDAY_TASKS = [
+    "How do I get started with {topic}?", "What should I think about when dealing with {topic}?",
+    "Can you give me some practical tips for {topic}?", "What are common mistakes people make with {topic}?",
+    "I'm worried about {topic}. What can I do?", "Help me plan {topic}.",
+    "What do I need for {topic}?", "Could you suggest a checklist for {topic}?",
+]
 
 
 @dataclass(slots=True)
@@ -113,6 +128,7 @@ class TrainReport:
 def builtin_prompts(count: int, seed: int) -> list[list[dict]]:
     """``count`` chat prompts from every task applied to every topic, in a seeded order."""
     texts = [task.format(topic=topic) for topic in TOPICS for task in TASKS]
+    texts += [task.format(topic=topic) for topic in EVERYDAY_TOPICS for task in EVERYDAY_TASKS]
     random.Random(seed).shuffle(texts)
     return [[{"role": "user", "content": text}] for text in texts[:count]]
 
@@ -450,7 +466,8 @@ def _count(report: TrainReport, train_set: list[Example], held_out: list[Example
 
 def model_card(report: TrainReport, options: TrainEagleOptions, config, overrides, prompts_path) -> str:
     """The README next to the head: data, training, measured acceptance, and how to reproduce it."""
-    source = str(prompts_path) if prompts_path else f"the built-in set ({len(TOPICS)} topics x {len(TASKS)} tasks)"
+    source = str(prompts_path) if prompts_path else (f"the built-in set ({len(TOPICS)} topics x {len(TASKS)} tasks, "
+                                                      f"{len(EVERYDAY_TOPICS)} x {len(EVERYDAY_TASKS)} everyday)")
     command = " ".join(["infer train-eagle", str(config), *overrides, "--out DIR", *_option_flags(options),
                         *([f"--prompts {prompts_path}"] if prompts_path else [])])
     return "\n".join([

@@ -78,7 +78,8 @@ def format_bench(workload_name: str, summary: dict, baseline: dict | None) -> st
     lines = [f"workload {workload_name}" + (f", at most {batch} in flight" if batch else ""), "",
              format_summary(summary)]
     if baseline is not None:
-        lines += ["", f"HF transformers generate (static batches of {baseline['batch_size']}, {baseline.get('dtype', '?')}, greedy):",
+        lines += ["", f"HF transformers generate (static batches of {baseline['batch_size']}, "
+                      f"{baseline.get('dtype', '?')}, greedy):",
                   f"  output tok/s            {baseline['output_tok_per_s']:.1f}",
                   f"  requests/s              {baseline['requests_per_s']:.2f}",
                   f"  wall time               {baseline['wall_time_s']:.2f} s",
