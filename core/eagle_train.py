@@ -135,23 +135,37 @@ def builtin_prompts(count: int, seed: int) -> list[list[dict]]:
 
 # -- 1. generating the data -----------------------------------------------------------------------------------------
 class FeatureRecorder(Drafter):
-    """Sits in the engine's drafter seat: proposes nothing, keeps every computed token's final hidden state."""
+    """Sits in the engine's drafter seat: proposes nothing, keeps every computed token's final hidden state.
+
+    Each sequence's features go into one buffer sized for its longest possible length, allocated when it first
+    runs: thousands of per-step row tensors kept alive between the engine's large transient allocations fragmented
+    the heap (RSS grew by ~80 KB per generated token for 1.2 KB of features)."""
 
     needs_hidden_states = True
 
     def __init__(self):
         super().__init__()
-        self.features: dict[str, list[torch.Tensor]] = {}
+        self.features: dict[str, torch.Tensor] = {}
+        self.lengths: dict[str, int] = {}
 
     def observe(self, output) -> None:
         for row in output.token_rows:
-            chunks = self.features.setdefault(row.seq.seq_id, [])
-            # A preempted sequence recomputes from an earlier position: keep only what precedes it.
-            kept = sum(chunk.shape[0] for chunk in chunks)
-            if row.first_position < kept:
-                chunks[:] = [torch.cat(chunks)[: row.first_position]]
-            # bfloat16 halves the memory of a large run; the features are inputs and targets, not weights.
-            chunks.append(output.hidden_states[row.start: row.start + row.count].to(torch.bfloat16))
+            seq = row.seq
+            buffer = self.features.get(seq.seq_id)
+            if buffer is None:
+                # bfloat16 halves the memory of a large run; the features are inputs and targets, not weights.
+                buffer = torch.empty(seq.num_prompt_tokens + seq.params.max_tokens,
+                                     output.hidden_states.shape[1], dtype=torch.bfloat16)
+                self.features[seq.seq_id] = buffer
+            end = row.first_position + row.count
+            # A preempted sequence recomputes from an earlier position and overwrites what follows it.
+            buffer[row.first_position:end] = output.hidden_states[row.start:row.start + row.count]
+            self.lengths[seq.seq_id] = end
+
+    def take(self, seq_id: str, length: int) -> torch.Tensor:
+        """The first ``length`` features of a finished sequence (its buffer is released)."""
+        recorded = self.lengths.pop(seq_id)
+        return self.features.pop(seq_id)[: min(length, recorded)].clone()
 
     def propose(self, sequences, k):
         return [[] for _ in sequences]
@@ -170,7 +184,7 @@ def generate_examples(llm, prompts: list, options: TrainEagleOptions) -> list[Ex
         if output.error is not None:
             continue
         token_ids = output.prompt_token_ids + output.token_ids
-        features = torch.cat(recorder.features.pop(f"{output.request_id}/0"))[: len(token_ids) - 1]
+        features = recorder.take(f"{output.request_id}/0", len(token_ids) - 1)
         examples.append(Example(torch.tensor(token_ids), features, len(output.prompt_token_ids)))
     return examples
 

@@ -319,6 +319,26 @@ def test_train_eagle_writes_a_head_the_drafter_uses(tiny_model_dir, tmp_path):
     assert stats.num_verify_passes > 0
 
 
+def test_feature_recorder_keeps_each_position_once_and_overwrites_after_preemption():
+    from infer.eagle_train import FeatureRecorder
+    from infer.runner import BatchRows, StepOutput
+    from infer.sequence import Sequence
+
+    seq = Sequence(seq_id="r/0", prompt_token_ids=[1, 2, 3, 4], params=SamplingParams(max_tokens=4))
+    recorder = FeatureRecorder()
+
+    def step(first_position: int, rows: torch.Tensor) -> None:
+        recorder.observe(StepOutput(logits=torch.zeros(1, 1), rows=[], hidden_states=rows,
+                                    token_rows=[BatchRows(seq, 0, rows.shape[0], first_position)]))
+
+    step(0, torch.full((4, 2), 1.0))  # prefill
+    step(4, torch.full((1, 2), 2.0))  # a decode
+    step(2, torch.full((3, 2), 3.0))  # preempted, recomputed from position 2
+    features = recorder.take("r/0", 5)
+    assert features[:, 0].tolist() == [1.0, 1.0, 3.0, 3.0, 3.0] and features.dtype == torch.bfloat16
+    assert not recorder.features and not recorder.lengths  # released
+
+
 SHIPPED = Path(__file__).resolve().parents[1] / "core" / "assets" / "eagle" / "smollm2-135m-instruct"
 
 

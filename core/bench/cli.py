@@ -13,8 +13,8 @@ from infer.cli import CONFIG_HELP
 
 # Workload option flags: (flag, type, help). Only the flags given are passed on, so each workload keeps its defaults.
 WORKLOAD_FLAGS = [
-    ("--num-requests", int, "Number of requests (chat, long-prompt short ones, single-stream, jsonl)."),
-    ("--input-len", int, "Prompt tokens (chat: the mean, +-20%; long-prompt: the short prompts)."),
+    ("--num-requests", int, "Number of requests (chat, long-prompt short ones, single-stream, prefill, jsonl)."),
+    ("--input-len", int, "Prompt tokens (chat: the mean, +-20%; long-prompt: the short prompts; prefill: exact)."),
     ("--output-len", int, "Output tokens (chat: the maximum)."),
     ("--min-output-len", int, "chat: the minimum output tokens."),
     ("--groups", int, "shared-prefix: number of system prompts."),

@@ -45,6 +45,7 @@ def run_hf_baseline(model_path: str, dtype: torch.dtype, device: torch.device, r
         "generated_tokens": generated_tokens,
         "wall_time_s": wall_time_s,
         "output_tok_per_s": output_tokens / wall_time_s if wall_time_s else 0.0,
+        "prompt_tok_per_s": (sum(len(r.prompt_token_ids) for r in requests) / wall_time_s if wall_time_s else 0.0),
         "requests_per_s": len(requests) / wall_time_s if wall_time_s else 0.0,
     }
 

@@ -81,6 +81,7 @@ def format_bench(workload_name: str, summary: dict, baseline: dict | None) -> st
         lines += ["", f"HF transformers generate (static batches of {baseline['batch_size']}, "
                       f"{baseline.get('dtype', '?')}, greedy):",
                   f"  output tok/s            {baseline['output_tok_per_s']:.1f}",
+                  f"  prompt tok/s            {baseline.get('prompt_tok_per_s', 0.0):.1f}",
                   f"  requests/s              {baseline['requests_per_s']:.2f}",
                   f"  wall time               {baseline['wall_time_s']:.2f} s",
                   f"  tokens generated/output {baseline['generated_tokens']} / {baseline['output_tokens']}",

@@ -115,6 +115,14 @@ def single_stream(words: WordSource, rng: random.Random, num_requests: int = 8, 
             for text, arrival in zip(texts, arrivals)]
 
 
+def prefill(words: WordSource, rng: random.Random, num_requests: int = 16, input_len: int = 512,
+            output_len: int = 1, rate: float | None = None) -> list[BenchRequest]:
+    """Prompt processing: ``num_requests`` random-word prompts of exactly ``input_len`` tokens, ``output_len``
+    tokens each (one: the run is all prefill); watch prompt tok/s."""
+    arrivals = arrival_offsets(num_requests, rate, rng)
+    return [BenchRequest(words.token_ids(input_len), greedy(output_len), arrival) for arrival in arrivals]
+
+
 def _copy_text(words: WordSource, index: int, passage_words: int) -> str:
     template = COPY_TEMPLATES[(index // 2) % len(COPY_TEMPLATES)]
     return template.format(passage=words.passage(passage_words))
@@ -136,6 +144,7 @@ WORKLOADS: dict[str, Callable[..., list[BenchRequest]]] = {
     "shared-prefix": shared_prefix,
     "long-prompt": long_prompt,
     "single-stream": single_stream,
+    "prefill": prefill,
     "jsonl": jsonl,
 }
 DEFAULT_BATCH_SIZE = {"single-stream": 1}
