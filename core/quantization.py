@@ -102,16 +102,24 @@ class PackedLinear(nn.Module):
 
 @torch.no_grad()
 def quantize_linears(module: nn.Module, mode: str, shared: set[int] = frozenset()) -> nn.Module:
-    """Replace every ``infer.model.Linear`` under ``module`` by a ``PackedLinear`` (in place; returns ``module``).
+    """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear`` (in place; returns ``module``).
     Weights whose ``id`` is in ``shared`` are kept on the packed module (see ``PackedLinear``)."""
     if mode == "none":
         return module
     for name, child in list(module.named_children()):
-        if isinstance(child, Linear):
+        if isinstance(child, nn.Linear):
             setattr(module, name, PackedLinear(child, mode, keep_weight=id(child.weight) in shared))
         else:
             quantize_linears(child, mode, shared)
     return module
+
+
+def projection(weight: torch.Tensor, mode: str) -> nn.Module:
+    """``x @ weight.T`` as a module, packed for ``mode`` (``none``: a plain linear layer sharing ``weight``)."""
+    with torch.device(weight.device):
+        linear = Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return linear if mode == "none" else PackedLinear(linear, mode)
 
 
 def quantize_model(model: nn.Module, mode: str) -> nn.Module:

@@ -27,6 +27,7 @@ from infer.drafter import Drafter, DrafterConfig
 from infer.kv_pool import kv_bytes_per_token
 from infer.plugins.drafters import eagle_head
 from infer.plugins.drafters.eagle_head import EagleHead, draft_head_weight, load_head, random_head
+from infer.quantization import projection, quantize_linears
 from infer.runner import paged_metadata
 
 SHIPPED_HEADS = "assets/eagle"
@@ -91,8 +92,9 @@ class EagleDrafter(Drafter):
         self.device = engine.device
         self.dtype = engine.dtype
         self.block_size = engine.attention.block_size
-        self.head = self._load_head(engine)
-        self.head_weight = draft_head_weight(self.target, self.head.vocab_ids)
+        # The head's layers and its draft-vocabulary output run with the target's weight packing.
+        self.head = quantize_linears(self._load_head(engine), engine.quantization)
+        self.draft_logits = projection(draft_head_weight(self.target, self.head.vocab_ids), engine.quantization)
         self.kv_cache: torch.Tensor | None = None
         self._logs: dict[str, FeatureLog] = {}
 
@@ -188,7 +190,7 @@ class EagleDrafter(Drafter):
         cos, sin = self.target.rotary(metadata.positions, embeds.dtype)
         predicted = self.head(embeds, features, cos, sin, self.kv_cache, metadata, self.attention)
         last = predicted.index_select(0, (metadata.query_start_loc[1:] - 1).to(torch.int64))
-        guesses = self.head.vocab_ids[(last @ self.head_weight.T).argmax(dim=-1)].tolist()
+        guesses = self.head.vocab_ids[self.draft_logits(last).argmax(dim=-1)].tolist()
         for i, guess in zip(active, guesses):
             drafts[i].append(guess)
         return last
