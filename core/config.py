@@ -60,7 +60,9 @@ class ModelConfig(BaseModel):
         "auto", description='Weights packed for CPU matmuls: "fp16" (half the bytes, near float32 results), "int8" '
                             '(a quarter; some greedy tokens differ), "none". "auto": fp16 on an x86 CPU when dtype is '
                             'auto and resolves to float32, else none.')
-    compile: bool = False
+    compile: bool = Field(False, description="torch.compile each layer's feed-forward half (needs a C++ compiler "
+                                             "on CPU; the first steps of each new batch shape compile for seconds). "
+                                             "Measured no faster on an AVX2 CPU with packed weights, so off.")
 
     def resolved_device(self) -> str:
         """The device to run on, with ``auto`` resolved (imports torch)."""

@@ -124,6 +124,8 @@ class Engine:
         self.quantization = resolve_quantization(config.model.quantization, config.model.dtype, self.dtype,
                                                  self.device)
         self.model = quantize_model(loaded.model, self.quantization)
+        if config.model.compile:
+            self.model.compile_dense_parts()
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.model_name = loaded.name

@@ -187,6 +187,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden, cos, sin, kv_cache, metadata, attention) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata, attention)
+        return self.feed_forward(hidden)
+
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The dense second half, ``x + mlp(norm(x))`` (what ``model.compile`` compiles)."""
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -263,6 +267,12 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, kv_cache, metadata, attention)
         return self.norm(hidden)
+
+    def compile_dense_parts(self) -> None:
+        """``torch.compile`` each layer's feed-forward half (norm, gate/up, SiLU, down, residual), with dynamic
+        token counts; attention stays eager (its shapes and metadata change every step)."""
+        for layer in self.layers:
+            layer.feed_forward = torch.compile(layer.feed_forward, dynamic=True)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -100,3 +101,16 @@ def test_engine_runs_with_packed_weights(tiny_model_dir, drafter):
                            SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert [len(output.token_ids) for output in outputs] == [16] * 3
     assert outputs[0].token_ids == outputs[1].token_ids == outputs[2].token_ids
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile on CPU needs "
+                                                                                          "a C++ compiler")
+def test_compiled_feed_forward_gives_the_same_greedy_tokens(tiny_model_dir):
+    settings = dict(model__path=tiny_model_dir, model__dtype="float32", model__max_model_len=256,
+                    cache__num_blocks=64)
+    prompts = ["The tide comes in and the tide goes out", "One two three four"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [output.token_ids for output in LLM("baseline", **settings).generate(prompts, params)]
+    compiled = LLM("baseline", model__compile=True, **settings)
+    assert all(hasattr(layer.feed_forward, "_torchdynamo_orig_callable") for layer in compiled.engine.model.layers)
+    assert [output.token_ids for output in compiled.generate(prompts, params)] == expected
