@@ -9,7 +9,7 @@ Per row: tokens per verify pass (the bonus token included), output tokens/s, its
 workload and batch, and how many outputs equal no drafter's token for token (in bfloat16 a different batch shape can
 flip a near-tie; float32 is exact). Prints a markdown table.
 
-    OMP_NUM_THREADS=1 python benchmarks/spec_decode.py                     # bfloat16, batch 1, 4 and 16
+    python benchmarks/spec_decode.py                                       # default dtype, batch 1, 4 and 16
     python benchmarks/spec_decode.py --dtype float32 --batch-sizes 1 --max-tokens 64
 
 On a CPU shared with other processes, one thread per process (``OMP_NUM_THREADS=1``) avoids OpenMP threads waiting
@@ -87,7 +87,8 @@ class Result:
 
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="auto: the engine's default (on an AVX2 CPU, float32 with fp16-packed weights)")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts per workload at batch 1 (more at "
                                                                    "larger batches: one full wave at least)")
@@ -153,7 +154,8 @@ def main() -> None:
         results.extend(run_drafter(drafter, workloads, args))
         print(table(results), flush=True)
         print(flush=True)
-    print(f"dtype {args.dtype}, k={args.k}, max_tokens={args.max_tokens}, threads {torch.get_num_threads()}")
+    print(f"dtype {args.dtype}, k={args.k}, max_tokens={args.max_tokens}, threads {torch.get_num_threads()}, "
+          f"draft depth (model) {args.model_layers} layers")
 
 
 if __name__ == "__main__":

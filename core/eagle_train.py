@@ -504,7 +504,7 @@ def model_card(report: TrainReport, options: TrainEagleOptions, config, override
         "",
         "Reproduce:",
         "",
-        f"    OMP_NUM_THREADS=1 {command}",
+        f"    OMP_NUM_THREADS={torch.get_num_threads()} {command}",
         "",
     ])
 

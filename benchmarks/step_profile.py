@@ -1,0 +1,150 @@
+"""Where one engine step's time goes on the default model: decode at batch 1, 16 and 64, and prefill.
+
+Wall-clock timers wrap the engine's parts (on the CPU every op is synchronous, so a part's time is its wall time):
+scheduling, batch metadata (flattening plus the attention backend's per-step plan), the dense projections of the
+layers, attention (KV write plus paged attention), the output head, sampling; the remainder is the rest of the
+forward pass (embedding, RMSNorm, RoPE, SiLU, residual adds) plus Python glue. Prints a markdown table, milliseconds
+per step and shares.
+
+    OMP_NUM_THREADS=2 python benchmarks/step_profile.py
+    python benchmarks/step_profile.py model.quantization=none       # any config override
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+from infer import LLM, SamplingParams
+from infer.quantization import PackedLinear
+
+PARTS = ["scheduling", "metadata", "projections", "attention", "output head", "sampling", "other"]
+
+
+class Timers:
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.depth = 0
+
+    def wrap(self, owner, name: str, part: str) -> None:
+        original = getattr(owner, name)
+        timers = self
+
+        def timed(*args, **kwargs):
+            if timers.depth:  # nested inside a timed part: counted there
+                return original(*args, **kwargs)
+            timers.depth += 1
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                timers.seconds[part] += time.perf_counter() - began
+                timers.depth -= 1
+
+        setattr(owner, name, timed)
+
+    @contextmanager
+    def fresh(self):
+        self.seconds.clear()
+        yield
+
+
+def instrument(llm: LLM) -> Timers:
+    engine, timers = llm.engine, Timers()
+    timers.wrap(engine.scheduler, "schedule", "scheduling")
+    timers.wrap(engine.runner, "build_metadata", "metadata")
+    timers.wrap(engine.runner.attention, "prepare", "metadata")
+    timers.wrap(engine.runner.attention, "forward", "attention")
+    timers.wrap(engine.model, "compute_logits", "output head")
+    timers.wrap(engine.sampler, "sample", "sampling")
+    timers.wrap(engine.sampler, "logprobs", "sampling")
+    for layer in engine.model.layers:
+        for module in layer.modules():
+            if isinstance(module, (PackedLinear, torch.nn.Linear)):
+                timers.wrap(module, "forward", "projections")
+    return timers
+
+
+def decode_case(llm: LLM, timers: Timers, batch: int, steps: int) -> tuple[float, dict]:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([{"role": "user", "content": f"Tell me a long story about lighthouse number {i}."}],
+                           params)
+    while any(seq.num_uncomputed_tokens > 1 for seq in engine.running) or engine.waiting:
+        engine.step()  # prefill
+    for _ in range(3):
+        engine.step()
+    with timers.fresh():
+        began = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        total = time.perf_counter() - began
+        parts = dict(timers.seconds)
+    drain(engine)
+    return total / steps, {part: value / steps for part, value in parts.items()}
+
+
+def prefill_case(llm: LLM, timers: Timers, batch: int, length: int, repeats: int) -> tuple[float, dict]:
+    engine = llm.engine
+    generator = torch.Generator().manual_seed(0)
+    totals, parts = 0.0, defaultdict(float)
+    for _ in range(repeats):
+        for _ in range(batch):
+            prompt = torch.randint(1000, 20000, (length,), generator=generator).tolist()
+            engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        with timers.fresh():
+            began = time.perf_counter()
+            engine.step()
+            totals += time.perf_counter() - began
+            for part, value in timers.seconds.items():
+                parts[part] += value
+        drain(engine)
+    return totals / repeats, {part: value / repeats for part, value in parts.items()}
+
+
+def drain(engine) -> None:
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    for request_id in list(engine.requests):
+        engine.release_request(request_id)
+
+
+def row(label: str, total: float, parts: dict, tokens: int) -> str:
+    parts = dict(parts)
+    parts["other"] = max(0.0, total - sum(parts.values()))
+    cells = [f"{parts.get(part, 0.0) * 1e3:.1f} ({parts.get(part, 0.0) / total:.0%})" for part in PARTS]
+    return f"| {label} | {total * 1e3:.1f} | {tokens / total:,.0f} | " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    llm = LLM("baseline", dotlist=args.overrides)
+    llm.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0.0))
+    timers = instrument(llm)
+    lines = ["| step | ms | tok/s | " + " | ".join(PARTS) + " |", "|---" * (len(PARTS) + 3) + "|"]
+    for batch in (1, 16, 64):
+        total, parts = decode_case(llm, timers, batch, args.steps)
+        lines.append(row(f"decode, batch {batch}", total, parts, batch))
+        print(lines[-1], flush=True)
+    for batch, length in ((1, 512), (4, 512)):
+        total, parts = prefill_case(llm, timers, batch, length, repeats=3)
+        lines.append(row(f"prefill {batch} x {length}", total, parts, batch * length))
+        print(lines[-1], flush=True)
+    engine = llm.engine
+    print(f"\n{engine.model_name}, dtype {str(engine.dtype).removeprefix('torch.')}, quantization "
+          f"{engine.quantization}, attention {engine.config.attention.name}, threads {torch.get_num_threads()}\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
