@@ -291,11 +291,23 @@ class TestEagleDrafterConformance(EngineBackedConformance):
         from infer.registry import get_registry
 
         implementation = self.load_implementation("eagle")
-        config = get_registry().config_model("drafter", "eagle")(head="random")
+        config = get_registry().config_model("drafter", "eagle")(head="random", min_confidence=0.0)
         return lambda: with_kv_cache(implementation(config, **drafter_context))
 
     def drafter_overrides(self) -> dict:
-        return {"drafter__name": "eagle", "drafter__head": "random"}
+        return {"drafter__name": "eagle", "drafter__head": "random", "drafter__min_confidence": 0.0}
+
+
+def test_eagle_confidence_threshold_shortens_chains_and_keeps_the_output(tiny_model_dir):
+    prompts = mixed_prompts()
+    expected, _ = generate(tiny_model_dir, prompts, greedy())
+    eagle = {"drafter__name": "eagle", "drafter__head": "random"}
+    _, full = generate(tiny_model_dir, prompts, greedy(), **eagle, drafter__min_confidence=0.0)
+    outputs, short = generate(tiny_model_dir, prompts, greedy(), **eagle, drafter__min_confidence=1.0)
+    assert outputs == expected
+    # Every guess of an untrained head is doubtful: each chain ends after its first draft.
+    assert short.num_draft_tokens == short.num_verify_passes > 0
+    assert full.num_draft_tokens > full.num_verify_passes
 
 
 # -- training and the shipped head ----------------------------------------------------------------------------------

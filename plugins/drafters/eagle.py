@@ -37,6 +37,11 @@ class EagleDrafterConfig(DrafterConfig):
     name: str = "eagle"
     head: str = Field("auto", description='Trained head: "auto" (the one shipped for the target model), a path to a '
                                           '.safetensors head or its folder, or "random" (untrained, for tests).')
+    min_confidence: float = Field(0.8, ge=0.0, le=1.0, description="End a sequence's chain after a guess whose "
+                                                                    "probability under the head is below this "
+                                                                    "(0: always draft num_speculative_tokens). "
+                                                                    "Doubtful guesses are mostly rejected, and "
+                                                                    "each costs a draft step and a verified token.")
 
 
 def shipped_head_path(model_name: str) -> Path:
@@ -97,6 +102,7 @@ class EagleDrafter(Drafter):
         self.draft_logits = projection(draft_head_weight(self.target, self.head.vocab_ids), engine.quantization)
         self.kv_cache: torch.Tensor | None = None
         self._logs: dict[str, FeatureLog] = {}
+        self._unsure: set[int] = set()  # this propose call's sequences whose chain ended on a doubtful guess
 
     def _load_head(self, engine) -> EagleHead:
         choice = self.config.head
@@ -143,9 +149,10 @@ class EagleDrafter(Drafter):
         drafts: list[list[int]] = [[] for _ in sequences]
         limits = [self._max_drafts(seq, k) for seq in sequences]
         active = [i for i, limit in enumerate(limits) if limit > 0]
+        self._unsure.clear()
         features = self._first_pass(sequences, active, drafts) if active else None
         for step in range(1, k):
-            keep = [j for j, i in enumerate(active) if len(drafts[i]) < limits[i]]
+            keep = [j for j, i in enumerate(active) if len(drafts[i]) < limits[i] and i not in self._unsure]
             if not keep:
                 break
             active = [active[j] for j in keep]
@@ -190,9 +197,13 @@ class EagleDrafter(Drafter):
         cos, sin = self.target.rotary(metadata.positions, embeds.dtype)
         predicted = self.head(embeds, features, cos, sin, self.kv_cache, metadata, self.attention)
         last = predicted.index_select(0, (metadata.query_start_loc[1:] - 1).to(torch.int64))
-        guesses = self.head.vocab_ids[self.draft_logits(last).argmax(dim=-1)].tolist()
+        logits = self.draft_logits(last)
+        guesses = self.head.vocab_ids[logits.argmax(dim=-1)].tolist()
         for i, guess in zip(active, guesses):
             drafts[i].append(guess)
+        if self.config.min_confidence > 0.0:
+            confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
+            self._unsure.update(i for i, p in zip(active, confidence) if p < self.config.min_confidence)
         return last
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
