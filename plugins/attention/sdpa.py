@@ -20,6 +20,10 @@ from infer.attention import AttentionBackend, AttentionMetadata, write_kv
 
 # Queries up to this long are padded into the shared call; the padding wasted per sequence stays below this bound.
 MAX_PADDED_QUERY_LEN = 16
+# A float32 chunk with at most this many query x key scores is attended with explicit matmuls and softmax: on CPU
+# that measured 1.3-1.9x faster than SDPA's flash kernel (30 x 630: 0.52 vs 0.98 ms; 512 x 512: 17 vs 22 ms), and
+# this bound keeps its score matrix (heads x scores x 4 bytes) to tens of MB.
+MAX_EXPLICIT_SCORES = 1 << 20
 
 
 @dataclass(slots=True)
@@ -48,6 +52,7 @@ class SequenceChunk:
     seq_len: int
     block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
     mask: torch.Tensor | None  # [L, seq_len] bottom-right causal; None when nothing is cached (plain causal)
+    bias: torch.Tensor | None = None  # [L, seq_len] additive float32 mask when the chunk takes the explicit path
 
 
 @dataclass(slots=True)
@@ -119,6 +124,9 @@ class SdpaBackend(AttentionBackend):
             for tensor in gather_blocks(kv_cache, chunk.block_ids, q.dtype)
         )
         queries = q[chunk.token_start : chunk.token_end].transpose(0, 1)
+        if chunk.bias is not None and queries.dtype == torch.float32:
+            scores = torch.baddbmm(chunk.bias, queries, keys.transpose(1, 2), alpha=self.scale)
+            return torch.bmm(torch.softmax(scores, dim=-1), values).transpose(0, 1)
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale
         )
@@ -156,11 +164,13 @@ class SdpaBackend(AttentionBackend):
         seq_len = metadata.seq_lens_cpu[seq_index]
         query_len = metadata.query_lens_cpu[seq_index]
         block_ids = metadata.block_tables[seq_index, : -(-seq_len // self.block_size)].long()
-        mask = None
-        if query_len < seq_len:
-            query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
-            mask = torch.arange(seq_len, device=device) <= query_positions[:, None]
-        return SequenceChunk(token_start, token_start + query_len, seq_len, block_ids, mask)
+        query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
+        allowed = torch.arange(seq_len, device=device) <= query_positions[:, None]
+        mask = allowed if query_len < seq_len else None
+        bias = None
+        if query_len * seq_len <= MAX_EXPLICIT_SCORES:
+            bias = torch.zeros(query_len, seq_len, device=device).masked_fill_(~allowed, float("-inf"))
+        return SequenceChunk(token_start, token_start + query_len, seq_len, block_ids, mask, bias)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
