@@ -375,4 +375,7 @@ def test_flagship_config_runs_the_shipped_head_with_the_target_output():
     llm = LLM("radix_lpm_eagle", model__dtype="float32")
     outputs = llm.generate(chats, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
-    assert llm.engine.stats.mean_accepted_per_pass > 1.5
+    stats = llm.engine.stats
+    # min_confidence 0.8 ends chains early: fewer drafts per pass, most of them accepted.
+    assert stats.mean_accepted_per_pass > 1.3
+    assert stats.num_draft_tokens < 2 * stats.num_verify_passes
