@@ -48,7 +48,8 @@ class AttentionMetadata:
         their K/V stored through ``block_tables[i]`` (what the engine's runner builds each step)."""
         width = max(len(table) for table in block_tables)
         tables = torch.tensor([table + [0] * (width - len(table)) for table in block_tables], dtype=torch.int32)
-        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(num_cached, num_new)])
+        # Built as one list: a tensor per sequence costs more than the whole list at batch 64.
+        positions = torch.tensor([p for c, n in zip(num_cached, num_new) for p in range(c, c + n)], dtype=torch.int64)
         seq_index = torch.repeat_interleave(torch.arange(len(num_new)), torch.tensor(num_new))
         slots = tables[seq_index, positions // block_size].to(torch.int64) * block_size + positions % block_size
         seq_lens = [c + n for c, n in zip(num_cached, num_new)]

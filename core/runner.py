@@ -45,36 +45,6 @@ def step_tokens(seq: Sequence, num_new_tokens: int) -> list[int]:
     return tokens + seq.draft_token_ids[: end - committed]
 
 
-def paged_metadata(block_tables: list[list[int]], starts: list[int], query_lens: list[int], block_size: int,
-                   device: torch.device) -> AttentionMetadata:
-    """Batch metadata for sequences whose ``query_lens[i]`` new tokens sit at positions ``starts[i]`` onwards, their
-    K/V at slots of ``block_tables[i]`` (the runner's, and any drafter's pool in the same block geometry)."""
-    positions: list[int] = []
-    for start, num_new in zip(starts, query_lens):
-        positions.extend(range(start, start + num_new))
-    seq_lens = [start + num_new for start, num_new in zip(starts, query_lens)]
-    max_blocks = max(len(table) for table in block_tables)
-    padded_tables = torch.tensor([table + [0] * (max_blocks - len(table)) for table in block_tables],
-                                 dtype=torch.int32)
-    positions_t = torch.tensor(positions, dtype=torch.int64)
-    seq_index = torch.repeat_interleave(torch.arange(len(block_tables)), torch.tensor(query_lens))
-    block_ids = padded_tables[seq_index, positions_t // block_size].to(torch.int64)
-    slot_mapping = block_ids * block_size + positions_t % block_size
-    query_start_loc = torch.zeros(len(block_tables) + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
-    return AttentionMetadata(
-        positions=positions_t.to(device),
-        query_start_loc=query_start_loc.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=padded_tables.to(device),
-        slot_mapping=slot_mapping.to(device),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=seq_lens,
-    )
-
-
 class ModelRunner:
     """Owns the KV pool tensor and runs one forward pass per step."""
 
@@ -89,9 +59,9 @@ class ModelRunner:
         input_ids: list[int] = []
         for seq, num_new in scheduled:
             input_ids.extend(step_tokens(seq, num_new))
-        metadata = paged_metadata([seq.block_table for seq, _ in scheduled],
-                                  [seq.num_computed_tokens for seq, _ in scheduled],
-                                  [num_new for _, num_new in scheduled], self.block_size, self.device)
+        metadata = AttentionMetadata.build([seq.block_table for seq, _ in scheduled],
+                                           [seq.num_computed_tokens for seq, _ in scheduled],
+                                           [num_new for _, num_new in scheduled], self.block_size, self.device)
         return torch.tensor(input_ids, dtype=torch.int64, device=self.device), metadata
 
     @staticmethod

@@ -23,12 +23,12 @@ import torch
 from pydantic import Field
 
 from infer import hookimpl
+from infer.attention import AttentionMetadata
 from infer.drafter import Drafter, DrafterConfig
 from infer.kv_pool import kv_bytes_per_token
 from infer.plugins.drafters import eagle_head
 from infer.plugins.drafters.eagle_head import EagleHead, draft_head_weight, load_head, random_head
 from infer.quantization import projection, quantize_linears
-from infer.runner import paged_metadata
 
 SHIPPED_HEADS = "assets/eagle"
 
@@ -102,7 +102,6 @@ class EagleDrafter(Drafter):
         self.draft_logits = projection(draft_head_weight(self.target, self.head.vocab_ids), engine.quantization)
         self.kv_cache: torch.Tensor | None = None
         self._logs: dict[str, FeatureLog] = {}
-        self._unsure: set[int] = set()  # this propose call's sequences whose chain ended on a doubtful guess
 
     def _load_head(self, engine) -> EagleHead:
         choice = self.config.head
@@ -149,14 +148,15 @@ class EagleDrafter(Drafter):
         drafts: list[list[int]] = [[] for _ in sequences]
         limits = [self._max_drafts(seq, k) for seq in sequences]
         active = [i for i, limit in enumerate(limits) if limit > 0]
-        self._unsure.clear()
-        features = self._first_pass(sequences, active, drafts) if active else None
+        features, doubtful = self._first_pass(sequences, active, drafts) if active else (None, [])
         for step in range(1, k):
-            keep = [j for j, i in enumerate(active) if len(drafts[i]) < limits[i] and i not in self._unsure]
+            for i in doubtful:  # a doubtful guess ends its chain
+                limits[i] = len(drafts[i])
+            keep = [j for j, i in enumerate(active) if len(drafts[i]) < limits[i]]
             if not keep:
                 break
             active = [active[j] for j in keep]
-            features = self._chain_step(sequences, active, features[keep], drafts, step)
+            features, doubtful = self._chain_step(sequences, active, features[keep], drafts, step)
         return drafts
 
     def _max_drafts(self, seq, k: int) -> int:
@@ -169,9 +169,9 @@ class EagleDrafter(Drafter):
         capacity = len(seq.block_table) * self.block_size
         return max(0, min(k, capacity - last_pair))
 
-    def _first_pass(self, sequences, active, drafts) -> torch.Tensor:
-        """The pairs each sequence has not run yet (at least its last one); returns the last pair's predicted
-        feature per sequence, ``[len(active), hidden]``, after appending the first guess."""
+    def _first_pass(self, sequences, active, drafts) -> tuple[torch.Tensor, list[int]]:
+        """The pairs each sequence has not run yet (at least its last one); appends the first guess and returns
+        what ``_run`` does."""
         starts, tokens, features = [], [], []
         for i in active:
             seq = sequences[i]
@@ -182,15 +182,19 @@ class EagleDrafter(Drafter):
             features.append(log.take(last_pair + 1))
         return self._run(sequences, active, starts, tokens, torch.cat(features), drafts)
 
-    def _chain_step(self, sequences, active, features: torch.Tensor, drafts, step: int) -> torch.Tensor:
+    def _chain_step(self, sequences, active, features: torch.Tensor, drafts,
+                    step: int) -> tuple[torch.Tensor, list[int]]:
         """Feed each active sequence its latest guess with the feature predicted for it."""
         starts = [sequences[i].num_tokens - 2 + step for i in active]
         return self._run(sequences, active, starts, [[drafts[i][-1]] for i in active], features, drafts)
 
-    def _run(self, sequences, active, starts, tokens, features, drafts) -> torch.Tensor:
+    def _run(self, sequences, active, starts, tokens, features, drafts) -> tuple[torch.Tensor, list[int]]:
+        """Run the head, append each active sequence's guess; returns the predicted features of the guesses,
+        ``[len(active), hidden]``, and the sequences (indices into ``sequences``) whose guess fell below
+        ``min_confidence``."""
         seqs = [sequences[i] for i in active]
-        metadata = paged_metadata([seq.block_table for seq in seqs], starts, [len(t) for t in tokens],
-                                  self.block_size, self.device)
+        metadata = AttentionMetadata.build([seq.block_table for seq in seqs], starts, [len(t) for t in tokens],
+                                           self.block_size, self.device)
         metadata = self.attention.prepare(metadata)
         input_ids = torch.tensor([t for row in tokens for t in row], dtype=torch.int64, device=self.device)
         embeds = self.target.embed_tokens(input_ids)
@@ -201,10 +205,10 @@ class EagleDrafter(Drafter):
         guesses = self.head.vocab_ids[logits.argmax(dim=-1)].tolist()
         for i, guess in zip(active, guesses):
             drafts[i].append(guess)
-        if self.config.min_confidence > 0.0:
-            confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
-            self._unsure.update(i for i, p in zip(active, confidence) if p < self.config.min_confidence)
-        return last
+        if self.config.min_confidence <= 0.0:
+            return last, []
+        confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
+        return last, [i for i, p in zip(active, confidence) if p < self.config.min_confidence]
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     def release(self, seq):

@@ -25,9 +25,9 @@ import torch
 from pydantic import Field
 
 from infer import hookimpl
+from infer.attention import AttentionMetadata
 from infer.drafter import Drafter, DrafterConfig, SampledDrafts
 from infer.kv_pool import kv_bytes_per_token
-from infer.runner import paged_metadata
 from infer.sampler import apply_filters, sample_row
 
 # Keeps the drafter's random draw at a position independent of the target's (the same seed keys both).
@@ -180,8 +180,8 @@ class ModelDrafter(Drafter):
     def _forward(self, seqs, token_lists: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Run the draft over each sequence's tokens (writing their KV); logits ``[len(seqs), vocab]`` of each
         sequence's last token."""
-        metadata = paged_metadata([seq.block_table for seq in seqs], starts, [len(t) for t in token_lists],
-                                  self.block_size, self.device)
+        metadata = AttentionMetadata.build([seq.block_table for seq in seqs], starts, [len(t) for t in token_lists],
+                                           self.block_size, self.device)
         metadata = self.attention.prepare(metadata)
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64, device=self.device)
         hidden = self.draft(input_ids, metadata.positions, self.kv_cache, metadata, self.attention)
