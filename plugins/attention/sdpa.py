@@ -52,7 +52,7 @@ class SequenceChunk:
     seq_len: int
     block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
     mask: torch.Tensor | None  # [L, seq_len] bottom-right causal; None when nothing is cached (plain causal)
-    bias: torch.Tensor | None = None  # [L, seq_len] additive float32 mask when the chunk takes the explicit path
+    bias: torch.Tensor | None = None  # [L, seq_len] additive mask: set when the chunk takes the explicit path
 
 
 @dataclass(slots=True)
@@ -124,7 +124,7 @@ class SdpaBackend(AttentionBackend):
             for tensor in gather_blocks(kv_cache, chunk.block_ids, q.dtype)
         )
         queries = q[chunk.token_start : chunk.token_end].transpose(0, 1)
-        if chunk.bias is not None and queries.dtype == torch.float32:
+        if chunk.bias is not None:
             scores = torch.baddbmm(chunk.bias, queries, keys.transpose(1, 2), alpha=self.scale)
             return torch.bmm(torch.softmax(scores, dim=-1), values).transpose(0, 1)
         out = F.scaled_dot_product_attention(
@@ -168,7 +168,7 @@ class SdpaBackend(AttentionBackend):
         allowed = torch.arange(seq_len, device=device) <= query_positions[:, None]
         mask = allowed if query_len < seq_len else None
         bias = None
-        if query_len * seq_len <= MAX_EXPLICIT_SCORES:
+        if self.dtype == torch.float32 and query_len * seq_len <= MAX_EXPLICIT_SCORES:
             bias = torch.zeros(query_len, seq_len, device=device).masked_fill_(~allowed, float("-inf"))
         return SequenceChunk(token_start, token_start + query_len, seq_len, block_ids, mask, bias)
 
