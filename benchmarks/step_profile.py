@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 
 import torch
 
@@ -47,11 +46,6 @@ class Timers:
 
         setattr(owner, name, timed)
 
-    @contextmanager
-    def fresh(self):
-        self.seconds.clear()
-        yield
-
 
 def instrument(llm: LLM) -> Timers:
     engine, timers = llm.engine, Timers()
@@ -79,12 +73,12 @@ def decode_case(llm: LLM, timers: Timers, batch: int, steps: int) -> tuple[float
         engine.step()  # prefill
     for _ in range(3):
         engine.step()
-    with timers.fresh():
-        began = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        total = time.perf_counter() - began
-        parts = dict(timers.seconds)
+    timers.seconds.clear()
+    began = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = time.perf_counter() - began
+    parts = dict(timers.seconds)
     drain(engine)
     return total / steps, {part: value / steps for part, value in parts.items()}
 
@@ -97,12 +91,12 @@ def prefill_case(llm: LLM, timers: Timers, batch: int, length: int, repeats: int
         for _ in range(batch):
             prompt = torch.randint(1000, 20000, (length,), generator=generator).tolist()
             engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-        with timers.fresh():
-            began = time.perf_counter()
-            engine.step()
-            totals += time.perf_counter() - began
-            for part, value in timers.seconds.items():
-                parts[part] += value
+        timers.seconds.clear()
+        began = time.perf_counter()
+        engine.step()
+        totals += time.perf_counter() - began
+        for part, value in timers.seconds.items():
+            parts[part] += value
         drain(engine)
     return totals / repeats, {part: value / repeats for part, value in parts.items()}
 

@@ -101,7 +101,7 @@ class PackedLinear(nn.Module):
 
 
 @torch.no_grad()
-def quantize_linears(module: nn.Module, mode: str, shared: set[int] = frozenset()) -> nn.Module:
+def quantize_linears(module: nn.Module, mode: str, shared: frozenset[int] = frozenset()) -> nn.Module:
     """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear`` (in place; returns ``module``).
     Weights whose ``id`` is in ``shared`` are kept on the packed module (see ``PackedLinear``)."""
     if mode == "none":
@@ -125,7 +125,7 @@ def projection(weight: torch.Tensor, mode: str) -> nn.Module:
 def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     """Pack a ``LlamaForCausalLM``'s projections and output head. The embedding table stays float32, and so does the
     output head's weight beside its packed copy: drafters slice rows of it (with tied embeddings it is the table)."""
-    return quantize_linears(model, mode, shared={id(model.lm_head.weight)})
+    return quantize_linears(model, mode, shared=frozenset({id(model.lm_head.weight)}))
 
 
 def model_weight_bytes(model: nn.Module) -> int:
