@@ -1,5 +1,5 @@
 """Greedy float32 output equals HF transformers ``generate`` on SmolLM2-135M, in one mixed batch, and under
-preemption, chunked prefill and the contiguous allocator."""
+preemption, chunked prefill, the contiguous allocator, and prefix-cache hits on a shared system prompt."""
 
 from __future__ import annotations
 
@@ -22,16 +22,35 @@ CHATS = [
 ]
 
 
+# A system prompt of ~150 tokens: 9 whole blocks of 16 shared by every conversation that starts with it.
+SYSTEM = (
+    "You are the reference desk of a small public library. Answer visitors' questions briefly and politely, in plain "
+    "words. If a question is about opening hours, say the library opens at nine in the morning and closes at six in "
+    "the evening on weekdays, and at one in the afternoon on Saturdays; it is closed on Sundays. If a question is "
+    "about borrowing, say that a library card is free, that books may be kept for three weeks and renewed twice, and "
+    "that films may be kept for one week. If a question is about something else, answer it as well as you can, and "
+    "suggest a section of the library where the visitor could read more about it."
+)
+
+
+def conversations(texts, system=None):
+    head = [{"role": "system", "content": system}] if system else []
+    return [[*head, {"role": "user", "content": text}] for text in texts]
+
+
 @pytest.fixture(scope="module")
-def hf_reference():
-    """Greedy continuations from HF transformers, one prompt at a time (no padding effects)."""
+def hf_model():
     from infer.loader import load_hf_reference
 
-    model, tokenizer = load_hf_reference(MODEL, torch.float32)
+    return load_hf_reference(MODEL, torch.float32)
+
+
+def hf_greedy(hf_model, chats) -> list[list[int]]:
+    """Greedy continuations from HF transformers, one prompt at a time (no padding effects)."""
+    model, tokenizer = hf_model
     references = []
-    for text in CHATS:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               tokenize=False)
+    for messages in chats:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
         with torch.inference_mode():
             out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
@@ -39,11 +58,16 @@ def hf_reference():
     return references
 
 
-def _generate(**overrides):
+@pytest.fixture(scope="module")
+def hf_reference(hf_model):
+    return hf_greedy(hf_model, conversations(CHATS))
+
+
+def _generate(chats=None, config="baseline", **overrides):
     settings = {"model__path": MODEL, "model__dtype": "float32", "model__max_model_len": 512, **overrides}
-    llm = LLM("baseline", **settings)
+    llm = LLM(config, **settings)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    outputs = llm.generate([[{"role": "user", "content": text}] for text in CHATS], params)
+    outputs = llm.generate(chats or conversations(CHATS), params)
     return llm, outputs
 
 
@@ -76,3 +100,18 @@ def test_greedy_matches_hf_with_chunked_prefill(hf_reference):
 def test_greedy_matches_hf_with_contiguous_allocator(hf_reference):
     llm, outputs = _generate(allocator__name="contiguous", cache__num_blocks=200)
     _assert_matches(outputs, hf_reference)
+
+
+def test_greedy_matches_hf_with_a_shared_system_prompt_attended_once(hf_model, monkeypatch):
+    # Radix caching shares the system prompt's blocks; sdpa then attends them once for all the conversations
+    # decoding on them (cascade attention), which must change nothing.
+    from infer.plugins.attention.sdpa import SdpaBackend
+
+    calls = []
+    cascade = SdpaBackend._attend_cascade
+    monkeypatch.setattr(SdpaBackend, "_attend_cascade", lambda self, *args: calls.append(1) or cascade(self, *args))
+    chats = conversations(CHATS[:5], system=SYSTEM)
+    llm, outputs = _generate(chats, "radix_lpm")
+    _assert_matches(outputs, hf_greedy(hf_model, chats))
+    assert sum(output.metrics.num_cached_prompt_tokens for output in outputs) == 4 * 144
+    assert calls, "no step attended a shared prefix once"

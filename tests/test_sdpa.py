@@ -157,3 +157,52 @@ def test_registers_as_sdpa():
     module_name, class_name = target.split(":")
     assert getattr(__import__(module_name, fromlist=[class_name]), class_name) is SdpaBackend
     assert description
+
+
+def test_shared_block_prefixes_groups_rows_by_their_deepest_shared_run():
+    tables = [
+        [1, 2, 3, 4, 9],  # shares 4 blocks with row 1
+        [1, 2, 3, 4, 8],
+        [1, 2, 5, 6],  # shares only blocks 1, 2 with rows 0, 1, 2 and 3 blocks with row 3
+        [1, 2, 5, 7],
+        [1, 2, 6],  # shares 2 blocks with rows 0-3, whose deeper runs claim them
+        [3, 3, 3],  # shares nothing
+    ]
+    groups = sdpa_plugin.shared_block_prefixes(tables, limits=[5, 4, 4, 4, 3, 3])
+    assert sorted(groups) == [(3, [2, 3]), (4, [0, 1])]
+    # A limit stops the run: row 1 may share only its first 2 blocks (its query starts in block 3).
+    assert sorted(sdpa_plugin.shared_block_prefixes(tables[:2], limits=[5, 2])) == [(2, [0, 1])]
+
+
+@pytest.mark.parametrize("query_len", [1, 3])
+def test_cascade_attends_each_shared_prefix_once_and_matches_without_it(monkeypatch, query_len):
+    # 6 sequences: two groups of 3 sharing 160 / 144 tokens of blocks, decoding or verifying 3 tokens.
+    from infer.testing.attention import PagedContext, shared_prefix_step
+
+    groups = [(160, [170, 181, 200]), (144, [150, 149, 160])]
+    backends = {
+        cascade: SdpaBackend(num_heads=6, num_kv_heads=2, head_dim=HEAD_DIM, block_size=16, dtype=torch.float32,
+                             device=torch.device("cpu"), config=sdpa_plugin.SdpaConfig(cascade=cascade))
+        for cascade in (True, False)
+    }
+    shapes = shared_prefix_step(groups, [query_len] * 6)
+    calls = []
+    gather = sdpa_plugin.gather_blocks
+    monkeypatch.setattr(sdpa_plugin, "gather_blocks", lambda cache, ids, dtype: calls.append(len(ids)) or
+                        gather(cache, ids, dtype))
+    outputs = {}
+    for cascade, backend in backends.items():
+        context = PagedContext.create_shared(backend, groups, seed=3)
+        context.write_prefix([cached for cached, _ in shapes])
+        query = context.random_query(shapes)
+        calls.clear()
+        outputs[cascade] = context.forward(shapes, query)
+        torch.testing.assert_close(outputs[cascade].double(), context.expected(shapes, query), atol=1e-5, rtol=1e-5)
+        metadata = backend.prepare(AttentionMetadata.build(context.block_tables, *zip(*shapes), 16))
+        if cascade:
+            assert metadata.padded.shared.num_groups == 2
+            # Each row's own blocks after the shared ones (at most 3), then both groups' shared blocks (10, padded).
+            assert calls == [6 * 3, 2 * 10]
+        else:
+            assert metadata.padded.shared is None and calls == [6 * 13]
+    torch.testing.assert_close(outputs[True], outputs[False], atol=1e-5, rtol=1e-5)

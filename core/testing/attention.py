@@ -78,6 +78,23 @@ class PagedContext:
         values = [random_tensor((seq_len, *kv_shape), generator, backend) for seq_len in seq_lens]
         return cls(backend, kv_cache, tables, keys, values, generator)
 
+    @classmethod
+    def create_shared(cls, backend: AttentionBackend, groups: list[tuple[int, list[int]]], seed: int) -> PagedContext:
+        """Like ``create``, but each group ``(shared_len, seq_lens)`` holds sequences whose first ``shared_len``
+        positions (whole blocks) are the same physical blocks with the same K/V, as the prefix cache shares them."""
+        seq_lens = [seq_len for _, lens in groups for seq_len in lens]
+        context = cls.create(backend, seq_lens, seed)
+        row = 0
+        for shared_len, lens in groups:
+            assert shared_len % backend.block_size == 0, "a shared prefix is whole blocks"
+            first, shared_blocks = row, shared_len // backend.block_size
+            for row in range(first + 1, first + len(lens)):
+                context.block_tables[row][:shared_blocks] = context.block_tables[first][:shared_blocks]
+                context.keys[row][:shared_len] = context.keys[first][:shared_len]
+                context.values[row][:shared_len] = context.values[first][:shared_len]
+            row = first + len(lens)
+        return context
+
     def write_prefix(self, cached_lens: list[int]) -> None:
         """Store the first ``cached_lens[i]`` positions of each sequence with the reference ``write_kv``."""
         metadata = build_metadata(self.block_tables, [(0, cached) for cached in cached_lens], self.backend.block_size,
@@ -136,6 +153,18 @@ BATCHES = {
     "mixed_b": random_shapes(2),
     "mixed_c": random_shapes(3),
 }
+
+
+# Two groups on shared system-prompt blocks (long enough for a backend to attend them once for the whole group)
+# decoding and verifying at different lengths, an unshared decode, and a prefill chunk reading shared blocks too.
+SHARED_GROUPS = [(160, [171, 165, 190, 161, 200]), (144, [150, 149]), (0, [40])]
+SHARED_QUERY_LENS = [1, 1, 4, 1, 25, 1, 3, 1]
+
+
+def shared_prefix_step(groups: list[tuple[int, list[int]]], query_lens: list[int]) -> list[Shape]:
+    """(cached, query length) of each sequence of ``PagedContext.create_shared(groups)`` at its last positions."""
+    seq_lens = [seq_len for _, lens in groups for seq_len in lens]
+    return [(seq_len - query_len, query_len) for seq_len, query_len in zip(seq_lens, query_lens)]
 
 
 class AttentionConformance(ConformanceSuite):
@@ -221,6 +250,19 @@ class AttentionConformance(ConformanceSuite):
             shapes = [(length + step, 1) for length in prompt_lens]
             query = context.random_query(shapes)
             self.assert_close(context.forward(shapes, query), context.expected(shapes, query))
+
+    @pytest.mark.parametrize("block_size, dtype", [(8, torch.float32), (16, torch.float32), (16, torch.bfloat16)],
+                             ids=str)
+    def test_sequences_sharing_prefix_blocks_match_the_oracle(self, attention_factory, block_size, dtype):
+        backend = attention_factory(block_size=block_size, queries_per_kv_head=3, dtype=dtype)
+        context = PagedContext.create_shared(backend, SHARED_GROUPS, seed=14)
+        shapes = shared_prefix_step(SHARED_GROUPS, SHARED_QUERY_LENS)
+        context.write_prefix([cached for cached, _ in shapes])
+        query = context.random_query(shapes)
+        self.assert_close(context.forward(shapes, query), context.expected(shapes, query))
+        decodes = shared_prefix_step(SHARED_GROUPS, [1] * len(shapes))  # a pure decode step over the same pool
+        query = context.random_query(decodes)
+        self.assert_close(context.forward(decodes, query), context.expected(decodes, query))
 
     def test_prefix_hit_gives_the_same_output_as_a_miss(self, attention_factory):
         backend = attention_factory(block_size=16, queries_per_kv_head=1)

@@ -4,6 +4,11 @@
 Sequences with short queries (decodes, speculative verification) share one padded SDPA call per layer; longer ones
 (prefill chunks) get a call each. The per-step part of that plan (block gathers, masks, scatter indices) is built
 once in ``prepare`` and reused by every layer.
+
+Cascade attention (FlashInfer's name for it): when short-query sequences begin with the same cached blocks (a shared
+system prompt held once by the prefix cache), their queries attend to those blocks in one call that reads each block
+once, the rest of each context is attended in the padded call, and the two partial softmaxes are merged exactly
+through their log-sum-exps. Without it, 64 sequences on one 600-token prompt gather and read it 64 times per layer.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
 from infer import hookimpl
-from infer.attention import AttentionBackend, AttentionMetadata, write_kv
+from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata, write_kv
 
 # Queries up to this long are padded into the shared call; the padding wasted per sequence stays below this bound.
 MAX_PADDED_QUERY_LEN = 16
@@ -24,6 +30,57 @@ MAX_PADDED_QUERY_LEN = 16
 # that measured 1.3-1.9x faster than SDPA's flash kernel (30 x 630: 0.52 vs 0.98 ms; 512 x 512: 17 vs 22 ms), and
 # this bound keeps its score matrix (heads x scores x 4 bytes) to tens of MB.
 MAX_EXPLICIT_SCORES = 1 << 20
+# Sequences share a prefix in one cascade call only when it is at least this long: below it the extra calls per layer
+# cost more than the gathers they save.
+MIN_SHARED_PREFIX_TOKENS = 128
+
+
+class SdpaConfig(AttentionConfig):
+    """Config section ``attention`` for ``name: sdpa``."""
+
+    name: str = "sdpa"
+    cascade: bool = Field(
+        True, description="attend a prefix shared by several decoding sequences once for all of them (exact)"
+    )
+
+
+@dataclass(slots=True)
+class SharedPrefixes:
+    """Rows of the padded group whose contexts begin with the same cached blocks, as N groups attended in one call:
+    groups padded to the largest (M slots each) and prefixes to the longest (P blocks), every shared block wholly
+    before each of its rows' first query token."""
+
+    num_groups: int  # N
+    member_rows: torch.Tensor  # [N * M] int64 the padded-group row in each slot (padding slots repeat a member)
+    block_ids: torch.Tensor  # [N * P] int64 each group's shared blocks, padded with the null block
+    key_bias: torch.Tensor | None  # [N, 1, 1, P * block_size] 0 / -inf on padding keys; None when none are padding
+    real_slots: torch.Tensor | None  # [K] the slots that are not padding; None when none are
+    rows: torch.Tensor  # [K] the padded-group row of each real slot
+
+    @classmethod
+    def build(cls, groups: list[tuple[int, list[int]]], tables: torch.Tensor, block_size: int) -> SharedPrefixes:
+        """From ``(shared blocks, rows)`` per group and the padded group's block tables."""
+        device = tables.device
+        num_slots = max(len(rows) for _, rows in groups)
+        num_blocks = max(depth for depth, _ in groups)
+        member_rows = [row for _, rows in groups for row in rows + rows[:1] * (num_slots - len(rows))]
+        block_ids = torch.cat([F.pad(tables[rows[0], :depth], (0, num_blocks - depth)) for depth, rows in groups])
+        key_bias = real_slots = None
+        if any(depth < num_blocks for depth, _ in groups):
+            ends = torch.tensor([[depth * block_size] for depth, _ in groups], device=device)
+            padding = torch.arange(num_blocks * block_size, device=device) >= ends
+            key_bias = torch.zeros(padding.shape, device=device).masked_fill_(padding, float("-inf"))[:, None, None]
+        if any(len(rows) < num_slots for _, rows in groups):
+            slots = [group * num_slots + slot for group, (_, rows) in enumerate(groups) for slot in range(len(rows))]
+            real_slots = torch.tensor(slots, device=device)
+        return cls(
+            num_groups=len(groups),
+            member_rows=torch.tensor(member_rows, device=device),
+            block_ids=block_ids.long(),
+            key_bias=key_bias,
+            real_slots=real_slots,
+            rows=torch.tensor([row for _, rows in groups for row in rows], device=device),
+        )
 
 
 @dataclass(slots=True)
@@ -31,16 +88,18 @@ class PaddedGroup:
     """Sequences attended together in one padded SDPA call.
 
     Query heads sharing a KV head are folded into the query axis (``[G, kv_heads, group * L, head_dim]``), so GQA
-    needs no copy of K/V.
+    needs no copy of K/V. With shared prefixes, each member's part of the call starts after its shared blocks.
     """
 
-    block_ids: torch.Tensor  # [G * num_blocks] int64, each sequence's first num_blocks table entries in turn
+    block_ids: torch.Tensor  # [G * num_blocks] int64, each sequence's num_blocks table entries (after any shared ones)
     mask: torch.Tensor  # [G, 1, heads_per_kv_head * L, num_blocks * block_size] bool, True = may attend
     query_len: int  # L, the longest query in the group
     # None when the step's tokens are exactly the group's [G, L] grid in order (pure decode, uniform verification).
     query_index: torch.Tensor | None  # [G, L] token row for each padded query slot (0 for padding)
     output_rows: torch.Tensor | None  # [N] rows of the flattened [G * L] result that are real tokens
     output_index: torch.Tensor | None  # [N] the token each of those rows belongs to
+    shared: SharedPrefixes | None = None
+    bias: torch.Tensor | None = None  # the mask as 0 / -inf, set when there are shared prefixes
 
 
 @dataclass(slots=True)
@@ -65,6 +124,8 @@ class SdpaMetadata(AttentionMetadata):
 
 class SdpaBackend(AttentionBackend):
     """Paged attention in plain torch: the reference other backends are checked against."""
+
+    config_model = SdpaConfig
 
     def prepare(self, metadata: AttentionMetadata) -> SdpaMetadata:
         """Split the batch into the padded group and per-sequence chunks, and build their gathers and masks."""
@@ -112,9 +173,37 @@ class SdpaBackend(AttentionBackend):
         )
         folded = q.view(num_seqs, query_len, self.num_kv_heads, per_kv_head, self.head_dim)
         folded = folded.permute(0, 2, 3, 1, 4).reshape(num_seqs, self.num_kv_heads, -1, self.head_dim)
-        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=group.mask, scale=self.scale)
+        if group.shared is not None:
+            out = self._attend_cascade(folded, keys, values, kv_cache, group)
+        else:
+            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=group.mask, scale=self.scale)
         out = out.view(num_seqs, self.num_kv_heads, per_kv_head, query_len, self.head_dim).permute(0, 3, 1, 2, 4)
         return out.reshape(num_seqs * query_len, self.num_heads, self.head_dim)
+
+    def _attend_cascade(self, folded: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_cache: torch.Tensor,
+                        group: PaddedGroup) -> torch.Tensor:
+        """Folded queries ``[G, kv_heads, R, D]`` over each row's own blocks, merged with its shared prefix's part."""
+        shared, kv_heads, head_dim = group.shared, self.num_kv_heads, self.head_dim
+        out, lse = attend_with_lse(folded, keys, values, self.scale, group.bias)  # [G, kv, R, D], [G, kv, R]
+        queries = folded.index_select(0, shared.member_rows)  # [N * M, kv, R, D]
+        slots, rows = queries.shape[0] // shared.num_groups, queries.shape[2]
+        queries = queries.view(shared.num_groups, slots, kv_heads, rows, head_dim).transpose(1, 2)
+        prefix_keys, prefix_values = (
+            tensor.view(shared.num_groups, -1, kv_heads, head_dim).transpose(1, 2)  # [N, kv, P * block_size, D]
+            for tensor in gather_blocks(kv_cache, shared.block_ids, folded.dtype)
+        )
+        prefix_out, prefix_lse = attend_with_lse(queries.reshape(shared.num_groups, kv_heads, -1, head_dim),
+                                                 prefix_keys, prefix_values, self.scale, shared.key_bias)
+        # Back to one row per slot: [N * M, kv, R, D] and [N * M, kv, R].
+        groups = shared.num_groups
+        prefix_out = prefix_out.view(groups, kv_heads, slots, rows, head_dim).transpose(1, 2)
+        prefix_out = prefix_out.reshape(-1, kv_heads, rows, head_dim)
+        prefix_lse = prefix_lse.view(groups, kv_heads, slots, rows).transpose(1, 2).reshape(-1, kv_heads, rows)
+        merged = merge_attention(out.index_select(0, shared.member_rows), lse.index_select(0, shared.member_rows),
+                                 prefix_out, prefix_lse)
+        if shared.real_slots is not None:
+            merged = merged.index_select(0, shared.real_slots)
+        return out.index_copy_(0, shared.rows, merged)
 
     def _attend_chunk(self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: SequenceChunk) -> torch.Tensor:
         """One sequence's queries ``[L, heads, head_dim]`` against its whole context."""
@@ -136,18 +225,49 @@ class SdpaBackend(AttentionBackend):
         device = metadata.positions.device
         query_lens_cpu = [metadata.query_lens_cpu[i] for i in seq_indices]
         query_len = max(query_lens_cpu)
-        num_blocks = -(-max(metadata.seq_lens_cpu[i] for i in seq_indices) // self.block_size)
         index = torch.tensor(seq_indices, device=device)
         offsets = torch.arange(query_len, device=device)
         is_real = offsets < torch.tensor(query_lens_cpu, device=device)[:, None]  # [G, L]
-        block_ids = metadata.block_tables[index, :num_blocks].flatten().long()
-        mask = self._padded_mask(metadata.seq_lens[index], is_real, num_blocks * self.block_size)
-        group = PaddedGroup(block_ids, mask, query_len, None, None, None)
+        tables = metadata.block_tables[index]
+        shared_groups = self._shared_prefixes(metadata, seq_indices, tables)
+        shared = SharedPrefixes.build(shared_groups, tables, self.block_size) if shared_groups else None
+        if shared is not None:  # each row's part of the padded call starts after its shared blocks
+            skipped = [0] * len(seq_indices)
+            for depth, rows in shared_groups:
+                for row in rows:
+                    skipped[row] = depth
+            own_lens = [metadata.seq_lens_cpu[i] - skip * self.block_size for i, skip in zip(seq_indices, skipped)]
+            num_blocks = -(-max(own_lens) // self.block_size)
+            skip = torch.tensor(skipped, device=device)
+            columns = (skip[:, None] + torch.arange(num_blocks, device=device)).clamp_(max=tables.shape[1] - 1)
+            block_ids = tables.gather(1, columns).flatten().long()
+            seq_lens = metadata.seq_lens[index] - skip * self.block_size
+        else:
+            num_blocks = -(-max(metadata.seq_lens_cpu[i] for i in seq_indices) // self.block_size)
+            block_ids = tables[:, :num_blocks].flatten().long()
+            seq_lens = metadata.seq_lens[index]
+        mask = self._padded_mask(seq_lens, is_real, num_blocks * self.block_size)
+        group = PaddedGroup(block_ids, mask, query_len, None, None, None, shared)
+        if shared is not None:
+            group.bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
         if len(seq_indices) < metadata.num_seqs or metadata.num_tokens != len(seq_indices) * query_len:
             group.query_index = (metadata.query_start_loc[index].long()[:, None] + offsets) * is_real
             group.output_rows = is_real.flatten().nonzero().squeeze(1)
             group.output_index = group.query_index.flatten()[group.output_rows]
         return group
+
+    def _shared_prefixes(self, metadata: AttentionMetadata, seq_indices: list[int],
+                         tables: torch.Tensor) -> list[tuple[int, list[int]]]:
+        """``(shared blocks, rows)`` of each prefix worth a cascade call among these rows of the padded group."""
+        if not self.config.cascade or len(seq_indices) < 2:
+            return []
+        # Only blocks wholly before a row's first query token can be shared: its queries see all of them.
+        limits = [(metadata.seq_lens_cpu[i] - metadata.query_lens_cpu[i]) // self.block_size for i in seq_indices]
+        min_blocks = -(-MIN_SHARED_PREFIX_TOKENS // self.block_size)
+        if max(limits) < min_blocks:
+            return []
+        groups = shared_block_prefixes(tables.tolist(), limits)
+        return [(depth, rows) for depth, rows in groups if depth >= min_blocks]
 
     def _padded_mask(self, seq_lens: torch.Tensor, is_real: torch.Tensor, num_keys: int) -> torch.Tensor:
         """Bottom-right causal mask ``[G, 1, heads_per_kv_head * L, num_keys]`` in the folded query layout."""
@@ -171,6 +291,60 @@ class SdpaBackend(AttentionBackend):
         if self.dtype == torch.float32 and query_len * seq_len <= MAX_EXPLICIT_SCORES:
             bias = torch.zeros(query_len, seq_len, device=device).masked_fill_(~allowed, float("-inf"))
         return SequenceChunk(token_start, token_start + query_len, seq_len, block_ids, mask, bias)
+
+
+def shared_block_prefixes(tables: list[list[int]], limits: list[int]) -> list[tuple[int, list[int]]]:
+    """Group rows by the longest run of leading blocks each shares with another row (looking at most ``limits[i]``
+    blocks into row ``i``'s table): ``(run length, rows)`` for every run reached by two or more rows, each row in the
+    group of its deepest such run. A trie over the tables, one pass each."""
+    children: dict[tuple[int, int], int] = {}
+    counts = [0]  # rows passing through each trie node; node 0 is the root
+    paths = []
+    for table, limit in zip(tables, limits):
+        node, path = 0, []
+        for block in table[:limit]:
+            node = children.setdefault((node, block), len(counts))
+            if node == len(counts):
+                counts.append(0)
+            counts[node] += 1
+            path.append(node)
+        paths.append(path)
+    groups: dict[int, tuple[int, list[int]]] = {}
+    for row, path in enumerate(paths):
+        depth = 0
+        while depth < len(path) and counts[path[depth]] > 1:
+            depth += 1
+        if depth:
+            groups.setdefault(path[depth - 1], (depth, []))[1].append(row)
+    return [group for group in groups.values() if len(group[1]) > 1]
+
+
+def attend_with_lse(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``queries`` [B, H, R, D] over ``keys``/``values`` [B, H, S, D] (``bias`` added to the
+    scores) that also returns each row's log-sum-exp [B, H, R], so results over disjoint key sets merge exactly
+    (``merge_attention``)."""
+    if queries.device.type == "cpu":
+        # The CPU flash kernel returns the log-sum-exp it keeps anyway, reads strided K/V in place, and measured
+        # 1.6-2.6x faster than explicit matmuls + softmax on these shapes.
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            queries, keys, values, attn_mask=bias, scale=scale
+        )
+        return out, lse
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).float().mul_(scale)
+    if bias is not None:
+        scores.add_(bias)
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = scores.sub_(lse.unsqueeze(-1)).exp_().to(values.dtype)
+    return torch.matmul(weights, values), lse
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> torch.Tensor:
+    """The attention over the union of two disjoint key sets, from each set's output [..., R, D] and log-sum-exp
+    [..., R]."""
+    lse = torch.logaddexp(lse_a, lse_b).unsqueeze(-1)
+    return (out_a * (lse_a.unsqueeze(-1) - lse).exp_() + out_b * (lse_b.unsqueeze(-1) - lse).exp_()).to(out_a.dtype)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
