@@ -134,12 +134,16 @@ class AttentionBackend(ABC):
         """Write this step's K/V into the pool at ``metadata.slot_mapping``, then attend (see AttentionMetadata)."""
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store K/V of this step's tokens at their slots (slots < 0 are skipped). The reference every backend may use."""
-    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             all_valid: bool = False) -> None:
+    """Store K/V of this step's tokens at their slots (slots < 0 are skipped). The reference every backend may use.
+
+    ``all_valid`` says the caller knows no slot is negative (checked once per step): skips a check that costs two
+    kernels and a host sync in every layer.
+    """
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, slots, kv_heads, head_dim]
+    if not all_valid:
+        valid = slot_mapping >= 0
+        if not bool(valid.all()):
+            slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
+    flat.index_copy_(1, slot_mapping, torch.stack((k, v)).to(kv_cache.dtype))

@@ -23,6 +23,10 @@ SCENARIOS = {
     "prefill_chunks_after_cached_prefixes": [(7, LONG), (16, LONG + 1)],
     "uniform_verification": [(9, 4), (20, 4), (3, 4)],
     "mixed": [(0, LONG), (12, 1), (5, LONG + 2), (30, 5), (0, 1), (8, 2)],
+    "one_decode": [(37, 1)],  # no mask: the call reads exactly the sequence's keys
+    "decodes_at_one_length": [(20, 1), (20, 1), (20, 1)],
+    # Several causal query tiles, fresh and after a cached prefix.
+    "long_chunks": [(0, 3 * sdpa_plugin.CAUSAL_TILE + 5), (40, 2 * sdpa_plugin.CAUSAL_TILE), (3, 1)],
 }
 
 
@@ -206,3 +210,12 @@ def test_cascade_attends_each_shared_prefix_once_and_matches_without_it(monkeypa
         else:
             assert metadata.padded.shared is None and calls == [6 * 13]
     torch.testing.assert_close(outputs[True], outputs[False], atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_skips_padding_slots_and_writes_the_rest():
+    kv_cache = torch.zeros(2, 4, 2, 1, HEAD_DIM)  # 8 slots
+    k, v = torch.randn(3, 1, HEAD_DIM), torch.randn(3, 1, HEAD_DIM)
+    write_kv(kv_cache, k, v, torch.tensor([5, -1, 0]))
+    flat = kv_cache.view(2, 8, 1, HEAD_DIM)
+    assert torch.equal(flat[0, [5, 0]], k[[0, 2]]) and torch.equal(flat[1, [5, 0]], v[[0, 2]])
+    assert flat[:, [1, 2, 3, 4, 6, 7]].abs().sum() == 0

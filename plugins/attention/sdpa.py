@@ -30,6 +30,10 @@ MAX_PADDED_QUERY_LEN = 16
 # that measured 1.3-1.9x faster than SDPA's flash kernel (30 x 630: 0.52 vs 0.98 ms; 512 x 512: 17 vs 22 ms), and
 # this bound keeps its score matrix (heads x scores x 4 bytes) to tens of MB.
 MAX_EXPLICIT_SCORES = 1 << 20
+# Rows per query tile of an explicit chunk: each tile reads keys only up to its last row's position. Measured per
+# layer call for a fresh prompt (9 heads): 512 tokens 4.8-7.0 ms vs 7.5-23 ms in one piece, 630 tokens 7.3-8.4 vs 27 ms
+# (smaller score matrices stay in cache), and never slower than 128- or 256-row tiles.
+CAUSAL_TILE = 64
 # Sequences share a prefix in one cascade call only when it is at least this long: below it the extra calls per layer
 # cost more than the gathers they save.
 MIN_SHARED_PREFIX_TOKENS = 128
@@ -92,7 +96,9 @@ class PaddedGroup:
     """
 
     block_ids: torch.Tensor  # [G * num_blocks] int64, each sequence's num_blocks table entries (after any shared ones)
-    mask: torch.Tensor  # [G, 1, heads_per_kv_head * L, num_blocks * block_size] bool, True = may attend
+    # [G, 1, heads_per_kv_head * L, num_blocks * block_size] bool, True = may attend; None when every row is one
+    # decode query at the same length, which sees exactly the first num_keys gathered keys.
+    mask: torch.Tensor | None
     query_len: int  # L, the longest query in the group
     # None when the step's tokens are exactly the group's [G, L] grid in order (pure decode, uniform verification).
     query_index: torch.Tensor | None  # [G, L] token row for each padded query slot (0 for padding)
@@ -100,6 +106,7 @@ class PaddedGroup:
     output_index: torch.Tensor | None  # [N] the token each of those rows belongs to
     shared: SharedPrefixes | None = None
     bias: torch.Tensor | None = None  # the mask as 0 / -inf, set when there are shared prefixes
+    num_keys: int | None = None  # with no mask: the context length every row attends to
 
 
 @dataclass(slots=True)
@@ -120,6 +127,7 @@ class SdpaMetadata(AttentionMetadata):
 
     padded: PaddedGroup | None = None
     chunks: list[SequenceChunk] = field(default_factory=list)
+    slots_valid: bool = False  # no slot is padding (-1): the KV write skips its per-layer check
 
 
 class SdpaBackend(AttentionBackend):
@@ -137,6 +145,7 @@ class SdpaBackend(AttentionBackend):
             **{item.name: getattr(metadata, item.name) for item in dataclasses.fields(AttentionMetadata)},
             padded=self._padded_group(metadata, short) if short else None,
             chunks=[self._chunk(metadata, index, token_starts[index]) for index in long],
+            slots_valid=bool((metadata.slot_mapping >= 0).all()),
         )
 
     def forward(
@@ -151,7 +160,7 @@ class SdpaBackend(AttentionBackend):
         """Write this step's K/V into the pool at ``metadata.slot_mapping``, then attend (see AttentionMetadata)."""
         if not isinstance(metadata, SdpaMetadata):
             metadata = self.prepare(metadata)
-        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        write_kv(kv_cache, k, v, metadata.slot_mapping, metadata.slots_valid)
         group = metadata.padded
         if group is not None and group.query_index is None and not metadata.chunks:
             return self._attend_padded(q.view(-1, group.query_len, *q.shape[1:]), kv_cache, group)
@@ -168,9 +177,9 @@ class SdpaBackend(AttentionBackend):
         num_seqs, query_len = q.shape[:2]
         per_kv_head = self.num_heads // self.num_kv_heads
         keys, values = (
-            tensor.view(num_seqs, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [G, kv_heads, S, D]
+            tensor.view(num_seqs, -1, self.num_kv_heads, self.head_dim)[:, : group.num_keys].transpose(1, 2)
             for tensor in gather_blocks(kv_cache, group.block_ids, q.dtype)
-        )
+        )  # [G, kv_heads, S, D]
         folded = q.view(num_seqs, query_len, self.num_kv_heads, per_kv_head, self.head_dim)
         folded = folded.permute(0, 2, 3, 1, 4).reshape(num_seqs, self.num_kv_heads, -1, self.head_dim)
         if group.shared is not None:
@@ -214,8 +223,16 @@ class SdpaBackend(AttentionBackend):
         )
         queries = q[chunk.token_start : chunk.token_end].transpose(0, 1)
         if chunk.bias is not None:
-            scores = torch.baddbmm(chunk.bias, queries, keys.transpose(1, 2), alpha=self.scale)
-            return torch.bmm(torch.softmax(scores, dim=-1), values).transpose(0, 1)
+            # Query tiles stop at the last key their last row sees: a fresh 512-token prompt computes 53% of the
+            # square of scores instead of all of it.
+            query_len, tiles = queries.shape[1], []
+            for start in range(0, query_len, CAUSAL_TILE):
+                end = min(start + CAUSAL_TILE, query_len)
+                visible = chunk.seq_len - query_len + end
+                scores = torch.baddbmm(chunk.bias[start:end, :visible], queries[:, start:end],
+                                       keys[:, :visible].transpose(1, 2), alpha=self.scale)
+                tiles.append(torch.bmm(torch.softmax(scores, dim=-1), values[:, :visible]))
+            return (tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)).transpose(0, 1)
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale
         )
@@ -246,10 +263,15 @@ class SdpaBackend(AttentionBackend):
             num_blocks = -(-max(metadata.seq_lens_cpu[i] for i in seq_indices) // self.block_size)
             block_ids = tables[:, :num_blocks].flatten().long()
             seq_lens = metadata.seq_lens[index]
-        mask = self._padded_mask(seq_lens, is_real, num_blocks * self.block_size)
-        group = PaddedGroup(block_ids, mask, query_len, None, None, None, shared)
+        group = PaddedGroup(block_ids, None, query_len, None, None, None, shared)
+        if shared is None and query_len == 1 and len({metadata.seq_lens_cpu[i] for i in seq_indices}) == 1:
+            # Decodes at one length (always so at batch 1): a mask-free call over exactly their keys, measured
+            # ~20% faster per layer than the masked one.
+            group.num_keys = metadata.seq_lens_cpu[seq_indices[0]]
+        else:
+            group.mask = self._padded_mask(seq_lens, is_real, num_blocks * self.block_size)
         if shared is not None:
-            group.bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+            group.bias = torch.zeros(group.mask.shape, device=device).masked_fill_(~group.mask, float("-inf"))
         if len(seq_indices) < metadata.num_seqs or metadata.num_tokens != len(seq_indices) * query_len:
             group.query_index = (metadata.query_start_loc[index].long()[:, None] + offsets) * is_real
             group.output_rows = is_real.flatten().nonzero().squeeze(1)
