@@ -26,13 +26,10 @@ from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata
 
 # Queries up to this long are padded into the shared call; the padding wasted per sequence stays below this bound.
 MAX_PADDED_QUERY_LEN = 16
-# A float32 chunk with at most this many query x key scores is attended with explicit matmuls and softmax: on CPU
-# that measured 1.3-1.9x faster than SDPA's flash kernel (30 x 630: 0.52 vs 0.98 ms; 512 x 512: 17 vs 22 ms), and
-# this bound keeps its score matrix (heads x scores x 4 bytes) to tens of MB.
-MAX_EXPLICIT_SCORES = 1 << 20
-# Rows per query tile of an explicit chunk: each tile reads keys only up to its last row's position. Measured per
-# layer call for a fresh prompt (9 heads): 512 tokens 4.8-7.0 ms vs 7.5-23 ms in one piece, 630 tokens 7.3-8.4 vs 27 ms
-# (smaller score matrices stay in cache), and never slower than 128- or 256-row tiles.
+# Float32 prefill chunks are attended with explicit matmuls and softmax in query tiles of this many rows, each tile
+# reading keys only up to its last row's position. Per layer call for SmolLM2's 9 heads, against SDPA's CPU flash
+# kernel: fresh 1024 tokens 29 vs 36 ms, 2048 tokens 89 vs 363 ms, 1024 after 1024 cached 64 vs 167 ms; 64-row tiles
+# measured faster than 128 or 256 rows and than one untiled matrix (630 tokens: 7.3-8.4 vs 27 ms).
 CAUSAL_TILE = 64
 # Sequences share a prefix in one cascade call only when it is at least this long: below it the extra calls per layer
 # cost more than the gathers they save.
@@ -117,8 +114,9 @@ class SequenceChunk:
     token_end: int
     seq_len: int
     block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
-    mask: torch.Tensor | None  # [L, seq_len] bottom-right causal; None when nothing is cached (plain causal)
-    bias: torch.Tensor | None = None  # [L, seq_len] additive mask: set when the chunk takes the explicit path
+    # [L, seq_len] bottom-right causal for the SDPA call (not float32); None when nothing is cached (plain causal)
+    # or when the chunk takes the explicit tiled path (float32).
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -134,6 +132,11 @@ class SdpaBackend(AttentionBackend):
     """Paged attention in plain torch: the reference other backends are checked against."""
 
     config_model = SdpaConfig
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # Added to the scores of a query tile's own keys: row i may not see key j > i.
+        self.causal_tile = torch.full((CAUSAL_TILE, CAUSAL_TILE), float("-inf"), device=self.device).triu_(1)
 
     def prepare(self, metadata: AttentionMetadata) -> SdpaMetadata:
         """Split the batch into the padded group and per-sequence chunks, and build their gathers and masks."""
@@ -217,26 +220,28 @@ class SdpaBackend(AttentionBackend):
     def _attend_chunk(self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: SequenceChunk) -> torch.Tensor:
         """One sequence's queries ``[L, heads, head_dim]`` against its whole context."""
         per_kv_head = self.num_heads // self.num_kv_heads
-        keys, values = (
-            tensor[: chunk.seq_len].transpose(0, 1).repeat_interleave(per_kv_head, dim=0)  # [heads, S, D]
-            for tensor in gather_blocks(kv_cache, chunk.block_ids, q.dtype)
-        )
-        queries = q[chunk.token_start : chunk.token_end].transpose(0, 1)
-        if chunk.bias is not None:
-            # Query tiles stop at the last key their last row sees: a fresh 512-token prompt computes 53% of the
-            # square of scores instead of all of it.
-            query_len, tiles = queries.shape[1], []
-            for start in range(0, query_len, CAUSAL_TILE):
-                end = min(start + CAUSAL_TILE, query_len)
-                visible = chunk.seq_len - query_len + end
-                scores = torch.baddbmm(chunk.bias[start:end, :visible], queries[:, start:end],
-                                       keys[:, :visible].transpose(1, 2), alpha=self.scale)
-                tiles.append(torch.bmm(torch.softmax(scores, dim=-1), values[:, :visible]))
-            return (tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)).transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale
-        )
-        return out.transpose(0, 1)
+        keys, values = (tensor[: chunk.seq_len].transpose(0, 1)  # [kv_heads, S, D]
+                        for tensor in gather_blocks(kv_cache, chunk.block_ids, q.dtype))
+        queries = q[chunk.token_start : chunk.token_end]
+        if self.dtype != torch.float32:
+            keys, values = (tensor.repeat_interleave(per_kv_head, dim=0) for tensor in (keys, values))
+            out = F.scaled_dot_product_attention(queries.transpose(0, 1), keys, values, attn_mask=chunk.mask,
+                                                 is_causal=chunk.mask is None, scale=self.scale)
+            return out.transpose(0, 1)
+        # Query heads sharing a KV head side by side, [kv_heads, per_kv_head, L, D]: no copy of K/V per query head.
+        query_len = queries.shape[0]
+        queries = (queries * self.scale).view(query_len, self.num_kv_heads, per_kv_head, -1).permute(1, 2, 0, 3)
+        tiles = []
+        for start in range(0, query_len, CAUSAL_TILE):
+            end = min(start + CAUSAL_TILE, query_len)
+            rows, visible = end - start, chunk.seq_len - query_len + end  # keys up to the tile's last row
+            tile = queries[:, :, start:end].reshape(self.num_kv_heads, per_kv_head * rows, -1)
+            scores = torch.bmm(tile, keys[:, :visible].transpose(1, 2)).view(self.num_kv_heads, per_kv_head, rows, -1)
+            scores[..., visible - rows :].add_(self.causal_tile[:rows, :rows])  # the tile's own keys: causal
+            weights = torch.softmax(scores, dim=-1).view(self.num_kv_heads, per_kv_head * rows, -1)
+            tiles.append(torch.bmm(weights, values[:, :visible]).view(self.num_kv_heads, per_kv_head, rows, -1))
+        out = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=2)  # [kv_heads, per_kv_head, L, D]
+        return out.permute(2, 0, 1, 3).reshape(query_len, self.num_heads, -1)
 
     def _padded_group(self, metadata: AttentionMetadata, seq_indices: list[int]) -> PaddedGroup:
         device = metadata.positions.device
@@ -306,13 +311,11 @@ class SdpaBackend(AttentionBackend):
         seq_len = metadata.seq_lens_cpu[seq_index]
         query_len = metadata.query_lens_cpu[seq_index]
         block_ids = metadata.block_tables[seq_index, : -(-seq_len // self.block_size)].long()
-        query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
-        allowed = torch.arange(seq_len, device=device) <= query_positions[:, None]
-        mask = allowed if query_len < seq_len else None
-        bias = None
-        if self.dtype == torch.float32 and query_len * seq_len <= MAX_EXPLICIT_SCORES:
-            bias = torch.zeros(query_len, seq_len, device=device).masked_fill_(~allowed, float("-inf"))
-        return SequenceChunk(token_start, token_start + query_len, seq_len, block_ids, mask, bias)
+        mask = None
+        if self.dtype != torch.float32 and query_len < seq_len:
+            query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
+            mask = torch.arange(seq_len, device=device) <= query_positions[:, None]
+        return SequenceChunk(token_start, token_start + query_len, seq_len, block_ids, mask)
 
 
 def shared_block_prefixes(tables: list[list[int]], limits: list[int]) -> list[tuple[int, list[int]]]:
