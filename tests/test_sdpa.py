@@ -11,6 +11,7 @@ import torch
 
 from infer.attention import AttentionMetadata, write_kv
 from infer.plugins.attention import sdpa as sdpa_plugin
+from infer.plugins.attention import sdpa_entry
 from infer.plugins.attention.sdpa import MAX_PADDED_QUERY_LEN, SdpaBackend
 
 HEAD_DIM = 8
@@ -156,7 +157,7 @@ def test_registers_as_sdpa():
     def register(name, target, config=None, description=""):
         registered[name] = (target, description)
 
-    sdpa_plugin.register_attention_backends(register)
+    sdpa_entry.register_attention_backends(register)
     target, description = registered["sdpa"]
     module_name, class_name = target.split(":")
     assert getattr(__import__(module_name, fromlist=[class_name]), class_name) is SdpaBackend
@@ -192,8 +193,8 @@ def test_cascade_attends_each_shared_prefix_once_and_matches_without_it(monkeypa
     shapes = shared_prefix_step(groups, [query_len] * 6)
     calls = []
     gather = sdpa_plugin.gather_blocks
-    monkeypatch.setattr(sdpa_plugin, "gather_blocks", lambda cache, ids, dtype: calls.append(len(ids)) or
-                        gather(cache, ids, dtype))
+    monkeypatch.setattr(sdpa_plugin, "gather_blocks", lambda cache, ids, dtype, out=None: calls.append(len(ids)) or
+                        gather(cache, ids, dtype, out))
     outputs = {}
     for cascade, backend in backends.items():
         context = PagedContext.create_shared(backend, groups, seed=3)
