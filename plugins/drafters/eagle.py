@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
-from infer import hookimpl
 from infer.attention import AttentionMetadata
 from infer.drafter import Drafter, DrafterConfig
 from infer.kv_pool import kv_bytes_per_token
@@ -213,8 +212,3 @@ class EagleDrafter(Drafter):
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     def release(self, seq):
         self._logs.pop(seq.seq_id, None)
-
-
-@hookimpl
-def register_drafters(register):
-    register("eagle", EagleDrafter, description="EAGLE: a one-layer head drafting from the target's features")

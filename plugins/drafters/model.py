@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import torch
 from pydantic import Field
 
-from infer import hookimpl
 from infer.attention import AttentionMetadata
 from infer.drafter import Drafter, DrafterConfig, SampledDrafts
 from infer.kv_pool import kv_bytes_per_token
@@ -210,9 +209,3 @@ class ModelDrafter(Drafter):
 
     def release(self, seq):
         self._progress.pop(seq.seq_id, None)
-
-
-@hookimpl
-def register_drafters(register):
-    register("model", ModelDrafter, description="A small draft model with its own paged KV, or the target's first "
-                                                "layers (self-speculative)")
