@@ -1,4 +1,5 @@
-"""Where one engine step's time goes on the default model: decode at batch 1, 16 and 64, and prefill.
+"""Where one engine step's time goes on the default model: decode at batch 1, 16 and 64, prefill, and decode at
+batch 64 on four shared 600-token prompts with cascade attention on and off (radix prefix cache).
 
 Wall-clock timers wrap the engine's parts (on the CPU every op is synchronous, so a part's time is its wall time):
 scheduling, batch metadata (flattening plus the attention backend's per-step plan), the dense projections of the
@@ -13,6 +14,7 @@ per step and shares.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from collections import defaultdict
 
@@ -83,6 +85,29 @@ def decode_case(llm: LLM, timers: Timers, batch: int, steps: int) -> tuple[float
     return total / steps, {part: value / steps for part, value in parts.items()}
 
 
+def shared_prefix_decode_case(llm: LLM, timers: Timers, steps: int) -> tuple[float, dict]:
+    """Decode at batch 64: 4 groups of 16 sequences whose prompts start with the same 600 tokens (held once by the
+    radix cache), each followed by a question of its own."""
+    engine = llm.engine
+    generator = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for group in range(4):
+        system = torch.randint(1000, 20000, (600,), generator=generator).tolist()
+        for _ in range(16):
+            engine.add_request(system + torch.randint(1000, 20000, (30,), generator=generator).tolist(), params)
+    while any(seq.num_uncomputed_tokens > 1 for seq in engine.running) or engine.waiting:
+        engine.step()  # prefill
+    engine.step()
+    timers.seconds.clear()
+    began = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = time.perf_counter() - began
+    parts = dict(timers.seconds)
+    drain(engine)
+    return total / steps, {part: value / steps for part, value in parts.items()}
+
+
 def prefill_case(llm: LLM, timers: Timers, batch: int, length: int, repeats: int) -> tuple[float, dict]:
     engine = llm.engine
     generator = torch.Generator().manual_seed(0)
@@ -134,6 +159,14 @@ def main() -> None:
         total, parts = prefill_case(llm, timers, batch, length, repeats=3)
         lines.append(row(f"prefill {batch} x {length}", total, parts, batch * length))
         print(lines[-1], flush=True)
+    for cascade in (True, False):
+        shared = LLM("radix_lpm", dotlist=[*args.overrides, f"attention.cascade={cascade}"])
+        total, parts = shared_prefix_decode_case(shared, instrument(shared), args.steps)
+        lines.append(row(f"decode, batch 64 on 4 shared 600-token prefixes, cascade {'on' if cascade else 'off'}",
+                         total, parts, 64))
+        print(lines[-1], flush=True)
+        del shared
+        gc.collect()
     engine = llm.engine
     print(f"\n{engine.model_name}, dtype {str(engine.dtype).removeprefix('torch.')}, quantization "
           f"{engine.quantization}, attention {engine.config.attention.name}, threads {torch.get_num_threads()}\n")
