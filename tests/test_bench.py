@@ -303,7 +303,8 @@ def test_median_and_spread_over_repeats():
     assert result.aggregate(min)["tok"] == 10.0 and result.aggregate(max)["tok"] == 30.0
 
 
-@pytest.mark.parametrize(("name", "count"), [("memory", 2), ("prefix", 6), ("spec", 24), ("attention", 4)])
+@pytest.mark.parametrize(("name", "count"),
+                         [("memory", 2), ("prefix", 6), ("spec", 24), ("attention", 4), ("cascade", 2)])
 def test_shipped_ablations_parse_and_name_only_real_workload_options(name, count):
     ablation = load_ablation(name)
     combinations = ablation.combinations()
@@ -314,6 +315,20 @@ def test_shipped_ablations_parse_and_name_only_real_workload_options(name, count
         assert set(options) - {"name"} <= set(workload_options(options["name"]))
         if combination.get("drafter.name", "none") in drafters:  # drafters still being written may be absent
             load_config(ablation.base_config, ablation.config_overrides(combination))
+
+
+def test_ablate_help_and_errors_name_every_shipped_ablation():
+    from click.testing import CliRunner
+
+    from infer.bench.ablate import AblationError, find_ablation_file, shipped_ablations
+    from infer.cli import main
+
+    assert {"attention", "cascade", "memory", "prefix", "spec"} <= set(shipped_ablations())
+    help_text = " ".join(CliRunner().invoke(main, ["ablate", "--help"]).output.split())
+    with pytest.raises(AblationError) as error:
+        find_ablation_file("no-such-ablation")
+    for name in shipped_ablations():
+        assert name in help_text and name in str(error.value)
 
 
 def test_command_line_overrides_reach_the_base_config_and_the_workload():

@@ -102,7 +102,15 @@ def find_ablation_file(name: str) -> Path:
     shipped = importlib.resources.files("infer.configs") / SHIPPED_ABLATIONS / f"{path.stem}.yaml"
     if shipped.is_file():
         return Path(str(shipped))
-    raise AblationError(f"ablation file {name!r} not found (nor a shipped one: memory, prefix, spec, attention)")
+    raise AblationError(f"ablation file {name!r} not found (nor a shipped one: {', '.join(shipped_ablations())})")
+
+
+def shipped_ablations() -> list[str]:
+    """Names of the ablation files that ship with infer."""
+    import importlib.resources
+
+    folder = importlib.resources.files("infer.configs") / SHIPPED_ABLATIONS
+    return sorted(item.name.removesuffix(".yaml") for item in folder.iterdir() if item.name.endswith(".yaml"))
 
 
 def load_ablation(source: str, overrides: list[str] = (), repeats: int | None = None) -> Ablation:
