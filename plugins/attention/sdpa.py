@@ -2,8 +2,9 @@
 ``torch.nn.functional.scaled_dot_product_attention``; runs on any device and dtype.
 
 Sequences with short queries (decodes, speculative verification) share one padded SDPA call per layer; longer ones
-(prefill chunks) get a call each. The per-step part of that plan (block gathers, masks, scatter indices) is built
-once in ``prepare`` and reused by every layer.
+(prefill chunks) get a call each, in float32 as explicit matmuls in causal query tiles (faster than SDPA's CPU
+kernel). The per-step part of that plan (block gathers, masks, scatter indices) is built once in ``prepare`` and
+reused by every layer.
 
 Cascade attention (FlashInfer's name for it): when short-query sequences begin with the same cached blocks (a shared
 system prompt held once by the prefix cache), their queries attend to those blocks in one call that reads each block
@@ -31,8 +32,8 @@ MAX_PADDED_QUERY_LEN = 16
 # kernel: fresh 1024 tokens 29 vs 36 ms, 2048 tokens 89 vs 363 ms, 1024 after 1024 cached 64 vs 167 ms; 64-row tiles
 # measured faster than 128 or 256 rows and than one untiled matrix (630 tokens: 7.3-8.4 vs 27 ms).
 CAUSAL_TILE = 64
-# Sequences share a prefix in one cascade call only when it is at least this long: below it the extra calls per layer
-# cost more than the gathers they save.
+# Sequences share a prefix in one cascade call only when it is at least this long. A heuristic, not tuned: a chat
+# template's common first block or two would add calls to every layer for little saving.
 MIN_SHARED_PREFIX_TOKENS = 128
 
 
