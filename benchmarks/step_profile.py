@@ -71,6 +71,11 @@ def decode_case(llm: LLM, timers: Timers, batch: int, steps: int) -> tuple[float
     for i in range(batch):
         engine.add_request([{"role": "user", "content": f"Tell me a long story about lighthouse number {i}."}],
                            params)
+    return timed_decode(engine, timers, steps)
+
+
+def timed_decode(engine, timers: Timers, steps: int) -> tuple[float, dict]:
+    """Finish every prefill, take 3 warm-up decode steps, then time ``steps`` more; mean per step, then drain."""
     while any(seq.num_uncomputed_tokens > 1 for seq in engine.running) or engine.waiting:
         engine.step()  # prefill
     for _ in range(3):
@@ -90,22 +95,12 @@ def shared_prefix_decode_case(llm: LLM, timers: Timers, steps: int) -> tuple[flo
     radix cache), each followed by a question of its own."""
     engine = llm.engine
     generator = torch.Generator().manual_seed(1)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    for group in range(4):
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    for _ in range(4):
         system = torch.randint(1000, 20000, (600,), generator=generator).tolist()
         for _ in range(16):
             engine.add_request(system + torch.randint(1000, 20000, (30,), generator=generator).tolist(), params)
-    while any(seq.num_uncomputed_tokens > 1 for seq in engine.running) or engine.waiting:
-        engine.step()  # prefill
-    engine.step()
-    timers.seconds.clear()
-    began = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    total = time.perf_counter() - began
-    parts = dict(timers.seconds)
-    drain(engine)
-    return total / steps, {part: value / steps for part, value in parts.items()}
+    return timed_decode(engine, timers, steps)
 
 
 def prefill_case(llm: LLM, timers: Timers, batch: int, length: int, repeats: int) -> tuple[float, dict]:
