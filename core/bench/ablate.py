@@ -97,9 +97,7 @@ def find_ablation_file(name: str) -> Path:
     path = Path(name)
     if path.is_file():
         return path
-    import importlib.resources
-
-    shipped = importlib.resources.files("infer.configs") / SHIPPED_ABLATIONS / f"{path.stem}.yaml"
+    shipped = _shipped_folder() / f"{path.stem}.yaml"
     if shipped.is_file():
         return Path(str(shipped))
     raise AblationError(f"ablation file {name!r} not found (nor a shipped one: {', '.join(shipped_ablations())})")
@@ -107,10 +105,15 @@ def find_ablation_file(name: str) -> Path:
 
 def shipped_ablations() -> list[str]:
     """Names of the ablation files that ship with infer."""
+    files = _shipped_folder().iterdir()
+    return sorted(item.name.removesuffix(".yaml") for item in files if item.name.endswith(".yaml"))
+
+
+def _shipped_folder():
+    """The folder of shipped ablation files inside the installed package."""
     import importlib.resources
 
-    folder = importlib.resources.files("infer.configs") / SHIPPED_ABLATIONS
-    return sorted(item.name.removesuffix(".yaml") for item in folder.iterdir() if item.name.endswith(".yaml"))
+    return importlib.resources.files("infer.configs") / SHIPPED_ABLATIONS
 
 
 def load_ablation(source: str, overrides: list[str] = (), repeats: int | None = None) -> Ablation:

@@ -84,15 +84,15 @@ class PagedContext:
         positions (whole blocks) are the same physical blocks with the same K/V, as the prefix cache shares them."""
         seq_lens = [seq_len for _, lens in groups for seq_len in lens]
         context = cls.create(backend, seq_lens, seed)
-        row = 0
+        first = 0  # each group's first sequence lends its blocks and K/V to the others
         for shared_len, lens in groups:
             assert shared_len % backend.block_size == 0, "a shared prefix is whole blocks"
-            first, shared_blocks = row, shared_len // backend.block_size
+            shared_blocks = shared_len // backend.block_size
             for row in range(first + 1, first + len(lens)):
                 context.block_tables[row][:shared_blocks] = context.block_tables[first][:shared_blocks]
                 context.keys[row][:shared_len] = context.keys[first][:shared_len]
                 context.values[row][:shared_len] = context.values[first][:shared_len]
-            row = first + len(lens)
+            first += len(lens)
         return context
 
     def write_prefix(self, cached_lens: list[int]) -> None:

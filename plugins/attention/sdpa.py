@@ -95,7 +95,7 @@ class PaddedGroup:
 
     block_ids: torch.Tensor  # [G * num_blocks] int64, each sequence's num_blocks table entries (after any shared ones)
     # [G, 1, heads_per_kv_head * L, num_blocks * block_size] bool, True = may attend; None when every row is one
-    # decode query at the same length, which sees exactly the first num_keys gathered keys.
+    # decode query at the same length, which sees exactly the first num_keys gathered keys, or when ``bias`` is set.
     mask: torch.Tensor | None
     query_len: int  # L, the longest query in the group
     # None when the step's tokens are exactly the group's [G, L] grid in order (pure decode, uniform verification).
@@ -291,9 +291,11 @@ class SdpaBackend(AttentionBackend):
             # ~20% faster per layer than the masked one.
             group.num_keys = metadata.seq_lens_cpu[seq_indices[0]]
         else:
-            group.mask = self._padded_mask(seq_lens, is_real, num_blocks * self.block_size)
-        if shared is not None:
-            group.bias = torch.zeros(group.mask.shape, device=device).masked_fill_(~group.mask, float("-inf"))
+            mask = self._padded_mask(seq_lens, is_real, num_blocks * self.block_size)
+            if shared is None:
+                group.mask = mask
+            else:  # the cascade's explicit call takes it as an additive bias
+                group.bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
         if len(seq_indices) < metadata.num_seqs or metadata.num_tokens != len(seq_indices) * query_len:
             group.query_index = (metadata.query_start_loc[index].long()[:, None] + offsets) * is_real
             group.output_rows = is_real.flatten().nonzero().squeeze(1)
