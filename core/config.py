@@ -60,6 +60,10 @@ class ModelConfig(BaseModel):
         "auto", description='Weights packed for CPU matmuls: "fp16" (half the bytes, near float32 results), "int8" '
                             '(a quarter; some greedy tokens differ), "none". "auto": fp16 on an x86 CPU when dtype is '
                             'auto and resolves to float32, else none.')
+    cpu_kernels: Literal["auto"] | bool = Field(
+        "auto", description="Float32 on a CPU: run RMSNorm (with its residual add), RoPE and SiLU-and-multiply as "
+                            "infer's C kernels, compiled once with the system's C compiler. auto: when a compiler is "
+                            "found (else torch's ops, with a warning); true: fail without one; false: torch's ops.")
     compile: bool = Field(False, description="torch.compile each layer's feed-forward half (needs a C++ compiler "
                                              "on CPU; the first steps of each new batch shape compile for seconds). "
                                              "Measured no faster on an AVX2 CPU with packed weights, so off.")

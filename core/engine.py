@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer import cpu_kernels
 from infer.kv_cache_manager import KVCacheManager
 from infer.kv_pool import free_device_memory, kv_bytes_per_token, plan_kv_pool
 from infer.memory import measure_peak_bytes
@@ -125,7 +126,9 @@ class Engine:
                                                  self.device)
         self.model = quantize_model(loaded.model, self.quantization)
         if config.model.compile:
-            self.model.compile_dense_parts()
+            self.model.compile_dense_parts()  # compiled code fuses the small ops itself: no kernels there
+        elif self.device.type == "cpu" and self.dtype == torch.float32:
+            self.model.use_cpu_kernels(cpu_kernels.load(config.model.cpu_kernels))
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.model_name = loaded.name

@@ -124,6 +124,49 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+class StepOps:
+    """How one forward pass runs its small ops (RMSNorm with the residual add before it, RoPE, SiLU-and-multiply):
+    torch's ops, or infer's CPU kernels (``infer.cpu_kernels``, float32 on a CPU), which do each in one pass.
+
+    Built once per forward pass from its positions; the layers call it instead of the torch functions.
+    """
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, kernels=None):
+        self.kernels = kernels
+        self.rotary = rotary
+        self.positions = positions
+        if kernels is None:
+            self.cos, self.sin = rotary(positions, dtype)
+
+    def rotate(self, qkv: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+        """The first ``num_heads`` heads of ``qkv`` ``[T, width]`` rotated, ``[T, num_heads, head_dim]`` (with the
+        kernels: rotated in place, a view of ``qkv``)."""
+        heads = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+        if self.kernels is None:
+            return apply_rotary(heads, self.cos, self.sin)
+        self.kernels.rope_(qkv, self.positions, self.rotary.cos, self.rotary.sin, num_heads, head_dim)
+        return heads
+
+    def norm(self, norm: RMSNorm, x: torch.Tensor,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(s), s)`` for ``s = residual + x`` (``s = x`` without a residual). The kernels add in place into
+        ``residual``."""
+        if residual is None:
+            normed = norm(x) if self.kernels is None else self.kernels.rms_norm(x, norm.weight, norm.eps)
+            return normed, x
+        if self.kernels is None:
+            residual = residual + x
+            return norm(residual), residual
+        return self.kernels.add_rms_norm(residual, x, norm.weight, norm.eps), residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` ``[T, 2 * width]``, gate first."""
+        if self.kernels is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return self.kernels.silu_mul(gate_up)
+
+
 class Attention(nn.Module):
     """Self-attention of one layer: fused QKV projection, RoPE, the backend's paged attention, output projection."""
 
@@ -142,8 +185,7 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        ops: StepOps,
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         attention: AttentionBackend,
@@ -151,8 +193,8 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         # Q and K heads rotate together: one set of kernels for both.
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = ops.rotate(qkv, self.num_heads + self.num_kv_heads, self.head_dim).split(
+            [self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attention.forward(self.layer_index, q, k, v, kv_cache[self.layer_index], metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -170,13 +212,21 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+    def forward(self, x: torch.Tensor, ops: StepOps | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    The residual stream travels beside each layer's output (vLLM's layout): a layer returns ``(delta, residual)``
+    and the next norm adds them, so the add and the norm are one kernel with ``StepOps``' CPU kernels. The first
+    layer takes ``residual=None``; after the last, ``StepOps.norm(final_norm, delta, residual)`` finishes.
+    """
 
     def __init__(self, config: Any, layer_index: int, head_dim: int, dtype: torch.dtype):
         super().__init__()
@@ -185,13 +235,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(self, hidden, cos, sin, kv_cache, metadata, attention) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata, attention)
-        return self.feed_forward(hidden)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, ops: StepOps, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, attention: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, residual = ops.norm(self.input_layernorm, hidden, residual)
+        return self.feed_forward(self.self_attn(normed, ops, kv_cache, metadata, attention), residual, ops)
 
-    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The dense second half, ``x + mlp(norm(x))`` (what ``model.compile`` compiles)."""
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor,
+                     ops: StepOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense second half: the residual add, norm, MLP (what ``model.compile`` compiles)."""
+        normed, residual = ops.norm(self.post_attention_layernorm, hidden, residual)
+        return self.mlp(normed, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -232,6 +285,7 @@ class LlamaForCausalLM(nn.Module):
             rope_parameters(config), self.head_dim, config.max_position_embeddings
         )
         self.rotary = RotaryEmbedding(inverse_frequencies, self.max_positions, torch.device(device))
+        self.kernels = None  # infer.cpu_kernels.CpuKernels, used for float32 on a CPU (see ``use_cpu_kernels``)
 
     @classmethod
     def from_hf(
@@ -262,11 +316,26 @@ class LlamaForCausalLM(nn.Module):
 
         The caller runs ``attention.prepare(metadata)`` once per step before this, as for any backend.
         """
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, kv_cache, metadata, attention)
-        return self.norm(hidden)
+        return self.run_layers(self.embed_tokens(input_ids), positions, self.layers, kv_cache, metadata, attention)
+
+    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, layers, kv_cache: torch.Tensor,
+                   metadata: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
+        """``layers`` (this model's, in order) over embeddings ``hidden`` ``[T, hidden]``, then the final norm."""
+        ops = self.step_ops(positions, hidden.dtype, hidden.device)
+        residual = None
+        for layer in layers:
+            hidden, residual = layer(hidden, residual, ops, kv_cache, metadata, attention)
+        return ops.norm(self.norm, hidden, residual)[0]
+
+    def use_cpu_kernels(self, kernels) -> None:
+        """Run the small ops of float32 CPU forward passes with ``kernels`` (``infer.cpu_kernels.CpuKernels``;
+        None: torch's ops)."""
+        self.kernels = kernels
+
+    def step_ops(self, positions: torch.Tensor, dtype: torch.dtype, device: torch.device) -> StepOps:
+        """How a forward pass over ``positions`` in ``dtype`` runs its small ops (see ``StepOps``)."""
+        usable = self.kernels is not None and dtype == torch.float32 and device.type == "cpu"
+        return StepOps(self.rotary, positions, dtype, self.kernels if usable else None)
 
     def compile_dense_parts(self) -> None:
         """``torch.compile`` each layer's feed-forward half (norm, gate/up, SiLU, down, residual), with dynamic

@@ -88,13 +88,13 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight if keep_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the engine's tokens are already flat
         if self.mode == "fp16":
             out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)
         else:
             # reduce_range: 7-bit activations, so AVX2's 16-bit pairwise sums cannot saturate.
             out = torch.ops.quantized.linear_dynamic(flat, self.packed, True)
-        return out.view(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"

@@ -304,7 +304,8 @@ def test_median_and_spread_over_repeats():
 
 
 @pytest.mark.parametrize(("name", "count"),
-                         [("memory", 2), ("prefix", 6), ("spec", 24), ("attention", 4), ("cascade", 2)])
+                         [("memory", 2), ("prefix", 6), ("spec", 24), ("attention", 4), ("cascade", 2),
+                          ("cpu_kernels", 4)])
 def test_shipped_ablations_parse_and_name_only_real_workload_options(name, count):
     ablation = load_ablation(name)
     combinations = ablation.combinations()

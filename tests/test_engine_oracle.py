@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer import LLM, SamplingParams
+from infer import LLM, SamplingParams, cpu_kernels
 
 MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 24
@@ -82,6 +82,16 @@ def test_batched_greedy_matches_hf(hf_reference):
     llm, outputs = _generate()
     _assert_matches(outputs, hf_reference)
     assert llm.engine.stats.peak_running == len(CHATS)
+    # Where a C compiler is found (as in CI), this ran on infer's CPU kernels.
+    has_compiler = cpu_kernels.compiler() is not None
+    assert (llm.engine.model.kernels is not None) == has_compiler
+    assert (llm.engine.attention.kernels is not None) == has_compiler
+
+
+def test_greedy_matches_hf_on_torch_ops_alone(hf_reference):
+    llm, outputs = _generate(model__cpu_kernels=False, attention__cpu_kernels=False)
+    _assert_matches(outputs, hf_reference)
+    assert llm.engine.model.kernels is None and llm.engine.attention.kernels is None
 
 
 def test_greedy_matches_hf_under_preemption(hf_reference):
@@ -103,15 +113,16 @@ def test_greedy_matches_hf_with_contiguous_allocator(hf_reference):
 
 
 def test_greedy_matches_hf_with_a_shared_system_prompt_attended_once(hf_model, monkeypatch):
-    # Radix caching shares the system prompt's blocks; sdpa then attends them once for all the conversations
-    # decoding on them (cascade attention), which must change nothing.
+    # Radix caching shares the system prompt's blocks; sdpa's torch path then attends them once for all the
+    # conversations decoding on them (cascade attention), which must change nothing. (The CPU kernel, on by default,
+    # reads the pool in place instead: off here.)
     from infer.plugins.attention.sdpa import SdpaBackend
 
     calls = []
     cascade = SdpaBackend._attend_cascade
     monkeypatch.setattr(SdpaBackend, "_attend_cascade", lambda self, *args: calls.append(1) or cascade(self, *args))
     chats = conversations(CHATS[:5], system=SYSTEM)
-    llm, outputs = _generate(chats, "radix_lpm")
+    llm, outputs = _generate(chats, "radix_lpm", attention__cpu_kernels=False)
     _assert_matches(outputs, hf_greedy(hf_model, chats))
     assert sum(output.metrics.num_cached_prompt_tokens for output in outputs) == 4 * 144
     assert calls, "no step attended a shared prefix once"

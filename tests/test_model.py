@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from infer import loader
+from infer import cpu_kernels, loader
 from infer.attention import AttentionMetadata
 from infer.loader import (
     PackagedGguf,
@@ -24,7 +24,7 @@ from infer.loader import (
     tiny_llama_config,
 )
 from infer.model import LlamaForCausalLM, rope_parameters
-from infer.plugins.attention.sdpa import SdpaBackend
+from infer.plugins.attention.sdpa import SdpaBackend, SdpaConfig
 
 SMALL_VOCAB = 256
 LLAMA3_ROPE = {
@@ -85,9 +85,12 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
 class PagedPool:
     """The runner's job in miniature: shuffled pool blocks, per-sequence block tables, one model call per step."""
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
+    def __init__(self, model: LlamaForCausalLM, block_size: int = 4, num_blocks: int = 64, seed: int = 0,
+                 kernels: bool = False):
+        """With ``kernels``, the model and the backend run on infer's CPU kernels; else on torch's ops."""
         self.model = model
         self.block_size = block_size
+        model.use_cpu_kernels(cpu_kernels.load(True) if kernels else None)
         self.backend = SdpaBackend(
             num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads,
@@ -95,6 +98,7 @@ class PagedPool:
             block_size=block_size,
             dtype=torch.float32,
             device=torch.device("cpu"),
+            config=SdpaConfig(cpu_kernels=kernels),
         )
         self.kv_cache = torch.zeros(self.backend.kv_cache_shape(model.num_layers, num_blocks))
         generator = torch.Generator().manual_seed(seed)
@@ -127,20 +131,26 @@ def random_tokens(count: int, seed: int, vocab_size: int = SMALL_VOCAB) -> list[
     return torch.randint(vocab_size, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+# Torch's ops, and infer's CPU kernels (built with the machine's C compiler).
+KERNELS = pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
+
+
+@KERNELS
 @pytest.mark.parametrize("name", HF_MODELS)
-def test_full_prefill_logits_match_hf(name):
+def test_full_prefill_logits_match_hf(name, kernels):
     hf_model = random_hf_model(name)
     model = LlamaForCausalLM.from_hf(hf_model)
     tokens = random_tokens(40, seed=1)
-    logits = PagedPool(model).step({"only": tokens})["only"]
+    logits = PagedPool(model, kernels=kernels).step({"only": tokens})["only"]
     torch.testing.assert_close(logits, hf_logits(hf_model, tokens), atol=1e-4, rtol=1e-4)
 
 
+@KERNELS
 @pytest.mark.parametrize("name", HF_MODELS)
-def test_chunked_prefill_and_decode_through_pool_match_full_forward(name):
+def test_chunked_prefill_and_decode_through_pool_match_full_forward(name, kernels):
     """Cached attention equals full attention: two sequences share every step, one in chunks, one mostly decoding."""
     hf_model = random_hf_model(name)
-    pool = PagedPool(LlamaForCausalLM.from_hf(hf_model), block_size=4)
+    pool = PagedPool(LlamaForCausalLM.from_hf(hf_model), block_size=4, kernels=kernels)
     first, second = random_tokens(30, seed=2), random_tokens(27, seed=3)
     steps = [{"first": first[:9], "second": second[:21]}, {"first": first[9:25], "second": second[21:22]}]
     steps += [{"first": [first[index]], "second": [second[index - 3]]} for index in range(25, 30)]

@@ -91,7 +91,8 @@ def oracle(step: Step) -> torch.Tensor:
     )
 
 
-def run_backend(step: Step, *, num_heads, num_kv_heads, block_size, dtype=torch.float32) -> torch.Tensor:
+def run_backend(step: Step, *, num_heads, num_kv_heads, block_size, dtype=torch.float32,
+                cpu_kernels=False) -> torch.Tensor:
     backend = SdpaBackend(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -99,46 +100,58 @@ def run_backend(step: Step, *, num_heads, num_kv_heads, block_size, dtype=torch.
         block_size=block_size,
         dtype=dtype,
         device=torch.device("cpu"),
+        config=sdpa_plugin.SdpaConfig(cpu_kernels=cpu_kernels),
     )
     metadata = backend.prepare(step.metadata)
+    assert (metadata.kernel is not None) == (cpu_kernels and dtype == torch.float32 and
+                                             min(step.metadata.query_lens_cpu) <= MAX_PADDED_QUERY_LEN)
     return backend.forward(0, step.q, step.k, step.v, step.kv_cache, metadata)
 
 
+# The torch path, and the CPU kernel for the short queries (built with the machine's C compiler).
+KERNEL_PATHS = pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch", "kernel"])
+
+
+@KERNEL_PATHS
 @pytest.mark.parametrize("block_size", [1, 8, 16])
 @pytest.mark.parametrize("num_heads, num_kv_heads", HEAD_LAYOUTS)
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_matches_naive_softmax_oracle(scenario, num_heads, num_kv_heads, block_size):
+def test_matches_naive_softmax_oracle(scenario, num_heads, num_kv_heads, block_size, cpu_kernels):
     heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
     step = make_step(SCENARIOS[scenario], **heads)
-    out = run_backend(step, **heads)
+    out = run_backend(step, cpu_kernels=cpu_kernels, **heads)
     torch.testing.assert_close(out.double(), oracle(step), atol=1e-5, rtol=1e-5)
 
 
+@KERNEL_PATHS
 @pytest.mark.parametrize("seed", range(8))
-def test_random_ragged_batches_match_oracle(seed):
+def test_random_ragged_batches_match_oracle(seed, cpu_kernels):
     rng = random.Random(seed)
     num_heads, num_kv_heads = rng.choice(HEAD_LAYOUTS)
     block_size = rng.choice([1, 8, 16])
     sequences = [(rng.choice([0, rng.randint(1, 40)]), rng.choice([1, rng.randint(1, 40)])) for _ in range(6)]
     heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
     step = make_step(sequences, seed=seed, **heads)
-    out = run_backend(step, **heads)
+    out = run_backend(step, cpu_kernels=cpu_kernels, **heads)
     torch.testing.assert_close(out.double(), oracle(step), atol=1e-5, rtol=1e-5)
 
 
-def test_writes_this_steps_kv_at_slot_mapping():
+@KERNEL_PATHS
+def test_writes_this_steps_kv_at_slot_mapping(cpu_kernels):
     heads = dict(num_heads=4, num_kv_heads=2, block_size=8)
     step = make_step(SCENARIOS["mixed"], **heads)
-    run_backend(step, **heads)
+    run_backend(step, cpu_kernels=cpu_kernels, **heads)
     flat = step.kv_cache.flatten(1, 2)  # [2, num_slots, kv_heads, head_dim]
     torch.testing.assert_close(flat[0, step.metadata.slot_mapping], step.k)
     torch.testing.assert_close(flat[1, step.metadata.slot_mapping], step.v)
 
 
-def test_unprepared_metadata_gives_same_output():
+@KERNEL_PATHS
+def test_unprepared_metadata_gives_same_output(cpu_kernels):
     heads = dict(num_heads=4, num_kv_heads=2, block_size=8)
     step = make_step(SCENARIOS["mixed"], **heads)
-    backend = SdpaBackend(head_dim=HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"), **heads)
+    backend = SdpaBackend(head_dim=HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"),
+                          config=sdpa_plugin.SdpaConfig(cpu_kernels=cpu_kernels), **heads)
     out = backend.forward(0, step.q, step.k, step.v, step.kv_cache, step.metadata)
     torch.testing.assert_close(out.double(), oracle(step), atol=1e-5, rtol=1e-5)
 
@@ -187,7 +200,8 @@ def test_cascade_attends_each_shared_prefix_once_and_matches_without_it(monkeypa
     groups = [(160, [170, 181, 200]), (144, [150, 149, 160])]
     backends = {
         cascade: SdpaBackend(num_heads=6, num_kv_heads=2, head_dim=HEAD_DIM, block_size=16, dtype=torch.float32,
-                             device=torch.device("cpu"), config=sdpa_plugin.SdpaConfig(cascade=cascade))
+                             device=torch.device("cpu"),
+                             config=sdpa_plugin.SdpaConfig(cascade=cascade, cpu_kernels=False))
         for cascade in (True, False)
     }
     shapes = shared_prefix_step(groups, [query_len] * 6)

@@ -18,12 +18,15 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from infer import cpu_kernels
 from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata, write_kv
+from infer.cpu_kernels import KernelAttentionPlan
 
 # Queries up to this long are padded into the shared call; the padding wasted per sequence stays below this bound.
 MAX_PADDED_QUERY_LEN = 16
@@ -44,6 +47,10 @@ class SdpaConfig(AttentionConfig):
     cascade: bool = Field(
         True, description="attend a prefix shared by several decoding sequences once for all of them (exact)"
     )
+    cpu_kernels: Literal["auto"] | bool = Field(
+        "auto", description="float32 on a CPU: write K/V and attend decode/verification queries with infer's C "
+                            "kernel, reading K/V straight from the pool (no gather). auto: when it builds (else "
+                            "torch, with a warning); true: fail when it cannot; false: torch")
 
 
 @dataclass(slots=True)
@@ -127,6 +134,7 @@ class SdpaMetadata(AttentionMetadata):
     padded: PaddedGroup | None = None
     chunks: list[SequenceChunk] = field(default_factory=list)
     slots_valid: bool = False  # no slot is padding (-1): the KV write skips its per-layer check
+    kernel: KernelAttentionPlan | None = None  # the short queries, attended by the CPU kernel instead of ``padded``
 
 
 class SdpaBackend(AttentionBackend):
@@ -142,6 +150,8 @@ class SdpaBackend(AttentionBackend):
         # tens-of-MB tensor per layer costs page faults on CPU: 64 sequences x 640 tokens gathered in 15 ms per K or
         # V freshly allocated, 2.6 ms into a reused buffer. They grow to the largest gather seen.
         self._gather_buffers: dict[str, torch.Tensor] = {}
+        usable = self.device.type == "cpu" and self.dtype == torch.float32
+        self.kernels = cpu_kernels.load(self.config.cpu_kernels) if usable else None
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype,
                 use: str) -> list[torch.Tensor]:
@@ -161,11 +171,13 @@ class SdpaBackend(AttentionBackend):
         token_starts = [0, *itertools.accumulate(query_lens)]
         short = [i for i, length in enumerate(query_lens) if length <= MAX_PADDED_QUERY_LEN]
         long = [i for i, length in enumerate(query_lens) if length > MAX_PADDED_QUERY_LEN]
+        kernel = self._kernel_plan(metadata, short, token_starts) if short and self.kernels is not None else None
         return SdpaMetadata(
             **{item.name: getattr(metadata, item.name) for item in dataclasses.fields(AttentionMetadata)},
-            padded=self._padded_group(metadata, short) if short else None,
+            padded=self._padded_group(metadata, short) if short and kernel is None else None,
             chunks=[self._chunk(metadata, index, token_starts[index]) for index in long],
             slots_valid=bool((metadata.slot_mapping >= 0).all()),
+            kernel=kernel,
         )
 
     def forward(
@@ -180,6 +192,8 @@ class SdpaBackend(AttentionBackend):
         """Write this step's K/V into the pool at ``metadata.slot_mapping``, then attend (see AttentionMetadata)."""
         if not isinstance(metadata, SdpaMetadata):
             metadata = self.prepare(metadata)
+        if metadata.kernel is not None:
+            return self._forward_kernel(q, k, v, kv_cache, metadata)
         write_kv(kv_cache, k, v, metadata.slot_mapping, metadata.slots_valid)
         group = metadata.padded
         if group is not None and group.query_index is None and not metadata.chunks:
@@ -191,6 +205,28 @@ class SdpaBackend(AttentionBackend):
         for chunk in metadata.chunks:
             out[chunk.token_start : chunk.token_end] = self._attend_chunk(q, kv_cache, chunk)
         return out
+
+    def _forward_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                        metadata: SdpaMetadata) -> torch.Tensor:
+        """KV write and the short queries through the CPU kernels, prefill chunks through ``_attend_chunk``."""
+        self.kernels.write_kv(kv_cache, k, v, metadata.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        self.kernels.paged_attention(q, kv_cache, metadata.block_tables, metadata.kernel, self.scale, out)
+        for chunk in metadata.chunks:
+            out[chunk.token_start : chunk.token_end] = self._attend_chunk(q, kv_cache, chunk)
+        return out
+
+    def _kernel_plan(self, metadata: AttentionMetadata, short: list[int],
+                     token_starts: list[int]) -> KernelAttentionPlan:
+        """The short queries' rows, sequences and context lengths (each sees its own position and before)."""
+        query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
+        if len(short) == metadata.num_seqs and metadata.max_query_len == 1:  # pure decode: query i is sequence i
+            return KernelAttentionPlan(None, torch.arange(len(short)), metadata.seq_lens.long(), len(short),
+                                       metadata.max_seq_len)
+        rows = [token_starts[i] + j for i in short for j in range(query_lens[i])]
+        seqs = [i for i in short for _ in range(query_lens[i])]
+        lens = [seq_lens[i] - query_lens[i] + j + 1 for i in short for j in range(query_lens[i])]
+        return KernelAttentionPlan(torch.tensor(rows), torch.tensor(seqs), torch.tensor(lens), len(rows), max(lens))
 
     def _attend_padded(self, q: torch.Tensor, kv_cache: torch.Tensor, group: PaddedGroup) -> torch.Tensor:
         """q ``[G, L, heads, head_dim]`` -> ``[G * L, heads, head_dim]``."""

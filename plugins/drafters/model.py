@@ -60,11 +60,8 @@ class TargetLayers:
     @torch.inference_mode()
     def __call__(self, input_ids, positions, kv_cache, metadata, attention) -> torch.Tensor:
         target = self.target
-        hidden = target.embed_tokens(input_ids)
-        cos, sin = target.rotary(positions, hidden.dtype)
-        for layer in target.layers[: self.num_layers]:
-            hidden = layer(hidden, cos, sin, kv_cache, metadata, attention)
-        return target.norm(hidden)
+        return target.run_layers(target.embed_tokens(input_ids), positions, target.layers[: self.num_layers],
+                                 kv_cache, metadata, attention)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(hidden)

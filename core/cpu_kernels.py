@@ -1,0 +1,221 @@
+"""infer's CPU kernels (``csrc/cpu_kernels.c``): the small float32 ops of a step fused, and paged attention that
+reads K/V straight from the pool.
+
+In eager PyTorch a decode step at batch 1 is mostly dispatch: RMSNorm alone is about ten kernels (26 us for 576
+floats), RoPE five, SiLU-and-multiply three, and attention gathers every K/V block before it reads it. These kernels
+do each in one pass. They are C, compiled once per machine with the system's C compiler (``gcc -O3 -march=native
+-fopenmp``) into the cache directory and called through ctypes; OpenMP there is torch's own runtime, so both share
+one thread pool.
+
+``load(mode)`` gives the kernels or None: ``False`` never builds; ``"auto"`` builds when a compiler is found and
+otherwise warns once (callers then run torch's ops); ``True`` raises when they cannot be built. (Booleans, not
+on/off strings: YAML and OmegaConf read ``on``/``off`` as booleans.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+_POINTER = ctypes.c_void_p
+_INT = ctypes.c_int64
+_FLOAT = ctypes.c_float
+_SIGNATURES = {
+    "infer_add_rms_norm": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _FLOAT],
+    "infer_silu_mul": [_POINTER, _POINTER, _INT, _INT],
+    "infer_rope": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
+    "infer_write_kv": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT],
+    "infer_paged_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER,
+                              _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT],
+}
+
+
+class KernelBuildError(RuntimeError):
+    """The C kernels could not be compiled or loaded here; the message says why."""
+
+
+class CpuKernels:
+    """The compiled kernels, called on contiguous float32 CPU tensors (callers check the dtype and device once per
+    step; these methods trust them)."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path):
+        self.path = path
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes = argtypes
+            function.restype = None
+        self._add_rms_norm = library.infer_add_rms_norm
+        self._silu_mul = library.infer_silu_mul
+        self._rope = library.infer_rope
+        self._write_kv = library.infer_write_kv
+        self._paged_attention = library.infer_paged_attention
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension of ``x`` ``[rows, dim]``."""
+        out = torch.empty_like(x)
+        self._add_rms_norm(x.data_ptr(), None, out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """``residual += delta`` in place, then the RMSNorm of the sum (a new tensor)."""
+        out = torch.empty_like(residual)
+        self._add_rms_norm(residual.data_ptr(), delta.data_ptr(), out.data_ptr(), weight.data_ptr(),
+                           residual.shape[0], residual.shape[1], eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 * width]`` (gate first) -> ``[rows, width]``."""
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, width), dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width)
+        return out
+
+    def rope_(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              num_heads: int, head_dim: int) -> None:
+        """Rotate the first ``num_heads`` heads of each row of ``qkv`` ``[T, width]`` in place, by the tables
+        ``cos``/``sin`` ``[max_positions, head_dim]`` (``RotaryEmbedding``'s, sin's first half negated)."""
+        self._rope(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
+                   qkv.stride(0), num_heads, head_dim)
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Token ``t``'s K/V ``[T, kv_heads, head_dim]`` (rows may be strided) into one layer's pool
+        ``[2, num_blocks, block_size, kv_heads, head_dim]`` at ``slots[t]`` (int64; negative: skipped)."""
+        _check_rows(k)
+        _check_rows(v)
+        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+        self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache.data_ptr(), slots.data_ptr(),
+                       k.shape[0], k.shape[1] * k.shape[2], num_slots)
+
+    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                        plan: KernelAttentionPlan, scale: float, out: torch.Tensor) -> torch.Tensor:
+        """The rows of ``q`` ``[T, heads, head_dim]`` (rows may be strided) that ``plan`` names attend to their
+        contexts, read through ``block_tables`` (int32) from one layer's pool; results land in the same rows of
+        ``out`` ``[T, heads, head_dim]`` (contiguous), which is returned."""
+        _check_rows(q)
+        tokens, num_heads, head_dim = q.shape
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        rows = None if plan.rows is None else plan.rows.data_ptr()
+        self._paged_attention(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
+                              block_tables.stride(0), rows, plan.seq_of_query.data_ptr(),
+                              plan.context_lens.data_ptr(), out.data_ptr(), plan.num_queries, num_heads,
+                              num_kv_heads, head_dim, block_size, num_blocks, plan.max_context, scale)
+        return out
+
+
+@dataclass(slots=True)
+class KernelAttentionPlan:
+    """Which token rows ``paged_attention`` computes: query ``i`` is row ``rows[i]`` (all rows in order when None)
+    of sequence ``seq_of_query[i]``, attending to its first ``context_lens[i]`` tokens (int64 each)."""
+
+    rows: torch.Tensor | None
+    seq_of_query: torch.Tensor
+    context_lens: torch.Tensor
+    num_queries: int
+    max_context: int
+
+
+def _check_rows(x: torch.Tensor) -> None:
+    """Rows of heads the kernels can read: float32 on the CPU, each row's heads contiguous."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        raise ValueError(f"the CPU kernels need float32 CPU rows of contiguous heads, got {x.dtype} on {x.device} "
+                         f"with strides {x.stride()}")
+
+
+def source() -> str:
+    return resources.files("infer").joinpath("csrc", "cpu_kernels.c").read_text()
+
+
+def compiler() -> str | None:
+    """The C compiler to use: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
+    candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc"]
+    for candidate in candidates:
+        found = shutil.which(candidate)
+        if found:
+            return found
+    return None
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the machine and its CPU flags (a cached build must not move between
+    CPUs)."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags}"
+
+
+def build(directory: Path) -> Path:
+    """Compile the kernels into ``directory`` (once per source, flags and CPU) and return the library's path."""
+    cc = compiler()
+    if cc is None:
+        raise KernelBuildError("no C compiler found (set $CC, or install gcc)")
+    text = source()
+    key = hashlib.sha256("\n".join([text, *FLAGS, cc, _cpu_signature()]).encode()).hexdigest()[:16]
+    target = directory / f"cpu_kernels-{key}.so"
+    if target.is_file():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as staging:
+        source_path = Path(staging) / "cpu_kernels.c"
+        source_path.write_text(text)
+        built = Path(staging) / target.name
+        result = subprocess.run([cc, *FLAGS, "-o", str(built), str(source_path), "-lm"], capture_output=True,
+                                text=True)
+        if result.returncode != 0:
+            raise KernelBuildError(f"{cc} failed to compile the CPU kernels:\n{result.stderr.strip()}")
+        os.replace(built, target)  # atomic: concurrent builders each publish a complete file
+    return target
+
+
+@functools.cache
+def _load() -> CpuKernels:
+    from infer.loader import cache_dir
+
+    path = build(cache_dir() / "kernels")
+    try:
+        return CpuKernels(ctypes.CDLL(str(path)), path)
+    except (OSError, AttributeError) as error:
+        raise KernelBuildError(f"could not load the CPU kernels from {path}: {error}") from error
+
+
+def load(mode: str | bool = "auto") -> CpuKernels | None:
+    """The kernels for ``mode`` (``"auto"``, True, False); None when False, or when ``"auto"`` and they cannot be
+    built here (warned once)."""
+    if mode not in ("auto", True, False):
+        raise ValueError(f"unknown CPU kernels mode {mode!r}; choose auto, true or false")
+    if mode is False:
+        return None
+    try:
+        return _load()
+    except KernelBuildError as error:
+        if mode is True:
+            raise
+        _warn_unavailable(str(error))
+        return None
+
+
+@functools.cache
+def _warn_unavailable(reason: str) -> None:
+    logger.warning("CPU kernels unavailable, using torch ops (slower): %s", reason)

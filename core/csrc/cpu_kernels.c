@@ -1,0 +1,297 @@
+/* infer's CPU kernels: the small float32 ops of a decode step fused into one pass each, and paged attention that
+ * reads K/V straight from the pool through the block tables (no gather).
+ *
+ * Built once per machine by infer/cpu_kernels.py (gcc -O3 -march=native -fopenmp) and called through ctypes.
+ * Every pointer is to contiguous float32 / int64 / int32 memory owned by torch tensors; the Python side checks
+ * shapes, dtypes and contiguity. OpenMP here is torch's own runtime (libgomp is already loaded when this library
+ * is), so both share one thread pool.
+ */
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+/* ---- exp ----------------------------------------------------------------------------------------------------- */
+
+#ifdef __AVX2__
+/* exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for exp(r), times 2^n (Cephes'
+ * coefficients; relative error about 2e-7, like expf). Inputs below -87.3 give 0 (softmax never needs more). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+    x = _mm256_min_ps(x, hi);
+    __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* y[i] = exp(x[i] - shift), returns the sum of y. */
+static float exp_shifted_sum(float *x, int64_t n, float shift) {
+    int64_t i = 0;
+    float total = 0.0f;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps(), s = _mm256_set1_ps(shift);
+    for (; i + 8 <= n; i += 8) {
+        __m256 y = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s));
+        _mm256_storeu_ps(x + i, y);
+        acc = _mm256_add_ps(acc, y);
+    }
+    total = hsum8(acc);
+#endif
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - shift);
+        total += x[i];
+    }
+    return total;
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float total = 0.0f;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    total = hsum8(acc);
+#endif
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* ---- RMSNorm ------------------------------------------------------------------------------------------------- */
+
+/* For each of `rows` rows of `dim` floats: if delta, residual += delta (in place); then
+ * out = residual * rsqrt(mean(residual^2) + eps) * weight. */
+void infer_add_rms_norm(float *residual, const float *delta, float *out, const float *weight, int64_t rows,
+                        int64_t dim, float eps) {
+#pragma omp parallel for if (rows * dim >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = residual + r * dim;
+        float *y = out + r * dim;
+        if (delta) {
+            const float *d = delta + r * dim;
+            for (int64_t i = 0; i < dim; i++) x[i] += d[i];
+        }
+        float scale = 1.0f / sqrtf(dot(x, x, dim) / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) y[i] = weight[i] * (x[i] * scale);
+    }
+}
+
+/* ---- SiLU(gate) * up ----------------------------------------------------------------------------------------- */
+
+/* gate_up: rows x (2 * width), gate first; out: rows x width. */
+void infer_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width) {
+#pragma omp parallel for if (rows * width >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * width, *up = gate + width;
+        float *y = out + r * width;
+        int64_t i = 0;
+#ifdef __AVX2__
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= width; i += 8) {
+            __m256 g = _mm256_loadu_ps(gate + i);
+            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+            _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < width; i++) y[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* ---- RoPE and the KV write ---------------------------------------------------------------------------------- */
+
+/* qkv: tokens x row_stride floats, Q heads then K heads (head_dim each) first. Rotates those num_heads heads of
+ * every token in place, HF's half-split layout (pairs i, i + head_dim / 2), with cos / signed-sin tables
+ * ([max_positions, head_dim], sin's first half negated): x * cos + swap_halves(x) * sin. */
+void infer_rope(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
+                int64_t tokens, int64_t row_stride, int64_t num_heads, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for if (tokens >= 64)
+    for (int64_t t = 0; t < tokens; t++) {
+        float *row = qkv + t * row_stride;
+        const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
+        for (int64_t h = 0; h < num_heads; h++) {
+            float *x = row + h * head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                float a = x[i], b = x[i + half];
+                x[i] = a * c[i] + b * s[i];
+                x[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* Token t's K (width floats at k + t * k_stride) and V (at v + t * v_stride) into the layer's pool
+ * kv (2 x num_slots x width) at slot slots[t]; negative slots are padding and skipped. */
+void infer_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *kv,
+                    const int64_t *slots, int64_t tokens, int64_t width, int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(kv + slots[t] * width, k + t * k_stride, width * sizeof(float));
+        memcpy(kv + (num_slots + slots[t]) * width, v + t * v_stride, width * sizeof(float));
+    }
+}
+
+/* ---- paged attention ----------------------------------------------------------------------------------------- */
+
+#ifdef __AVX2__
+/* The 8 horizontal sums of a0..a7, as one vector [sum(a0), ..., sum(a7)]. */
+static inline __m256 sum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                            __m256 a7) {
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+#endif
+
+/* scores[j] = scale * query . keys[j] for j < n; returns their maximum. Eight keys at a time share one
+ * horizontal reduction. */
+static float score_keys(const float *query, const float *const *keys, int64_t n, int64_t head_dim, float scale,
+                        float *scores) {
+    float best = -INFINITY;
+    int64_t j = 0;
+#ifdef __AVX2__
+    if (head_dim % 8 == 0) {
+        __m256 top = _mm256_set1_ps(-INFINITY), factor = _mm256_set1_ps(scale);
+        for (; j + 8 <= n; j += 8) {
+            const float *const *k = keys + j;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (int64_t c = 0; c < head_dim; c += 8) {
+                __m256 x = _mm256_loadu_ps(query + c);
+                a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + c), a0);
+                a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + c), a1);
+                a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + c), a2);
+                a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + c), a3);
+                a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[4] + c), a4);
+                a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[5] + c), a5);
+                a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[6] + c), a6);
+                a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[7] + c), a7);
+            }
+            __m256 block = _mm256_mul_ps(sum8x8(a0, a1, a2, a3, a4, a5, a6, a7), factor);
+            _mm256_storeu_ps(scores + j, block);
+            top = _mm256_max_ps(top, block);
+        }
+        best = hmax8(top);
+    }
+#endif
+    for (; j < n; j++) {
+        scores[j] = dot(query, keys[j], head_dim) * scale;
+        if (scores[j] > best) best = scores[j];
+    }
+    return best;
+}
+
+/* result = (sum_j weights[j] * values[j]) * factor, values[j] = keys[j] + value_offset. */
+static void weigh_values(const float *weights, const float *const *keys, ptrdiff_t value_offset, int64_t n,
+                         int64_t head_dim, float factor, float *result) {
+    int64_t c = 0;
+#ifdef __AVX2__
+    const __m256 f = _mm256_set1_ps(factor);
+    for (; c + 64 <= head_dim; c += 64) {  /* 64 floats of the result stay in registers over all the keys */
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int64_t j = 0; j < n; j++) {
+            const float *v = keys[j] + value_offset + c;
+            __m256 w = _mm256_broadcast_ss(weights + j);
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+            a4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), a4);
+            a5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), a5);
+            a6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), a6);
+            a7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), a7);
+        }
+        float *r = result + c;
+        _mm256_storeu_ps(r, _mm256_mul_ps(a0, f));
+        _mm256_storeu_ps(r + 8, _mm256_mul_ps(a1, f));
+        _mm256_storeu_ps(r + 16, _mm256_mul_ps(a2, f));
+        _mm256_storeu_ps(r + 24, _mm256_mul_ps(a3, f));
+        _mm256_storeu_ps(r + 32, _mm256_mul_ps(a4, f));
+        _mm256_storeu_ps(r + 40, _mm256_mul_ps(a5, f));
+        _mm256_storeu_ps(r + 48, _mm256_mul_ps(a6, f));
+        _mm256_storeu_ps(r + 56, _mm256_mul_ps(a7, f));
+    }
+#endif
+    if (c < head_dim) {
+        for (int64_t i = c; i < head_dim; i++) result[i] = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            const float *v = keys[j] + value_offset;
+            for (int64_t i = c; i < head_dim; i++) result[i] += weights[j] * v[i];
+        }
+        for (int64_t i = c; i < head_dim; i++) result[i] *= factor;
+    }
+}
+
+/* Query i (of `queries`) is token row r = rows[i] (r = i when rows is NULL): its heads at q + r * q_stride, its
+ * result at out + r * num_heads * head_dim. It attends to the first context_lens[i] tokens of sequence
+ * seq_of_query[i], read through that sequence's block table row (block_tables + seq * table_stride) from the
+ * layer's pool kv (2 x num_blocks x block_size x num_kv_heads x head_dim). Work is split over (query, KV head)
+ * pairs, dynamically over the threads; a pair lists its key rows once, then each query head sharing the KV head
+ * scores them, takes the softmax and weighs the value rows (exact, three passes over a per-thread buffer). */
+void infer_paged_attention(const float *q, int64_t q_stride, const float *kv, const int32_t *block_tables,
+                           int64_t table_stride, const int64_t *rows, const int64_t *seq_of_query,
+                           const int64_t *context_lens, float *out, int64_t queries, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+                           int64_t max_context, float scale) {
+    const int64_t per_kv = num_heads / num_kv_heads;
+    const int64_t slot_width = num_kv_heads * head_dim;
+    const ptrdiff_t value_offset = num_blocks * block_size * slot_width;
+    int64_t total_keys = 0;
+    for (int64_t i = 0; i < queries; i++) total_keys += context_lens[i];
+#pragma omp parallel if (total_keys * num_heads >= 8192)
+    {
+        const int64_t capacity = max_context > 0 ? max_context : 1;
+        float *scores = malloc(sizeof(float) * capacity);
+        const float **keys = malloc(sizeof(float *) * capacity);
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t i = 0; i < queries; i++) {
+            for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+                const int64_t n = context_lens[i], row = rows ? rows[i] : i;
+                const int32_t *table = block_tables + seq_of_query[i] * table_stride;
+                for (int64_t j = 0, b = 0; j < n; b++) {
+                    const float *block = kv + ((int64_t)table[b] * block_size * slot_width) + kvh * head_dim;
+                    for (int64_t t = 0; t < block_size && j < n; t++, j++) keys[j] = block + t * slot_width;
+                }
+                for (int64_t g = 0; g < per_kv; g++) {
+                    const int64_t head = kvh * per_kv + g;
+                    float best = score_keys(q + row * q_stride + head * head_dim, keys, n, head_dim, scale, scores);
+                    float total = exp_shifted_sum(scores, n, best);
+                    weigh_values(scores, keys, value_offset, n, head_dim, 1.0f / total,
+                                 out + (row * num_heads + head) * head_dim);
+                }
+            }
+        }
+        free(keys);
+        free(scores);
+    }
+}

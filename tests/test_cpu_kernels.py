@@ -1,0 +1,158 @@
+"""infer's C kernels for the CPU agree with torch's ops, and building them fails clearly or falls back."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infer import cpu_kernels
+from infer.cpu_kernels import KernelAttentionPlan, KernelBuildError
+from infer.model import RotaryEmbedding, apply_rotary, rope_inverse_frequencies
+
+# Widths on both sides of the 8-float vectors and the 64-float register tiles, and odd ones for the tail loops.
+DIMS = [7, 64, 576, 131]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return cpu_kernels.load(True)
+
+
+def randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_add_rms_norm_adds_in_place_and_normalizes(kernels, rows, dim):
+    residual, delta, weight = randn(rows, dim, seed=1), randn(rows, dim, seed=2), randn(dim, seed=3)
+    expected_sum = residual + delta
+    out = kernels.add_rms_norm(residual, delta, weight, 1e-5)
+    assert torch.equal(residual, expected_sum)
+    torch.testing.assert_close(out, F.rms_norm(expected_sum, (dim,), weight, 1e-5), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernels.rms_norm(delta, weight, 1e-6), F.rms_norm(delta, (dim,), weight, 1e-6),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("width", DIMS)
+def test_silu_mul_matches_torch_over_the_whole_range(kernels, width):
+    gate_up = randn(9, 2 * width, seed=4, scale=8.0)
+    gate_up[0, :width] = torch.linspace(-100.0, 100.0, width)  # far tails: exp underflows and overflows
+    expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    torch.testing.assert_close(kernels.silu_mul(gate_up), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_rope_rotates_q_and_k_in_place_and_leaves_v(kernels, head_dim):
+    inverse = rope_inverse_frequencies({"rope_theta": 10000.0, "rope_type": "default"}, head_dim, 4096)
+    rotary = RotaryEmbedding(inverse, 4096, torch.device("cpu"))
+    num_heads, num_kv_heads = 6, 2
+    qkv = randn(5, (num_heads + 2 * num_kv_heads) * head_dim, seed=5)
+    positions = torch.tensor([0, 1, 77, 4095, 3])
+    cos, sin = rotary(positions, torch.float32)
+    rotated = num_heads + num_kv_heads
+    expected = apply_rotary(qkv[:, : rotated * head_dim].view(5, rotated, head_dim), cos, sin)
+    original = qkv.clone()
+    kernels.rope_(qkv, positions, rotary.cos, rotary.sin, rotated, head_dim)
+    torch.testing.assert_close(qkv[:, : rotated * head_dim].view(5, rotated, head_dim), expected, atol=1e-5,
+                               rtol=1e-5)
+    assert torch.equal(qkv[:, rotated * head_dim :], original[:, rotated * head_dim :])
+
+
+def test_write_kv_reads_strided_rows_and_skips_padding_slots(kernels):
+    kv_cache = torch.zeros(2, 4, 2, 3, 8)  # 8 slots of 3 heads x 8
+    qkv = randn(3, 5 * 3 * 8, seed=6)  # K and V are strided views into a wider row, as the model passes them
+    k, v = qkv[:, 24:48].view(3, 3, 8), qkv[:, 72:96].view(3, 3, 8)
+    kernels.write_kv(kv_cache, k, v, torch.tensor([5, -1, 0]))
+    flat = kv_cache.view(2, 8, 3, 8)
+    assert torch.equal(flat[0, [5, 0]], k[[0, 2]]) and torch.equal(flat[1, [5, 0]], v[[0, 2]])
+    assert flat[:, [1, 2, 3, 4, 6, 7]].abs().sum() == 0
+
+
+def test_kernels_refuse_tensors_they_cannot_read(kernels):
+    kv_cache = torch.zeros(2, 4, 2, 3, 8)
+    k = torch.zeros(3, 8, 3).transpose(1, 2)  # heads not contiguous within a row
+    with pytest.raises(ValueError, match="contiguous heads"):
+        kernels.write_kv(kv_cache, k, k, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="float32"):
+        kernels.write_kv(kv_cache, k.double().contiguous(), k.contiguous(), torch.tensor([0, 1, 2]))
+
+
+def reference_attention(q, keys, values, scale):
+    """q [heads, D] over keys/values [n, kv_heads, D], in float64."""
+    per_kv = q.shape[0] // keys.shape[1]
+    keys = keys.double().repeat_interleave(per_kv, dim=1).transpose(0, 1)  # [heads, n, D]
+    values = values.double().repeat_interleave(per_kv, dim=1).transpose(0, 1)
+    weights = torch.einsum("hd,hnd->hn", q.double(), keys).mul(scale).softmax(dim=-1)
+    return torch.einsum("hn,hnd->hd", weights, values)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 72), (6, 1, 12), (2, 2, 128)])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_paged_attention_matches_softmax_over_each_context(kernels, num_heads, num_kv_heads, head_dim, block_size):
+    # Contexts from 1 key to several blocks, lengths on both sides of the 8-key score groups.
+    lengths = [1, 7, 8, 9, 33, 200]
+    tables, blocks = [], 1
+    for length in lengths:
+        count = math.ceil(length / block_size)
+        tables.append(list(range(blocks, blocks + count))[::-1])  # blocks out of order
+        blocks += count
+    width = max(len(table) for table in tables)
+    block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32)
+    kv_cache = randn(2, blocks, block_size, num_kv_heads, head_dim, seed=7, scale=2.0)
+    # Queries as strided rows of a wider buffer, as the model passes them.
+    q = randn(len(lengths), num_heads * head_dim + 5, seed=8)[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    plan = KernelAttentionPlan(None, torch.arange(len(lengths)), torch.tensor(lengths), len(lengths), max(lengths))
+    scale = head_dim**-0.5
+    out = kernels.paged_attention(q, kv_cache, block_tables, plan, scale, torch.empty(q.shape))
+    for index, (length, table) in enumerate(zip(lengths, tables)):
+        keys, values = (kv_cache[half, table].flatten(0, 1)[:length] for half in (0, 1))
+        torch.testing.assert_close(out[index].double(), reference_attention(q[index], keys, values, scale),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_fills_only_the_planned_rows(kernels):
+    # Rows 0 and 2 of 3 are verification queries of one sequence (contexts 5 and 6); row 1 is left alone.
+    kv_cache = randn(2, 3, 4, 1, 8, seed=9)
+    block_tables = torch.tensor([[2, 1]], dtype=torch.int32)
+    q = randn(3, 2, 8, seed=10)
+    plan = KernelAttentionPlan(torch.tensor([0, 2]), torch.tensor([0, 0]), torch.tensor([5, 6]), 2, 6)
+    out = kernels.paged_attention(q, kv_cache, block_tables, plan, 0.5, torch.full(q.shape, 7.0))
+    assert torch.equal(out[1], torch.full((2, 8), 7.0))
+    for row, length in ((0, 5), (2, 6)):
+        keys, values = (kv_cache[half, [2, 1]].flatten(0, 1)[:length] for half in (0, 1))
+        torch.testing.assert_close(out[row].double(), reference_attention(q[row], keys, values, 0.5), atol=1e-5,
+                                   rtol=1e-5)
+
+
+def test_build_is_cached_per_source_and_reused(tmp_path, monkeypatch):
+    first = cpu_kernels.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    monkeypatch.setattr(cpu_kernels.subprocess, "run", lambda *args, **kwargs: pytest.fail("rebuilt"))
+    assert cpu_kernels.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [path.name for path in tmp_path.iterdir()] == [first.name]  # no staging folder left behind
+
+
+def test_missing_compiler_fails_on_true_and_falls_back_on_auto(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("CC", "infer-no-such-compiler")
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_load", lambda: cpu_kernels.build(tmp_path))
+    cpu_kernels._warn_unavailable.cache_clear()
+    with pytest.raises(KernelBuildError, match="no C compiler found"):
+        cpu_kernels.load(True)
+    with caplog.at_level(logging.WARNING, logger="infer.cpu_kernels"):
+        assert cpu_kernels.load("auto") is None
+    assert "using torch ops" in caplog.text and "no C compiler found" in caplog.text
+    assert cpu_kernels.load(False) is None
+    with pytest.raises(ValueError, match="auto, true or false"):
+        cpu_kernels.load("on")
+
+
+def test_compiler_errors_are_reported(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "source", lambda: "this is not C;")
+    with pytest.raises(KernelBuildError, match="failed to compile"):
+        cpu_kernels.build(tmp_path)
