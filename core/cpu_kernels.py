@@ -3,7 +3,8 @@ reads K/V straight from the pool.
 
 In eager PyTorch a decode step at batch 1 is mostly dispatch: RMSNorm alone is about ten kernels (26 us for 576
 floats), RoPE five, SiLU-and-multiply three, and attention gathers every K/V block before it reads it. These kernels
-do each in one pass. They are C, compiled once per machine with the system's C compiler (``gcc -O3 -march=native
+do each in one pass. One more serves one-row linear layers over fp16 weights: fbgemm's fp16 GEMM costs a fixed
+20-45 us per call at one row, which a plain streaming GEMV does not. They are C, compiled once per machine with the system's C compiler (``gcc -O3 -march=native
 -fopenmp``) into the cache directory and called through ctypes; OpenMP there is torch's own runtime, so both share
 one thread pool.
 
@@ -37,6 +38,7 @@ _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
 _FLOAT = ctypes.c_float
 _SIGNATURES = {
+    "infer_linear_f16": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT],
     "infer_add_rms_norm": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _FLOAT],
     "infer_silu_mul": [_POINTER, _POINTER, _INT, _INT],
     "infer_rope": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
@@ -60,11 +62,20 @@ class CpuKernels:
             function = getattr(library, name)
             function.argtypes = argtypes
             function.restype = None
+        self._linear_f16 = library.infer_linear_f16
         self._add_rms_norm = library.infer_add_rms_norm
         self._silu_mul = library.infer_silu_mul
         self._rope = library.infer_rope
         self._write_kv = library.infer_write_kv
         self._paged_attention = library.infer_paged_attention
+
+    def linear_f16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for ONE row ``x`` ``[1, k]`` (float32) and fp16 ``weight`` ``[n, k]``; float32
+        ``[1, n]``."""
+        out = torch.empty((1, weight.shape[0]), dtype=torch.float32)
+        self._linear_f16(x.data_ptr(), weight.shape[1], weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                         out.data_ptr(), weight.shape[0])
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension of ``x`` ``[rows, dim]``."""

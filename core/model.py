@@ -329,8 +329,11 @@ class LlamaForCausalLM(nn.Module):
 
     def use_cpu_kernels(self, kernels) -> None:
         """Run the small ops of float32 CPU forward passes with ``kernels`` (``infer.cpu_kernels.CpuKernels``;
-        None: torch's ops)."""
+        None: torch's ops), and the layers' fp16-packed projections at one row too (see ``PackedLinear``)."""
         self.kernels = kernels
+        for module in self.layers.modules():
+            if hasattr(module, "use_cpu_kernels"):
+                module.use_cpu_kernels(kernels)
 
     def step_ops(self, positions: torch.Tensor, dtype: torch.dtype, device: torch.device) -> StepOps:
         """How a forward pass over ``positions`` in ``dtype`` runs its small ops (see ``StepOps``)."""

@@ -81,6 +81,71 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return total;
 }
 
+/* ---- one-row linear layers over fp16 weights --------------------------------------------------------------- */
+
+/* The float value of an IEEE half (bits h). */
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    uint32_t bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000 | (mantissa << 13);
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else {  /* zero or subnormal: mantissa * 2^-24 */
+        float value = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -value : value;
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+#endif
+}
+
+static inline float dot_half(const float *x, const uint16_t *w, int64_t k) {
+    float total = 0.0f;
+    for (int64_t c = 0; c < k; c++) total += x[c] * half_to_float(w[c]);
+    return total;
+}
+
+/* y[n] = w[n, :] . x (+ bias[n]) for one row x of k floats, w fp16 [n_out, k] row-major. A decode step at batch 1
+ * streams every weight from memory once; four output rows at a time keep four independent streams and share each
+ * load of x. Split over the threads by output rows. */
+void infer_linear_f16(const float *x, int64_t k, const uint16_t *w, const float *bias, float *y, int64_t n_out) {
+    const int64_t groups = (n_out + 3) / 4;
+#pragma omp parallel for schedule(static) if (n_out * k >= 65536)
+    for (int64_t group = 0; group < groups; group++) {
+        const int64_t j = group * 4;
+        if (j + 4 > n_out) {  /* the last rows, one at a time */
+            for (int64_t r = j; r < n_out; r++) y[r] = dot_half(x, w + r * k, k) + (bias ? bias[r] : 0.0f);
+            continue;
+        }
+        float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int64_t c = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+        const uint16_t *w0 = w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (; c + 8 <= k; c += 8) {
+            __m256 xv = _mm256_loadu_ps(x + c);
+            a0 = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w0 + c))), a0);
+            a1 = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w1 + c))), a1);
+            a2 = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w2 + c))), a2);
+            a3 = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w3 + c))), a3);
+        }
+        sums[0] = hsum8(a0);
+        sums[1] = hsum8(a1);
+        sums[2] = hsum8(a2);
+        sums[3] = hsum8(a3);
+#endif
+        for (int r = 0; r < 4; r++) {
+            const uint16_t *row = w + (j + r) * k;
+            y[j + r] = sums[r] + dot_half(x + c, row + c, k - c) + (bias ? bias[j + r] : 0.0f);
+        }
+    }
+}
+
 /* ---- RMSNorm ------------------------------------------------------------------------------------------------- */
 
 /* For each of `rows` rows of `dim` floats: if delta, residual += delta (in place); then
