@@ -1,12 +1,14 @@
-"""infer's CPU kernels (``csrc/cpu_kernels.c``): the small float32 ops of a step fused, and paged attention that
-reads K/V straight from the pool.
+"""infer's CPU kernels (``csrc/cpu_kernels.c``): the small float32 ops of a step fused, paged attention that reads
+K/V straight from the pool, and decode at batch 1 with a layer's dense parts in two calls.
 
 In eager PyTorch a decode step at batch 1 is mostly dispatch: RMSNorm alone is about ten kernels (26 us for 576
 floats), RoPE five, SiLU-and-multiply three, and attention gathers every K/V block before it reads it. These kernels
-do each in one pass. One more serves one-row linear layers over fp16 weights: fbgemm's fp16 GEMM costs a fixed
-20-45 us per call at one row, which a plain streaming GEMV does not. They are C, compiled once per machine with the system's C compiler (``gcc -O3 -march=native
--fopenmp``) into the cache directory and called through ctypes; OpenMP there is torch's own runtime, so both share
-one thread pool.
+do each in one pass. One-row linear layers over fp16 weights get a plain streaming GEMV: fbgemm's fp16 GEMM costs a
+fixed 20-45 us per call at one row. ``OneTokenLayer`` chains them so that a decoder layer at batch 1 is two calls
+around the attention backend's.
+
+They are C, compiled once per machine with the system's C compiler (``gcc -O3 -march=native -fopenmp``) into the
+cache directory and called through ctypes; OpenMP there is torch's own runtime, so both share one thread pool.
 
 ``load(mode)`` gives the kernels or None: ``False`` never builds; ``"auto"`` builds when a compiler is found and
 otherwise warns once (callers then run torch's ops); ``True`` raises when they cannot be built. (Booleans, not
@@ -39,6 +41,8 @@ _INT = ctypes.c_int64
 _FLOAT = ctypes.c_float
 _SIGNATURES = {
     "infer_linear_f16": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT],
+    "infer_layer_attention_input": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER],
+    "infer_layer_feed_forward": [_POINTER, _POINTER, _POINTER, _POINTER],
     "infer_add_rms_norm": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _FLOAT],
     "infer_silu_mul": [_POINTER, _POINTER, _INT, _INT],
     "infer_rope": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
@@ -46,6 +50,52 @@ _SIGNATURES = {
     "infer_paged_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER,
                               _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT],
 }
+
+
+class _LayerStruct(ctypes.Structure):
+    """``infer_layer`` in the C source: one decoder layer's weights and shapes."""
+
+    _fields_ = [(name, _POINTER) for name in ("qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias",
+                                              "down_bias", "input_norm", "post_norm")]
+    _fields_ += [("eps", _FLOAT)] + [(name, _INT) for name in ("hidden", "qkv_width", "q_width", "intermediate",
+                                                               "rotated_heads", "head_dim")]
+
+
+class OneTokenLayer:
+    """A decoder layer's dense parts for one token (decode at batch 1) as two C calls around attention: norm, QKV
+    projection and RoPE; then output projection, norm, gate/up, SiLU-and-multiply, down. Holds references to the
+    tensors whose memory the C side reads."""
+
+    def __init__(self, kernels: CpuKernels, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                 norms: tuple[torch.Tensor, torch.Tensor], eps: float, q_width: int, rotated_heads: int,
+                 head_dim: int):
+        """``weights``/``biases``: fp16 ``[out, in]`` and float32 (or None) for the QKV, output, gate/up and down
+        projections, in that order; ``norms``: the input and post-attention RMSNorm weights."""
+        self._keep = [*weights, *biases, *norms]
+        qkv, o, gate_up, down = weights
+        pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
+        self.struct = _LayerStruct(*(pointer(tensor) for tensor in (*weights, *biases, *norms)), eps, o.shape[0],
+                                   qkv.shape[0], q_width, down.shape[1], rotated_heads, head_dim)
+        self.hidden = o.shape[0]
+        self.qkv_width = qkv.shape[0]
+        self._attention_input = kernels._layer_attention_input
+        self._feed_forward = kernels._layer_feed_forward
+
+    def attention_input(self, residual: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``residual += delta`` (in place; no add when None), RMSNorm, QKV projection, RoPE at ``positions[0]``
+        with ``RotaryEmbedding``'s tables: returns the rotated ``[1, qkv_width]``."""
+        qkv = torch.empty((1, self.qkv_width), dtype=torch.float32)
+        self._attention_input(ctypes.byref(self.struct), residual.data_ptr(), None if delta is None else
+                              delta.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.data_ptr())
+        return qkv
+
+    def feed_forward(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """From attention's output ``[1, q_width]``: ``residual +=`` its projection (in place), then the MLP of the
+        sum's norm, returned as the layer's delta ``[1, hidden]``."""
+        delta = torch.empty((1, self.hidden), dtype=torch.float32)
+        self._feed_forward(ctypes.byref(self.struct), attended.data_ptr(), residual.data_ptr(), delta.data_ptr())
+        return delta
 
 
 class KernelBuildError(RuntimeError):
@@ -63,6 +113,8 @@ class CpuKernels:
             function.argtypes = argtypes
             function.restype = None
         self._linear_f16 = library.infer_linear_f16
+        self._layer_attention_input = library.infer_layer_attention_input
+        self._layer_feed_forward = library.infer_layer_feed_forward
         self._add_rms_norm = library.infer_add_rms_norm
         self._silu_mul = library.infer_silu_mul
         self._rope = library.infer_rope

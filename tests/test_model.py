@@ -258,3 +258,31 @@ def test_default_model_chat_logits_match_hf():
     split = len(token_ids) // 2
     logits = torch.cat([pool.step({"chat": token_ids[:split]})["chat"], pool.step({"chat": token_ids[split:]})["chat"]])
     torch.testing.assert_close(logits, hf_logits(hf_model, token_ids), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="fp16 packing needs fbgemm")
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_attention_bias", "qwen2"])
+def test_one_token_layers_give_the_unfused_kernels_logits(name, monkeypatch):
+    """Decode at batch 1 through ``OneTokenLayer`` (two C calls per layer) runs the same kernels as the step-by-step
+    path, so the logits are identical; and both stay near torch's ops over the same fp16 weights."""
+    from infer.cpu_kernels import OneTokenLayer
+    from infer.quantization import quantize_model
+
+    hf_model = random_hf_model(name)
+    tokens = random_tokens(12, seed=4)
+    calls = []
+    feed_forward = OneTokenLayer.feed_forward
+    monkeypatch.setattr(OneTokenLayer, "feed_forward", lambda self, *args: calls.append(1) or feed_forward(self, *args))
+    logits = {}
+    for path in ("torch", "kernels", "one_token"):
+        model = quantize_model(LlamaForCausalLM.from_hf(hf_model), "fp16")
+        pool = PagedPool(model, kernels=path != "torch")
+        if path == "kernels":
+            for layer in model.layers:
+                layer.one_token = None
+        steps = [pool.step({"only": tokens[:8]})["only"][-1:]]  # a prefill, then four single-token decodes
+        steps += [pool.step({"only": [token]})["only"] for token in tokens[8:]]
+        logits[path] = torch.cat(steps)
+    assert len(calls) == 4 * 2  # the four decodes through both layers, and nothing else
+    assert torch.equal(logits["one_token"], logits["kernels"])
+    torch.testing.assert_close(logits["one_token"], logits["torch"], atol=1e-4, rtol=1e-4)

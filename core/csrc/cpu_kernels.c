@@ -360,3 +360,43 @@ void infer_paged_attention(const float *q, int64_t q_stride, const float *kv, co
         free(scores);
     }
 }
+
+/* ---- one token through a layer's dense parts ----------------------------------------------------------------- */
+
+/* The fp16 weights (row-major [out, in]) and optional float32 biases of one layer's projections, its two RMSNorm
+ * weights and its shapes. */
+typedef struct {
+    const uint16_t *qkv, *o, *gate_up, *down;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    const float *input_norm, *post_norm;
+    float eps;
+    int64_t hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim;
+} infer_layer;
+
+/* Decode at batch 1, the layer's first half up to attention: residual += delta (none for the first layer), RMSNorm,
+ * the QKV projection into qkv, RoPE on its Q and K heads at `position`. */
+void infer_layer_attention_input(const infer_layer *layer, float *residual, const float *delta, const int64_t *position,
+                                 const float *cos_table, const float *sin_table, float *qkv) {
+    float *normed = malloc(sizeof(float) * layer->hidden);
+    infer_add_rms_norm(residual, delta, normed, layer->input_norm, 1, layer->hidden, layer->eps);
+    infer_linear_f16(normed, layer->hidden, layer->qkv, layer->qkv_bias, qkv, layer->qkv_width);
+    infer_rope(qkv, position, cos_table, sin_table, 1, layer->qkv_width, layer->rotated_heads, layer->head_dim);
+    free(normed);
+}
+
+/* Decode at batch 1, the layer's second half from attention's output: the output projection, residual += it,
+ * RMSNorm, gate/up projection, SiLU-and-multiply, down projection into delta (the next norm adds it). */
+void infer_layer_feed_forward(const infer_layer *layer, const float *attended, float *residual, float *delta) {
+    const int64_t hidden = layer->hidden, intermediate = layer->intermediate;
+    float *projected = malloc(sizeof(float) * hidden), *normed = malloc(sizeof(float) * hidden);
+    float *gate_up = malloc(sizeof(float) * 2 * intermediate), *activated = malloc(sizeof(float) * intermediate);
+    infer_linear_f16(attended, layer->q_width, layer->o, layer->o_bias, projected, hidden);
+    infer_add_rms_norm(residual, projected, normed, layer->post_norm, 1, hidden, layer->eps);
+    infer_linear_f16(normed, hidden, layer->gate_up, layer->gate_up_bias, gate_up, 2 * intermediate);
+    infer_silu_mul(gate_up, activated, 1, intermediate);
+    infer_linear_f16(activated, intermediate, layer->down, layer->down_bias, delta, hidden);
+    free(activated);
+    free(gate_up);
+    free(normed);
+    free(projected);
+}
