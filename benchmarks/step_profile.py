@@ -1,11 +1,13 @@
 """Where one engine step's time goes on the default model: decode at batch 1, 16 and 64, prefill, and decode at
-batch 64 on four shared 600-token prompts with cascade attention on and off (radix prefix cache).
+batch 64 on four shared 600-token prompts (radix prefix cache) with the CPU attention kernel, and with sdpa's torch
+path with cascade attention on and off.
 
 Wall-clock timers wrap the engine's parts (on the CPU every op is synchronous, so a part's time is its wall time):
 scheduling, batch metadata (flattening plus the attention backend's per-step plan), the dense projections of the
 layers, attention (KV write plus paged attention), the output head, sampling; the remainder is the rest of the
-forward pass (embedding, RMSNorm, RoPE, SiLU, residual adds) plus Python glue. Prints a markdown table, milliseconds
-per step and shares.
+forward pass (embedding, RMSNorm, RoPE, SiLU, residual adds) plus Python glue. Steps of a few tokens run each
+layer's dense parts as two C calls (``FusedLayer``): their time, projections and small ops together, is the "fused
+dense" column. Prints a markdown table, milliseconds per step and shares.
 
     OMP_NUM_THREADS=2 python benchmarks/step_profile.py
     python benchmarks/step_profile.py model.quantization=none       # any config override
@@ -21,9 +23,10 @@ from collections import defaultdict
 import torch
 
 from infer import LLM, SamplingParams
+from infer.cpu_kernels import FusedLayer
 from infer.quantization import PackedLinear
 
-PARTS = ["scheduling", "metadata", "projections", "attention", "output head", "sampling", "other"]
+PARTS = ["scheduling", "metadata", "projections", "fused dense", "attention", "output head", "sampling", "other"]
 
 
 class Timers:
@@ -62,6 +65,9 @@ def instrument(llm: LLM) -> Timers:
         for module in layer.modules():
             if isinstance(module, (PackedLinear, torch.nn.Linear)):
                 timers.wrap(module, "forward", "projections")
+        if isinstance(layer.fused, FusedLayer):
+            timers.wrap(layer.fused, "attention_input", "fused dense")
+            timers.wrap(layer.fused, "feed_forward", "fused dense")
     return timers
 
 
@@ -154,11 +160,12 @@ def main() -> None:
         total, parts = prefill_case(llm, timers, batch, length, repeats=3)
         lines.append(row(f"prefill {batch} x {length}", total, parts, batch * length))
         print(lines[-1], flush=True)
-    for cascade in (True, False):
-        shared = LLM("radix_lpm", dotlist=[*args.overrides, f"attention.cascade={cascade}"])
+    variants = {"CPU kernel": [], "torch, cascade on": ["attention.cpu_kernels=false"],
+                "torch, cascade off": ["attention.cpu_kernels=false", "attention.cascade=false"]}
+    for label, overrides in variants.items():
+        shared = LLM("radix_lpm", dotlist=[*args.overrides, *overrides])
         total, parts = shared_prefix_decode_case(shared, instrument(shared), args.steps)
-        lines.append(row(f"decode, batch 64 on 4 shared 600-token prefixes, cascade {'on' if cascade else 'off'}",
-                         total, parts, 64))
+        lines.append(row(f"decode, batch 64 on 4 shared 600-token prefixes, {label}", total, parts, 64))
         print(lines[-1], flush=True)
         del shared
         gc.collect()

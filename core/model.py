@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.attention import AttentionBackend, AttentionMetadata
-from infer.cpu_kernels import OneTokenLayer
+from infer.cpu_kernels import FEW_ROWS, FusedLayer
 
 # HF projections that our fused projections concatenate, in order (rows of the fused weight).
 _FUSED_PROJECTIONS = {
@@ -235,32 +235,34 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_index, head_dim, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
-        self.one_token = None  # infer.cpu_kernels.OneTokenLayer, when the CPU kernels can run this layer's dense parts
+        self.fused = None  # infer.cpu_kernels.FusedLayer, when the CPU kernels can run this layer's dense parts
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, ops: StepOps, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, attention: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.one_token is not None and ops.kernels is not None and hidden.shape[0] == 1:
-            return self._forward_one_token(hidden, residual, ops, kv_cache, metadata, attention)
+        if self.fused is not None and ops.kernels is not None and hidden.shape[0] <= FEW_ROWS:
+            return self._forward_fused(hidden, residual, ops, kv_cache, metadata, attention)
         normed, residual = ops.norm(self.input_layernorm, hidden, residual)
         return self.feed_forward(self.self_attn(normed, ops, kv_cache, metadata, attention), residual, ops)
 
-    def _forward_one_token(self, hidden, residual, ops, kv_cache, metadata,
-                           attention) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode at batch 1: the dense parts in two C calls (``OneTokenLayer``), attention through the backend as
-        always. At one token a layer is ~15 small ops around 4 memory-bound matrix-vector products, and calling them
-        one by one from Python costs about a third of the step: a batch-1 step measured 16.6-20.1 ms this way and
-        20.7-25.3 ms op by op (same kernels, same process, alternating)."""
+    def _forward_fused(self, hidden, residual, ops, kv_cache, metadata,
+                       attention) -> tuple[torch.Tensor, torch.Tensor]:
+        """A few tokens (decode at small batches, verification): the dense parts in two C calls (``FusedLayer``),
+        attention through the backend as always. At a few tokens a layer is ~15 small ops around 4 memory-bound
+        matrix products, and calling them one by one from Python costs about a third of the step: a batch-1 step
+        measured 16.6-20.1 ms this way and 20.7-25.3 ms op by op (same kernels, same process, alternating)."""
         if residual is None:  # the first layer: the embedding is the residual stream, nothing to add yet
             residual, hidden = hidden, None
-        qkv = self.one_token.attention_input(residual, hidden, ops.positions, ops.rotary.cos, ops.rotary.sin)
+        tokens = residual.shape[0]
+        qkv = self.fused.attention_input(residual, hidden, ops.positions, ops.rotary.cos, ops.rotary.sin)
         attn = self.self_attn
-        q, k, v = qkv.view(1, -1, attn.head_dim).split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1)
+        q, k, v = qkv.view(tokens, -1, attn.head_dim).split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads],
+                                                            dim=1)
         out = attention.forward(attn.layer_index, q, k, v, kv_cache[attn.layer_index], metadata)
-        return self.one_token.feed_forward(out.reshape(1, attn.q_size), residual), residual
+        return self.fused.feed_forward(out.reshape(tokens, attn.q_size), residual), residual
 
     def use_cpu_kernels(self, kernels) -> None:
-        """Let the projections compute one-row inputs with ``kernels`` (see ``PackedLinear``), and when all four
-        then have fp16 copies, run decode at batch 1 through ``OneTokenLayer``."""
+        """Let the projections compute inputs of a few rows with ``kernels`` (see ``PackedLinear``), and when all
+        four then have fp16 copies, run steps of a few tokens through ``FusedLayer``."""
         attn, mlp = self.self_attn, self.mlp
         projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         for projection in projections:
@@ -268,10 +270,10 @@ class DecoderLayer(nn.Module):
                 projection.use_cpu_kernels(kernels)
         halves = [getattr(projection, "half_weight", None) for projection in projections]
         if kernels is None or any(half is None for half in halves):
-            self.one_token = None
+            self.fused = None
             return
         norms = (self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach())
-        self.one_token = OneTokenLayer(kernels, halves, [projection.bias for projection in projections], norms,
+        self.fused = FusedLayer(kernels, halves, [projection.bias for projection in projections], norms,
                                        self.input_layernorm.eps, attn.q_size, attn.num_heads + attn.num_kv_heads,
                                        attn.head_dim)
 

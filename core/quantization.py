@@ -28,6 +28,7 @@ import warnings
 import torch
 from torch import nn
 
+from infer.cpu_kernels import FEW_ROWS
 from infer.model import Linear
 
 QUANTIZATIONS = ("none", "fp16", "int8")
@@ -91,10 +92,11 @@ class PackedLinear(nn.Module):
         self.half_weight: torch.Tensor | None = None  # fp16 [out, in] row-major for the one-row kernel
 
     def use_cpu_kernels(self, kernels) -> None:
-        """Compute one-row inputs (decode at batch 1) with ``kernels.linear_f16`` (``fp16`` mode only): a plain
-        copy of the fp16 weights, row-major, beside fbgemm's packed one. A streaming GEMV has no fixed per-call cost,
-        where fbgemm pays 20-45 us at one row: 30 layers' projections per step measured 10.9-12.0 vs 13.4-14.4 ms.
-        Costs the weights' fp16 bytes once more (counted in ``nbytes``)."""
+        """Compute inputs of a few rows (``FEW_ROWS``: decode at small batches, verification) with
+        ``kernels.linear_f16`` (``fp16`` mode only), over a plain copy of the fp16 weights, row-major, beside
+        fbgemm's packed one. A streaming GEMV has no fixed per-call cost, where fbgemm pays 20-45 us at one row: 30
+        layers' projections at one row measured 10.9-12.0 vs 13.4-14.4 ms per step. Costs the weights' fp16 bytes
+        once more (counted in ``nbytes``)."""
         if self.mode != "fp16" or (kernels is None) == (self.kernels is None):
             return
         if kernels is None:
@@ -108,7 +110,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the engine's tokens are already flat
-        if self.kernels is not None and flat.shape[0] == 1:
+        if self.kernels is not None and flat.shape[0] <= FEW_ROWS:
             out = self.kernels.linear_f16(flat, self.half_weight, self.bias)
             return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
         if self.mode == "fp16":

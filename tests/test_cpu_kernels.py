@@ -160,22 +160,24 @@ def test_compiler_errors_are_reported(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 13), (5, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_one_row_fp16_linear_matches_the_fp16_weights(kernels, out_features, in_features, bias):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_fp16_linear_matches_the_fp16_weights(kernels, out_features, in_features, bias, rows):
     weight = randn(out_features, in_features, seed=11, scale=0.1).half()
     bias_values = randn(out_features, seed=12) if bias else None
-    x = randn(1, in_features, seed=13)
+    x = randn(rows, in_features, seed=13)
     expected = torch.nn.functional.linear(x.double(), weight.double(),
                                           None if bias_values is None else bias_values.double())
     torch.testing.assert_close(kernels.linear_f16(x, weight, bias_values).double(), expected, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="needs fbgemm (x86)")
-def test_packed_linear_takes_the_kernel_at_one_row_only(kernels):
+def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels):
+    from infer.cpu_kernels import FEW_ROWS
     from infer.quantization import PackedLinear
 
     linear = torch.nn.Linear(576, 960, bias=True)
     packed = PackedLinear(linear, "fp16")
-    rows = randn(3, 576, seed=14)
+    rows = randn(FEW_ROWS + 1, 576, seed=14)
     before_bytes, expected = packed.nbytes, packed(rows)
     packed.use_cpu_kernels(kernels)
     assert packed.nbytes == before_bytes + 960 * 576 * 2  # the fp16 copy is counted
@@ -183,10 +185,10 @@ def test_packed_linear_takes_the_kernel_at_one_row_only(kernels):
     original = kernels.linear_f16
     kernels.linear_f16 = lambda *args: calls.append(1) or original(*args)
     try:
-        one_row = packed(rows[1:2])
-        assert torch.equal(packed(rows), expected) and calls == [1]  # three rows: fbgemm, as before
+        few = packed(rows[1:FEW_ROWS + 1])
+        assert torch.equal(packed(rows), expected) and calls == [1]  # one row more: fbgemm, as before
     finally:
         del kernels.linear_f16
-    torch.testing.assert_close(one_row, expected[1:2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(few, expected[1:], atol=1e-4, rtol=1e-4)
     packed.use_cpu_kernels(None)
     assert packed.nbytes == before_bytes and packed.half_weight is None

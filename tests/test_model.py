@@ -262,27 +262,29 @@ def test_default_model_chat_logits_match_hf():
 
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="fp16 packing needs fbgemm")
 @pytest.mark.parametrize("name", ["llama_gqa", "llama_attention_bias", "qwen2"])
-def test_one_token_layers_give_the_unfused_kernels_logits(name, monkeypatch):
-    """Decode at batch 1 through ``OneTokenLayer`` (two C calls per layer) runs the same kernels as the step-by-step
+def test_fused_layers_give_the_unfused_kernels_logits(name, monkeypatch):
+    """Steps of a few tokens through ``FusedLayer`` (two C calls per layer) run the same kernels as the op-by-op
     path, so the logits are identical; and both stay near torch's ops over the same fp16 weights."""
-    from infer.cpu_kernels import OneTokenLayer
+    from infer.cpu_kernels import FEW_ROWS, FusedLayer
     from infer.quantization import quantize_model
 
     hf_model = random_hf_model(name)
-    tokens = random_tokens(12, seed=4)
+    first, second = random_tokens(16, seed=4), random_tokens(14, seed=5)
+    # A prefill too long to fuse, a 3-token step (verification-like), then decodes of two sequences and of one.
+    steps = [{"first": first[:FEW_ROWS + 3]}, {"first": first[11:14]}, {"second": second[:2]}]
+    steps += [{"first": [first[index]], "second": [second[index - 12]]} for index in (14, 15)]
+    steps += [{"second": [token]} for token in second[4:]]
     calls = []
-    feed_forward = OneTokenLayer.feed_forward
-    monkeypatch.setattr(OneTokenLayer, "feed_forward", lambda self, *args: calls.append(1) or feed_forward(self, *args))
+    feed_forward = FusedLayer.feed_forward
+    monkeypatch.setattr(FusedLayer, "feed_forward", lambda self, *args: calls.append(1) or feed_forward(self, *args))
     logits = {}
-    for path in ("torch", "kernels", "one_token"):
+    for path in ("torch", "kernels", "fused"):
         model = quantize_model(LlamaForCausalLM.from_hf(hf_model), "fp16")
         pool = PagedPool(model, kernels=path != "torch")
         if path == "kernels":
             for layer in model.layers:
-                layer.one_token = None
-        steps = [pool.step({"only": tokens[:8]})["only"][-1:]]  # a prefill, then four single-token decodes
-        steps += [pool.step({"only": [token]})["only"] for token in tokens[8:]]
-        logits[path] = torch.cat(steps)
-    assert len(calls) == 4 * 2  # the four decodes through both layers, and nothing else
-    assert torch.equal(logits["one_token"], logits["kernels"])
-    torch.testing.assert_close(logits["one_token"], logits["torch"], atol=1e-4, rtol=1e-4)
+                layer.fused = None
+        logits[path] = torch.cat([out for new_tokens in steps for out in pool.step(new_tokens).values()])
+    assert len(calls) == (len(steps) - 1) * 2  # every step but the prefill, through both layers
+    assert torch.equal(logits["fused"], logits["kernels"])
+    torch.testing.assert_close(logits["fused"], logits["torch"], atol=1e-4, rtol=1e-4)

@@ -81,7 +81,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return total;
 }
 
-/* ---- one-row linear layers over fp16 weights --------------------------------------------------------------- */
+/* ---- linear layers over fp16 weights for a few rows ----------------------------------------------------------- */
 
 /* The float value of an IEEE half (bits h). */
 static inline float half_to_float(uint16_t h) {
@@ -110,10 +110,9 @@ static inline float dot_half(const float *x, const uint16_t *w, int64_t k) {
     return total;
 }
 
-/* y[n] = w[n, :] . x (+ bias[n]) for one row x of k floats, w fp16 [n_out, k] row-major. A decode step at batch 1
- * streams every weight from memory once; four output rows at a time keep four independent streams and share each
- * load of x. Split over the threads by output rows. */
-void infer_linear_f16(const float *x, int64_t k, const uint16_t *w, const float *bias, float *y, int64_t n_out) {
+/* One row: four output rows at a time keep four independent weight streams and share each load of x. */
+static void linear_f16_one_row(const float *x, int64_t k, const uint16_t *w, const float *bias, float *y,
+                               int64_t n_out) {
     const int64_t groups = (n_out + 3) / 4;
 #pragma omp parallel for schedule(static) if (n_out * k >= 65536)
     for (int64_t group = 0; group < groups; group++) {
@@ -142,6 +141,71 @@ void infer_linear_f16(const float *x, int64_t k, const uint16_t *w, const float 
         for (int r = 0; r < 4; r++) {
             const uint16_t *row = w + (j + r) * k;
             y[j + r] = sums[r] + dot_half(x + c, row + c, k - c) + (bias ? bias[j + r] : 0.0f);
+        }
+    }
+}
+
+/* sums[r][i] = x[r] . w_i for `count` (1 to 4, a constant once inlined) rows of x and two weight rows: each weight
+ * chunk is converted once and used for every row. */
+static inline __attribute__((always_inline)) void rows_times_two(const float *x, int64_t k, const uint16_t *w0,
+                                                                 const uint16_t *w1, float sums[4][2],
+                                                                 const int count) {
+    int64_t c = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    __m256 acc[4][2];
+    for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (; c + 8 <= k; c += 8) {
+        __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w0 + c)));
+        __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w1 + c)));
+        for (int r = 0; r < count; r++) {
+            __m256 xv = _mm256_loadu_ps(x + r * k + c);
+            acc[r][0] = _mm256_fmadd_ps(xv, a, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xv, b, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < count; r++) {
+        sums[r][0] = hsum8(acc[r][0]);
+        sums[r][1] = hsum8(acc[r][1]);
+    }
+#else
+    for (int r = 0; r < count; r++) sums[r][0] = sums[r][1] = 0.0f;
+#endif
+    for (int r = 0; r < count; r++) {
+        sums[r][0] += dot_half(x + r * k + c, w0 + c, k - c);
+        sums[r][1] += dot_half(x + r * k + c, w1 + c, k - c);
+    }
+}
+
+/* y[m, n] = w[n, :] . x[m, :] (+ bias[n]) for `rows` rows of x (k floats each), w fp16 [n_out, k] row-major, y
+ * [rows, n_out]. Meant for the few rows of a decode or verification step, which stream every weight from memory
+ * once: two output rows at a time, each weight chunk reused for up to four rows of x while it is in registers and
+ * for the next four while it is in L1. Split over the threads by output rows. */
+void infer_linear_f16(const float *x, int64_t rows, int64_t k, const uint16_t *w, const float *bias, float *y,
+                      int64_t n_out) {
+    if (rows == 1) {
+        linear_f16_one_row(x, k, w, bias, y, n_out);
+        return;
+    }
+    const int64_t pairs = (n_out + 1) / 2;
+#pragma omp parallel for schedule(static) if (rows * n_out * k >= 65536)
+    for (int64_t pair = 0; pair < pairs; pair++) {
+        const int64_t j = 2 * pair;
+        const int both = j + 1 < n_out;
+        const uint16_t *w0 = w + j * k, *w1 = both ? w0 + k : w0;
+        for (int64_t m = 0; m < rows; m += 4) {
+            const int count = rows - m < 4 ? (int)(rows - m) : 4;
+            float sums[4][2];
+            switch (count) {
+                case 1: rows_times_two(x + m * k, k, w0, w1, sums, 1); break;
+                case 2: rows_times_two(x + m * k, k, w0, w1, sums, 2); break;
+                case 3: rows_times_two(x + m * k, k, w0, w1, sums, 3); break;
+                default: rows_times_two(x + m * k, k, w0, w1, sums, 4); break;
+            }
+            for (int r = 0; r < count; r++) {
+                float *out = y + (m + r) * n_out + j;
+                out[0] = sums[r][0] + (bias ? bias[j] : 0.0f);
+                if (both) out[1] = sums[r][1] + (bias ? bias[j + 1] : 0.0f);
+            }
         }
     }
 }
@@ -361,7 +425,7 @@ void infer_paged_attention(const float *q, int64_t q_stride, const float *kv, co
     }
 }
 
-/* ---- one token through a layer's dense parts ----------------------------------------------------------------- */
+/* ---- a few tokens through a layer's dense parts -------------------------------------------------------------- */
 
 /* The fp16 weights (row-major [out, in]) and optional float32 biases of one layer's projections, its two RMSNorm
  * weights and its shapes. */
@@ -373,28 +437,33 @@ typedef struct {
     int64_t hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim;
 } infer_layer;
 
-/* Decode at batch 1, the layer's first half up to attention: residual += delta (none for the first layer), RMSNorm,
- * the QKV projection into qkv, RoPE on its Q and K heads at `position`. */
-void infer_layer_attention_input(const infer_layer *layer, float *residual, const float *delta, const int64_t *position,
-                                 const float *cos_table, const float *sin_table, float *qkv) {
-    float *normed = malloc(sizeof(float) * layer->hidden);
-    infer_add_rms_norm(residual, delta, normed, layer->input_norm, 1, layer->hidden, layer->eps);
-    infer_linear_f16(normed, layer->hidden, layer->qkv, layer->qkv_bias, qkv, layer->qkv_width);
-    infer_rope(qkv, position, cos_table, sin_table, 1, layer->qkv_width, layer->rotated_heads, layer->head_dim);
+/* The layer's first half up to attention for `tokens` tokens: residual += delta (none for the first layer),
+ * RMSNorm, the QKV projection into qkv [tokens, qkv_width], RoPE on its Q and K heads at `positions`. */
+void infer_layer_attention_input(const infer_layer *layer, int64_t tokens, float *residual, const float *delta,
+                                 const int64_t *positions, const float *cos_table, const float *sin_table,
+                                 float *qkv) {
+    float *normed = malloc(sizeof(float) * tokens * layer->hidden);
+    infer_add_rms_norm(residual, delta, normed, layer->input_norm, tokens, layer->hidden, layer->eps);
+    infer_linear_f16(normed, tokens, layer->hidden, layer->qkv, layer->qkv_bias, qkv, layer->qkv_width);
+    infer_rope(qkv, positions, cos_table, sin_table, tokens, layer->qkv_width, layer->rotated_heads,
+               layer->head_dim);
     free(normed);
 }
 
-/* Decode at batch 1, the layer's second half from attention's output: the output projection, residual += it,
- * RMSNorm, gate/up projection, SiLU-and-multiply, down projection into delta (the next norm adds it). */
-void infer_layer_feed_forward(const infer_layer *layer, const float *attended, float *residual, float *delta) {
+/* The layer's second half from attention's output [tokens, q_width]: the output projection, residual += it,
+ * RMSNorm, gate/up projection, SiLU-and-multiply, down projection into delta [tokens, hidden] (the next norm adds
+ * it). */
+void infer_layer_feed_forward(const infer_layer *layer, int64_t tokens, const float *attended, float *residual,
+                              float *delta) {
     const int64_t hidden = layer->hidden, intermediate = layer->intermediate;
-    float *projected = malloc(sizeof(float) * hidden), *normed = malloc(sizeof(float) * hidden);
-    float *gate_up = malloc(sizeof(float) * 2 * intermediate), *activated = malloc(sizeof(float) * intermediate);
-    infer_linear_f16(attended, layer->q_width, layer->o, layer->o_bias, projected, hidden);
-    infer_add_rms_norm(residual, projected, normed, layer->post_norm, 1, hidden, layer->eps);
-    infer_linear_f16(normed, hidden, layer->gate_up, layer->gate_up_bias, gate_up, 2 * intermediate);
-    infer_silu_mul(gate_up, activated, 1, intermediate);
-    infer_linear_f16(activated, intermediate, layer->down, layer->down_bias, delta, hidden);
+    float *projected = malloc(sizeof(float) * tokens * hidden), *normed = malloc(sizeof(float) * tokens * hidden);
+    float *gate_up = malloc(sizeof(float) * tokens * 2 * intermediate);
+    float *activated = malloc(sizeof(float) * tokens * intermediate);
+    infer_linear_f16(attended, tokens, layer->q_width, layer->o, layer->o_bias, projected, hidden);
+    infer_add_rms_norm(residual, projected, normed, layer->post_norm, tokens, hidden, layer->eps);
+    infer_linear_f16(normed, tokens, hidden, layer->gate_up, layer->gate_up_bias, gate_up, 2 * intermediate);
+    infer_silu_mul(gate_up, activated, tokens, intermediate);
+    infer_linear_f16(activated, tokens, intermediate, layer->down, layer->down_bias, delta, hidden);
     free(activated);
     free(gate_up);
     free(normed);

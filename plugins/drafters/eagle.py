@@ -98,6 +98,7 @@ class EagleDrafter(Drafter):
         self.block_size = engine.attention.block_size
         # The head's layers and its draft-vocabulary output run with the target's weight packing.
         self.head = quantize_linears(self._load_head(engine), engine.quantization)
+        self.head.layer.use_cpu_kernels(engine.model.kernels)  # the target's kernels, if it runs on them
         self.draft_logits = projection(draft_head_weight(self.target, self.head.vocab_ids), engine.quantization)
         self.kv_cache: torch.Tensor | None = None
         self._logs: dict[str, FeatureLog] = {}

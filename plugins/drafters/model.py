@@ -114,6 +114,7 @@ class ModelDrafter(Drafter):
         from infer.quantization import quantize_model
 
         draft = quantize_model(loaded.model, engine.quantization)
+        draft.use_cpu_kernels(engine.model.kernels)  # the target's kernels, if it runs on them
         attention = type(engine.attention)(
             num_heads=draft.num_heads, num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim,
             block_size=engine.attention.block_size, dtype=engine.dtype, device=engine.device,
