@@ -135,6 +135,7 @@ class CpuKernels:
     def linear_f16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` for a few rows ``x`` ``[rows, k]`` (float32, contiguous) and fp16 ``weight``
         ``[n, k]``; float32 ``[rows, n]``. Streams the weights once whatever the rows (see ``FEW_ROWS``)."""
+        _check_flat(x)
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
         self._linear_f16(x.data_ptr(), x.shape[0], weight.shape[1], weight.data_ptr(),
                          None if bias is None else bias.data_ptr(), out.data_ptr(), weight.shape[0])
@@ -142,6 +143,7 @@ class CpuKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension of ``x`` ``[rows, dim]``."""
+        _check_flat(x)
         out = torch.empty_like(x)
         self._add_rms_norm(x.data_ptr(), None, out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
@@ -149,6 +151,8 @@ class CpuKernels:
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
         """``residual += delta`` in place, then the RMSNorm of the sum (a new tensor)."""
+        _check_flat(residual)
+        _check_flat(delta)
         out = torch.empty_like(residual)
         self._add_rms_norm(residual.data_ptr(), delta.data_ptr(), out.data_ptr(), weight.data_ptr(),
                            residual.shape[0], residual.shape[1], eps)
@@ -156,6 +160,7 @@ class CpuKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 * width]`` (gate first) -> ``[rows, width]``."""
+        _check_flat(gate_up)
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((rows, width), dtype=gate_up.dtype)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width)
@@ -165,6 +170,8 @@ class CpuKernels:
               num_heads: int, head_dim: int) -> None:
         """Rotate the first ``num_heads`` heads of each row of ``qkv`` ``[T, width]`` in place, by the tables
         ``cos``/``sin`` ``[max_positions, head_dim]`` (``RotaryEmbedding``'s, sin's first half negated)."""
+        if qkv.dtype != torch.float32 or qkv.stride(1) != 1 or positions.dtype != torch.int64:
+            raise ValueError("the CPU kernels' RoPE needs float32 rows with contiguous columns and int64 positions")
         self._rope(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
                    qkv.stride(0), num_heads, head_dim)
 
@@ -173,6 +180,9 @@ class CpuKernels:
         ``[2, num_blocks, block_size, kv_heads, head_dim]`` at ``slots[t]`` (int64; negative: skipped)."""
         _check_rows(k)
         _check_rows(v)
+        _check_pool(kv_cache)
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            raise ValueError("the CPU kernels need the slot mapping as contiguous int64")
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
         self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache.data_ptr(), slots.data_ptr(),
                        k.shape[0], k.shape[1] * k.shape[2], num_slots)
@@ -183,6 +193,9 @@ class CpuKernels:
         contexts, read through ``block_tables`` (int32) from one layer's pool; results land in the same rows of
         ``out`` ``[T, heads, head_dim]`` (contiguous), which is returned."""
         _check_rows(q)
+        _check_pool(kv_cache)
+        if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+            raise ValueError("the CPU kernels need block tables as int32 rows")
         tokens, num_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         rows = None if plan.rows is None else plan.rows.data_ptr()
@@ -203,6 +216,18 @@ class KernelAttentionPlan:
     context_lens: torch.Tensor
     num_queries: int
     max_context: int
+
+
+def _check_flat(x: torch.Tensor) -> None:
+    """A matrix the kernels can read: float32 on the CPU, contiguous."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"the CPU kernels need contiguous float32 CPU tensors, got {x.dtype} on {x.device} with "
+                         f"strides {x.stride()}")
+
+
+def _check_pool(kv_cache: torch.Tensor) -> None:
+    if kv_cache.dtype != torch.float32 or kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+        raise ValueError("the CPU kernels need one layer's KV pool as a contiguous float32 CPU tensor")
 
 
 def _check_rows(x: torch.Tensor) -> None:

@@ -80,6 +80,12 @@ def test_kernels_refuse_tensors_they_cannot_read(kernels):
         kernels.write_kv(kv_cache, k, k, torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="float32"):
         kernels.write_kv(kv_cache, k.double().contiguous(), k.contiguous(), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        kernels.silu_mul(torch.zeros(8, 4).t())
+    with pytest.raises(ValueError, match="contiguous float32"):
+        kernels.add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="KV pool"):
+        kernels.write_kv(kv_cache.transpose(3, 4), k.contiguous(), k.contiguous(), torch.tensor([0, 1, 2]))
 
 
 def reference_attention(q, keys, values, scale):
