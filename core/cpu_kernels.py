@@ -69,15 +69,15 @@ class FusedLayer:
     def __init__(self, kernels: CpuKernels, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
                  norms: tuple[torch.Tensor, torch.Tensor], eps: float, q_width: int, rotated_heads: int,
                  head_dim: int):
-        """``weights``/``biases``: fp16 ``[out, in]`` and float32 (or None) for the QKV, output, gate/up and down
-        projections, in that order; ``norms``: the input and post-attention RMSNorm weights."""
+        """``weights``/``biases``: fp16 packed by ``pack_f16`` and float32 (or None) for the QKV, output, gate/up
+        and down projections, in that order; ``norms``: the input and post-attention RMSNorm weights."""
         self._keep = [*weights, *biases, *norms]
-        qkv, o, gate_up, down = weights
+        (qkv_width, _), (hidden, _), _, (_, intermediate) = (packed_shape(weight) for weight in weights)
         pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
-        self.struct = _LayerStruct(*(pointer(tensor) for tensor in (*weights, *biases, *norms)), eps, o.shape[0],
-                                   qkv.shape[0], q_width, down.shape[1], rotated_heads, head_dim)
-        self.hidden = o.shape[0]
-        self.qkv_width = qkv.shape[0]
+        self.struct = _LayerStruct(*(pointer(tensor) for tensor in (*weights, *biases, *norms)), eps, hidden,
+                                   qkv_width, q_width, intermediate, rotated_heads, head_dim)
+        self.hidden = hidden
+        self.qkv_width = qkv_width
         self._attention_input = kernels._layer_attention_input
         self._feed_forward = kernels._layer_feed_forward
 
@@ -104,8 +104,8 @@ class FusedLayer:
 
 # Steps of at most this many tokens take the kernels' linear layers and ``FusedLayer`` instead of fbgemm's GEMM
 # (a fixed 20-45 us per call at one row). Decode step in ms, fused vs op by op with fbgemm (same process,
-# alternating, 3 runs each): batch 1 16.5-22.0 vs 21.7-23.5; 2: 22.5-26.8 vs 30.7-31.8; 4: 25.6-30.0 vs 29.0-34.0;
-# 8: 36.3-43.2 vs 39.4-48.1; 12: 50.3-59.5 vs 45.3-60.9; 16: 59.2-66.2 vs 55.2-64.9.
+# alternating, 3 runs each): batch 1 16.2-18.9 vs 25.6-27.1; 2: 18.5-21.7 vs 26.1-33.9; 4: 24.7-26.9 vs 34.2-41.1;
+# 8: 38.4-40.5 vs 44.9-48.6; 12: 47.5-55.6 vs 49.0-51.9.
 FEW_ROWS = 8
 
 
@@ -132,13 +132,14 @@ class CpuKernels:
         self._write_kv = library.infer_write_kv
         self._paged_attention = library.infer_paged_attention
 
-    def linear_f16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T + bias`` for a few rows ``x`` ``[rows, k]`` (float32, contiguous) and fp16 ``weight``
-        ``[n, k]``; float32 ``[rows, n]``. Streams the weights once whatever the rows (see ``FEW_ROWS``)."""
+    def linear_f16(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for a few rows ``x`` ``[rows, k]`` (float32, contiguous) and fp16 weights packed
+        by ``pack_f16``; float32 ``[rows, n]``. Streams the weights once whatever the rows (see ``FEW_ROWS``)."""
         _check_flat(x)
-        out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-        self._linear_f16(x.data_ptr(), x.shape[0], weight.shape[1], weight.data_ptr(),
-                         None if bias is None else bias.data_ptr(), out.data_ptr(), weight.shape[0])
+        out_features, in_features = packed_shape(packed)
+        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        self._linear_f16(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(),
+                         None if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -204,6 +205,26 @@ class CpuKernels:
                               plan.context_lens.data_ptr(), out.data_ptr(), plan.num_queries, num_heads,
                               num_kv_heads, head_dim, block_size, num_blocks, plan.max_context, scale)
         return out
+
+
+def can_pack_f16(out_features: int, in_features: int) -> bool:
+    return out_features % 4 == 0 and in_features % 8 == 0
+
+
+def pack_f16(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's weight ``[n, k]`` as fp16 in ``linear_f16``'s layout: blocks of four output rows, each
+    ``[k / 8, 4, 8]`` (eight weights of each of the four rows per 64-byte line), so a block is one sequential
+    stream. Needs ``n % 4 == 0`` and ``k % 8 == 0`` (``can_pack_f16``)."""
+    out_features, in_features = weight.shape
+    if not can_pack_f16(out_features, in_features):
+        raise ValueError(f"pack_f16 needs out_features % 4 == 0 and in_features % 8 == 0, got {tuple(weight.shape)}")
+    blocks = weight.detach().to(torch.float16).view(out_features // 4, 4, in_features // 8, 8)
+    return blocks.permute(0, 2, 1, 3).contiguous()
+
+
+def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a weight packed by ``pack_f16``."""
+    return packed.shape[0] * 4, packed.shape[1] * 8
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ import warnings
 import torch
 from torch import nn
 
-from infer.cpu_kernels import FEW_ROWS
+from infer.cpu_kernels import FEW_ROWS, can_pack_f16, pack_f16
 from infer.model import Linear
 
 QUANTIZATIONS = ("none", "fp16", "int8")
@@ -89,22 +89,24 @@ class PackedLinear(nn.Module):
         self.bias = bias
         self.weight = linear.weight if keep_weight else None
         self.kernels = None
-        self.half_weight: torch.Tensor | None = None  # fp16 [out, in] row-major for the one-row kernel
+        self.half_weight: torch.Tensor | None = None  # fp16 in cpu_kernels.pack_f16's layout, for a few rows
 
     def use_cpu_kernels(self, kernels) -> None:
         """Compute inputs of a few rows (``FEW_ROWS``: decode at small batches, verification) with
-        ``kernels.linear_f16`` (``fp16`` mode only), over a plain copy of the fp16 weights, row-major, beside
-        fbgemm's packed one. A streaming GEMV has no fixed per-call cost, where fbgemm pays 20-45 us at one row: 30
+        ``kernels.linear_f16`` (``fp16`` mode, shapes ``pack_f16`` takes), over a copy of the fp16 weights in its
+        layout, beside fbgemm's packed one. A streaming GEMV has no fixed per-call cost, where fbgemm pays 20-45 us at one row: 30
         layers' projections at one row measured 10.9-12.0 vs 13.4-14.4 ms per step. Costs the weights' fp16 bytes
         once more (counted in ``nbytes``)."""
         if self.mode != "fp16" or (kernels is None) == (self.kernels is None):
+            return
+        if not can_pack_f16(self.out_features, self.in_features):  # stays on fbgemm
             return
         if kernels is None:
             self.nbytes -= self.half_weight.numel() * 2
             self.kernels = self.half_weight = None
             return
         weight, _ = torch.ops.quantized.linear_unpack_fp16(self.packed)
-        self.half_weight = weight.half().contiguous()
+        self.half_weight = pack_f16(weight)
         self.nbytes += self.half_weight.numel() * 2
         self.kernels = kernels
 

@@ -164,7 +164,7 @@ def test_compiler_errors_are_reported(monkeypatch, tmp_path):
         cpu_kernels.build(tmp_path)
 
 
-@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 13), (5, 1536)])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (4, 8), (12, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 def test_fp16_linear_matches_the_fp16_weights(kernels, out_features, in_features, bias, rows):
@@ -173,7 +173,20 @@ def test_fp16_linear_matches_the_fp16_weights(kernels, out_features, in_features
     x = randn(rows, in_features, seed=13)
     expected = torch.nn.functional.linear(x.double(), weight.double(),
                                           None if bias_values is None else bias_values.double())
-    torch.testing.assert_close(kernels.linear_f16(x, weight, bias_values).double(), expected, atol=1e-4, rtol=1e-5)
+    out = kernels.linear_f16(x, cpu_kernels.pack_f16(weight), bias_values)
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_pack_f16_lays_out_blocks_of_four_rows_and_refuses_other_shapes():
+    weight = torch.arange(8 * 16, dtype=torch.float32).view(8, 16)
+    packed = cpu_kernels.pack_f16(weight)
+    assert cpu_kernels.packed_shape(packed) == (8, 16) and packed.dtype == torch.float16
+    # Block 1 (rows 4-7), second 8-column chunk: row 5's columns 8..15 sit at [1, 1, 1].
+    assert torch.equal(packed[1, 1, 1].float(), weight[5, 8:16])
+    with pytest.raises(ValueError, match="% 4"):
+        cpu_kernels.pack_f16(torch.zeros(6, 16))
+    with pytest.raises(ValueError, match="% 8"):
+        cpu_kernels.pack_f16(torch.zeros(8, 12))
 
 
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="needs fbgemm (x86)")
@@ -198,3 +211,6 @@ def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels):
     torch.testing.assert_close(few, expected[1:], atol=1e-4, rtol=1e-4)
     packed.use_cpu_kernels(None)
     assert packed.nbytes == before_bytes and packed.half_weight is None
+    odd = PackedLinear(torch.nn.Linear(12, 6), "fp16")  # shapes pack_f16 cannot lay out stay on fbgemm
+    odd.use_cpu_kernels(kernels)
+    assert odd.half_weight is None and odd.kernels is None

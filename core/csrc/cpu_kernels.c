@@ -104,108 +104,57 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-static inline float dot_half(const float *x, const uint16_t *w, int64_t k) {
-    float total = 0.0f;
-    for (int64_t c = 0; c < k; c++) total += x[c] * half_to_float(w[c]);
-    return total;
-}
-
-/* One row: four output rows at a time keep four independent weight streams and share each load of x. */
-static void linear_f16_one_row(const float *x, int64_t k, const uint16_t *w, const float *bias, float *y,
-                               int64_t n_out) {
-    const int64_t groups = (n_out + 3) / 4;
-#pragma omp parallel for schedule(static) if (n_out * k >= 65536)
-    for (int64_t group = 0; group < groups; group++) {
-        const int64_t j = group * 4;
-        if (j + 4 > n_out) {  /* the last rows, one at a time */
-            for (int64_t r = j; r < n_out; r++) y[r] = dot_half(x, w + r * k, k) + (bias ? bias[r] : 0.0f);
-            continue;
-        }
-        float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        int64_t c = 0;
+/* sums[r][i] = x[r] . (output row i of the block) for `count` (1 or 2, a constant once inlined) rows of x and a
+ * block of four output rows laid out [k / 8][4][8]: one sequential stream, each 64-byte line holding 8 weights of
+ * each of the 4 rows, converted once and used for every row of x. */
+static inline __attribute__((always_inline)) void block_dot(const float *x, int64_t k, const uint16_t *block,
+                                                            float sums[2][4], const int count) {
 #if defined(__AVX2__) && defined(__F16C__)
-        const uint16_t *w0 = w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (; c + 8 <= k; c += 8) {
-            __m256 xv = _mm256_loadu_ps(x + c);
-            a0 = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w0 + c))), a0);
-            a1 = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w1 + c))), a1);
-            a2 = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w2 + c))), a2);
-            a3 = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w3 + c))), a3);
-        }
-        sums[0] = hsum8(a0);
-        sums[1] = hsum8(a1);
-        sums[2] = hsum8(a2);
-        sums[3] = hsum8(a3);
-#endif
-        for (int r = 0; r < 4; r++) {
-            const uint16_t *row = w + (j + r) * k;
-            y[j + r] = sums[r] + dot_half(x + c, row + c, k - c) + (bias ? bias[j + r] : 0.0f);
-        }
-    }
-}
-
-/* sums[r][i] = x[r] . w_i for `count` (1 to 4, a constant once inlined) rows of x and two weight rows: each weight
- * chunk is converted once and used for every row. */
-static inline __attribute__((always_inline)) void rows_times_two(const float *x, int64_t k, const uint16_t *w0,
-                                                                 const uint16_t *w1, float sums[4][2],
-                                                                 const int count) {
-    int64_t c = 0;
-#if defined(__AVX2__) && defined(__F16C__)
-    __m256 acc[4][2];
-    for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (; c + 8 <= k; c += 8) {
-        __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w0 + c)));
-        __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w1 + c)));
+    __m256 acc[2][4];
+    for (int r = 0; r < count; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < k; c += 8) {
+        const uint16_t *chunk = block + c * 4;
+        __m256 weights[4];
+        for (int i = 0; i < 4; i++) weights[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(chunk + i * 8)));
         for (int r = 0; r < count; r++) {
             __m256 xv = _mm256_loadu_ps(x + r * k + c);
-            acc[r][0] = _mm256_fmadd_ps(xv, a, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(xv, b, acc[r][1]);
+            for (int i = 0; i < 4; i++) acc[r][i] = _mm256_fmadd_ps(xv, weights[i], acc[r][i]);
         }
     }
-    for (int r = 0; r < count; r++) {
-        sums[r][0] = hsum8(acc[r][0]);
-        sums[r][1] = hsum8(acc[r][1]);
-    }
+    for (int r = 0; r < count; r++)
+        for (int i = 0; i < 4; i++) sums[r][i] = hsum8(acc[r][i]);
 #else
-    for (int r = 0; r < count; r++) sums[r][0] = sums[r][1] = 0.0f;
+    for (int r = 0; r < count; r++)
+        for (int i = 0; i < 4; i++) {
+            float total = 0.0f;
+            for (int64_t c = 0; c < k; c++) total += x[r * k + c] * half_to_float(block[(c / 8) * 32 + i * 8 + c % 8]);
+            sums[r][i] = total;
+        }
 #endif
-    for (int r = 0; r < count; r++) {
-        sums[r][0] += dot_half(x + r * k + c, w0 + c, k - c);
-        sums[r][1] += dot_half(x + r * k + c, w1 + c, k - c);
-    }
 }
 
-/* y[m, n] = w[n, :] . x[m, :] (+ bias[n]) for `rows` rows of x (k floats each), w fp16 [n_out, k] row-major, y
- * [rows, n_out]. Meant for the few rows of a decode or verification step, which stream every weight from memory
- * once: two output rows at a time, each weight chunk reused for up to four rows of x while it is in registers and
- * for the next four while it is in L1. Split over the threads by output rows. */
+/* y[m, n] = w[n, :] . x[m, :] (+ bias[n]) for `rows` rows of x (k floats each), y [rows, n_out], with w the fp16
+ * weights [n_out, k] packed by `infer.cpu_kernels.pack_f16` in blocks of four output rows, [n_out / 4][k / 8][4][8]
+ * (n_out % 4 == 0, k % 8 == 0). Meant for the few rows of a decode or verification step, which stream every weight
+ * from memory once: each block is one sequential stream (row-major rows would be four), reused for two rows of x
+ * while in registers and for the next two while in L1. Split over the threads by blocks. */
 void infer_linear_f16(const float *x, int64_t rows, int64_t k, const uint16_t *w, const float *bias, float *y,
                       int64_t n_out) {
-    if (rows == 1) {
-        linear_f16_one_row(x, k, w, bias, y, n_out);
-        return;
-    }
-    const int64_t pairs = (n_out + 1) / 2;
+    const int64_t blocks = n_out / 4;
 #pragma omp parallel for schedule(static) if (rows * n_out * k >= 65536)
-    for (int64_t pair = 0; pair < pairs; pair++) {
-        const int64_t j = 2 * pair;
-        const int both = j + 1 < n_out;
-        const uint16_t *w0 = w + j * k, *w1 = both ? w0 + k : w0;
-        for (int64_t m = 0; m < rows; m += 4) {
-            const int count = rows - m < 4 ? (int)(rows - m) : 4;
-            float sums[4][2];
-            switch (count) {
-                case 1: rows_times_two(x + m * k, k, w0, w1, sums, 1); break;
-                case 2: rows_times_two(x + m * k, k, w0, w1, sums, 2); break;
-                case 3: rows_times_two(x + m * k, k, w0, w1, sums, 3); break;
-                default: rows_times_two(x + m * k, k, w0, w1, sums, 4); break;
-            }
-            for (int r = 0; r < count; r++) {
-                float *out = y + (m + r) * n_out + j;
-                out[0] = sums[r][0] + (bias ? bias[j] : 0.0f);
-                if (both) out[1] = sums[r][1] + (bias ? bias[j + 1] : 0.0f);
-            }
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *block = w + b * 4 * k;
+        for (int64_t m = 0; m < rows; m += 2) {
+            const int count = rows - m < 2 ? 1 : 2;
+            float sums[2][4];
+            if (count == 2)
+                block_dot(x + m * k, k, block, sums, 2);
+            else
+                block_dot(x + m * k, k, block, sums, 1);
+            for (int r = 0; r < count; r++)
+                for (int i = 0; i < 4; i++)
+                    y[(m + r) * n_out + b * 4 + i] = sums[r][i] + (bias ? bias[b * 4 + i] : 0.0f);
         }
     }
 }
