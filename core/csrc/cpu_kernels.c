@@ -104,13 +104,13 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* sums[r][i] = x[r] . (output row i of the block) for `count` (1 or 2, a constant once inlined) rows of x and a
+/* sums[r][i] = x[r] . (output row i of the block) for `count` (1 to 3, a constant once inlined) rows of x and a
  * block of four output rows laid out [k / 8][4][8]: one sequential stream, each 64-byte line holding 8 weights of
  * each of the 4 rows, converted once and used for every row of x. */
 static inline __attribute__((always_inline)) void block_dot(const float *x, int64_t k, const uint16_t *block,
-                                                            float sums[2][4], const int count) {
+                                                            float sums[3][4], const int count) {
 #if defined(__AVX2__) && defined(__F16C__)
-    __m256 acc[2][4];
+    __m256 acc[3][4];  /* with the 4 weight vectors, all 16 AVX2 registers at 3 rows (x is an FMA memory operand) */
     for (int r = 0; r < count; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < k; c += 8) {
@@ -137,24 +137,29 @@ static inline __attribute__((always_inline)) void block_dot(const float *x, int6
 /* y[m, n] = w[n, :] . x[m, :] (+ bias[n]) for `rows` rows of x (k floats each), y [rows, n_out], with w the fp16
  * weights [n_out, k] packed by `infer.cpu_kernels.pack_f16` in blocks of four output rows, [n_out / 4][k / 8][4][8]
  * (n_out % 4 == 0, k % 8 == 0). Meant for the few rows of a decode or verification step, which stream every weight
- * from memory once: each block is one sequential stream (row-major rows would be four), reused for two rows of x
- * while in registers and for the next two while in L1. Split over the threads by blocks. */
+ * from memory once: each block is one sequential stream (row-major rows would be four), reused for up to three rows
+ * of x while in registers and for the next ones while in L1. Split over the threads by blocks. */
 void infer_linear_f16(const float *x, int64_t rows, int64_t k, const uint16_t *w, const float *bias, float *y,
                       int64_t n_out) {
     const int64_t blocks = n_out / 4;
 #pragma omp parallel for schedule(static) if (rows * n_out * k >= 65536)
     for (int64_t b = 0; b < blocks; b++) {
         const uint16_t *block = w + b * 4 * k;
-        for (int64_t m = 0; m < rows; m += 2) {
-            const int count = rows - m < 2 ? 1 : 2;
-            float sums[2][4];
-            if (count == 2)
+        for (int64_t m = 0; m < rows;) {
+            /* passes of 3 rows, then 2 (4 = 2 + 2, 5 = 3 + 2, 7 = 3 + 2 + 2), or 1 when only one is left */
+            const int64_t left = rows - m;
+            const int count = left == 1 ? 1 : (left == 2 || left == 4) ? 2 : 3;
+            float sums[3][4];
+            if (count == 3)
+                block_dot(x + m * k, k, block, sums, 3);
+            else if (count == 2)
                 block_dot(x + m * k, k, block, sums, 2);
             else
                 block_dot(x + m * k, k, block, sums, 1);
             for (int r = 0; r < count; r++)
                 for (int i = 0; i < 4; i++)
                     y[(m + r) * n_out + b * 4 + i] = sums[r][i] + (bias ? bias[b * 4 + i] : 0.0f);
+            m += count;
         }
     }
 }
