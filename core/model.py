@@ -248,8 +248,8 @@ class DecoderLayer(nn.Module):
                        attention) -> tuple[torch.Tensor, torch.Tensor]:
         """A few tokens (decode at small batches, verification): the dense parts in two C calls (``FusedLayer``),
         attention through the backend as always. At a few tokens a layer is ~15 small ops around 4 memory-bound
-        matrix products, and calling them one by one from Python costs about a third of the step: a batch-1 step
-        measured 16.6-20.1 ms this way and 20.7-25.3 ms op by op (same kernels, same process, alternating)."""
+        matrix products, and calling them one by one from Python costs about a third of the step (measurements at
+        ``infer.cpu_kernels.FEW_ROWS``)."""
         if residual is None:  # the first layer: the embedding is the residual stream, nothing to add yet
             residual, hidden = hidden, None
         tokens = residual.shape[0]
@@ -274,8 +274,8 @@ class DecoderLayer(nn.Module):
             return
         norms = (self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach())
         self.fused = FusedLayer(kernels, halves, [projection.bias for projection in projections], norms,
-                                       self.input_layernorm.eps, attn.q_size, attn.num_heads + attn.num_kv_heads,
-                                       attn.head_dim)
+                                self.input_layernorm.eps, attn.q_size, attn.num_heads + attn.num_kv_heads,
+                                attn.head_dim)
 
     def feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor,
                      ops: StepOps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,7 +366,8 @@ class LlamaForCausalLM(nn.Module):
 
     def use_cpu_kernels(self, kernels) -> None:
         """Run the small ops of float32 CPU forward passes with ``kernels`` (``infer.cpu_kernels.CpuKernels``;
-        None: torch's ops), and the layers' fp16-packed projections at one row too (see ``PackedLinear``)."""
+        None: torch's ops), and steps of a few tokens through ``FusedLayer`` where the projections are fp16-packed.
+        Call it once the weights are final: the kernels read copies of them and their addresses."""
         self.kernels = kernels
         for layer in self.layers:
             layer.use_cpu_kernels(kernels)
