@@ -94,9 +94,9 @@ class PackedLinear(nn.Module):
     def use_cpu_kernels(self, kernels) -> None:
         """Compute inputs of a few rows (``FEW_ROWS``: decode at small batches, verification) with
         ``kernels.linear_f16`` (``fp16`` mode, shapes ``pack_f16`` takes), over a copy of the fp16 weights in its
-        layout, beside fbgemm's packed one. A streaming GEMV has no fixed per-call cost, where fbgemm pays 20-45 us at one row: 30
-        layers' projections at one row measured 10.9-12.0 vs 13.4-14.4 ms per step. Costs the weights' fp16 bytes
-        once more (counted in ``nbytes``)."""
+        layout, beside fbgemm's packed one. The streaming GEMV has no fixed per-call cost, where fbgemm pays 20-45 us
+        at one row: 30 layers' projections at one row measured 11.1-12.1 vs 14.7-14.9 ms per step (README, CPU
+        performance). Costs the weights' fp16 bytes once more (counted in ``nbytes``)."""
         if self.mode != "fp16" or (kernels is None) == (self.kernels is None):
             return
         if not can_pack_f16(self.out_features, self.in_features):  # stays on fbgemm

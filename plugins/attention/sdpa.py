@@ -3,10 +3,10 @@
 
 Sequences with short queries (decodes, speculative verification) share one padded SDPA call per layer; longer ones
 (prefill chunks) get a call each, in float32 as explicit matmuls in causal query tiles (faster than SDPA's CPU
-kernel). In float32 on a CPU the short queries go instead to infer's C kernel (``infer.cpu_kernels``,
+kernel). The per-step part of that plan (block gathers, masks, scatter indices) is built once in ``prepare`` and
+reused by every layer. In float32 on a CPU the short queries go instead to infer's C kernel (``infer.cpu_kernels``,
 ``cpu_kernels`` in the config), which reads K/V in place through the block tables: no gather, no padding, and no
-need for the cascade below (it reads a shared prefix from cache as fast as cascade does). The per-step part of that plan (block gathers, masks, scatter indices) is built once in ``prepare`` and
-reused by every layer.
+need for the cascade below (it reads a shared prefix from cache as fast as cascade does).
 
 Cascade attention (FlashInfer's name for it): when short-query sequences begin with the same cached blocks (a shared
 system prompt held once by the prefix cache), their queries attend to those blocks in one call that reads each block
