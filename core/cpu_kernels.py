@@ -114,8 +114,8 @@ class KernelBuildError(RuntimeError):
 
 
 class CpuKernels:
-    """The compiled kernels, called on contiguous float32 CPU tensors (callers check the dtype and device once per
-    step; these methods trust them)."""
+    """The compiled kernels, on float32 CPU tensors. Each method checks the layout of what the C side will read and
+    raises ``ValueError`` on a tensor it cannot read (``FusedLayer`` is fed by the model's own buffers)."""
 
     def __init__(self, library: ctypes.CDLL, path: Path):
         self.path = path

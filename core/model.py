@@ -258,7 +258,8 @@ class DecoderLayer(nn.Module):
         q, k, v = qkv.view(tokens, -1, attn.head_dim).split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads],
                                                             dim=1)
         out = attention.forward(attn.layer_index, q, k, v, kv_cache[attn.layer_index], metadata)
-        return self.fused.feed_forward(out.reshape(tokens, attn.q_size), residual), residual
+        # contiguous(): a no-op for the built-in backends; the C side reads plain rows whatever a plugin returns.
+        return self.fused.feed_forward(out.reshape(tokens, attn.q_size).contiguous(), residual), residual
 
     def use_cpu_kernels(self, kernels) -> None:
         """Let the projections compute inputs of a few rows with ``kernels`` (see ``PackedLinear``), and when all
