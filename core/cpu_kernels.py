@@ -296,16 +296,19 @@ def build(directory: Path) -> Path:
     target = directory / f"cpu_kernels-{key}.so"
     if target.is_file():
         return target
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as staging:
-        source_path = Path(staging) / "cpu_kernels.c"
-        source_path.write_text(text)
-        built = Path(staging) / target.name
-        result = subprocess.run([cc, *FLAGS, "-o", str(built), str(source_path), "-lm"], capture_output=True,
-                                text=True)
-        if result.returncode != 0:
-            raise KernelBuildError(f"{cc} failed to compile the CPU kernels:\n{result.stderr.strip()}")
-        os.replace(built, target)  # atomic: concurrent builders each publish a complete file
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory) as staging:
+            source_path = Path(staging) / "cpu_kernels.c"
+            source_path.write_text(text)
+            built = Path(staging) / target.name
+            result = subprocess.run([cc, *FLAGS, "-o", str(built), str(source_path), "-lm"], capture_output=True,
+                                    text=True)
+            if result.returncode != 0:
+                raise KernelBuildError(f"{cc} failed to compile the CPU kernels:\n{result.stderr.strip()}")
+            os.replace(built, target)  # atomic: concurrent builders each publish a complete file
+    except OSError as error:  # a cache folder that cannot be written, a compiler that cannot run
+        raise KernelBuildError(f"could not build the CPU kernels in {directory}: {error}") from error
     return target
 
 

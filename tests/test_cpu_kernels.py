@@ -214,3 +214,10 @@ def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels):
     odd = PackedLinear(torch.nn.Linear(12, 6), "fp16")  # shapes pack_f16 cannot lay out stay on fbgemm
     odd.use_cpu_kernels(kernels)
     assert odd.half_weight is None and odd.kernels is None
+
+
+def test_an_unwritable_cache_folder_is_a_build_error(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    with pytest.raises(KernelBuildError, match="could not build the CPU kernels"):
+        cpu_kernels.build(blocker / "kernels")
