@@ -62,8 +62,10 @@ class ModelConfig(BaseModel):
                             'auto and resolves to float32, else none.')
     cpu_kernels: Literal["auto"] | bool = Field(
         "auto", description="Float32 on a CPU: run RMSNorm (with its residual add), RoPE and SiLU-and-multiply as "
-                            "infer's C kernels, compiled once with the system's C compiler. auto: when a compiler is "
-                            "found (else torch's ops, with a warning); true: fail without one; false: torch's ops.")
+                            "infer's C kernels, compiled once with the system's C compiler; with fp16-packed weights "
+                            "also steps of up to 8 tokens (a GEMV over the fp16 weights, each layer's dense parts in "
+                            "two calls). auto: when a compiler is found (else torch's ops, with a warning); true: "
+                            "fail without one; false: torch's ops.")
     compile: bool = Field(False, description="torch.compile each layer's feed-forward half (needs a C++ compiler "
                                              "on CPU; the first steps of each new batch shape compile for seconds). "
                                              "Measured no faster on an AVX2 CPU with packed weights, so off.")

@@ -119,18 +119,11 @@ class CpuKernels:
 
     def __init__(self, library: ctypes.CDLL, path: Path):
         self.path = path
-        for name, argtypes in _SIGNATURES.items():
+        for name, argtypes in _SIGNATURES.items():  # infer_rope -> self._rope, ...
             function = getattr(library, name)
             function.argtypes = argtypes
             function.restype = None
-        self._linear_f16 = library.infer_linear_f16
-        self._layer_attention_input = library.infer_layer_attention_input
-        self._layer_feed_forward = library.infer_layer_feed_forward
-        self._add_rms_norm = library.infer_add_rms_norm
-        self._silu_mul = library.infer_silu_mul
-        self._rope = library.infer_rope
-        self._write_kv = library.infer_write_kv
-        self._paged_attention = library.infer_paged_attention
+            setattr(self, "_" + name.removeprefix("infer_"), function)
 
     def linear_f16(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` for a few rows ``x`` ``[rows, k]`` (float32, contiguous) and fp16 weights packed
@@ -197,7 +190,7 @@ class CpuKernels:
         _check_pool(kv_cache)
         if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
             raise ValueError("the CPU kernels need block tables as int32 rows")
-        tokens, num_heads, head_dim = q.shape
+        _, num_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         rows = None if plan.rows is None else plan.rows.data_ptr()
         self._paged_attention(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),

@@ -109,6 +109,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.addcmul(x * cos, swapped, sin)
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` ``[..., 2 * width]``, gate first (SwiGLU's activation, in torch)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 and cast back before the weight (as HF does)."""
 
@@ -162,10 +168,7 @@ class StepOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` ``[T, 2 * width]``, gate first."""
-        if self.kernels is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return self.kernels.silu_mul(gate_up)
+        return silu_and_mul(gate_up) if self.kernels is None else self.kernels.silu_mul(gate_up)
 
 
 class Attention(nn.Module):
@@ -209,16 +212,12 @@ class MLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} in the model config; supported: silu")
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor, ops: StepOps | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if ops is not None:
-            return self.down_proj(ops.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(gate_up) if ops is None else ops.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):

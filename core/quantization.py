@@ -114,8 +114,7 @@ class PackedLinear(nn.Module):
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the engine's tokens are already flat
         if self.kernels is not None and flat.shape[0] <= FEW_ROWS:
             out = self.kernels.linear_f16(flat, self.half_weight, self.bias)
-            return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
-        if self.mode == "fp16":
+        elif self.mode == "fp16":
             out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)
         else:
             # reduce_range: 7-bit activations, so AVX2's 16-bit pairwise sums cannot saturate.

@@ -1,9 +1,10 @@
-/* infer's CPU kernels: the small float32 ops of a decode step fused into one pass each, and paged attention that
- * reads K/V straight from the pool through the block tables (no gather).
+/* infer's CPU kernels: the small float32 ops of a step fused into one pass each, linear layers over packed fp16
+ * weights for a few rows, a layer's dense parts for a few tokens in two calls, and paged attention that reads K/V
+ * straight from the pool through the block tables (no gather).
  *
  * Built once per machine by infer/cpu_kernels.py (gcc -O3 -march=native -fopenmp) and called through ctypes.
- * Every pointer is to contiguous float32 / int64 / int32 memory owned by torch tensors; the Python side checks
- * shapes, dtypes and contiguity. OpenMP here is torch's own runtime (libgomp is already loaded when this library
+ * Every pointer is to float32 / int64 / int32 / fp16 memory owned by torch tensors; the Python side checks shapes,
+ * dtypes and contiguity. OpenMP here is torch's own runtime (libgomp is already loaded when this library
  * is), so both share one thread pool.
  */
 
@@ -381,8 +382,8 @@ void infer_paged_attention(const float *q, int64_t q_stride, const float *kv, co
 
 /* ---- a few tokens through a layer's dense parts -------------------------------------------------------------- */
 
-/* The fp16 weights (row-major [out, in]) and optional float32 biases of one layer's projections, its two RMSNorm
- * weights and its shapes. */
+/* The fp16 weights (packed by pack_f16, see infer_linear_f16) and optional float32 biases of one layer's
+ * projections, its two RMSNorm weights and its shapes. */
 typedef struct {
     const uint16_t *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;

@@ -178,7 +178,8 @@ class SdpaBackend(AttentionBackend):
             **{item.name: getattr(metadata, item.name) for item in dataclasses.fields(AttentionMetadata)},
             padded=self._padded_group(metadata, short) if short and kernel is None else None,
             chunks=[self._chunk(metadata, index, token_starts[index]) for index in long],
-            slots_valid=bool((metadata.slot_mapping >= 0).all()),
+            # Only the torch path's KV write reads it; the kernel skips padding slots itself.
+            slots_valid=kernel is None and bool((metadata.slot_mapping >= 0).all()),
             kernel=kernel,
         )
 
