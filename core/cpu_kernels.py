@@ -103,9 +103,9 @@ class FusedLayer:
 
 
 # Steps of at most this many tokens take the kernels' linear layers and ``FusedLayer`` instead of fbgemm's GEMM
-# (a fixed 20-45 us per call at one row). Decode step in ms, fused vs op by op with fbgemm (same process,
-# alternating, 3 runs each): batch 1 16.2-18.9 vs 25.6-27.1; 2: 18.5-21.7 vs 26.1-33.9; 4: 24.7-26.9 vs 34.2-41.1;
-# 8: 38.4-40.5 vs 44.9-48.6; 12: 47.5-55.6 vs 49.0-51.9.
+# (a fixed 20-45 us per call at one row). Decode step in ms, fused vs op by op with fbgemm
+# (benchmarks/cpu_kernels.py --only steps: same process, alternating, 3 runs each): batch 1 16.2-18.9 vs 25.6-27.1;
+# 2: 18.5-21.7 vs 26.1-33.9; 4: 24.7-26.9 vs 34.2-41.1; 8: 38.4-40.5 vs 44.9-48.6; 12: 47.5-55.6 vs 49.0-51.9.
 FEW_ROWS = 8
 
 

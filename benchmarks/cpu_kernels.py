@@ -1,0 +1,113 @@
+"""infer's CPU kernels against fbgemm, side by side in one process (the numbers in the README's CPU performance
+section and at ``infer.cpu_kernels.FEW_ROWS``):
+
+1. ``gemv``: the 30 layers' projections of SmolLM2-135M (fresh random weights, so every call streams from memory,
+   as in a real step) at 1-8 rows, the kernels' packed-fp16 GEMV vs fbgemm's fp16 GEMM; ms per step.
+2. ``steps``: decode steps of the default model at batch 1-12 with steps of up to 8 tokens on ``FusedLayer`` (the
+   default) vs op by op with fbgemm's GEMM (the small-op kernels on in both); ms per step.
+
+Each case alternates its two arms ``--repeats`` times and prints every run.
+
+    python benchmarks/cpu_kernels.py
+    python benchmarks/cpu_kernels.py --only gemv
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import infer.model
+import infer.quantization
+from infer import LLM, SamplingParams, cpu_kernels
+
+# (out_features, in_features) of one SmolLM2-135M layer's projections: QKV, output, gate/up, down.
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+def timed(fn, calls: int) -> float:
+    fn()
+    began = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - began) / calls * 1e3
+
+
+def gemv_case(repeats: int) -> None:
+    kernels = cpu_kernels.load(True)
+    generator = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(30):
+        for out_features, in_features in LAYER_SHAPES:
+            weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+            layers.append((torch.ops.quantized.linear_prepack_fp16(weight, None), cpu_kernels.pack_f16(weight)))
+    print("| rows | fbgemm ms | kernel GEMV ms |\n|---|---|---|")
+    for rows in (1, 2, 3, 4, 5, 8):
+        inputs = {width: torch.randn(rows, width, generator=generator) for width in (576, 1536)}
+
+        def fbgemm():
+            for packed, half in layers:
+                torch.ops.quantized.linear_dynamic_fp16(inputs[cpu_kernels.packed_shape(half)[1]], packed)
+
+        def kernel():
+            for _, half in layers:
+                kernels.linear_f16(inputs[cpu_kernels.packed_shape(half)[1]], half, None)
+
+        runs = {"fbgemm": [], "kernel": []}
+        for _ in range(repeats):
+            runs["fbgemm"].append(timed(fbgemm, 10))
+            runs["kernel"].append(timed(kernel, 10))
+        print(f"| {rows} | " + " | ".join(" / ".join(f"{value:.1f}" for value in runs[arm]) for arm in runs) + " |",
+              flush=True)
+
+
+def set_few_rows(value: int) -> None:
+    """``FEW_ROWS`` where the model and the packed projections read it (0: every step op by op on fbgemm)."""
+    infer.model.FEW_ROWS = infer.quantization.FEW_ROWS = value
+
+
+def steps_case(repeats: int) -> None:
+    llm = LLM("baseline")
+    engine = llm.engine
+    default = cpu_kernels.FEW_ROWS
+    params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+    print("| batch | fused (default) ms | op by op, fbgemm ms |\n|---|---|---|")
+    for batch in (1, 2, 4, 8, 12):
+        for index in range(batch):
+            engine.add_request([{"role": "user", "content": f"Tell me a long story about lighthouse {index}."}],
+                               params)
+        while any(seq.num_uncomputed_tokens > 1 for seq in engine.running) or engine.waiting:
+            engine.step()  # prefill
+        runs = {"fused": [], "fbgemm": []}
+        try:
+            for _ in range(repeats):
+                for arm, few_rows in (("fused", max(default, batch)), ("fbgemm", 0)):
+                    set_few_rows(few_rows)
+                    runs[arm].append(timed(engine.step, 10))
+        finally:
+            set_few_rows(default)
+        print(f"| {batch} | " + " | ".join(" / ".join(f"{value:.1f}" for value in runs[arm]) for arm in runs) + " |",
+              flush=True)
+        for request_id in list(engine.requests):
+            engine.abort(request_id)
+        while engine.has_unfinished():
+            engine.step()
+        for request_id in list(engine.requests):
+            engine.release_request(request_id)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=["gemv", "steps"])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.only in (None, "gemv"):
+        gemv_case(args.repeats)
+    if args.only in (None, "steps"):
+        steps_case(args.repeats)
+
+
+if __name__ == "__main__":
+    main()
