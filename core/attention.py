@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from infer.cpu_kernels import KernelAttentionStep
 
 
 class AttentionConfig(BaseModel):
@@ -120,6 +123,13 @@ class AttentionBackend(ABC):
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         """Called once per step before the layers run; backends may precompute per-step data here."""
         return metadata
+
+    def kernel_attention(self, metadata: AttentionMetadata) -> KernelAttentionStep | None:
+        """This step's attention as infer's CPU kernels can run it inside a stack of layers
+        (``infer.cpu_kernels.FusedStack``, one C call for all layers of a step of a few tokens), or None: the
+        layers then call ``forward`` one by one, as they do for every backend that does not override this.
+        ``metadata`` is what ``prepare`` returned."""
+        return None
 
     @abstractmethod
     def forward(

@@ -49,6 +49,8 @@ _SIGNATURES = {
     "infer_write_kv": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT],
     "infer_paged_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER,
                               _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT],
+    "infer_layers_few": [_POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
+                         _INT, _POINTER],
 }
 
 
@@ -59,6 +61,16 @@ class _LayerStruct(ctypes.Structure):
                                               "down_bias", "input_norm", "post_norm")]
     _fields_ += [("eps", _FLOAT)] + [(name, _INT) for name in ("hidden", "qkv_width", "q_width", "intermediate",
                                                                "rotated_heads", "head_dim")]
+
+
+class _AttentionStepStruct(ctypes.Structure):
+    """``infer_attention_step`` in the C source: one step's attention through ``infer_paged_attention``."""
+
+    _fields_ = [("block_tables", _POINTER), ("table_stride", _INT)]
+    _fields_ += [(name, _POINTER) for name in ("slots", "rows", "seq_of_query", "context_lens")]
+    _fields_ += [(name, _INT) for name in ("queries", "max_context", "num_heads", "num_kv_heads", "head_dim",
+                                           "block_size", "num_blocks")]
+    _fields_ += [("scale", _FLOAT)]
 
 
 class FusedLayer:
@@ -99,6 +111,44 @@ class FusedLayer:
         delta = torch.empty((tokens, self.hidden), dtype=torch.float32)
         self._feed_forward(ctypes.byref(self.struct), tokens, attended.data_ptr(), residual.data_ptr(),
                            delta.data_ptr())
+        return delta
+
+
+class FusedStack:
+    """Consecutive decoder layers (``FusedLayer`` each) over a few tokens in one C call, attention included, when
+    the attention backend hands its step to the kernels (``AttentionBackend.kernel_attention``). A step of a few
+    tokens is otherwise ~5 calls from Python per layer, and that glue measured about a fifth of a decode step at
+    batch 1."""
+
+    def __init__(self, kernels: CpuKernels, layers: list[FusedLayer], kv_layers: list[int]):
+        """``kv_layers[i]``: the index of layer ``i``'s pool in the KV cache."""
+        if len({(layer.hidden, layer.qkv_width, layer.struct.q_width) for layer in layers}) > 1:
+            raise ValueError("a fused stack needs layers of one shape")
+        self.layers = (_LayerStruct * len(layers))(*(layer.struct for layer in layers))
+        self.kv_layers = torch.tensor(kv_layers, dtype=torch.int64)
+        self.hidden = layers[0].hidden if layers else 0
+        self._keep = layers
+        self._run = kernels._layers_few
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kv_cache: torch.Tensor, step: KernelAttentionStep) -> torch.Tensor:
+        """The layers over embeddings ``hidden`` ``[T, hidden]``, which become the residual stream (in place);
+        returns the last layer's output ``[T, hidden]`` (the final norm adds the two). ``kv_cache``: all layers'
+        pools ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
+        _check_flat(hidden)
+        _check_pool(kv_cache)
+        step.check()
+        _, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        plan = step.plan
+        struct = _AttentionStepStruct(
+            step.block_tables.data_ptr(), step.block_tables.stride(0), step.slots.data_ptr(),
+            None if plan.rows is None else plan.rows.data_ptr(), plan.seq_of_query.data_ptr(),
+            plan.context_lens.data_ptr(), plan.num_queries, plan.max_context, step.num_heads, num_kv_heads, head_dim,
+            block_size, num_blocks, step.scale)
+        delta = torch.empty_like(hidden)
+        self._run(self.layers, self.kv_layers.data_ptr(), len(self.layers), hidden.shape[0], hidden.data_ptr(),
+                  delta.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
+                  kv_cache.stride(0), ctypes.byref(struct))
         return delta
 
 
@@ -230,6 +280,24 @@ class KernelAttentionPlan:
     context_lens: torch.Tensor
     num_queries: int
     max_context: int
+
+
+@dataclass(slots=True)
+class KernelAttentionStep:
+    """A step's attention as the kernels run it inside ``FusedStack``: every token is a short query of
+    ``plan``, its K/V written at ``slots`` (int64, negative: skipped), contexts read through ``block_tables``."""
+
+    plan: KernelAttentionPlan
+    block_tables: torch.Tensor
+    slots: torch.Tensor
+    num_heads: int
+    scale: float
+
+    def check(self) -> None:
+        if self.block_tables.dtype != torch.int32 or self.block_tables.stride(1) != 1:
+            raise ValueError("the CPU kernels need block tables as int32 rows")
+        if self.slots.dtype != torch.int64 or not self.slots.is_contiguous():
+            raise ValueError("the CPU kernels need the slot mapping as contiguous int64")
 
 
 def _check_flat(x: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.attention import AttentionBackend, AttentionMetadata
-from infer.cpu_kernels import FEW_ROWS, FusedLayer
+from infer.cpu_kernels import FEW_ROWS, FusedLayer, FusedStack
 
 # HF projections that our fused projections concatenate, in order (rows of the fused weight).
 _FUSED_PROJECTIONS = {
@@ -323,6 +323,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(inverse_frequencies, self.max_positions, torch.device(device))
         self.kernels = None  # infer.cpu_kernels.CpuKernels, used for float32 on a CPU (see ``use_cpu_kernels``)
+        self._stacks: dict[tuple[int, ...], FusedStack | None] = {}  # by the layers' ids (see ``_fused_stack``)
 
     @classmethod
     def from_hf(
@@ -357,8 +358,16 @@ class LlamaForCausalLM(nn.Module):
 
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, layers, kv_cache: torch.Tensor,
                    metadata: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
-        """``layers`` (this model's, in order) over embeddings ``hidden`` ``[T, hidden]``, then the final norm."""
+        """``layers`` (this model's, in order) over embeddings ``hidden`` ``[T, hidden]``, then the final norm.
+        A step of a few tokens whose attention the backend hands to the CPU kernels runs all ``layers`` in one C
+        call (``FusedStack``); otherwise layer by layer."""
         ops = self.step_ops(positions, hidden.dtype, hidden.device)
+        if ops.kernels is not None and hidden.shape[0] <= FEW_ROWS:
+            stack = self._fused_stack(layers)
+            step = attention.kernel_attention(metadata) if stack is not None else None
+            if step is not None:
+                delta = stack.run(hidden, positions, self.rotary.cos, self.rotary.sin, kv_cache, step)
+                return ops.norm(self.norm, delta, hidden)[0]
         residual = None
         for layer in layers:
             hidden, residual = layer(hidden, residual, ops, kv_cache, metadata, attention)
@@ -369,8 +378,20 @@ class LlamaForCausalLM(nn.Module):
         None: torch's ops), and steps of a few tokens through ``FusedLayer`` where the projections are fp16-packed.
         Call it once the weights are final: the kernels read copies of them and their addresses."""
         self.kernels = kernels
+        self._stacks = {}
         for layer in self.layers:
             layer.use_cpu_kernels(kernels)
+
+    def _fused_stack(self, layers) -> FusedStack | None:
+        """``layers`` as one ``FusedStack`` (built once per list of layers), or None when one of them has no
+        ``FusedLayer`` (or there are none)."""
+        key = tuple(map(id, layers))
+        if key not in self._stacks:
+            fused = [layer.fused for layer in layers]
+            usable = bool(fused) and self.kernels is not None and all(layer is not None for layer in fused)
+            self._stacks[key] = (FusedStack(self.kernels, fused, [layer.self_attn.layer_index for layer in layers])
+                                 if usable else None)
+        return self._stacks[key]
 
     def step_ops(self, positions: torch.Tensor, dtype: torch.dtype, device: torch.device) -> StepOps:
         """How a forward pass over ``positions`` in ``dtype`` runs its small ops (see ``StepOps``)."""

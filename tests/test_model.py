@@ -263,9 +263,10 @@ def test_default_model_chat_logits_match_hf():
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="fp16 packing needs fbgemm")
 @pytest.mark.parametrize("name", ["llama_gqa", "llama_attention_bias", "qwen2"])
 def test_fused_layers_give_the_unfused_kernels_logits(name, monkeypatch):
-    """Steps of a few tokens through ``FusedLayer`` (two C calls per layer) run the same kernels as the op-by-op
-    path, so the logits are identical; and both stay near torch's ops over the same fp16 weights."""
-    from infer.cpu_kernels import FEW_ROWS, FusedLayer
+    """Steps of a few tokens through ``FusedLayer`` (two C calls per layer) and through ``FusedStack`` (one call for
+    all layers, attention included) run the same kernels as the op-by-op path, so the logits are identical; and all
+    stay near torch's ops over the same fp16 weights."""
+    from infer.cpu_kernels import FEW_ROWS, FusedLayer, FusedStack
     from infer.quantization import quantize_model
 
     hf_model = random_hf_model(name)
@@ -274,17 +275,26 @@ def test_fused_layers_give_the_unfused_kernels_logits(name, monkeypatch):
     steps = [{"first": first[:FEW_ROWS + 3]}, {"first": first[11:14]}, {"second": second[:2]}]
     steps += [{"first": [first[index]], "second": [second[index - 12]]} for index in (14, 15)]
     steps += [{"second": [token]} for token in second[4:]]
-    calls = []
-    feed_forward = FusedLayer.feed_forward
-    monkeypatch.setattr(FusedLayer, "feed_forward", lambda self, *args: calls.append(1) or feed_forward(self, *args))
+    calls = {"layer": 0, "stack": 0}
+    feed_forward, run = FusedLayer.feed_forward, FusedStack.run
+
+    def count(kind, function):
+        return lambda *args: calls.__setitem__(kind, calls[kind] + 1) or function(*args)
+
+    monkeypatch.setattr(FusedLayer, "feed_forward", count("layer", feed_forward))
+    monkeypatch.setattr(FusedStack, "run", count("stack", run))
     logits = {}
-    for path in ("torch", "kernels", "fused"):
+    for path in ("torch", "kernels", "layers", "stack"):
         model = quantize_model(LlamaForCausalLM.from_hf(hf_model), "fp16")
         pool = PagedPool(model, kernels=path != "torch")
         if path == "kernels":
             for layer in model.layers:
                 layer.fused = None
+        if path == "layers":  # a backend that keeps its attention to itself: the layers run one by one
+            pool.backend.kernel_attention = lambda metadata: None
         logits[path] = torch.cat([out for new_tokens in steps for out in pool.step(new_tokens).values()])
-    assert len(calls) == (len(steps) - 1) * 2  # every step but the prefill, through both layers
-    assert torch.equal(logits["fused"], logits["kernels"])
-    torch.testing.assert_close(logits["fused"], logits["torch"], atol=1e-4, rtol=1e-4)
+    # every step but the prefill: through both layers one by one, then as one stack
+    assert calls == {"layer": (len(steps) - 1) * 2, "stack": len(steps) - 1}
+    assert torch.equal(logits["layers"], logits["kernels"])
+    assert torch.equal(logits["stack"], logits["kernels"])
+    torch.testing.assert_close(logits["stack"], logits["torch"], atol=1e-4, rtol=1e-4)

@@ -424,3 +424,43 @@ void infer_layer_feed_forward(const infer_layer *layer, int64_t tokens, const fl
     free(normed);
     free(projected);
 }
+
+/* ---- a few tokens through a stack of layers, attention included ---------------------------------------------- */
+
+/* One step's attention as infer_paged_attention runs it (see there), with the slots its tokens' K/V go to. */
+typedef struct {
+    const int32_t *block_tables;
+    int64_t table_stride;
+    const int64_t *slots, *rows, *seq_of_query, *context_lens;
+    int64_t queries, max_context, num_heads, num_kv_heads, head_dim, block_size, num_blocks;
+    float scale;
+} infer_attention_step;
+
+/* `count` layers over `tokens` tokens in one call, what infer_layer_attention_input, infer_write_kv,
+ * infer_paged_attention and infer_layer_feed_forward do one by one from Python: layer l reads and writes the pool
+ * at kv + kv_layers[l] * kv_layer_stride. `residual` [tokens, hidden] holds the embeddings on entry (the first layer
+ * adds nothing) and the residual stream on return; `delta` [tokens, hidden] receives the last layer's output (the
+ * final norm adds the two). All layers share the hidden size and the attention shapes. */
+void infer_layers_few(const infer_layer *layers, const int64_t *kv_layers, int64_t count, int64_t tokens,
+                      float *residual, float *delta, const int64_t *positions, const float *cos_table,
+                      const float *sin_table, float *kv, int64_t kv_layer_stride, const infer_attention_step *step) {
+    if (count == 0) return;
+    const int64_t qkv_width = layers[0].qkv_width, q_width = layers[0].q_width;
+    const int64_t kv_width = step->num_kv_heads * step->head_dim;
+    const int64_t num_slots = step->num_blocks * step->block_size;
+    float *qkv = malloc(sizeof(float) * tokens * qkv_width), *attended = calloc(tokens * q_width, sizeof(float));
+    for (int64_t l = 0; l < count; l++) {
+        float *pool = kv + kv_layers[l] * kv_layer_stride;
+        infer_layer_attention_input(&layers[l], tokens, residual, l ? delta : NULL, positions, cos_table, sin_table,
+                                    qkv);
+        infer_write_kv(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, pool, step->slots, tokens,
+                       kv_width, num_slots);
+        infer_paged_attention(qkv, qkv_width, pool, step->block_tables, step->table_stride, step->rows,
+                              step->seq_of_query, step->context_lens, attended, step->queries, step->num_heads,
+                              step->num_kv_heads, step->head_dim, step->block_size, step->num_blocks,
+                              step->max_context, step->scale);
+        infer_layer_feed_forward(&layers[l], tokens, attended, residual, delta);
+    }
+    free(attended);
+    free(qkv);
+}

@@ -28,7 +28,7 @@ from pydantic import Field
 
 from infer import cpu_kernels
 from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata, write_kv
-from infer.cpu_kernels import KernelAttentionPlan
+from infer.cpu_kernels import KernelAttentionPlan, KernelAttentionStep
 
 # Queries up to this long are padded into the shared call; the padding wasted per sequence stays below this bound.
 MAX_PADDED_QUERY_LEN = 16
@@ -208,6 +208,13 @@ class SdpaBackend(AttentionBackend):
         for chunk in metadata.chunks:
             out[chunk.token_start : chunk.token_end] = self._attend_chunk(q, kv_cache, chunk)
         return out
+
+    def kernel_attention(self, metadata: AttentionMetadata) -> KernelAttentionStep | None:
+        """The step for ``FusedStack`` when the kernel takes every query (no prefill chunk)."""
+        if not isinstance(metadata, SdpaMetadata) or metadata.kernel is None or metadata.chunks:
+            return None
+        return KernelAttentionStep(metadata.kernel, metadata.block_tables, metadata.slot_mapping, self.num_heads,
+                                   self.scale)
 
     def _forward_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                         metadata: SdpaMetadata) -> torch.Tensor:
