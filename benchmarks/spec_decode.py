@@ -5,8 +5,10 @@ questions written for this benchmark, on topics and in phrasings absent from ``i
 training prompts. Each (drafter, workload) pair runs at every batch size, as waves of that many requests, greedy;
 drafting stays on at every batch size here (``drafter.max_batch_size`` is raised to the largest batch).
 
-Per row: tokens per verify pass (the bonus token included), output tokens/s, its ratio to no drafter on the same
-workload and batch, and how many outputs equal no drafter's token for token (in bfloat16 a different batch shape can
+Per row: tokens per verify pass (the bonus token included), output tokens/s end to end (prefill included), its ratio
+to no drafter on the same workload and batch, the decode rate of one request (1 / time per output token after the
+first, prefill excluded: what llama.cpp reports as generation speed), and how many outputs equal no drafter's token for
+token (in bfloat16 a different batch shape can
 flip a near-tie; float32 is exact). Prints a markdown table.
 
     python benchmarks/spec_decode.py                                       # default dtype, batch 1, 4 and 16
@@ -78,11 +80,17 @@ class Result:
     output_tokens: int
     seconds: float
     tokens_per_pass: float
+    decode_seconds: float  # each request's time from its first token to its last, summed
     token_ids: list[list[int]]
 
     @property
     def tokens_per_second(self) -> float:
         return self.output_tokens / self.seconds
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Output tokens after each request's first, per second of that request's decoding."""
+        return (self.output_tokens - len(self.token_ids)) / self.decode_seconds
 
 
 def parse_arguments() -> argparse.Namespace:
@@ -127,21 +135,22 @@ def run_workload(llm: LLM, drafter: str, workload: str, batch_size: int, args) -
         seconds += time.perf_counter() - began
     passes = sum(output.metrics.num_verify_passes for output in outputs)
     accepted = sum(output.metrics.num_accepted_tokens for output in outputs)
+    decode_seconds = sum(output.metrics.finish_time - output.metrics.first_token_time for output in outputs)
     return Result(workload, drafter, batch_size, sum(len(output.token_ids) for output in outputs), seconds,
-                  accepted / passes if passes else 1.0, [output.token_ids for output in outputs])
+                  accepted / passes if passes else 1.0, decode_seconds, [output.token_ids for output in outputs])
 
 
 def table(results: list[Result]) -> str:
     baseline = {(r.workload, r.batch_size): r for r in results if r.drafter == "none"}
-    lines = ["| workload | drafter | batch | tokens/pass | tok/s | vs none | same output |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| workload | drafter | batch | tokens/pass | tok/s | vs none | decode tok/s per request | same output |",
+             "|---|---|---|---|---|---|---|---|"]
     order = list(DRAFTERS)
     for r in sorted(results, key=lambda r: (r.workload != "copy", r.batch_size, order.index(r.drafter))):
         base = baseline.get((r.workload, r.batch_size))
         ratio = f"{r.tokens_per_second / base.tokens_per_second:.2f}x" if base else "-"
         same = (f"{sum(a == b for a, b in zip(r.token_ids, base.token_ids))}/{len(r.token_ids)}" if base else "-")
         lines.append(f"| {r.workload} | {r.drafter} | {r.batch_size} | {r.tokens_per_pass:.2f} | "
-                     f"{r.tokens_per_second:.1f} | {ratio} | {same} |")
+                     f"{r.tokens_per_second:.1f} | {ratio} | {r.decode_tokens_per_second:.1f} | {same} |")
     return "\n".join(lines)
 
 
