@@ -116,6 +116,9 @@ static inline __attribute__((always_inline)) void block_dot(const float *x, int6
         for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < k; c += 8) {
         const uint16_t *chunk = block + c * 4;
+        /* 2 KB ahead (into the next block at the end, which this thread takes next): from 2 rows of x on the
+         * hardware prefetcher alone fell behind (5 rows 13.8 vs 16.0 ms for the 30 layers, 2 rows 8.6 vs 10.0). */
+        _mm_prefetch((const char *)(chunk + 1024), _MM_HINT_T0);
         __m256 weights[4];
         for (int i = 0; i < 4; i++) weights[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(chunk + i * 8)));
         for (int r = 0; r < count; r++) {
