@@ -3,10 +3,12 @@ section and at ``infer.cpu_kernels.FEW_ROWS``):
 
 1. ``gemv``: the 30 layers' projections of SmolLM2-135M (fresh random weights, so every call streams from memory,
    as in a real step) at 1-8 rows, the kernels' packed-fp16 GEMV vs fbgemm's fp16 GEMM; ms per step.
-2. ``steps``: decode steps of the default model at batch 1-12 with steps of up to 8 tokens on ``FusedLayer`` (the
-   default) vs op by op with fbgemm's GEMM (the small-op kernels on in both); ms per step.
+2. ``steps``: decode steps of the default model at batch 1-12: all layers in one C call (``FusedStack``, the default
+   for steps of up to 8 tokens), layer by layer as two C calls around the backend's attention (``FusedLayer``, what
+   a backend without ``kernel_attention`` gets), and op by op with fbgemm's GEMM (the small-op kernels on in all
+   three); ms per step.
 
-Each case alternates its two arms ``--repeats`` times and prints every run.
+Each case alternates its arms ``--repeats`` times and prints every run.
 
     python benchmarks/cpu_kernels.py
     python benchmarks/cpu_kernels.py --only gemv
@@ -73,21 +75,26 @@ def steps_case(repeats: int) -> None:
     engine = llm.engine
     default = cpu_kernels.FEW_ROWS
     params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
-    print("| batch | fused (default) ms | op by op, fbgemm ms |\n|---|---|---|")
+    attention = engine.runner.attention
+    print("| batch | one call (default) ms | layer by layer ms | op by op, fbgemm ms |\n|---|---|---|---|")
     for batch in (1, 2, 4, 8, 12):
         for index in range(batch):
             engine.add_request([{"role": "user", "content": f"Tell me a long story about lighthouse {index}."}],
                                params)
         while any(seq.num_uncomputed_tokens > 1 for seq in engine.running) or engine.waiting:
             engine.step()  # prefill
-        runs = {"fused": [], "fbgemm": []}
+        runs = {"stack": [], "layers": [], "fbgemm": []}
         try:
             for _ in range(repeats):
-                for arm, few_rows in (("fused", max(default, batch)), ("fbgemm", 0)):
+                for arm, few_rows in (("stack", max(default, batch)), ("layers", max(default, batch)), ("fbgemm", 0)):
                     set_few_rows(few_rows)
+                    if arm == "layers":  # the instance attribute shadows the backend's method until deleted
+                        attention.kernel_attention = lambda metadata: None
                     runs[arm].append(timed(engine.step, 10))
+                    vars(attention).pop("kernel_attention", None)
         finally:
             set_few_rows(default)
+            vars(attention).pop("kernel_attention", None)
         print(f"| {batch} | " + " | ".join(" / ".join(f"{value:.1f}" for value in runs[arm]) for arm in runs) + " |",
               flush=True)
         for request_id in list(engine.requests):

@@ -221,3 +221,19 @@ def test_an_unwritable_cache_folder_is_a_build_error(tmp_path):
     blocker.write_text("")
     with pytest.raises(KernelBuildError, match="could not build the CPU kernels"):
         cpu_kernels.build(blocker / "kernels")
+
+
+def test_fused_stack_refuses_layers_of_different_shapes():
+    from infer.cpu_kernels import FusedLayer, FusedStack
+
+    kernels = cpu_kernels.load(True)
+
+    def layer(hidden: int) -> FusedLayer:
+        weights = [cpu_kernels.pack_f16(torch.randn(n, k)) for n, k in
+                   [(3 * hidden, hidden), (hidden, hidden), (8 * hidden, hidden), (hidden, 4 * hidden)]]
+        norms = (torch.ones(hidden), torch.ones(hidden))
+        return FusedLayer(kernels, weights, [None] * 4, norms, 1e-5, hidden, 2 * hidden // 8, 8)
+
+    FusedStack(kernels, [layer(16), layer(16)], [0, 1])
+    with pytest.raises(ValueError, match="one shape"):
+        FusedStack(kernels, [layer(16), layer(32)], [0, 1])

@@ -234,3 +234,22 @@ def test_write_kv_skips_padding_slots_and_writes_the_rest():
     flat = kv_cache.view(2, 8, 1, HEAD_DIM)
     assert torch.equal(flat[0, [5, 0]], k[[0, 2]]) and torch.equal(flat[1, [5, 0]], v[[0, 2]])
     assert flat[:, [1, 2, 3, 4, 6, 7]].abs().sum() == 0
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@KERNEL_PATHS
+def test_hands_a_step_to_the_kernels_only_when_the_kernel_takes_every_query(scenario, cpu_kernels):
+    """``kernel_attention`` (what ``FusedStack`` runs a whole step on): on the kernel path, for steps of short
+    queries only; never on the torch path or with a prefill chunk in the step."""
+    heads = dict(num_heads=4, num_kv_heads=2, block_size=8)
+    step = make_step(SCENARIOS[scenario], **heads)
+    backend = SdpaBackend(head_dim=HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"),
+                          config=sdpa_plugin.SdpaConfig(cpu_kernels=cpu_kernels), **heads)
+    metadata = backend.prepare(step.metadata)
+    handed = backend.kernel_attention(metadata)
+    if not cpu_kernels or max(step.metadata.query_lens_cpu) > MAX_PADDED_QUERY_LEN:
+        assert handed is None
+        return
+    assert handed.plan is metadata.kernel and handed.num_heads == 4 and handed.scale == backend.scale
+    assert torch.equal(handed.slots, step.metadata.slot_mapping)
+    assert backend.kernel_attention(step.metadata) is None  # unprepared metadata: the layers call forward
