@@ -2,7 +2,8 @@
 section and at ``infer.cpu_kernels.FEW_ROWS``):
 
 1. ``gemv``: the 30 layers' projections of SmolLM2-135M (fresh random weights, so every call streams from memory,
-   as in a real step) at 1-8 rows, the kernels' packed-fp16 GEMV vs fbgemm's fp16 GEMM; ms per step.
+   as in a real step) at 1-8 rows: fbgemm's fp16 GEMM, the kernels' GEMV over packed fp16 weights and over int8
+   ones (``model.quantization: int8``); ms per step.
 2. ``steps``: decode steps of the default model at batch 1-12: all layers in one C call (``FusedStack``, the default
    for steps of up to 8 tokens), layer by layer as two C calls around the backend's attention (``FusedLayer``, what
    a backend without ``kernel_attention`` gets), and op by op with fbgemm's GEMM (the small-op kernels on in all
@@ -24,6 +25,7 @@ import torch
 import infer.model
 import infer.quantization
 from infer import LLM, SamplingParams, cpu_kernels
+from infer.quantization import int8_weights
 
 # (out_features, in_features) of one SmolLM2-135M layer's projections: QKV, output, gate/up, down.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -44,23 +46,30 @@ def gemv_case(repeats: int) -> None:
     for _ in range(30):
         for out_features, in_features in LAYER_SHAPES:
             weight = torch.randn(out_features, in_features, generator=generator) * 0.05
-            layers.append((torch.ops.quantized.linear_prepack_fp16(weight, None), cpu_kernels.pack_f16(weight)))
-    print("| rows | fbgemm ms | kernel GEMV ms |\n|---|---|---|")
+            quantized, scales = int8_weights(weight)
+            layers.append((torch.ops.quantized.linear_prepack_fp16(weight, None),
+                           cpu_kernels.pack_weights(weight.half()), cpu_kernels.pack_weights(quantized), scales))
+    print("| rows | fbgemm fp16 ms | kernel GEMV fp16 ms | kernel GEMV int8 ms |\n|---|---|---|---|")
     for rows in (1, 2, 3, 4, 5, 8):
         inputs = {width: torch.randn(rows, width, generator=generator) for width in (576, 1536)}
 
         def fbgemm():
-            for packed, half in layers:
+            for packed, half, _, _ in layers:
                 torch.ops.quantized.linear_dynamic_fp16(inputs[cpu_kernels.packed_shape(half)[1]], packed)
 
-        def kernel():
-            for _, half in layers:
-                kernels.linear_f16(inputs[cpu_kernels.packed_shape(half)[1]], half, None)
+        def kernel_fp16():
+            for _, half, _, _ in layers:
+                kernels.linear(inputs[cpu_kernels.packed_shape(half)[1]], half, None, None)
 
-        runs = {"fbgemm": [], "kernel": []}
+        def kernel_int8():
+            for _, _, quantized, scales in layers:
+                kernels.linear(inputs[cpu_kernels.packed_shape(quantized)[1]], quantized, scales, None)
+
+        runs = {"fbgemm": [], "fp16": [], "int8": []}
         for _ in range(repeats):
             runs["fbgemm"].append(timed(fbgemm, 10))
-            runs["kernel"].append(timed(kernel, 10))
+            runs["fp16"].append(timed(kernel_fp16, 10))
+            runs["int8"].append(timed(kernel_int8, 10))
         print(f"| {rows} | " + " | ".join(" / ".join(f"{value:.1f}" for value in runs[arm]) for arm in runs) + " |",
               flush=True)
 

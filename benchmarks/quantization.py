@@ -3,7 +3,9 @@
 Each mode generates greedy answers to the same chat prompts. Quality: for each answer, the tokens before its first
 divergence from the exact float32 answer (``none``), summed over prompts, as a share of float32's tokens
 ("agreement"), and how many answers are identical. Speed: output tokens/s at batch 1 (one request at a time) and at
-batch 16 (all prompts at once). ``bfloat16`` is torch's bfloat16 compute (``model.dtype=bfloat16``), for comparison.
+batch 16 (all prompts at once), with infer's CPU kernels where the mode takes them (fp16, int8). ``bfloat16`` is
+torch's bfloat16 compute (``model.dtype=bfloat16``), for comparison; when it runs, a last table gives each mode's
+agreement with its answers as well.
 
     OMP_NUM_THREADS=2 python benchmarks/quantization.py
     python benchmarks/quantization.py --modes none fp16 --max-tokens 64
@@ -33,6 +35,7 @@ MODES = {
     "none": ["model.dtype=float32", "model.quantization=none"],
     "fp16": ["model.dtype=float32", "model.quantization=fp16"],
     "int8": ["model.dtype=float32", "model.quantization=int8"],
+    "w8a8": ["model.dtype=float32", "model.quantization=w8a8"],
     "bfloat16": ["model.dtype=bfloat16", "model.quantization=none"],
 }
 
@@ -50,7 +53,7 @@ def main() -> None:
     prompts = [[{"role": "user", "content": text}] for text in BUILTIN_PROMPTS + EXTRA_PROMPTS]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     modes = ["none", *(mode for mode in args.modes if mode != "none")]
-    rows, reference = [], None
+    rows, reference, answers_by_mode = [], None, {}
     for mode in modes:
         llm = LLM("baseline", dotlist=MODES[mode])
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
@@ -60,15 +63,25 @@ def main() -> None:
         began = time.perf_counter()
         outputs = llm.generate(prompts, params)
         batched = sum(len(output.token_ids) for output in outputs) / (time.perf_counter() - began)
-        answers = [output.token_ids for output in outputs]
+        answers = answers_by_mode[mode] = [output.token_ids for output in outputs]
         reference = reference or answers
-        agree = sum(common_prefix(a, b) for a, b in zip(answers, reference))
-        same = sum(a == b for a, b in zip(answers, reference))
-        rows.append((mode, agree / sum(len(r) for r in reference), same, len(reference), single, batched))
+        rows.append((mode, *agreement(answers, reference), single, batched))
         print(table(rows), flush=True)
         print(flush=True)
         del llm
+    if "bfloat16" in answers_by_mode:
+        print("| weights | agreement with bfloat16 | identical answers |\n|---|---|---|")
+        for mode, answers in answers_by_mode.items():
+            agree, same, total = agreement(answers, answers_by_mode["bfloat16"])
+            print(f"| {mode} | {agree:.1%} | {same}/{total} |")
+        print()
     print(f"max_tokens={args.max_tokens}, threads {torch.get_num_threads()}")
+
+
+def agreement(answers: list[list[int]], reference: list[list[int]]) -> tuple[float, int, int]:
+    """(share of the reference's tokens before each answer's first divergence, identical answers, answers)."""
+    agree = sum(common_prefix(a, b) for a, b in zip(answers, reference))
+    return agree / sum(len(r) for r in reference), sum(a == b for a, b in zip(answers, reference)), len(reference)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -5,9 +5,10 @@ path with cascade attention on and off.
 Wall-clock timers wrap the engine's parts (on the CPU every op is synchronous, so a part's time is its wall time):
 scheduling, batch metadata (flattening plus the attention backend's per-step plan), the dense projections of the
 layers, attention (KV write plus paged attention), the output head, sampling; the remainder is the rest of the
-forward pass (embedding, RMSNorm, RoPE, SiLU, residual adds) plus Python glue. Steps of a few tokens run each
-layer's dense parts as two C calls (``FusedLayer``): their time, projections and small ops together, is the "fused
-dense" column. Prints a markdown table, milliseconds per step and shares.
+forward pass (embedding, RMSNorm, RoPE, SiLU, residual adds) plus Python glue. Steps of a few tokens run all layers
+in one C call (``FusedStack``): its time, projections, attention and small ops together, is the "layers, one call"
+column; with a backend that keeps attention to itself they run each layer's dense parts as two C calls
+(``FusedLayer``), the "fused dense" column. Prints a markdown table, milliseconds per step and shares.
 
     OMP_NUM_THREADS=2 python benchmarks/step_profile.py
     python benchmarks/step_profile.py model.quantization=none       # any config override
@@ -23,10 +24,11 @@ from collections import defaultdict
 import torch
 
 from infer import LLM, SamplingParams
-from infer.cpu_kernels import FusedLayer
+from infer.cpu_kernels import FusedLayer, FusedStack
 from infer.quantization import PackedLinear
 
-PARTS = ["scheduling", "metadata", "projections", "fused dense", "attention", "output head", "sampling", "other"]
+PARTS = ["scheduling", "metadata", "layers, one call", "projections", "fused dense", "attention", "output head",
+         "sampling", "other"]
 
 
 class Timers:
@@ -59,6 +61,7 @@ def instrument(llm: LLM) -> Timers:
     timers.wrap(engine.runner.attention, "prepare", "metadata")
     timers.wrap(engine.runner.attention, "forward", "attention")
     timers.wrap(engine.model, "compute_logits", "output head")
+    timers.wrap(FusedStack, "run", "layers, one call")  # the class: stacks are built on first use
     timers.wrap(engine.sampler, "sample", "sampling")
     timers.wrap(engine.sampler, "logprobs", "sampling")
     for layer in engine.model.layers:

@@ -1,11 +1,12 @@
 """infer's CPU kernels (``csrc/cpu_kernels.c``): the small float32 ops of a step fused, paged attention that reads
-K/V straight from the pool, and steps of a few tokens with a layer's dense parts in two calls.
+K/V straight from the pool, and steps of a few tokens with all layers in one call.
 
 In eager PyTorch a decode step at batch 1 is mostly dispatch: RMSNorm alone is about ten kernels (26 us for 576
 floats), RoPE five, SiLU-and-multiply three, and attention gathers every K/V block before it reads it. These kernels
-do each in one pass. One-row linear layers over fp16 weights get a plain streaming GEMV: fbgemm's fp16 GEMM costs a
-fixed 20-45 us per call at one row. ``FusedLayer`` chains them so that a decoder layer over a few tokens is two
-calls around the attention backend's.
+do each in one pass. Linear layers over a few rows get a plain streaming GEMV over packed fp16 weights (fbgemm's fp16
+GEMM costs a fixed 20-45 us per call at one row), or int8 ones scaled per output row (half the bytes again).
+``FusedLayer`` chains them so that a decoder layer over a few tokens is two calls around the attention backend's;
+``FusedStack`` runs all layers of such a step, attention included, in one.
 
 They are C, compiled once per machine with the system's C compiler (``gcc -O3 -march=native -fopenmp``) into the
 cache directory and called through ctypes; OpenMP there is torch's own runtime, so both share one thread pool.
@@ -41,6 +42,7 @@ _INT = ctypes.c_int64
 _FLOAT = ctypes.c_float
 _SIGNATURES = {
     "infer_linear_f16": [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT],
+    "infer_linear_i8": [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT],
     "infer_layer_attention_input": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER],
     "infer_layer_feed_forward": [_POINTER, _INT, _POINTER, _POINTER, _POINTER],
     "infer_add_rms_norm": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _FLOAT],
@@ -57,7 +59,8 @@ _SIGNATURES = {
 class _LayerStruct(ctypes.Structure):
     """``infer_layer`` in the C source: one decoder layer's weights and shapes."""
 
-    _fields_ = [(name, _POINTER) for name in ("qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias",
+    _fields_ = [(name, _POINTER) for name in ("qkv", "o", "gate_up", "down", "qkv_scales", "o_scales",
+                                              "gate_up_scales", "down_scales", "qkv_bias", "o_bias", "gate_up_bias",
                                               "down_bias", "input_norm", "post_norm")]
     _fields_ += [("eps", _FLOAT)] + [(name, _INT) for name in ("hidden", "qkv_width", "q_width", "intermediate",
                                                                "rotated_heads", "head_dim")]
@@ -78,16 +81,19 @@ class FusedLayer:
     attention: norm, QKV projection and RoPE; then output projection, norm, gate/up, SiLU-and-multiply, down. Holds
     references to the tensors whose memory the C side reads."""
 
-    def __init__(self, kernels: CpuKernels, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-                 norms: tuple[torch.Tensor, torch.Tensor], eps: float, q_width: int, rotated_heads: int,
-                 head_dim: int):
-        """``weights``/``biases``: fp16 packed by ``pack_f16`` and float32 (or None) for the QKV, output, gate/up
-        and down projections, in that order; ``norms``: the input and post-attention RMSNorm weights."""
-        self._keep = [*weights, *biases, *norms]
+    def __init__(self, kernels: CpuKernels, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
+                 biases: list[torch.Tensor | None], norms: tuple[torch.Tensor, torch.Tensor], eps: float,
+                 q_width: int, rotated_heads: int, head_dim: int):
+        """``weights``/``scales``/``biases``: packed by ``pack_weights`` (fp16, or int8 with float32 scales per
+        output row, else None), and float32 (or None) for the QKV, output, gate/up and down projections, in that
+        order; ``norms``: the input and post-attention RMSNorm weights."""
+        for weight, scale in zip(weights, scales):
+            _check_packed(weight, scale)
+        self._keep = [*weights, *scales, *biases, *norms]
         (qkv_width, _), (hidden, _), _, (_, intermediate) = (packed_shape(weight) for weight in weights)
         pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
-        self.struct = _LayerStruct(*(pointer(tensor) for tensor in (*weights, *biases, *norms)), eps, hidden,
-                                   qkv_width, q_width, intermediate, rotated_heads, head_dim)
+        self.struct = _LayerStruct(*(pointer(tensor) for tensor in (*weights, *scales, *biases, *norms)), eps,
+                                   hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim)
         self.hidden = hidden
         self.qkv_width = qkv_width
         self._attention_input = kernels._layer_attention_input
@@ -175,14 +181,22 @@ class CpuKernels:
             function.restype = None
             setattr(self, "_" + name.removeprefix("infer_"), function)
 
-    def linear_f16(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T + bias`` for a few rows ``x`` ``[rows, k]`` (float32, contiguous) and fp16 weights packed
-        by ``pack_f16``; float32 ``[rows, n]``. Streams the weights once whatever the rows (see ``FEW_ROWS``)."""
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for a few rows ``x`` ``[rows, k]`` (float32, contiguous) and weights packed by
+        ``pack_weights``: fp16 (``scales`` None), or int8 times ``scales`` (float32, one per output row); float32
+        ``[rows, n]``. Streams the weights once whatever the rows (see ``FEW_ROWS``)."""
         _check_flat(x)
+        _check_packed(packed, scales)
         out_features, in_features = packed_shape(packed)
         out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
-        self._linear_f16(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(),
-                         None if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
+        bias_pointer = None if bias is None else bias.data_ptr()
+        if scales is None:
+            self._linear_f16(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), bias_pointer, out.data_ptr(),
+                             out_features)
+        else:
+            self._linear_i8(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), scales.data_ptr(),
+                            bias_pointer, out.data_ptr(), out_features)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -250,23 +264,27 @@ class CpuKernels:
         return out
 
 
-def can_pack_f16(out_features: int, in_features: int) -> bool:
+def can_pack(out_features: int, in_features: int) -> bool:
     return out_features % 4 == 0 and in_features % 8 == 0
 
 
-def pack_f16(weight: torch.Tensor) -> torch.Tensor:
-    """A linear layer's weight ``[n, k]`` as fp16 in ``linear_f16``'s layout: blocks of four output rows, each
-    ``[k / 8, 4, 8]`` (eight weights of each of the four rows per 64-byte line), so a block is one sequential
-    stream. Needs ``n % 4 == 0`` and ``k % 8 == 0`` (``can_pack_f16``)."""
+def pack_weights(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's weight ``[n, k]`` (fp16, or int8 to be scaled per output row) in ``linear``'s layout:
+    blocks of four output rows, each ``[k / 8, 4, 8]`` (eight weights of each of the four rows per 64-byte line in
+    fp16, per 32 bytes in int8), so a block is one sequential stream. Needs ``n % 4 == 0`` and ``k % 8 == 0``
+    (``can_pack``)."""
     out_features, in_features = weight.shape
-    if not can_pack_f16(out_features, in_features):
-        raise ValueError(f"pack_f16 needs out_features % 4 == 0 and in_features % 8 == 0, got {tuple(weight.shape)}")
-    blocks = weight.detach().to(torch.float16).view(out_features // 4, 4, in_features // 8, 8)
+    if weight.dtype not in (torch.float16, torch.int8):
+        raise ValueError(f"pack_weights takes fp16 or int8 weights, got {weight.dtype}")
+    if not can_pack(out_features, in_features):
+        raise ValueError(f"pack_weights needs out_features % 4 == 0 and in_features % 8 == 0, got "
+                         f"{tuple(weight.shape)}")
+    blocks = weight.detach().view(out_features // 4, 4, in_features // 8, 8)
     return blocks.permute(0, 2, 1, 3).contiguous()
 
 
 def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
-    """``(out_features, in_features)`` of a weight packed by ``pack_f16``."""
+    """``(out_features, in_features)`` of a weight packed by ``pack_weights``."""
     return packed.shape[0] * 4, packed.shape[1] * 8
 
 
@@ -305,6 +323,18 @@ def _check_flat(x: torch.Tensor) -> None:
     if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
         raise ValueError(f"the CPU kernels need contiguous float32 CPU tensors, got {x.dtype} on {x.device} with "
                          f"strides {x.stride()}")
+
+
+def _check_packed(packed: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """Weights from ``pack_weights``: fp16 without scales, or int8 with float32 scales, one per output row."""
+    if packed.dim() != 4 or not packed.is_contiguous() or packed.dtype not in (torch.float16, torch.int8):
+        raise ValueError("the CPU kernels need weights packed by pack_weights (fp16 or int8)")
+    if (packed.dtype == torch.int8) != (scales is not None):
+        raise ValueError("int8 weights need their scales (one per output row), fp16 weights take none")
+    if scales is not None and (scales.dtype != torch.float32 or scales.shape != (packed.shape[0] * 4,)
+                               or not scales.is_contiguous()):
+        raise ValueError(f"int8 weights need float32 scales, one per output row ({packed.shape[0] * 4}), got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
 
 
 def _check_pool(kv_cache: torch.Tensor) -> None:

@@ -262,20 +262,20 @@ class DecoderLayer(nn.Module):
 
     def use_cpu_kernels(self, kernels) -> None:
         """Let the projections compute inputs of a few rows with ``kernels`` (see ``PackedLinear``), and when all
-        four then have fp16 copies, run steps of a few tokens through ``FusedLayer``."""
+        four then have packed copies (fp16 or int8), run steps of a few tokens through ``FusedLayer``."""
         attn, mlp = self.self_attn, self.mlp
         projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         for projection in projections:
             if hasattr(projection, "use_cpu_kernels"):  # PackedLinear
                 projection.use_cpu_kernels(kernels)
-        halves = [getattr(projection, "half_weight", None) for projection in projections]
-        if kernels is None or any(half is None for half in halves):
+        weights = [getattr(projection, "kernel_weight", None) for projection in projections]
+        if kernels is None or any(weight is None for weight in weights):
             self.fused = None
             return
         norms = (self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach())
-        self.fused = FusedLayer(kernels, halves, [projection.bias for projection in projections], norms,
-                                self.input_layernorm.eps, attn.q_size, attn.num_heads + attn.num_kv_heads,
-                                attn.head_dim)
+        self.fused = FusedLayer(kernels, weights, [projection.scales for projection in projections],
+                                [projection.bias for projection in projections], norms, self.input_layernorm.eps,
+                                attn.q_size, attn.num_heads + attn.num_kv_heads, attn.head_dim)
 
     def feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor,
                      ops: StepOps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,6 +381,8 @@ class LlamaForCausalLM(nn.Module):
         self._stacks = {}
         for layer in self.layers:
             layer.use_cpu_kernels(kernels)
+        if getattr(self.lm_head, "mode", None) == "int8":  # fp16: fbgemm measured as fast on the head
+            self.lm_head.use_cpu_kernels(kernels)
 
     def _fused_stack(self, layers) -> FusedStack | None:
         """``layers`` as one ``FusedStack`` (built once per list of layers), or None when one of them has no

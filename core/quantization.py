@@ -5,16 +5,20 @@ fbgemm, which ships inside torch's x86 builds, multiplies float32 activations by
 
 - ``fp16``: half-precision weights, float32 activations and accumulation (``quantized.linear_dynamic_fp16``).
   Half the bytes of float32; relative error of a matmul about 2e-4.
-- ``int8``: int8 weights with one scale per output row; activations quantized per call to 8 bits with one scale
-  per tensor (``quantized.linear_dynamic``). A quarter of the bytes; relative error about 2e-2, so some greedy tokens
-  differ from float32 (``benchmarks/quantization.py`` counts them).
+- ``int8``: weight-only int8, one scale per output row (``int8_weights``), activations stay float32. Steps of a few
+  tokens read the int8 weights through infer's CPU kernels (``infer.cpu_kernels``: half of fp16's bytes, the
+  decode step's bound); larger steps run fbgemm's fp16 GEMM over the same weights dequantized, which the scales
+  make exact in fp16, so both paths multiply by identical weights. Memory: the fp16 copy plus the int8 one.
+- ``w8a8``: int8 weights with one scale per output row, activations quantized per call to 8 bits with one scale
+  per tensor (fbgemm's ``quantized.linear_dynamic``). A quarter of the bytes; relative error about 2e-2, so this
+  135M model's greedy answers change from the first tokens (``benchmarks/quantization.py`` counts them).
 
 Measured on 2 cores of an AMD EPYC (AVX2, no AVX512), the 30 layers' projections of SmolLM2-135M per step:
 
     rows (tokens)     1         16        64
     float32          34 ms     56 ms     132 ms
     fp16             11 ms     28 ms      92 ms
-    int8              9 ms     18 ms      59 ms
+    w8a8              9 ms     18 ms      59 ms
     bfloat16 (torch) 15 ms    171 ms     698 ms
 
 torch's weight-only int8/int4 kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) measured 53 and
@@ -28,10 +32,10 @@ import warnings
 import torch
 from torch import nn
 
-from infer.cpu_kernels import FEW_ROWS, can_pack_f16, pack_f16
+from infer.cpu_kernels import FEW_ROWS, can_pack, pack_weights
 from infer.model import Linear
 
-QUANTIZATIONS = ("none", "fp16", "int8")
+QUANTIZATIONS = ("none", "fp16", "int8", "w8a8")
 
 
 def fbgemm_available() -> bool:
@@ -57,8 +61,22 @@ def resolve_quantization(name: str, dtype_setting: str, dtype: torch.dtype, devi
     return name
 
 
+def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 weights ``[n, k]`` and float32 scales ``[n]``, one per output row (its largest weight maps to
+    about 127). Each scale is rounded up to 4 significant bits, so every weight times its scale (at most 127 x 16
+    in units of the scale's last bit, under fp16's 11) is exact in fp16 for rows whose largest weight is above
+    ~1e-5: fbgemm's fp16 GEMM and the int8 GEMV then compute with the same weights. The rounding widens the
+    quantization step by at most 1/8 (to ~6.9 bits)."""
+    largest = weight.abs().amax(dim=1).clamp(min=1e-8)
+    mantissa, exponent = torch.frexp(largest / 127.0)  # mantissa in [0.5, 1)
+    scales = torch.ldexp(torch.ceil(mantissa * 16) / 16, exponent).float()
+    quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return quantized, scales
+
+
 class PackedLinear(nn.Module):
-    """A linear layer whose weight lives packed for fbgemm (``fp16`` or ``int8``); float32 in, float32 out.
+    """A linear layer whose weight lives packed for fbgemm (see the module's docstring for the modes); float32 in,
+    float32 out.
 
     ``weight`` stays reachable when it is shared with another module (a tied output head reads the embedding),
     so code that slices the head's rows still can; otherwise the float32 copy is dropped.
@@ -71,10 +89,15 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         weight = linear.weight.detach().float()
         bias = None if linear.bias is None else linear.bias.detach().float()
+        self.scales: torch.Tensor | None = None  # int8: per output row
         if mode == "fp16":
             self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
             self.nbytes = weight.numel() * 2
         elif mode == "int8":
+            quantized, self.scales = int8_weights(weight)
+            self.packed = torch.ops.quantized.linear_prepack_fp16(quantized.float() * self.scales[:, None], bias)
+            self.nbytes = weight.numel() * 2 + self.scales.numel() * 4
+        elif mode == "w8a8":
             scales = (weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0).double()
             zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
             with warnings.catch_warnings():  # quantized tensor dtypes are deprecated; fbgemm's prepack still takes them
@@ -89,32 +112,36 @@ class PackedLinear(nn.Module):
         self.bias = bias
         self.weight = linear.weight if keep_weight else None
         self.kernels = None
-        self.half_weight: torch.Tensor | None = None  # fp16 in cpu_kernels.pack_f16's layout, for a few rows
+        # For a few rows: the weights in cpu_kernels.pack_weights' layout, fp16 (mode fp16) or int8 (mode int8).
+        self.kernel_weight: torch.Tensor | None = None
 
     def use_cpu_kernels(self, kernels) -> None:
         """Compute inputs of a few rows (``FEW_ROWS``: decode at small batches, verification) with
-        ``kernels.linear_f16`` (``fp16`` mode, shapes ``pack_f16`` takes), over a copy of the fp16 weights in its
-        layout, beside fbgemm's packed one. The streaming GEMV has no fixed per-call cost, where fbgemm pays 20-45 us
-        at one row: 30 layers' projections at one row measured 11.1-12.1 vs 14.7-14.9 ms per step (README, CPU
-        performance). Costs the weights' fp16 bytes once more (counted in ``nbytes``)."""
-        if self.mode != "fp16" or (kernels is None) == (self.kernels is None):
+        ``kernels.linear`` (``fp16`` and ``int8`` modes, shapes ``pack_weights`` takes), over a copy of the weights
+        in its layout beside fbgemm's packed one: fp16, or the int8 weights for ``int8``. The streaming GEMV has no
+        fixed per-call cost, where fbgemm pays 20-45 us at one row: 30 layers' projections at one row measured
+        11.1-12.1 vs 14.7-14.9 ms per step in fp16 (README, CPU performance). Costs the copy's bytes (counted in
+        ``nbytes``)."""
+        if self.mode not in ("fp16", "int8") or (kernels is None) == (self.kernels is None):
             return
-        if not can_pack_f16(self.out_features, self.in_features):  # stays on fbgemm
+        if not can_pack(self.out_features, self.in_features):  # stays on fbgemm
             return
         if kernels is None:
-            self.nbytes -= self.half_weight.numel() * 2
-            self.kernels = self.half_weight = None
+            self.nbytes -= self.kernel_weight.numel() * self.kernel_weight.element_size()
+            self.kernels = self.kernel_weight = None
             return
         weight, _ = torch.ops.quantized.linear_unpack_fp16(self.packed)
-        self.half_weight = pack_f16(weight)
-        self.nbytes += self.half_weight.numel() * 2
+        if self.mode == "int8":  # the fp16 weights are the int8 ones times their scales, exactly
+            weight = torch.round(weight.float() / self.scales[:, None]).to(torch.int8)
+        self.kernel_weight = pack_weights(weight.to(torch.int8 if self.mode == "int8" else torch.float16))
+        self.nbytes += self.kernel_weight.numel() * self.kernel_weight.element_size()
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the engine's tokens are already flat
         if self.kernels is not None and flat.shape[0] <= FEW_ROWS:
-            out = self.kernels.linear_f16(flat, self.half_weight, self.bias)
-        elif self.mode == "fp16":
+            out = self.kernels.linear(flat, self.kernel_weight, self.scales, self.bias)
+        elif self.mode in ("fp16", "int8"):
             out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)
         else:
             # reduce_range: 7-bit activations, so AVX2's 16-bit pairwise sums cannot saturate.

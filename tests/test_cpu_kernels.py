@@ -167,53 +167,80 @@ def test_compiler_errors_are_reported(monkeypatch, tmp_path):
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (4, 8), (12, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
-def test_fp16_linear_matches_the_fp16_weights(kernels, out_features, in_features, bias, rows):
-    weight = randn(out_features, in_features, seed=11, scale=0.1).half()
+@pytest.mark.parametrize("weights", ["fp16", "int8"])
+def test_linear_matches_the_packed_weights(kernels, out_features, in_features, bias, rows, weights):
+    """fp16 weights, or int8 ones times a scale per output row, against float64 over the same weights."""
+    weight = randn(out_features, in_features, seed=11, scale=0.1)
+    scales = None
+    if weights == "fp16":
+        weight = weight.half()
+        exact = weight.double()
+    else:
+        scales = randn(out_features, seed=15).abs() * 0.01 + 1e-3
+        weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8,
+                               generator=torch.Generator().manual_seed(16))
+        exact = weight.double() * scales.double()[:, None]
     bias_values = randn(out_features, seed=12) if bias else None
     x = randn(rows, in_features, seed=13)
-    expected = torch.nn.functional.linear(x.double(), weight.double(),
-                                          None if bias_values is None else bias_values.double())
-    out = kernels.linear_f16(x, cpu_kernels.pack_f16(weight), bias_values)
+    expected = torch.nn.functional.linear(x.double(), exact, None if bias_values is None else bias_values.double())
+    out = kernels.linear(x, cpu_kernels.pack_weights(weight), scales, bias_values)
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
 
 
-def test_pack_f16_lays_out_blocks_of_four_rows_and_refuses_other_shapes():
-    weight = torch.arange(8 * 16, dtype=torch.float32).view(8, 16)
-    packed = cpu_kernels.pack_f16(weight)
-    assert cpu_kernels.packed_shape(packed) == (8, 16) and packed.dtype == torch.float16
-    # Block 1 (rows 4-7), second 8-column chunk: row 5's columns 8..15 sit at [1, 1, 1].
-    assert torch.equal(packed[1, 1, 1].float(), weight[5, 8:16])
+def test_pack_weights_lays_out_blocks_of_four_rows_and_refuses_other_shapes():
+    for dtype in (torch.float16, torch.int8):
+        weight = torch.arange(8 * 16).view(8, 16).to(dtype)
+        packed = cpu_kernels.pack_weights(weight)
+        assert cpu_kernels.packed_shape(packed) == (8, 16) and packed.dtype == dtype
+        # Block 1 (rows 4-7), second 8-column chunk: row 5's columns 8..15 sit at [1, 1, 1].
+        assert torch.equal(packed[1, 1, 1], weight[5, 8:16])
     with pytest.raises(ValueError, match="% 4"):
-        cpu_kernels.pack_f16(torch.zeros(6, 16))
+        cpu_kernels.pack_weights(torch.zeros(6, 16, dtype=torch.float16))
     with pytest.raises(ValueError, match="% 8"):
-        cpu_kernels.pack_f16(torch.zeros(8, 12))
+        cpu_kernels.pack_weights(torch.zeros(8, 12, dtype=torch.float16))
+    with pytest.raises(ValueError, match="fp16 or int8"):
+        cpu_kernels.pack_weights(torch.zeros(8, 16))
+
+
+def test_linear_refuses_int8_weights_without_their_scales(kernels):
+    packed = cpu_kernels.pack_weights(torch.zeros(8, 16, dtype=torch.int8))
+    x = torch.zeros(1, 16)
+    with pytest.raises(ValueError, match="need their scales"):
+        kernels.linear(x, packed, None, None)
+    with pytest.raises(ValueError, match="one per output row"):
+        kernels.linear(x, packed, torch.ones(4), None)
+    with pytest.raises(ValueError, match="need their scales"):
+        kernels.linear(x, cpu_kernels.pack_weights(torch.zeros(8, 16, dtype=torch.float16)), torch.ones(8), None)
 
 
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="needs fbgemm (x86)")
-def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels):
+@pytest.mark.parametrize(("mode", "bytes_per_weight"), [("fp16", 2), ("int8", 1)])
+def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes_per_weight):
     from infer.cpu_kernels import FEW_ROWS
     from infer.quantization import PackedLinear
 
     linear = torch.nn.Linear(576, 960, bias=True)
-    packed = PackedLinear(linear, "fp16")
+    packed = PackedLinear(linear, mode)
     rows = randn(FEW_ROWS + 1, 576, seed=14)
     before_bytes, expected = packed.nbytes, packed(rows)
     packed.use_cpu_kernels(kernels)
-    assert packed.nbytes == before_bytes + 960 * 576 * 2  # the fp16 copy is counted
+    assert packed.nbytes == before_bytes + 960 * 576 * bytes_per_weight  # the kernels' copy is counted
+    assert packed.kernel_weight.dtype == (torch.int8 if mode == "int8" else torch.float16)
     calls = []
-    original = kernels.linear_f16
-    kernels.linear_f16 = lambda *args: calls.append(1) or original(*args)
+    original = kernels.linear
+    kernels.linear = lambda *args: calls.append(1) or original(*args)
     try:
         few = packed(rows[1:FEW_ROWS + 1])
         assert torch.equal(packed(rows), expected) and calls == [1]  # one row more: fbgemm, as before
     finally:
-        del kernels.linear_f16
+        del kernels.linear
+    # int8: the same weights on both paths (the scales make them exact in fp16), so only the sums' order differs
     torch.testing.assert_close(few, expected[1:], atol=1e-4, rtol=1e-4)
     packed.use_cpu_kernels(None)
-    assert packed.nbytes == before_bytes and packed.half_weight is None
-    odd = PackedLinear(torch.nn.Linear(12, 6), "fp16")  # shapes pack_f16 cannot lay out stay on fbgemm
+    assert packed.nbytes == before_bytes and packed.kernel_weight is None
+    odd = PackedLinear(torch.nn.Linear(12, 6), mode)  # shapes pack_weights cannot lay out stay on fbgemm
     odd.use_cpu_kernels(kernels)
-    assert odd.half_weight is None and odd.kernels is None
+    assert odd.kernel_weight is None and odd.kernels is None
 
 
 def test_an_unwritable_cache_folder_is_a_build_error(tmp_path):
@@ -229,10 +256,10 @@ def test_fused_stack_refuses_layers_of_different_shapes():
     kernels = cpu_kernels.load(True)
 
     def layer(hidden: int) -> FusedLayer:
-        weights = [cpu_kernels.pack_f16(torch.randn(n, k)) for n, k in
+        weights = [cpu_kernels.pack_weights(torch.randn(n, k).half()) for n, k in
                    [(3 * hidden, hidden), (hidden, hidden), (8 * hidden, hidden), (hidden, 4 * hidden)]]
         norms = (torch.ones(hidden), torch.ones(hidden))
-        return FusedLayer(kernels, weights, [None] * 4, norms, 1e-5, hidden, 2 * hidden // 8, 8)
+        return FusedLayer(kernels, weights, [None] * 4, [None] * 4, norms, 1e-5, hidden, 2 * hidden // 8, 8)
 
     FusedStack(kernels, [layer(16), layer(16)], [0, 1])
     with pytest.raises(ValueError, match="one shape"):

@@ -1,4 +1,4 @@
-"""``model.quantization``: packed fp16/int8 weights give the float32 model's results within their precision, the
+"""``model.quantization``: packed fp16/int8/w8a8 weights give the float32 model's results within their precision, the
 ``auto`` rule picks them only where it should, and the engine runs, sizes its pool and drafts with them."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from infer.model import Linear
 from infer.quantization import (
     PackedLinear,
     fbgemm_available,
+    int8_weights,
     model_weight_bytes,
     quantize_linears,
     quantize_model,
@@ -29,7 +30,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm())
 
 
-@pytest.mark.parametrize(("mode", "tolerance"), [("fp16", 1e-3), ("int8", 5e-2)])
+@pytest.mark.parametrize(("mode", "tolerance"), [("fp16", 1e-3), ("int8", 2e-2), ("w8a8", 5e-2)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_float32_within_its_precision(mode, tolerance, bias):
     torch.manual_seed(0)
@@ -55,19 +56,20 @@ def test_auto_packs_fp16_only_for_float32_reached_through_dtype_auto():
     assert resolve_quantization("auto", "auto", torch.bfloat16, CPU) == "none"  # native bfloat16 CPU
     assert resolve_quantization("auto", "auto", torch.float32, torch.device("cuda")) == "none"
     assert resolve_quantization("int8", "float32", torch.float32, CPU) == "int8"
+    assert resolve_quantization("w8a8", "float32", torch.float32, CPU) == "w8a8"
 
 
 @pytest.mark.parametrize(("name", "dtype", "device", "message"), [
     ("int8", torch.bfloat16, CPU, "model.dtype=float32"),
     ("fp16", torch.float32, torch.device("cuda"), "fbgemm"),
-    ("int4", torch.float32, CPU, "choose one of auto, none, fp16, int8"),
+    ("int4", torch.float32, CPU, "choose one of auto, none, fp16, int8, w8a8"),
 ])
 def test_unusable_quantization_is_refused_clearly(name, dtype, device, message):
     with pytest.raises(ValueError, match=message):
         resolve_quantization(name, "float32", dtype, device)
 
 
-@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("mode", ["fp16", "int8", "w8a8"])
 def test_packed_model_logits_track_float32(tiny_model_dir, mode):
     from test_model import PagedPool, random_tokens
 
@@ -76,12 +78,25 @@ def test_packed_model_logits_track_float32(tiny_model_dir, mode):
     assert not any(isinstance(module, Linear) for module in packed.modules())
     assert packed.lm_head.weight is packed.embed_tokens.weight  # kept for drafters that slice the head
     # Layers shrink; the head's packed copy is counted beside the float32 table it shares with the embedding.
-    assert model_weight_bytes(packed.layers) < model_weight_bytes(model.layers) * (0.3 if mode == "int8" else 0.6)
+    assert model_weight_bytes(packed.layers) < model_weight_bytes(model.layers) * (0.3 if mode == "w8a8" else 0.6)
     assert model_weight_bytes(packed) > model_weight_bytes(model)
     tokens = random_tokens(24, seed=1, vocab_size=model.vocab_size)
     expected = PagedPool(model).step({"a": tokens})["a"]
     actual = PagedPool(packed).step({"a": tokens})["a"]
-    assert relative_error(actual, expected) < (2e-3 if mode == "fp16" else 0.1)
+    assert relative_error(actual, expected) < {"fp16": 2e-3, "int8": 0.05, "w8a8": 0.1}[mode]
+
+
+def test_int8_weights_times_their_scales_are_exact_in_fp16():
+    """So fbgemm's fp16 GEMM (large steps) and the int8 GEMV (a few rows) multiply by the same weights."""
+    torch.manual_seed(0)
+    weight = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different sizes
+    quantized, scales = int8_weights(weight)
+    assert quantized.dtype == torch.int8 and scales.shape == (64,) and int(quantized.abs().max()) <= 127
+    dequantized = quantized.float() * scales[:, None]
+    assert torch.equal(dequantized.half().float(), dequantized)
+    # at most 1/8 coarser than absmax / 127, so the error stays within one step
+    assert bool(((weight - dequantized).abs() <= scales[:, None] / 2 + 1e-12).all())
+    assert bool((scales <= weight.abs().amax(dim=1) / 127 * (1 + 1 / 8)).all())
 
 
 def test_quantize_linears_with_none_changes_nothing():
@@ -89,14 +104,15 @@ def test_quantize_linears_with_none_changes_nothing():
     assert isinstance(quantize_linears(layer, "none")[0], Linear)
 
 
+@pytest.mark.parametrize("mode", ["fp16", "int8"])
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
-def test_engine_runs_with_packed_weights(tiny_model_dir, drafter):
-    overrides = dict(model__path=tiny_model_dir, model__dtype="float32", model__quantization="fp16",
+def test_engine_runs_with_packed_weights(tiny_model_dir, drafter, mode):
+    overrides = dict(model__path=tiny_model_dir, model__dtype="float32", model__quantization=mode,
                      model__max_model_len=256, cache__num_blocks=128, drafter__name=drafter)
     if drafter == "model":
         overrides["drafter__layers"] = 1
     llm = LLM("baseline", **overrides)
-    assert llm.engine.quantization == "fp16"
+    assert llm.engine.quantization == mode
     outputs = llm.generate(["The tide comes in and the tide goes out"] * 3,
                            SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert [len(output.token_ids) for output in outputs] == [16] * 3
