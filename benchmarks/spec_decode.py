@@ -97,6 +97,8 @@ def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="auto: the engine's default (on an AVX2 CPU, float32 with fp16-packed weights)")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "fp16", "int8", "w8a8"],
+                        help="model.quantization (auto: fp16-packed weights on an x86 CPU in float32)")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts per workload at batch 1 (more at "
                                                                    "larger batches: one full wave at least)")
@@ -116,6 +118,7 @@ def prompts_for(workload: str, count: int) -> list[list[dict]]:
 def run_drafter(drafter: str, workloads: list[str], args) -> list[Result]:
     overrides = {**DRAFTERS[drafter], "drafter.num_speculative_tokens": args.k,
                  "drafter.max_batch_size": max(args.batch_sizes), "model.dtype": args.dtype,
+                 "model.quantization": args.quantization,
                  "scheduler.max_num_seqs": max(args.batch_sizes)}
     if drafter == "model":
         overrides["drafter.layers"] = args.model_layers
@@ -163,7 +166,8 @@ def main() -> None:
         results.extend(run_drafter(drafter, workloads, args))
         print(table(results), flush=True)
         print(flush=True)
-    print(f"dtype {args.dtype}, k={args.k}, max_tokens={args.max_tokens}, threads {torch.get_num_threads()}, "
+    print(f"dtype {args.dtype}, quantization {args.quantization}, k={args.k}, max_tokens={args.max_tokens}, "
+          f"threads {torch.get_num_threads()}, "
           f"draft depth (model) {args.model_layers} layers")
 
 
