@@ -4,7 +4,7 @@ K/V straight from the pool, and steps of a few tokens with all layers in one cal
 In eager PyTorch a decode step at batch 1 is mostly dispatch: RMSNorm alone is about ten kernels (26 us for 576
 floats), RoPE five, SiLU-and-multiply three, and attention gathers every K/V block before it reads it. These kernels
 do each in one pass. Linear layers over a few rows get a plain streaming GEMV over packed fp16 weights (fbgemm's fp16
-GEMM costs a fixed 20-45 us per call at one row), or int8 ones scaled per output row (half the bytes again).
+GEMM costs a fixed 20-45 us per call at one row), or int8 ones with a scale per 32 weights (9/16 of the bytes).
 ``FusedLayer`` chains them so that a decoder layer over a few tokens is two calls around the attention backend's;
 ``FusedStack`` runs all layers of such a step, attention included, in one.
 
@@ -84,9 +84,9 @@ class FusedLayer:
     def __init__(self, kernels: CpuKernels, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
                  biases: list[torch.Tensor | None], norms: tuple[torch.Tensor, torch.Tensor], eps: float,
                  q_width: int, rotated_heads: int, head_dim: int):
-        """``weights``/``scales``/``biases``: packed by ``pack_weights`` (fp16, or int8 with float32 scales per
-        output row, else None), and float32 (or None) for the QKV, output, gate/up and down projections, in that
-        order; ``norms``: the input and post-attention RMSNorm weights."""
+        """``weights``/``scales``/``biases``: packed by ``pack_weights`` (fp16, or int8 with scales packed by
+        ``pack_scales``, else None), and float32 (or None) for the QKV, output, gate/up and down projections, in
+        that order; ``norms``: the input and post-attention RMSNorm weights."""
         for weight, scale in zip(weights, scales):
             _check_packed(weight, scale)
         self._keep = [*weights, *scales, *biases, *norms]
@@ -132,7 +132,6 @@ class FusedStack:
             raise ValueError("a fused stack needs layers of one shape")
         self.layers = (_LayerStruct * len(layers))(*(layer.struct for layer in layers))
         self.kv_layers = torch.tensor(kv_layers, dtype=torch.int64)
-        self.hidden = layers[0].hidden if layers else 0
         self._keep = layers
         self._run = kernels._layers_few
 
@@ -184,8 +183,9 @@ class CpuKernels:
     def linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` for a few rows ``x`` ``[rows, k]`` (float32, contiguous) and weights packed by
-        ``pack_weights``: fp16 (``scales`` None), or int8 times ``scales`` (float32, one per output row); float32
-        ``[rows, n]``. Streams the weights once whatever the rows (see ``FEW_ROWS``)."""
+        ``pack_weights``: fp16 (``scales`` None), or int8 times ``scales`` (one per ``INT8_GROUP`` weights of a row,
+        packed by ``pack_scales``); float32 ``[rows, n]``. Streams the weights once whatever the rows (see
+        ``FEW_ROWS``)."""
         _check_flat(x)
         _check_packed(packed, scales)
         out_features, in_features = packed_shape(packed)
@@ -264,8 +264,12 @@ class CpuKernels:
         return out
 
 
-def can_pack(out_features: int, in_features: int) -> bool:
-    return out_features % 4 == 0 and in_features % 8 == 0
+# int8 weights carry one float32 scale per this many consecutive weights of a row (INT8_GROUP in the C source).
+INT8_GROUP = 32
+
+
+def can_pack(out_features: int, in_features: int, int8: bool = False) -> bool:
+    return out_features % 4 == 0 and in_features % (INT8_GROUP if int8 else 8) == 0
 
 
 def pack_weights(weight: torch.Tensor) -> torch.Tensor:
@@ -281,6 +285,16 @@ def pack_weights(weight: torch.Tensor) -> torch.Tensor:
                          f"{tuple(weight.shape)}")
     blocks = weight.detach().view(out_features // 4, 4, in_features // 8, 8)
     return blocks.permute(0, 2, 1, 3).contiguous()
+
+
+def pack_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Int8 weights' scales ``[n, k / INT8_GROUP]`` (float32) in ``linear``'s layout: per block of four output
+    rows, ``[k / INT8_GROUP, 4]``."""
+    out_features, groups = scales.shape
+    if scales.dtype != torch.float32 or out_features % 4:
+        raise ValueError(f"pack_scales takes float32 scales [n, k / {INT8_GROUP}] with n % 4 == 0, got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    return scales.view(out_features // 4, 4, groups).permute(0, 2, 1).contiguous()
 
 
 def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
@@ -326,15 +340,19 @@ def _check_flat(x: torch.Tensor) -> None:
 
 
 def _check_packed(packed: torch.Tensor, scales: torch.Tensor | None) -> None:
-    """Weights from ``pack_weights``: fp16 without scales, or int8 with float32 scales, one per output row."""
+    """Weights from ``pack_weights``: fp16 without scales, or int8 with their scales from ``pack_scales``."""
     if packed.dim() != 4 or not packed.is_contiguous() or packed.dtype not in (torch.float16, torch.int8):
         raise ValueError("the CPU kernels need weights packed by pack_weights (fp16 or int8)")
     if (packed.dtype == torch.int8) != (scales is not None):
-        raise ValueError("int8 weights need their scales (one per output row), fp16 weights take none")
-    if scales is not None and (scales.dtype != torch.float32 or scales.shape != (packed.shape[0] * 4,)
-                               or not scales.is_contiguous()):
-        raise ValueError(f"int8 weights need float32 scales, one per output row ({packed.shape[0] * 4}), got "
-                         f"{scales.dtype} {tuple(scales.shape)}")
+        raise ValueError("int8 weights need their scales (pack_scales), fp16 weights take none")
+    if scales is None:
+        return
+    out_features, in_features = packed_shape(packed)
+    expected = (out_features // 4, in_features // INT8_GROUP, 4)
+    if in_features % INT8_GROUP or scales.dtype != torch.float32 or scales.shape != expected or \
+            not scales.is_contiguous():
+        raise ValueError(f"int8 weights [{out_features}, {in_features}] need float32 scales packed by pack_scales "
+                         f"{expected}, got {scales.dtype} {tuple(scales.shape)}")
 
 
 def _check_pool(kv_cache: torch.Tensor) -> None:

@@ -273,7 +273,7 @@ class DecoderLayer(nn.Module):
             self.fused = None
             return
         norms = (self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach())
-        self.fused = FusedLayer(kernels, weights, [projection.scales for projection in projections],
+        self.fused = FusedLayer(kernels, weights, [projection.kernel_scales for projection in projections],
                                 [projection.bias for projection in projections], norms, self.input_layernorm.eps,
                                 attn.q_size, attn.num_heads + attn.num_kv_heads, attn.head_dim)
 
@@ -375,8 +375,9 @@ class LlamaForCausalLM(nn.Module):
 
     def use_cpu_kernels(self, kernels) -> None:
         """Run the small ops of float32 CPU forward passes with ``kernels`` (``infer.cpu_kernels.CpuKernels``;
-        None: torch's ops), and steps of a few tokens through ``FusedLayer`` where the projections are fp16-packed.
-        Call it once the weights are final: the kernels read copies of them and their addresses."""
+        None: torch's ops), and steps of a few tokens through ``FusedStack`` / ``FusedLayer`` where the projections
+        are packed (fp16 or int8; with int8 the output head's few rows too). Call it once the weights are final: the
+        kernels read copies of them and their addresses."""
         self.kernels = kernels
         self._stacks = {}
         for layer in self.layers:

@@ -164,26 +164,28 @@ def test_compiler_errors_are_reported(monkeypatch, tmp_path):
         cpu_kernels.build(tmp_path)
 
 
-@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (4, 8), (12, 1536)])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (4, 32), (12, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize("weights", ["fp16", "int8"])
 def test_linear_matches_the_packed_weights(kernels, out_features, in_features, bias, rows, weights):
-    """fp16 weights, or int8 ones times a scale per output row, against float64 over the same weights."""
+    """fp16 weights, or int8 ones times a scale per 32 of a row, against float64 over the same weights."""
     weight = randn(out_features, in_features, seed=11, scale=0.1)
     scales = None
     if weights == "fp16":
         weight = weight.half()
         exact = weight.double()
     else:
-        scales = randn(out_features, seed=15).abs() * 0.01 + 1e-3
+        groups = in_features // cpu_kernels.INT8_GROUP
+        scales = randn(out_features, groups, seed=15).abs() * 0.01 + 1e-3
         weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8,
                                generator=torch.Generator().manual_seed(16))
-        exact = weight.double() * scales.double()[:, None]
+        exact = weight.double() * scales.double().repeat_interleave(cpu_kernels.INT8_GROUP, dim=1)
     bias_values = randn(out_features, seed=12) if bias else None
     x = randn(rows, in_features, seed=13)
     expected = torch.nn.functional.linear(x.double(), exact, None if bias_values is None else bias_values.double())
-    out = kernels.linear(x, cpu_kernels.pack_weights(weight), scales, bias_values)
+    packed_scales = None if scales is None else cpu_kernels.pack_scales(scales)
+    out = kernels.linear(x, cpu_kernels.pack_weights(weight), packed_scales, bias_values)
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
 
 
@@ -202,20 +204,30 @@ def test_pack_weights_lays_out_blocks_of_four_rows_and_refuses_other_shapes():
         cpu_kernels.pack_weights(torch.zeros(8, 16))
 
 
+def test_pack_scales_lays_out_each_blocks_groups():
+    scales = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)  # 8 rows, 3 groups of 32
+    packed = cpu_kernels.pack_scales(scales)
+    assert packed.shape == (2, 3, 4)
+    assert torch.equal(packed[1, 2], scales[4:8, 2])  # block 1 (rows 4-7), group 2
+
+
 def test_linear_refuses_int8_weights_without_their_scales(kernels):
-    packed = cpu_kernels.pack_weights(torch.zeros(8, 16, dtype=torch.int8))
-    x = torch.zeros(1, 16)
+    packed = cpu_kernels.pack_weights(torch.zeros(8, 64, dtype=torch.int8))
+    x = torch.zeros(1, 64)
     with pytest.raises(ValueError, match="need their scales"):
         kernels.linear(x, packed, None, None)
-    with pytest.raises(ValueError, match="one per output row"):
-        kernels.linear(x, packed, torch.ones(4), None)
+    with pytest.raises(ValueError, match="packed by pack_scales"):
+        kernels.linear(x, packed, torch.ones(8, 2), None)  # not in pack_scales' layout
+    kernels.linear(x, packed, cpu_kernels.pack_scales(torch.ones(8, 2)), None)
     with pytest.raises(ValueError, match="need their scales"):
-        kernels.linear(x, cpu_kernels.pack_weights(torch.zeros(8, 16, dtype=torch.float16)), torch.ones(8), None)
+        kernels.linear(x, cpu_kernels.pack_weights(torch.zeros(8, 64, dtype=torch.float16)),
+                       cpu_kernels.pack_scales(torch.ones(8, 2)), None)
 
 
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="needs fbgemm (x86)")
 @pytest.mark.parametrize(("mode", "bytes_per_weight"), [("fp16", 2), ("int8", 1)])
 def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes_per_weight):
+    """The kernels' copy (fp16, or int8 with its scales) takes the few rows, fbgemm the rest."""
     from infer.cpu_kernels import FEW_ROWS
     from infer.quantization import PackedLinear
 
@@ -238,7 +250,7 @@ def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes
     torch.testing.assert_close(few, expected[1:], atol=1e-4, rtol=1e-4)
     packed.use_cpu_kernels(None)
     assert packed.nbytes == before_bytes and packed.kernel_weight is None
-    odd = PackedLinear(torch.nn.Linear(12, 6), mode)  # shapes pack_weights cannot lay out stay on fbgemm
+    odd = PackedLinear(torch.nn.Linear(32, 6), mode)  # shapes pack_weights cannot lay out stay on fbgemm
     odd.use_cpu_kernels(kernels)
     assert odd.kernel_weight is None and odd.kernels is None
 

@@ -14,6 +14,7 @@ from infer.loader import load_model
 from infer.model import Linear
 from infer.quantization import (
     PackedLinear,
+    dequantize_int8,
     fbgemm_available,
     int8_weights,
     model_weight_bytes,
@@ -90,13 +91,22 @@ def test_int8_weights_times_their_scales_are_exact_in_fp16():
     """So fbgemm's fp16 GEMM (large steps) and the int8 GEMV (a few rows) multiply by the same weights."""
     torch.manual_seed(0)
     weight = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different sizes
+    weight[:, 32:64] *= 0.1  # and groups within a row (the smallest group's largest weight still above 1e-5)
     quantized, scales = int8_weights(weight)
-    assert quantized.dtype == torch.int8 and scales.shape == (64,) and int(quantized.abs().max()) <= 127
-    dequantized = quantized.float() * scales[:, None]
+    assert quantized.dtype == torch.int8 and scales.shape == (64, 3) and int(quantized.abs().max()) <= 127
+    dequantized = dequantize_int8(quantized, scales)
     assert torch.equal(dequantized.half().float(), dequantized)
-    # at most 1/8 coarser than absmax / 127, so the error stays within one step
-    assert bool(((weight - dequantized).abs() <= scales[:, None] / 2 + 1e-12).all())
-    assert bool((scales <= weight.abs().amax(dim=1) / 127 * (1 + 1 / 8)).all())
+    step = scales.repeat_interleave(32, dim=1)
+    assert bool(((weight - dequantized).abs() <= step / 2 + 1e-12).all())  # within half a step
+    largest = weight.view(64, 3, 32).abs().amax(dim=2)
+    assert bool((scales <= largest / 127 * (1 + 1 / 8)).all())  # at most 1/8 coarser than absmax / 127
+    with pytest.raises(ValueError, match="% 32"):
+        int8_weights(torch.randn(4, 48))
+
+
+def test_int8_refuses_layers_it_cannot_group_clearly():
+    with pytest.raises(ValueError, match="in_features % 32"):
+        PackedLinear(Linear(48, 8), "int8")
 
 
 def test_quantize_linears_with_none_changes_nothing():

@@ -121,11 +121,16 @@ static inline __m256 packed_row8(const void *chunk, int i, const int int8) {
 }
 #endif
 
+/* Int8 weights come with one float scale per 32 consecutive weights of a row (INT8_GROUP), laid out per block as
+ * [k / 32][4]: the scales of the block's four rows for each group of 32 columns. */
+#define INT8_GROUP 32
+
 /* sums[r][i] = x[r] . (output row i of the block) for `count` (1 to 3, a constant once inlined) rows of x and a
- * block of four output rows laid out [k / 8][4][8] (fp16, or int8 when `int8`): one sequential stream, each chunk
- * holding 8 weights of each of the 4 rows, converted once and used for every row of x. */
+ * block of four output rows laid out [k / 8][4][8] (fp16, or int8 times `scales` when `int8`): one sequential
+ * stream, each chunk holding 8 weights of each of the 4 rows, converted once and used for every row of x. */
 static inline __attribute__((always_inline)) void block_dot(const float *x, int64_t k, const void *block,
-                                                            float sums[3][4], const int count, const int int8) {
+                                                            const float *scales, float sums[3][4], const int count,
+                                                            const int int8) {
     const int64_t width = int8 ? 1 : 2;  /* bytes per weight */
 #if defined(__AVX2__) && defined(__F16C__)
     __m256 acc[3][4];  /* with the 4 weight vectors, all 16 AVX2 registers at 3 rows (x is an FMA memory operand) */
@@ -137,7 +142,10 @@ static inline __attribute__((always_inline)) void block_dot(const float *x, int6
          * hardware prefetcher alone fell behind (5 rows 13.8 vs 16.0 ms for the 30 layers, 2 rows 8.6 vs 10.0). */
         _mm_prefetch(chunk + 2048, _MM_HINT_T0);
         __m256 weights[4];
-        for (int i = 0; i < 4; i++) weights[i] = packed_row8(chunk, i, int8);
+        for (int i = 0; i < 4; i++) {
+            weights[i] = packed_row8(chunk, i, int8);
+            if (int8) weights[i] = _mm256_mul_ps(weights[i], _mm256_broadcast_ss(scales + (c / INT8_GROUP) * 4 + i));
+        }
         for (int r = 0; r < count; r++) {
             __m256 xv = _mm256_loadu_ps(x + r * k + c);
             for (int i = 0; i < 4; i++) acc[r][i] = _mm256_fmadd_ps(xv, weights[i], acc[r][i]);
@@ -149,16 +157,20 @@ static inline __attribute__((always_inline)) void block_dot(const float *x, int6
     for (int r = 0; r < count; r++)
         for (int i = 0; i < 4; i++) {
             float total = 0.0f;
-            for (int64_t c = 0; c < k; c++)
-                total += x[r * k + c] * packed_weight((const char *)block + (c / 8) * 32 * width, i, c % 8, int8);
+            for (int64_t c = 0; c < k; c++) {
+                float w = packed_weight((const char *)block + (c / 8) * 32 * width, i, c % 8, int8);
+                if (int8) w *= scales[(c / INT8_GROUP) * 4 + i];
+                total += x[r * k + c] * w;
+            }
             sums[r][i] = total;
         }
 #endif
 }
 
-/* y[m, n] = scales[n] * (w[n, :] . x[m, :]) + bias[n] (no scale or bias when NULL) for `rows` rows of x (k floats
- * each), y [rows, n_out], with w [n_out, k] packed by `infer.cpu_kernels.pack_weights` in blocks of four output
- * rows, [n_out / 4][k / 8][4][8] (n_out % 4 == 0, k % 8 == 0), fp16 or int8. Meant for the few rows of a decode or
+/* y[m, n] = w[n, :] . x[m, :] + bias[n] (no bias when NULL) for `rows` rows of x (k floats each), y [rows, n_out],
+ * with w [n_out, k] packed by `infer.cpu_kernels.pack_weights` in blocks of four output rows,
+ * [n_out / 4][k / 8][4][8] (n_out % 4 == 0, k % 8 == 0), fp16, or int8 with `scales` packed by
+ * `infer.cpu_kernels.pack_scales` ([n_out / 4][k / 32][4], k % 32 == 0). Meant for the few rows of a decode or
  * verification step, which stream every weight from memory once: each block is one sequential stream (row-major
  * rows would be four), reused for up to three rows of x while in registers and for the next ones while in L1.
  * Split over the threads by blocks. */
@@ -166,25 +178,26 @@ static inline __attribute__((always_inline)) void linear_packed(const float *x, 
                                                                 const void *w, const float *scales,
                                                                 const float *bias, float *y, int64_t n_out,
                                                                 const int int8) {
-    const int64_t blocks = n_out / 4, block_bytes = 4 * k * (int8 ? 1 : 2);
+    const int64_t blocks = n_out / 4, block_bytes = 4 * k * (int8 ? 1 : 2), block_scales = 4 * (k / INT8_GROUP);
 #pragma omp parallel for schedule(static) if (rows * n_out * k >= 65536)
     for (int64_t b = 0; b < blocks; b++) {
         const void *block = (const char *)w + b * block_bytes;
+        const float *own_scales = int8 ? scales + b * block_scales : NULL;
         for (int64_t m = 0; m < rows;) {
             /* passes of 3 rows, then 2 (4 = 2 + 2, 5 = 3 + 2, 7 = 3 + 2 + 2), or 1 when only one is left */
             const int64_t left = rows - m;
             const int count = left == 1 ? 1 : (left == 2 || left == 4) ? 2 : 3;
             float sums[3][4];
             if (count == 3)
-                block_dot(x + m * k, k, block, sums, 3, int8);
+                block_dot(x + m * k, k, block, own_scales, sums, 3, int8);
             else if (count == 2)
-                block_dot(x + m * k, k, block, sums, 2, int8);
+                block_dot(x + m * k, k, block, own_scales, sums, 2, int8);
             else
-                block_dot(x + m * k, k, block, sums, 1, int8);
+                block_dot(x + m * k, k, block, own_scales, sums, 1, int8);
             for (int r = 0; r < count; r++)
                 for (int i = 0; i < 4; i++) {
                     const int64_t n = b * 4 + i;
-                    y[(m + r) * n_out + n] = sums[r][i] * (scales ? scales[n] : 1.0f) + (bias ? bias[n] : 0.0f);
+                    y[(m + r) * n_out + n] = sums[r][i] + (bias ? bias[n] : 0.0f);
                 }
             m += count;
         }
@@ -197,7 +210,7 @@ void infer_linear_f16(const float *x, int64_t rows, int64_t k, const uint16_t *w
     linear_packed(x, rows, k, w, NULL, bias, y, n_out, 0);
 }
 
-/* int8 weights with one float scale per output row (see linear_packed): half the bytes of fp16. */
+/* int8 weights with a float scale per 32 of a row (see linear_packed): 9/16 of fp16's bytes. */
 void infer_linear_i8(const float *x, int64_t rows, int64_t k, const int8_t *w, const float *scales,
                      const float *bias, float *y, int64_t n_out) {
     linear_packed(x, rows, k, w, scales, bias, y, n_out, 1);
@@ -429,8 +442,8 @@ void infer_paged_attention(const float *q, int64_t q_stride, const float *kv, co
 
 /* ---- a few tokens through a layer's dense parts -------------------------------------------------------------- */
 
-/* One layer's projections packed by pack_weights (fp16, or int8 with a scale per output row; see linear_packed)
- * with their optional float32 biases, its two RMSNorm weights and its shapes. */
+/* One layer's projections packed by pack_weights (fp16, or int8 with scales from pack_scales; see
+ * linear_packed) with their optional float32 biases, its two RMSNorm weights and its shapes. */
 typedef struct {
     const void *qkv, *o, *gate_up, *down;  /* fp16, or int8 where the projection has scales */
     const float *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
