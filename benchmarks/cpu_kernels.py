@@ -48,7 +48,8 @@ def gemv_case(repeats: int) -> None:
             weight = torch.randn(out_features, in_features, generator=generator) * 0.05
             quantized, scales = int8_weights(weight)
             layers.append((torch.ops.quantized.linear_prepack_fp16(weight, None),
-                           cpu_kernels.pack_weights(weight.half()), cpu_kernels.pack_weights(quantized), scales))
+                           cpu_kernels.pack_weights(weight.half()), cpu_kernels.pack_weights(quantized),
+                           cpu_kernels.pack_scales(scales)))
     print("| rows | fbgemm fp16 ms | kernel GEMV fp16 ms | kernel GEMV int8 ms |\n|---|---|---|---|")
     for rows in (1, 2, 3, 4, 5, 8):
         inputs = {width: torch.randn(rows, width, generator=generator) for width in (576, 1536)}
