@@ -133,6 +133,25 @@ static inline __attribute__((always_inline)) void block_dot(const float *x, int6
                                                             const int int8) {
     const int64_t width = int8 ? 1 : 2;  /* bytes per weight */
 #if defined(__AVX2__) && defined(__F16C__)
+    if (int8 && count == 1) {
+        /* One row of x (decode at batch 1): sums per group of 32, scaled once per group, instead of scaling every
+         * weight (30 layers' projections: 4.3 vs 4.9 ms with per-weight scaling, per-row scales 4.3). */
+        __m256 total[4], part[4];
+        for (int i = 0; i < 4; i++) total[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < k; g += INT8_GROUP) {
+            for (int i = 0; i < 4; i++) part[i] = _mm256_setzero_ps();
+            for (int64_t c = g; c < g + INT8_GROUP; c += 8) {
+                const char *chunk = (const char *)block + c * 4;
+                _mm_prefetch(chunk + 2048, _MM_HINT_T0);
+                __m256 xv = _mm256_loadu_ps(x + c);
+                for (int i = 0; i < 4; i++) part[i] = _mm256_fmadd_ps(xv, packed_row8(chunk, i, 1), part[i]);
+            }
+            for (int i = 0; i < 4; i++)
+                total[i] = _mm256_fmadd_ps(part[i], _mm256_broadcast_ss(scales + (g / INT8_GROUP) * 4 + i), total[i]);
+        }
+        for (int i = 0; i < 4; i++) sums[0][i] = hsum8(total[i]);
+        return;
+    }
     __m256 acc[3][4];  /* with the 4 weight vectors, all 16 AVX2 registers at 3 rows (x is an FMA memory operand) */
     for (int r = 0; r < count; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
