@@ -35,6 +35,7 @@ MODES = {
     "none": ["model.dtype=float32", "model.quantization=none"],
     "fp16": ["model.dtype=float32", "model.quantization=fp16"],
     "int8": ["model.dtype=float32", "model.quantization=int8"],
+    "int8_per_row": ["model.dtype=float32", "model.quantization=int8_per_row"],
     "w8a8": ["model.dtype=float32", "model.quantization=w8a8"],
     "bfloat16": ["model.dtype=bfloat16", "model.quantization=none"],
 }

@@ -97,7 +97,8 @@ def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="auto: the engine's default (on an AVX2 CPU, float32 with fp16-packed weights)")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "fp16", "int8", "w8a8"],
+    parser.add_argument("--quantization", default="auto",
+                        choices=["auto", "none", "fp16", "int8", "int8_per_row", "w8a8"],
                         help="model.quantization (auto: fp16-packed weights on an x86 CPU in float32)")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts per workload at batch 1 (more at "

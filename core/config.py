@@ -56,12 +56,13 @@ class ModelConfig(BaseModel):
     max_model_len: int = Field(2048, ge=2, description="Longest prompt + output a request may reach, in tokens.")
     seed: int = 0
     device: str = Field("auto", description='"auto": cuda when available, else cpu.')
-    quantization: Literal["auto", "none", "fp16", "int8", "w8a8"] = Field(
+    quantization: Literal["auto", "none", "fp16", "int8", "int8_per_row", "w8a8"] = Field(
         "auto", description='Weights packed for CPU matmuls: "fp16" (half the bytes, near float32 results), "int8" '
-                            '(weight-only int8 per output row: decode steps read a quarter of float32\'s bytes '
-                            'through the CPU kernels; some greedy tokens differ), "w8a8" (fbgemm\'s int8 weights and '
-                            'per-call int8 activations; this small model\'s answers change), "none". "auto": fp16 on '
-                            'an x86 CPU when dtype is auto and resolves to float32, else none.')
+                            '(weight-only int8, a scale per 32 weights: decode steps read about a quarter of '
+                            'float32\'s bytes through the CPU kernels; some greedy tokens differ), "int8_per_row" '
+                            '(one scale per row: faster at batch 1, further from float32), "w8a8" (fbgemm\'s int8 '
+                            'weights and per-call int8 activations; this small model\'s answers change), "none". '
+                            '"auto": fp16 on an x86 CPU when dtype is auto and resolves to float32, else none.')
     cpu_kernels: Literal["auto"] | bool = Field(
         "auto", description="Float32 on a CPU: run RMSNorm (with its residual add), RoPE and SiLU-and-multiply as "
                             "infer's C kernels, compiled once with the system's C compiler; with fp16 or int8 weights "

@@ -42,7 +42,7 @@ _INT = ctypes.c_int64
 _FLOAT = ctypes.c_float
 _SIGNATURES = {
     "infer_linear_f16": [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT],
-    "infer_linear_i8": [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT],
+    "infer_linear_i8": [_POINTER, _INT, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT],
     "infer_layer_attention_input": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER],
     "infer_layer_feed_forward": [_POINTER, _INT, _POINTER, _POINTER, _POINTER],
     "infer_add_rms_norm": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _FLOAT],
@@ -63,7 +63,8 @@ class _LayerStruct(ctypes.Structure):
                                               "gate_up_scales", "down_scales", "qkv_bias", "o_bias", "gate_up_bias",
                                               "down_bias", "input_norm", "post_norm")]
     _fields_ += [("eps", _FLOAT)] + [(name, _INT) for name in ("hidden", "qkv_width", "q_width", "intermediate",
-                                                               "rotated_heads", "head_dim")]
+                                                               "rotated_heads", "head_dim", "qkv_groups", "o_groups",
+                                                               "gate_up_groups", "down_groups")]
 
 
 class _AttentionStepStruct(ctypes.Structure):
@@ -92,8 +93,9 @@ class FusedLayer:
         self._keep = [*weights, *scales, *biases, *norms]
         (qkv_width, _), (hidden, _), _, (_, intermediate) = (packed_shape(weight) for weight in weights)
         pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
+        groups = [0 if scale is None else scale.shape[1] for scale in scales]
         self.struct = _LayerStruct(*(pointer(tensor) for tensor in (*weights, *scales, *biases, *norms)), eps,
-                                   hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim)
+                                   hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim, *groups)
         self.hidden = hidden
         self.qkv_width = qkv_width
         self._attention_input = kernels._layer_attention_input
@@ -157,10 +159,10 @@ class FusedStack:
         return delta
 
 
-# Steps of at most this many tokens take the kernels' linear layers and ``FusedLayer`` instead of fbgemm's GEMM
-# (a fixed 20-45 us per call at one row). Decode step in ms, fused vs op by op with fbgemm
-# (benchmarks/cpu_kernels.py --only steps: same process, alternating, 3 runs each): batch 1 16.2-18.9 vs 25.6-27.1;
-# 2: 18.5-21.7 vs 26.1-33.9; 4: 24.7-26.9 vs 34.2-41.1; 8: 38.4-40.5 vs 44.9-48.6; 12: 47.5-55.6 vs 49.0-51.9.
+# Steps of at most this many tokens take the kernels' linear layers and ``FusedStack`` (or ``FusedLayer``) instead
+# of fbgemm's GEMM (a fixed 20-45 us per call at one row). Decode step in ms, one call vs op by op with fbgemm
+# (benchmarks/cpu_kernels.py --only steps: same process, alternating, 3 runs each): batch 1 12.6-13.7 vs 22.7-33.5;
+# 2: 12.6-14.2 vs 25.8-28.9; 4: 20.1-21.7 vs 29.9-36.6; 8: 29.4-32.7 vs 39.1-47.3; 12: 49.1-52.4 vs 49.0-54.6.
 FEW_ROWS = 8
 
 
@@ -183,8 +185,8 @@ class CpuKernels:
     def linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` for a few rows ``x`` ``[rows, k]`` (float32, contiguous) and weights packed by
-        ``pack_weights``: fp16 (``scales`` None), or int8 times ``scales`` (one per ``INT8_GROUP`` weights of a row,
-        packed by ``pack_scales``); float32 ``[rows, n]``. Streams the weights once whatever the rows (see
+        ``pack_weights``: fp16 (``scales`` None), or int8 times ``scales`` (one per group of consecutive weights of
+        a row, packed by ``pack_scales``); float32 ``[rows, n]``. Streams the weights once whatever the rows (see
         ``FEW_ROWS``)."""
         _check_flat(x)
         _check_packed(packed, scales)
@@ -196,7 +198,7 @@ class CpuKernels:
                              out_features)
         else:
             self._linear_i8(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), scales.data_ptr(),
-                            bias_pointer, out.data_ptr(), out_features)
+                            scales.shape[1], bias_pointer, out.data_ptr(), out_features)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -264,12 +266,9 @@ class CpuKernels:
         return out
 
 
-# int8 weights carry one float32 scale per this many consecutive weights of a row (INT8_GROUP in the C source).
-INT8_GROUP = 32
-
-
-def can_pack(out_features: int, in_features: int, int8: bool = False) -> bool:
-    return out_features % 4 == 0 and in_features % (INT8_GROUP if int8 else 8) == 0
+def can_pack(out_features: int, in_features: int, group: int = 8) -> bool:
+    """Whether ``pack_weights`` lays out this shape, with int8 scales per ``group`` weights of a row if given."""
+    return out_features % 4 == 0 and in_features % 8 == 0 and group % 8 == 0 and in_features % group == 0
 
 
 def pack_weights(weight: torch.Tensor) -> torch.Tensor:
@@ -288,11 +287,11 @@ def pack_weights(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_scales(scales: torch.Tensor) -> torch.Tensor:
-    """Int8 weights' scales ``[n, k / INT8_GROUP]`` (float32) in ``linear``'s layout: per block of four output
-    rows, ``[k / INT8_GROUP, 4]``."""
+    """Int8 weights' scales ``[n, groups]`` (float32, one per ``k / groups`` consecutive weights of a row) in
+    ``linear``'s layout: per block of four output rows, ``[groups, 4]``."""
     out_features, groups = scales.shape
     if scales.dtype != torch.float32 or out_features % 4:
-        raise ValueError(f"pack_scales takes float32 scales [n, k / {INT8_GROUP}] with n % 4 == 0, got "
+        raise ValueError(f"pack_scales takes float32 scales [n, groups] with n % 4 == 0, got "
                          f"{scales.dtype} {tuple(scales.shape)}")
     return scales.view(out_features // 4, 4, groups).permute(0, 2, 1).contiguous()
 
@@ -348,11 +347,13 @@ def _check_packed(packed: torch.Tensor, scales: torch.Tensor | None) -> None:
     if scales is None:
         return
     out_features, in_features = packed_shape(packed)
-    expected = (out_features // 4, in_features // INT8_GROUP, 4)
-    if in_features % INT8_GROUP or scales.dtype != torch.float32 or scales.shape != expected or \
+    groups = scales.shape[1] if scales.dim() == 3 else 0
+    usable = groups and in_features % groups == 0 and (in_features // groups) % 8 == 0
+    if not usable or scales.dtype != torch.float32 or scales.shape != (out_features // 4, groups, 4) or \
             not scales.is_contiguous():
         raise ValueError(f"int8 weights [{out_features}, {in_features}] need float32 scales packed by pack_scales "
-                         f"{expected}, got {scales.dtype} {tuple(scales.shape)}")
+                         f"([{out_features // 4}, groups, 4], groups of a multiple of 8 weights), got {scales.dtype} "
+                         f"{tuple(scales.shape)}")
 
 
 def _check_pool(kv_cache: torch.Tensor) -> None:

@@ -382,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
         self._stacks = {}
         for layer in self.layers:
             layer.use_cpu_kernels(kernels)
-        if getattr(self.lm_head, "mode", None) == "int8":  # fp16: fbgemm measured as fast on the head
+        if getattr(self.lm_head, "scales", None) is not None:  # int8 modes (fp16: fbgemm as fast on the head)
             self.lm_head.use_cpu_kernels(kernels)
 
     def _fused_stack(self, layers) -> FusedStack | None:

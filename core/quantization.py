@@ -11,6 +11,8 @@ fbgemm, which ships inside torch's x86 builds, multiplies float32 activations by
   the same weights dequantized, which the scales make exact in fp16, so both paths multiply by identical weights.
   Memory: the fp16 copy plus the int8 one. One scale per row instead measured 16.7% agreement with float32's
   greedy answers, per 64 weights 28.3%, per 32 40.3% (fp16: 94.1%).
+- ``int8_per_row``: the same with one scale per row: faster at batch 1 (one scale per block row to apply, no group
+  sums), further from float32's answers (16.7% agreement).
 - ``w8a8``: int8 weights with one scale per output row, activations quantized per call to 8 bits with one scale
   per tensor (fbgemm's ``quantized.linear_dynamic``). A quarter of the bytes; relative error about 2e-2, so this
   135M model's greedy answers change from the first tokens (``benchmarks/quantization.py`` counts them).
@@ -34,10 +36,13 @@ import warnings
 import torch
 from torch import nn
 
-from infer.cpu_kernels import FEW_ROWS, INT8_GROUP, can_pack, pack_scales, pack_weights
+from infer.cpu_kernels import FEW_ROWS, can_pack, pack_scales, pack_weights
 from infer.model import Linear
 
-QUANTIZATIONS = ("none", "fp16", "int8", "w8a8")
+QUANTIZATIONS = ("none", "fp16", "int8", "int8_per_row", "w8a8")
+# Weights per int8 scale in mode int8 (int8_per_row: a whole row).
+INT8_GROUP = 32
+_KERNEL_MODES = ("fp16", "int8", "int8_per_row")
 
 
 def fbgemm_available() -> bool:
@@ -63,16 +68,16 @@ def resolve_quantization(name: str, dtype_setting: str, dtype: torch.dtype, devi
     return name
 
 
-def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 weights ``[n, k]`` and float32 scales ``[n, k / INT8_GROUP]``, one per group of 32 consecutive
-    weights of a row (its largest maps to about 127); ``k % 32 == 0``. Each scale is rounded up to 4 significant
+def int8_weights(weight: torch.Tensor, group: int = INT8_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 weights ``[n, k]`` and float32 scales ``[n, k / group]``, one per ``group`` consecutive weights
+    of a row (the group's largest maps to about 127); ``k % group == 0``. Each scale is rounded up to 4 significant
     bits, so every weight times its scale (at most 127 x 16 in units of the scale's last bit, under fp16's 11) is
     exact in fp16 where the group's largest weight is above ~1e-5: fbgemm's fp16 GEMM and the int8 GEMV then compute
     with the same weights. The rounding widens the quantization step by at most 1/8 (to ~6.9 bits)."""
     out_features, in_features = weight.shape
-    if in_features % INT8_GROUP:
-        raise ValueError(f"int8 weights need in_features % {INT8_GROUP} == 0, got {tuple(weight.shape)}")
-    groups = weight.reshape(out_features, in_features // INT8_GROUP, INT8_GROUP)
+    if in_features % group:
+        raise ValueError(f"int8 weights need in_features % {group} == 0, got {tuple(weight.shape)}")
+    groups = weight.reshape(out_features, in_features // group, group)
     largest = groups.abs().amax(dim=2).clamp(min=1e-8)
     mantissa, exponent = torch.frexp(largest / 127.0)  # mantissa in [0.5, 1)
     scales = torch.ldexp(torch.ceil(mantissa * 16) / 16, exponent).float()
@@ -83,7 +88,7 @@ def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_int8(quantized: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The float32 weights ``[n, k]`` that ``int8_weights`` encodes."""
     out_features, in_features = quantized.shape
-    groups = quantized.view(out_features, in_features // INT8_GROUP, INT8_GROUP).float()
+    groups = quantized.view(out_features, scales.shape[1], -1).float()
     return (groups * scales[:, :, None]).view(out_features, in_features)
 
 
@@ -102,15 +107,16 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         weight = linear.weight.detach().float()
         bias = None if linear.bias is None else linear.bias.detach().float()
-        self.scales: torch.Tensor | None = None  # int8: [n, k / INT8_GROUP]
+        self.scales: torch.Tensor | None = None  # int8 modes: [n, groups]
         if mode == "fp16":
             self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
             self.nbytes = weight.numel() * 2
-        elif mode == "int8":
-            if self.in_features % INT8_GROUP:
-                raise ValueError(f"model.quantization=int8 needs in_features % {INT8_GROUP} == 0, got a linear layer "
-                                 f"{self.in_features} -> {self.out_features}")
-            quantized, self.scales = int8_weights(weight)
+        elif mode in ("int8", "int8_per_row"):
+            group = INT8_GROUP if mode == "int8" else self.in_features
+            if self.in_features % group:
+                raise ValueError(f"model.quantization=int8 needs in_features % {group} == 0, got a linear layer "
+                                 f"{self.in_features} -> {self.out_features} (int8_per_row takes any)")
+            quantized, self.scales = int8_weights(weight, group)
             self.packed = torch.ops.quantized.linear_prepack_fp16(dequantize_int8(quantized, self.scales), bias)
             self.nbytes = weight.numel() * 2 + self.scales.numel() * 4
         elif mode == "w8a8":
@@ -128,29 +134,30 @@ class PackedLinear(nn.Module):
         self.bias = bias
         self.weight = linear.weight if keep_weight else None
         self.kernels = None
-        # For a few rows: the weights in cpu_kernels.pack_weights' layout, fp16 (mode fp16) or int8 (mode int8) with
+        # For a few rows: the weights in cpu_kernels.pack_weights' layout, fp16 (mode fp16) or int8 (int8 modes) with
         # their scales in pack_scales' layout.
         self.kernel_weight: torch.Tensor | None = None
         self.kernel_scales: torch.Tensor | None = None
 
     def use_cpu_kernels(self, kernels) -> None:
         """Compute inputs of a few rows (``FEW_ROWS``: decode at small batches, verification) with
-        ``kernels.linear`` (``fp16`` and ``int8`` modes, shapes ``pack_weights`` takes), over a copy of the weights
-        in its layout beside fbgemm's packed one: fp16, or the int8 weights for ``int8``. The streaming GEMV has no
+        ``kernels.linear`` (``fp16`` and the int8 modes, shapes ``pack_weights`` takes), over a copy of the weights
+        in its layout beside fbgemm's packed one: fp16, or the int8 weights and their scales. The streaming GEMV has no
         fixed per-call cost, where fbgemm pays 20-45 us at one row: 30 layers' projections at one row measured
         11.1-12.1 vs 14.7-14.9 ms per step in fp16 (README, CPU performance). Costs the copy's bytes (counted in
         ``nbytes``)."""
-        if self.mode not in ("fp16", "int8") or (kernels is None) == (self.kernels is None):
+        if self.mode not in _KERNEL_MODES or (kernels is None) == (self.kernels is None):
             return
-        if not can_pack(self.out_features, self.in_features, int8=self.mode == "int8"):  # stays on fbgemm
+        group = 8 if self.scales is None else self.in_features // self.scales.shape[1]
+        if not can_pack(self.out_features, self.in_features, group):  # stays on fbgemm
             return
         if kernels is None:
             self.nbytes -= self.kernel_weight.numel() * self.kernel_weight.element_size()
             self.kernels = self.kernel_weight = self.kernel_scales = None
             return
         weight, _ = torch.ops.quantized.linear_unpack_fp16(self.packed)
-        if self.mode == "int8":  # the fp16 weights are the int8 ones times their scales, exactly
-            groups = weight.float().view(self.out_features, -1, INT8_GROUP) / self.scales[:, :, None]
+        if self.scales is not None:  # the fp16 weights are the int8 ones times their scales, exactly
+            groups = weight.float().view(self.out_features, self.scales.shape[1], -1) / self.scales[:, :, None]
             self.kernel_weight = pack_weights(torch.round(groups).to(torch.int8).view(weight.shape))
             self.kernel_scales = pack_scales(self.scales)
         else:
@@ -162,7 +169,7 @@ class PackedLinear(nn.Module):
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the engine's tokens are already flat
         if self.kernels is not None and flat.shape[0] <= FEW_ROWS:
             out = self.kernels.linear(flat, self.kernel_weight, self.kernel_scales, self.bias)
-        elif self.mode in ("fp16", "int8"):
+        elif self.mode in _KERNEL_MODES:
             out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)
         else:
             # reduce_range: 7-bit activations, so AVX2's 16-bit pairwise sums cannot saturate.

@@ -167,20 +167,20 @@ def test_compiler_errors_are_reported(monkeypatch, tmp_path):
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (4, 32), (12, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("weights", ["fp16", "int8"])
+@pytest.mark.parametrize("weights", ["fp16", "int8 per 32", "int8 per 8", "int8 per row"])
 def test_linear_matches_the_packed_weights(kernels, out_features, in_features, bias, rows, weights):
-    """fp16 weights, or int8 ones times a scale per 32 of a row, against float64 over the same weights."""
+    """fp16 weights, or int8 ones times a scale per group of a row, against float64 over the same weights."""
     weight = randn(out_features, in_features, seed=11, scale=0.1)
     scales = None
     if weights == "fp16":
         weight = weight.half()
         exact = weight.double()
     else:
-        groups = in_features // cpu_kernels.INT8_GROUP
-        scales = randn(out_features, groups, seed=15).abs() * 0.01 + 1e-3
+        group = {"int8 per 32": 32, "int8 per 8": 8, "int8 per row": in_features}[weights]
+        scales = randn(out_features, in_features // group, seed=15).abs() * 0.01 + 1e-3
         weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8,
                                generator=torch.Generator().manual_seed(16))
-        exact = weight.double() * scales.double().repeat_interleave(cpu_kernels.INT8_GROUP, dim=1)
+        exact = weight.double() * scales.double().repeat_interleave(group, dim=1)
     bias_values = randn(out_features, seed=12) if bias else None
     x = randn(rows, in_features, seed=13)
     expected = torch.nn.functional.linear(x.double(), exact, None if bias_values is None else bias_values.double())
@@ -218,6 +218,8 @@ def test_linear_refuses_int8_weights_without_their_scales(kernels):
         kernels.linear(x, packed, None, None)
     with pytest.raises(ValueError, match="packed by pack_scales"):
         kernels.linear(x, packed, torch.ones(8, 2), None)  # not in pack_scales' layout
+    with pytest.raises(ValueError, match="packed by pack_scales"):
+        kernels.linear(x, packed, cpu_kernels.pack_scales(torch.ones(8, 16)), None)  # groups of 4: not a multiple of 8
     kernels.linear(x, packed, cpu_kernels.pack_scales(torch.ones(8, 2)), None)
     with pytest.raises(ValueError, match="need their scales"):
         kernels.linear(x, cpu_kernels.pack_weights(torch.zeros(8, 64, dtype=torch.float16)),
@@ -225,7 +227,7 @@ def test_linear_refuses_int8_weights_without_their_scales(kernels):
 
 
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="needs fbgemm (x86)")
-@pytest.mark.parametrize(("mode", "bytes_per_weight"), [("fp16", 2), ("int8", 1)])
+@pytest.mark.parametrize(("mode", "bytes_per_weight"), [("fp16", 2), ("int8", 1), ("int8_per_row", 1)])
 def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes_per_weight):
     """The kernels' copy (fp16, or int8 with its scales) takes the few rows, fbgemm the rest."""
     from infer.cpu_kernels import FEW_ROWS
@@ -237,7 +239,7 @@ def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes
     before_bytes, expected = packed.nbytes, packed(rows)
     packed.use_cpu_kernels(kernels)
     assert packed.nbytes == before_bytes + 960 * 576 * bytes_per_weight  # the kernels' copy is counted
-    assert packed.kernel_weight.dtype == (torch.int8 if mode == "int8" else torch.float16)
+    assert packed.kernel_weight.dtype == (torch.float16 if mode == "fp16" else torch.int8)
     calls = []
     original = kernels.linear
     kernels.linear = lambda *args: calls.append(1) or original(*args)

@@ -262,7 +262,7 @@ def test_default_model_chat_logits_match_hf():
 
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="fp16 packing needs fbgemm")
 @pytest.mark.parametrize("name", ["llama_gqa", "llama_attention_bias", "qwen2"])
-@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("mode", ["fp16", "int8", "int8_per_row"])
 def test_fused_layers_give_the_unfused_kernels_logits(name, mode, monkeypatch):
     """Steps of a few tokens through ``FusedLayer`` (two C calls per layer) and through ``FusedStack`` (one call for
     all layers, attention included) run the same kernels as the op-by-op path, so the logits are identical; and all

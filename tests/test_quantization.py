@@ -31,7 +31,8 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm())
 
 
-@pytest.mark.parametrize(("mode", "tolerance"), [("fp16", 1e-3), ("int8", 2e-2), ("w8a8", 5e-2)])
+@pytest.mark.parametrize(("mode", "tolerance"), [("fp16", 1e-3), ("int8", 2e-2), ("int8_per_row", 2e-2),
+                                                    ("w8a8", 5e-2)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_float32_within_its_precision(mode, tolerance, bias):
     torch.manual_seed(0)
@@ -63,14 +64,14 @@ def test_auto_packs_fp16_only_for_float32_reached_through_dtype_auto():
 @pytest.mark.parametrize(("name", "dtype", "device", "message"), [
     ("int8", torch.bfloat16, CPU, "model.dtype=float32"),
     ("fp16", torch.float32, torch.device("cuda"), "fbgemm"),
-    ("int4", torch.float32, CPU, "choose one of auto, none, fp16, int8, w8a8"),
+    ("int4", torch.float32, CPU, "choose one of auto, none, fp16, int8, int8_per_row, w8a8"),
 ])
 def test_unusable_quantization_is_refused_clearly(name, dtype, device, message):
     with pytest.raises(ValueError, match=message):
         resolve_quantization(name, "float32", dtype, device)
 
 
-@pytest.mark.parametrize("mode", ["fp16", "int8", "w8a8"])
+@pytest.mark.parametrize("mode", ["fp16", "int8", "int8_per_row", "w8a8"])
 def test_packed_model_logits_track_float32(tiny_model_dir, mode):
     from test_model import PagedPool, random_tokens
 
@@ -84,7 +85,7 @@ def test_packed_model_logits_track_float32(tiny_model_dir, mode):
     tokens = random_tokens(24, seed=1, vocab_size=model.vocab_size)
     expected = PagedPool(model).step({"a": tokens})["a"]
     actual = PagedPool(packed).step({"a": tokens})["a"]
-    assert relative_error(actual, expected) < {"fp16": 2e-3, "int8": 0.05, "w8a8": 0.1}[mode]
+    assert relative_error(actual, expected) < {"fp16": 2e-3, "int8": 0.05, "int8_per_row": 0.05, "w8a8": 0.1}[mode]
 
 
 def test_int8_weights_times_their_scales_are_exact_in_fp16():
@@ -102,6 +103,9 @@ def test_int8_weights_times_their_scales_are_exact_in_fp16():
     assert bool((scales <= largest / 127 * (1 + 1 / 8)).all())  # at most 1/8 coarser than absmax / 127
     with pytest.raises(ValueError, match="% 32"):
         int8_weights(torch.randn(4, 48))
+    quantized, scales = int8_weights(weight, group=96)  # one scale per row
+    assert scales.shape == (64, 1) and torch.equal(dequantize_int8(quantized, scales).half().float(),
+                                                   dequantize_int8(quantized, scales))
 
 
 def test_int8_refuses_layers_it_cannot_group_clearly():
@@ -114,7 +118,7 @@ def test_quantize_linears_with_none_changes_nothing():
     assert isinstance(quantize_linears(layer, "none")[0], Linear)
 
 
-@pytest.mark.parametrize("mode", ["fp16", "int8"])
+@pytest.mark.parametrize("mode", ["fp16", "int8", "int8_per_row"])
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
 def test_engine_runs_with_packed_weights(tiny_model_dir, drafter, mode):
     overrides = dict(model__path=tiny_model_dir, model__dtype="float32", model__quantization=mode,

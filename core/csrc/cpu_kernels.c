@@ -121,33 +121,36 @@ static inline __m256 packed_row8(const void *chunk, int i, const int int8) {
 }
 #endif
 
-/* Int8 weights come with one float scale per 32 consecutive weights of a row (INT8_GROUP), laid out per block as
- * [k / 32][4]: the scales of the block's four rows for each group of 32 columns. */
-#define INT8_GROUP 32
+/* Int8 weights come with one float scale per `group` consecutive weights of a row (a multiple of 8 dividing k; k
+ * for one scale per row), laid out per block as [k / group][4]: the scales of the block's four rows for each group
+ * of columns. */
 
 /* sums[r][i] = x[r] . (output row i of the block) for `count` (1 to 3, a constant once inlined) rows of x and a
  * block of four output rows laid out [k / 8][4][8] (fp16, or int8 times `scales` when `int8`): one sequential
  * stream, each chunk holding 8 weights of each of the 4 rows, converted once and used for every row of x. */
 static inline __attribute__((always_inline)) void block_dot(const float *x, int64_t k, const void *block,
-                                                            const float *scales, float sums[3][4], const int count,
-                                                            const int int8) {
+                                                            const float *scales, int64_t group, float sums[3][4],
+                                                            const int count, const int int8) {
     const int64_t width = int8 ? 1 : 2;  /* bytes per weight */
+    /* int8 with one scale per row: scale the sums at the end; with smaller groups: per group (one row of x) or per
+     * converted weight (more rows: no registers left for per-group sums) */
+    const int per_row = int8 && group == k;
 #if defined(__AVX2__) && defined(__F16C__)
-    if (int8 && count == 1) {
-        /* One row of x (decode at batch 1): sums per group of 32, scaled once per group, instead of scaling every
-         * weight (30 layers' projections: 4.3 vs 4.9 ms with per-weight scaling, per-row scales 4.3). */
+    if (int8 && count == 1 && !per_row) {
+        /* one row of x, decode at batch 1: sums per group, each scaled once (scaling every weight instead measured
+         * 5.0 vs 4.6 ms over the 30 layers' projections at groups of 32) */
         __m256 total[4], part[4];
         for (int i = 0; i < 4; i++) total[i] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < k; g += INT8_GROUP) {
+        for (int64_t g = 0, index = 0; g < k; g += group, index++) {
             for (int i = 0; i < 4; i++) part[i] = _mm256_setzero_ps();
-            for (int64_t c = g; c < g + INT8_GROUP; c += 8) {
+            for (int64_t c = g; c < g + group; c += 8) {
                 const char *chunk = (const char *)block + c * 4;
                 _mm_prefetch(chunk + 2048, _MM_HINT_T0);
                 __m256 xv = _mm256_loadu_ps(x + c);
                 for (int i = 0; i < 4; i++) part[i] = _mm256_fmadd_ps(xv, packed_row8(chunk, i, 1), part[i]);
             }
             for (int i = 0; i < 4; i++)
-                total[i] = _mm256_fmadd_ps(part[i], _mm256_broadcast_ss(scales + (g / INT8_GROUP) * 4 + i), total[i]);
+                total[i] = _mm256_fmadd_ps(part[i], _mm256_broadcast_ss(scales + index * 4 + i), total[i]);
         }
         for (int i = 0; i < 4; i++) sums[0][i] = hsum8(total[i]);
         return;
@@ -155,15 +158,20 @@ static inline __attribute__((always_inline)) void block_dot(const float *x, int6
     __m256 acc[3][4];  /* with the 4 weight vectors, all 16 AVX2 registers at 3 rows (x is an FMA memory operand) */
     for (int r = 0; r < count; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < k; c += 8) {
+    const float *group_scales = scales;
+    for (int64_t c = 0, left = group; c < k; c += 8, left -= 8) {
         const char *chunk = (const char *)block + c * 4 * width;
         /* 2 KB ahead (into the next block at the end, which this thread takes next): from 2 rows of x on the
          * hardware prefetcher alone fell behind (5 rows 13.8 vs 16.0 ms for the 30 layers, 2 rows 8.6 vs 10.0). */
         _mm_prefetch(chunk + 2048, _MM_HINT_T0);
+        if (left == 0) {
+            group_scales += 4;
+            left = group;
+        }
         __m256 weights[4];
         for (int i = 0; i < 4; i++) {
             weights[i] = packed_row8(chunk, i, int8);
-            if (int8) weights[i] = _mm256_mul_ps(weights[i], _mm256_broadcast_ss(scales + (c / INT8_GROUP) * 4 + i));
+            if (int8 && !per_row) weights[i] = _mm256_mul_ps(weights[i], _mm256_broadcast_ss(group_scales + i));
         }
         for (int r = 0; r < count; r++) {
             __m256 xv = _mm256_loadu_ps(x + r * k + c);
@@ -171,48 +179,50 @@ static inline __attribute__((always_inline)) void block_dot(const float *x, int6
         }
     }
     for (int r = 0; r < count; r++)
-        for (int i = 0; i < 4; i++) sums[r][i] = hsum8(acc[r][i]);
+        for (int i = 0; i < 4; i++) sums[r][i] = hsum8(acc[r][i]) * (per_row ? scales[i] : 1.0f);
 #else
     for (int r = 0; r < count; r++)
         for (int i = 0; i < 4; i++) {
             float total = 0.0f;
             for (int64_t c = 0; c < k; c++) {
                 float w = packed_weight((const char *)block + (c / 8) * 32 * width, i, c % 8, int8);
-                if (int8) w *= scales[(c / INT8_GROUP) * 4 + i];
+                if (int8) w *= scales[(c / group) * 4 + i];
                 total += x[r * k + c] * w;
             }
             sums[r][i] = total;
         }
+    (void)per_row;
 #endif
 }
 
 /* y[m, n] = w[n, :] . x[m, :] + bias[n] (no bias when NULL) for `rows` rows of x (k floats each), y [rows, n_out],
  * with w [n_out, k] packed by `infer.cpu_kernels.pack_weights` in blocks of four output rows,
  * [n_out / 4][k / 8][4][8] (n_out % 4 == 0, k % 8 == 0), fp16, or int8 with `scales` packed by
- * `infer.cpu_kernels.pack_scales` ([n_out / 4][k / 32][4], k % 32 == 0). Meant for the few rows of a decode or
- * verification step, which stream every weight from memory once: each block is one sequential stream (row-major
- * rows would be four), reused for up to three rows of x while in registers and for the next ones while in L1.
- * Split over the threads by blocks. */
+ * `infer.cpu_kernels.pack_scales` ([n_out / 4][groups][4], groups scales per row). Meant for the few rows of a
+ * decode or verification step, which stream every weight from memory once: each block is one sequential stream
+ * (row-major rows would be four), reused for up to three rows of x while in registers and for the next ones while
+ * in L1. Split over the threads by blocks. */
 static inline __attribute__((always_inline)) void linear_packed(const float *x, int64_t rows, int64_t k,
-                                                                const void *w, const float *scales,
+                                                                const void *w, const float *scales, int64_t groups,
                                                                 const float *bias, float *y, int64_t n_out,
                                                                 const int int8) {
-    const int64_t blocks = n_out / 4, block_bytes = 4 * k * (int8 ? 1 : 2), block_scales = 4 * (k / INT8_GROUP);
+    const int64_t blocks = n_out / 4, block_bytes = 4 * k * (int8 ? 1 : 2);
+    const int64_t group = int8 ? k / groups : k;
 #pragma omp parallel for schedule(static) if (rows * n_out * k >= 65536)
     for (int64_t b = 0; b < blocks; b++) {
         const void *block = (const char *)w + b * block_bytes;
-        const float *own_scales = int8 ? scales + b * block_scales : NULL;
+        const float *own_scales = int8 ? scales + b * 4 * groups : NULL;
         for (int64_t m = 0; m < rows;) {
             /* passes of 3 rows, then 2 (4 = 2 + 2, 5 = 3 + 2, 7 = 3 + 2 + 2), or 1 when only one is left */
             const int64_t left = rows - m;
             const int count = left == 1 ? 1 : (left == 2 || left == 4) ? 2 : 3;
             float sums[3][4];
             if (count == 3)
-                block_dot(x + m * k, k, block, own_scales, sums, 3, int8);
+                block_dot(x + m * k, k, block, own_scales, group, sums, 3, int8);
             else if (count == 2)
-                block_dot(x + m * k, k, block, own_scales, sums, 2, int8);
+                block_dot(x + m * k, k, block, own_scales, group, sums, 2, int8);
             else
-                block_dot(x + m * k, k, block, own_scales, sums, 1, int8);
+                block_dot(x + m * k, k, block, own_scales, group, sums, 1, int8);
             for (int r = 0; r < count; r++)
                 for (int i = 0; i < 4; i++) {
                     const int64_t n = b * 4 + i;
@@ -226,20 +236,20 @@ static inline __attribute__((always_inline)) void linear_packed(const float *x, 
 /* fp16 weights (see linear_packed). */
 void infer_linear_f16(const float *x, int64_t rows, int64_t k, const uint16_t *w, const float *bias, float *y,
                       int64_t n_out) {
-    linear_packed(x, rows, k, w, NULL, bias, y, n_out, 0);
+    linear_packed(x, rows, k, w, NULL, 0, bias, y, n_out, 0);
 }
 
-/* int8 weights with a float scale per 32 of a row (see linear_packed): 9/16 of fp16's bytes. */
-void infer_linear_i8(const float *x, int64_t rows, int64_t k, const int8_t *w, const float *scales,
+/* int8 weights with `groups` float scales per row (see linear_packed): a bit over half of fp16's bytes. */
+void infer_linear_i8(const float *x, int64_t rows, int64_t k, const int8_t *w, const float *scales, int64_t groups,
                      const float *bias, float *y, int64_t n_out) {
-    linear_packed(x, rows, k, w, scales, bias, y, n_out, 1);
+    linear_packed(x, rows, k, w, scales, groups, bias, y, n_out, 1);
 }
 
 /* A projection of a layer: int8 weights when it has scales, else fp16. */
-static void layer_linear(const void *w, const float *scales, const float *x, int64_t rows, int64_t k,
-                         const float *bias, float *y, int64_t n_out) {
+static void layer_linear(const void *w, const float *scales, int64_t groups, const float *x, int64_t rows,
+                         int64_t k, const float *bias, float *y, int64_t n_out) {
     if (scales)
-        infer_linear_i8(x, rows, k, w, scales, bias, y, n_out);
+        infer_linear_i8(x, rows, k, w, scales, groups, bias, y, n_out);
     else
         infer_linear_f16(x, rows, k, w, bias, y, n_out);
 }
@@ -470,6 +480,7 @@ typedef struct {
     const float *input_norm, *post_norm;
     float eps;
     int64_t hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim;
+    int64_t qkv_groups, o_groups, gate_up_groups, down_groups;  /* int8: scales per row */
 } infer_layer;
 
 /* The layer's first half up to attention for `tokens` tokens: residual += delta (none for the first layer),
@@ -479,7 +490,7 @@ void infer_layer_attention_input(const infer_layer *layer, int64_t tokens, float
                                  float *qkv) {
     float *normed = malloc(sizeof(float) * tokens * layer->hidden);
     infer_add_rms_norm(residual, delta, normed, layer->input_norm, tokens, layer->hidden, layer->eps);
-    layer_linear(layer->qkv, layer->qkv_scales, normed, tokens, layer->hidden, layer->qkv_bias, qkv,
+    layer_linear(layer->qkv, layer->qkv_scales, layer->qkv_groups, normed, tokens, layer->hidden, layer->qkv_bias, qkv,
                  layer->qkv_width);
     infer_rope(qkv, positions, cos_table, sin_table, tokens, layer->qkv_width, layer->rotated_heads,
                layer->head_dim);
@@ -495,12 +506,14 @@ void infer_layer_feed_forward(const infer_layer *layer, int64_t tokens, const fl
     float *projected = malloc(sizeof(float) * tokens * hidden), *normed = malloc(sizeof(float) * tokens * hidden);
     float *gate_up = malloc(sizeof(float) * tokens * 2 * intermediate);
     float *activated = malloc(sizeof(float) * tokens * intermediate);
-    layer_linear(layer->o, layer->o_scales, attended, tokens, layer->q_width, layer->o_bias, projected, hidden);
+    layer_linear(layer->o, layer->o_scales, layer->o_groups, attended, tokens, layer->q_width, layer->o_bias,
+                 projected, hidden);
     infer_add_rms_norm(residual, projected, normed, layer->post_norm, tokens, hidden, layer->eps);
-    layer_linear(layer->gate_up, layer->gate_up_scales, normed, tokens, hidden, layer->gate_up_bias, gate_up,
-                 2 * intermediate);
+    layer_linear(layer->gate_up, layer->gate_up_scales, layer->gate_up_groups, normed, tokens, hidden,
+                 layer->gate_up_bias, gate_up, 2 * intermediate);
     infer_silu_mul(gate_up, activated, tokens, intermediate);
-    layer_linear(layer->down, layer->down_scales, activated, tokens, intermediate, layer->down_bias, delta, hidden);
+    layer_linear(layer->down, layer->down_scales, layer->down_groups, activated, tokens, intermediate,
+                 layer->down_bias, delta, hidden);
     free(activated);
     free(gate_up);
     free(normed);
