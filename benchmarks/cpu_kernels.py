@@ -26,6 +26,7 @@ import infer.model
 import infer.quantization
 from infer import LLM, SamplingParams, cpu_kernels
 from infer.quantization import int8_weights
+from step_profile import drain  # beside this script: abort and release every request of an engine
 
 # (out_features, in_features) of one SmolLM2-135M layer's projections: QKV, output, gate/up, down.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -107,12 +108,7 @@ def steps_case(repeats: int) -> None:
             vars(attention).pop("kernel_attention", None)
         print(f"| {batch} | " + " | ".join(" / ".join(f"{value:.1f}" for value in runs[arm]) for arm in runs) + " |",
               flush=True)
-        for request_id in list(engine.requests):
-            engine.abort(request_id)
-        while engine.has_unfinished():
-            engine.step()
-        for request_id in list(engine.requests):
-            engine.release_request(request_id)
+        drain(engine)
 
 
 def main() -> None:

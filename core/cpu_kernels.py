@@ -241,8 +241,7 @@ class CpuKernels:
         _check_rows(k)
         _check_rows(v)
         _check_pool(kv_cache)
-        if slots.dtype != torch.int64 or not slots.is_contiguous():
-            raise ValueError("the CPU kernels need the slot mapping as contiguous int64")
+        _check_slots(slots)
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
         self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache.data_ptr(), slots.data_ptr(),
                        k.shape[0], k.shape[1] * k.shape[2], num_slots)
@@ -254,8 +253,7 @@ class CpuKernels:
         ``out`` ``[T, heads, head_dim]`` (contiguous), which is returned."""
         _check_rows(q)
         _check_pool(kv_cache)
-        if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
-            raise ValueError("the CPU kernels need block tables as int32 rows")
+        _check_block_tables(block_tables)
         _, num_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         rows = None if plan.rows is None else plan.rows.data_ptr()
@@ -325,10 +323,8 @@ class KernelAttentionStep:
     scale: float
 
     def check(self) -> None:
-        if self.block_tables.dtype != torch.int32 or self.block_tables.stride(1) != 1:
-            raise ValueError("the CPU kernels need block tables as int32 rows")
-        if self.slots.dtype != torch.int64 or not self.slots.is_contiguous():
-            raise ValueError("the CPU kernels need the slot mapping as contiguous int64")
+        _check_block_tables(self.block_tables)
+        _check_slots(self.slots)
 
 
 def _check_flat(x: torch.Tensor) -> None:
@@ -354,6 +350,16 @@ def _check_packed(packed: torch.Tensor, scales: torch.Tensor | None) -> None:
         raise ValueError(f"int8 weights [{out_features}, {in_features}] need float32 scales packed by pack_scales "
                          f"([{out_features // 4}, groups, 4], groups of a multiple of 8 weights), got {scales.dtype} "
                          f"{tuple(scales.shape)}")
+
+
+def _check_block_tables(block_tables: torch.Tensor) -> None:
+    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+        raise ValueError("the CPU kernels need block tables as int32 rows")
+
+
+def _check_slots(slots: torch.Tensor) -> None:
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        raise ValueError("the CPU kernels need the slot mapping as contiguous int64")
 
 
 def _check_pool(kv_cache: torch.Tensor) -> None:
