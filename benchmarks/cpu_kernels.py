@@ -1,13 +1,14 @@
 """infer's CPU kernels against fbgemm, side by side in one process (the numbers in the README's CPU performance
-section and at ``infer.cpu_kernels.FEW_ROWS``):
+section, behind ``execution.fused_max_tokens``' default of 8):
 
 1. ``gemv``: the 30 layers' projections of SmolLM2-135M (fresh random weights, so every call streams from memory,
    as in a real step) at 1-8 rows: fbgemm's fp16 GEMM, the kernels' GEMV over packed fp16 weights and over int8
    ones (``model.quantization: int8``); ms per step.
-2. ``steps``: decode steps of the default model at batch 1-12: all layers in one C call (``FusedStack``, the default
-   for steps of up to 8 tokens), layer by layer as two C calls around the backend's attention (``FusedLayer``, what
-   a backend without ``kernel_attention`` gets), and op by op with fbgemm's GEMM (the small-op kernels on in all
-   three); ms per step.
+2. ``steps``: decode steps of the default model at batch 1-12, one engine per execution path, chosen by config: all
+   layers in one C call (``fused-stack``, the default for steps of up to 8 tokens), layer by layer as two C calls
+   around the backend's attention (``fused-layers``, what a backend without ``fused_cpu_attention`` gets), and op by
+   op with fbgemm's GEMM (``execution.fused_max_tokens=0``; the small-op kernels and the cpu backend in all three);
+   ms per step.
 
 Each case alternates its arms ``--repeats`` times and prints every run.
 
@@ -22,8 +23,6 @@ import time
 
 import torch
 
-import infer.model
-import infer.quantization
 from infer import LLM, SamplingParams, cpu_kernels
 from infer.quantization import int8_weights
 from step_profile import drain  # beside this script: abort and release every request of an engine
@@ -76,39 +75,35 @@ def gemv_case(repeats: int) -> None:
               flush=True)
 
 
-def set_few_rows(value: int) -> None:
-    """``FEW_ROWS`` where the model and the packed projections read it (0: every step op by op on fbgemm)."""
-    infer.model.FEW_ROWS = infer.quantization.FEW_ROWS = value
+# Each arm's execution config; the fused arms' token limit is raised to the batch so that they run it.
+STEP_ARMS = {
+    "stack": lambda batch: [f"execution.fused_max_tokens={max(8, batch)}"],
+    "layers": lambda batch: ["execution.paths=[fused-layers,torch]", f"execution.fused_max_tokens={max(8, batch)}"],
+    "fbgemm": lambda batch: ["execution.fused_max_tokens=0"],
+}
 
 
 def steps_case(repeats: int) -> None:
-    llm = LLM("baseline")
-    engine = llm.engine
-    default = cpu_kernels.FEW_ROWS
     params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
-    attention = engine.runner.attention
     print("| batch | one call (default) ms | layer by layer ms | op by op, fbgemm ms |\n|---|---|---|---|")
     for batch in (1, 2, 4, 8, 12):
-        for index in range(batch):
-            engine.add_request([{"role": "user", "content": f"Tell me a long story about lighthouse {index}."}],
-                               params)
-        while any(seq.num_uncomputed_tokens > 1 for seq in engine.running) or engine.waiting:
-            engine.step()  # prefill
-        runs = {"stack": [], "layers": [], "fbgemm": []}
-        try:
-            for _ in range(repeats):
-                for arm, few_rows in (("stack", max(default, batch)), ("layers", max(default, batch)), ("fbgemm", 0)):
-                    set_few_rows(few_rows)
-                    if arm == "layers":  # the instance attribute shadows the backend's method until deleted
-                        attention.kernel_attention = lambda metadata: None
-                    runs[arm].append(timed(engine.step, 10))
-                    vars(attention).pop("kernel_attention", None)
-        finally:
-            set_few_rows(default)
-            vars(attention).pop("kernel_attention", None)
+        engines = {arm: LLM("baseline", dotlist=["cache.memory_budget=256MiB", *overrides(batch)]).engine
+                   for arm, overrides in STEP_ARMS.items()}
+        for engine in engines.values():
+            for index in range(batch):
+                engine.add_request([{"role": "user", "content": f"Tell me a long story about lighthouse {index}."}],
+                                   params)
+            while any(seq.num_uncomputed_tokens > 1 for seq in engine.running) or engine.waiting:
+                engine.step()  # prefill
+        runs = {arm: [] for arm in engines}
+        for _ in range(repeats):
+            for arm, engine in engines.items():
+                runs[arm].append(timed(engine.step, 10))
         print(f"| {batch} | " + " | ".join(" / ".join(f"{value:.1f}" for value in runs[arm]) for arm in runs) + " |",
               flush=True)
-        drain(engine)
+        for engine in engines.values():
+            drain(engine)
+        del engines
 
 
 def main() -> None:

@@ -6,9 +6,10 @@ Wall-clock timers wrap the engine's parts (on the CPU every op is synchronous, s
 scheduling, batch metadata (flattening plus the attention backend's per-step plan), the dense projections of the
 layers, attention (KV write plus paged attention), the output head, sampling; the remainder is the rest of the
 forward pass (embedding, RMSNorm, RoPE, SiLU, residual adds) plus Python glue. Steps of a few tokens run all layers
-in one C call (``FusedStack``): its time, projections, attention and small ops together, is the "layers, one call"
-column; with a backend that keeps attention to itself they run each layer's dense parts as two C calls
-(``FusedLayer``), the "fused dense" column. Prints a markdown table, milliseconds per step and shares.
+in one C call (the ``fused-stack`` execution path, ``FusedStack``): its time, projections, attention and small ops
+together, is the "layers, one call" column; with a backend that keeps attention to itself they run each layer's dense
+parts as two C calls (``fused-layers``, ``FusedLayer``), the "fused dense" column. Prints a markdown table,
+milliseconds per step and shares.
 
     OMP_NUM_THREADS=2 python benchmarks/step_profile.py
     python benchmarks/step_profile.py model.quantization=none       # any config override
@@ -163,8 +164,8 @@ def main() -> None:
         total, parts = prefill_case(llm, timers, batch, length, repeats=3)
         lines.append(row(f"prefill {batch} x {length}", total, parts, batch * length))
         print(lines[-1], flush=True)
-    variants = {"CPU kernel": [], "torch, cascade on": ["attention.cpu_kernels=false"],
-                "torch, cascade off": ["attention.cpu_kernels=false", "attention.cascade=false"]}
+    variants = {"CPU kernel": ["attention.name=cpu"], "torch, cascade on": ["attention.name=sdpa"],
+                "torch, cascade off": ["attention.name=sdpa", "attention.cascade=false"]}
     for label, overrides in variants.items():
         shared = LLM("radix_lpm", dotlist=[*args.overrides, *overrides])
         total, parts = shared_prefix_decode_case(shared, instrument(shared), args.steps)
@@ -174,7 +175,7 @@ def main() -> None:
         gc.collect()
     engine = llm.engine
     print(f"\n{engine.model_name}, dtype {str(engine.dtype).removeprefix('torch.')}, quantization "
-          f"{engine.quantization}, attention {engine.config.attention.name}, threads {torch.get_num_threads()}\n")
+          f"{engine.quantization}, attention {type(engine.attention).__name__}, threads {torch.get_num_threads()}\n")
     print("\n".join(lines))
 
 

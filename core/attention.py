@@ -4,20 +4,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
-if TYPE_CHECKING:
-    from infer.cpu_kernels import KernelAttentionStep
-
 
 class AttentionConfig(BaseModel):
-    """Config section ``attention``. Plugins subclass it to add their own keys."""
+    """Config section ``attention``. Plugins subclass it to add their own keys. ``name: auto`` (the default) lets the
+    engine pick: ``cpu`` for float32 on a CPU with infer's kernels, else ``sdpa`` (``infer.execution``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    name: str = "sdpa"
+    name: str = "auto"
 
 
 class BackendUnavailableError(RuntimeError):
@@ -92,6 +90,11 @@ class AttentionBackend(ABC):
     """
 
     config_model: ClassVar[type[AttentionConfig]] = AttentionConfig
+    # True only for a backend whose attention is exactly infer's C paged attention over this pool layout (the
+    # built-in ``cpu``): the execution layer may then compute it inside a fused stack of layers (one C call for all
+    # layers of a step of a few tokens) instead of calling ``forward``. Every other backend keeps False and always
+    # sees ``forward``.
+    fused_cpu_attention: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -123,13 +126,6 @@ class AttentionBackend(ABC):
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         """Called once per step before the layers run; backends may precompute per-step data here."""
         return metadata
-
-    def kernel_attention(self, metadata: AttentionMetadata) -> KernelAttentionStep | None:
-        """This step's attention as infer's CPU kernels can run it inside a stack of layers
-        (``infer.cpu_kernels.FusedStack``, one C call for all layers of a step of a few tokens), or None: the
-        layers then call ``forward`` one by one, as they do for every backend that does not override this.
-        ``metadata`` is what ``prepare`` returned."""
-        return None
 
     @abstractmethod
     def forward(

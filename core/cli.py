@@ -120,11 +120,14 @@ def main(verbose: bool) -> None:
 @click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="JSONL file, one request per line.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="Write results as JSONL here.")
-def run_cli(config: str, overrides: tuple[str, ...], prompts: Path | None, output: Path | None) -> None:
+@click.option("--explain", is_flag=True,
+              help="Log on stderr which execution path each forward pass took and why, and count them at the end.")
+def run_cli(config: str, overrides: tuple[str, ...], prompts: Path | None, output: Path | None,
+            explain: bool) -> None:
     """Generate completions offline for a batch of prompts."""
     from infer.run import run_command
 
-    run_command(config, list(overrides), prompts, output)
+    run_command(config, list(overrides), prompts, output, explain)
 
 
 @main.command("serve", epilog=CONFIG_HELP)

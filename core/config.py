@@ -31,8 +31,11 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 SHIPPED_CONFIGS = "infer.configs"
-DEFAULT_PLUGINS = {"allocator": "paged", "prefix_cache": "none", "scheduler": "fcfs", "attention": "sdpa",
+DEFAULT_PLUGINS = {"allocator": "paged", "prefix_cache": "none", "scheduler": "fcfs", "attention": "auto",
                    "drafter": "none"}
+# Kinds whose name may be "auto": the engine picks the plugin for the device and dtype (``infer.execution``), and the
+# section takes no keys but the name (name a plugin to set its keys).
+AUTO_SELECTED = {"attention": AttentionConfig}
 SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([a-z]*)\s*$", re.IGNORECASE)
@@ -66,9 +69,10 @@ class ModelConfig(BaseModel):
     cpu_kernels: Literal["auto"] | bool = Field(
         "auto", description="Float32 on a CPU: run RMSNorm (with its residual add), RoPE and SiLU-and-multiply as "
                             "infer's C kernels, compiled once with the system's C compiler; with fp16 or int8 weights "
-                            "also steps of up to 8 tokens (a GEMV over the packed weights, all layers in one call). "
-                            "auto: when a compiler is found (else torch's ops, with a warning); true: fail without "
-                            "one; false: torch's ops.")
+                            "also steps of up to execution.fused_max_tokens tokens (a GEMV over the packed weights, "
+                            "all layers in one call); attention auto then picks the cpu backend. auto: when a "
+                            "compiler is found (else torch's ops, with a warning); true: fail without one; false: "
+                            "torch's ops.")
     compile: bool = Field(False, description="torch.compile each layer's feed-forward half (needs a C++ compiler "
                                              "on CPU; the first steps of each new batch shape compile for seconds). "
                                              "Measured no faster on an AVX2 CPU with packed weights, so off.")
@@ -80,6 +84,26 @@ class ModelConfig(BaseModel):
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class ExecutionConfig(BaseModel):
+    """Section ``execution``: how a step runs through the model (``infer.execution``)."""
+
+    model_config = CORE_MODEL_CONFIG
+    paths: list[Literal["fused-stack", "fused-layers", "torch"]] = Field(
+        ["fused-stack", "fused-layers", "torch"],
+        description="Execution paths in the order each step asks them; the first that accepts runs it. fused-stack: "
+                    "all layers in one C call (CPU kernels, packed weights, attention cpu); fused-layers: two C "
+                    "calls per layer around the backend's attention; torch: op by op, accepts every step (last).")
+    fused_max_tokens: int = Field(8, ge=0, description="Steps of at most this many tokens may take the fused paths "
+                                                       "and the GEMV (0: never).")
+
+    @field_validator("paths")
+    @classmethod
+    def _check_paths(cls, value: list[str]) -> list[str]:
+        if not value or value[-1] != "torch" or len(set(value)) != len(value):
+            raise ValueError("list each path once and end with torch, the path that accepts every step")
+        return value
 
 
 class CacheConfig(BaseModel):
@@ -129,7 +153,8 @@ class ServerConfig(BaseModel):
 
 
 CORE_SECTIONS: dict[str, type[BaseModel]] = {
-    "model": ModelConfig, "cache": CacheConfig, "server": ServerConfig, "plugins": PluginsConfig,
+    "model": ModelConfig, "cache": CacheConfig, "execution": ExecutionConfig, "server": ServerConfig,
+    "plugins": PluginsConfig,
 }
 
 
@@ -140,6 +165,7 @@ class InferConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
+    execution: ExecutionConfig = ExecutionConfig()
     allocator: SerializeAsAny[AllocatorConfig] = AllocatorConfig()
     prefix_cache: SerializeAsAny[PrefixCacheConfig] = PrefixCacheConfig()
     scheduler: SerializeAsAny[SchedulerConfig] = SchedulerConfig()
@@ -284,7 +310,7 @@ def _plugin_section(kind: str, value: Any, registry: Registry) -> BaseModel:
     if not isinstance(name, str):
         raise ConfigError([f"{kind}.name: expected a plugin name (got {_show(name)})"])
     try:
-        model = registry.config_model(kind, name)
+        model = _config_model(kind, name, registry)
     except PluginError as error:
         raise ConfigError([f"{kind}.name: {error}"]) from error
     try:
@@ -436,7 +462,7 @@ def _section_name(config: DictConfig, kind: str) -> str | None:
 
 def _known_fields(kind: str, name: str, registry: Registry) -> set[str]:
     try:
-        return set(registry.config_model(kind, name).model_fields) - {"name"}
+        return set(_config_model(kind, name, registry).model_fields) - {"name"}
     except PluginError:
         return set()  # the unknown or broken name is reported by validation
 
@@ -464,8 +490,15 @@ def _omegaconf_message(error: OmegaConfBaseException) -> str:
     return f"{key}: {message}" if key else message
 
 
+def _config_model(kind: str, name: str, registry: Registry) -> type[BaseModel]:
+    """The model that validates section ``kind`` when it names ``name``."""
+    if kind in AUTO_SELECTED and normalize_name(name) == "auto":
+        return AUTO_SELECTED[kind]
+    return registry.config_model(kind, name)
+
+
 def _section_union(kind: str, registry: Registry) -> Any:
-    models = []
+    models = [AUTO_SELECTED[kind]] if kind in AUTO_SELECTED else []
     for name in registry.names(kind):
         try:
             model = registry.config_model(kind, name)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infer import cpu_kernels
+from infer.execution import Executor, choose_attention
 from infer.kv_cache_manager import KVCacheManager
 from infer.kv_pool import free_device_memory, kv_bytes_per_token, plan_kv_pool
 from infer.memory import measure_peak_bytes
@@ -125,10 +126,7 @@ class Engine:
         self.quantization = resolve_quantization(config.model.quantization, config.model.dtype, self.dtype,
                                                  self.device)
         self.model = quantize_model(loaded.model, self.quantization)
-        if config.model.compile:
-            self.model.compile_dense_parts()  # compiled code fuses the small ops itself: no kernels there
-        elif self.device.type == "cpu" and self.dtype == torch.float32:
-            self.model.use_cpu_kernels(cpu_kernels.load(config.model.cpu_kernels))
+        self.executor = self._build_executor()
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.model_name = loaded.name
@@ -138,6 +136,7 @@ class Engine:
         # Before sizing the pool: a drafter with its own KV takes its share of the budget.
         self.drafter = self._plugin("drafter")(config.drafter, engine=self)
         self.pool_plan = self._size_pool()
+        self.executor.counts.clear()  # the pool-sizing pass above is no step
         self.kv_cache = torch.zeros(self.attention.kv_cache_shape(self.model.num_layers, self.pool_plan.num_blocks),
                                     dtype=self.dtype, device=self.device)
         if self.drafter.kv_bytes_per_token():
@@ -147,7 +146,7 @@ class Engine:
         self.prefix_cache = self._plugin("prefix_cache")(self.allocator, config.cache.block_size, config.prefix_cache)
         self.scheduler = self._plugin("scheduler")(config.scheduler)
         self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device, self.executor)
         self.sampler = Sampler()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -161,11 +160,32 @@ class Engine:
     def _plugin(self, kind: str):
         return self.registry.load(kind, getattr(self.config, kind).name)
 
+    def _build_executor(self) -> Executor:
+        """How steps run through the model (``infer.execution``): with infer's CPU kernels for float32 on a CPU
+        (loaded once here; ``model.cpu_kernels``), else torch's ops."""
+        model_config, execution = self.config.model, self.config.execution
+        if model_config.compile:
+            self.model.compile_dense_parts()  # compiled code fuses the small ops itself: no kernels there
+        usable = self.device.type == "cpu" and self.dtype == torch.float32 and not model_config.compile
+        kernels = cpu_kernels.load(model_config.cpu_kernels) if usable else None
+        return Executor.for_model(self.model, kernels, execution.paths, execution.fused_max_tokens)
+
+    def describe_execution(self) -> str:
+        """One line for ``infer run``: the attention backend, the kernels and the execution paths in use."""
+        kernels = "infer's CPU kernels" if self.executor.kernels is not None else "torch's ops"
+        paths = " > ".join(path.name for path in self.executor.paths)
+        chosen = f"{self.attention_name} (auto)" if self.config.attention.name == "auto" else self.attention_name
+        return (f"attention {chosen}; {kernels}; "
+                f"execution paths {paths} (fused up to {self.executor.fused_max_tokens} tokens)")
+
     def _build_attention(self):
-        return self._plugin("attention")(
+        configured = self.config.attention
+        name = self.attention_name = choose_attention(configured.name, self.device, self.dtype,
+                                                      self.executor.kernels)
+        config = configured if name == configured.name else self.registry.config_model("attention", name)()
+        return self.registry.load("attention", name)(
             num_heads=self.model.num_heads, num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
-            block_size=self.config.cache.block_size, dtype=self.dtype, device=self.device,
-            config=self.config.attention)
+            block_size=self.config.cache.block_size, dtype=self.dtype, device=self.device, config=config)
 
     def _check_max_model_len(self, loaded) -> None:
         limit = getattr(loaded.hf_config, "max_position_embeddings", None)
@@ -195,7 +215,7 @@ class Engine:
         num_blocks = sum(-(-n // block_size) for n in lengths) + 1
         scratch = torch.zeros(self.attention.kv_cache_shape(self.model.num_layers, num_blocks), dtype=self.dtype,
                               device=self.device)
-        runner = ModelRunner(self.model, self.attention, scratch, self.device)
+        runner = ModelRunner(self.model, self.attention, scratch, self.device, self.executor)
         seqs, next_block = [], 1
         for i, n in enumerate(lengths):
             seq = Sequence(seq_id=f"profile-{i}", prompt_token_ids=[0] * n, params=SamplingParams())

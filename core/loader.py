@@ -7,7 +7,6 @@ folder under the cache directory and every later load reads that folder's safete
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import logging
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from infer.host import cache_dir, cpu_flags
 from infer.model import LlamaForCausalLM
 
 logger = logging.getLogger("infer")
@@ -61,16 +61,6 @@ class LoadedModel:
     name: str
 
 
-def cache_dir() -> Path:
-    """Where fetched and converted models live: ``$INFER_CACHE_DIR``, else the user cache dir (``~/.cache/infer``)."""
-    override = os.environ.get("INFER_CACHE_DIR")
-    if override:
-        return Path(override).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("infer"))
-
-
 def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     """Map a config dtype name to a torch dtype. ``auto`` is bfloat16 where the device computes it natively
     (CUDA with bf16 support, CPUs with AVX512-BF16/AMX/ARM BF16), else float32."""
@@ -85,18 +75,8 @@ def _has_native_bfloat16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        return bool(_cpu_flags() & _BFLOAT16_CPU_FLAGS)
+        return bool(cpu_flags() & _BFLOAT16_CPU_FLAGS)
     return False
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    lines = (line for line in text.splitlines() if line.startswith(("flags", "Features")))
-    return frozenset(flag for line in lines for flag in line.partition(":")[2].split())
 
 
 def resolve_model_path(path: str) -> Path:
@@ -263,53 +243,3 @@ def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> list[int]:
         if ids is not None:
             found.update([ids] if isinstance(ids, int) else ids)
     return sorted(found)
-
-
-def load_hf_reference(path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """The transformers model (eval, CPU) and tokenizer for a model path, from the same folder ``load_model`` reads:
-    the oracle tests compare against."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model_dir = hf_model_dir(path)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return hf_model.eval(), AutoTokenizer.from_pretrained(model_dir)
-
-
-def tiny_llama_config(**overrides: Any) -> Any:
-    """A ``LlamaConfig`` small enough for unit tests, sharing SmolLM2's vocabulary and special tokens so its
-    tokenizer works. ``overrides`` replace any field."""
-    from transformers import LlamaConfig
-
-    fields = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        # Wider than HF's 0.02 so attention is far from uniform and logits rarely tie: tests then see mistakes.
-        initializer_range=0.1,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    return LlamaConfig(**{**fields, **overrides})
-
-
-def make_tiny_model_dir(destination: str | os.PathLike, seed: int = 0, **overrides: Any) -> Path:
-    """Save a randomly initialized tiny Llama (``tiny_llama_config(**overrides)``) with SmolLM2's tokenizer as a HF
-    folder the whole engine can load. The tokenizer comes from the default model (fetched and converted once)."""
-    from transformers import AutoTokenizer
-    from transformers import LlamaForCausalLM as HfLlamaForCausalLM
-
-    destination = Path(destination)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        hf_model = HfLlamaForCausalLM(tiny_llama_config(**overrides))
-    hf_model.save_pretrained(destination)
-    AutoTokenizer.from_pretrained(hf_model_dir(DEFAULT_MODEL)).save_pretrained(destination)
-    return destination

@@ -17,16 +17,9 @@ fbgemm, which ships inside torch's x86 builds, multiplies float32 activations by
   per tensor (fbgemm's ``quantized.linear_dynamic``). A quarter of the bytes; relative error about 2e-2, so this
   135M model's greedy answers change from the first tokens (``benchmarks/quantization.py`` counts them).
 
-Measured on 2 cores of an AMD EPYC (AVX2, no AVX512), the 30 layers' projections of SmolLM2-135M per step:
-
-    rows (tokens)     1         16        64
-    float32          34 ms     56 ms     132 ms
-    fp16             11 ms     28 ms      92 ms
-    w8a8              9 ms     18 ms      59 ms
-    bfloat16 (torch) 15 ms    171 ms     698 ms
-
-torch's weight-only int8/int4 kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) measured 53 and
-105 ms at one row on the same CPU (they are tuned for AVX512), so they are not used.
+On an AVX2 CPU fp16 runs this model's projections about 3x faster than float32 at one row and 1.4x at 64; w8a8
+about 1.2x faster than fp16; torch's own bfloat16 and weight-only int8/int4 kernels were slower than fp16 there (the
+table: ``benchmarks/README.md``, "Weight packing").
 """
 
 from __future__ import annotations
@@ -36,7 +29,7 @@ import warnings
 import torch
 from torch import nn
 
-from infer.cpu_kernels import FEW_ROWS, can_pack, pack_scales, pack_weights
+from infer.cpu_kernels.packing import can_pack, pack_scales, pack_weights
 from infer.model import Linear
 
 QUANTIZATIONS = ("none", "fp16", "int8", "int8_per_row", "w8a8")
@@ -134,18 +127,19 @@ class PackedLinear(nn.Module):
         self.bias = bias
         self.weight = linear.weight if keep_weight else None
         self.kernels = None
+        self.gemv_rows = 0  # inputs of at most this many rows take the kernels' GEMV (``use_cpu_kernels``)
         # For a few rows: the weights in cpu_kernels.pack_weights' layout, fp16 (mode fp16) or int8 (int8 modes) with
         # their scales in pack_scales' layout.
         self.kernel_weight: torch.Tensor | None = None
         self.kernel_scales: torch.Tensor | None = None
 
-    def use_cpu_kernels(self, kernels) -> None:
-        """Compute inputs of a few rows (``FEW_ROWS``: decode at small batches, verification) with
-        ``kernels.linear`` (``fp16`` and the int8 modes, shapes ``pack_weights`` takes), over a copy of the weights
-        in its layout beside fbgemm's packed one: fp16, or the int8 weights and their scales. The streaming GEMV has no
-        fixed per-call cost, where fbgemm pays 20-45 us at one row: 30 layers' projections at one row measured
-        11.1-12.1 vs 14.7-14.9 ms per step in fp16 (README, CPU performance). Costs the copy's bytes (counted in
-        ``nbytes``)."""
+    def use_cpu_kernels(self, kernels, gemv_rows: int = 0) -> None:
+        """Compute inputs of up to ``gemv_rows`` rows (decode at small batches, verification: the execution layer's
+        ``fused_max_tokens``) with ``kernels.linear`` (``fp16`` and the int8 modes, shapes ``pack_weights`` takes),
+        over a copy of the weights in its layout beside fbgemm's packed one: fp16, or the int8 weights and their
+        scales. The streaming GEMV has no fixed per-call cost, where fbgemm pays 20-45 us at one row (README, CPU
+        performance). Costs the copy's bytes (counted in ``nbytes``). ``kernels`` None undoes it."""
+        self.gemv_rows = gemv_rows if kernels is not None else 0
         if self.mode not in _KERNEL_MODES or (kernels is None) == (self.kernels is None):
             return
         group = 8 if self.scales is None else self.in_features // self.scales.shape[1]
@@ -167,7 +161,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the engine's tokens are already flat
-        if self.kernels is not None and flat.shape[0] <= FEW_ROWS:
+        if self.kernels is not None and flat.shape[0] <= self.gemv_rows:
             out = self.kernels.linear(flat, self.kernel_weight, self.kernel_scales, self.bias)
         elif self.mode in _KERNEL_MODES:
             out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)

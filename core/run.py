@@ -1,8 +1,10 @@
-"""``infer run CONFIG [overrides] [--prompts FILE] [--output FILE]``."""
+"""``infer run CONFIG [overrides] [--prompts FILE] [--output FILE] [--explain]``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sys
 import time
 
@@ -12,16 +14,18 @@ from infer.metrics import format_summary, summarize
 from infer.prompts import builtin_items, read_jsonl
 
 
-def run_command(config, overrides, prompts_path=None, output_path=None) -> None:
+def run_command(config, overrides, prompts_path=None, output_path=None, explain: bool = False) -> None:
     from infer.llm import LLM
 
     items = read_jsonl(prompts_path) if prompts_path else builtin_items()
     click.echo(f"loading {config} ...", err=True)
     llm = LLM(config, dotlist=list(overrides))
     click.echo(llm.engine.pool_plan.describe(), err=True)
-    start = time.perf_counter()
-    outputs = llm.generate([item.prompt for item in items], [item.params for item in items], use_tqdm=True)
-    wall = time.perf_counter() - start
+    click.echo(llm.engine.describe_execution(), err=True)
+    with _execution_log(explain):
+        start = time.perf_counter()
+        outputs = llm.generate([item.prompt for item in items], [item.params for item in items], use_tqdm=True)
+        wall = time.perf_counter() - start
     lines = [_output_line(index, item, output) for index, (item, output) in enumerate(zip(items, outputs))]
     if output_path:
         with open(output_path, "w") as handle:
@@ -33,7 +37,29 @@ def run_command(config, overrides, prompts_path=None, output_path=None) -> None:
             click.echo(line["text"] if line.get("error") is None else f"ERROR: {line['error']}")
     click.echo("", err=True)
     click.echo(format_summary(summarize(outputs, llm.engine, wall)), err=True)
+    if explain:
+        click.echo(llm.engine.executor.describe(), err=True)
     sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def _execution_log(enabled: bool):
+    """While generating: every forward pass's path and the reasons earlier paths refused it on stderr
+    (``infer.execution``'s debug log)."""
+    if not enabled:
+        yield
+        return
+    execution = logging.getLogger("infer.execution")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("infer.execution: %(message)s"))
+    level = execution.level
+    execution.addHandler(handler)
+    execution.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        execution.removeHandler(handler)
+        execution.setLevel(level)
 
 
 def _output_line(index, item, output) -> dict:

@@ -1,4 +1,5 @@
-"""The model runner: turns a step plan into flattened batch metadata, runs the model, returns the logits rows needed."""
+"""The model runner: turns a step plan into flattened batch metadata and one ``ForwardStep``, runs the model through
+the execution layer (``infer.execution``), returns the logits rows needed."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.attention import AttentionBackend, AttentionMetadata
+from infer.execution import Executor
 from infer.sequence import Sequence
 
 
@@ -46,13 +48,15 @@ def step_tokens(seq: Sequence, num_new_tokens: int) -> list[int]:
 
 
 class ModelRunner:
-    """Owns the KV pool tensor and runs one forward pass per step."""
+    """Owns the KV pool tensor and runs one forward pass per step, on the path ``executor`` chooses."""
 
-    def __init__(self, model, attention: AttentionBackend, kv_cache: torch.Tensor, device: torch.device):
+    def __init__(self, model, attention: AttentionBackend, kv_cache: torch.Tensor, device: torch.device,
+                 executor: Executor | None = None):
         self.model = model
         self.attention = attention
         self.kv_cache = kv_cache
         self.device = device
+        self.executor = executor or Executor()
         self.block_size = attention.block_size
 
     def build_metadata(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -82,8 +86,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], want_hidden: bool = False) -> StepOutput:
         input_ids, metadata = self.build_metadata(scheduled)
-        metadata = self.attention.prepare(metadata)
-        hidden = self.model(input_ids, metadata.positions, self.kv_cache, metadata, self.attention)
+        step = self.executor.step(self.model.rotary, self.attention.prepare(metadata), self.kv_cache, self.attention,
+                                  self.model.embed_tokens.weight.dtype)
+        hidden = self.model(input_ids, step)
         indices, rows = self.logits_rows(scheduled)
         index = torch.tensor(indices, dtype=torch.int64, device=hidden.device)
         selected = hidden.index_select(0, index)

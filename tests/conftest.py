@@ -38,6 +38,6 @@ def engines_end_idle(monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama (2 layers, hidden 64) with SmolLM2's tokenizer, saved as an HF folder."""
-    from infer.loader import make_tiny_model_dir
+    from infer.testing.models import make_tiny_model_dir
 
     return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), seed=0))

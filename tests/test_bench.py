@@ -43,7 +43,7 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from infer.loader import make_tiny_model_dir
+    from infer.testing.models import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"), seed=0)
 

@@ -97,7 +97,7 @@ def test_defaults_select_each_kinds_default_plugin_with_its_own_model(registry):
     config = load_config(None, registry=registry)
     assert type(config.scheduler) is FCFSConfig
     assert [config.allocator.name, config.prefix_cache.name, config.scheduler.name, config.attention.name,
-            config.drafter.name] == ["paged", "none", "fcfs", "sdpa", "none"]
+            config.drafter.name] == ["paged", "none", "fcfs", "auto", "none"]
     assert config.model == ModelConfig()
     assert config.model.path == "smollm2-135m-instruct"
     assert config.server.port == 8000
@@ -269,3 +269,21 @@ def test_json_schema_covers_every_registered_plugin_model(registry):
     assert set(schema["properties"]) == set(InferConfig.model_fields)
     assert {"FCFSConfig", "LPMConfig", "CacheConfig"} <= set(schema["$defs"])
     assert "waiting_threshold" in schema["$defs"]["LPMConfig"]["properties"]
+
+
+def test_attention_auto_takes_only_its_name_and_switching_to_it_drops_the_backends_keys(registry):
+    errors = errors_of(None, ["attention.cascade=false"], registry)
+    assert errors == ["attention.cascade: unknown key"]
+    config = load_config({"attention": {"name": "sdpa", "cascade": False}}, ["attention.name=auto"],
+                         registry=registry)
+    assert config.attention.name == "auto"
+
+
+def test_execution_paths_end_with_torch_and_are_named_correctly(registry):
+    assert load_config(None, ["execution.paths=[fused-layers,torch]"], registry=registry).execution.paths == [
+        "fused-layers", "torch"]
+    errors = errors_of(None, ["execution.paths=[fused-stack]"], registry)
+    assert errors == ["execution.paths: list each path once and end with torch, the path that accepts every step "
+                      "(got ['fused-stack'])"]
+    assert errors_of(None, ["execution.paths=[fused-stak,torch]"], registry)[0].startswith("execution.paths.0: ")
+    assert errors_of(None, ["execution.fused_max_tokens=-1"], registry)[0].startswith("execution.fused_max_tokens")

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from infer import cpu_kernels
-from infer.cpu_kernels import KernelAttentionPlan, KernelBuildError
-from infer.model import RotaryEmbedding, apply_rotary, rope_inverse_frequencies
+from infer.cpu_kernels import KernelAttentionPlan, KernelBuildError, builder
+from infer.model import RotaryEmbedding, apply_rotary, default_inverse_frequencies
 
 # Widths on both sides of the 8-float vectors and the 64-float register tiles, and odd ones for the tail loops.
 DIMS = [7, 64, 576, 131]
@@ -48,7 +48,7 @@ def test_silu_mul_matches_torch_over_the_whole_range(kernels, width):
 
 @pytest.mark.parametrize("head_dim", [8, 64, 128])
 def test_rope_rotates_q_and_k_in_place_and_leaves_v(kernels, head_dim):
-    inverse = rope_inverse_frequencies({"rope_theta": 10000.0, "rope_type": "default"}, head_dim, 4096)
+    inverse = default_inverse_frequencies(10000.0, head_dim)
     rotary = RotaryEmbedding(inverse, 4096, torch.device("cpu"))
     num_heads, num_kv_heads = 6, 2
     qkv = randn(5, (num_heads + 2 * num_kv_heads) * head_dim, seed=5)
@@ -138,7 +138,7 @@ def test_paged_attention_fills_only_the_planned_rows(kernels):
 def test_build_is_cached_per_source_and_reused(tmp_path, monkeypatch):
     first = cpu_kernels.build(tmp_path)
     stamp = first.stat().st_mtime_ns
-    monkeypatch.setattr(cpu_kernels.subprocess, "run", lambda *args, **kwargs: pytest.fail("rebuilt"))
+    monkeypatch.setattr(builder.subprocess, "run", lambda *args, **kwargs: pytest.fail("rebuilt"))
     assert cpu_kernels.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [path.name for path in tmp_path.iterdir()] == [first.name]  # no staging folder left behind
 
@@ -146,8 +146,8 @@ def test_build_is_cached_per_source_and_reused(tmp_path, monkeypatch):
 def test_missing_compiler_fails_on_true_and_falls_back_on_auto(monkeypatch, caplog, tmp_path):
     monkeypatch.setenv("CC", "infer-no-such-compiler")
     monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "_load", lambda: cpu_kernels.build(tmp_path))
-    cpu_kernels._warn_unavailable.cache_clear()
+    monkeypatch.setattr(builder, "_load", lambda: builder.build(tmp_path))
+    builder._warn_unavailable.cache_clear()
     with pytest.raises(KernelBuildError, match="no C compiler found"):
         cpu_kernels.load(True)
     with caplog.at_level(logging.WARNING, logger="infer.cpu_kernels"):
@@ -159,7 +159,7 @@ def test_missing_compiler_fails_on_true_and_falls_back_on_auto(monkeypatch, capl
 
 
 def test_compiler_errors_are_reported(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_kernels, "source", lambda: "this is not C;")
+    monkeypatch.setattr(builder, "source", lambda: "this is not C;")
     with pytest.raises(KernelBuildError, match="failed to compile"):
         cpu_kernels.build(tmp_path)
 
@@ -229,22 +229,22 @@ def test_linear_refuses_int8_weights_without_their_scales(kernels):
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="needs fbgemm (x86)")
 @pytest.mark.parametrize(("mode", "bytes_per_weight"), [("fp16", 2), ("int8", 1), ("int8_per_row", 1)])
 def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes_per_weight):
-    """The kernels' copy (fp16, or int8 with its scales) takes the few rows, fbgemm the rest."""
-    from infer.cpu_kernels import FEW_ROWS
+    """The kernels' copy (fp16, or int8 with its scales) takes up to ``gemv_rows`` rows, fbgemm the rest."""
     from infer.quantization import PackedLinear
 
+    gemv_rows = 8
     linear = torch.nn.Linear(576, 960, bias=True)
     packed = PackedLinear(linear, mode)
-    rows = randn(FEW_ROWS + 1, 576, seed=14)
+    rows = randn(gemv_rows + 1, 576, seed=14)
     before_bytes, expected = packed.nbytes, packed(rows)
-    packed.use_cpu_kernels(kernels)
+    packed.use_cpu_kernels(kernels, gemv_rows)
     assert packed.nbytes == before_bytes + 960 * 576 * bytes_per_weight  # the kernels' copy is counted
     assert packed.kernel_weight.dtype == (torch.float16 if mode == "fp16" else torch.int8)
     calls = []
     original = kernels.linear
     kernels.linear = lambda *args: calls.append(1) or original(*args)
     try:
-        few = packed(rows[1:FEW_ROWS + 1])
+        few = packed(rows[1:gemv_rows + 1])
         assert torch.equal(packed(rows), expected) and calls == [1]  # one row more: fbgemm, as before
     finally:
         del kernels.linear
@@ -253,7 +253,7 @@ def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes
     packed.use_cpu_kernels(None)
     assert packed.nbytes == before_bytes and packed.kernel_weight is None
     odd = PackedLinear(torch.nn.Linear(32, 6), mode)  # shapes pack_weights cannot lay out stay on fbgemm
-    odd.use_cpu_kernels(kernels)
+    odd.use_cpu_kernels(kernels, gemv_rows)
     assert odd.kernel_weight is None and odd.kernels is None
 
 

@@ -40,7 +40,7 @@ def conversations(texts, system=None):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from infer.loader import load_hf_reference
+    from infer.testing.models import load_hf_reference
 
     return load_hf_reference(MODEL, torch.float32)
 
@@ -82,16 +82,17 @@ def test_batched_greedy_matches_hf(hf_reference):
     llm, outputs = _generate()
     _assert_matches(outputs, hf_reference)
     assert llm.engine.stats.peak_running == len(CHATS)
-    # Where a C compiler is found (as in CI), this ran on infer's CPU kernels.
+    # Where a C compiler is found (as in CI), this ran on infer's CPU kernels, attention auto picking cpu.
     has_compiler = cpu_kernels.compiler() is not None
     assert (llm.engine.model.kernels is not None) == has_compiler
-    assert (llm.engine.attention.kernels is not None) == has_compiler
+    assert type(llm.engine.attention).__name__ == ("CpuBackend" if has_compiler else "SdpaBackend")
 
 
 def test_greedy_matches_hf_on_torch_ops_alone(hf_reference):
-    llm, outputs = _generate(model__cpu_kernels=False, attention__cpu_kernels=False)
+    llm, outputs = _generate(model__cpu_kernels=False)
     _assert_matches(outputs, hf_reference)
-    assert llm.engine.model.kernels is None and llm.engine.attention.kernels is None
+    assert llm.engine.model.kernels is None and type(llm.engine.attention).__name__ == "SdpaBackend"
+    assert set(llm.engine.executor.counts) == {"torch"}
 
 
 def test_greedy_matches_hf_under_preemption(hf_reference):
@@ -114,15 +115,15 @@ def test_greedy_matches_hf_with_contiguous_allocator(hf_reference):
 
 def test_greedy_matches_hf_with_a_shared_system_prompt_attended_once(hf_model, monkeypatch):
     # Radix caching shares the system prompt's blocks; sdpa's torch path then attends them once for all the
-    # conversations decoding on them (cascade attention), which must change nothing. (The CPU kernel, on by default,
-    # reads the pool in place instead: off here.)
+    # conversations decoding on them (cascade attention), which must change nothing. (The cpu backend, which auto
+    # picks on a float32 CPU, reads the pool in place instead: sdpa is named here.)
     from infer.plugins.attention.sdpa import SdpaBackend
 
     calls = []
     cascade = SdpaBackend._attend_cascade
     monkeypatch.setattr(SdpaBackend, "_attend_cascade", lambda self, *args: calls.append(1) or cascade(self, *args))
     chats = conversations(CHATS[:5], system=SYSTEM)
-    llm, outputs = _generate(chats, "radix_lpm", attention__cpu_kernels=False)
+    llm, outputs = _generate(chats, "radix_lpm", attention__name="sdpa")
     _assert_matches(outputs, hf_greedy(hf_model, chats))
     assert sum(output.metrics.num_cached_prompt_tokens for output in outputs) == 4 * 144
     assert calls, "no step attended a shared prefix once"

@@ -14,17 +14,12 @@ import transformers
 
 from infer import cpu_kernels, loader
 from infer.attention import AttentionMetadata
-from infer.loader import (
-    PackagedGguf,
-    load_hf_reference,
-    load_model,
-    make_tiny_model_dir,
-    resolve_dtype,
-    resolve_model_path,
-    tiny_llama_config,
-)
+from infer.execution import PATH_NAMES, Executor
+from infer.loader import PackagedGguf, load_model, resolve_dtype, resolve_model_path
 from infer.model import LlamaForCausalLM, rope_parameters
-from infer.plugins.attention.sdpa import SdpaBackend, SdpaConfig
+from infer.plugins.attention.cpu import CpuBackend
+from infer.plugins.attention.sdpa import SdpaBackend
+from infer.testing.models import load_hf_reference, make_tiny_model_dir, tiny_llama_config
 
 SMALL_VOCAB = 256
 LLAMA3_ROPE = {
@@ -86,19 +81,19 @@ class PagedPool:
     """The runner's job in miniature: shuffled pool blocks, per-sequence block tables, one model call per step."""
 
     def __init__(self, model: LlamaForCausalLM, block_size: int = 4, num_blocks: int = 64, seed: int = 0,
-                 kernels: bool = False):
-        """With ``kernels``, the model and the backend run on infer's CPU kernels; else on torch's ops."""
+                 kernels: bool = False, paths: tuple[str, ...] = PATH_NAMES):
+        """With ``kernels``, the model runs on infer's CPU kernels (on the execution ``paths`` named, in order) and
+        attention on the ``cpu`` backend; else torch's ops and ``sdpa``."""
         self.model = model
         self.block_size = block_size
-        model.use_cpu_kernels(cpu_kernels.load(True) if kernels else None)
-        self.backend = SdpaBackend(
+        self.executor = Executor.for_model(model, cpu_kernels.load(True) if kernels else None, paths)
+        self.backend = (CpuBackend if kernels else SdpaBackend)(
             num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
             block_size=block_size,
             dtype=torch.float32,
             device=torch.device("cpu"),
-            config=SdpaConfig(cpu_kernels=kernels),
         )
         self.kv_cache = torch.zeros(self.backend.kv_cache_shape(model.num_layers, num_blocks))
         generator = torch.Generator().manual_seed(seed)
@@ -120,7 +115,9 @@ class PagedPool:
             self.block_size,
         )
         input_ids = torch.tensor([token for name in names for token in new_tokens[name]])
-        hidden = self.model(input_ids, metadata.positions, self.kv_cache, self.backend.prepare(metadata), self.backend)
+        step = self.executor.step(self.model.rotary, self.backend.prepare(metadata), self.kv_cache, self.backend,
+                                  torch.float32)
+        hidden = self.model(input_ids, step)
         logits = self.model.compute_logits(hidden).split(metadata.query_lens_cpu)
         for name in names:
             self.num_cached[name] = self.num_cached.get(name, 0) + len(new_tokens[name])
@@ -197,9 +194,9 @@ def test_resolve_dtype(monkeypatch):
     assert resolve_dtype("float16") is torch.float16
     assert resolve_dtype("bfloat16") is torch.bfloat16
     assert resolve_dtype("float32") is torch.float32
-    monkeypatch.setattr(loader, "_cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     assert resolve_dtype("auto", "cpu") is torch.bfloat16
-    monkeypatch.setattr(loader, "_cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx2"}))
     assert resolve_dtype("auto", "cpu") is torch.float32
     with pytest.raises(ValueError, match="choose one of auto, float32, bfloat16, float16"):
         resolve_dtype("fp8")
@@ -263,39 +260,28 @@ def test_default_model_chat_logits_match_hf():
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="fp16 packing needs fbgemm")
 @pytest.mark.parametrize("name", ["llama_gqa", "llama_attention_bias", "qwen2"])
 @pytest.mark.parametrize("mode", ["fp16", "int8", "int8_per_row"])
-def test_fused_layers_give_the_unfused_kernels_logits(name, mode, monkeypatch):
-    """Steps of a few tokens through ``FusedLayer`` (two C calls per layer) and through ``FusedStack`` (one call for
-    all layers, attention included) run the same kernels as the op-by-op path, so the logits are identical; and all
-    stay near torch's ops over the same fp16 weights."""
-    from infer.cpu_kernels import FEW_ROWS, FusedLayer, FusedStack
+def test_fused_paths_give_the_op_by_op_kernels_logits(name, mode):
+    """Steps of a few tokens through ``fused-layers`` (two C calls per layer) and through ``fused-stack`` (one call
+    for all layers, attention included) run the same kernels as the op-by-op path, so the logits are identical; and
+    all stay near torch's ops over the same fp16 weights. Each path is chosen by naming it to the executor."""
     from infer.quantization import quantize_model
 
     hf_model = random_hf_model(name)
     first, second = random_tokens(16, seed=4), random_tokens(14, seed=5)
     # A prefill too long to fuse, a 3-token step (verification-like), then decodes of two sequences and of one.
-    steps = [{"first": first[:FEW_ROWS + 3]}, {"first": first[11:14]}, {"second": second[:2]}]
+    steps = [{"first": first[:11]}, {"first": first[11:14]}, {"second": second[:2]}]
     steps += [{"first": [first[index]], "second": [second[index - 12]]} for index in (14, 15)]
     steps += [{"second": [token]} for token in second[4:]]
-    calls = {"layer": 0, "stack": 0}
-    feed_forward, run = FusedLayer.feed_forward, FusedStack.run
-
-    def count(kind, function):
-        return lambda *args: calls.__setitem__(kind, calls[kind] + 1) or function(*args)
-
-    monkeypatch.setattr(FusedLayer, "feed_forward", count("layer", feed_forward))
-    monkeypatch.setattr(FusedStack, "run", count("stack", run))
-    logits = {}
-    for path in ("torch", "kernels", "layers", "stack"):
-        model = quantize_model(LlamaForCausalLM.from_hf(hf_model), mode)
-        pool = PagedPool(model, kernels=path != "torch")
-        if path == "kernels":
-            for layer in model.layers:
-                layer.fused = None
-        if path == "layers":  # a backend that keeps its attention to itself: the layers run one by one
-            pool.backend.kernel_attention = lambda metadata: None
-        logits[path] = torch.cat([out for new_tokens in steps for out in pool.step(new_tokens).values()])
-    # every step but the prefill: through both layers one by one, then as one stack
-    assert calls == {"layer": (len(steps) - 1) * 2, "stack": len(steps) - 1}
+    logits, counts = {}, {}
+    for label, kernels, paths in (("torch", False, ("torch",)), ("kernels", True, ("torch",)),
+                                  ("layers", True, ("fused-layers", "torch")), ("stack", True, PATH_NAMES)):
+        pool = PagedPool(quantize_model(LlamaForCausalLM.from_hf(hf_model), mode), kernels=kernels, paths=paths)
+        logits[label] = torch.cat([out for new_tokens in steps for out in pool.step(new_tokens).values()])
+        counts[label] = dict(pool.executor.counts)
+    # every step but the prefill (11 tokens > fused_max_tokens 8) takes the first fused path named
+    assert counts["layers"] == {"fused-layers": len(steps) - 1, "torch": 1}
+    assert counts["stack"] == {"fused-stack": len(steps) - 1, "torch": 1}
+    assert counts["kernels"] == counts["torch"] == {"torch": len(steps)}
     assert torch.equal(logits["layers"], logits["kernels"])
     assert torch.equal(logits["stack"], logits["kernels"])
     torch.testing.assert_close(logits["stack"], logits["torch"], atol=1e-4, rtol=1e-4)

@@ -1,4 +1,5 @@
-"""The ``sdpa`` attention backend agrees with a naive softmax oracle on ragged, paged, GQA batches."""
+"""The ``sdpa`` attention backend (and ``cpu``, infer's C kernels, on the same sweep) agrees with a naive softmax
+oracle on ragged, paged, GQA batches."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from infer.attention import AttentionMetadata, write_kv
 from infer.plugins.attention import sdpa as sdpa_plugin
 from infer.plugins.attention import sdpa_entry
+from infer.plugins.attention.cpu import CpuBackend
 from infer.plugins.attention.sdpa import MAX_PADDED_QUERY_LEN, SdpaBackend
 
 HEAD_DIM = 8
@@ -92,66 +94,62 @@ def oracle(step: Step) -> torch.Tensor:
 
 
 def run_backend(step: Step, *, num_heads, num_kv_heads, block_size, dtype=torch.float32,
-                cpu_kernels=False) -> torch.Tensor:
-    backend = SdpaBackend(
+                backend_class=SdpaBackend) -> torch.Tensor:
+    backend = backend_class(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=HEAD_DIM,
         block_size=block_size,
         dtype=dtype,
         device=torch.device("cpu"),
-        config=sdpa_plugin.SdpaConfig(cpu_kernels=cpu_kernels),
     )
     metadata = backend.prepare(step.metadata)
-    assert (metadata.kernel is not None) == (cpu_kernels and dtype == torch.float32 and
-                                             min(step.metadata.query_lens_cpu) <= MAX_PADDED_QUERY_LEN)
     return backend.forward(0, step.q, step.k, step.v, step.kv_cache, metadata)
 
 
-# The torch path, and the CPU kernel for the short queries (built with the machine's C compiler).
-KERNEL_PATHS = pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch", "kernel"])
+# sdpa's torch path, and the cpu backend's C kernel (built with the machine's C compiler), on the same steps.
+BACKENDS = pytest.mark.parametrize("backend_class", [SdpaBackend, CpuBackend], ids=["sdpa", "cpu"])
 
 
-@KERNEL_PATHS
+@BACKENDS
 @pytest.mark.parametrize("block_size", [1, 8, 16])
 @pytest.mark.parametrize("num_heads, num_kv_heads", HEAD_LAYOUTS)
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_matches_naive_softmax_oracle(scenario, num_heads, num_kv_heads, block_size, cpu_kernels):
+def test_matches_naive_softmax_oracle(scenario, num_heads, num_kv_heads, block_size, backend_class):
     heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
     step = make_step(SCENARIOS[scenario], **heads)
-    out = run_backend(step, cpu_kernels=cpu_kernels, **heads)
+    out = run_backend(step, backend_class=backend_class, **heads)
     torch.testing.assert_close(out.double(), oracle(step), atol=1e-5, rtol=1e-5)
 
 
-@KERNEL_PATHS
+@BACKENDS
 @pytest.mark.parametrize("seed", range(8))
-def test_random_ragged_batches_match_oracle(seed, cpu_kernels):
+def test_random_ragged_batches_match_oracle(seed, backend_class):
     rng = random.Random(seed)
     num_heads, num_kv_heads = rng.choice(HEAD_LAYOUTS)
     block_size = rng.choice([1, 8, 16])
     sequences = [(rng.choice([0, rng.randint(1, 40)]), rng.choice([1, rng.randint(1, 40)])) for _ in range(6)]
     heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
     step = make_step(sequences, seed=seed, **heads)
-    out = run_backend(step, cpu_kernels=cpu_kernels, **heads)
+    out = run_backend(step, backend_class=backend_class, **heads)
     torch.testing.assert_close(out.double(), oracle(step), atol=1e-5, rtol=1e-5)
 
 
-@KERNEL_PATHS
-def test_writes_this_steps_kv_at_slot_mapping(cpu_kernels):
+@BACKENDS
+def test_writes_this_steps_kv_at_slot_mapping(backend_class):
     heads = dict(num_heads=4, num_kv_heads=2, block_size=8)
     step = make_step(SCENARIOS["mixed"], **heads)
-    run_backend(step, cpu_kernels=cpu_kernels, **heads)
+    run_backend(step, backend_class=backend_class, **heads)
     flat = step.kv_cache.flatten(1, 2)  # [2, num_slots, kv_heads, head_dim]
     torch.testing.assert_close(flat[0, step.metadata.slot_mapping], step.k)
     torch.testing.assert_close(flat[1, step.metadata.slot_mapping], step.v)
 
 
-@KERNEL_PATHS
-def test_unprepared_metadata_gives_same_output(cpu_kernels):
+@BACKENDS
+def test_unprepared_metadata_gives_same_output(backend_class):
     heads = dict(num_heads=4, num_kv_heads=2, block_size=8)
     step = make_step(SCENARIOS["mixed"], **heads)
-    backend = SdpaBackend(head_dim=HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"),
-                          config=sdpa_plugin.SdpaConfig(cpu_kernels=cpu_kernels), **heads)
+    backend = backend_class(head_dim=HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"), **heads)
     out = backend.forward(0, step.q, step.k, step.v, step.kv_cache, step.metadata)
     torch.testing.assert_close(out.double(), oracle(step), atol=1e-5, rtol=1e-5)
 
@@ -201,7 +199,7 @@ def test_cascade_attends_each_shared_prefix_once_and_matches_without_it(monkeypa
     backends = {
         cascade: SdpaBackend(num_heads=6, num_kv_heads=2, head_dim=HEAD_DIM, block_size=16, dtype=torch.float32,
                              device=torch.device("cpu"),
-                             config=sdpa_plugin.SdpaConfig(cascade=cascade, cpu_kernels=False))
+                             config=sdpa_plugin.SdpaConfig(cascade=cascade))
         for cascade in (True, False)
     }
     shapes = shared_prefix_step(groups, [query_len] * 6)
@@ -234,22 +232,3 @@ def test_write_kv_skips_padding_slots_and_writes_the_rest():
     flat = kv_cache.view(2, 8, 1, HEAD_DIM)
     assert torch.equal(flat[0, [5, 0]], k[[0, 2]]) and torch.equal(flat[1, [5, 0]], v[[0, 2]])
     assert flat[:, [1, 2, 3, 4, 6, 7]].abs().sum() == 0
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS)
-@KERNEL_PATHS
-def test_hands_a_step_to_the_kernels_only_when_the_kernel_takes_every_query(scenario, cpu_kernels):
-    """``kernel_attention`` (what ``FusedStack`` runs a whole step on): on the kernel path, for steps of short
-    queries only; never on the torch path or with a prefill chunk in the step."""
-    heads = dict(num_heads=4, num_kv_heads=2, block_size=8)
-    step = make_step(SCENARIOS[scenario], **heads)
-    backend = SdpaBackend(head_dim=HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"),
-                          config=sdpa_plugin.SdpaConfig(cpu_kernels=cpu_kernels), **heads)
-    metadata = backend.prepare(step.metadata)
-    handed = backend.kernel_attention(metadata)
-    if not cpu_kernels or max(step.metadata.query_lens_cpu) > MAX_PADDED_QUERY_LEN:
-        assert handed is None
-        return
-    assert handed.plan is metadata.kernel and handed.num_heads == 4 and handed.scale == backend.scale
-    assert torch.equal(handed.slots, step.metadata.slot_mapping)
-    assert backend.kernel_attention(step.metadata) is None  # unprepared metadata: the layers call forward

@@ -40,7 +40,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from infer.loader import make_tiny_model_dir
+    from infer.testing.models import make_tiny_model_dir
 
     return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model")))
 

@@ -18,7 +18,7 @@ CLIENT_TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from infer.loader import make_tiny_model_dir
+    from infer.testing.models import make_tiny_model_dir
 
     return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model")))
 

@@ -16,7 +16,7 @@ import torch
 
 from infer import LLM, SamplingParams
 from infer.drafter import Drafter
-from infer.loader import make_tiny_model_dir
+from infer.testing.models import make_tiny_model_dir
 from infer.rejection_sampler import verify_sampled_drafts
 from infer.sampler import SampleRequest
 from infer.testing import DrafterConformance

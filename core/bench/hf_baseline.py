@@ -21,7 +21,7 @@ def run_hf_baseline(model_path: str, dtype: torch.dtype, device: torch.device, r
                     batch_size: int, eos_token_ids: set[int], show_progress: bool = False) -> dict:
     """Load the HF model for ``model_path`` and time static-batch ``generate`` over ``requests``; returns a summary
     comparable with ``infer.metrics.summarize``'s throughput fields."""
-    from infer.loader import load_hf_reference
+    from infer.testing.models import load_hf_reference
     from tqdm import tqdm
 
     model, tokenizer = load_hf_reference(model_path, dtype)

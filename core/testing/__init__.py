@@ -17,8 +17,6 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-import pytest
-
 SUITE_MODULES = {
     "AllocatorConformance": "infer.testing.allocator",
     "PrefixCacheConformance": "infer.testing.prefix_cache",
@@ -27,9 +25,14 @@ SUITE_MODULES = {
     "DrafterConformance": "infer.testing.drafter",
 }
 
-# The suites' asserts live in this package, not in the plugin author's test file: pytest rewrites them only when
-# asked before they are imported (an editable install hides them from pytest's own detection).
-pytest.register_assert_rewrite("infer.testing.suite", *SUITE_MODULES.values())
+try:
+    import pytest
+except ImportError:  # infer.testing.models (tiny models, the HF reference) serves `infer bench` without pytest
+    pass
+else:
+    # The suites' asserts live in this package, not in the plugin author's test file: pytest rewrites them only when
+    # asked before they are imported (an editable install hides them from pytest's own detection).
+    pytest.register_assert_rewrite("infer.testing.suite", *SUITE_MODULES.values())
 
 __all__ = list(SUITE_MODULES)
 

@@ -4,9 +4,8 @@
 Sequences with short queries (decodes, speculative verification) share one padded SDPA call per layer; longer ones
 (prefill chunks) get a call each, in float32 as explicit matmuls in causal query tiles (faster than SDPA's CPU
 kernel). The per-step part of that plan (block gathers, masks, scatter indices) is built once in ``prepare`` and
-reused by every layer. In float32 on a CPU the short queries go instead to infer's C kernel (``infer.cpu_kernels``,
-``cpu_kernels`` in the config), which reads K/V in place through the block tables: no gather, no padding, and no
-need for the cascade below (it reads a shared prefix from cache as fast as cascade does).
+reused by every layer. (For float32 on a CPU, ``attention: cpu`` reads K/V in place with infer's C kernels instead;
+``auto`` picks it there.)
 
 Cascade attention (FlashInfer's name for it): when short-query sequences begin with the same cached blocks (a shared
 system prompt held once by the prefix cache), their queries attend to those blocks in one call that reads each block
@@ -20,15 +19,12 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from infer import cpu_kernels
 from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata, write_kv
-from infer.cpu_kernels import KernelAttentionPlan, KernelAttentionStep
 
 # Queries up to this long are padded into the shared call; the padding wasted per sequence stays below this bound.
 MAX_PADDED_QUERY_LEN = 16
@@ -49,10 +45,6 @@ class SdpaConfig(AttentionConfig):
     cascade: bool = Field(
         True, description="attend a prefix shared by several decoding sequences once for all of them (exact)"
     )
-    cpu_kernels: Literal["auto"] | bool = Field(
-        "auto", description="float32 on a CPU: write K/V and attend decode/verification queries with infer's C "
-                            "kernel, reading K/V straight from the pool (no gather). auto: when it builds (else "
-                            "torch, with a warning); true: fail when it cannot; false: torch")
 
 
 @dataclass(slots=True)
@@ -136,7 +128,6 @@ class SdpaMetadata(AttentionMetadata):
     padded: PaddedGroup | None = None
     chunks: list[SequenceChunk] = field(default_factory=list)
     slots_valid: bool = False  # no slot is padding (-1): the KV write skips its per-layer check
-    kernel: KernelAttentionPlan | None = None  # the short queries, attended by the CPU kernel instead of ``padded``
 
 
 class SdpaBackend(AttentionBackend):
@@ -152,8 +143,6 @@ class SdpaBackend(AttentionBackend):
         # tens-of-MB tensor per layer costs page faults on CPU: 64 sequences x 640 tokens gathered in 15 ms per K or
         # V freshly allocated, 2.6 ms into a reused buffer. They grow to the largest gather seen.
         self._gather_buffers: dict[str, torch.Tensor] = {}
-        usable = self.device.type == "cpu" and self.dtype == torch.float32
-        self.kernels = cpu_kernels.load(self.config.cpu_kernels) if usable else None
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype,
                 use: str) -> list[torch.Tensor]:
@@ -173,14 +162,11 @@ class SdpaBackend(AttentionBackend):
         token_starts = [0, *itertools.accumulate(query_lens)]
         short = [i for i, length in enumerate(query_lens) if length <= MAX_PADDED_QUERY_LEN]
         long = [i for i, length in enumerate(query_lens) if length > MAX_PADDED_QUERY_LEN]
-        kernel = self._kernel_plan(metadata, short, token_starts) if short and self.kernels is not None else None
         return SdpaMetadata(
             **{item.name: getattr(metadata, item.name) for item in dataclasses.fields(AttentionMetadata)},
-            padded=self._padded_group(metadata, short) if short and kernel is None else None,
+            padded=self._padded_group(metadata, short) if short else None,
             chunks=[self._chunk(metadata, index, token_starts[index]) for index in long],
-            # Only the torch path's KV write reads it; the kernel skips padding slots itself.
-            slots_valid=kernel is None and bool((metadata.slot_mapping >= 0).all()),
-            kernel=kernel,
+            slots_valid=bool((metadata.slot_mapping >= 0).all()),
         )
 
     def forward(
@@ -195,8 +181,6 @@ class SdpaBackend(AttentionBackend):
         """Write this step's K/V into the pool at ``metadata.slot_mapping``, then attend (see AttentionMetadata)."""
         if not isinstance(metadata, SdpaMetadata):
             metadata = self.prepare(metadata)
-        if metadata.kernel is not None:
-            return self._forward_kernel(q, k, v, kv_cache, metadata)
         write_kv(kv_cache, k, v, metadata.slot_mapping, metadata.slots_valid)
         group = metadata.padded
         if group is not None and group.query_index is None and not metadata.chunks:
@@ -208,35 +192,6 @@ class SdpaBackend(AttentionBackend):
         for chunk in metadata.chunks:
             out[chunk.token_start : chunk.token_end] = self._attend_chunk(q, kv_cache, chunk)
         return out
-
-    def kernel_attention(self, metadata: AttentionMetadata) -> KernelAttentionStep | None:
-        """The step for ``FusedStack`` when the kernel takes every query (no prefill chunk)."""
-        if not isinstance(metadata, SdpaMetadata) or metadata.kernel is None or metadata.chunks:
-            return None
-        return KernelAttentionStep(metadata.kernel, metadata.block_tables, metadata.slot_mapping, self.num_heads,
-                                   self.scale)
-
-    def _forward_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                        metadata: SdpaMetadata) -> torch.Tensor:
-        """KV write and the short queries through the CPU kernels, prefill chunks through ``_attend_chunk``."""
-        self.kernels.write_kv(kv_cache, k, v, metadata.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype)
-        self.kernels.paged_attention(q, kv_cache, metadata.block_tables, metadata.kernel, self.scale, out)
-        for chunk in metadata.chunks:
-            out[chunk.token_start : chunk.token_end] = self._attend_chunk(q, kv_cache, chunk)
-        return out
-
-    def _kernel_plan(self, metadata: AttentionMetadata, short: list[int],
-                     token_starts: list[int]) -> KernelAttentionPlan:
-        """The short queries' rows, sequences and context lengths (each sees its own position and before)."""
-        query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
-        if len(short) == metadata.num_seqs and metadata.max_query_len == 1:  # pure decode: query i is sequence i
-            return KernelAttentionPlan(None, torch.arange(len(short)), metadata.seq_lens.long(), len(short),
-                                       metadata.max_seq_len)
-        rows = [token_starts[i] + j for i in short for j in range(query_lens[i])]
-        seqs = [i for i in short for _ in range(query_lens[i])]
-        lens = [seq_lens[i] - query_lens[i] + j + 1 for i in short for j in range(query_lens[i])]
-        return KernelAttentionPlan(torch.tensor(rows), torch.tensor(seqs), torch.tensor(lens), len(rows), max(lens))
 
     def _attend_padded(self, q: torch.Tensor, kv_cache: torch.Tensor, group: PaddedGroup) -> torch.Tensor:
         """q ``[G, L, heads, head_dim]`` -> ``[G * L, heads, head_dim]``."""

@@ -98,7 +98,8 @@ class EagleDrafter(Drafter):
         self.block_size = engine.attention.block_size
         # The head's layers and its draft-vocabulary output run with the target's weight packing.
         self.head = quantize_linears(self._load_head(engine), engine.quantization)
-        self.head.layer.use_cpu_kernels(engine.model.kernels)  # the target's kernels, if it runs on them
+        self.executor = engine.executor  # the head's layer runs on the target's kernels and paths
+        self.executor.prepare_layer(self.head.layer)
         self.draft_logits = projection(draft_head_weight(self.target, self.head.vocab_ids), engine.quantization)
         self.kv_cache: torch.Tensor | None = None
         self._logs: dict[str, FeatureLog] = {}
@@ -195,11 +196,11 @@ class EagleDrafter(Drafter):
         seqs = [sequences[i] for i in active]
         metadata = AttentionMetadata.build([seq.block_table for seq in seqs], starts, [len(t) for t in tokens],
                                            self.block_size, self.device)
-        metadata = self.attention.prepare(metadata)
         input_ids = torch.tensor([t for row in tokens for t in row], dtype=torch.int64, device=self.device)
         embeds = self.target.embed_tokens(input_ids)
-        ops = self.target.step_ops(metadata.positions, embeds.dtype, embeds.device)
-        predicted = self.head(embeds, features, ops, self.kv_cache, metadata, self.attention)
+        step = self.executor.step(self.target.rotary, self.attention.prepare(metadata), self.kv_cache, self.attention,
+                                  embeds.dtype)
+        predicted = self.head(embeds, features, step)
         last = predicted.index_select(0, (metadata.query_start_loc[1:] - 1).to(torch.int64))
         logits = self.draft_logits(last)
         guesses = self.head.vocab_ids[logits.argmax(dim=-1)].tolist()

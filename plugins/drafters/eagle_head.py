@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from infer.model import DecoderLayer, RMSNorm, StepOps
+from infer.model import DecoderLayer, RMSNorm
 
 FORMAT = "infer-eagle-head-2"
 
@@ -51,11 +51,11 @@ class EagleHead(nn.Module):
         """The layer's input ``[T, hidden]`` from token embeddings and the features they follow."""
         return self.fc(torch.cat((self.embed_norm(embeds), self.feature_norm(features.to(embeds.dtype))), dim=-1))
 
-    def forward(self, embeds, features, ops: StepOps, kv_cache, metadata, attention) -> torch.Tensor:
-        """Paged inference: predicted features ``[T, hidden]``, writing the layer's K/V into ``kv_cache``; ``ops``
-        from the target's ``step_ops``."""
-        hidden, residual = self.layer(self.combine(embeds, features), None, ops, kv_cache, metadata, attention)
-        return ops.norm(self.norm, hidden, residual)[0]
+    def forward(self, embeds, features, step) -> torch.Tensor:
+        """Paged inference: predicted features ``[T, hidden]``, writing the layer's K/V into ``step.kv_cache`` (the
+        head's own one-layer pool); ``step`` from the target's executor (``infer.execution.ForwardStep``)."""
+        hidden, residual = step.run_layers([self.layer], self.combine(embeds, features))
+        return step.ops.norm(self.norm, hidden, residual)[0]
 
 
 def draft_head_weight(target, vocab_ids: torch.Tensor) -> torch.Tensor:

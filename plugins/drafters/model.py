@@ -56,12 +56,12 @@ class TargetLayers:
         self.num_layers = num_layers
         self.num_kv_heads = target.num_kv_heads
         self.head_dim = target.head_dim
+        self.rotary = target.rotary
 
     @torch.inference_mode()
-    def __call__(self, input_ids, positions, kv_cache, metadata, attention) -> torch.Tensor:
+    def __call__(self, input_ids, step) -> torch.Tensor:
         target = self.target
-        return target.run_layers(target.embed_tokens(input_ids), positions, target.layers[: self.num_layers],
-                                 kv_cache, metadata, attention)
+        return target.run_layers(target.embed_tokens(input_ids), target.layers[: self.num_layers], step)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(hidden)
@@ -97,14 +97,14 @@ class ModelDrafter(Drafter):
         self.dtype = engine.dtype
         self.vocab_size = engine.model.vocab_size
         self.block_size = engine.attention.block_size
-        self.draft, self.attention = self._load_draft(engine)
+        self.draft, self.attention, self.executor = self._load_draft(engine)
         self.kv_cache: torch.Tensor | None = None
         self._progress: dict[str, DraftProgress] = {}
 
     def _load_draft(self, engine):
         if self.config.path is None:
             layers = self.config.layers or max(1, engine.model.num_layers // 2)
-            return TargetLayers(engine.model, layers), engine.attention
+            return TargetLayers(engine.model, layers), engine.attention, engine.executor
         from infer.loader import load_model
 
         loaded = load_model(self.config.path, engine.dtype, engine.device)
@@ -114,12 +114,12 @@ class ModelDrafter(Drafter):
         from infer.quantization import quantize_model
 
         draft = quantize_model(loaded.model, engine.quantization)
-        draft.use_cpu_kernels(engine.model.kernels)  # the target's kernels, if it runs on them
+        executor = engine.executor.for_another(draft)  # the target's kernels and paths, if it runs on them
         attention = type(engine.attention)(
             num_heads=draft.num_heads, num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim,
             block_size=engine.attention.block_size, dtype=engine.dtype, device=engine.device,
             config=engine.attention.config)
-        return draft, attention
+        return draft, attention, executor
 
     # -- the draft pool ------------------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -179,9 +179,10 @@ class ModelDrafter(Drafter):
         sequence's last token."""
         metadata = AttentionMetadata.build([seq.block_table for seq in seqs], starts, [len(t) for t in token_lists],
                                            self.block_size, self.device)
-        metadata = self.attention.prepare(metadata)
+        step = self.executor.step(self.draft.rotary, self.attention.prepare(metadata), self.kv_cache, self.attention,
+                                  self.dtype)
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64, device=self.device)
-        hidden = self.draft(input_ids, metadata.positions, self.kv_cache, metadata, self.attention)
+        hidden = self.draft(input_ids, step)
         last = (metadata.query_start_loc[1:] - 1).to(torch.int64)
         return self.draft.compute_logits(hidden.index_select(0, last))[:, : self.vocab_size].float()
 

@@ -1,0 +1,25 @@
+"""infer's CPU kernels (``csrc/cpu_kernels.c``): the small float32 ops of a step fused, paged attention that reads
+K/V straight from the pool, a streaming GEMV over packed fp16/int8 weights, and steps of a few tokens with all
+layers in one call.
+
+In eager PyTorch a decode step at batch 1 is mostly dispatch: RMSNorm alone is about ten kernels, RoPE five,
+SiLU-and-multiply three, and attention gathers every K/V block before it reads it. These kernels do each in one
+pass; fbgemm's fp16 GEMM costs a fixed 20-45 us per call at one row, the GEMV none (measurements: README, "CPU
+performance", and ``benchmarks/cpu_kernels.py``).
+
+- ``builder``: compile once per machine into the cache directory, ``load(mode)``.
+- ``abi``: the C signatures and ``CpuKernels``, one checked wrapper per kernel.
+- ``packing``: the GEMV's weight layout, shared with ``infer.quantization``.
+- ``fused``: ``FusedLayer`` and ``FusedStack``, whole layers over a few tokens.
+
+Which step runs on which of them is decided in one place, ``infer.execution``.
+"""
+
+from infer.cpu_kernels.abi import CpuKernels, KernelAttentionPlan
+from infer.cpu_kernels.builder import KernelBuildError, build, compiler, load, source
+from infer.cpu_kernels.fused import FusedLayer, FusedStack, KernelAttentionStep
+from infer.cpu_kernels.packing import can_pack, pack_scales, pack_weights, packed_shape
+
+__all__ = ["CpuKernels", "FusedLayer", "FusedStack", "KernelAttentionPlan", "KernelAttentionStep",
+           "KernelBuildError", "build", "can_pack", "compiler", "load", "pack_scales", "pack_weights", "packed_shape",
+           "source"]

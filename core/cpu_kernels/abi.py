@@ -1,0 +1,224 @@
+"""The ctypes side of infer's CPU kernels: the C functions' signatures and structs, and ``CpuKernels``, one small
+Python wrapper per kernel that checks the layout of every tensor the C side will read.
+
+The kernels work on float32 CPU tensors: RMSNorm with its residual add, RoPE, SiLU-and-multiply, the KV write,
+paged attention read straight from the pool, and a streaming GEMV over weights packed by ``infer.cpu_kernels.packing``
+(fp16, or int8 with a scale per group of weights). ``infer.cpu_kernels.fused`` chains them into whole layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from infer.cpu_kernels.packing import packed_shape
+
+if TYPE_CHECKING:
+    from infer.attention import AttentionMetadata
+
+_POINTER = ctypes.c_void_p
+_INT = ctypes.c_int64
+_FLOAT = ctypes.c_float
+_SIGNATURES = {
+    "infer_linear_f16": [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT],
+    "infer_linear_i8": [_POINTER, _INT, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT],
+    "infer_layer_attention_input": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER],
+    "infer_layer_feed_forward": [_POINTER, _INT, _POINTER, _POINTER, _POINTER],
+    "infer_add_rms_norm": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _FLOAT],
+    "infer_silu_mul": [_POINTER, _POINTER, _INT, _INT],
+    "infer_rope": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
+    "infer_write_kv": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT],
+    "infer_paged_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER,
+                              _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT],
+    "infer_layers_few": [_POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
+                         _INT, _POINTER],
+}
+
+
+class LayerStruct(ctypes.Structure):
+    """``infer_layer`` in the C source: one decoder layer's weights and shapes."""
+
+    _fields_ = [(name, _POINTER) for name in ("qkv", "o", "gate_up", "down", "qkv_scales", "o_scales",
+                                              "gate_up_scales", "down_scales", "qkv_bias", "o_bias", "gate_up_bias",
+                                              "down_bias", "input_norm", "post_norm")]
+    _fields_ += [("eps", _FLOAT)] + [(name, _INT) for name in ("hidden", "qkv_width", "q_width", "intermediate",
+                                                               "rotated_heads", "head_dim", "qkv_groups", "o_groups",
+                                                               "gate_up_groups", "down_groups")]
+
+
+class AttentionStepStruct(ctypes.Structure):
+    """``infer_attention_step`` in the C source: one step's attention through ``infer_paged_attention``."""
+
+    _fields_ = [("block_tables", _POINTER), ("table_stride", _INT)]
+    _fields_ += [(name, _POINTER) for name in ("slots", "rows", "seq_of_query", "context_lens")]
+    _fields_ += [(name, _INT) for name in ("queries", "max_context", "num_heads", "num_kv_heads", "head_dim",
+                                           "block_size", "num_blocks")]
+    _fields_ += [("scale", _FLOAT)]
+
+
+@dataclass(slots=True)
+class KernelAttentionPlan:
+    """Which token rows ``paged_attention`` computes: query ``i`` is row ``rows[i]`` (all rows in order when None)
+    of sequence ``seq_of_query[i]``, attending to its first ``context_lens[i]`` tokens (int64 each)."""
+
+    rows: torch.Tensor | None
+    seq_of_query: torch.Tensor
+    context_lens: torch.Tensor
+    num_queries: int
+    max_context: int
+
+    @classmethod
+    def every_token(cls, metadata: AttentionMetadata) -> KernelAttentionPlan:
+        """Every token of a step as a query of its own sequence, seeing its own position and all before (the
+        bottom-right causal mask of ``AttentionMetadata``)."""
+        query_lens = metadata.query_lens_cpu
+        if metadata.max_query_len == 1:  # pure decode: query i is sequence i
+            seq_of_query = torch.arange(len(query_lens))
+        else:
+            seq_of_query = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        return cls(None, seq_of_query, metadata.positions + 1, metadata.num_tokens, metadata.max_seq_len)
+
+
+class CpuKernels:
+    """The compiled kernels, on float32 CPU tensors. Each method checks the layout of what the C side will read and
+    raises ``ValueError`` on a tensor it cannot read (``FusedLayer`` is fed by the model's own buffers)."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path):
+        self.path = path
+        for name, argtypes in _SIGNATURES.items():  # infer_rope -> self._rope, ...
+            function = getattr(library, name)
+            function.argtypes = argtypes
+            function.restype = None
+            setattr(self, "_" + name.removeprefix("infer_"), function)
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for a few rows ``x`` ``[rows, k]`` (float32, contiguous) and weights packed by
+        ``pack_weights``: fp16 (``scales`` None), or int8 times ``scales`` (one per group of consecutive weights of
+        a row, packed by ``pack_scales``); float32 ``[rows, n]``. Streams the weights once whatever the rows, so it
+        beats a GEMM only at a few rows (``infer.execution`` sets how many)."""
+        check_flat(x)
+        check_packed(packed, scales)
+        out_features, in_features = packed_shape(packed)
+        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        bias_pointer = None if bias is None else bias.data_ptr()
+        if scales is None:
+            self._linear_f16(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), bias_pointer, out.data_ptr(),
+                             out_features)
+        else:
+            self._linear_i8(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), scales.data_ptr(),
+                            scales.shape[1], bias_pointer, out.data_ptr(), out_features)
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension of ``x`` ``[rows, dim]``."""
+        check_flat(x)
+        out = torch.empty_like(x)
+        self._add_rms_norm(x.data_ptr(), None, out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """``residual += delta`` in place, then the RMSNorm of the sum (a new tensor)."""
+        check_flat(residual)
+        check_flat(delta)
+        out = torch.empty_like(residual)
+        self._add_rms_norm(residual.data_ptr(), delta.data_ptr(), out.data_ptr(), weight.data_ptr(),
+                           residual.shape[0], residual.shape[1], eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 * width]`` (gate first) -> ``[rows, width]``."""
+        check_flat(gate_up)
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, width), dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width)
+        return out
+
+    def rope_(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              num_heads: int, head_dim: int) -> None:
+        """Rotate the first ``num_heads`` heads of each row of ``qkv`` ``[T, width]`` in place, by the tables
+        ``cos``/``sin`` ``[max_positions, head_dim]`` (``RotaryEmbedding``'s, sin's first half negated)."""
+        if qkv.dtype != torch.float32 or qkv.stride(1) != 1 or positions.dtype != torch.int64:
+            raise ValueError("the CPU kernels' RoPE needs float32 rows with contiguous columns and int64 positions")
+        self._rope(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
+                   qkv.stride(0), num_heads, head_dim)
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Token ``t``'s K/V ``[T, kv_heads, head_dim]`` (rows may be strided) into one layer's pool
+        ``[2, num_blocks, block_size, kv_heads, head_dim]`` at ``slots[t]`` (int64; negative: skipped)."""
+        check_rows(k)
+        check_rows(v)
+        check_pool(kv_cache)
+        check_slots(slots)
+        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+        self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache.data_ptr(), slots.data_ptr(),
+                       k.shape[0], k.shape[1] * k.shape[2], num_slots)
+
+    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                        plan: KernelAttentionPlan, scale: float, out: torch.Tensor) -> torch.Tensor:
+        """The rows of ``q`` ``[T, heads, head_dim]`` (rows may be strided) that ``plan`` names attend to their
+        contexts, read through ``block_tables`` (int32) from one layer's pool; results land in the same rows of
+        ``out`` ``[T, heads, head_dim]`` (contiguous), which is returned."""
+        check_rows(q)
+        check_pool(kv_cache)
+        check_block_tables(block_tables)
+        _, num_heads, head_dim = q.shape
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        rows = None if plan.rows is None else plan.rows.data_ptr()
+        self._paged_attention(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
+                              block_tables.stride(0), rows, plan.seq_of_query.data_ptr(),
+                              plan.context_lens.data_ptr(), out.data_ptr(), plan.num_queries, num_heads,
+                              num_kv_heads, head_dim, block_size, num_blocks, plan.max_context, scale)
+        return out
+
+
+def check_flat(x: torch.Tensor) -> None:
+    """A matrix the kernels can read: float32 on the CPU, contiguous."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"the CPU kernels need contiguous float32 CPU tensors, got {x.dtype} on {x.device} with "
+                         f"strides {x.stride()}")
+
+
+def check_packed(packed: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """Weights from ``pack_weights``: fp16 without scales, or int8 with their scales from ``pack_scales``."""
+    if packed.dim() != 4 or not packed.is_contiguous() or packed.dtype not in (torch.float16, torch.int8):
+        raise ValueError("the CPU kernels need weights packed by pack_weights (fp16 or int8)")
+    if (packed.dtype == torch.int8) != (scales is not None):
+        raise ValueError("int8 weights need their scales (pack_scales), fp16 weights take none")
+    if scales is None:
+        return
+    out_features, in_features = packed_shape(packed)
+    groups = scales.shape[1] if scales.dim() == 3 else 0
+    usable = groups and in_features % groups == 0 and (in_features // groups) % 8 == 0
+    if not usable or scales.dtype != torch.float32 or scales.shape != (out_features // 4, groups, 4) or \
+            not scales.is_contiguous():
+        raise ValueError(f"int8 weights [{out_features}, {in_features}] need float32 scales packed by pack_scales "
+                         f"([{out_features // 4}, groups, 4], groups of a multiple of 8 weights), got {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+
+
+def check_block_tables(block_tables: torch.Tensor) -> None:
+    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+        raise ValueError("the CPU kernels need block tables as int32 rows")
+
+
+def check_slots(slots: torch.Tensor) -> None:
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        raise ValueError("the CPU kernels need the slot mapping as contiguous int64")
+
+
+def check_pool(kv_cache: torch.Tensor) -> None:
+    if kv_cache.dtype != torch.float32 or kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+        raise ValueError("the CPU kernels need one layer's KV pool as a contiguous float32 CPU tensor")
+
+
+def check_rows(x: torch.Tensor) -> None:
+    """Rows of heads the kernels can read: float32 on the CPU, each row's heads contiguous."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        raise ValueError(f"the CPU kernels need float32 CPU rows of contiguous heads, got {x.dtype} on {x.device} "
+                         f"with strides {x.stride()}")

@@ -1,0 +1,105 @@
+"""Building infer's CPU kernels (``csrc/cpu_kernels.c``) once per machine and loading them.
+
+They are C, compiled with the system's C compiler (``gcc -O3 -march=native -fopenmp``) into the cache directory,
+keyed by source, flags, compiler and CPU, and called through ctypes; OpenMP there is torch's own runtime, so both
+share one thread pool.
+
+``load(mode)`` gives the kernels or None: ``False`` never builds; ``"auto"`` builds when a compiler is found and
+otherwise warns once (callers then run torch's ops); ``True`` raises when they cannot be built. (Booleans, not
+on/off strings: YAML and OmegaConf read ``on``/``off`` as booleans.) The build is cached for the process: every
+caller (the model, the ``cpu`` attention backend, drafters) gets the same object.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from infer.cpu_kernels.abi import CpuKernels
+from infer.host import cache_dir, cpu_signature
+
+logger = logging.getLogger("infer.cpu_kernels")
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+class KernelBuildError(RuntimeError):
+    """The C kernels could not be compiled or loaded here; the message says why."""
+
+
+def source() -> str:
+    return resources.files("infer").joinpath("csrc", "cpu_kernels.c").read_text()
+
+
+def compiler() -> str | None:
+    """The C compiler to use: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
+    candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc"]
+    for candidate in candidates:
+        found = shutil.which(candidate)
+        if found:
+            return found
+    return None
+
+
+def build(directory: Path) -> Path:
+    """Compile the kernels into ``directory`` (once per source, flags and CPU) and return the library's path."""
+    cc = compiler()
+    if cc is None:
+        raise KernelBuildError("no C compiler found (set $CC, or install gcc)")
+    text = source()
+    key = hashlib.sha256("\n".join([text, *FLAGS, cc, cpu_signature()]).encode()).hexdigest()[:16]
+    target = directory / f"cpu_kernels-{key}.so"
+    if target.is_file():
+        return target
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory) as staging:
+            source_path = Path(staging) / "cpu_kernels.c"
+            source_path.write_text(text)
+            built = Path(staging) / target.name
+            result = subprocess.run([cc, *FLAGS, "-o", str(built), str(source_path), "-lm"], capture_output=True,
+                                    text=True)
+            if result.returncode != 0:
+                raise KernelBuildError(f"{cc} failed to compile the CPU kernels:\n{result.stderr.strip()}")
+            os.replace(built, target)  # atomic: concurrent builders each publish a complete file
+    except OSError as error:  # a cache folder that cannot be written, a compiler that cannot run
+        raise KernelBuildError(f"could not build the CPU kernels in {directory}: {error}") from error
+    return target
+
+
+@functools.cache
+def _load() -> CpuKernels:
+    path = build(cache_dir() / "kernels")
+    try:
+        return CpuKernels(ctypes.CDLL(str(path)), path)
+    except (OSError, AttributeError) as error:
+        raise KernelBuildError(f"could not load the CPU kernels from {path}: {error}") from error
+
+
+def load(mode: str | bool = "auto") -> CpuKernels | None:
+    """The kernels for ``mode`` (``"auto"``, True, False); None when False, or when ``"auto"`` and they cannot be
+    built here (warned once)."""
+    if mode not in ("auto", True, False):
+        raise ValueError(f"unknown CPU kernels mode {mode!r}; choose auto, true or false")
+    if mode is False:
+        return None
+    try:
+        return _load()
+    except KernelBuildError as error:
+        if mode is True:
+            raise
+        _warn_unavailable(str(error))
+        return None
+
+
+@functools.cache
+def _warn_unavailable(reason: str) -> None:
+    logger.warning("CPU kernels unavailable, using torch ops (slower): %s", reason)

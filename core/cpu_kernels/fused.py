@@ -1,0 +1,122 @@
+"""Decoder layers over a few tokens as C calls: ``FusedLayer`` (a layer's dense parts, two calls around the attention
+backend's) and ``FusedStack`` (consecutive layers, attention included, in one call). The execution layer
+(``infer.execution``) chooses when a step runs through them."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from infer.cpu_kernels.abi import (AttentionStepStruct, CpuKernels, KernelAttentionPlan, LayerStruct,
+                                   check_block_tables, check_flat, check_packed, check_pool, check_slots)
+from infer.cpu_kernels.packing import packed_shape
+
+if TYPE_CHECKING:
+    from infer.attention import AttentionMetadata
+
+
+class FusedLayer:
+    """A decoder layer's dense parts for a few tokens (decode at small batches, verification) as two C calls around
+    attention: norm, QKV projection and RoPE; then output projection, norm, gate/up, SiLU-and-multiply, down. Holds
+    references to the tensors whose memory the C side reads."""
+
+    def __init__(self, kernels: CpuKernels, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
+                 biases: list[torch.Tensor | None], norms: tuple[torch.Tensor, torch.Tensor], eps: float,
+                 q_width: int, rotated_heads: int, head_dim: int):
+        """``weights``/``scales``/``biases``: packed by ``pack_weights`` (fp16, or int8 with scales packed by
+        ``pack_scales``, else None), and float32 (or None) for the QKV, output, gate/up and down projections, in
+        that order; ``norms``: the input and post-attention RMSNorm weights."""
+        for weight, scale in zip(weights, scales):
+            check_packed(weight, scale)
+        self._keep = [*weights, *scales, *biases, *norms]
+        (qkv_width, _), (hidden, _), _, (_, intermediate) = (packed_shape(weight) for weight in weights)
+        pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
+        groups = [0 if scale is None else scale.shape[1] for scale in scales]
+        self.struct = LayerStruct(*(pointer(tensor) for tensor in (*weights, *scales, *biases, *norms)), eps,
+                                   hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim, *groups)
+        self.hidden = hidden
+        self.qkv_width = qkv_width
+        self._attention_input = kernels._layer_attention_input
+        self._feed_forward = kernels._layer_feed_forward
+
+    def attention_input(self, residual: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """For ``T`` tokens: ``residual += delta`` (``[T, hidden]`` each, in place; no add when None), RMSNorm, QKV
+        projection, RoPE at ``positions`` with ``RotaryEmbedding``'s tables: returns the rotated ``[T, qkv_width]``."""
+        tokens = residual.shape[0]
+        qkv = torch.empty((tokens, self.qkv_width), dtype=torch.float32)
+        self._attention_input(ctypes.byref(self.struct), tokens, residual.data_ptr(),
+                              None if delta is None else delta.data_ptr(), positions.data_ptr(), cos.data_ptr(),
+                              sin.data_ptr(), qkv.data_ptr())
+        return qkv
+
+    def feed_forward(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """From attention's output ``[T, q_width]``: ``residual +=`` its projection (in place), then the MLP of the
+        sum's norm, returned as the layer's delta ``[T, hidden]``."""
+        tokens = residual.shape[0]
+        delta = torch.empty((tokens, self.hidden), dtype=torch.float32)
+        self._feed_forward(ctypes.byref(self.struct), tokens, attended.data_ptr(), residual.data_ptr(),
+                           delta.data_ptr())
+        return delta
+
+
+class FusedStack:
+    """Consecutive decoder layers (``FusedLayer`` each) over a few tokens in one C call, attention included (infer's
+    paged attention over the standard pool layout: the execution layer runs it only with a backend that declares
+    ``fused_cpu_attention``). A step of a few tokens is otherwise ~5 calls from Python per layer, and that glue
+    measured about a fifth of a decode step at batch 1 (README, CPU performance)."""
+
+    def __init__(self, kernels: CpuKernels, layers: list[FusedLayer], kv_layers: list[int]):
+        """``kv_layers[i]``: the index of layer ``i``'s pool in the KV cache."""
+        if len({(layer.hidden, layer.qkv_width, layer.struct.q_width) for layer in layers}) > 1:
+            raise ValueError("a fused stack needs layers of one shape")
+        self.layers = (LayerStruct * len(layers))(*(layer.struct for layer in layers))
+        self.kv_layers = torch.tensor(kv_layers, dtype=torch.int64)
+        self._keep = layers
+        self._run = kernels._layers_few
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kv_cache: torch.Tensor, step: KernelAttentionStep) -> torch.Tensor:
+        """The layers over embeddings ``hidden`` ``[T, hidden]``, which become the residual stream (in place);
+        returns the last layer's output ``[T, hidden]`` (the final norm adds the two). ``kv_cache``: all layers'
+        pools ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
+        check_flat(hidden)
+        check_pool(kv_cache)
+        step.check()
+        _, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        plan = step.plan
+        struct = AttentionStepStruct(
+            step.block_tables.data_ptr(), step.block_tables.stride(0), step.slots.data_ptr(),
+            None if plan.rows is None else plan.rows.data_ptr(), plan.seq_of_query.data_ptr(),
+            plan.context_lens.data_ptr(), plan.num_queries, plan.max_context, step.num_heads, num_kv_heads, head_dim,
+            block_size, num_blocks, step.scale)
+        delta = torch.empty_like(hidden)
+        self._run(self.layers, self.kv_layers.data_ptr(), len(self.layers), hidden.shape[0], hidden.data_ptr(),
+                  delta.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
+                  kv_cache.stride(0), ctypes.byref(struct))
+        return delta
+
+
+@dataclass(slots=True)
+class KernelAttentionStep:
+    """A step's attention as the kernels run it inside ``FusedStack``: every token is a query of
+    ``plan``, its K/V written at ``slots`` (int64, negative: skipped), contexts read through ``block_tables``."""
+
+    plan: KernelAttentionPlan
+    block_tables: torch.Tensor
+    slots: torch.Tensor
+    num_heads: int
+    scale: float
+
+    @classmethod
+    def from_metadata(cls, metadata: AttentionMetadata, num_heads: int, scale: float) -> KernelAttentionStep:
+        """The step's attention from the core metadata every backend receives (the model's shapes beside it)."""
+        return cls(KernelAttentionPlan.every_token(metadata), metadata.block_tables, metadata.slot_mapping, num_heads,
+                   scale)
+
+    def check(self) -> None:
+        check_block_tables(self.block_tables)
+        check_slots(self.slots)

@@ -1,0 +1,257 @@
+"""The execution layer: how one forward pass runs through the model's layers, decided in this one place.
+
+The runner builds one ``ForwardStep`` per step (the attention metadata its backend prepared, the pool, the backend,
+the small ops) and the layers read only that object: ``layer(hidden, residual, step)``. ``Executor.run_layers``
+asks its execution paths in order whether they accept the step and runs the first that does:
+
+==============  ===================================================================================================
+``fused-stack`` All layers in one C call, attention included (``infer.cpu_kernels.FusedStack``). Needs the CPU
+                kernels (float32 on a CPU), packed projections (``model.quantization`` fp16 or int8), at most
+                ``fused_max_tokens`` tokens, and a backend that declares ``fused_cpu_attention`` (its attention is
+                infer's C paged attention over the standard pool, so the stack may compute it itself).
+``fused-layers`` Each layer's dense parts as two C calls around the backend's own ``forward``
+                (``FusedLayer``): the same conditions but the backend's.
+``torch``       Layer by layer, op by op (``DecoderLayer.forward``); the small ops are the CPU kernels' where they
+                run, and packed projections still pick the GEMV for inputs of up to ``fused_max_tokens`` rows.
+                Accepts every step.
+==============  ===================================================================================================
+
+Why a few tokens go to C: at one to eight tokens a layer is ~15 small ops around four memory-bound matrix products,
+and calling them one by one from Python costs about a third of the step; from about twelve tokens fbgemm's GEMM is
+as fast (README, "CPU performance"; ``benchmarks/cpu_kernels.py --only steps``). The choice of every forward pass
+and the reasons the earlier paths refused it are logged at debug level on ``infer.execution``
+(``infer run --explain`` shows them and a count per path).
+
+``choose_attention`` resolves ``attention.name: auto`` the same way: ``cpu`` (infer's C kernels) for float32 on a
+CPU where they build, ``sdpa`` everywhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from infer.attention import AttentionBackend, AttentionMetadata
+from infer.cpu_kernels import FusedStack, KernelAttentionStep
+from infer.model.ops import StepOps
+
+if TYPE_CHECKING:
+    from infer.cpu_kernels import CpuKernels
+    from infer.model import DecoderLayer, LlamaForCausalLM
+    from infer.model.rotary import RotaryEmbedding
+
+logger = logging.getLogger("infer.execution")
+
+PATH_NAMES = ("fused-stack", "fused-layers", "torch")
+
+
+@dataclass(slots=True, eq=False)
+class ForwardStep:
+    """What every layer of one forward pass reads, passed explicitly (no global context)."""
+
+    metadata: AttentionMetadata  # what the backend's ``prepare`` returned
+    kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    attention: AttentionBackend
+    ops: StepOps
+    executor: Executor
+    _kernel_attention: KernelAttentionStep | None = field(default=None, repr=False)
+
+    @property
+    def positions(self) -> torch.Tensor:  # [T] int64
+        return self.metadata.positions
+
+    @property
+    def num_tokens(self) -> int:
+        return self.metadata.num_tokens
+
+    def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The backend's attention for one layer: writes this step's K/V into the layer's pool, then attends."""
+        return self.attention.forward(layer_index, q, k, v, self.kv_cache[layer_index], self.metadata)
+
+    def run_layers(self, layers: Sequence[DecoderLayer], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layers`` over ``hidden`` ``[T, hidden]`` on the path the executor chooses: ``(delta, residual)`` for
+        the final norm to add."""
+        return self.executor.run_layers(layers, hidden, self)
+
+    def kernel_attention(self) -> KernelAttentionStep:
+        """This step's attention as the C kernels compute it inside a fused stack, built once per step from the core
+        metadata."""
+        if self._kernel_attention is None:
+            self._kernel_attention = KernelAttentionStep.from_metadata(self.metadata, self.attention.num_heads,
+                                                                       self.attention.scale)
+        return self._kernel_attention
+
+
+class ExecutionPath(ABC):
+    """One way to run a forward pass through a list of decoder layers."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def refusal(self, layers: Sequence[DecoderLayer], step: ForwardStep) -> str | None:
+        """Why this path cannot run ``step`` through ``layers``; None when it can."""
+
+    @abstractmethod
+    def run(self, layers: Sequence[DecoderLayer], hidden: torch.Tensor,
+            step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layers`` over embeddings ``hidden`` ``[T, hidden]``: the last layer's output and the residual stream."""
+
+
+class TorchPath(ExecutionPath):
+    """Layer by layer, op by op: every step, every backend, every device."""
+
+    name = "torch"
+
+    def refusal(self, layers, step) -> str | None:
+        return None
+
+    def run(self, layers, hidden, step) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = None
+        for layer in layers:
+            hidden, residual = layer(hidden, residual, step)
+        return hidden, residual
+
+
+class FusedLayersPath(ExecutionPath):
+    """Steps of up to ``max_tokens`` tokens: each layer's dense parts in two C calls (``FusedLayer``) around the
+    attention backend's ``forward``."""
+
+    name = "fused-layers"
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+
+    def refusal(self, layers, step) -> str | None:
+        if step.ops.kernels is None:
+            return "no CPU kernels in this step (they run float32 on a CPU; model.cpu_kernels)"
+        if step.num_tokens > self.max_tokens:
+            return f"{step.num_tokens} tokens > fused_max_tokens {self.max_tokens}"
+        if not layers or any(layer.fused is None for layer in layers):
+            return "projections not packed for the kernels (model.quantization fp16 or int8, shapes the GEMV takes)"
+        return None
+
+    def run(self, layers, hidden, step) -> tuple[torch.Tensor, torch.Tensor]:
+        residual, delta = hidden, None  # the embedding is the residual stream; the first layer adds nothing
+        tokens = hidden.shape[0]
+        rotary = step.ops.rotary
+        for layer in layers:
+            qkv = layer.fused.attention_input(residual, delta, step.positions, rotary.cos, rotary.sin)
+            attn = layer.self_attn
+            q, k, v = qkv.view(tokens, -1, attn.head_dim).split(
+                [attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1)
+            out = step.attend(attn.layer_index, q, k, v)
+            # contiguous(): a no-op for the built-in backends; the C side reads plain rows whatever a plugin returns.
+            delta = layer.fused.feed_forward(out.reshape(tokens, attn.q_size).contiguous(), residual)
+        return delta, residual
+
+
+class FusedStackPath(FusedLayersPath):
+    """Steps of up to ``max_tokens`` tokens: all layers in one C call, attention included (``FusedStack``), with a
+    backend that declares ``fused_cpu_attention``."""
+
+    name = "fused-stack"
+
+    def __init__(self, max_tokens: int):
+        super().__init__(max_tokens)
+        self._stacks: dict[tuple[int, ...], FusedStack] = {}  # by the layers' ids: built once per list of layers
+
+    def refusal(self, layers, step) -> str | None:
+        reason = super().refusal(layers, step)
+        if reason is None and not type(step.attention).fused_cpu_attention:
+            reason = f"attention backend {type(step.attention).__name__} keeps attention to itself"
+        return reason
+
+    def run(self, layers, hidden, step) -> tuple[torch.Tensor, torch.Tensor]:
+        key = tuple(map(id, layers))
+        stack = self._stacks.get(key)
+        if stack is None:
+            stack = self._stacks[key] = FusedStack(step.ops.kernels, [layer.fused for layer in layers],
+                                                   [layer.self_attn.layer_index for layer in layers])
+        rotary = step.ops.rotary
+        delta = stack.run(hidden, step.positions, rotary.cos, rotary.sin, step.kv_cache, step.kernel_attention())
+        return delta, hidden
+
+
+class Executor:
+    """Chooses and runs each forward pass's execution path (the first of ``paths`` that accepts it) and counts the
+    choices. ``Executor()`` runs everything op by op in torch."""
+
+    def __init__(self, paths: Sequence[ExecutionPath] | None = None, kernels: CpuKernels | None = None,
+                 fused_max_tokens: int = 0):
+        self.paths = list(paths) if paths else [TorchPath()]
+        if not isinstance(self.paths[-1], TorchPath):
+            raise ValueError("the last execution path must be torch, which accepts every step")
+        self.kernels = kernels
+        self.fused_max_tokens = fused_max_tokens
+        self.counts: Counter[str] = Counter()
+
+    @classmethod
+    def for_model(cls, model: LlamaForCausalLM, kernels: CpuKernels | None,
+                  paths: Sequence[str] = PATH_NAMES, fused_max_tokens: int = 8) -> Executor:
+        """The executor for ``model``: with ``kernels``, its weights prepared for them and the fused paths named in
+        ``paths`` (in that order) before torch; without, torch alone."""
+        model.use_cpu_kernels(kernels, fused_max_tokens)
+        if kernels is None:
+            return cls()
+        known = {"fused-stack": FusedStackPath, "fused-layers": FusedLayersPath}
+        unknown = [name for name in paths if name not in PATH_NAMES]
+        if unknown:
+            raise ValueError(f"unknown execution paths {unknown}; choose from {', '.join(PATH_NAMES)}")
+        chosen = [known[name](fused_max_tokens) for name in paths if name in known]
+        return cls([*chosen, TorchPath()], kernels, fused_max_tokens)
+
+    def for_another(self, model: LlamaForCausalLM) -> Executor:
+        """An executor with these kernels and paths for another model (a draft model), its weights prepared."""
+        return Executor.for_model(model, self.kernels, [path.name for path in self.paths], self.fused_max_tokens)
+
+    def prepare_layer(self, layer: DecoderLayer) -> None:
+        """Prepare a decoder layer outside a model (an EAGLE head's) for these kernels, as ``for_model`` does."""
+        layer.use_cpu_kernels(self.kernels, self.fused_max_tokens)
+
+    def step(self, rotary: RotaryEmbedding, metadata: AttentionMetadata, kv_cache: torch.Tensor,
+             attention: AttentionBackend, dtype: torch.dtype) -> ForwardStep:
+        """The per-step object for ``metadata`` (already through ``attention.prepare``); the small ops run on the
+        kernels for float32 on a CPU."""
+        usable = self.kernels is not None and dtype == torch.float32 and metadata.positions.device.type == "cpu"
+        ops = StepOps(rotary, metadata.positions, dtype, self.kernels if usable else None)
+        return ForwardStep(metadata, kv_cache, attention, ops, self)
+
+    def choose(self, layers: Sequence[DecoderLayer], step: ForwardStep) -> ExecutionPath:
+        """The first path that accepts ``step``; logs the choice and why the earlier ones refused."""
+        refusals = []
+        for path in self.paths:
+            reason = path.refusal(layers, step)
+            if reason is None:
+                if logger.isEnabledFor(logging.DEBUG):
+                    why = "; ".join(refusals) or "first path"
+                    logger.debug("%d tokens, %d sequences, %d layers -> %s (%s)", step.num_tokens,
+                                 step.metadata.num_seqs, len(layers), path.name, why)
+                return path
+            refusals.append(f"{path.name}: {reason}")
+        raise AssertionError("the torch path accepts every step")
+
+    def run_layers(self, layers: Sequence[DecoderLayer], hidden: torch.Tensor,
+                   step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
+        path = self.choose(layers, step)
+        self.counts[path.name] += 1
+        return path.run(layers, hidden, step)
+
+    def describe(self) -> str:
+        """The paths in the order they are asked, and how many forward passes each ran."""
+        order = " > ".join(path.name for path in self.paths)
+        counts = ", ".join(f"{path.name} {self.counts[path.name]}" for path in self.paths)
+        return f"execution paths {order}; forward passes: {counts}"
+
+
+def choose_attention(name: str, device: torch.device, dtype: torch.dtype, kernels: CpuKernels | None) -> str:
+    """The attention backend ``attention.name`` selects: ``auto`` is ``cpu`` (infer's C paged attention, which the
+    fused path can run inside its one call) for float32 on a CPU with the kernels built, else ``sdpa``."""
+    if name != "auto":
+        return name
+    return "cpu" if device.type == "cpu" and dtype == torch.float32 and kernels is not None else "sdpa"

@@ -1,0 +1,76 @@
+"""Rotary position embeddings: the settings of a HF config, the inverse frequencies of every scaling type
+transformers knows (through its ``ROPE_INIT_FUNCTIONS``), and the precomputed cos/sin tables a step indexes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config: Any) -> dict:
+    """The RoPE settings of a HF config as one dict with ``rope_theta`` and ``rope_type`` always present.
+
+    transformers 5 stores ``config.rope_parameters = {"rope_theta": ..., "rope_type": ...}``; older versions store
+    ``config.rope_theta`` plus an optional ``config.rope_scaling`` (whose type key is ``rope_type`` or ``type``).
+    """
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    parameters.update(getattr(config, "rope_scaling", None) or {})
+    parameters.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    parameters["rope_type"] = parameters.get("rope_type") or parameters.get("type") or "default"
+    return parameters
+
+
+def default_inverse_frequencies(theta: float, head_dim: int) -> torch.Tensor:
+    """Unscaled per-pair rotation speeds ``[head_dim // 2]`` (float32), exactly as transformers computes them."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def rope_inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Per-pair rotation speeds ``[head_dim // 2]`` (float32) and the factor cos/sin are scaled by (1.0 but for
+    ``yarn`` and ``longrope``), for the rope type of a HF config. Scaled types come from transformers'
+    ``ROPE_INIT_FUNCTIONS`` (``linear``, ``llama3``, ``yarn``, ``longrope``, ...), computed on the CPU like the
+    reference; ``dynamic`` rescales with the sequence length at run time, which precomputed tables cannot do."""
+    parameters = rope_parameters(config)
+    rope_type = parameters["rope_type"]
+    if rope_type == "default":
+        return default_inverse_frequencies(parameters["rope_theta"], head_dim), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    supported = sorted({"default", *ROPE_INIT_FUNCTIONS} - {"dynamic"})
+    if rope_type not in supported:
+        raise ValueError(f"unsupported rope_type {rope_type!r} in the model config; supported: {', '.join(supported)}")
+    inverse, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inverse.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables for every position below ``max_positions``; a step only indexes them.
+
+    The sin table's first half is negated (``[-sin, sin]``) so that ``apply_rotary`` needs only a half swap, no
+    negation."""
+
+    def __init__(self, inverse_frequencies: torch.Tensor, max_positions: int, device: torch.device,
+                 scaling: float = 1.0):
+        super().__init__()
+        # Computed on the CPU whatever the device, so every device rotates by bit-identical angles.
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inverse_frequencies)
+        sin = angles.sin()
+        cos = torch.cat((angles, angles), dim=-1).cos()
+        sin = torch.cat((-sin, sin), dim=-1)
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for each token, ``[T, 1, head_dim]`` each (broadcast over heads), in ``dtype``."""
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[..., heads, head_dim]`` by ``RotaryEmbedding``'s tables (HF's half-split layout: pairs are
+    (i, i + head_dim/2)): ``x * cos + swap_halves(x) * [-sin, sin]``, three kernels."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return torch.addcmul(x * cos, swapped, sin)

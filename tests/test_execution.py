@@ -1,0 +1,183 @@
+"""The execution layer chooses each forward pass's path in one place, says why, and is the only place that does; the
+core's modules import each other without a circle; ``sdpa`` is pure torch."""
+
+from __future__ import annotations
+
+import ast
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams, cpu_kernels
+from infer.execution import Executor, choose_attention
+
+CORE = Path(__file__).resolve().parents[1] / "core"
+PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
+HAS_COMPILER = cpu_kernels.compiler() is not None
+needs_kernels = pytest.mark.skipif(not HAS_COMPILER, reason="the CPU kernels need a C compiler")
+needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
+                                  reason="packed fp16 weights need fbgemm (x86)")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(CORE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["infer", *parts])
+
+
+def _imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The core modules ``path`` imports at run time, at module level or inside functions (``if TYPE_CHECKING:``
+    blocks excluded: they never run)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            test = node.test
+            if getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == "TYPE_CHECKING":
+                for child in node.orelse:
+                    self.visit(child)
+                return
+            self.generic_visit(node)
+
+        def visit_Import(self, node: ast.Import) -> None:
+            found.update(alias.name for alias in node.names)
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+
+    Visitor().visit(ast.parse(path.read_text()))
+    resolved = set()
+    for module in found:
+        while module and module not in modules:
+            module = module.rpartition(".")[0]
+        if module and module not in (name, "infer"):
+            resolved.add(module)
+    return resolved
+
+
+def core_import_graph() -> dict[str, set[str]]:
+    paths = {_module_name(path): path for path in CORE.rglob("*.py")}
+    modules = set(paths)
+    return {name: _imported_modules(path, modules) for name, path in paths.items()}
+
+
+def test_no_import_circle_among_core_modules():
+    graph = core_import_graph()
+    assert {"infer.execution", "infer.model.llama", "infer.cpu_kernels.fused", "infer.loader"} <= set(graph)
+    visiting, done, circles = [], set(), []
+
+    def visit(module: str) -> None:
+        if module in done:
+            return
+        if module in visiting:
+            circles.append(visiting[visiting.index(module):] + [module])
+            return
+        visiting.append(module)
+        for dependency in sorted(graph[module]):
+            visit(dependency)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+    assert circles == []
+
+
+def test_the_model_and_the_kernels_know_nothing_of_the_execution_layer_or_the_loader():
+    graph = core_import_graph()
+    for module in ("infer.model.llama", "infer.model.ops", "infer.cpu_kernels.fused", "infer.cpu_kernels.builder"):
+        assert not graph[module] & {"infer.execution", "infer.loader", "infer.engine"}, module
+    assert "infer.cpu_kernels" not in graph["infer.attention"]
+
+
+def test_sdpa_has_no_reference_to_the_c_kernels():
+    text = (PLUGINS / "attention" / "sdpa.py").read_text()
+    tree = ast.parse(text)
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not any(module and "cpu_kernels" in module for module in imported)
+    assert "kernels" not in {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+
+
+def test_auto_attention_is_cpu_for_float32_on_a_cpu_with_the_kernels_and_sdpa_elsewhere():
+    cpu, cuda, kernels = torch.device("cpu"), torch.device("cuda"), object()
+    assert choose_attention("auto", cpu, torch.float32, kernels) == "cpu"
+    assert choose_attention("auto", cpu, torch.float32, None) == "sdpa"  # no compiler, or model.cpu_kernels=false
+    assert choose_attention("auto", cpu, torch.bfloat16, kernels) == "sdpa"
+    assert choose_attention("auto", cuda, torch.float32, kernels) == "sdpa"
+    assert choose_attention("triton", cpu, torch.float32, kernels) == "triton"  # a named backend is kept
+
+
+def test_the_last_path_must_accept_every_step():
+    from infer.execution import FusedLayersPath
+
+    with pytest.raises(ValueError, match="last execution path must be torch"):
+        Executor([FusedLayersPath(8)])
+    model = type("Model", (), {"use_cpu_kernels": lambda self, kernels, rows: None})()
+    with pytest.raises(ValueError, match="unknown execution paths"):
+        Executor.for_model(model, object(), ["fused-stak", "torch"])
+
+
+def _decode_then_prefill_choices(tiny_model_dir, caplog, *overrides) -> tuple[LLM, list[str]]:
+    llm = LLM("baseline", dotlist=[f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256",
+                                   "model.quantization=fp16", *overrides])
+    with caplog.at_level(logging.DEBUG, logger="infer.execution"):
+        llm.generate(["a b c d e f g h i j k l m n o p"], SamplingParams(max_tokens=3, temperature=0.0))
+    return llm, [record.getMessage() for record in caplog.records if record.name == "infer.execution"]
+
+
+@needs_kernels
+@needs_fbgemm
+def test_each_forward_pass_logs_its_path_and_why_the_earlier_ones_refused(tiny_model_dir, caplog):
+    llm, lines = _decode_then_prefill_choices(tiny_model_dir, caplog)
+    assert llm.engine.attention_name == "cpu"
+    prefill, *decodes = lines
+    assert "-> torch" in prefill and "fused-stack: " in prefill and "> fused_max_tokens 8" in prefill
+    assert decodes and all("1 tokens, 1 sequences, 2 layers -> fused-stack (first path)" in line for line in decodes)
+    assert dict(llm.engine.executor.counts) == {"torch": 1, "fused-stack": len(decodes)}
+    assert "forward passes: fused-stack 2, fused-layers 0, torch 1" in llm.engine.executor.describe()
+
+
+@needs_kernels
+@needs_fbgemm
+def test_a_backend_that_keeps_attention_to_itself_gets_the_layer_by_layer_fused_path(tiny_model_dir, caplog):
+    llm, lines = _decode_then_prefill_choices(tiny_model_dir, caplog, "attention.name=sdpa")
+    assert all("-> fused-layers (fused-stack: attention backend SdpaBackend keeps attention to itself)" in line
+               for line in lines[1:])
+
+
+@needs_kernels
+@needs_fbgemm
+def test_paths_are_chosen_by_config(tiny_model_dir, caplog):
+    llm, _ = _decode_then_prefill_choices(tiny_model_dir, caplog, "execution.fused_max_tokens=0")
+    assert set(llm.engine.executor.counts) == {"torch"}
+    llm, _ = _decode_then_prefill_choices(tiny_model_dir, caplog, "execution.paths=[fused-layers,torch]")
+    assert set(llm.engine.executor.counts) == {"fused-layers", "torch"}
+
+
+def test_unpacked_weights_run_op_by_op_and_say_so(tiny_model_dir, caplog):
+    llm, lines = _decode_then_prefill_choices(tiny_model_dir, caplog, "model.quantization=none")
+    assert set(llm.engine.executor.counts) == {"torch"}
+    reason = "projections not packed" if HAS_COMPILER else "no CPU kernels in this step"
+    assert lines[1:] and all(reason in line for line in lines[1:])  # the decodes (the prefill is too long anyway)
+
+
+def test_infer_run_explain_prints_the_choices_and_their_count(tiny_model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    result = CliRunner().invoke(main, ["run", "baseline", f"model.path={tiny_model_dir}", "model.dtype=float32",
+                                       "model.max_model_len=256", "--explain", "--output", str(tmp_path / "o.jsonl")])
+    assert result.exit_code == 0, result.output
+    assert "infer.execution: " in result.output and "-> torch" in result.output
+    assert "execution paths " in result.output and "forward passes: " in result.output
