@@ -1,8 +1,10 @@
-"""Decode step time at several batch sizes on one config: the before/after measurement of a change to how a step
-runs (README, "CPU performance"). Uses only the public engine API, so the same script times two checkouts.
+"""Decode step time at several batch sizes on one config, and one prefill step: the before/after measurement of a
+change to how a step runs (README, "CPU performance"). Uses only the public engine API, so the same script times
+two checkouts.
 
 Each batch size: requests with distinct prompts, every prefill finished, 3 warm-up decode steps, then the median of
-``--repeats`` runs of ``--steps`` decode steps each (ms per step). Prints one markdown row per batch size.
+``--repeats`` runs of ``--steps`` decode steps each (ms per step). Then ``--prefill`` prompts of 512 random tokens
+prefilled in one step (median of ``--repeats``). Prints one markdown row per case.
 
     OMP_NUM_THREADS=2 python benchmarks/decode_steps.py
     python benchmarks/decode_steps.py --batches 1 4 --steps 30 model.quantization=int8   # any config override
@@ -17,6 +19,7 @@ import time
 import torch
 
 from infer import LLM, SamplingParams
+from step_profile import drain  # beside this script: abort and release every request of an engine
 
 
 def decode_ms(llm: LLM, batch: int, steps: int, repeats: int) -> list[float]:
@@ -36,12 +39,23 @@ def decode_ms(llm: LLM, batch: int, steps: int, repeats: int) -> list[float]:
         for _ in range(steps):
             engine.step()
         times.append((time.perf_counter() - began) / steps * 1e3)
-    for request_id in list(engine.requests):
-        engine.abort(request_id)
-    while engine.has_unfinished():
+    drain(engine)
+    return times
+
+
+def prefill_ms(llm: LLM, batch: int, length: int, repeats: int) -> list[float]:
+    """Milliseconds of one step prefilling ``batch`` prompts of ``length`` random tokens, one value per repeat."""
+    engine = llm.engine
+    generator = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(repeats):
+        for _ in range(batch):
+            engine.add_request(torch.randint(1000, 20000, (length,), generator=generator).tolist(),
+                               SamplingParams(max_tokens=1, temperature=0.0))
+        began = time.perf_counter()
         engine.step()
-    for request_id in list(engine.requests):
-        engine.release_request(request_id)
+        times.append((time.perf_counter() - began) * 1e3)
+        drain(engine)
     return times
 
 
@@ -52,6 +66,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefill", type=int, default=4, help="prompts of 512 tokens in the prefill step (0: none)")
     parser.add_argument("--label", default="", help="a name for this run's rows (e.g. before / after)")
     args = parser.parse_args()
     llm = LLM(args.config, dotlist=args.overrides)
@@ -63,6 +78,10 @@ def main() -> None:
         times = decode_ms(llm, batch, args.steps, args.repeats)
         spread = ", ".join(f"{value:.1f}" for value in times)
         print(f"| {args.label} | decode batch {batch} | {statistics.median(times):.1f} | {spread} |", flush=True)
+    if args.prefill:
+        times = prefill_ms(llm, args.prefill, 512, args.repeats)
+        spread = ", ".join(f"{value:.0f}" for value in times)
+        print(f"| {args.label} | prefill {args.prefill} x 512 | {statistics.median(times):.0f} | {spread} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -60,7 +60,6 @@ class ForwardStep:
     attention: AttentionBackend
     ops: StepOps
     executor: Executor
-    _kernel_attention: KernelAttentionStep | None = field(default=None, repr=False)
 
     @property
     def positions(self) -> torch.Tensor:  # [T] int64
@@ -78,14 +77,6 @@ class ForwardStep:
         """``layers`` over ``hidden`` ``[T, hidden]`` on the path the executor chooses: ``(delta, residual)`` for
         the final norm to add."""
         return self.executor.run_layers(layers, hidden, self)
-
-    def kernel_attention(self) -> KernelAttentionStep:
-        """This step's attention as the C kernels compute it inside a fused stack, built once per step from the core
-        metadata."""
-        if self._kernel_attention is None:
-            self._kernel_attention = KernelAttentionStep.from_metadata(self.metadata, self.attention.num_heads,
-                                                                       self.attention.scale)
-        return self._kernel_attention
 
 
 class ExecutionPath(ABC):
@@ -173,8 +164,9 @@ class FusedStackPath(FusedLayersPath):
         if stack is None:
             stack = self._stacks[key] = FusedStack(step.ops.kernels, [layer.fused for layer in layers],
                                                    [layer.self_attn.layer_index for layer in layers])
-        rotary = step.ops.rotary
-        delta = stack.run(hidden, step.positions, rotary.cos, rotary.sin, step.kv_cache, step.kernel_attention())
+        rotary, attention = step.ops.rotary, step.attention
+        plan = KernelAttentionStep.from_metadata(step.metadata, attention.num_heads, attention.scale)
+        delta = stack.run(hidden, step.positions, rotary.cos, rotary.sin, step.kv_cache, plan)
         return delta, hidden
 
 

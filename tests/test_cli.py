@@ -183,9 +183,9 @@ def test_run_routes_its_arguments_to_run_command(runner, monkeypatch, tmp_path):
     calls = []
     monkeypatch.setitem(sys.modules, "infer.run", types.SimpleNamespace(run_command=lambda *args: calls.append(args)))
     result = runner.invoke(main, ["run", "baseline", "model.seed=1", "--prompts", str(prompts),
-                                  "--output", str(tmp_path / "out.jsonl")])
+                                  "--output", str(tmp_path / "out.jsonl"), "--explain"])
     assert result.exit_code == 0, result.output
-    assert calls == [("baseline", ["model.seed=1"], prompts, tmp_path / "out.jsonl")]
+    assert calls == [("baseline", ["model.seed=1"], prompts, tmp_path / "out.jsonl", True)]
 
 
 def test_serve_routes_its_arguments_to_serve_command(runner, monkeypatch):

@@ -84,14 +84,14 @@ def test_batched_greedy_matches_hf(hf_reference):
     assert llm.engine.stats.peak_running == len(CHATS)
     # Where a C compiler is found (as in CI), this ran on infer's CPU kernels, attention auto picking cpu.
     has_compiler = cpu_kernels.compiler() is not None
-    assert (llm.engine.model.kernels is not None) == has_compiler
+    assert (llm.engine.executor.kernels is not None) == has_compiler
     assert type(llm.engine.attention).__name__ == ("CpuBackend" if has_compiler else "SdpaBackend")
 
 
 def test_greedy_matches_hf_on_torch_ops_alone(hf_reference):
     llm, outputs = _generate(model__cpu_kernels=False)
     _assert_matches(outputs, hf_reference)
-    assert llm.engine.model.kernels is None and type(llm.engine.attention).__name__ == "SdpaBackend"
+    assert llm.engine.executor.kernels is None and type(llm.engine.attention).__name__ == "SdpaBackend"
     assert set(llm.engine.executor.counts) == {"torch"}
 
 

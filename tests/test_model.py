@@ -32,6 +32,8 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 16,
 }
 LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+# A scaling type infer takes from transformers' ROPE_INIT_FUNCTIONS, with a cos/sin factor (attention scaling) != 1.
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
 SHAPES = dict(
     vocab_size=SMALL_VOCAB,
     hidden_size=64,
@@ -55,6 +57,9 @@ HF_MODELS = {
     ),
     "linear_rope_scaling": lambda: transformers.LlamaForCausalLM(
         tiny_llama_config(vocab_size=SMALL_VOCAB, rope_parameters=LINEAR_ROPE)
+    ),
+    "yarn_rope_scaling": lambda: transformers.LlamaForCausalLM(
+        tiny_llama_config(vocab_size=SMALL_VOCAB, rope_parameters=YARN_ROPE)
     ),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPES)),
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SHAPES, sliding_window=None)),

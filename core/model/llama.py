@@ -153,7 +153,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         inverse_frequencies, scaling = rope_inverse_frequencies(config, self.head_dim)
         self.rotary = RotaryEmbedding(inverse_frequencies, self.max_positions, torch.device(device), scaling)
-        self.kernels: CpuKernels | None = None  # set by ``use_cpu_kernels``
 
     @classmethod
     def from_hf(
@@ -188,7 +187,6 @@ class LlamaForCausalLM(nn.Module):
         ``FusedLayer`` where its projections are packed (fp16 or int8), and the GEMV for inputs of up to
         ``gemv_rows`` rows (with int8 the output head's too). Call it once the weights are final: the kernels read
         copies of them and their addresses. The execution layer calls it (``infer.execution.Executor``)."""
-        self.kernels = kernels
         for layer in self.layers:
             layer.use_cpu_kernels(kernels, gemv_rows)
         if getattr(self.lm_head, "scales", None) is not None:  # int8 modes (fp16: fbgemm as fast on the head)
