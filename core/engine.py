@@ -146,7 +146,9 @@ class Engine:
         self.prefix_cache = self._plugin("prefix_cache")(self.allocator, config.cache.block_size, config.prefix_cache)
         self.scheduler = self._plugin("scheduler")(config.scheduler)
         self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device, self.executor)
+        self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device, self.executor,
+                                  self.pool_plan.num_blocks, f"allocator {config.allocator.name!r} or prefix cache "
+                                                             f"{config.prefix_cache.name!r}")
         self.sampler = Sampler()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

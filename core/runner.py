@@ -47,17 +47,29 @@ def step_tokens(seq: Sequence, num_new_tokens: int) -> list[int]:
     return tokens + seq.draft_token_ids[: end - committed]
 
 
+class BlockTableError(RuntimeError):
+    """A block table holds a block id outside the KV pool: a plugin that hands out blocks has a bug. Raised before
+    the step runs, since infer's C kernels would read or write outside the pool (torch's ops raise IndexError)."""
+
+
 class ModelRunner:
-    """Owns the KV pool tensor and runs one forward pass per step, on the path ``executor`` chooses."""
+    """Owns the KV pool tensor and runs one forward pass per step, on the path ``executor`` chooses.
+
+    ``num_blocks``: the pool's blocks; every step's block tables are checked against it (two reductions over the
+    tables, a few microseconds) and a bad id is refused with ``BlockTableError`` naming ``block_sources``, the
+    plugins that hand blocks out."""
 
     def __init__(self, model, attention: AttentionBackend, kv_cache: torch.Tensor, device: torch.device,
-                 executor: Executor | None = None):
+                 executor: Executor | None = None, num_blocks: int | None = None,
+                 block_sources: str = "the allocator or the prefix cache"):
         self.model = model
         self.attention = attention
         self.kv_cache = kv_cache
         self.device = device
         self.executor = executor or Executor()
         self.block_size = attention.block_size
+        self.num_blocks = num_blocks
+        self.block_sources = block_sources
 
     def build_metadata(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
         input_ids: list[int] = []
@@ -66,7 +78,20 @@ class ModelRunner:
         metadata = AttentionMetadata.build([seq.block_table for seq, _ in scheduled],
                                            [seq.num_computed_tokens for seq, _ in scheduled],
                                            [num_new for _, num_new in scheduled], self.block_size, self.device)
+        if self.num_blocks is not None:
+            self.check_block_tables(scheduled, metadata.block_tables)
         return torch.tensor(input_ids, dtype=torch.int64, device=self.device), metadata
+
+    def check_block_tables(self, scheduled: list[tuple[Sequence, int]], tables: torch.Tensor) -> None:
+        """Raise ``BlockTableError`` when a table holds an id outside ``[0, num_blocks)`` (0 is the null block,
+        the tables' padding)."""
+        if tables.numel() == 0 or (int(tables.max()) < self.num_blocks and int(tables.min()) >= 0):
+            return
+        seq = next(seq for seq, _ in scheduled if any(not 0 <= block < self.num_blocks for block in seq.block_table))
+        bad = next(block for block in seq.block_table if not 0 <= block < self.num_blocks)
+        raise BlockTableError(f"sequence {seq.seq_id}: its block table holds block {bad}, outside the KV pool's "
+                              f"{self.num_blocks} blocks (ids 0..{self.num_blocks - 1}); {self.block_sources} handed "
+                              f"it out: a bug in that plugin (its conformance suite, infer.testing, may show it)")
 
     @staticmethod
     def logits_rows(scheduled: list[tuple[Sequence, int]]) -> tuple[list[int], list[BatchRows]]:

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 
+# Temperatures below this sample greedily (vLLM's bound): dividing logits by a denormal one overflows them to inf,
+# and the softmax of inf - inf is NaN.
+GREEDY_TEMPERATURE = 1e-5
+
+
 class SamplingParamsError(ValueError):
     """A sampling field has an invalid value; ``field`` names it."""
 
@@ -15,7 +20,7 @@ class SamplingParamsError(ValueError):
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to sample one request. ``temperature == 0`` means greedy.
+    """How to sample one request. ``temperature`` below ``GREEDY_TEMPERATURE`` (1e-5; 0 included) means greedy.
 
     ``seed`` makes sampling reproducible per request: the random draw for the token at absolute position ``p`` comes
     from a generator keyed by ``(seed, p)``, so a request gives the same text alone or in any batch.
@@ -63,7 +68,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
     def from_dict(cls, data: dict) -> "SamplingParams":

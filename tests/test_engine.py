@@ -45,6 +45,16 @@ def test_generation_stops_at_max_model_len(llm):
     assert len(output.token_ids) == 6 and output.finish_reason == "length"
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(llm, temperature):
+    """Below 1e-5 (vLLM's bound) a temperature samples greedily: dividing logits by 1e-40 overflowed them to inf and
+    the softmax gave NaN probabilities."""
+    greedy = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    tiny = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=temperature, seed=3, ignore_eos=True))
+    assert [output.token_ids for output in tiny] == [output.token_ids for output in greedy]
+    assert SamplingParams(temperature=1e-5).greedy is False
+
+
 @pytest.mark.parametrize(("field", "value"), [("max_tokens", 0), ("max_tokens", -3), ("top_p", 0.0), ("top_p", 1.5),
                                               ("temperature", -1.0), ("min_p", 2.0), ("n", 0)])
 def test_bad_sampling_values_name_the_field(field, value):
@@ -128,3 +138,26 @@ def test_pool_too_small_for_max_model_len_refuses_to_start(tiny_model_dir):
 
     with pytest.raises(KVPoolTooSmallError, match="Largest max_model_len that fits: 64"):
         LLM("baseline", model__path=tiny_model_dir, model__max_model_len=256, cache__num_blocks=5)
+
+
+def test_a_block_id_outside_the_pool_is_refused_naming_the_plugins(tiny_model_dir, monkeypatch):
+    """infer's C kernels trust the block tables (an out-of-pool id read or wrote outside the pool and crashed the
+    process): the runner refuses such a step first, naming the plugins that hand blocks out."""
+    from infer.runner import BlockTableError
+
+    llm = LLM("baseline", model__path=tiny_model_dir, model__dtype="float32", model__max_model_len=256,
+              cache__num_blocks=64)
+    engine = llm.engine
+    allocate = engine.allocator.allocate
+    monkeypatch.setattr(engine.allocator, "allocate", lambda n: [b + 1000 for b in allocate(n)])
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0))
+    with pytest.raises(BlockTableError, match=r"block 10\d\d, outside the KV pool's 64 blocks.*allocator 'paged' or "
+                                              r"prefix cache 'none'"):
+        engine.step()
+    monkeypatch.undo()
+    seq = engine.running[0] if engine.running else engine.waiting[0]
+    seq.block_table = [b - 1000 for b in seq.block_table]  # put the real blocks back so the engine ends idle
+    engine.abort(seq.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    engine.release_request(seq.request_id)

@@ -247,6 +247,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages"),
     ("chat/completions", {"messages": [{"role": "user"}]}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 50}, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
 ]
 
 
@@ -260,6 +261,25 @@ def test_bad_request_gets_400_naming_the_field_and_server_keeps_serving(server, 
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices[0].finish_reason
+
+
+def test_nulls_a_lower_case_bearer_and_no_content_type_are_accepted(server):
+    """What OpenAI and vLLM accept: ``null`` for a field with a default, an assistant turn with ``content: null``, the
+    auth scheme in any case, a body without a Content-Type; every answer carries its request id."""
+    headers = {"Authorization": f"bearer {API_KEY}"}  # and no Content-Type
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0, "stream": None, "n": None,
+            "logprobs": None, "min_tokens": None, "ignore_eos": None}
+    response = httpx.post(f"{server.url}/v1/completions", content=json.dumps(body).encode(), headers=headers,
+                          timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-request-id"] == response.json()["id"]
+    chat = {"model": MODEL, "max_tokens": 2, "temperature": 0, "logprobs": None, "stream": None,
+            "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+                         {"role": "user", "content": "Again"}]}
+    response = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(chat).encode(), headers=headers,
+                          timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] is not None
 
 
 # -- observability and lifecycle ---------------------------------------------------------------------------------

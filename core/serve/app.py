@@ -55,11 +55,12 @@ class ServerState:
 
 
 class ApiKeyMiddleware:
-    """Bearer-token check for ``/v1`` routes, before the body is read (``/health`` and ``/metrics`` stay open)."""
+    """Bearer-token check for ``/v1`` routes, before the body is read (``/health`` and ``/metrics`` stay open).
+    The scheme is case-insensitive (RFC 7235: ``bearer`` is ``Bearer``)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
@@ -70,8 +71,23 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
     def _authorized(self, scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(header, self.expected)
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+
+
+class JsonBodyMiddleware:
+    """A ``POST /v1`` request without a Content-Type is read as JSON (curl -d and some clients send none; OpenAI's
+    API accepts them) instead of failing body validation."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith("/v1"):
+            headers = scope["headers"]
+            if not any(name == b"content-type" for name, _ in headers):
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
 
 
 router = APIRouter()
@@ -127,9 +143,12 @@ async def _generate(request: Request, body, format_class, id_prefix: str, prompt
     stream = await _submit(state, f"{id_prefix}-{uuid.uuid4().hex}", body.engine_prompt(), params, prompt_field)
     meta = ResponseMeta(stream.request_id, int(time.time()), state.model_name, params.n, params.logprobs is not None)
     if body.stream:
-        return EventStreamResponse(stream_events(stream, format_class(meta), body.include_usage, state.metrics),
-                                   stream)
-    return await respond_when_done(request, stream, format_class(meta), state.metrics)
+        response = EventStreamResponse(stream_events(stream, format_class(meta), body.include_usage, state.metrics),
+                                       stream)
+    else:
+        response = await respond_when_done(request, stream, format_class(meta), state.metrics)
+    response.headers["x-request-id"] = stream.request_id  # the id the engine's log and its aborts use
+    return response
 
 
 async def _submit(state: ServerState, request_id: str, prompt, params, prompt_field: str):
@@ -160,6 +179,7 @@ def create_app(engine_loop: EngineLoop, api_key: str | None = None) -> FastAPI:
     app.state.server = ServerState(engine_loop, api_key)
     install_error_handlers(app)
     app.include_router(router)
-    if api_key:
+    app.add_middleware(JsonBodyMiddleware)
+    if api_key:  # added last, so it runs first: an unauthorized request gets no further
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app

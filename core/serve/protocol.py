@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from infer.sampling_params import SamplingParams
 
@@ -25,10 +25,25 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _nulls_as_absent(model: type[BaseModel], data: object) -> object:
+    """``null`` for a field whose default is not null means "absent" (OpenAI and vLLM accept ``"stream": null``,
+    ``"n": null``, ...); fields whose default is null keep their null."""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    return {key: value for key, value in data.items()
+            if not (value is None and key in fields and fields[key].default is not None)}
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
     model_config = REQUEST_CONFIG
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: object) -> object:
+        return _nulls_as_absent(cls, data)
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -93,10 +108,18 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = REQUEST_CONFIG
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None  # null: an assistant turn that said nothing (OpenAI allows it)
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _only_assistants_say_nothing(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content may be null only for role assistant, not {self.role}")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
