@@ -150,6 +150,14 @@ class ServerConfig(BaseModel):
     api_key: str | None = None
     max_waiting: int = Field(256, ge=1, description="Requests queued beyond this are refused with 429 and Retry-After.")
     shutdown_timeout_s: float = Field(30.0, ge=0)
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Request bodies larger than this are refused with "
+                                                                 "413 before they are read.")
+    allowed_hosts: list[str] | None = Field(
+        None, description='Host headers the server answers (others get 400), e.g. ["infer.example.com"]; "*" any. '
+                          "null: the loopback names when bound to a loopback address (a web page cannot reach the "
+                          "server by DNS rebinding), any otherwise.")
+    metrics_public: bool = Field(False, description="Serve /metrics without the API key when one is set (it needs "
+                                                    "the key by default).")
 
 
 CORE_SECTIONS: dict[str, type[BaseModel]] = {

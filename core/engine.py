@@ -128,6 +128,7 @@ class Engine:
         self.model = quantize_model(loaded.model, self.quantization)
         self.executor = self._build_executor()
         self.tokenizer = loaded.tokenizer
+        self.max_token_bytes = max(len(token.encode()) for token in self.tokenizer.get_vocab())
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.model_name = loaded.name
         self.max_model_len = config.model.max_model_len
@@ -231,11 +232,14 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        """A prompt is a string, a list of token ids, or a list of chat messages (``{"role", "content"}``)."""
+        """A prompt is a string, a list of token ids, or a list of chat messages (``{"role", "content"}``). Text too
+        long to fit ``max_model_len`` whatever its tokens is refused before it is tokenized."""
         if isinstance(prompt, str):
+            self._check_text_length(prompt)
             return prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            self._check_text_length(text)
             return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
@@ -262,6 +266,15 @@ class Engine:
         self.waiting.extend(seqs)
         self.stats.num_prompt_tokens += len(token_ids) * params.n
         return request_id
+
+    def _check_text_length(self, text: str) -> None:
+        """Refuse text that must exceed ``max_model_len`` tokens: a token stands for at most ``max_token_bytes``
+        bytes of text (the longest vocabulary entry's UTF-8 length, which is never shorter than the text it encodes;
+        doubled for normalizers that shrink text). Tokenizing a 10 MiB prompt held the engine for seconds."""
+        limit = 2 * self.max_model_len * self.max_token_bytes
+        if len(text) > limit // 4 and len(text.encode()) > limit:
+            raise RequestError(f"the prompt is {len(text.encode())} bytes of text, more than any "
+                               f"{self.max_model_len} tokens (model.max_model_len) can hold; shorten it", "prompt")
 
     def _next_request_number(self) -> int:
         self._request_counter += 1

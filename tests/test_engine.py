@@ -39,6 +39,19 @@ def test_over_long_prompt_is_refused_while_others_finish(llm):
     assert [len(outputs[0].token_ids), len(outputs[2].token_ids)] == [4, 4]
 
 
+def test_text_longer_than_any_tokenization_can_fit_is_refused_untokenized(llm, monkeypatch):
+    engine = llm.engine
+    too_big = "word " * (2 * engine.max_model_len * engine.max_token_bytes // 5 + 1)
+    tokenized = []
+    tokenizer = engine.tokenizer
+    monkeypatch.setattr(engine, "tokenizer", type("Spy", (), {
+        "__call__": lambda self, text, **kwargs: tokenized.append(len(text)) or tokenizer(text, **kwargs),
+        "__getattr__": lambda self, name: getattr(tokenizer, name)})())
+    outputs = llm.generate([too_big, PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0))
+    assert outputs[0].finish_reason == "error" and "bytes of text" in outputs[0].error
+    assert len(outputs[1].token_ids) == 2 and tokenized == [len(PROMPTS[0])]
+
+
 def test_generation_stops_at_max_model_len(llm):
     prompt = list(range(1000, 1250))  # 250 tokens: room for 6 more
     output = llm.generate([prompt], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]

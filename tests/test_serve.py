@@ -56,7 +56,7 @@ def health(server) -> dict:
 
 def metric_values(server) -> dict[str, float]:
     """Unlabelled samples of ``/metrics`` as name -> value."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = httpx.get(f"{server.url}/metrics", timeout=10, headers={"Authorization": f"Bearer {API_KEY}"}).text
     return {name: float(value) for name, value in (line.split() for line in text.splitlines()
                                                    if line and not line.startswith("#") and "{" not in line)}
 
@@ -222,6 +222,21 @@ def test_wrong_api_key_is_refused_but_health_stays_open(server):
     with pytest.raises(openai.AuthenticationError):
         stranger.models.list()
     assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 401  # server.metrics_public is false by default
+
+
+def test_a_foreign_host_header_and_an_oversized_body_are_refused(server):
+    """DNS rebinding: a page on another domain reaching the loopback server sends its own domain as Host. And a
+    body past server.max_body_bytes is refused by its length, before anything reads it."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    foreign = httpx.get(f"{server.url}/v1/models", headers={**headers, "Host": "attacker.example"}, timeout=10)
+    assert foreign.status_code == 400
+    assert httpx.get(f"{server.url}/v1/models", headers={**headers, "Host": "localhost"}, timeout=10).is_success
+    huge = json.dumps({"model": MODEL, "prompt": "x" * (5 * 2**20), "max_tokens": 1}).encode()
+    response = httpx.post(f"{server.url}/v1/completions", content=huge, timeout=30,
+                          headers={**headers, "Content-Type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
 
 
 BAD_REQUESTS = [

@@ -1,13 +1,16 @@
 """The FastAPI application: OpenAI's ``/v1`` routes plus ``/health`` and ``/metrics``.
 
 Handlers never touch the engine: they validate, submit to the ``EngineLoop`` and relay its updates. Every failure a
-client can cause is a 4xx in OpenAI's error body, and none of them reaches another request.
+client can cause is a 4xx in OpenAI's error body, and none of them reaches another request. Before any handler:
+the Host header is checked (starlette's ``TrustedHostMiddleware``; loopback names only on a loopback bind), then
+the API key (``/v1`` and ``/metrics``), then the body's size.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -15,7 +18,9 @@ from dataclasses import dataclass, field
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from infer.config import ServerConfig
 from infer.engine import RequestError
 from infer.sampling_params import SamplingParamsError
 from infer.serve.delivery import EventStreamResponse, respond_when_done, stream_events
@@ -54,16 +59,20 @@ class ServerState:
                            param="model", code="model_not_found")
 
 
-class ApiKeyMiddleware:
-    """Bearer-token check for ``/v1`` routes, before the body is read (``/health`` and ``/metrics`` stay open).
-    The scheme is case-insensitive (RFC 7235: ``bearer`` is ``Bearer``)."""
+LOOPBACK_HOSTS = ["localhost", "127.0.0.1", "::1", "[::1]"]
 
-    def __init__(self, app, api_key: str):
+
+class ApiKeyMiddleware:
+    """Bearer-token check for ``/v1`` routes (and ``/metrics`` unless it is public), before the body is read;
+    ``/health`` stays open. The scheme is case-insensitive (RFC 7235: ``bearer`` is ``Bearer``)."""
+
+    def __init__(self, app, api_key: str, metrics_public: bool = False):
         self.app = app
         self.expected = api_key.encode()
+        self.guarded = ("/v1",) if metrics_public else ("/v1", "/metrics")
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+        if scope["type"] == "http" and scope["path"].startswith(self.guarded) and not self._authorized(scope):
             error = ApiError(401, "invalid or missing API key; send the header 'Authorization: Bearer <key>'",
                              code="invalid_api_key")
             await error_response(error)(scope, receive, send)
@@ -73,6 +82,46 @@ class ApiKeyMiddleware:
     def _authorized(self, scope) -> bool:
         scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+
+
+class BodyLimitMiddleware:
+    """Refuses a request body larger than ``max_bytes`` with 413: by its Content-Length before reading it, and while
+    reading a chunked one (a 10 MiB prompt otherwise held the engine thread while it was tokenized)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await error_response(self._too_large())(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await error_response(self._too_large())(scope, receive, send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body is larger than server.max_body_bytes={self.max_bytes}",
+                        code="request_too_large")
+
+
+class _BodyTooLarge(Exception):
+    pass
 
 
 class JsonBodyMiddleware:
@@ -165,8 +214,10 @@ async def _submit(state: ServerState, request_id: str, prompt, params, prompt_fi
         raise ApiError(400, str(error), param=param) from error
 
 
-def create_app(engine_loop: EngineLoop, api_key: str | None = None) -> FastAPI:
-    """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it."""
+def create_app(engine_loop: EngineLoop, api_key: str | None = None, settings: ServerConfig | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
+    ``settings``: the config's ``server`` section (body limit, allowed hosts, whether /metrics is public)."""
+    settings = settings or ServerConfig()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -179,7 +230,22 @@ def create_app(engine_loop: EngineLoop, api_key: str | None = None) -> FastAPI:
     app.state.server = ServerState(engine_loop, api_key)
     install_error_handlers(app)
     app.include_router(router)
+    # Each middleware added wraps the ones before: the last added runs first.
     app.add_middleware(JsonBodyMiddleware)
-    if api_key:  # added last, so it runs first: an unauthorized request gets no further
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics_public=settings.metrics_public)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(settings))
     return app
+
+
+def allowed_hosts(settings: ServerConfig) -> list[str]:
+    """The Host headers to answer: the configured ones; else, bound to loopback, only loopback names (DNS
+    rebinding: a web page's script reaching a keyless local server under its own domain's name); else any."""
+    if settings.allowed_hosts is not None:
+        return settings.allowed_hosts
+    try:
+        loopback = settings.host == "localhost" or ipaddress.ip_address(settings.host).is_loopback
+    except ValueError:  # a host name other than localhost
+        loopback = False
+    return [*LOOPBACK_HOSTS, settings.host] if loopback else ["*"]

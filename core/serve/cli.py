@@ -43,7 +43,8 @@ def serve_command(config: str, overrides: list[str], host: str | None = None, po
     resolved = load_config(config, overrides)
     settings = resolved.server
     engine = Engine(resolved)
-    app = create_app(EngineLoop(engine, settings.max_waiting), api_key=api_key or settings.api_key)
+    bound = settings if host is None else settings.model_copy(update={"host": host})
+    app = create_app(EngineLoop(engine, settings.max_waiting), api_key=api_key or settings.api_key, settings=bound)
     server = uvicorn.Server(uvicorn.Config(
         app, host=host or settings.host, port=settings.port if port is None else port, access_log=False,
         timeout_graceful_shutdown=settings.shutdown_timeout_s, log_level="info"))
