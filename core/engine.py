@@ -423,15 +423,28 @@ class Engine:
                 return "stop", None
             if token in params.stop_token_ids:
                 return "stop", token
-            if params.stop and self._find_stop_string(seq) is not None:
-                return "stop", self._find_stop_string(seq)
+            stop = self._find_stop_string(seq) if params.stop else None
+            if stop is not None:
+                return "stop", stop
         if num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length", None
         return None
 
     def _find_stop_string(self, seq: Sequence) -> str | None:
-        tail = self.tokenizer.decode(seq.output_token_ids[-32:], skip_special_tokens=True)
-        return next((stop for stop in seq.params.stop if stop in tail), None)
+        """The stop string that ends in the newest token's text (it may begin up to ``len(stop) - 1`` characters
+        earlier), the earliest if several; records where it begins. Only the newest text is searched, as vLLM does:
+        a stop string completed before ``min_tokens`` was reached never matches later."""
+        tokens = seq.output_token_ids[-32:]
+        tail = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        # U+FFFD: an incomplete character before the newest token, which may complete it.
+        new_start = len(self.tokenizer.decode(tokens[:-1], skip_special_tokens=True).rstrip("\ufffd"))
+        found = [(index, stop) for stop in seq.params.stop
+                 if (index := tail.find(stop, max(0, new_start - len(stop) + 1))) >= 0]
+        if not found:
+            return None
+        index, stop = min(found)
+        seq.stop_chars_from_end = len(tail) - index
+        return stop
 
     def _trim_blocks(self, seq: Sequence) -> None:
         """Release blocks wholly past what the sequence needs after a rejected draft."""
@@ -450,8 +463,11 @@ class Engine:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         seq.finish_time = time.perf_counter()
+        request = self.requests.get(seq.request_id)
         if seq in self.running:
             self.running.remove(seq)
+            if request is not None and seq is request.seqs[0] and any(s in self.waiting for s in request.seqs[1:]):
+                self.kv.pin_fork_prefix(seq)  # followers still waiting share its computed prompt
             self.kv.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
@@ -460,8 +476,8 @@ class Engine:
         seq.num_blocks_offered_to_cache = 0
         self.stats.num_cached_prompt_tokens += seq.num_cached_prompt_tokens
         self.drafter.release(seq)
-        request = self.requests.get(seq.request_id)
         if request is not None and request.finished:
+            self.kv.release_fork_pin(request.seqs[0])
             self.registry.hook.request_finished(engine=self, output=self._request_output(request))
 
     def _refuse_unschedulable(self) -> list[Request]:
@@ -536,10 +552,13 @@ class Engine:
     def output_text(self, seq: Sequence) -> str:
         """Detokenized output; a matched stop string and what follows it are cut (unless asked to keep it)."""
         text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        if isinstance(seq.stop_reason, str):
-            cut = text.find(seq.stop_reason)
+        stop = seq.stop_reason
+        if isinstance(stop, str):
+            cut = len(text) - (seq.stop_chars_from_end or 0)
+            if text[cut : cut + len(stop)] != stop:  # the window's text did not end the full text's way
+                cut = text.rfind(stop)
             if cut >= 0:
-                text = text[: cut + (len(seq.stop_reason) if seq.params.include_stop_str_in_output else 0)]
+                text = text[: cut + (len(stop) if seq.params.include_stop_str_in_output else 0)]
         return text
 
     def release_request(self, request_id: str) -> None:

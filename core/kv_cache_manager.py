@@ -18,6 +18,9 @@ class KVCacheManager:
         self.prefix_cache = prefix_cache
         self.block_size = allocator.block_size
         self.max_model_len = max_model_len
+        # n > 1: a finished leader's computed prompt blocks, kept (one reference each) for followers still waiting,
+        # with the tokens they hold; by the leader's seq_id.
+        self._fork_pins: dict[str, tuple[list[int], int]] = {}
 
     # -- queries -------------------------------------------------------------------------------------------------
     @property
@@ -99,18 +102,40 @@ class KVCacheManager:
         seq.num_computed_tokens = 0
 
     # -- n > 1: followers share the leader's computed prompt blocks ----------------------------------------------
-    def _fork_prefix_len(self, seq: Sequence) -> int:
+    def pin_fork_prefix(self, leader: Sequence) -> None:
+        """Keep a finishing leader's computed prompt blocks for its followers still waiting (``n`` above
+        ``max_num_seqs``): without it every later sample computed the whole prompt again. ``release_fork_pin``
+        gives them back."""
+        num_blocks = min(leader.num_computed_tokens, leader.num_prompt_tokens - 1) // self.block_size
+        if num_blocks == 0 or leader.seq_id in self._fork_pins:
+            return
+        blocks = leader.block_table[:num_blocks]
+        self.allocator.retain(blocks)
+        self._fork_pins[leader.seq_id] = (blocks, num_blocks * self.block_size)
+
+    def release_fork_pin(self, leader: Sequence) -> None:
+        """Give back what ``pin_fork_prefix`` kept (when the request has finished: no follower waits any more)."""
+        blocks, _ = self._fork_pins.pop(leader.seq_id, ([], 0))
+        self.allocator.release(blocks[::-1])
+
+    def _fork_prefix(self, seq: Sequence) -> tuple[list[int], int]:
+        """The leader's blocks a waiting follower can share and the tokens they hold: from the leader while it holds
+        them, else from its pin."""
         leader = seq.fork_of
-        if leader is None or not leader.block_table:
-            return 0
-        shareable = min(leader.num_computed_tokens, seq.num_prompt_tokens - 1)
-        return (shareable // self.block_size) * self.block_size
+        if leader is None:
+            return [], 0
+        if not leader.block_table:
+            return self._fork_pins.get(leader.seq_id, ([], 0))
+        num_blocks = min(leader.num_computed_tokens, seq.num_prompt_tokens - 1) // self.block_size
+        return leader.block_table[:num_blocks], num_blocks * self.block_size
+
+    def _fork_prefix_len(self, seq: Sequence) -> int:
+        return self._fork_prefix(seq)[1]
 
     def _share_fork_prefix(self, seq: Sequence) -> bool:
-        num_tokens = self._fork_prefix_len(seq)
+        blocks, num_tokens = self._fork_prefix(seq)
         if num_tokens <= self.prefix_cache.peek(seq.token_ids, seq.params.cache_salt):
             return False
-        blocks = seq.fork_of.block_table[: num_tokens // self.block_size]
         self.allocator.retain(blocks)
         seq.block_table = list(blocks)
         seq.num_computed_tokens = num_tokens

@@ -51,6 +51,8 @@ class Sequence:
     num_times_passed_over: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # Where the matched stop string begins, in characters from the end of the output text (set with stop_reason).
+    stop_chars_from_end: int | None = None
     # Timing (seconds, time.perf_counter()).
     first_token_time: float | None = None
     finish_time: float | None = None

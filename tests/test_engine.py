@@ -174,3 +174,38 @@ def test_a_block_id_outside_the_pool_is_refused_naming_the_plugins(tiny_model_di
     while engine.has_unfinished():
         engine.step()
     engine.release_request(seq.request_id)
+
+
+def test_samples_beyond_max_num_seqs_share_the_prompt_after_the_first_finishes(tiny_model_dir):
+    """n above max_num_seqs: the first sample computes the prompt and finishes; the later ones, admitted after it,
+    still share its computed blocks (they recomputed the whole prompt each: n x 96 tokens instead of 96 + n x 16)."""
+    llm = LLM("baseline", model__path=tiny_model_dir, model__dtype="float32", model__max_model_len=256,
+              cache__num_blocks=64, scheduler__max_num_seqs=2)
+    prompt = list(range(1000, 1096))  # 6 full blocks of 16
+    output = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=1.0, seed=5, n=6))[0]
+    assert len(output.outputs) == 6
+    # The leader computes all 96 tokens; each follower shares 5 blocks (80 tokens: the last prompt token is always
+    # computed) and computes the last 16.
+    assert llm.engine.stats.num_prefill_tokens_computed == 96 + 5 * 16
+
+
+def test_a_stop_string_completed_before_min_tokens_does_not_cut_the_output(llm):
+    """Stop strings are matched only in text produced once ``min_tokens`` is reached (as vLLM does); the output was
+    cut at an occurrence from before it."""
+    tokenizer = llm.engine.tokenizer
+    free = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    decoded = [tokenizer.decode(free.token_ids[:k], skip_special_tokens=True) for k in range(41)]
+    stop = decoded[2][-3:]  # ends in the first two tokens' text
+    assert len(stop) == 3
+    min_tokens = 5
+    # The first occurrence ending in a token at or past min_tokens is where the output must end.
+    ends = [k for k in range(min_tokens, 41) if decoded[k].find(stop, max(0, len(decoded[k - 1]) - len(stop) + 1)) >= 0]
+    output = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop],
+                                                       min_tokens=min_tokens))[0]
+    if not ends:
+        assert output.finish_reason == "length" and output.text == decoded[40]
+        return
+    k = ends[0]
+    assert output.token_ids == free.token_ids[:k] and output.finish_reason == "stop"
+    assert output.text == decoded[k][: decoded[k].find(stop, max(0, len(decoded[k - 1]) - len(stop) + 1))]
+    assert len(output.text) > len(decoded[2]) - len(stop)  # not cut at the early occurrence

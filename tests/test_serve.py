@@ -160,6 +160,20 @@ def test_stop_string_is_cut_the_same_way_when_streamed(client):
     assert streamed == whole.choices[0].message.content
 
 
+def test_a_stop_string_before_min_tokens_is_ignored_and_streaming_agrees(client):
+    """The issue's repro: " to" appears in the first four tokens, before min_tokens=5 is reached; neither answer may be
+    cut there (both were), and the streamed text equals the whole one (it diverged)."""
+    request = dict(model=MODEL, prompt="The history of Rome", max_tokens=40, temperature=0)
+    free = client.completions.create(**request, logprobs=0).choices[0]
+    before_min_tokens = "".join(free.logprobs.tokens[:4])
+    assert " to" in before_min_tokens
+    whole = client.completions.create(**request, stop=[" to"], extra_body={"min_tokens": 5}).choices[0]
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        **request, stop=[" to"], extra_body={"min_tokens": 5}, stream=True))
+    assert streamed == whole.text
+    assert free.text.startswith(whole.text) and len(whole.text) > len(before_min_tokens) - len(" to")
+
+
 def test_completion_logprobs_cover_every_token(client):
     whole = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=8, temperature=0,
                                       logprobs=2)
