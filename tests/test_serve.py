@@ -402,5 +402,28 @@ def test_sigterm_past_the_shutdown_timeout_aborts_and_exits_zero(tiny_model_dir,
         start = time.monotonic()
         lines = _stream_lines(tiny.url, body, sigterm_after=3, server=tiny)
         assert tiny.process.wait(30) == 0
-        assert "data: [DONE]" not in lines and len(lines) < 2000  # cut off at the deadline, not finished
+        # Cut off at the deadline, not finished, yet ended cleanly: a last chunk saying why, then [DONE].
+        assert lines[-1] == "data: [DONE]" and len(lines) < 2000
+        assert json.loads(lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"
         assert time.monotonic() - start < 20
+
+
+def test_sigterm_past_the_shutdown_timeout_answers_a_non_streamed_request_with_json(tiny_model_dir, tmp_path):
+    """A non-streamed request still running at the deadline gets its JSON answer (finish_reason "abort"), not
+    uvicorn's plain-text 500 from a cancelled handler, and the process exits 0 within the timeout."""
+    overrides = [f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=2048",
+                 "cache.num_blocks=160", "server.shutdown_timeout_s=2"]
+    with ServerProcess("baseline", overrides, log_path=tmp_path / "server.log") as tiny:
+        body = {"prompt": "Hi", "max_tokens": 2000, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{tiny.url}/v1/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{tiny.url}/health", timeout=5).json()["requests_running"] == 0:
+                assert time.monotonic() < deadline, "the request never started"
+                time.sleep(0.05)
+            stopped = time.monotonic()
+            tiny.process.terminate()
+            response = answer.result(timeout=30)
+        assert response.status_code == 200 and response.headers["content-type"].startswith("application/json")
+        assert response.json()["choices"][0]["finish_reason"] == "abort"
+        assert tiny.process.wait(30) == 0 and time.monotonic() - stopped < 2 + 1.5

@@ -1,12 +1,14 @@
 """``infer serve CONFIG [OVERRIDES]... [--host H] [--port P] [--api-key KEY]``.
 
 Loads the config and the engine, then runs uvicorn until SIGTERM or Ctrl-C. Shutdown is graceful: uvicorn stops
-accepting connections and lets in-flight responses finish for up to ``server.shutdown_timeout_s``, cancels the rest
-(their requests are aborted), then the engine thread stops, and the process exits with status 0.
+accepting connections and lets in-flight responses finish for three quarters of ``server.shutdown_timeout_s``; then
+the engine aborts the rest, whose handlers still answer (``finish_reason: "abort"``; a stream's last chunk and
+``[DONE]``), the engine thread stops, and the process exits with status 0 within the timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import sys
@@ -44,15 +46,41 @@ def serve_command(config: str, overrides: list[str], host: str | None = None, po
     settings = resolved.server
     engine = Engine(resolved)
     bound = settings if host is None else settings.model_copy(update={"host": host})
-    app = create_app(EngineLoop(engine, settings.max_waiting), api_key=api_key or settings.api_key, settings=bound)
-    server = uvicorn.Server(uvicorn.Config(
+    engine_loop = EngineLoop(engine, settings.max_waiting)
+    app = create_app(engine_loop, api_key=api_key or settings.api_key, settings=bound)
+    server = _graceful_server(uvicorn.Config(
         app, host=host or settings.host, port=settings.port if port is None else port, access_log=False,
-        timeout_graceful_shutdown=settings.shutdown_timeout_s, log_level="info"))
+        timeout_graceful_shutdown=settings.shutdown_timeout_s + _CANCEL_BACKSTOP_S, log_level="info"),
+        engine_loop, abort_after_s=settings.shutdown_timeout_s * _ABORT_AT)
     # uvicorn re-raises the signal that stopped it once it has shut down; this handler turns that into exit 0.
     signal.signal(signal.SIGTERM, _exit_after_shutdown)
     server.run()
     if not server.started:
         sys.exit(1)  # e.g. the port was taken; uvicorn has logged why
+
+
+# At shutdown, in-flight requests get this share of server.shutdown_timeout_s to finish; then the engine aborts them,
+# and each handler still answers (finish_reason "abort": streams a last chunk and [DONE]).
+_ABORT_AT = 0.75
+# uvicorn's own deadline, after which it cancels handlers mid-response: a backstop the abort should never reach.
+_CANCEL_BACKSTOP_S = 5.0
+
+
+def _graceful_server(config, engine_loop, abort_after_s: float):
+    """uvicorn's server, with in-flight requests aborted in the engine ``abort_after_s`` into its shutdown, before
+    uvicorn's graceful-shutdown timeout would cancel their handlers (that cut streams off without [DONE] and answered
+    the rest with a plain-text 500)."""
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            abort = asyncio.get_running_loop().call_later(abort_after_s, engine_loop.abort_all)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                abort.cancel()
+
+    return GracefulServer(config)
 
 
 def _exit_after_shutdown(signum, frame) -> None:

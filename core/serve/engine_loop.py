@@ -110,6 +110,7 @@ class _Tracked:
 
 
 _STOP = object()
+_ABORT_ALL = object()
 
 
 class EngineLoop:
@@ -172,6 +173,11 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (each ends with ``finish_reason="abort"``); the thread keeps running. What
+        a server's shutdown calls when its grace period is nearly over, while the handlers can still answer."""
+        self._commands.put(_ABORT_ALL)
+
     # -- engine thread -----------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -210,6 +216,8 @@ class EngineLoop:
         if isinstance(command, _Abort):
             self._forget(command.request_id, abort=True)
             return []
+        if command is _ABORT_ALL:
+            return self._abort_all()
         if self._stopping:
             return [partial(_settle, command.accepted, EngineStopped("the server is shutting down"))]
         return self._add(command)
