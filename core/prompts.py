@@ -25,6 +25,7 @@ class PromptItem:
     prompt: object  # a string, token ids, or chat messages
     params: SamplingParams
     display: str
+    id: object = None  # the line's own "id", echoed in the output line (None: numbered by position)
 
 
 class PromptFileError(ValueError):
@@ -37,7 +38,8 @@ def builtin_items(max_tokens: int = 64) -> list[PromptItem]:
 
 
 def read_jsonl(path: str | Path) -> list[PromptItem]:
-    """Lines are ``{"prompt": ...}`` or ``{"messages": [...]}`` plus optional sampling fields; errors name the line."""
+    """Lines are ``{"prompt": ...}`` or ``{"messages": [...]}`` plus an optional ``"id"`` (echoed in the output) and
+    sampling fields; any other key is refused, naming the line and the closest field."""
     items = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
@@ -53,7 +55,7 @@ def _parse_line(data: dict) -> PromptItem:
     if not isinstance(data, dict):
         raise ValueError("each line must be a JSON object")
     fields = dict(data)
-    fields.pop("id", None)
+    item_id = fields.pop("id", None)
     if "messages" in fields:
         prompt = fields.pop("messages")
         display = str(prompt[-1].get("content", "")) if prompt else ""
@@ -63,4 +65,4 @@ def _parse_line(data: dict) -> PromptItem:
     else:
         raise ValueError('a line needs "prompt" or "messages"')
     fields.setdefault("temperature", 0.0)
-    return PromptItem(prompt, SamplingParams.from_dict(fields), display)
+    return PromptItem(prompt, SamplingParams.from_dict(fields), display, item_id)

@@ -63,7 +63,7 @@ def _execution_log(enabled: bool):
 
 
 def _output_line(index, item, output) -> dict:
-    line = {"id": index, "prompt": item.display, "text": output.text, "token_ids": output.token_ids,
+    line = {"id": index if item.id is None else item.id, "prompt": item.display, "text": output.text, "token_ids": output.token_ids,
             "finish_reason": output.finish_reason, "metrics": output.metrics.to_dict()}
     if output.error:
         line["error"] = output.error

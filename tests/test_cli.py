@@ -242,3 +242,17 @@ def test_help_imports_neither_torch_nor_lazy_command_modules():
     )
     completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert completed.stdout == "[]\n"
+
+
+def test_run_echoes_each_prompt_lines_id_and_refuses_unknown_keys(runner, tiny_model_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "q-7", "prompt": "hi", "max_tokens": 2}\n{"prompt": "there", "max_tokens": 2}\n')
+    out = tmp_path / "out.jsonl"
+    args = ["run", "baseline", f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256"]
+    result = runner.invoke(main, [*args, "--prompts", str(prompts), "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["q-7", 1]
+    prompts.write_text('{"prompt": "hi", "max_token": 2}\n')
+    result = runner.invoke(main, [*args, "--prompts", str(prompts)])
+    message = result.output + str(result.exception)
+    assert result.exit_code != 0 and "prompts.jsonl:1" in message and "did you mean 'max_tokens'" in message

@@ -207,8 +207,8 @@ def test_seeded_samples_are_reproducible_and_streamed_alike(client):
     assert texts == [choice.message.content for choice in again.choices]
     streamed = ["", ""]
     for chunk in client.chat.completions.create(**request, stream=True):
-        for choice in chunk.choices:
-            streamed[choice.index] += choice.delta.content or ""
+        assert len(chunk.choices) == 1  # one choice per chunk, as OpenAI streams n > 1
+        streamed[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
     assert streamed == texts
 
 

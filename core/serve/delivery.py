@@ -44,7 +44,7 @@ def event(body: BaseModel) -> str:
 
 async def stream_events(stream: RequestStream, response_format, include_usage: bool,
                         metrics: ServerMetrics) -> AsyncIterator[str]:
-    """Chunks as the engine produces them, an optional usage chunk, then ``[DONE]``."""
+    """Chunks as the engine produces them (one per sample that moved), an optional usage chunk, then ``[DONE]``."""
     for chunk in response_format.opening_chunks():
         yield event(chunk)
     finish_reasons = []
@@ -53,9 +53,10 @@ async def stream_events(stream: RequestStream, response_format, include_usage: b
         if update.error is not None:
             yield event(ApiError(500, update.error, "server_error").body)
             break
-        if update.samples:
-            yield event(response_format.chunk(update.samples))
-            finish_reasons += [sample.finish_reason for sample in update.samples if sample.finish_reason]
+        for sample in update.samples:  # one choice per chunk, as OpenAI streams n > 1: clients read choices[0]
+            yield event(response_format.chunk([sample]))
+            if sample.finish_reason:
+                finish_reasons.append(sample.finish_reason)
         if update.finished:
             metrics.observe_finished(update.metrics, finish_reasons)
             if include_usage:
