@@ -76,7 +76,9 @@ class PrefixCache(ABC):
         """
 
     def peek(self, tokens: TokenSequence[int], namespace: Any = None) -> int:
-        """Length ``match`` would return, without touching statistics or recency (schedulers call it)."""
+        """Length ``match`` would return, without touching statistics or recency (schedulers call it every step;
+        the conformance suite checks both). This default calls ``match``, so it keeps that promise only for a cache
+        whose ``match`` has no side effects: override it (the built-ins do)."""
         return self.match(tokens, namespace).num_tokens
 
     @abstractmethod

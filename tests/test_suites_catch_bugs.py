@@ -14,9 +14,12 @@ import pytest
 from hypothesis import Phase, settings
 
 from infer.plugins.allocators.paged import PagedAllocator
+from infer.plugins.attention.sdpa import SdpaBackend
+from infer.plugins.drafters.ngram import NgramDrafter
 from infer.plugins.prefix_cache.hash import HashPrefixCache
 from infer.plugins.schedulers.fcfs import FCFSScheduler
-from infer.testing import AllocatorConformance, PrefixCacheConformance, SchedulerConformance
+from infer.testing import (AllocatorConformance, AttentionConformance, DrafterConformance, PrefixCacheConformance,
+                           SchedulerConformance)
 from infer.testing.suite import ConformanceSuite
 
 pytest_plugins = ["pytester"]
@@ -61,6 +64,28 @@ class LockIgnoringPrefixCache(HashPrefixCache):
         pass
 
 
+class PeekingPrefixCache(HashPrefixCache):
+    """Peeks by matching: every scheduler peek counts as a lookup and refreshes the prefix's recency."""
+
+    def peek(self, tokens, namespace=None):
+        return self.match(tokens, namespace).num_tokens
+
+
+class WrongScaleAttention(SdpaBackend):
+    """Scales scores by 1 / head_dim instead of 1 / sqrt(head_dim), consistently (its own ``scale`` says so)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = 1.0 / self.head_dim
+
+
+class OverlongDrafter(NgramDrafter):
+    """Proposes one token more than asked."""
+
+    def propose(self, sequences, k):
+        return [drafts + [0] for drafts in super().propose(sequences, k)]
+
+
 class OverBudgetScheduler(FCFSScheduler):
     """Plans as if the token budget were twice what the engine allows."""
 
@@ -89,6 +114,14 @@ class RepeatingAllocatorSuite(AllocatorConformance):
         return lambda: RepeatingAllocator(self.num_blocks, self.block_size, self.max_model_len)
 
 
+class LeakyAllocatorWithExampleDatabaseSuite(AllocatorConformance):
+    """The suite's own Hypothesis settings, example database included (it saves the failing example it finds)."""
+
+    @pytest.fixture
+    def allocator_factory(self):
+        return lambda: LeakyAllocator(self.num_blocks, self.block_size, self.max_model_len)
+
+
 class PagedAllocatorSuite(AllocatorConformance):
     impl_name = "paged"
 
@@ -99,6 +132,38 @@ class LockIgnoringPrefixCacheSuite(PrefixCacheConformance):
     @pytest.fixture
     def prefix_cache_factory(self):
         return lambda allocator: LockIgnoringPrefixCache(allocator, allocator.block_size)
+
+
+class PeekingPrefixCacheSuite(PrefixCacheConformance):
+    hypothesis_settings = WITHOUT_SHRINKING
+
+    @pytest.fixture
+    def prefix_cache_factory(self):
+        return lambda allocator: PeekingPrefixCache(allocator, allocator.block_size)
+
+
+class WrongScaleAttentionSuite(AttentionConformance):
+    impl_name = "sdpa"
+
+    @pytest.fixture
+    def attention_factory(self):
+        def make(block_size=8, queries_per_kv_head=1, dtype=None):
+            import torch
+
+            return WrongScaleAttention(num_heads=self.num_kv_heads * queries_per_kv_head, num_kv_heads=self.num_kv_heads,
+                                       head_dim=self.head_dim, block_size=block_size, dtype=dtype or torch.float32,
+                                       device=torch.device("cpu"))
+        return make
+
+
+class OverlongDrafterSuite(DrafterConformance):
+    impl_name = "ngram"
+
+    @pytest.fixture
+    def drafter_factory(self):
+        from infer.plugins.drafters.ngram import NgramDrafterConfig
+
+        return lambda: OverlongDrafter(NgramDrafterConfig(num_speculative_tokens=self.num_speculative_tokens))
 
 
 class OverBudgetSchedulerSuite(SchedulerConformance):
@@ -158,6 +223,25 @@ def test_scheduler_suite_catches_a_blown_token_budget(pytester):
                   "plan schedules * tokens, over the budget of *")
 
 
+def test_prefix_cache_suite_catches_a_peek_that_counts_and_refreshes(pytester):
+    result = run_suite(pytester, PeekingPrefixCacheSuite)
+    assert_failed(result, {"test_peek_touches_neither_statistics_nor_recency"}, "*assert*stats*")
+
+
+def test_attention_suite_catches_a_wrong_softmax_scale(pytester):
+    result = run_suite(pytester, WrongScaleAttentionSuite, None, "-x")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed") == 1, result.stdout.str()  # -x: the first oracle comparison already fails
+    result.stdout.fnmatch_lines(["*Mismatched elements*"])
+
+
+def test_drafter_suite_catches_more_drafts_than_asked(pytester):
+    result = run_suite(pytester, OverlongDrafterSuite)
+    failed = set(re.findall(r"^FAILED test_inner\.py::TestSuite::(\w+)", result.stdout.str(), re.MULTILINE))
+    assert "test_proposes_at_most_k_valid_tokens_per_sequence" in failed, result.stdout.str()
+    result.stdout.fnmatch_lines(["*tokens proposed for * with k=*"])
+
+
 def test_expected_failure_becomes_a_strict_xfail(pytester):
     known = {"test_double_release_raises": "leaks the first block of a release"}
     result = run_suite(pytester, LeakyAllocatorSuite, known, "-k", "double_release", "-rx")
@@ -176,3 +260,16 @@ def test_expected_failure_naming_no_test_is_a_usage_error(pytester):
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*expected_failures names no test of the suite: test_double_relase_raises*"])
 
+
+
+def test_suites_keep_hypothesis_examples_out_of_the_working_directory(pytester):
+    """A read-only checkout failed when Hypothesis saved a failing example to .hypothesis/ in the working directory;
+    the suites keep their examples in infer's cache directory."""
+    from pathlib import Path
+
+    database = Path(AllocatorConformance.hypothesis_settings.database.path)
+    # Under infer's cache directory (the user's, resolved when the suites were imported), not Hypothesis' default.
+    assert database.is_absolute() and ".hypothesis" not in database.parts and database.parent.name == "infer"
+    result = run_suite(pytester, LeakyAllocatorWithExampleDatabaseSuite, None, "-k", "state_machine")
+    result.assert_outcomes(failed=1)
+    assert any(path.is_file() for path in database.rglob("*")), "the failing example was not saved there"

@@ -124,7 +124,7 @@ class PagedContext:
         for keys, values, (cached, query_len) in zip(self.keys, self.values, shapes):
             end = cached + query_len
             outputs.append(reference_attention(query[start : start + query_len], keys[:end], values[:end],
-                                               self.backend.scale))
+                                               self.backend.head_dim ** -0.5))
             start += query_len
         return torch.cat(outputs)
 

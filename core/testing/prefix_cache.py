@@ -14,6 +14,8 @@ A plugin author's whole test file::
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -385,6 +387,33 @@ class PrefixCacheConformance(ConformanceSuite):
         harness.unlock(locked)
         harness.checked_evict(self.num_blocks)
         assert harness.allocator.num_free == harness.allocator.capacity
+
+    def test_peek_touches_neither_statistics_nor_recency(self, harness):
+        """``peek``'s promise (schedulers call it every step): the same length as ``match``, no stats, no recency."""
+        old_tokens, new_tokens = list(range(2 * self.block_size + 1)), list(range(100, 100 + 2 * self.block_size + 1))
+        harness.serve(old_tokens)
+        harness.serve(new_tokens)
+        stats = dataclasses.replace(harness.cache.stats)
+        length = harness.cache.peek(old_tokens)
+        assert harness.cache.stats == stats
+        assert length == len(harness.model.expected_match(None, old_tokens)) * self.block_size
+        if harness.model.blocks:  # peeking at the older prefix did not make it the more recently used
+            harness.checked_evict(2)
+            assert harness.cache.peek(old_tokens) == 0 and harness.cache.peek(new_tokens) > 0
+        harness.check_references()
+
+    def test_evicts_the_least_recently_used_first(self, harness):
+        """``evict``'s promise: least recently used first (here the prefix matched longest ago)."""
+        prefixes = [list(range(start, start + 2 * self.block_size + 1)) for start in (0, 100, 200)]
+        for tokens in prefixes:
+            harness.serve(tokens)
+        harness.checked_match(prefixes[0])  # now the most recently used
+        if not harness.model.blocks:
+            return
+        harness.checked_evict(2)
+        assert harness.cache.peek(prefixes[1]) == 0  # the least recently used went first
+        assert harness.cache.peek(prefixes[0]) > 0 and harness.cache.peek(prefixes[2]) > 0
+        harness.check_references()
 
     def test_evict_returns_what_it_gave_back_to_the_allocator(self, harness):
         for start in (0, 100, 200):

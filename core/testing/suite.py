@@ -6,9 +6,15 @@ from typing import Any, ClassVar
 
 import pytest
 from hypothesis import settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 from pydantic import BaseModel
 
+from infer.host import cache_dir
 from infer.registry import get_registry
+
+# Failing examples are kept in infer's cache directory, not in a .hypothesis/ folder of the working directory (a
+# read-only checkout, as CI's can be, failed there).
+EXAMPLE_DATABASE = DirectoryBasedExampleDatabase(str(cache_dir() / "hypothesis"))
 
 
 class ConformanceSuite:
@@ -28,7 +34,8 @@ class ConformanceSuite:
     impl_name: ClassVar[str | None] = None
     capability_flags: ClassVar[tuple[str, ...]] = ()
     expected_failures: ClassVar[dict[str, str]] = {}
-    hypothesis_settings: ClassVar[settings] = settings(max_examples=30, stateful_step_count=25, deadline=None)
+    hypothesis_settings: ClassVar[settings] = settings(max_examples=30, stateful_step_count=25, deadline=None,
+                                                       database=EXAMPLE_DATABASE)
 
     def load_implementation(self, name: str | None) -> type:
         """The class registered as ``name`` for this suite's kind; adopts the capability flags it declares."""
