@@ -220,6 +220,13 @@ class AttentionConformance(ConformanceSuite):
         backend = attention_factory(block_size=block_size, queries_per_kv_head=queries_per_kv_head)
         self.check_against_oracle(backend, BATCHES[batch], seed=block_size * 10 + queries_per_kv_head)
 
+    @pytest.mark.parametrize("block_size", [1, 16])
+    def test_queries_longer_than_any_tiling_match_the_oracle(self, attention_factory, block_size):
+        """Prefill chunks past the tiles the built-ins use (sdpa's 64-row causal tiles, Triton's blocks), fresh and
+        after a cached prefix, beside decodes, with GQA."""
+        backend = attention_factory(block_size=block_size, queries_per_kv_head=3)
+        self.check_against_oracle(backend, [(0, 150), (37, 1), (70, 131), (5, 2)], seed=block_size + 101)
+
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
     def test_matches_the_oracle_in_half_precision(self, attention_factory, dtype):
         backend = attention_factory(block_size=16, queries_per_kv_head=3, dtype=dtype)
