@@ -9,6 +9,7 @@
 - ``metrics``: Prometheus text for ``GET /metrics``.
 - ``app``: the FastAPI routes; ``cli``: the ``infer serve`` command (uvicorn, graceful shutdown).
 - ``process``: a server in a child process on a free loopback port (tests, benchmarks).
+- ``stress``: a bounded hostile load against a live server (``python -m infer.serve.stress``).
 
 Kept free of imports so that ``infer --help`` does not load FastAPI.
 """
