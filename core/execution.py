@@ -4,17 +4,14 @@ The runner builds one ``ForwardStep`` per step (the attention metadata its backe
 the small ops) and the layers read only that object: ``layer(hidden, residual, step)``. ``Executor.run_layers``
 asks its execution paths in order whether they accept the step and runs the first that does:
 
-==============  ===================================================================================================
-``fused-stack`` All layers in one C call, attention included (``infer.cpu_kernels.FusedStack``). Needs the CPU
-                kernels (float32 on a CPU), packed projections (``model.quantization`` fp16 or int8), at most
-                ``fused_max_tokens`` tokens, and a backend that declares ``fused_cpu_attention`` (its attention is
-                infer's C paged attention over the standard pool, so the stack may compute it itself).
-``fused-layers`` Each layer's dense parts as two C calls around the backend's own ``forward``
-                (``FusedLayer``): the same conditions but the backend's.
-``torch``       Layer by layer, op by op (``DecoderLayer.forward``); the small ops are the CPU kernels' where they
-                run, and packed projections still pick the GEMV for inputs of up to ``fused_max_tokens`` rows.
-                Accepts every step.
-==============  ===================================================================================================
+- ``fused-stack``: all layers in one C call, attention included (``infer.cpu_kernels.FusedStack``). Needs the CPU
+  kernels (float32 on a CPU), packed projections (``model.quantization`` fp16 or int8), at most ``fused_max_tokens``
+  tokens, and a backend that declares ``fused_cpu_attention`` (its attention is infer's C paged attention over the
+  standard pool, so the stack may compute it itself).
+- ``fused-layers``: each layer's dense parts as two C calls around the backend's own ``forward`` (``FusedLayer``):
+  the same conditions but the backend's.
+- ``torch``: layer by layer, op by op (``DecoderLayer.forward``); the small ops are the CPU kernels' where they run,
+  and packed projections still pick the GEMV for inputs of up to ``fused_max_tokens`` rows. Accepts every step.
 
 Why a few tokens go to C: at one to eight tokens a layer is ~15 small ops around four memory-bound matrix products,
 and calling them one by one from Python costs about a third of the step; from about twelve tokens fbgemm's GEMM is

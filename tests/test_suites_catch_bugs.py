@@ -150,8 +150,9 @@ class WrongScaleAttentionSuite(AttentionConformance):
         def make(block_size=8, queries_per_kv_head=1, dtype=None):
             import torch
 
-            return WrongScaleAttention(num_heads=self.num_kv_heads * queries_per_kv_head, num_kv_heads=self.num_kv_heads,
-                                       head_dim=self.head_dim, block_size=block_size, dtype=dtype or torch.float32,
+            return WrongScaleAttention(num_heads=self.num_kv_heads * queries_per_kv_head,
+                                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                       block_size=block_size, dtype=dtype or torch.float32,
                                        device=torch.device("cpu"))
         return make
 
