@@ -334,6 +334,15 @@ class PrefixCacheConformance(ConformanceSuite):
         machine = PrefixCacheStateMachine.bind(allocator_factory, prefix_cache_factory)
         run_state_machine_as_test(machine, settings=self.hypothesis_settings)
 
+    @pytest.mark.parametrize(("block_size", "num_blocks"), [(1, 37), (16, 13)])
+    def test_state_machine_over_other_geometries(self, prefix_cache_factory, block_size, num_blocks):
+        """The same random protocol on one-token blocks and on blocks longer than most prompts, over pools whose
+        sizes are not powers of two (the registered ``allocator_name`` underneath)."""
+        allocator_class = get_registry().load("allocator", self.allocator_name)
+        machine = PrefixCacheStateMachine.bind(lambda: allocator_class(num_blocks, block_size, self.max_model_len),
+                                               prefix_cache_factory)
+        run_state_machine_as_test(machine, settings=self.hypothesis_settings)
+
     def test_empty_cache_matches_nothing(self, harness):
         match = harness.checked_match(list(range(3 * self.block_size)))
         assert (match.blocks, match.num_tokens) == ((), 0)
