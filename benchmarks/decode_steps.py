@@ -3,7 +3,8 @@ change to how a step runs (README, "CPU performance"). Uses only the public engi
 two checkouts.
 
 Each batch size: requests with distinct prompts, every prefill finished, 3 warm-up decode steps, then the median of
-``--repeats`` runs of ``--steps`` decode steps each (ms per step). Then ``--prefill`` prompts of 512 random tokens
+``--repeats`` runs of ``--steps`` decode steps each (ms per step), and the best single step of them all (a figure
+that other processes on a shared machine can only make worse, so it compares two versions more stably). Then ``--prefill`` prompts of 512 random tokens
 prefilled in one step (median of ``--repeats``). Prints one markdown row per case.
 
     OMP_NUM_THREADS=2 python benchmarks/decode_steps.py
@@ -22,8 +23,8 @@ from infer import LLM, SamplingParams
 from step_profile import drain  # beside this script: abort and release every request of an engine
 
 
-def decode_ms(llm: LLM, batch: int, steps: int, repeats: int) -> list[float]:
-    """Milliseconds per decode step at ``batch``, one value per repeat."""
+def decode_ms(llm: LLM, batch: int, steps: int, repeats: int) -> tuple[list[float], float]:
+    """Milliseconds per decode step at ``batch``, one value per repeat, and the fastest single step's."""
     engine = llm.engine
     params = SamplingParams(max_tokens=3 + steps * repeats + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -33,14 +34,38 @@ def decode_ms(llm: LLM, batch: int, steps: int, repeats: int) -> list[float]:
         engine.step()  # prefill
     for _ in range(3):
         engine.step()
-    times = []
+    times, best = [], float("inf")
     for _ in range(repeats):
         began = time.perf_counter()
         for _ in range(steps):
+            step_began = time.perf_counter()
             engine.step()
+            best = min(best, time.perf_counter() - step_began)
         times.append((time.perf_counter() - began) / steps * 1e3)
     drain(engine)
-    return times
+    return times, best * 1e3
+
+
+def python_calls_per_step(llm: LLM, steps: int) -> tuple[float, str]:
+    """Function calls per decode step at batch 1 under cProfile, and the function taking most time itself."""
+    import cProfile
+    import pstats
+
+    engine = llm.engine
+    engine.add_request([{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+                       SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True))
+    while any(seq.num_uncomputed_tokens > 1 for seq in engine.running) or engine.waiting:
+        engine.step()
+    engine.step()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        engine.step()
+    profile.disable()
+    drain(engine)
+    stats = pstats.Stats(profile)
+    (name, _, function), (_, _, tottime, _, _) = max(stats.stats.items(), key=lambda item: item[1][2])
+    return stats.total_calls / steps, f"most time: {function} ({name.rsplit('/', 1)[-1]}) {tottime / steps * 1e3:.1f} ms"
 
 
 def prefill_ms(llm: LLM, batch: int, length: int, repeats: int) -> list[float]:
@@ -68,6 +93,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill", type=int, default=4, help="prompts of 512 tokens in the prefill step (0: none)")
     parser.add_argument("--label", default="", help="a name for this run's rows (e.g. before / after)")
+    parser.add_argument("--calls", action="store_true",
+                        help="also count Python function calls per decode step at batch 1 (cProfile, 100 steps): "
+                             "a figure the machine's noise does not move")
     args = parser.parse_args()
     llm = LLM(args.config, dotlist=args.overrides)
     llm.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0.0))
@@ -75,9 +103,13 @@ def main() -> None:
     print(f"{engine.model_name}, dtype {str(engine.dtype).removeprefix('torch.')}, quantization "
           f"{engine.quantization}, attention {type(engine.attention).__name__}, threads {torch.get_num_threads()}")
     for batch in args.batches:
-        times = decode_ms(llm, batch, args.steps, args.repeats)
+        times, best = decode_ms(llm, batch, args.steps, args.repeats)
         spread = ", ".join(f"{value:.1f}" for value in times)
-        print(f"| {args.label} | decode batch {batch} | {statistics.median(times):.1f} | {spread} |", flush=True)
+        print(f"| {args.label} | decode batch {batch} | {statistics.median(times):.1f} | {spread} | best {best:.1f} |",
+              flush=True)
+    if args.calls:
+        calls, tottime = python_calls_per_step(llm, 100)
+        print(f"| {args.label} | python calls per step, batch 1 | {calls:.0f} | {tottime} |", flush=True)
     if args.prefill:
         times = prefill_ms(llm, args.prefill, 512, args.repeats)
         spread = ", ".join(f"{value:.0f}" for value in times)
