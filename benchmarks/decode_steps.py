@@ -4,7 +4,7 @@ two checkouts.
 
 Each batch size: requests with distinct prompts, every prefill finished, 3 warm-up decode steps, then the median of
 ``--repeats`` runs of ``--steps`` decode steps each (ms per step), and the best single step of them all (a figure
-that other processes on a shared machine can only make worse, so it compares two versions more stably). Then ``--prefill`` prompts of 512 random tokens
+that other processes on a shared machine can only make worse). Then ``--prefill`` prompts of 512 random tokens
 prefilled in one step (median of ``--repeats``). Prints one markdown row per case.
 
     OMP_NUM_THREADS=2 python benchmarks/decode_steps.py
@@ -65,7 +65,8 @@ def python_calls_per_step(llm: LLM, steps: int) -> tuple[float, str]:
     drain(engine)
     stats = pstats.Stats(profile)
     (name, _, function), (_, _, tottime, _, _) = max(stats.stats.items(), key=lambda item: item[1][2])
-    return stats.total_calls / steps, f"most time: {function} ({name.rsplit('/', 1)[-1]}) {tottime / steps * 1e3:.1f} ms"
+    where = f"{function} ({name.rsplit('/', 1)[-1]})"
+    return stats.total_calls / steps, f"most time: {where} {tottime / steps * 1e3:.1f} ms"
 
 
 def prefill_ms(llm: LLM, batch: int, length: int, repeats: int) -> list[float]:
@@ -113,7 +114,8 @@ def main() -> None:
     if args.prefill:
         times = prefill_ms(llm, args.prefill, 512, args.repeats)
         spread = ", ".join(f"{value:.0f}" for value in times)
-        print(f"| {args.label} | prefill {args.prefill} x 512 | {statistics.median(times):.0f} | {spread} |", flush=True)
+        median = statistics.median(times)
+        print(f"| {args.label} | prefill {args.prefill} x 512 | {median:.0f} | {spread} |", flush=True)
 
 
 if __name__ == "__main__":
