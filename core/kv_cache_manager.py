@@ -31,7 +31,7 @@ class KVCacheManager:
     def cached_prefix_len(self, seq: Sequence) -> int:
         """Tokens of waiting ``seq`` an admission now would not compute (cache hit or shared fork prefix)."""
         cached = self.prefix_cache.peek(seq.token_ids, seq.params.cache_salt)
-        return max(cached, self._fork_prefix_len(seq))
+        return max(cached, self._fork_prefix(seq)[1])
 
     def is_ready(self, seq: Sequence) -> bool:
         """False for an n > 1 follower while its leader has not computed the shared prompt yet."""
@@ -128,9 +128,6 @@ class KVCacheManager:
             return self._fork_pins.get(leader.seq_id, ([], 0))
         num_blocks = min(leader.num_computed_tokens, seq.num_prompt_tokens - 1) // self.block_size
         return leader.block_table[:num_blocks], num_blocks * self.block_size
-
-    def _fork_prefix_len(self, seq: Sequence) -> int:
-        return self._fork_prefix(seq)[1]
 
     def _share_fork_prefix(self, seq: Sequence) -> bool:
         blocks, num_tokens = self._fork_prefix(seq)

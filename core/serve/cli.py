@@ -49,7 +49,7 @@ def serve_command(config: str, overrides: list[str], host: str | None = None, po
     engine_loop = EngineLoop(engine, settings.max_waiting)
     app = create_app(engine_loop, api_key=api_key or settings.api_key, settings=bound)
     server = _graceful_server(uvicorn.Config(
-        app, host=host or settings.host, port=settings.port if port is None else port, access_log=False,
+        app, host=bound.host, port=settings.port if port is None else port, access_log=False,
         timeout_graceful_shutdown=settings.shutdown_timeout_s + _CANCEL_BACKSTOP_S, log_level="info"),
         engine_loop, abort_after_s=settings.shutdown_timeout_s * _ABORT_AT)
     # uvicorn re-raises the signal that stopped it once it has shut down; this handler turns that into exit 0.
