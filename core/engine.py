@@ -9,7 +9,7 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -254,6 +254,7 @@ class Engine:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         text, token_ids = self.tokenize(prompt)
         self._validate_prompt(request_id, token_ids)
+        params = self._fit_max_tokens(request_id, params, len(token_ids))
         seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
         arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         seqs = []
@@ -291,6 +292,20 @@ class Engine:
         vocab = self.model.vocab_size
         if any(t < 0 or t >= vocab for t in token_ids):
             raise RequestError(f"request {request_id}: token ids must be in [0, {vocab})", "prompt")
+
+    def _fit_max_tokens(self, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """``max_tokens`` None becomes the room left in the context; a number past it is refused (OpenAI's policy:
+        a silent cut would hand the client fewer tokens than it asked for with no way to tell)."""
+        room = self.max_model_len - num_prompt_tokens
+        if params.max_tokens is None:
+            return replace(params, max_tokens=room)
+        if params.max_tokens > room:
+            raise RequestError(
+                f"request {request_id}: the prompt has {num_prompt_tokens} tokens and max_tokens is "
+                f"{params.max_tokens}, {num_prompt_tokens + params.max_tokens} in all, but model.max_model_len is "
+                f"{self.max_model_len}; ask for at most {room} tokens, or send max_tokens null to generate until the "
+                f"context ends", "max_tokens")
+        return params
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (client gone); its blocks are freed at once."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 
+# OpenAI's bound: higher temperatures flatten the distribution into noise; a request asking for one is refused.
+MAX_TEMPERATURE = 2.0
 # Temperatures below this sample greedily (vLLM's bound): dividing logits by a denormal one overflows them to inf,
 # and the softmax of inf - inf is NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -22,11 +24,15 @@ class SamplingParamsError(ValueError):
 class SamplingParams:
     """How to sample one request. ``temperature`` below ``GREEDY_TEMPERATURE`` (1e-5; 0 included) means greedy.
 
+    ``max_tokens`` None means "until the context ends": the engine resolves it to ``max_model_len`` minus the prompt's
+    length when the request arrives. A number that does not fit beside the prompt is refused, not silently cut
+    (OpenAI's policy), as is a ``temperature`` above ``MAX_TEMPERATURE`` (2).
+
     ``seed`` makes sampling reproducible per request: the random draw for the token at absolute position ``p`` comes
     from a generator keyed by ``(seed, p)``, so a request gives the same text alone or in any batch.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -49,17 +55,19 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
-            raise SamplingParamsError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise SamplingParamsError("temperature", f"must be >= 0, got {self.temperature!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens <= 0):
+            raise SamplingParamsError("max_tokens", f"must be a positive integer or null (until the context ends), "
+                                                    f"got {self.max_tokens!r}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise SamplingParamsError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise SamplingParamsError("top_k", f"must be >= 0 (0 disables it), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise SamplingParamsError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if self.n < 1:
             raise SamplingParamsError("n", f"must be >= 1, got {self.n!r}")

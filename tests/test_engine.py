@@ -52,10 +52,23 @@ def test_text_longer_than_any_tokenization_can_fit_is_refused_untokenized(llm, m
     assert len(outputs[1].token_ids) == 2 and tokenized == [len(PROMPTS[0])]
 
 
-def test_generation_stops_at_max_model_len(llm):
+def test_max_tokens_none_generates_until_the_context_ends(llm):
     prompt = list(range(1000, 1250))  # 250 tokens: room for 6 more
-    output = llm.generate([prompt], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
+    output = llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
     assert len(output.token_ids) == 6 and output.finish_reason == "length"
+
+
+@pytest.mark.parametrize("max_tokens", [7, 50, 10**9])
+def test_max_tokens_past_the_context_is_refused_not_cut(llm, max_tokens):
+    """One policy (OpenAI's): prompt + max_tokens over max_model_len is an error naming max_tokens (it was served
+    with fewer tokens than asked, and a 200). The other prompts in the call still run; filling the context exactly is
+    allowed."""
+    prompt = list(range(1000, 1250))
+    too_many = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    exactly = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    refused, filled = llm.generate([prompt, prompt], [too_many, exactly])
+    assert refused.finish_reason == "error" and "max_tokens" in refused.error and "at most 6 tokens" in refused.error
+    assert len(filled.token_ids) == 6 and filled.finish_reason == "length"
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-6])
@@ -69,7 +82,8 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(llm, temperature):
 
 
 @pytest.mark.parametrize(("field", "value"), [("max_tokens", 0), ("max_tokens", -3), ("top_p", 0.0), ("top_p", 1.5),
-                                              ("temperature", -1.0), ("min_p", 2.0), ("n", 0)])
+                                              ("temperature", -1.0), ("temperature", 2.5), ("temperature", float("nan")),
+                                              ("min_p", 2.0), ("n", 0)])
 def test_bad_sampling_values_name_the_field(field, value):
     with pytest.raises(SamplingParamsError) as error:
         SamplingParams(**{field: value})

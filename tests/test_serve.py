@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from infer.serve.process import ServerProcess
+from infer.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"
@@ -262,6 +263,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "Hi", "top_p": 0}, "top_p"),
     ("completions", b'{"prompt": "Hi", "temperature": NaN}', "temperature"),
     ("completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "Hi", "max_tokens": 10**9}, "max_tokens"),
+    ("completions", {"prompt": [1] * 500, "max_tokens": 13}, "max_tokens"),
+    ("completions", {"prompt": "Hi", "temperature": 2.01}, "temperature"),
     ("completions", {"prompt": "Hi", "n": 0}, "n"),
     ("completions", {"prompt": "Hi", "logprobs": 99}, "logprobs"),
     ("completions", {"prompt": "Hi", "echo": True}, "echo"),
@@ -277,7 +281,21 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user"}]}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 50}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10**9}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": MAX_MODEL_LEN},
+     "max_completion_tokens"),
 ]
+
+
+def test_max_tokens_null_means_until_the_context_ends_and_absent_means_the_default():
+    """Completions: absent is OpenAI's 16, null is "until the context ends" (vLLM's reading), which the engine
+    resolves once it knows the prompt's length; chat: absent and null both mean until the context ends."""
+    assert CompletionRequest.model_validate({"prompt": "Hi"}).to_sampling_params().max_tokens == 16
+    assert CompletionRequest.model_validate({"prompt": "Hi", "max_tokens": None}).to_sampling_params().max_tokens is None
+    chat = {"messages": CHAT}
+    assert ChatCompletionRequest.model_validate(chat).to_sampling_params().max_tokens is None
+    assert ChatCompletionRequest.model_validate({**chat, "max_tokens": None}).to_sampling_params().max_tokens is None
+    assert ChatCompletionRequest.model_validate({**chat, "max_completion_tokens": 5}).to_sampling_params().max_tokens == 5
 
 
 @pytest.mark.parametrize("route, body, param", BAD_REQUESTS)

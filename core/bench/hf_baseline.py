@@ -24,6 +24,9 @@ def run_hf_baseline(model_path: str, dtype: torch.dtype, device: torch.device, r
     from infer.testing.models import load_hf_reference
     from tqdm import tqdm
 
+    if any(request.params.max_tokens is None for request in requests):
+        raise ValueError("the HF baseline runs each batch to a fixed length: give every request a max_tokens "
+                         "(a prompts line's max_tokens is null)")
     model, tokenizer = load_hf_reference(model_path, dtype)
     model.to(device)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_token_ids)

@@ -174,22 +174,22 @@ async def list_models(request: Request) -> JSONResponse:
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    return await _generate(request, body, CompletionFormat, "cmpl", prompt_field="prompt")
+    return await _generate(request, body, CompletionFormat, "cmpl")
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    return await _generate(request, body, ChatFormat, "chatcmpl", prompt_field="messages")
+    return await _generate(request, body, ChatFormat, "chatcmpl")
 
 
-async def _generate(request: Request, body, format_class, id_prefix: str, prompt_field: str) -> Response:
+async def _generate(request: Request, body, format_class, id_prefix: str) -> Response:
     state = server_state(request)
     state.check_model(body.model)
     try:
-        params = body.to_sampling_params(state.max_model_len)
+        params = body.to_sampling_params()
     except SamplingParamsError as error:
         raise ApiError(400, str(error), param=error.field) from error
-    stream = await _submit(state, f"{id_prefix}-{uuid.uuid4().hex}", body.engine_prompt(), params, prompt_field)
+    stream = await _submit(state, f"{id_prefix}-{uuid.uuid4().hex}", body.engine_prompt(), params, body.api_field)
     meta = ResponseMeta(stream.request_id, int(time.time()), state.model_name, params.n, params.logprobs is not None)
     if body.stream:
         response = EventStreamResponse(stream_events(stream, format_class(meta), body.include_usage, state.metrics),
@@ -200,7 +200,7 @@ async def _generate(request: Request, body, format_class, id_prefix: str, prompt
     return response
 
 
-async def _submit(state: ServerState, request_id: str, prompt, params, prompt_field: str):
+async def _submit(state: ServerState, request_id: str, prompt, params, api_field):
     try:
         return await state.engine_loop.submit(request_id, prompt, params)
     except ServerBusy as error:
@@ -210,8 +210,7 @@ async def _submit(state: ServerState, request_id: str, prompt, params, prompt_fi
     except EngineStopped as error:
         raise ApiError(503, str(error), "server_error") from error
     except RequestError as error:
-        param = prompt_field if error.field == "prompt" else error.field
-        raise ApiError(400, str(error), param=param) from error
+        raise ApiError(400, str(error), param=api_field(error.field)) from error
 
 
 def create_app(engine_loop: EngineLoop, api_key: str | None = None, settings: ServerConfig | None = None) -> FastAPI:

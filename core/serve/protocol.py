@@ -25,14 +25,18 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields whose null is a value of its own: ``"max_tokens": null`` asks for tokens until the context ends (vLLM's reading).
+NULL_IS_A_VALUE = frozenset({"max_tokens"})
+
+
 def _nulls_as_absent(model: type[BaseModel], data: object) -> object:
     """``null`` for a field whose default is not null means "absent" (OpenAI and vLLM accept ``"stream": null``,
-    ``"n": null``, ...); fields whose default is null keep their null."""
+    ``"n": null``, ...); fields whose default is null, and those in ``NULL_IS_A_VALUE``, keep their null."""
     if not isinstance(data, dict):
         return data
     fields = model.model_fields
     return {key: value for key, value in data.items()
-            if not (value is None and key in fields and fields[key].default is not None)}
+            if not (value is None and key in fields and fields[key].default is not None and key not in NULL_IS_A_VALUE)}
 
 
 class SamplingFields(BaseModel):
@@ -68,11 +72,15 @@ class SamplingFields(BaseModel):
             raise ValueError("penalties are not supported by infer; send 0 or leave it out")
         return value
 
+    def api_field(self, engine_field: str | None) -> str | None:
+        """The request's own name for a field the engine refused (``prompt`` is ``messages`` in a chat)."""
+        return engine_field
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ``SamplingParamsError`` naming the field for a bad value (API names and engine names agree)."""
         defaults = SamplingParams()
         return SamplingParams(
@@ -92,8 +100,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
 
-    def to_sampling_params(self, max_model_len: int) -> SamplingParams:
-        return self.sampling_params(max_model_len if self.max_tokens is None else self.max_tokens, self.logprobs)
+    def to_sampling_params(self) -> SamplingParams:
+        return self.sampling_params(self.max_tokens, self.logprobs)
 
     def engine_prompt(self) -> str | list[int]:
         return self.prompt
@@ -132,10 +140,17 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def to_sampling_params(self, max_model_len: int) -> SamplingParams:
-        # Chat's default is "until the model stops": the engine ends the request at max_model_len anyway.
-        limit = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), max_model_len)
+    def to_sampling_params(self) -> SamplingParams:
+        # Chat's default is "until the model stops": None, which the engine resolves to the room left in the context.
+        limit = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), None)
         return self.sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None)
+
+    def api_field(self, engine_field: str | None) -> str | None:
+        if engine_field == "prompt":
+            return "messages"
+        if engine_field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return engine_field
 
     def engine_prompt(self) -> list[dict[str, str]]:
         return [{"role": message.role, "content": message.text()} for message in self.messages]
