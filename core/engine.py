@@ -481,9 +481,7 @@ class Engine:
         request = self.requests.get(seq.request_id)
         if seq in self.running:
             self.running.remove(seq)
-            if request is not None and seq is request.seqs[0] and any(s in self.waiting for s in request.seqs[1:]):
-                self.kv.pin_fork_prefix(seq)  # followers still waiting share its computed prompt
-            self.kv.free(seq)
+            self.kv.free_finished(seq, request is not None and any(s in self.waiting for s in request.seqs[1:]))
         elif seq in self.waiting:
             self.waiting.remove(seq)
             self.kv.free(seq)

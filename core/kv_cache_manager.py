@@ -68,6 +68,12 @@ class KVCacheManager:
         if missing <= 0:
             return True
         shortfall = missing - self.allocator.num_free
+        if shortfall > 0 and self.prefix_cache.num_evictable < shortfall and self._fork_pins:
+            # Pins are a saving, not a claim: kept under pressure, they could hold the pool against the very
+            # sequence that must run before the followers they wait for (a deadlock the scheduler suite found).
+            for leader_id in list(self._fork_pins):
+                self._release_pin(leader_id)
+            shortfall = missing - self.allocator.num_free
         if shortfall > 0:
             if self.prefix_cache.num_evictable < shortfall:
                 return False
@@ -105,7 +111,7 @@ class KVCacheManager:
     def pin_fork_prefix(self, leader: Sequence) -> None:
         """Keep a finishing leader's computed prompt blocks for its followers still waiting (``n`` above
         ``max_num_seqs``): without it every later sample computed the whole prompt again. ``release_fork_pin``
-        gives them back."""
+        gives them back; so does an allocation that would fail without them."""
         num_blocks = min(leader.num_computed_tokens, leader.num_prompt_tokens - 1) // self.block_size
         if num_blocks == 0 or leader.seq_id in self._fork_pins:
             return
@@ -113,9 +119,19 @@ class KVCacheManager:
         self.allocator.retain(blocks)
         self._fork_pins[leader.seq_id] = (blocks, num_blocks * self.block_size)
 
+    def free_finished(self, seq: Sequence, followers_waiting: bool) -> None:
+        """Free a finished running sample's blocks; a leader (``fork_of`` None) whose followers still wait first pins
+        its computed prompt for them."""
+        if followers_waiting and seq.fork_of is None:
+            self.pin_fork_prefix(seq)
+        self.free(seq)
+
     def release_fork_pin(self, leader: Sequence) -> None:
         """Give back what ``pin_fork_prefix`` kept (when the request has finished: no follower waits any more)."""
-        blocks, _ = self._fork_pins.pop(leader.seq_id, ([], 0))
+        self._release_pin(leader.seq_id)
+
+    def _release_pin(self, leader_id: str) -> None:
+        blocks, _ = self._fork_pins.pop(leader_id, ([], 0))
         self.allocator.release(blocks[::-1])
 
     def _fork_prefix(self, seq: Sequence) -> tuple[list[int], int]:

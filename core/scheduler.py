@@ -111,7 +111,10 @@ class Scheduler(ABC):
     @abstractmethod
     def schedule(self, view: SchedulerView) -> StepPlan:
         """Plan one step. Must respect ``max_num_batched_tokens`` and ``max_num_seqs``, schedule a sequence at most
-        once, and allocate through ``view`` the blocks every scheduled sequence needs."""
+        once, and allocate through ``view`` the blocks every scheduled sequence needs. A sequence is scheduled for at
+        most its uncomputed tokens: one admitted with a prefix hit (``view.cached_prefix_len``) or a shared fork
+        prompt arrives with those computed. A waiting ``n > 1`` follower is admitted only once ``view.is_ready``
+        (else it computes the prompt its leader is computing). The scheduler suite checks each of these."""
 
 
 class BudgetedScheduler(Scheduler):

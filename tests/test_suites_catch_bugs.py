@@ -97,6 +97,33 @@ class OverBudgetScheduler(FCFSScheduler):
             view.max_num_batched_tokens //= 2
 
 
+class PrefixBlindScheduler(FCFSScheduler):
+    """Plans a newly admitted sequence's whole prompt, ignoring what the prefix cache or its leader computed."""
+
+    def _admit_waiting(self, view, scheduled, budget):
+        for seq in self.order_waiting(view):
+            if budget <= 0 or len(view.running) >= view.max_num_seqs:
+                break
+            if not view.is_ready(seq):
+                continue
+            num_new = min(seq.num_tokens, budget)  # the bug: not seq.num_tokens - view.cached_prefix_len(seq)
+            if not view.admit(seq, num_new):
+                break
+            scheduled[seq] = num_new
+            budget -= num_new
+
+
+class ImpatientScheduler(FCFSScheduler):
+    """Admits n > 1 followers before their leader has computed the prompt they could share."""
+
+    def schedule(self, view):
+        view.is_ready = lambda seq: True
+        try:
+            return super().schedule(view)
+        finally:
+            del view.is_ready
+
+
 # -- the suites, pointed at them (not collected here: the names do not start with Test) -------------------------------
 class LeakyAllocatorSuite(AllocatorConformance):
     hypothesis_settings = WITHOUT_SHRINKING
@@ -147,11 +174,12 @@ class WrongScaleAttentionSuite(AttentionConformance):
 
     @pytest.fixture
     def attention_factory(self):
-        def make(block_size=8, queries_per_kv_head=1, dtype=None):
+        def make(block_size=8, queries_per_kv_head=1, dtype=None, num_kv_heads=None, head_dim=None):
             import torch
 
-            return WrongScaleAttention(num_heads=self.num_kv_heads * queries_per_kv_head,
-                                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            num_kv_heads = num_kv_heads or self.num_kv_heads
+            return WrongScaleAttention(num_heads=num_kv_heads * queries_per_kv_head,
+                                       num_kv_heads=num_kv_heads, head_dim=head_dim or self.head_dim,
                                        block_size=block_size, dtype=dtype or torch.float32,
                                        device=torch.device("cpu"))
         return make
@@ -173,6 +201,22 @@ class OverBudgetSchedulerSuite(SchedulerConformance):
     @pytest.fixture
     def scheduler_factory(self):
         return lambda limits: OverBudgetScheduler()
+
+
+class PrefixBlindSchedulerSuite(SchedulerConformance):
+    hypothesis_settings = WITHOUT_SHRINKING
+
+    @pytest.fixture
+    def scheduler_factory(self):
+        return lambda limits: PrefixBlindScheduler()
+
+
+class ImpatientSchedulerSuite(SchedulerConformance):
+    hypothesis_settings = WITHOUT_SHRINKING
+
+    @pytest.fixture
+    def scheduler_factory(self):
+        return lambda limits: ImpatientScheduler()
 
 
 def run_suite(pytester: pytest.Pytester, suite: type, expected_failures: dict[str, str] | None = None,
@@ -223,6 +267,19 @@ def test_scheduler_suite_catches_a_blown_token_budget(pytester):
                            "test_prompt_longer_than_the_budget_finishes",
                            "test_random_workloads_finish_within_the_limits"},
                   "plan schedules * tokens, over the budget of *")
+
+
+def test_scheduler_suite_catches_a_plan_that_ignores_prefix_hits(pytester):
+    result = run_suite(pytester, PrefixBlindSchedulerSuite)
+    assert_failed(result, {"test_prefix_hits_reach_the_scheduler", "test_samples_of_one_request_share_its_prompt",
+                           "test_random_workloads_finish_within_the_limits"},
+                  "*is scheduled for * tokens but has only * to compute")
+
+
+def test_scheduler_suite_catches_followers_admitted_before_their_leader_is_ready(pytester):
+    result = run_suite(pytester, ImpatientSchedulerSuite)
+    assert_failed(result, {"test_samples_of_one_request_share_its_prompt"},
+                  "*tokens computed for 5 samples*when followers wait for view.is_ready*")
 
 
 def test_prefix_cache_suite_catches_a_peek_that_counts_and_refreshes(pytester):

@@ -146,6 +146,9 @@ def random_shapes(seed: int, max_cached: int = 40, max_query: int = 24) -> list[
     return shapes
 
 
+# (KV heads, query heads per KV head, head dim).
+HEAD_LAYOUTS = [(1, 8, 16), (4, 2, 16), (3, 1, 64), (1, 4, 128), (2, 2, 80)]
+
 BATCHES = {
     "decode_only": [(5, 1), (17, 1), (1, 1), (33, 1)],
     "prefill_only": [(0, 7), (0, 1), (0, 20)],
@@ -186,19 +189,22 @@ class AttentionConformance(ConformanceSuite):
 
     @pytest.fixture
     def attention_factory(self) -> AttentionFactory:
-        """Makes a backend: ``factory(block_size=, queries_per_kv_head=, dtype=)``. Override to construct yours."""
+        """Makes a backend: ``factory(block_size=, queries_per_kv_head=, dtype=, num_kv_heads=, head_dim=)`` (the
+        last two default to the class attributes). Override to construct yours."""
         return self.make_attention_factory(self.impl_name)
 
     def make_attention_factory(self, name: str | None) -> AttentionFactory:
         implementation = self.load_implementation(name)
         config = self.implementation_config(name)
 
-        def make(block_size: int = 8, queries_per_kv_head: int = 1, dtype: torch.dtype = torch.float32):
+        def make(block_size: int = 8, queries_per_kv_head: int = 1, dtype: torch.dtype = torch.float32,
+                 num_kv_heads: int | None = None, head_dim: int | None = None):
+            num_kv_heads = num_kv_heads or self.num_kv_heads
             try:
                 return implementation(
-                    num_heads=self.num_kv_heads * queries_per_kv_head, num_kv_heads=self.num_kv_heads,
-                    head_dim=self.head_dim, block_size=block_size, dtype=dtype, device=self.target_device(),
-                    config=config,
+                    num_heads=num_kv_heads * queries_per_kv_head, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim or self.head_dim, block_size=block_size, dtype=dtype,
+                    device=self.target_device(), config=config,
                 )
             except BackendUnavailableError as error:
                 pytest.skip(f"{name}: {error}")
@@ -226,6 +232,15 @@ class AttentionConformance(ConformanceSuite):
         after a cached prefix, beside decodes, with GQA."""
         backend = attention_factory(block_size=block_size, queries_per_kv_head=3)
         self.check_against_oracle(backend, [(0, 150), (37, 1), (70, 131), (5, 2)], seed=block_size + 101)
+
+    @pytest.mark.parametrize("num_kv_heads, queries_per_kv_head, head_dim", HEAD_LAYOUTS,
+                             ids=[f"kv{kv}x{q}-d{d}" for kv, q, d in HEAD_LAYOUTS])
+    def test_head_layouts_match_the_oracle(self, attention_factory, num_kv_heads, queries_per_kv_head, head_dim):
+        """Multi-query (one KV head for 8 query heads), grouped with more KV heads, plain multi-head, and head
+        dimensions of real models (64, SmolLM2's and Llama's; 128, Llama-3's; 80, not a power of two)."""
+        backend = attention_factory(block_size=16, queries_per_kv_head=queries_per_kv_head,
+                                    num_kv_heads=num_kv_heads, head_dim=head_dim)
+        self.check_against_oracle(backend, [(0, 9), (21, 1), (40, 5), (3, 1)], seed=num_kv_heads * 7 + head_dim)
 
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
     def test_matches_the_oracle_in_half_precision(self, attention_factory, dtype):

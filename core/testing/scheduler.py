@@ -1,9 +1,11 @@
 """Conformance suite for schedulers (contract: ``infer.scheduler.Scheduler``).
 
 The scheduler plans steps over a real ``SchedulerView`` (a ``KVCacheManager`` over the registered ``paged`` allocator
-and ``none`` prefix cache by default), and a simulated model carries each plan out: scheduled tokens become computed,
-a sequence that has computed all its tokens gets a fake sampled token, and one at its ``max_tokens`` finishes and
-gives its blocks back. Every plan is checked against the limits.
+and ``none`` prefix cache by default; ``hash`` where prefix hits must reach the scheduler), and a simulated model
+carries each plan out: scheduled tokens become computed, a sequence that has computed all its tokens gets a fake
+sampled token, and one at its ``max_tokens`` finishes and gives its blocks back. Every plan is checked against the
+limits. Workloads include requests sharing a prefix (cache hits: admitted sequences arrive with computed tokens) and
+``n > 1`` samples (followers share their leader's computed prompt once ``view.is_ready`` says so).
 
 A plugin author's whole test file::
 
@@ -36,11 +38,14 @@ SAMPLED_TOKEN = 7  # what the simulated model "samples"; its value never matters
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One request of a workload: it arrives before step ``arrival_step`` runs."""
+    """One request of a workload: it arrives before step ``arrival_step`` runs. Its first ``shared_prefix_len``
+    prompt tokens are the same in every request (a system prompt); ``n`` samples share the whole prompt."""
 
     prompt_len: int
     max_tokens: int
     arrival_step: int = 0
+    n: int = 1
+    shared_prefix_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,20 +73,27 @@ class SimulatedEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finished: list[Sequence] = []
+        self.num_scheduled_tokens = 0
+        self.samples_of: dict[str, list[Sequence]] = {}
         self.view = SchedulerView(self.waiting, self.running, kv, limits.max_num_seqs,
                                   limits.max_num_batched_tokens, limits.max_model_len)
 
     def run(self, workload: list[Request]) -> list[Sequence]:
-        """Serve ``workload`` to the end; fails when it takes more than ``step_bound`` steps."""
-        sequences = [make_sequence(index, request) for index, request in enumerate(workload)]
+        """Serve ``workload`` to the end; fails when it takes more than ``step_bound`` steps. Returns every sample,
+        request by request."""
+        samples = [make_samples(index, request) for index, request in enumerate(workload)]
+        sequences = [seq for request_samples in samples for seq in request_samples]
+        self.samples_of = {request_samples[0].request_id: request_samples for request_samples in samples}
         bound = step_bound(workload)
         step = 0
         while len(self.finished) < len(sequences):
             assert step < bound, (
-                f"{len(sequences) - len(self.finished)} of {len(sequences)} requests unfinished after {bound} steps "
+                f"{len(sequences) - len(self.finished)} of {len(sequences)} samples unfinished after {bound} steps "
                 f"(waiting {[seq.seq_id for seq in self.waiting]}, running {[seq.seq_id for seq in self.running]})"
             )
-            self.waiting.extend(seq for seq, request in zip(sequences, workload) if request.arrival_step == step)
+            for request_samples, request in zip(samples, workload):
+                if request.arrival_step == step:
+                    self.waiting.extend(request_samples)
             self.step()
             step += 1
         self.check_all_blocks_returned()
@@ -91,6 +103,7 @@ class SimulatedEngine:
         plan = self.scheduler.schedule(self.view)
         check_plan(plan, self.view, self.limits)
         for seq, num_new_tokens in plan.scheduled:
+            self.num_scheduled_tokens += num_new_tokens
             self.advance(seq, num_new_tokens)
         return plan
 
@@ -101,10 +114,13 @@ class SimulatedEngine:
             return  # a prefill chunk: no logits sampled yet
         seq.output_token_ids.append(SAMPLED_TOKEN)
         if seq.num_output_tokens == seq.params.max_tokens:
-            self.kv.free(seq)
+            samples = self.samples_of[seq.request_id]
+            self.kv.free_finished(seq, any(other in self.waiting for other in samples[1:]))
             seq.status = SequenceStatus.FINISHED
             self.running.remove(seq)
             self.finished.append(seq)
+            if all(other.status is SequenceStatus.FINISHED for other in samples):
+                self.kv.release_fork_pin(samples[0])
 
     def check_all_blocks_returned(self) -> None:
         allocator, cache = self.kv.allocator, self.kv.prefix_cache
@@ -142,18 +158,30 @@ def check_scheduled_sequence(seq: Sequence, num_new_tokens: int, view: Scheduler
     )
 
 
-def make_sequence(index: int, request: Request) -> Sequence:
-    # Distinct prompts: the suite pins scheduling, not prefix sharing.
-    prompt = [(index * 31 + position) % 1000 + 1 for position in range(request.prompt_len)]
-    return Sequence(f"seq-{index}", prompt, SamplingParams(max_tokens=request.max_tokens, temperature=0.0),
-                    request_id=f"request-{index}")
+def make_samples(index: int, request: Request) -> list[Sequence]:
+    """The request's ``n`` samples, the first the leader the others fork from. Past the shared prefix the prompt is
+    the request's own."""
+    shared = min(request.shared_prefix_len, request.prompt_len)
+    prompt = [2000 + position for position in range(shared)]
+    prompt += [(index * 31 + position) % 1000 + 1 for position in range(request.prompt_len - shared)]
+    params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, n=request.n)
+    samples: list[Sequence] = []
+    for sample in range(request.n):
+        samples.append(Sequence(f"seq-{index}/{sample}", list(prompt), params, request_id=f"request-{index}",
+                                sample_index=sample, fork_of=samples[0] if samples else None))
+    return samples
 
 
 def step_bound(workload: list[Request]) -> int:
-    """Generous: every request could be recomputed from scratch once per other request, one token per step."""
-    work = sum(request.prompt_len + request.max_tokens for request in workload)
+    """Generous: every sample could be recomputed from scratch once per other sample, one token per step."""
+    work = sum((request.prompt_len + request.max_tokens) * request.n for request in workload)
+    num_samples = sum(request.n for request in workload)
     last_arrival = max((request.arrival_step for request in workload), default=0)
-    return last_arrival + work * (len(workload) + 1) + 16
+    return last_arrival + work * (num_samples + 1) + 16
+
+
+def expected_outputs(workload: list[Request]) -> list[int]:
+    return [request.max_tokens for request in workload for _ in range(request.n)]
 
 
 @st.composite
@@ -164,7 +192,8 @@ def scenarios(draw: st.DrawFn, chunked_prefill: bool) -> tuple[Limits, list[Requ
     budget = draw(st.integers(4, 48))
     max_prompt = 24 if chunked_prefill else min(24, budget)
     requests = draw(st.lists(st.builds(
-        Request, st.integers(1, max_prompt), st.integers(1, 12), st.integers(0, 10)), min_size=1, max_size=8))
+        Request, st.integers(1, max_prompt), st.integers(1, 12), st.integers(0, 10), st.integers(1, 3),
+        st.integers(0, max_prompt)), min_size=1, max_size=8))
     largest = max(request.prompt_len + request.max_tokens for request in requests)
     num_blocks = 1 + draw(st.integers(-(-largest // block_size), 2 * max_model_len // block_size))
     limits = Limits(num_blocks, block_size, max_model_len, draw(st.integers(1, 6)), budget)
@@ -185,6 +214,7 @@ class SchedulerConformance(ConformanceSuite):
     preempts_when_out_of_blocks: ClassVar[bool] = True
     allocator_name: ClassVar[str] = "paged"
     prefix_cache_name: ClassVar[str] = "none"
+    hit_prefix_cache_name: ClassVar[str] = "hash"  # where the suite needs prefix hits
 
     @pytest.fixture
     def scheduler_factory(self) -> SchedulerFactory:
@@ -194,15 +224,25 @@ class SchedulerConformance(ConformanceSuite):
     @pytest.fixture
     def kv_cache_factory(self) -> KVCacheFactory:
         """Block tables over the registered ``allocator_name`` and ``prefix_cache_name``."""
+        return self.make_kv_cache_factory(self.prefix_cache_name)
+
+    def make_kv_cache_factory(self, prefix_cache_name: str) -> KVCacheFactory:
         registry = get_registry()
         allocator_class = registry.load("allocator", self.allocator_name)
-        cache_class = registry.load("prefix_cache", self.prefix_cache_name)
+        cache_class = registry.load("prefix_cache", prefix_cache_name)
 
         def make(limits: Limits) -> KVCacheManager:
             allocator = allocator_class(limits.num_blocks, limits.block_size, limits.max_model_len)
             return KVCacheManager(allocator, cache_class(allocator, limits.block_size), limits.max_model_len)
 
         return make
+
+    @pytest.fixture(params=["own", "hits"])
+    def any_cache_engine_factory(self, request, scheduler_factory) -> Callable[[Limits], SimulatedEngine]:
+        """The suite's own prefix cache, then ``hit_prefix_cache_name`` (prefix hits reach the scheduler)."""
+        name = self.prefix_cache_name if request.param == "own" else self.hit_prefix_cache_name
+        kv_cache_factory = self.make_kv_cache_factory(name)
+        return lambda limits: SimulatedEngine(scheduler_factory(limits), kv_cache_factory(limits), limits)
 
     @pytest.fixture
     def engine_factory(self, scheduler_factory, kv_cache_factory) -> Callable[[Limits], SimulatedEngine]:
@@ -245,12 +285,42 @@ class SchedulerConformance(ConformanceSuite):
         if self.preempts_when_out_of_blocks:
             assert sum(seq.num_preemptions for seq in sequences) > 0, "no preemption although the pool ran out"
 
-    def test_random_workloads_finish_within_the_limits(self, engine_factory):
+    def test_prefix_hits_reach_the_scheduler(self, scheduler_factory):
+        """Requests whose first 16 tokens are cached arrive with them computed: the plan counts only what is left
+        (a scheduler that plans the whole prompt writes past the sequence's tokens and blows the budget)."""
+        limits = Limits(max_num_seqs=4, max_num_batched_tokens=24)
+        engine = SimulatedEngine(scheduler_factory(limits), self.make_kv_cache_factory(self.hit_prefix_cache_name)(
+            limits), limits)
+        first = Request(prompt_len=20, max_tokens=4, shared_prefix_len=16)
+        later = [Request(prompt_len=18 + index, max_tokens=3, arrival_step=40, shared_prefix_len=16)
+                 for index in range(3)]
+        sequences = engine.run([first, *later])
+        assert [seq.num_output_tokens for seq in sequences] == expected_outputs([first, *later])
+        hits = [seq.num_cached_prompt_tokens for seq in sequences[1:]]
+        assert all(hit >= 16 for hit in hits), f"cached prompt tokens per later request: {hits}"
+
+    @pytest.mark.parametrize("max_num_seqs", [8, 2])
+    def test_samples_of_one_request_share_its_prompt(self, scheduler_factory, kv_cache_factory, max_num_seqs):
+        """``n = 5`` samples of a 16-token prompt: followers are admitted once ``view.is_ready`` and compute only
+        the prompt's last block; with ``max_num_seqs`` 2 the later ones start after the leader has finished (its
+        prompt stays pinned for them, and is given back at the end)."""
+        limits = Limits(max_num_seqs=max_num_seqs, max_num_batched_tokens=32)
+        engine = SimulatedEngine(scheduler_factory(limits), kv_cache_factory(limits), limits)
+        workload = [Request(prompt_len=16, max_tokens=4, n=5)]
+        sequences = engine.run(workload)
+        assert [seq.num_output_tokens for seq in sequences] == expected_outputs(workload)
+        alone = 5 * (16 + 3)
+        shared = 16 + 3 + 4 * (4 + 3)  # followers share 12 of the 16 prompt tokens (3 full blocks)
+        assert engine.num_scheduled_tokens == shared, (
+            f"{engine.num_scheduled_tokens} tokens computed for 5 samples ({shared} when followers wait for "
+            f"view.is_ready and share the leader's prompt, {alone} when each computes it)")
+
+    def test_random_workloads_finish_within_the_limits(self, any_cache_engine_factory):
         @self.hypothesis_settings
         @given(scenario=scenarios(chunked_prefill=self.supports_chunked_prefill))
         def serve_to_completion(scenario: tuple[Limits, list[Request]]) -> None:
             limits, workload = scenario
-            sequences = engine_factory(limits).run(workload)
-            assert [seq.num_output_tokens for seq in sequences] == [request.max_tokens for request in workload]
+            sequences = any_cache_engine_factory(limits).run(workload)
+            assert [seq.num_output_tokens for seq in sequences] == expected_outputs(workload)
 
         serve_to_completion()
