@@ -1,7 +1,7 @@
 """The engine config: YAML file (or shipped preset, or dict) → ``key=value`` overrides → validated, frozen models.
 
 OmegaConf only merges, parses overrides and resolves interpolation; pydantic is the one schema. Each plugin section
-(``allocator``, ``prefix_cache``, ``scheduler``, ``attention``, ``drafter``) is validated by the model its selected
+(``allocator``, ``prefix_cache``, ``scheduler``, ``attention``, ``drafter``, ``guide``) is validated by the model its selected
 plugin registered, so ``load_config(...).scheduler`` is an instance of that plugin's model. Every problem is reported
 at once in a ``ConfigError``, one line each: ``scheduler.max_num_seq: unknown key; did you mean "max_num_seqs"?``.
 """
@@ -23,6 +23,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationEr
 from infer.allocator import AllocatorConfig
 from infer.attention import AttentionConfig
 from infer.drafter import DrafterConfig
+from infer.guide import GuideConfig
 from infer.prefix_cache import PrefixCacheConfig
 from infer.registry import KIND_INFO, KINDS, PluginError, Registry, get_registry, import_object, normalize_name
 from infer.scheduler import SchedulerConfig
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 SHIPPED_CONFIGS = "infer.configs"
 DEFAULT_PLUGINS = {"allocator": "paged", "prefix_cache": "none", "scheduler": "fcfs", "attention": "auto",
-                   "drafter": "none"}
+                   "drafter": "none", "guide": "none"}
 # Kinds whose name may be "auto": the engine picks the plugin for the device and dtype (``infer.execution``), and the
 # section takes no keys but the name (name a plugin to set its keys).
 AUTO_SELECTED = {"attention": AttentionConfig}
@@ -179,6 +180,7 @@ class InferConfig(BaseModel):
     scheduler: SerializeAsAny[SchedulerConfig] = SchedulerConfig()
     attention: SerializeAsAny[AttentionConfig] = AttentionConfig()
     drafter: SerializeAsAny[DrafterConfig] = DrafterConfig()
+    guide: SerializeAsAny[GuideConfig] = GuideConfig()
     server: ServerConfig = ServerConfig()
     plugins: PluginsConfig = PluginsConfig()
 

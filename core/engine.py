@@ -15,6 +15,7 @@ import torch
 
 from infer import cpu_kernels
 from infer.execution import Executor, choose_attention
+from infer.guide import GuideError, TokenizerInfo, constrain_logits
 from infer.kv_cache_manager import KVCacheManager
 from infer.kv_pool import free_device_memory, kv_bytes_per_token, plan_kv_pool
 from infer.memory import measure_peak_bytes
@@ -146,6 +147,8 @@ class Engine:
                                                    self.max_model_len, config.allocator)
         self.prefix_cache = self._plugin("prefix_cache")(self.allocator, config.cache.block_size, config.prefix_cache)
         self.scheduler = self._plugin("scheduler")(config.scheduler)
+        self.guide = self._plugin("guide")(
+            TokenizerInfo(self.tokenizer, self.model.vocab_size, tuple(sorted(self.eos_token_ids))), config.guide)
         self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
         self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device, self.executor,
                                   self.pool_plan.num_blocks, f"allocator {config.allocator.name!r} or prefix cache "
@@ -255,6 +258,7 @@ class Engine:
         text, token_ids = self.tokenize(prompt)
         self._validate_prompt(request_id, token_ids)
         params = self._fit_max_tokens(request_id, params, len(token_ids))
+        compiled = self.compile_constraint(params, request_id)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
         arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         seqs = []
@@ -262,11 +266,24 @@ class Engine:
             seq = Sequence(seq_id=f"{request_id}/{index}", prompt_token_ids=list(token_ids), params=params,
                            request_id=request_id, sample_index=index, seed=seed + index, arrival_time=arrival_time,
                            fork_of=seqs[0] if seqs else None)
+            if compiled is not None:
+                seq.matcher = self.guide.matcher(compiled)
             seqs.append(seq)
         self.requests[request_id] = Request(request_id, text, list(token_ids), params, seqs, arrival_time)
         self.waiting.extend(seqs)
         self.stats.num_prompt_tokens += len(token_ids) * params.n
         return request_id
+
+    def compile_constraint(self, params: SamplingParams, request_id: str = "") -> object | None:
+        """The guide's compiled form of ``params.constraint`` (None without one), cached by the guide; raises
+        ``RequestError`` naming the field when the guide cannot serve it. Thread-safe: a server may call it off the
+        engine thread first, so the engine finds it compiled."""
+        if params.constraint is None:
+            return None
+        try:
+            return self.guide.compile(params.constraint)
+        except GuideError as error:
+            raise RequestError(f"request {request_id}: {error}" if request_id else str(error), error.field) from None
 
     def _check_text_length(self, text: str) -> None:
         """Refuse text that must exceed ``max_model_len`` tokens: a token stands for at most ``max_token_bytes``
@@ -362,8 +379,10 @@ class Engine:
         requests = [SampleRequest(row.seq.params, row.first_position + j, row.seq.seed,
                                   self._banned_tokens(row.seq, row.first_position + j))
                     for row in output.rows for j in range(row.count)]
-        tokens = self.sampler.sample(output.logits, requests)
-        self._verify_sampled_drafts(output, requests, tokens)
+        logits = constrain_logits(output.logits, [(row.seq.matcher, row.start, row.seq.draft_token_ids[:row.count - 1])
+                                                  for row in output.rows if row.seq.matcher is not None])
+        tokens = self.sampler.sample(logits, requests)
+        self._verify_sampled_drafts(logits, output, requests, tokens)
         logprobs = self.sampler.logprobs(output.logits, tokens, [r.params.logprobs for r in requests])
         now = time.perf_counter()
         finished: list[Request] = []
@@ -377,7 +396,8 @@ class Engine:
         return finished
 
     @staticmethod
-    def _verify_sampled_drafts(output: StepOutput, requests: list[SampleRequest], tokens: list[int]) -> None:
+    def _verify_sampled_drafts(logits: torch.Tensor, output: StepOutput, requests: list[SampleRequest],
+                               tokens: list[int]) -> None:
         """For sampled requests whose drafts came with q, replace the row's tokens by rejection sampling's choice
         (accept with min(1, p/q), residual max(0, p - q)); ``_accept`` then commits exactly those."""
         for row in output.rows:
@@ -386,7 +406,7 @@ class Engine:
                 continue
             rows = slice(row.start, row.start + row.count)
             drafts = seq.draft_token_ids[: row.count - 1]
-            chosen = verify_sampled_drafts(output.logits[rows], requests[rows], drafts, seq.draft_probs)
+            chosen = verify_sampled_drafts(logits[rows], requests[rows], drafts, seq.draft_probs)
             tokens[row.start:row.start + len(chosen)] = chosen
 
     def _banned_tokens(self, seq: Sequence, position: int) -> tuple[int, ...]:
@@ -426,6 +446,9 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         self.stats.num_output_tokens += 1
+        if seq.matcher is not None and seq.matcher.accept([token]) != 1:
+            raise RuntimeError(f"{seq.seq_id}: guide {self.config.guide.name!r} refused token {token} that its own "
+                               f"mask allowed")
         reason = self._stop_reason(seq, token)
         if reason is not None:
             self._finish(seq, *reason)
@@ -433,6 +456,8 @@ class Engine:
     def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, str | int | None] | None:
         params = seq.params
         num_output = seq.num_output_tokens
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            return "stop", None  # the grammar is complete and its stop token taken (even with ignore_eos)
         if num_output >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
                 return "stop", None
@@ -486,6 +511,7 @@ class Engine:
             self.waiting.remove(seq)
             self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.matcher = None
         seq.num_blocks_offered_to_cache = 0
         self.stats.num_cached_prompt_tokens += seq.num_cached_prompt_tokens
         self.drafter.release(seq)

@@ -10,7 +10,7 @@ callback: ``register(name, target, config=None, description="")`` where ``target
 ``"module:Class"`` string (imported only when a config selects it) and ``config`` is an optional pydantic model for
 the component's config section (default: the class's ``config_model``). The class must subclass the kind's contract:
 ``infer.allocator.Allocator``, ``infer.prefix_cache.PrefixCache``, ``infer.scheduler.Scheduler``,
-``infer.attention.AttentionBackend`` or ``infer.drafter.Drafter``.
+``infer.attention.AttentionBackend``, ``infer.drafter.Drafter`` or ``infer.guide.Guide``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ def register_attention_backends(register):
 @hookspec
 def register_drafters(register):
     """Register speculative-decoding drafters (config section ``drafter``; contract ``infer.drafter.Drafter``)."""
+
+
+@hookspec
+def register_guides(register):
+    """Register constrained-decoding guides (config section ``guide``; contract ``infer.guide.Guide``)."""
 
 
 @hookspec

@@ -60,6 +60,7 @@ KIND_INFO: dict[str, KindInfo] = {
         "register_attention_backends", "infer.attention:AttentionBackend", "infer.attention:AttentionConfig"
     ),
     "drafter": KindInfo("register_drafters", "infer.drafter:Drafter", "infer.drafter:DrafterConfig"),
+    "guide": KindInfo("register_guides", "infer.guide:Guide", "infer.guide:GuideConfig"),
 }
 KINDS: tuple[str, ...] = tuple(KIND_INFO)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from infer.guide import Constraint, GuideError
+
 
 # OpenAI's bound: higher temperatures flatten the distribution into noise; a request asking for one is refused.
 MAX_TEMPERATURE = 2.0
@@ -46,12 +48,19 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    # Structured output: what the text must match (``infer.guide.Constraint``; a mapping is converted).
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            try:
+                self.constraint = Constraint.from_dict(self.constraint)
+            except (GuideError, TypeError) as error:
+                raise SamplingParamsError("constraint", str(error)) from None
         self._validate()
 
     def _validate(self) -> None:
@@ -71,6 +80,9 @@ class SamplingParams:
             raise SamplingParamsError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if self.n < 1:
             raise SamplingParamsError("n", f"must be >= 1, got {self.n!r}")
+        if self.constraint is not None and self.min_tokens:
+            raise SamplingParamsError("min_tokens", "cannot be combined with a constraint: the grammar decides where "
+                                                    "the output may end")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise SamplingParamsError("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
 

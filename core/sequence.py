@@ -64,6 +64,8 @@ class Sequence:
     num_draft_tokens: int = 0
     # Set for n > 1 followers: they wait until this sequence has computed the shared prompt.
     fork_of: "Sequence | None" = None
+    # Structured output: this sample's position in its constraint's grammar (``infer.guide.Matcher``).
+    matcher: object | None = None
 
     @property
     def token_ids(self) -> list[int]:
