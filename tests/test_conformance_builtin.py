@@ -12,6 +12,7 @@ from infer.testing.test_registered import (  # noqa: F401  (collected here as th
     TestRegisteredAllocators,
     TestRegisteredAttentionBackends,
     TestRegisteredDrafters,
+    TestRegisteredGuides,
     TestRegisteredPrefixCaches,
     TestRegisteredSchedulers,
 )
@@ -24,6 +25,7 @@ BUILTINS = {
     "scheduler": {"fcfs", "lpm"},
     "attention": {"sdpa", "triton"},
     "drafter": {"none", "ngram"},
+    "guide": {"none", "xgrammar", "llguidance"},
 }
 
 

@@ -18,11 +18,17 @@ from infer.plugins.attention.sdpa import SdpaBackend
 from infer.plugins.drafters.ngram import NgramDrafter
 from infer.plugins.prefix_cache.hash import HashPrefixCache
 from infer.plugins.schedulers.fcfs import FCFSScheduler
-from infer.testing import (AllocatorConformance, AttentionConformance, DrafterConformance, PrefixCacheConformance,
-                           SchedulerConformance)
+from infer.plugins.guides.xgrammar_guide import XGrammarGuide, XGrammarMatcher
+from infer.testing import (AllocatorConformance, AttentionConformance, DrafterConformance, GuideConformance,
+                           PrefixCacheConformance, SchedulerConformance)
+from infer.testing.guide import default_tokenizer_info
 from infer.testing.suite import ConformanceSuite
 
 pytest_plugins = ["pytester"]
+
+# xgrammar, transformers' tokenizer classes and what they import, loaded now: pytester forgets the modules imported
+# while its fixture is up, and importing these again (torch.distributed's operator library) fails.
+default_tokenizer_info()
 
 # Finding the bug is what is pinned here: shrinking it to a minimal example would only cost time, and a fixed
 # generation order keeps the run the same every time.
@@ -124,6 +130,30 @@ class ImpatientScheduler(FCFSScheduler):
             del view.is_ready
 
 
+class PermissiveMatcher(XGrammarMatcher):
+    def fill_bitmask(self, bitmask, row):
+        bitmask[row] = -1  # the bug: every token allowed, whatever the grammar says
+
+
+class PermissiveGuide(XGrammarGuide):
+    """Masks nothing: the matcher then refuses tokens its own mask allowed."""
+
+    def matcher(self, compiled):
+        return PermissiveMatcher(super().matcher(compiled)._matcher)
+
+
+class ForgetfulMatcher(XGrammarMatcher):
+    def rollback(self, num_tokens):
+        pass  # the bug: rejected drafts stay in the grammar's state
+
+
+class ForgetfulGuide(XGrammarGuide):
+    """Ignores rollbacks."""
+
+    def matcher(self, compiled):
+        return ForgetfulMatcher(super().matcher(compiled)._matcher)
+
+
 # -- the suites, pointed at them (not collected here: the names do not start with Test) -------------------------------
 class LeakyAllocatorSuite(AllocatorConformance):
     hypothesis_settings = WITHOUT_SHRINKING
@@ -219,6 +249,22 @@ class ImpatientSchedulerSuite(SchedulerConformance):
         return lambda limits: ImpatientScheduler()
 
 
+class PermissiveGuideSuite(GuideConformance):
+    @pytest.fixture
+    def guide_factory(self):
+        from infer.testing.guide import default_tokenizer_info
+
+        return lambda: PermissiveGuide(default_tokenizer_info())
+
+
+class ForgetfulGuideSuite(GuideConformance):
+    @pytest.fixture
+    def guide_factory(self):
+        from infer.testing.guide import default_tokenizer_info
+
+        return lambda: ForgetfulGuide(default_tokenizer_info())
+
+
 def run_suite(pytester: pytest.Pytester, suite: type, expected_failures: dict[str, str] | None = None,
               *args: str) -> pytest.RunResult:
     """Run ``suite`` (a class of this module) as the inner session's ``TestSuite``; the session runs in this process,
@@ -299,6 +345,18 @@ def test_drafter_suite_catches_more_drafts_than_asked(pytester):
     failed = set(re.findall(r"^FAILED test_inner\.py::TestSuite::(\w+)", result.stdout.str(), re.MULTILINE))
     assert "test_proposes_at_most_k_valid_tokens_per_sequence" in failed, result.stdout.str()
     result.stdout.fnmatch_lines(["*tokens proposed for * with k=*"])
+
+
+def test_guide_suite_catches_a_mask_that_allows_everything(pytester):
+    result = run_suite(pytester, PermissiveGuideSuite)
+    assert_failed(result, {"test_never_allows_a_dead_end", "test_accepting_a_valid_string_then_the_stop_token_terminates",
+                           "test_rollback_restores_exactly", "test_same_state_same_mask"},
+                  "*is in the mask but refused*")
+
+
+def test_guide_suite_catches_a_rollback_that_does_nothing(pytester):
+    result = run_suite(pytester, ForgetfulGuideSuite)
+    assert_failed(result, {"test_rollback_restores_exactly"}, "*the mask after rolling back * tokens differs*")
 
 
 def test_expected_failure_becomes_a_strict_xfail(pytester):

@@ -23,6 +23,7 @@ SUITE_MODULES = {
     "SchedulerConformance": "infer.testing.scheduler",
     "AttentionConformance": "infer.testing.attention",
     "DrafterConformance": "infer.testing.drafter",
+    "GuideConformance": "infer.testing.guide",
 }
 
 try:
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from infer.testing.allocator import AllocatorConformance
     from infer.testing.attention import AttentionConformance
     from infer.testing.drafter import DrafterConformance
+    from infer.testing.guide import GuideConformance
     from infer.testing.prefix_cache import PrefixCacheConformance
     from infer.testing.scheduler import SchedulerConformance
 

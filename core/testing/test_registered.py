@@ -14,6 +14,7 @@ from infer.registry import get_registry
 from infer.testing.allocator import AllocatorConformance
 from infer.testing.attention import AttentionConformance
 from infer.testing.drafter import DrafterConformance
+from infer.testing.guide import GuideConformance
 from infer.testing.prefix_cache import PrefixCacheConformance
 from infer.testing.scheduler import SchedulerConformance
 
@@ -54,3 +55,9 @@ class TestRegisteredDrafters(DrafterConformance):
     @pytest.fixture(params=registered("drafter"))
     def drafter_factory(self, request, drafter_context):
         return self.make_drafter_factory(request.param, drafter_context)
+
+
+class TestRegisteredGuides(GuideConformance):
+    @pytest.fixture(params=registered("guide"))
+    def guide_factory(self, request):
+        return self.make_guide_factory(request.param)
