@@ -20,6 +20,7 @@ from infer.attention import AttentionBackend
 from infer.cli import main
 from infer.config import ConfigError
 from infer.drafter import Drafter
+from infer.guide import Guide
 from infer.prefix_cache import PrefixCache
 from infer.registry import Distribution, Registry
 from infer.scheduler import BudgetedScheduler
@@ -47,6 +48,10 @@ class DrafterStub(Drafter):
     pass
 
 
+class GuideStub(Guide):
+    pass
+
+
 class BuiltinsStub:
     @hookimpl
     def register_allocators(self, register):
@@ -67,6 +72,10 @@ class BuiltinsStub:
     @hookimpl
     def register_drafters(self, register):
         register("none", DrafterStub)
+
+    @hookimpl
+    def register_guides(self, register):
+        register("none", GuideStub)
 
 
 class HelloCommand:
@@ -143,7 +152,7 @@ def test_plugins_lists_each_kind_with_provider_and_description(runner):
     lines = result.output.splitlines()
     assert lines[0] == "allocator"
     assert lines[1] == "  paged  infer-fake 1.0  stand-in allocator"
-    assert {"prefix_cache", "scheduler", "attention", "drafter"} <= set(lines)
+    assert {"prefix_cache", "scheduler", "attention", "drafter", "guide"} <= set(lines)
 
 
 def test_plugins_json_lists_every_registration(runner):
@@ -151,7 +160,7 @@ def test_plugins_json_lists_every_registration(runner):
     listing = json.loads(result.output)
     assert {(p["kind"], p["name"]) for p in listing["plugins"]} == {
         ("allocator", "paged"), ("prefix_cache", "none"), ("scheduler", "fcfs"), ("attention", "sdpa"),
-        ("drafter", "none"),
+        ("drafter", "none"), ("guide", "none"),
     }
     assert listing["plugins"][0]["target"] == f"{__name__}:AllocatorStub"
     assert listing["failed"] == []
@@ -256,3 +265,23 @@ def test_run_echoes_each_prompt_lines_id_and_refuses_unknown_keys(runner, tiny_m
     result = runner.invoke(main, [*args, "--prompts", str(prompts)])
     message = result.output + str(result.exception)
     assert result.exit_code != 0 and "prompts.jsonl:1" in message and "did you mean 'max_tokens'" in message
+
+
+def test_run_prompt_lines_carry_constraints(tiny_model_dir, tmp_path):
+    """A random tiny model still answers within its line's constraint; a malformed constraint names the line. (The
+    installed plugins, not the stand-ins: the guide must be real.)"""
+    runner = CliRunner()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "pick", "constraint": {"choice": ["red", "blue"]}, "max_tokens": 8}\n'
+                       '{"prompt": "digits", "constraint": {"regex": "[0-9]{4}"}, "max_tokens": 8}\n')
+    out = tmp_path / "out.jsonl"
+    args = ["run", "baseline", f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256",
+            "guide.name=xgrammar"]
+    result = runner.invoke(main, [*args, "--prompts", str(prompts), "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    assert texts[0] in {"red", "blue"} and len(texts[1]) == 4 and texts[1].isdigit(), texts
+    prompts.write_text('{"prompt": "pick", "constraint": {"choices": ["red"]}}\n')
+    result = runner.invoke(main, [*args, "--prompts", str(prompts)])
+    message = result.output + str(result.exception)
+    assert result.exit_code != 0 and "prompts.jsonl:1" in message and "choices" in message

@@ -19,6 +19,7 @@ from infer.config import (
     shipped_configs,
 )
 from infer.drafter import Drafter
+from infer.guide import Guide
 from infer.prefix_cache import PrefixCache
 from infer.registry import Registry
 from infer.scheduler import BudgetedScheduler, SchedulerConfig
@@ -56,6 +57,10 @@ class DrafterStub(Drafter):
     pass
 
 
+class GuideStub(Guide):
+    pass
+
+
 class BuiltinsStub:
     """One implementation per kind under the default names, plus a second scheduler to switch to."""
 
@@ -79,6 +84,10 @@ class BuiltinsStub:
     @hookimpl
     def register_drafters(self, register):
         register("none", DrafterStub)
+
+    @hookimpl
+    def register_guides(self, register):
+        register("none", GuideStub)
 
 
 @pytest.fixture(scope="module")

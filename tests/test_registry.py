@@ -252,7 +252,7 @@ def test_get_registry_is_cached_per_load_and_environment(monkeypatch):
 
 # Built-in entry points are named infer.<kind, plural>.<name> and register <name>.
 ENTRY_POINT_KINDS = {"allocators": "allocator", "prefix_cache": "prefix_cache", "schedulers": "scheduler",
-                     "attention": "attention", "drafters": "drafter"}
+                     "attention": "attention", "drafters": "drafter", "guides": "guide"}
 
 
 def test_builtin_entry_points_register_what_exists_and_warn_for_what_does_not():

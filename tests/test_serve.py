@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 from types import SimpleNamespace
 
@@ -23,7 +24,7 @@ MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512
 DEFAULT_OVERRIDES = ["model.dtype=float32", f"model.max_model_len={MAX_MODEL_LEN}", "cache.num_blocks=256",
-                     "scheduler.max_num_seqs=16"]
+                     "scheduler.max_num_seqs=16", "guide.name=xgrammar"]
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
@@ -282,6 +283,16 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 50}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10**9}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                          "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_schema"}},
+     "response_format"),
+    ("completions", {"prompt": "Hi", "guided_regex": "([a-z"}, "guided_regex"),
+    ("completions", {"prompt": "Hi", "guided_choice": []}, "guided_choice"),
+    ("completions", {"prompt": "Hi", "guided_regex": "[a-z]+", "guided_choice": ["a"]}, "guided_choice"),
+    ("completions", {"prompt": "Hi", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ("completions", {"prompt": "Hi", "structured_outputs": {"jsn": {}}}, "structured_outputs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": MAX_MODEL_LEN},
      "max_completion_tokens"),
 ]
@@ -445,3 +456,35 @@ def test_sigterm_past_the_shutdown_timeout_answers_a_non_streamed_request_with_j
         assert response.status_code == 200 and response.headers["content-type"].startswith("application/json")
         assert response.json()["choices"][0]["finish_reason"] == "abort"
         assert tiny.process.wait(30) == 0 and time.monotonic() - stopped < 2 + 1.5
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+
+
+def test_response_format_json_schema_through_the_openai_client_streamed_and_not(client):
+    import jsonschema
+
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=100,
+                   temperature=0, response_format={"type": "json_schema",
+                                                   "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    whole = client.chat.completions.create(**request)
+    text = whole.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert whole.choices[0].finish_reason == "stop"
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        **request, stream=True) if chunk.choices)
+    assert streamed == text
+
+
+def test_json_object_and_vllm_style_constraints(client):
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A JSON object, please."}],
+                                          max_tokens=240, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(chat.choices[0].message.content), dict)
+    regex = client.completions.create(model=MODEL, prompt="My phone number is", max_tokens=20, temperature=0,
+                                      extra_body={"guided_regex": r"\d{3}-\d{4}"})
+    assert re.fullmatch(r"\d{3}-\d{4}", regex.choices[0].text), regex.choices[0].text
+    choice = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0.7, n=3,
+                                       extra_body={"structured_outputs": {"choice": ["blue", "green"]}})
+    assert {c.text for c in choice.choices} <= {"blue", "green"} and len(choice.choices) == 3

@@ -189,6 +189,8 @@ async def _generate(request: Request, body, format_class, id_prefix: str) -> Res
         params = body.to_sampling_params()
     except SamplingParamsError as error:
         raise ApiError(400, str(error), param=error.field) from error
+    if params.constraint is not None:
+        await _compile_constraint(state, params, body.api_field)
     stream = await _submit(state, f"{id_prefix}-{uuid.uuid4().hex}", body.engine_prompt(), params, body.api_field)
     meta = ResponseMeta(stream.request_id, int(time.time()), state.model_name, params.n, params.logprobs is not None)
     if body.stream:
@@ -198,6 +200,15 @@ async def _generate(request: Request, body, format_class, id_prefix: str) -> Res
         response = await respond_when_done(request, stream, format_class(meta), state.metrics)
     response.headers["x-request-id"] = stream.request_id  # the id the engine's log and its aborts use
     return response
+
+
+async def _compile_constraint(state: ServerState, params, api_field) -> None:
+    """Compile the request's constraint in a worker thread (the guide caches it), so the engine thread finds it
+    compiled instead of stalling every stream for the compile."""
+    try:
+        await asyncio.to_thread(state.engine_loop.engine.compile_constraint, params)
+    except RequestError as error:
+        raise ApiError(400, str(error), param=api_field(error.field)) from error
 
 
 async def _submit(state: ServerState, request_id: str, prompt, params, api_field):

@@ -2,16 +2,18 @@
 
 Requests are strict (``"5"`` is not an int, NaN is not a float) and closed (an unknown field is a 400 naming it, not
 silently dropped). Extensions beyond OpenAI's fields follow vLLM's names: ``top_k``, ``min_p``, ``min_tokens``,
-``ignore_eos``.
+``ignore_eos``, and for structured output ``structured_outputs`` and the older ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar`` (beside OpenAI's ``response_format``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from infer.sampling_params import SamplingParams
+from infer.guide import Constraint, GuideError
+from infer.sampling_params import SamplingParams, SamplingParamsError
 
 # Python's json module reads NaN and Infinity, which would slip past range checks (NaN < 0 is False).
 REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -39,6 +41,45 @@ def _nulls_as_absent(model: type[BaseModel], data: object) -> object:
             if not (value is None and key in fields and fields[key].default is not None and key not in NULL_IS_A_VALUE)}
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = REQUEST_CONFIG
+    name: str | None = None
+    description: str | None = None
+    # OpenAI calls it "schema"; pydantic models reserve that name.
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+
+    model_config = REQUEST_CONFIG
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given_for_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only with it')
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` object: exactly one of its fields."""
+
+    model_config = REQUEST_CONFIG
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+# Where a request may ask for a constraint: field -> how it maps onto infer.guide.Constraint.
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -63,6 +104,13 @@ class SamplingFields(BaseModel):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # Structured output (at most one): OpenAI's response_format, vLLM's structured_outputs and guided_* extras.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -74,7 +122,39 @@ class SamplingFields(BaseModel):
 
     def api_field(self, engine_field: str | None) -> str | None:
         """The request's own name for a field the engine refused (``prompt`` is ``messages`` in a chat)."""
+        if engine_field == "constraint":
+            return self._constraint_field() or engine_field
         return engine_field
+
+    def _constraint_field(self) -> str | None:
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise SamplingParamsError(given[1], f"ask for one constraint; got {', '.join(given)}")
+        return given[0] if given else None
+
+    def constraint(self) -> Constraint | None:
+        """The structured-output constraint the request asks for, if any; ``SamplingParamsError`` names the field
+        of a malformed one."""
+        name = self._constraint_field()
+        if name is None:
+            return None
+        value = getattr(self, name)
+        try:
+            if name == "response_format":
+                if value.type == "json_object":
+                    return Constraint(json_object=True)
+                return Constraint(json_schema=value.json_schema.schema_)
+            if name == "structured_outputs":
+                fields = value.model_dump(by_alias=True, exclude_none=True)
+                if "json" in fields:
+                    fields["json_schema"] = fields.pop("json")
+                return Constraint.from_dict(fields)
+            kind = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                    "guided_grammar": "grammar"}[name]
+            return Constraint.from_dict({kind: value})
+        except GuideError as error:
+            raise SamplingParamsError(name, str(error)) from None
 
     @property
     def include_usage(self) -> bool:
@@ -90,7 +170,7 @@ class SamplingFields(BaseModel):
             top_k=defaults.top_k if self.top_k is None else self.top_k,
             min_p=defaults.min_p if self.min_p is None else self.min_p,
             seed=self.seed, stop=self.stop or [], min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, n=self.n,
-            logprobs=logprobs)
+            logprobs=logprobs, constraint=self.constraint())
 
 
 class CompletionRequest(SamplingFields):
@@ -150,7 +230,7 @@ class ChatCompletionRequest(SamplingFields):
             return "messages"
         if engine_field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return engine_field
+        return super().api_field(engine_field)
 
     def engine_prompt(self) -> list[dict[str, str]]:
         return [{"role": message.role, "content": message.text()} for message in self.messages]
