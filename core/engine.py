@@ -379,8 +379,7 @@ class Engine:
         requests = [SampleRequest(row.seq.params, row.first_position + j, row.seq.seed,
                                   self._banned_tokens(row.seq, row.first_position + j))
                     for row in output.rows for j in range(row.count)]
-        logits = constrain_logits(output.logits, [(row.seq.matcher, row.start, row.seq.draft_token_ids[:row.count - 1])
-                                                  for row in output.rows if row.seq.matcher is not None])
+        logits = self._constrained_logits(output)
         tokens = self.sampler.sample(logits, requests)
         self._verify_sampled_drafts(logits, output, requests, tokens)
         logprobs = self.sampler.logprobs(output.logits, tokens, [r.params.logprobs for r in requests])
@@ -394,6 +393,16 @@ class Engine:
         for seq in self.running:
             self._offer_to_cache(seq)
         return finished
+
+    def _constrained_logits(self, output: StepOutput) -> torch.Tensor:
+        """The step's logits with structured-output rows masked by their grammar (``infer.guide``); in place unless
+        a constrained row asks for logprobs, which come from the raw logits."""
+        rows = [row for row in output.rows if row.seq.matcher is not None]
+        if not rows:
+            return output.logits
+        keep_raw = any(row.seq.params.logprobs is not None for row in rows)
+        return constrain_logits(output.logits, [(row.seq.matcher, row.start, row.seq.draft_token_ids[:row.count - 1])
+                                                for row in rows], copy=keep_raw, kernels=self.executor.kernels)
 
     @staticmethod
     def _verify_sampled_drafts(logits: torch.Tensor, output: StepOutput, requests: list[SampleRequest],

@@ -245,22 +245,29 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """Set the logits of tokens ``bitmask[i]`` forbids to -inf in row ``rows[i]`` of ``logits``, in place."""
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int], kernels=None) -> None:
+    """Set the logits of tokens ``bitmask[i]`` forbids to -inf in row ``rows[i]`` of ``logits``, in place: with
+    infer's CPU kernels when given (float32 CPU logits; a pass that skips allowed words), else in torch."""
     import torch
 
+    index = torch.tensor(list(rows), dtype=torch.int64)
+    if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        kernels.apply_bitmask_(logits, bitmask.contiguous(), index)
+        return
     vocab_size = logits.shape[-1]
     bits = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int32), torch.arange(32, dtype=torch.int32))
     allowed = (bitmask.unsqueeze(-1) & bits).ne(0).flatten(1)[:, :vocab_size].to(logits.device)
-    index = torch.tensor(list(rows), device=logits.device)
+    index = index.to(logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
-def constrain_logits(logits: torch.Tensor, rows: Sequence[tuple[Matcher, int, Sequence[int]]]) -> torch.Tensor:
-    """A copy of ``logits`` [N, vocab] whose constrained rows allow only what their grammar does. Each entry of
-    ``rows`` is (matcher, first logits row, drafts): the sequence's rows verify ``drafts``, and the mask of its row
-    ``j`` is the grammar's state after ``drafts[:j]``, accepted tentatively and rolled back afterwards. Rows after a
-    draft the grammar forbids are left unmasked: the forbidden draft is rejected, so they are never used."""
+def constrain_logits(logits: torch.Tensor, rows: Sequence[tuple[Matcher, int, Sequence[int]]],
+                     copy: bool = False, kernels=None) -> torch.Tensor:
+    """``logits`` [N, vocab] with each constrained row allowing only what its grammar does (in place, or in a copy
+    when ``copy``: the caller still needs the raw rows). Each entry of ``rows`` is (matcher, first logits row,
+    drafts): the sequence's rows verify ``drafts``, and the mask of its row ``j`` is the grammar's state after
+    ``drafts[:j]``, accepted tentatively and rolled back afterwards. Rows after a draft the grammar forbids are left
+    unmasked: the forbidden draft is rejected, so they are never used. ``kernels``: infer's CPU kernels, if loaded."""
     if not rows:
         return logits
     bitmask = allocate_bitmask(sum(len(drafts) + 1 for _, _, drafts in rows), logits.shape[-1])
@@ -274,6 +281,7 @@ def constrain_logits(logits: torch.Tensor, rows: Sequence[tuple[Matcher, int, Se
                 break
             accepted += 1
         matcher.rollback(accepted)
-    logits = logits.clone()
-    apply_bitmask(logits, bitmask[: len(targets)], targets)
+    if copy:
+        logits = logits.clone()
+    apply_bitmask(logits, bitmask[: len(targets)], targets, kernels)
     return logits

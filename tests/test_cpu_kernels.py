@@ -278,3 +278,22 @@ def test_fused_stack_refuses_layers_of_different_shapes():
     FusedStack(kernels, [layer(16), layer(16)], [0, 1])
     with pytest.raises(ValueError, match="one shape"):
         FusedStack(kernels, [layer(16), layer(32)], [0, 1])
+
+
+@pytest.mark.parametrize("vocab", [49152, 100, 37])
+def test_apply_bitmask_matches_torchs_and_touches_only_the_named_rows(kernels, vocab):
+    from infer.guide import apply_bitmask
+
+    generator = torch.Generator().manual_seed(vocab)
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), dtype=torch.int32, generator=generator)
+    bitmask[0, : words // 2] = -1  # whole words allowed, and whole words forbidden
+    bitmask[1, : words // 2] = 0
+    logits = torch.randn(5, vocab, generator=generator)
+    expected, actual = logits.clone(), logits.clone()
+    apply_bitmask(expected, bitmask, [4, 0, 2])
+    apply_bitmask(actual, bitmask, [4, 0, 2], kernels)
+    assert torch.equal(actual, expected)
+    assert torch.equal(actual[[1, 3]], logits[[1, 3]])
+    with pytest.raises(ValueError, match="outside the logits"):
+        kernels.apply_bitmask_(actual, bitmask, torch.tensor([0, 1, 5]))

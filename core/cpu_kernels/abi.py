@@ -36,6 +36,7 @@ _SIGNATURES = {
                               _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT],
     "infer_layers_few": [_POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
                          _INT, _POINTER],
+    "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
 }
 
 
@@ -147,6 +148,19 @@ class CpuKernels:
             raise ValueError("the CPU kernels' RoPE needs float32 rows with contiguous columns and int64 positions")
         self._rope(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
                    qkv.stride(0), num_heads, head_dim)
+
+    def apply_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        """Forbidden tokens of ``bitmask[i]`` (int32 ``[n, words]``, ``infer.guide``'s layout) to -inf in row
+        ``rows[i]`` (int64) of ``logits`` ``[N, vocab]`` (float32, contiguous columns), in place."""
+        if logits.dtype != torch.float32 or logits.stride(1) != 1 or logits.device.type != "cpu":
+            raise ValueError("the CPU kernels' bitmask needs float32 CPU logits with contiguous columns")
+        if bitmask.dtype != torch.int32 or not bitmask.is_contiguous() or rows.dtype != torch.int64 \
+                or len(rows) != len(bitmask) or -(-logits.shape[1] // 32) > bitmask.shape[1]:
+            raise ValueError("the bitmask must be contiguous int32 [rows, ceil(vocab / 32)] with int64 row indices")
+        if len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < logits.shape[0]:
+            raise ValueError("a bitmask row index is outside the logits")
+        self._apply_bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.shape[1],
+                            rows.data_ptr(), len(rows), logits.shape[1])
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Token ``t``'s K/V ``[T, kv_heads, head_dim]`` (rows may be strided) into one layer's pool

@@ -559,3 +559,23 @@ void infer_layers_few(const infer_layer *layers, const int64_t *kv_layers, int64
     free(attended);
     free(qkv);
 }
+
+/* ---- token bitmasks (structured output) ---------------------------------------------------------------------- */
+
+/* Bitmask row i (words int32 per row; token t allowed when bit t % 32 of word t / 32 is set) masks logits row
+ * rows[i] (vocab floats, row_stride apart): forbidden tokens become -inf. Whole words of allowed tokens are skipped
+ * and whole forbidden words filled, so a mask costs what it forbids. */
+void infer_apply_bitmask(float *logits, int64_t row_stride, const int32_t *bitmask, int64_t words,
+                         const int64_t *rows, int64_t num_rows, int64_t vocab) {
+    for (int64_t i = 0; i < num_rows; i++) {
+        float *row = logits + rows[i] * row_stride;
+        const uint32_t *mask = (const uint32_t *)bitmask + i * words;
+        for (int64_t w = 0; w < words && w * 32 < vocab; w++) {
+            uint32_t bits = mask[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            int64_t base = w * 32, end = base + 32 < vocab ? base + 32 : vocab;
+            for (int64_t t = base; t < end; t++)
+                if (!((bits >> (t - base)) & 1u)) row[t] = -INFINITY;
+        }
+    }
+}
