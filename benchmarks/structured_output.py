@@ -6,7 +6,8 @@ chat requests asking for JSON under ``infer.bench.structured``'s schemas (nested
 numbers), greedy. The constrained run goes first and records each JSON answer's length; the unconstrained run asks
 the same prompts for exactly those lengths (``ignore_eos``), so both runs generate the same number of tokens and the
 ratio of their output tokens/s is the guide's cost. Runs alternate (``--repeats``), medians reported, all in one
-process per guide (the machine is shared and noisy).
+process per guide (the machine is shared and noisy). Then jump-forward: 8 JSON requests with the grammar's forced
+tokens drafted and not (``guide.jump_forward``), seconds and steps.
 
     python benchmarks/structured_output.py                     # both guides, float32, 3 repeats
     python benchmarks/structured_output.py --guides xgrammar --repeats 5
@@ -87,6 +88,28 @@ def measure_masks(llm: LLM, batch: int, steps: int = 50) -> float:
     return statistics.median(times)
 
 
+def measure_jump_forward(llm: LLM, repeats: int, num_requests: int = 8) -> dict:
+    """``num_requests`` JSON requests together (drafting stays on at this batch), with the grammar's forced tokens
+    drafted and without (the engine's switch flipped between alternating runs): seconds and steps, medians."""
+    requests = [r for r in structured_requests(4 * num_requests) if r.constraint.kind == "json_schema"]
+    requests = requests[:num_requests]
+    prompts = [r.messages for r in requests]
+    params = [SamplingParams(max_tokens=256, temperature=0.0, constraint=r.constraint) for r in requests]
+    engine, results = llm.engine, {True: [], False: []}
+    tokens = {}
+    for _ in range(repeats):
+        for jump in (False, True):
+            engine._jump_forward = jump
+            steps = engine.stats.num_steps
+            seconds, outputs = run_once(llm, prompts, params)
+            results[jump].append((seconds, engine.stats.num_steps - steps))
+            tokens[jump] = [o.outputs[0].token_ids for o in outputs]
+    engine._jump_forward = True
+    assert tokens[True] == tokens[False], "jump-forward changed an output"
+    return {jump: (statistics.median(s for s, _ in runs), statistics.median(n for _, n in runs))
+            for jump, runs in results.items()}
+
+
 def measure_compile(llm: LLM) -> tuple[float, float]:
     guide = llm.engine.guide
     schema = {**SCHEMAS[3][1], "title": f"fresh-{time.time_ns()}"}  # never compiled before
@@ -112,17 +135,23 @@ def main() -> None:
                   scheduler={"max_num_seqs": 64})
         throughput = measure_throughput(llm, args.num_requests, args.repeats)
         cold, cached = measure_compile(llm)
-        rows.append((guide, throughput, measure_masks(llm, 1), measure_masks(llm, 64), cold, cached))
+        rows.append((guide, throughput, measure_masks(llm, 1), measure_masks(llm, 64), cold, cached,
+                     measure_jump_forward(llm, args.repeats)))
         del llm
     print(f"{args.num_requests} requests (half JSON-schema constrained), greedy, {args.dtype}, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}")
     print("| guide | output tokens | invalid | unconstrained tok/s | constrained tok/s | ratio | mask batch 1 | "
           "mask batch 64 | compile cold | compile cached |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for guide, t, mask1, mask64, cold, cached in rows:
+    for guide, t, mask1, mask64, cold, cached, _ in rows:
         print(f"| {guide} | {t['output_tokens']} | {t['invalid']} | {t['unconstrained']:.1f} | "
               f"{t['constrained']:.1f} | {t['ratio']:.3f} | {mask1 * 1e3:.3f} ms | {mask64 * 1e3:.2f} ms | "
               f"{cold * 1e3:.1f} ms | {cached * 1e6:.0f} us |")
+    print("\nJump-forward (8 JSON requests together, outputs identical): seconds and steps, off -> on")
+    for guide, *_, jump in rows:
+        (off_s, off_steps), (on_s, on_steps) = jump[False], jump[True]
+        print(f"- {guide}: {off_s:.2f} s / {off_steps} steps -> {on_s:.2f} s / {on_steps} steps "
+              f"({off_s / on_s:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The engine config: YAML file (or shipped preset, or dict) → ``key=value`` overrides → validated, frozen models.
 
 OmegaConf only merges, parses overrides and resolves interpolation; pydantic is the one schema. Each plugin section
-(``allocator``, ``prefix_cache``, ``scheduler``, ``attention``, ``drafter``, ``guide``) is validated by the model its selected
-plugin registered, so ``load_config(...).scheduler`` is an instance of that plugin's model. Every problem is reported
+(``allocator``, ``prefix_cache``, ``scheduler``, ``attention``, ``drafter``, ``guide``) is validated by the model its
+selected plugin registered, so ``load_config(...).scheduler`` is an instance of that plugin's model. Every problem is reported
 at once in a ``ConfigError``, one line each: ``scheduler.max_num_seq: unknown key; did you mean "max_num_seqs"?``.
 """
 

@@ -149,6 +149,10 @@ class Engine:
         self.scheduler = self._plugin("scheduler")(config.scheduler)
         self.guide = self._plugin("guide")(
             TokenizerInfo(self.tokenizer, self.model.vocab_size, tuple(sorted(self.eos_token_ids))), config.guide)
+        # Tokens a grammar forces become drafts where the drafter proposed none; not with a drafter that keeps
+        # state per drafted token (its own KV, the target's features), which it never saw.
+        self._jump_forward = (config.guide.jump_forward and not self.drafter.kv_bytes_per_token()
+                              and not self.drafter.needs_hidden_states)
         self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
         self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device, self.executor,
                                   self.pool_plan.num_blocks, f"allocator {config.allocator.name!r} or prefix cache "
@@ -548,6 +552,9 @@ class Engine:
             # that cannot get them drafts nothing this step).
             decoding = [seq for seq in decoding if self.kv.allocate(seq, k + 1)]
         proposals = self.drafter.propose(decoding, k)
+        if self._jump_forward:
+            proposals = [drafts or (seq.matcher.forced_tokens()[:k] if seq.matcher is not None else drafts)
+                         for seq, drafts in zip(decoding, proposals)]
         for seq, drafts in zip(decoding, proposals):
             room = min(self.max_model_len - seq.num_tokens - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
             seq.draft_token_ids = list(drafts[: max(room, 0)])

@@ -148,6 +148,10 @@ class GuideConfig(BaseModel):
     strict: bool = Field(True, description="JSON objects take only the properties their schema lists unless it "
                                            "sets additionalProperties (xgrammar's strict mode; OpenAI's strict "
                                            "schemas): a small model otherwise invents properties without end.")
+    jump_forward: bool = Field(True, description="Tokens the grammar forces next (Matcher.forced_tokens) become "
+                                                 "drafts, verified like any (outputs unchanged), where the drafter "
+                                                 "proposes none; up to drafter.num_speculative_tokens, while at most "
+                                                 "drafter.max_batch_size sequences run.")
 
 
 @dataclass(frozen=True, slots=True)

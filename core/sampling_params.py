@@ -77,7 +77,8 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise SamplingParamsError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+            raise SamplingParamsError("min_tokens",
+                                      f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if self.n < 1:
             raise SamplingParamsError("n", f"must be >= 1, got {self.n!r}")
         if self.constraint is not None and self.min_tokens:

@@ -82,7 +82,8 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(llm, temperature):
 
 
 @pytest.mark.parametrize(("field", "value"), [("max_tokens", 0), ("max_tokens", -3), ("top_p", 0.0), ("top_p", 1.5),
-                                              ("temperature", -1.0), ("temperature", 2.5), ("temperature", float("nan")),
+                                              ("temperature", -1.0), ("temperature", 2.5),
+                                              ("temperature", float("nan")),
                                               ("min_p", 2.0), ("n", 0)])
 def test_bad_sampling_values_name_the_field(field, value):
     with pytest.raises(SamplingParamsError) as error:

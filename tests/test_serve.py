@@ -302,11 +302,13 @@ def test_max_tokens_null_means_until_the_context_ends_and_absent_means_the_defau
     """Completions: absent is OpenAI's 16, null is "until the context ends" (vLLM's reading), which the engine
     resolves once it knows the prompt's length; chat: absent and null both mean until the context ends."""
     assert CompletionRequest.model_validate({"prompt": "Hi"}).to_sampling_params().max_tokens == 16
-    assert CompletionRequest.model_validate({"prompt": "Hi", "max_tokens": None}).to_sampling_params().max_tokens is None
+    null = CompletionRequest.model_validate({"prompt": "Hi", "max_tokens": None})
+    assert null.to_sampling_params().max_tokens is None
     chat = {"messages": CHAT}
     assert ChatCompletionRequest.model_validate(chat).to_sampling_params().max_tokens is None
     assert ChatCompletionRequest.model_validate({**chat, "max_tokens": None}).to_sampling_params().max_tokens is None
-    assert ChatCompletionRequest.model_validate({**chat, "max_completion_tokens": 5}).to_sampling_params().max_tokens == 5
+    limited = ChatCompletionRequest.model_validate({**chat, "max_completion_tokens": 5})
+    assert limited.to_sampling_params().max_tokens == 5
 
 
 @pytest.mark.parametrize("route, body, param", BAD_REQUESTS)

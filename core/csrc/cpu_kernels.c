@@ -574,6 +574,10 @@ void infer_apply_bitmask(float *logits, int64_t row_stride, const int32_t *bitma
             uint32_t bits = mask[w];
             if (bits == 0xFFFFFFFFu) continue;
             int64_t base = w * 32, end = base + 32 < vocab ? base + 32 : vocab;
+            if (bits == 0) {
+                for (int64_t t = base; t < end; t++) row[t] = -INFINITY;
+                continue;
+            }
             for (int64_t t = base; t < end; t++)
                 if (!((bits >> (t - base)) & 1u)) row[t] = -INFINITY;
         }

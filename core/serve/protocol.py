@@ -27,7 +27,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-# Fields whose null is a value of its own: ``"max_tokens": null`` asks for tokens until the context ends (vLLM's reading).
+# Fields whose null is a value of its own: ``"max_tokens": null`` asks for tokens until the context ends (vLLM's
+# reading).
 NULL_IS_A_VALUE = frozenset({"max_tokens"})
 
 
