@@ -175,8 +175,6 @@ class Guide(ABC):
     config_model: ClassVar[type[GuideConfig]] = GuideConfig
     supported_kinds: ClassVar[frozenset[str]] = frozenset(CONSTRAINT_KINDS)
     grammar_syntax: ClassVar[str] = ""
-    # The optional extra that installs the library: named in errors when it is missing.
-    extra: ClassVar[str | None] = None
 
     def __init__(self, tokenizer: TokenizerInfo, config: GuideConfig | None = None):
         self.tokenizer = tokenizer

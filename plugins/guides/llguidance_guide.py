@@ -61,7 +61,6 @@ class LLGuidanceMatcher(Matcher):
 class LLGuidanceGuide(Guide):
     config_model = LLGuidanceConfig
     grammar_syntax = "Lark"
-    extra = "llguidance"
 
     def __init__(self, tokenizer: TokenizerInfo, config: LLGuidanceConfig | None = None):
         super().__init__(tokenizer, config)

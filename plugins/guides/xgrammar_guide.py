@@ -46,7 +46,6 @@ class XGrammarMatcher(Matcher):
 class XGrammarGuide(Guide):
     config_model = XGrammarConfig
     grammar_syntax = "EBNF (GBNF)"
-    extra = "xgrammar"
 
     def __init__(self, tokenizer: TokenizerInfo, config: XGrammarConfig | None = None):
         super().__init__(tokenizer, config)
