@@ -553,7 +553,7 @@ class Engine:
             decoding = [seq for seq in decoding if self.kv.allocate(seq, k + 1)]
         proposals = self.drafter.propose(decoding, k)
         if self._jump_forward:
-            proposals = [drafts or (seq.matcher.forced_tokens()[:k] if seq.matcher is not None else drafts)
+            proposals = [drafts if drafts or seq.matcher is None else seq.matcher.forced_tokens()[:k]
                          for seq, drafts in zip(decoding, proposals)]
         for seq, drafts in zip(decoding, proposals):
             room = min(self.max_model_len - seq.num_tokens - 1, seq.params.max_tokens - seq.num_output_tokens - 1)

@@ -247,6 +247,14 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The bool ``[rows, vocab_size]`` of allowed tokens that int32 ``bitmask`` ``[rows, words]`` encodes."""
+    import torch
+
+    bits = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int32), torch.arange(32, dtype=torch.int32))
+    return (bitmask.unsqueeze(-1) & bits.to(bitmask.device)).ne(0).flatten(1)[:, :vocab_size]
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int], kernels=None) -> None:
     """Set the logits of tokens ``bitmask[i]`` forbids to -inf in row ``rows[i]`` of ``logits``, in place: with
     infer's CPU kernels when given (float32 CPU logits; a pass that skips allowed words), else in torch."""
@@ -256,9 +264,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
         kernels.apply_bitmask_(logits, bitmask.contiguous(), index)
         return
-    vocab_size = logits.shape[-1]
-    bits = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int32), torch.arange(32, dtype=torch.int32))
-    allowed = (bitmask.unsqueeze(-1) & bits).ne(0).flatten(1)[:, :vocab_size].to(logits.device)
+    allowed = unpack_bitmask(bitmask, logits.shape[-1]).to(logits.device)
     index = index.to(logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 

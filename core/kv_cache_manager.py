@@ -112,7 +112,7 @@ class KVCacheManager:
         """Keep a finishing leader's computed prompt blocks for its followers still waiting (``n`` above
         ``max_num_seqs``): without it every later sample computed the whole prompt again. ``release_fork_pin``
         gives them back; so does an allocation that would fail without them."""
-        num_blocks = min(leader.num_computed_tokens, leader.num_prompt_tokens - 1) // self.block_size
+        num_blocks = self._shareable_prompt_blocks(leader)
         if num_blocks == 0 or leader.seq_id in self._fork_pins:
             return
         blocks = leader.block_table[:num_blocks]
@@ -142,8 +142,13 @@ class KVCacheManager:
             return [], 0
         if not leader.block_table:
             return self._fork_pins.get(leader.seq_id, ([], 0))
-        num_blocks = min(leader.num_computed_tokens, seq.num_prompt_tokens - 1) // self.block_size
+        num_blocks = self._shareable_prompt_blocks(leader)
         return leader.block_table[:num_blocks], num_blocks * self.block_size
+
+    def _shareable_prompt_blocks(self, leader: Sequence) -> int:
+        """Whole blocks of the leader's computed prompt a follower can take, short of the prompt's last token (the
+        follower computes that one itself, to get logits of its own)."""
+        return min(leader.num_computed_tokens, leader.num_prompt_tokens - 1) // self.block_size
 
     def _share_fork_prefix(self, seq: Sequence) -> bool:
         blocks, num_tokens = self._fork_prefix(seq)

@@ -63,8 +63,8 @@ def _execution_log(enabled: bool):
 
 
 def _output_line(index, item, output) -> dict:
-    line = {"id": index if item.id is None else item.id, "prompt": item.display, "text": output.text, "token_ids": output.token_ids,
-            "finish_reason": output.finish_reason, "metrics": output.metrics.to_dict()}
+    line = {"id": index if item.id is None else item.id, "prompt": item.display, "text": output.text,
+            "token_ids": output.token_ids, "finish_reason": output.finish_reason, "metrics": output.metrics.to_dict()}
     if output.error:
         line["error"] = output.error
     if len(output.outputs) > 1:

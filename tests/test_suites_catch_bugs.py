@@ -138,8 +138,7 @@ class PermissiveMatcher(XGrammarMatcher):
 class PermissiveGuide(XGrammarGuide):
     """Masks nothing: the matcher then refuses tokens its own mask allowed."""
 
-    def matcher(self, compiled):
-        return PermissiveMatcher(super().matcher(compiled)._matcher)
+    matcher_class = PermissiveMatcher
 
 
 class ForgetfulMatcher(XGrammarMatcher):
@@ -150,8 +149,7 @@ class ForgetfulMatcher(XGrammarMatcher):
 class ForgetfulGuide(XGrammarGuide):
     """Ignores rollbacks."""
 
-    def matcher(self, compiled):
-        return ForgetfulMatcher(super().matcher(compiled)._matcher)
+    matcher_class = ForgetfulMatcher
 
 
 # -- the suites, pointed at them (not collected here: the names do not start with Test) -------------------------------

@@ -76,9 +76,11 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
-# Where a request may ask for a constraint: field -> how it maps onto infer.guide.Constraint.
-CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar")
+# vLLM's older extras, each one constraint kind of infer.guide.Constraint.
+GUIDED_KINDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                "guided_grammar": "grammar"}
+# Where a request may ask for a constraint (at most one of them).
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *GUIDED_KINDS)
 
 
 class SamplingFields(BaseModel):
@@ -151,9 +153,7 @@ class SamplingFields(BaseModel):
                 if "json" in fields:
                     fields["json_schema"] = fields.pop("json")
                 return Constraint.from_dict(fields)
-            kind = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
-                    "guided_grammar": "grammar"}[name]
-            return Constraint.from_dict({kind: value})
+            return Constraint.from_dict({GUIDED_KINDS[name]: value})
         except GuideError as error:
             raise SamplingParamsError(name, str(error)) from None
 

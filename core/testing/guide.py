@@ -22,7 +22,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from infer.guide import Constraint, Guide, GuideError, Matcher, TokenizerInfo, allocate_bitmask
+from infer.guide import Constraint, Guide, GuideError, Matcher, TokenizerInfo, allocate_bitmask, unpack_bitmask
 from infer.testing.suite import ConformanceSuite
 
 GuideFactory = Callable[[], Guide]
@@ -66,8 +66,7 @@ def allowed_tokens(matcher: Matcher, vocab_size: int) -> torch.Tensor:
     bitmask = allocate_bitmask(1, vocab_size)
     bitmask.zero_()
     matcher.fill_bitmask(bitmask, 0)
-    bits = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int32), torch.arange(32, dtype=torch.int32))
-    return (bitmask[0].unsqueeze(-1) & bits).ne(0).flatten()[:vocab_size].nonzero().flatten()
+    return unpack_bitmask(bitmask, vocab_size)[0].nonzero().flatten()
 
 
 class GuideConformance(ConformanceSuite):

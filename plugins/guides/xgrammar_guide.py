@@ -4,6 +4,8 @@ Needs ``pip install "infer[xgrammar]"``; the library is imported only when a con
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from infer import hookimpl
@@ -45,6 +47,7 @@ class XGrammarMatcher(Matcher):
 
 class XGrammarGuide(Guide):
     config_model = XGrammarConfig
+    matcher_class: ClassVar[type[XGrammarMatcher]] = XGrammarMatcher
     grammar_syntax = "EBNF (GBNF)"
 
     def __init__(self, tokenizer: TokenizerInfo, config: XGrammarConfig | None = None):
@@ -71,7 +74,7 @@ class XGrammarGuide(Guide):
             raise GuideError(f"invalid {kind} constraint: {_first_line(error)}") from None
 
     def matcher(self, compiled) -> XGrammarMatcher:
-        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+        return self.matcher_class(self._xgr.GrammarMatcher(compiled))
 
 
 def _first_line(error: Exception) -> str:
