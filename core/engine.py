@@ -25,7 +25,7 @@ from infer.runner import ModelRunner, StepOutput
 from infer.quantization import model_weight_bytes, quantize_model, resolve_quantization
 from infer.sampler import Sampler, SampleRequest
 from infer.sampling_params import SamplingParams
-from infer.scheduler import SchedulerView, StepPlan
+from infer.scheduler import SchedulerView, StepPlan, StepShape
 from infer.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger("infer")
@@ -53,6 +53,7 @@ class StepStats:
     num_waiting: int = 0
     kv_blocks_used: int = 0
     duration_s: float = 0.0
+    shape: StepShape = field(default_factory=StepShape)  # what the step computed (``infer.scheduler.StepShape``)
 
 
 @dataclass(slots=True)
@@ -264,7 +265,7 @@ class Engine:
         params = self._fit_max_tokens(request_id, params, len(token_ids))
         compiled = self.compile_constraint(params, request_id)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
-        arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
+        arrival_time = arrival_time if arrival_time is not None else self.clock()
         seqs = []
         for index in range(params.n):
             seq = Sequence(seq_id=f"{request_id}/{index}", prompt_token_ids=list(token_ids), params=params,
@@ -355,16 +356,22 @@ class Engine:
         return self.allocator.capacity - self.allocator.num_free
 
     # -- the step ----------------------------------------------------------------------------------------------
+    def clock(self) -> float:
+        """The engine's time in seconds: arrivals, token times, step durations and ``SchedulerView.now`` are on it
+        (``time.perf_counter``; simulated time under ``infer simulate``)."""
+        return time.perf_counter()
+
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the requests that finished in it."""
-        start = time.perf_counter()
+        start = self.clock()
         view = SchedulerView(self.waiting, self.running, self.kv, self.config.scheduler.max_num_seqs,
-                             self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+                             self.config.scheduler.max_num_batched_tokens, self.max_model_len, now=start)
         plan = self.scheduler.schedule(view)
         for seq in plan.preempted:
             self.drafter.release(seq)
         self.stats.num_preemptions += len(plan.preempted)
         finished: list[Request] = []
+        shape = plan.shape()
         if plan:
             output = self.runner.execute(plan.scheduled, want_hidden=self.drafter.needs_hidden_states)
             finished = self._process(plan, output)
@@ -372,7 +379,7 @@ class Engine:
             self._propose_drafts()
         elif self.waiting and not self.running:
             finished = self._refuse_unschedulable()
-        self._record_step(plan, time.perf_counter() - start)
+        self._record_step(plan, shape, self.clock() - start)
         return [self._request_output(request) for request in finished]
 
     def _process(self, plan: StepPlan, output: StepOutput) -> list[Request]:
@@ -380,14 +387,8 @@ class Engine:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.stats.num_prefill_tokens_computed += min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += num_new
-        requests = [SampleRequest(row.seq.params, row.first_position + j, row.seq.seed,
-                                  self._banned_tokens(row.seq, row.first_position + j))
-                    for row in output.rows for j in range(row.count)]
-        logits = self._constrained_logits(output)
-        tokens = self.sampler.sample(logits, requests)
-        self._verify_sampled_drafts(logits, output, requests, tokens)
-        logprobs = self.sampler.logprobs(output.logits, tokens, [r.params.logprobs for r in requests])
-        now = time.perf_counter()
+        tokens, logprobs = self._sample(output)
+        now = self.clock()
         finished: list[Request] = []
         for row in output.rows:
             self._accept(row.seq, tokens[row.start:row.start + row.count], logprobs[row.start:row.start + row.count],
@@ -397,6 +398,17 @@ class Engine:
         for seq in self.running:
             self._offer_to_cache(seq)
         return finished
+
+    def _sample(self, output: StepOutput) -> tuple[list[int], list[dict | None]]:
+        """One token per logits row (grammar masks, ``min_tokens`` bans and rejection sampling of sampled drafts
+        applied), with its logprobs where asked for."""
+        requests = [SampleRequest(row.seq.params, row.first_position + j, row.seq.seed,
+                                  self._banned_tokens(row.seq, row.first_position + j))
+                    for row in output.rows for j in range(row.count)]
+        logits = self._constrained_logits(output)
+        tokens = self.sampler.sample(logits, requests)
+        self._verify_sampled_drafts(logits, output, requests, tokens)
+        return tokens, self.sampler.logprobs(output.logits, tokens, [r.params.logprobs for r in requests])
 
     def _constrained_logits(self, output: StepOutput) -> torch.Tensor:
         """The step's logits with structured-output rows masked by their grammar (``infer.guide``); in place unless
@@ -515,7 +527,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
-        seq.finish_time = time.perf_counter()
+        seq.finish_time = self.clock()
         request = self.requests.get(seq.request_id)
         if seq in self.running:
             self.running.remove(seq)
@@ -562,7 +574,7 @@ class Engine:
             seq.draft_probs = None if probs is None else probs[: len(seq.draft_token_ids)]
             self.stats.num_draft_tokens += len(seq.draft_token_ids)
 
-    def _record_step(self, plan: StepPlan, duration: float) -> None:
+    def _record_step(self, plan: StepPlan, shape: StepShape, duration: float) -> None:
         stats = self.stats
         used_blocks = self.num_blocks_used
         stats.num_steps += 1
@@ -577,8 +589,11 @@ class Engine:
             stats.weighted_running += len(self.running) * duration
         if self.registry.hook.step_finished.get_hookimpls():
             step = StepStats(num_seqs=len(plan.scheduled), num_batched_tokens=plan.num_batched_tokens,
+                             num_prefill_tokens=shape.num_prefill_tokens, num_decode_tokens=shape.num_decode_tokens,
+                             num_draft_tokens=sum(len(seq.draft_token_ids) for seq in self.running),
                              num_preempted=len(plan.preempted), num_running=len(self.running),
-                             num_waiting=len(self.waiting), kv_blocks_used=used_blocks, duration_s=duration)
+                             num_waiting=len(self.waiting), kv_blocks_used=used_blocks, duration_s=duration,
+                             shape=shape)
             self.registry.hook.step_finished(engine=self, step_stats=step)
 
     # -- outputs -----------------------------------------------------------------------------------------------

@@ -30,6 +30,11 @@ class SamplingParams:
     length when the request arrives. A number that does not fit beside the prompt is refused, not silently cut
     (OpenAI's policy), as is a ``temperature`` above ``MAX_TEMPERATURE`` (2).
 
+    Scheduling fields (read by schedulers that care; the others ignore them): ``priority`` (lower is served first,
+    vLLM's convention; ``scheduler: priority``), ``tenant`` (who the request is for; ``scheduler: fair`` shares the
+    engine between tenants) and ``ttft_slo_s`` (the time-to-first-token target in seconds after arrival; ``scheduler:
+    deadline``; ``infer bench`` reports the share of requests that met theirs).
+
     ``seed`` makes sampling reproducible per request: the random draw for the token at absolute position ``p`` comes
     from a generator keyed by ``(seed, p)``, so a request gives the same text alone or in any batch.
     """
@@ -50,6 +55,10 @@ class SamplingParams:
     cache_salt: str | None = None
     # Structured output: what the text must match (``infer.guide.Constraint``; a mapping is converted).
     constraint: Constraint | None = None
+    # Scheduling (see above).
+    priority: int = 0
+    tenant: str | None = None
+    ttft_slo_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +93,10 @@ class SamplingParams:
         if self.constraint is not None and self.min_tokens:
             raise SamplingParamsError("min_tokens", "cannot be combined with a constraint: the grammar decides where "
                                                     "the output may end")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise SamplingParamsError("priority", f"must be an integer (lower is served first), got {self.priority!r}")
+        if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
+            raise SamplingParamsError("ttft_slo_s", f"must be a positive number of seconds, got {self.ttft_slo_s!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise SamplingParamsError("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,6 +25,49 @@ class SchedulerConfig(BaseModel):
     name: str = "fcfs"
     max_num_seqs: int = Field(64, ge=1, description="Most sequences running at once.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Most tokens (prefill + decode + drafts) in one step.")
+    preemption: Literal["newest", "fewest_computed"] = Field(
+        "newest", description="Who is preempted when blocks run out: the most recently admitted running sequence "
+                              "(vLLM's choice), or the one with the fewest computed tokens (the least work lost).")
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a step computes, in the quantities its cost grows with (``infer simulate``'s cost models read it, the
+    ``step_finished`` hook's ``StepStats`` carries it). A row is a *decode* row when its sequence has one committed
+    token left to compute (the tokens are that one and its drafts), else a *prefill* chunk (a prompt, or a preempted
+    sequence's recompute)."""
+
+    num_seqs: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_logit_rows: int = 0
+    decode_context_tokens: int = 0  # keys the decode rows attend over: the sum of their context lengths
+    prefill_attention_pairs: int = 0  # query-key pairs in the prefill chunks' attention
+
+    @classmethod
+    def of(cls, scheduled: list[tuple[Sequence, int]]) -> "StepShape":
+        """The shape of ``scheduled`` (pairs of a plan, before the step runs)."""
+        prefill = decode = rows = decode_context = pairs = 0
+        for seq, num_new in scheduled:
+            computed, total = seq.num_computed_tokens, seq.num_tokens
+            if total - computed == 1:
+                decode += num_new
+                decode_context += num_new * computed + num_new * (num_new + 1) // 2
+            else:
+                prefill += num_new
+                pairs += num_new * computed + num_new * (num_new + 1) // 2
+            if computed + num_new >= total:
+                rows += computed + num_new - max(computed, total - 1)
+        return cls(len(scheduled), prefill, decode, rows, decode_context, pairs)
+
+    def features(self) -> tuple[int, ...]:
+        """The shape as a cost model's regressors: a constant, then each count."""
+        return (1, self.num_prefill_tokens, self.num_decode_tokens, self.num_seqs, self.num_logit_rows,
+                self.decode_context_tokens, self.prefill_attention_pairs)
+
+
+FEATURE_NAMES = ("step", "prefill_token", "decode_token", "sequence", "logit_row", "decode_context_token",
+                 "prefill_attention_pair")
 
 
 @dataclass(slots=True)
@@ -38,6 +81,9 @@ class StepPlan:
     def num_batched_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
+    def shape(self) -> StepShape:
+        return StepShape.of(self.scheduled)
+
     def __bool__(self) -> bool:
         return bool(self.scheduled)
 
@@ -46,17 +92,21 @@ class SchedulerView:
     """What a scheduler sees and may do in one step. The engine builds one; tests build one over a real allocator.
 
     ``waiting`` is in arrival order (preempted sequences go back to the front); ``running`` in admission order.
-    Actions (``admit``, ``allocate``, ``preempt``) change block tables and queues immediately.
+    Actions (``admit``, ``allocate``, ``preempt``) change block tables and queues immediately. ``now`` is the engine's
+    clock at the start of the step, on the clock ``Sequence.arrival_time`` is on (seconds; simulated time under ``infer
+    simulate``, the step number in the scheduler suite): time-aware policies measure waiting with it, never with the
+    wall clock.
     """
 
     def __init__(self, waiting: deque[Sequence], running: list[Sequence], kv: KVCacheManager,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, now: float = 0.0):
         self.waiting = waiting
         self.running = running
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.now = now
 
     @property
     def block_size(self) -> int:
@@ -131,8 +181,17 @@ class BudgetedScheduler(Scheduler):
         return list(view.waiting)
 
     def pick_victim(self, view: SchedulerView, scheduled: dict[Sequence, int]) -> Sequence:
-        """The running sequence to preempt when blocks run out. Default: the most recently admitted."""
-        return view.running[-1]
+        """The running sequence to preempt when blocks run out (``scheduled``: who already has tokens this step).
+        Override for a policy of your own; any running sequence is a valid answer. Default: ``preemption_choice``
+        over all of them."""
+        return self.preemption_choice(view.running)
+
+    def preemption_choice(self, candidates: list[Sequence]) -> Sequence:
+        """The config's ``preemption`` policy over ``candidates`` (in admission order): the most recently admitted,
+        or the one with the fewest computed tokens (the latest admitted among equals)."""
+        if self.config.preemption == "fewest_computed":
+            return min(reversed(candidates), key=lambda seq: seq.num_computed_tokens)
+        return candidates[-1]
 
     def schedule(self, view: SchedulerView) -> StepPlan:
         plan = StepPlan()

@@ -18,6 +18,7 @@ from infer.plugins.attention.sdpa import SdpaBackend
 from infer.plugins.drafters.ngram import NgramDrafter
 from infer.plugins.prefix_cache.hash import HashPrefixCache
 from infer.plugins.schedulers.fcfs import FCFSScheduler
+from infer.plugins.schedulers.priority import PriorityScheduler
 from infer.plugins.guides.xgrammar_guide import XGrammarGuide, XGrammarMatcher
 from infer.testing import (AllocatorConformance, AttentionConformance, DrafterConformance, GuideConformance,
                            PrefixCacheConformance, SchedulerConformance)
@@ -128,6 +129,13 @@ class ImpatientScheduler(FCFSScheduler):
             return super().schedule(view)
         finally:
             del view.is_ready
+
+
+class AgelessPriorityScheduler(PriorityScheduler):
+    """Orders by priority alone: waiting never ages a request past favored later ones."""
+
+    def order_waiting(self, view):
+        return sorted(view.waiting, key=lambda seq: (seq.params.priority, seq.arrival_order))  # the bug: no aging
 
 
 class PermissiveMatcher(XGrammarMatcher):
@@ -247,6 +255,14 @@ class ImpatientSchedulerSuite(SchedulerConformance):
         return lambda limits: ImpatientScheduler()
 
 
+class AgelessPrioritySchedulerSuite(SchedulerConformance):
+    hypothesis_settings = WITHOUT_SHRINKING
+
+    @pytest.fixture
+    def scheduler_factory(self):
+        return lambda limits: AgelessPriorityScheduler()
+
+
 class PermissiveGuideSuite(GuideConformance):
     @pytest.fixture
     def guide_factory(self):
@@ -309,6 +325,7 @@ def test_scheduler_suite_catches_a_blown_token_budget(pytester):
     result = run_suite(pytester, OverBudgetSchedulerSuite)
     assert_failed(result, {"test_budget_and_sequence_limit_hold_every_step",
                            "test_prompt_longer_than_the_budget_finishes",
+                           "test_an_overload_of_favored_requests_does_not_starve_one",
                            "test_random_workloads_finish_within_the_limits"},
                   "plan schedules * tokens, over the budget of *")
 
@@ -324,6 +341,12 @@ def test_scheduler_suite_catches_followers_admitted_before_their_leader_is_ready
     result = run_suite(pytester, ImpatientSchedulerSuite)
     assert_failed(result, {"test_samples_of_one_request_share_its_prompt"},
                   "*tokens computed for 5 samples*when followers wait for view.is_ready*")
+
+
+def test_scheduler_suite_catches_a_priority_order_that_starves(pytester):
+    result = run_suite(pytester, AgelessPrioritySchedulerSuite)
+    assert_failed(result, {"test_an_overload_of_favored_requests_does_not_starve_one"},
+                  "*the disfavored request finished at step *, after the last of the stream arrived*")
 
 
 def test_prefix_cache_suite_catches_a_peek_that_counts_and_refreshes(pytester):

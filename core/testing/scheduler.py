@@ -4,7 +4,8 @@ The scheduler plans steps over a real ``SchedulerView`` (a ``KVCacheManager`` ov
 and ``none`` prefix cache by default; ``hash`` where prefix hits must reach the scheduler), and a simulated model
 carries each plan out: scheduled tokens become computed, a sequence that has computed all its tokens gets a fake
 sampled token, and one at its ``max_tokens`` finishes and gives its blocks back. Every plan is checked against the
-limits. Workloads include requests sharing a prefix (cache hits: admitted sequences arrive with computed tokens) and
+limits. The clock is the step number (``SchedulerView.now``; a request's ``arrival_time`` is its arrival step). Workloads
+include requests sharing a prefix (cache hits: admitted sequences arrive with computed tokens) and
 ``n > 1`` samples (followers share their leader's computed prompt once ``view.is_ready`` says so).
 
 A plugin author's whole test file::
@@ -39,13 +40,16 @@ SAMPLED_TOKEN = 7  # what the simulated model "samples"; its value never matters
 @dataclass(frozen=True, slots=True)
 class Request:
     """One request of a workload: it arrives before step ``arrival_step`` runs. Its first ``shared_prefix_len``
-    prompt tokens are the same in every request (a system prompt); ``n`` samples share the whole prompt."""
+    prompt tokens are the same in every request (a system prompt); ``n`` samples share the whole prompt. ``priority``
+    and ``tenant`` go to its ``SamplingParams``."""
 
     prompt_len: int
     max_tokens: int
     arrival_step: int = 0
     n: int = 1
     shared_prefix_len: int = 0
+    priority: int = 0
+    tenant: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,7 @@ class SimulatedEngine:
         self.running: list[Sequence] = []
         self.finished: list[Sequence] = []
         self.num_scheduled_tokens = 0
+        self.finish_step: dict[Sequence, int] = {}
         self.samples_of: dict[str, list[Sequence]] = {}
         self.view = SchedulerView(self.waiting, self.running, kv, limits.max_num_seqs,
                                   limits.max_num_batched_tokens, limits.max_model_len)
@@ -81,7 +86,10 @@ class SimulatedEngine:
     def run(self, workload: list[Request]) -> list[Sequence]:
         """Serve ``workload`` to the end; fails when it takes more than ``step_bound`` steps. Returns every sample,
         request by request."""
-        samples = [make_samples(index, request) for index, request in enumerate(workload)]
+        # Built in arrival order, as the engine builds them: ``arrival_order`` must follow arrival.
+        by_arrival = sorted(range(len(workload)), key=lambda index: workload[index].arrival_step)
+        built = {index: make_samples(index, workload[index]) for index in by_arrival}
+        samples = [built[index] for index in range(len(workload))]
         sequences = [seq for request_samples in samples for seq in request_samples]
         self.samples_of = {request_samples[0].request_id: request_samples for request_samples in samples}
         bound = step_bound(workload)
@@ -94,6 +102,7 @@ class SimulatedEngine:
             for request_samples, request in zip(samples, workload):
                 if request.arrival_step == step:
                     self.waiting.extend(request_samples)
+            self.view.now = float(step)
             self.step()
             step += 1
         self.check_all_blocks_returned()
@@ -119,6 +128,7 @@ class SimulatedEngine:
             seq.status = SequenceStatus.FINISHED
             self.running.remove(seq)
             self.finished.append(seq)
+            self.finish_step[seq] = int(self.view.now)
             if all(other.status is SequenceStatus.FINISHED for other in samples):
                 self.kv.release_fork_pin(samples[0])
 
@@ -164,11 +174,13 @@ def make_samples(index: int, request: Request) -> list[Sequence]:
     shared = min(request.shared_prefix_len, request.prompt_len)
     prompt = [2000 + position for position in range(shared)]
     prompt += [(index * 31 + position) % 1000 + 1 for position in range(request.prompt_len - shared)]
-    params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, n=request.n)
+    params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, n=request.n, priority=request.priority,
+                            tenant=request.tenant)
     samples: list[Sequence] = []
     for sample in range(request.n):
         samples.append(Sequence(f"seq-{index}/{sample}", list(prompt), params, request_id=f"request-{index}",
-                                sample_index=sample, fork_of=samples[0] if samples else None))
+                                sample_index=sample, fork_of=samples[0] if samples else None,
+                                arrival_time=float(request.arrival_step)))
     return samples
 
 
@@ -206,12 +218,15 @@ class SchedulerConformance(ConformanceSuite):
     Capability flags:
     - ``supports_chunked_prefill``: a prompt longer than the token budget still runs (in chunks).
     - ``preempts_when_out_of_blocks``: when running sequences outgrow the pool, some are preempted (recompute).
+    - ``starvation_free``: a request the policy disfavors (a long prompt, a lower priority, its own tenant) is still
+      served while an overload of favored requests keeps arriving. Shortest-job-first, say, declares False.
     """
 
     kind = "scheduler"
-    capability_flags = ("supports_chunked_prefill", "preempts_when_out_of_blocks")
+    capability_flags = ("supports_chunked_prefill", "preempts_when_out_of_blocks", "starvation_free")
     supports_chunked_prefill: ClassVar[bool] = True
     preempts_when_out_of_blocks: ClassVar[bool] = True
+    starvation_free: ClassVar[bool] = True
     allocator_name: ClassVar[str] = "paged"
     prefix_cache_name: ClassVar[str] = "none"
     hit_prefix_cache_name: ClassVar[str] = "hash"  # where the suite needs prefix hits
@@ -314,6 +329,24 @@ class SchedulerConformance(ConformanceSuite):
         assert engine.num_scheduled_tokens == shared, (
             f"{engine.num_scheduled_tokens} tokens computed for 5 samples ({shared} when followers wait for "
             f"view.is_ready and share the leader's prompt, {alone} when each computes it)")
+
+    def test_an_overload_of_favored_requests_does_not_starve_one(self, engine_factory):
+        """60 short requests arrive every other step, more than two slots can serve, so a backlog builds; at step 10
+        one request every policy here disfavors arrives (a 24-token prompt, priority 1, its own tenant): it must
+        finish before the stream stops arriving, not only once the backlog has drained."""
+        if not self.starvation_free:
+            pytest.skip("starvation_free is False")
+        limits = Limits(num_blocks=64, max_num_seqs=2, max_num_batched_tokens=16)
+        stream = [Request(prompt_len=4, max_tokens=6, arrival_step=2 * index, tenant="stream") for index in range(60)]
+        patient = Request(prompt_len=24, max_tokens=4, arrival_step=10, priority=1, tenant="patient")
+        engine = engine_factory(limits)
+        sequences = engine.run([*stream, patient])
+        assert [seq.num_output_tokens for seq in sequences] == expected_outputs([*stream, patient])
+        last_arrival = stream[-1].arrival_step
+        served_by_then = engine.finished.index(sequences[-1])
+        assert engine.finish_step[sequences[-1]] < last_arrival, (
+            f"the disfavored request finished at step {engine.finish_step[sequences[-1]]}, after the last of the "
+            f"stream arrived (step {last_arrival}; {served_by_then} stream requests were served before it)")
 
     def test_random_workloads_finish_within_the_limits(self, any_cache_engine_factory):
         @self.hypothesis_settings

@@ -25,6 +25,8 @@ class SJFScheduler(BudgetedScheduler):
     """
 
     config_model = SJFSchedulerConfig
+    # A long prompt waits behind every shorter one: the scheduler suite's starvation check does not apply.
+    starvation_free = False
 
     def order_waiting(self, view: SchedulerView) -> list[Sequence]:
         def remaining_work(seq: Sequence) -> tuple[int, int]:
