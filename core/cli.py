@@ -21,6 +21,8 @@ from infer.registry import KINDS, PluginError, PluginSpec, Registry, get_registr
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("infer.bench.cli:bench", "Measure throughput and latency of a config on a workload."),
     "ablate": ("infer.bench.cli:ablate", "Benchmark one config per plugin choice and compare them."),
+    "simulate": ("infer.simulate.cli:simulate", "Run a config's scheduling and caching over a workload on a cost "
+                                                "model (no model forward)."),
     "train-eagle": ("infer.eagle_train:train_eagle_command", "Train an EAGLE draft head for a target model."),
 }
 CONFIG_HELP = "CONFIG is a YAML file or a shipped config name (baseline); OVERRIDES are key=value (scheduler.name=lpm)."

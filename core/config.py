@@ -161,9 +161,33 @@ class ServerConfig(BaseModel):
                                                     "the key by default).")
 
 
+class SimulateConfig(BaseModel):
+    """Section ``simulate``: how ``infer simulate`` prices a step instead of running the model (every other section
+    means what it means in a real run). See ``infer.simulate``."""
+
+    model_config = CORE_MODEL_CONFIG
+    cost: Literal["measured", "roofline"] = Field(
+        "measured", description="measured: a step's time from a fit of real steps on this machine (infer simulate "
+                                "--fit writes it); roofline: from an accelerator's peak FLOP/s and bandwidth.")
+    cost_file: str | None = Field(None, description="measured: the fitted file (default: the one --fit wrote for "
+                                                    "this CPU, model and dtype in the cache dir).")
+    accelerator: str = Field("h100", description="roofline: a shipped accelerator (a100, h100, h200) or a YAML file.")
+    geometry: str | None = Field(None, description="roofline: the model's shape, a HF config.json path or a shipped "
+                                                   "name (llama-3-8b, llama-3-70b); null: model.path's config.")
+    tensor_parallel_size: int = Field(1, ge=1, description="roofline: accelerators the model is sharded over "
+                                                           "(compute, bandwidth and memory scale; all-reduces cost).")
+    weight_bytes_per_param: float = Field(2.0, gt=0, description="roofline: 2 for bf16 weights, 1 for fp8/int8.")
+    kv_bytes_per_element: float = Field(2.0, gt=0, description="roofline: bytes of one K or V element in the pool.")
+    memory_utilization: float = Field(0.9, gt=0, le=1, description="roofline: share of accelerator memory for "
+                                                                   "weights and the KV pool.")
+    acceptance_rate: float = Field(0.7, ge=0, le=1, description="With a drafter: the chance each draft token is "
+                                                                "accepted (then the next is tried).")
+    seed: int = Field(0, description="Seed of the simulated acceptance draws.")
+
+
 CORE_SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelConfig, "cache": CacheConfig, "execution": ExecutionConfig, "server": ServerConfig,
-    "plugins": PluginsConfig,
+    "plugins": PluginsConfig, "simulate": SimulateConfig,
 }
 
 
@@ -183,6 +207,7 @@ class InferConfig(BaseModel):
     guide: SerializeAsAny[GuideConfig] = GuideConfig()
     server: ServerConfig = ServerConfig()
     plugins: PluginsConfig = PluginsConfig()
+    simulate: SimulateConfig = SimulateConfig()
 
     @classmethod
     def from_dict(cls, data: Any, registry: Registry | None = None) -> InferConfig:

@@ -128,6 +128,7 @@ class Engine:
         self.quantization = resolve_quantization(config.model.quantization, config.model.dtype, self.dtype,
                                                  self.device)
         self.model = quantize_model(loaded.model, self.quantization)
+        self.vocab_size = self.model.vocab_size
         self.executor = self._build_executor()
         self.tokenizer = loaded.tokenizer
         self.max_token_bytes = max(len(token.encode()) for token in self.tokenizer.get_vocab())
@@ -163,6 +164,8 @@ class Engine:
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        # A list here collects every step's (shape, duration) (``infer simulate --fit`` reads it); None: nothing.
+        self.step_log: list[tuple[StepShape, float]] | None = None
         self._request_counter = 0
         logger.info(self.pool_plan.describe())
         self.registry.hook.engine_started(engine=self)
@@ -311,7 +314,7 @@ class Engine:
                 f"request {request_id}: the prompt has {len(token_ids)} tokens but model.max_model_len is "
                 f"{self.max_model_len} (room is needed for at least one output token); shorten the prompt",
                 "prompt")
-        vocab = self.model.vocab_size
+        vocab = self.vocab_size
         if any(t < 0 or t >= vocab for t in token_ids):
             raise RequestError(f"request {request_id}: token ids must be in [0, {vocab})", "prompt")
 
@@ -361,6 +364,10 @@ class Engine:
         (``time.perf_counter``; simulated time under ``infer simulate``)."""
         return time.perf_counter()
 
+    def sleep(self, seconds: float) -> None:
+        """Wait on the engine's clock (a replay waiting for the next arrival)."""
+        time.sleep(max(0.0, seconds))
+
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the requests that finished in it."""
         start = self.clock()
@@ -373,7 +380,7 @@ class Engine:
         finished: list[Request] = []
         shape = plan.shape()
         if plan:
-            output = self.runner.execute(plan.scheduled, want_hidden=self.drafter.needs_hidden_states)
+            output = self._execute(plan, shape)
             finished = self._process(plan, output)
             self.drafter.observe(output)
             self._propose_drafts()
@@ -381,6 +388,10 @@ class Engine:
             finished = self._refuse_unschedulable()
         self._record_step(plan, shape, self.clock() - start)
         return [self._request_output(request) for request in finished]
+
+    def _execute(self, plan: StepPlan, shape: StepShape) -> StepOutput:
+        """Run the plan through the model (``infer simulate`` prices ``shape`` instead)."""
+        return self.runner.execute(plan.scheduled, want_hidden=self.drafter.needs_hidden_states)
 
     def _process(self, plan: StepPlan, output: StepOutput) -> list[Request]:
         for seq, num_new in plan.scheduled:
@@ -580,6 +591,8 @@ class Engine:
         stats.num_steps += 1
         stats.peak_blocks_used = max(stats.peak_blocks_used, used_blocks)
         stats.peak_running = max(stats.peak_running, len(self.running))
+        if plan and self.step_log is not None:
+            self.step_log.append((shape, duration))
         if plan:
             stats.busy_time_s += duration
             reserved = sum(len(seq.block_table) for seq in self.running) * self.kv.block_size

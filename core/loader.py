@@ -211,6 +211,16 @@ def load_model(
     return LoadedModel(model.eval(), tokenizer, hf_config, eos_token_ids(model_dir, hf_config, tokenizer), name)
 
 
+def load_tokenizer(path: str) -> tuple[Any, list[int], Any]:
+    """A model path's tokenizer, its EOS ids and its HF config, without the weights (``infer simulate``)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = hf_model_dir(path)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer, eos_token_ids(model_dir, hf_config, tokenizer), hf_config
+
+
 def _warn_if_sliding_window(path: str, hf_config: Any) -> None:
     window = getattr(hf_config, "sliding_window", None)
     # Qwen2 configs carry a window they do not use unless use_sliding_window is set.

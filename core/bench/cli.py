@@ -39,7 +39,7 @@ def workload_flags(command):
     return command
 
 
-def _command_line() -> str:
+def command_line() -> str:
     return "infer " + shlex.join(sys.argv[1:]) if sys.argv and Path(sys.argv[0]).name == "infer" else "infer"
 
 
@@ -90,7 +90,7 @@ def bench(config: str, overrides: tuple[str, ...], workload_name: str, baseline:
                              hf_batch_size, engine.eos_token_ids, show_progress=True)
     click.echo(format_bench(workload_name, summary, hf))
     if json_path is not None:
-        write_json(json_path, {"command": _command_line(), **environment(), "config": resolved.to_dict(),
+        write_json(json_path, {"command": command_line(), **environment(), "config": resolved.to_dict(),
                                "dtype": str(engine.dtype).removeprefix("torch."),
                                "quantization": engine.quantization,
                                "workload": {"name": workload_name, "options": workload.options}, "infer": summary,
@@ -121,7 +121,7 @@ def ablate(ablation_file: str, overrides: tuple[str, ...], repeats: int | None, 
         raise click.UsageError(str(error)) from error
     results = run_ablation(ablation, show_progress=not no_progress)
     out_dir = out_dir or Path("ablation-results") / ablation.name
-    paths = write_ablation_report(ablation, results, out_dir, _command_line())
+    paths = write_ablation_report(ablation, results, out_dir, command_line())
     click.echo((out_dir / "results.md").read_text())
     failed = [result for result in results if result.error is not None]
     click.echo(f"wrote {len(paths)} files to {out_dir}" + (f"; {len(failed)} combination(s) failed" if failed else ""),

@@ -1,4 +1,4 @@
-"""Replays a workload against an engine: each request is added when its arrival time comes (and, with a batch
+"""Replays a workload against an engine (real, or ``infer simulate``'s on its simulated clock): each request is added when its arrival time comes (and, with a batch
 size, when a slot is free), the engine steps until everything finished, and the run is summarized.
 
 TTFT counts from the moment a request could be sent: its arrival time, or later when every slot was busy then (the
@@ -7,7 +7,6 @@ time the slot it takes became free), as vLLM's benchmark starts its clock after 
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,7 +81,7 @@ def replay(engine, requests: list[TokenizedRequest], batch_size: int | None,
     finished one; returns the outputs in finishing order and the wall time."""
     pending = deque(requests)
     outputs: list[RequestOutput] = []
-    start = time.perf_counter()
+    start = engine.clock()
     slots = RequestSlots(batch_size, start)
 
     def finish(output: RequestOutput, slot_free_at: float) -> None:
@@ -100,20 +99,20 @@ def replay(engine, requests: list[TokenizedRequest], batch_size: int | None,
             raise RuntimeError("the engine is idle but requests it was given never came back as outputs "
                                f"({len(pending)} still to send); a request was dropped without an output")
         elif pending:
-            time.sleep(max(0.0, start + pending[0].arrival_s - time.perf_counter()))
-    return outputs, time.perf_counter() - start
+            engine.sleep(start + pending[0].arrival_s - engine.clock())
+    return outputs, engine.clock() - start
 
 
 def _add_due_requests(engine, pending: deque[TokenizedRequest], slots: RequestSlots, start: float,
                       finish: Callable[[RequestOutput, float], None]) -> None:
     """Add every request whose arrival time has come, while slots are free; a refused one finishes at once."""
-    while pending and slots.available() and start + pending[0].arrival_s <= time.perf_counter():
+    while pending and slots.available() and start + pending[0].arrival_s <= engine.clock():
         request = pending.popleft()
         arrival_time = slots.take(start + request.arrival_s)
         try:
             engine.add_request(request.prompt_token_ids, request.params, request.request_id, arrival_time)
         except RequestError as error:
-            finish(_refused_output(request, arrival_time, str(error)), time.perf_counter())
+            finish(_refused_output(request, arrival_time, str(error)), engine.clock())
 
 
 def _refused_output(request: TokenizedRequest, arrival_time: float, message: str) -> RequestOutput:
