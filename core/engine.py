@@ -252,7 +252,7 @@ class Engine:
             text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
             self._check_text_length(text)
             return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:  # (bool is not int here)
             return None, list(prompt)
         raise RequestError("prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
 
@@ -315,7 +315,7 @@ class Engine:
                 f"{self.max_model_len} (room is needed for at least one output token); shorten the prompt",
                 "prompt")
         vocab = self.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise RequestError(f"request {request_id}: token ids must be in [0, {vocab})", "prompt")
 
     def _fit_max_tokens(self, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:

@@ -7,6 +7,9 @@ from infer.prefix_cache import Match, PrefixCache
 from infer.sequence import Sequence
 
 
+EVICTION_BATCH_DIVISOR = 256
+
+
 class KVCacheManager:
     """Gives sequences the blocks they need, credits prefix-cache hits, and takes blocks back.
 
@@ -68,16 +71,18 @@ class KVCacheManager:
         if missing <= 0:
             return True
         shortfall = missing - self.allocator.num_free
-        if shortfall > 0 and self.prefix_cache.num_evictable < shortfall and self._fork_pins:
+        if shortfall > 0 and self._fork_pins and not self.prefix_cache.can_evict(shortfall):
             # Pins are a saving, not a claim: kept under pressure, they could hold the pool against the very
             # sequence that must run before the followers they wait for (a deadlock the scheduler suite found).
             for leader_id in list(self._fork_pins):
                 self._release_pin(leader_id)
             shortfall = missing - self.allocator.num_free
         if shortfall > 0:
-            if self.prefix_cache.num_evictable < shortfall:
+            if not self.prefix_cache.can_evict(shortfall):
                 return False
-            self.prefix_cache.evict(shortfall)
+            # A few blocks ahead (1/256 of the pool), so a full pool does not run an eviction per allocation: each
+            # costs a pass over the cache's candidates (a radix tree's leaves), which grows with the pool.
+            self.prefix_cache.evict(max(shortfall, self.allocator.capacity // EVICTION_BATCH_DIVISOR))
         blocks = self.allocator.allocate(missing)
         if blocks is None:
             return False

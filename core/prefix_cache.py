@@ -108,6 +108,12 @@ class PrefixCache(ABC):
     def num_evictable(self) -> int:
         """Blocks ``evict`` could free right now."""
 
+    def can_evict(self, num_blocks: int) -> bool:
+        """Whether ``evict(num_blocks)`` would free them all: ``num_evictable >= num_blocks``, which a cache of
+        many blocks should answer without counting them all (the engine asks before every allocation once the pool
+        is full of cached blocks; counting a million-block cache each time made a long run quadratic)."""
+        return self.num_evictable >= num_blocks
+
     @property
     def num_cached_blocks(self) -> int:
         """Blocks the cache currently holds a reference on."""

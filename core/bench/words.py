@@ -53,6 +53,15 @@ class WordSource:
             ids.extend(self.rng.choice(self._word_token_ids))
         return ids[:length]
 
+    def bulk_token_ids(self, length: int) -> list[int]:
+        """Like ``token_ids`` (another draw of the same kind), several times faster: for workloads of 100,000
+        requests."""
+        ids: list[int] = []
+        while len(ids) < length:
+            for word in self.rng.choices(self._word_token_ids, k=length - len(ids)):
+                ids.extend(word)
+        return ids[:length]
+
     def passage(self, num_words: int) -> str:
         """``num_words`` random words as capitalized sentences of 6 to 14 words."""
         sentences = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -139,6 +140,125 @@ def jsonl(words: WordSource, rng: random.Random, prompts: str | None = None, num
     return [BenchRequest(item.prompt, item.params, arrival) for item, arrival in zip(items, arrivals)]
 
 
+def lognormal_lengths(rng: random.Random, count: int, mean: float, sigma: float, maximum: int) -> list[int]:
+    """``count`` lengths, lognormal with mean ``mean`` and log-space deviation ``sigma`` (0: all ``mean``), each in
+    [1, ``maximum``]."""
+    if mean < 1 or sigma < 0:
+        raise WorkloadError(f"lengths need a mean >= 1 and length_sigma >= 0, got {mean} and {sigma}")
+    mu = math.log(mean) - sigma * sigma / 2
+    return [min(maximum, max(1, round(rng.lognormvariate(mu, sigma)))) for _ in range(count)]
+
+
+def scheduling_params(rng: random.Random, output_len: int, num_tenants: int, tenant_skew: float,
+                      num_priorities: int, ttft_slo_s: float | None) -> SamplingParams:
+    """A synthetic request's sampling and scheduling fields: a tenant drawn with Zipf weights ``1 / (k + 1) **
+    tenant_skew`` (0: uniform), a priority uniform in [0, ``num_priorities``), and a TTFT target ``ttft_slo_s`` times
+    (priority + 1) (favored requests want their first token sooner)."""
+    tenant = None
+    if num_tenants > 1:
+        weights = [1.0 / (k + 1) ** tenant_skew for k in range(num_tenants)]
+        tenant = f"tenant-{rng.choices(range(num_tenants), weights)[0]}"
+    priority = rng.randrange(num_priorities) if num_priorities > 1 else 0
+    slo = None if ttft_slo_s is None else ttft_slo_s * (priority + 1)
+    return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, priority=priority, tenant=tenant,
+                          ttft_slo_s=slo)
+
+
+def synthetic(words: WordSource, rng: random.Random, num_requests: int = 1000, input_len: int = 256,
+              output_len: int = 128, length_sigma: float = 0.6, max_len: int = 2000, num_systems: int = 0,
+              system_len: int = 512, num_tenants: int = 1, tenant_skew: float = 0.0, num_priorities: int = 1,
+              ttft_slo_s: float | None = None, rate: float | None = None,
+              burstiness: float = 1.0) -> list[BenchRequest]:
+    """Traffic at scale: arrivals at ``rate`` requests/s (gamma gaps of shape ``burstiness``: 1 Poisson, lower
+    burstier), lognormal prompt and output lengths with means ``input_len`` and ``output_len`` (prompt + output
+    within ``max_len``); with ``num_systems`` > 0 each prompt starts with one of that many shared system prompts of
+    ``system_len`` tokens; tenants, priorities and TTFT targets as ``scheduling_params`` draws them."""
+    if num_tenants < 1 or num_priorities < 1:
+        raise WorkloadError(f"synthetic needs num_tenants and num_priorities >= 1, got {num_tenants} and "
+                            f"{num_priorities}")
+    systems = [words.token_ids(system_len) for _ in range(num_systems)]
+    inputs = lognormal_lengths(rng, num_requests, input_len, length_sigma, max_len - 1)
+    outputs = lognormal_lengths(rng, num_requests, output_len, length_sigma, max_len - 1)
+    arrivals = arrival_offsets(num_requests, rate, rng, burstiness)
+    requests = []
+    for prompt_len, out_len, arrival in zip(inputs, outputs, arrivals):
+        prefix = rng.choice(systems) if systems else []
+        prompt = prefix + words.bulk_token_ids(max(1, prompt_len))
+        prompt = prompt[: max_len - 2]
+        out_len = max(1, min(out_len, max_len - len(prompt)))
+        params = scheduling_params(rng, out_len, num_tenants, tenant_skew, num_priorities, ttft_slo_s)
+        requests.append(BenchRequest(prompt, params, arrival))
+    return requests
+
+
+def multi_turn(words: WordSource, rng: random.Random, num_sessions: int = 16, turns: int = 4, system_len: int = 200,
+               user_len: int = 40, output_len: int = 64, think_time_s: float = 2.0, num_tenants: int = 1,
+               rate: float | None = None) -> list[BenchRequest]:
+    """Chat sessions: each turn's prompt is the previous turn's prompt, an answer of ``output_len`` tokens and a new
+    user message of ``user_len`` (prefix reuse grows turn by turn); sessions start at ``rate`` per second, turn t
+    arrives ``t * think_time_s`` after its session's first. The answers in later prompts are stand-ins, not what the
+    engine generated (an open loop), so what a later turn finds cached is the earlier turns' prompts."""
+    if turns < 1:
+        raise WorkloadError(f"multi-turn needs turns >= 1, got {turns}")
+    starts = arrival_offsets(num_sessions, rate, rng)
+    requests = []
+    for session, start in enumerate(starts):
+        tenant = f"tenant-{session % num_tenants}" if num_tenants > 1 else None
+        prompt = words.token_ids(system_len)
+        for turn in range(turns):
+            if turn:
+                prompt = prompt + words.token_ids(output_len)
+            prompt = prompt + words.token_ids(user_len)
+            params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, tenant=tenant)
+            requests.append(BenchRequest(list(prompt), params, start + turn * think_time_s))
+    return sorted(requests, key=lambda request: request.arrival_s)
+
+
+TRACE_FIELDS = ("arrival_s", "prompt", "prompt_token_ids", "prompt_len", "output_len", "priority", "tenant",
+                "ttft_slo_s")
+
+
+def trace(words: WordSource, rng: random.Random, trace_file: str | None = None, num_requests: int | None = None,
+          time_scale: float = 1.0) -> list[BenchRequest]:
+    """Replay a JSONL trace, one request per line: ``arrival_s`` (seconds from the start), the prompt as ``prompt``
+    (text), ``prompt_token_ids`` or ``prompt_len`` (that many random-word tokens), ``output_len``, and optionally
+    ``priority``, ``tenant``, ``ttft_slo_s``. Arrival times are multiplied by ``time_scale`` (0.5: twice as fast)."""
+    import json
+
+    if trace_file is None:
+        raise WorkloadError("the trace workload needs a JSONL file (--trace-file FILE, or trace_file: in the ablation)")
+    requests = []
+    with open(trace_file) as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            if num_requests is not None and len(requests) >= num_requests:
+                break
+            try:
+                item = json.loads(line)
+                requests.append(_trace_request(words, item, time_scale))
+            except (ValueError, KeyError, TypeError) as error:
+                raise WorkloadError(f"{trace_file}:{number}: {error}; a line needs arrival_s, one of prompt, "
+                                    f"prompt_token_ids, prompt_len, and output_len") from None
+    return sorted(requests, key=lambda request: request.arrival_s)
+
+
+def _trace_request(words: WordSource, item: dict, time_scale: float) -> BenchRequest:
+    unknown = sorted(set(item) - set(TRACE_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(unknown)} (known: {', '.join(TRACE_FIELDS)})")
+    given = [key for key in ("prompt", "prompt_token_ids", "prompt_len") if key in item]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of prompt, prompt_token_ids, prompt_len (got {given or 'none'})")
+    prompt = item[given[0]]
+    if given[0] == "prompt_len":
+        prompt = words.token_ids(int(prompt))
+    params = SamplingParams(max_tokens=int(item["output_len"]), temperature=0.0, ignore_eos=True,
+                            priority=int(item.get("priority", 0)), tenant=item.get("tenant"),
+                            ttft_slo_s=item.get("ttft_slo_s"))
+    return BenchRequest(prompt, params, float(item["arrival_s"]) * time_scale)
+
+
 WORKLOADS: dict[str, Callable[..., list[BenchRequest]]] = {
     "chat": chat,
     "shared-prefix": shared_prefix,
@@ -146,6 +266,9 @@ WORKLOADS: dict[str, Callable[..., list[BenchRequest]]] = {
     "single-stream": single_stream,
     "prefill": prefill,
     "jsonl": jsonl,
+    "synthetic": synthetic,
+    "multi-turn": multi_turn,
+    "trace": trace,
 }
 DEFAULT_BATCH_SIZE = {"single-stream": 1}
 
@@ -168,7 +291,12 @@ def build_workload(name: str, tokenizer, **options: Any) -> Workload:
         raise WorkloadError(f"batch_size must be at least 1 (or omitted for no cap), got {resolved['batch_size']}")
     rng = random.Random(resolved["seed"])
     own = {key: value for key, value in resolved.items() if key not in ("seed", "batch_size")}
-    return Workload(name, resolved, _generator(name)(WordSource(tokenizer, rng), rng, **own))
+    try:
+        return Workload(name, resolved, _generator(name)(WordSource(tokenizer, rng), rng, **own))
+    except WorkloadError:
+        raise
+    except (ValueError, OSError) as error:
+        raise WorkloadError(f'workload "{name}": {error}') from None
 
 
 def _generator(name: str) -> Callable[..., list[BenchRequest]]:

@@ -88,7 +88,7 @@ class PrefixCacheHarness:
         """Fresh blocks, evicting cached ones first when the allocator runs dry (as the KV cache manager does)."""
         shortfall = num_blocks - self.allocator.num_free
         if shortfall > 0:
-            if self.cache.num_evictable < shortfall:
+            if not self.cache.can_evict(shortfall):
                 return None
             self.checked_evict(shortfall)
         blocks = self.allocator.allocate(num_blocks)
@@ -216,6 +216,10 @@ class PrefixCacheHarness:
             f"num_evictable is {self.cache.num_evictable}, but only {unprotected} cached blocks are neither locked "
             "nor shared"
         )
+        evictable = self.cache.num_evictable
+        assert self.cache.can_evict(evictable) and not self.cache.can_evict(evictable + 1), (
+            f"can_evict disagrees with num_evictable={evictable}: can_evict({evictable}) is "
+            f"{self.cache.can_evict(evictable)}, can_evict({evictable + 1}) is {self.cache.can_evict(evictable + 1)}")
         # A cache may protect more than the matched blocks (a whole tree node, say), but only while something is.
         assert protected or self.cache.num_evictable == len(cached), (
             f"num_evictable is {self.cache.num_evictable} with nothing locked or shared; the cache holds {len(cached)}"

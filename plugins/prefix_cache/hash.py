@@ -99,6 +99,9 @@ class HashPrefixCache(PrefixCache):
     def num_evictable(self) -> int:
         return sum(1 for _ in self._eviction_order())
 
+    def can_evict(self, num_blocks: int) -> bool:
+        return sum(1 for _ in itertools.islice(self._eviction_order(), max(num_blocks, 0))) >= num_blocks
+
     @property
     def num_cached_blocks(self) -> int:
         return len(self._entries)

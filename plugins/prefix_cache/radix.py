@@ -105,6 +105,14 @@ class RadixPrefixCache(PrefixCache):
     def num_evictable(self) -> int:
         return sum(count for _, count in self._eviction_order())
 
+    def can_evict(self, num_blocks: int) -> bool:
+        found = 0
+        for _, count in self._eviction_order():
+            found += count
+            if found >= num_blocks:
+                return True
+        return num_blocks <= 0
+
     @property
     def num_cached_blocks(self) -> int:
         return self._num_cached_blocks
