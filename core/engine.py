@@ -623,7 +623,8 @@ class Engine:
             num_preemptions=sum(s.num_preemptions for s in request.seqs),
             num_verify_passes=sum(s.num_verify_passes for s in request.seqs),
             num_accepted_tokens=sum(s.num_accepted_tokens for s in request.seqs),
-            token_times=list(lead.token_times))
+            token_times=list(lead.token_times), priority=request.params.priority, tenant=request.params.tenant,
+            ttft_slo_s=request.params.ttft_slo_s)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, metrics)
 

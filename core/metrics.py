@@ -54,7 +54,34 @@ def summarize(outputs: list[RequestOutput], engine, wall_time_s: float) -> dict:
         "mean_running": stats.mean_running,
         "preemptions": stats.num_preemptions,
         "spec_accepted_per_pass": stats.mean_accepted_per_pass,
+        "ttft_slo_attainment": slo_attainment(served),
+        **grouped_ttfts(served),
     }
+
+
+def slo_attainment(served: list[RequestOutput]) -> float | None:
+    """The share of requests with a TTFT target (``ttft_slo_s``) whose first token came within it; None: no
+    targets."""
+    targeted = [o.metrics for o in served if o.metrics.ttft_slo_s is not None]
+    if not targeted:
+        return None
+    return sum(m.ttft_s is not None and m.ttft_s <= m.ttft_slo_s for m in targeted) / len(targeted)
+
+
+def grouped_ttfts(served: list[RequestOutput]) -> dict:
+    """TTFT p50 and p99 per priority and per tenant, where requests have more than one of either (what the priority
+    and fair schedulers change)."""
+    groups = {}
+    for name, key in (("priority", lambda m: str(m.priority)), ("tenant", lambda m: str(m.tenant))):
+        by_group: dict[str, list[float]] = {}
+        for output in served:
+            if output.metrics.ttft_s is not None:
+                by_group.setdefault(key(output.metrics), []).append(output.metrics.ttft_s)
+        if len(by_group) > 1:
+            groups[f"ttft_by_{name}"] = {group: {"p50_s": percentile(values, 50), "p99_s": percentile(values, 99),
+                                                 "requests": len(values)}
+                                         for group, values in sorted(by_group.items())}
+    return groups
 
 
 def _ms(value: float | None) -> str:
@@ -81,5 +108,11 @@ def format_summary(summary: dict) -> str:
         ("preemptions", str(summary["preemptions"])),
         ("spec tokens per verify pass", f"{summary['spec_accepted_per_pass']:.2f}" if summary["spec_accepted_per_pass"] else "-"),
     ]
+    if summary.get("ttft_slo_attainment") is not None:
+        rows.append(("TTFT SLO met", f"{summary['ttft_slo_attainment']:.1%}"))
+    for name in ("priority", "tenant"):
+        for group, values in summary.get(f"ttft_by_{name}", {}).items():
+            rows.append((f"TTFT p50 / p99, {name} {group}",
+                         f"{_ms(values['p50_s'])} / {_ms(values['p99_s'])} ({values['requests']} requests)"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

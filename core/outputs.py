@@ -29,6 +29,10 @@ class RequestMetrics:
     num_verify_passes: int = 0
     num_accepted_tokens: int = 0
     token_times: list[float] = field(default_factory=list)
+    # The request's scheduling fields (``SamplingParams``), so summaries can group by them.
+    priority: int = 0
+    tenant: str | None = None
+    ttft_slo_s: float | None = None
 
     @property
     def ttft_s(self) -> float | None:

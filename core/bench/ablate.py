@@ -10,8 +10,11 @@ An ablation file (YAML)::
       scheduler.name: [fcfs, lpm]
       workload.batch_size: [1, 4]         # "workload." keys vary the workload instead of the config
     repeats: 1
+    mode: real                            # or simulate: each combination runs in ``infer simulate``'s engine
 
-A config path in ``base`` is looked up next to the ablation file first.
+A config path in ``base`` is looked up next to the ablation file first. ``mode: simulate`` (or ``infer ablate
+--mode simulate``) runs the same grid on the cost model ``simulate.*`` of the config names; simulated combinations
+may run in parallel processes (``--jobs``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from infer.llm import overrides_from_kwargs
 
 WORKLOAD_PREFIX = "workload."
 SHIPPED_ABLATIONS = "ablations"
+MODES = ("real", "simulate")
 
 
 class AblationError(ValueError):
@@ -45,6 +49,7 @@ class Ablation:
     workload: dict[str, Any]
     grid: dict[str, list[Any]]
     repeats: int = 1
+    mode: str = "real"
 
     def combinations(self) -> list[dict[str, Any]]:
         """Every assignment of one value per grid key, in grid order (the last key varies fastest)."""
@@ -116,24 +121,30 @@ def _shipped_folder():
     return importlib.resources.files("infer.configs") / SHIPPED_ABLATIONS
 
 
-def load_ablation(source: str, overrides: list[str] = (), repeats: int | None = None) -> Ablation:
+def load_ablation(source: str, overrides: list[str] = (), repeats: int | None = None,
+                  mode: str | None = None) -> Ablation:
     """Parse an ablation file; ``overrides`` (``key=value``) apply to the base config, or to the workload when the key
-    starts with ``workload.``; ``repeats`` replaces the file's."""
+    starts with ``workload.``; ``repeats`` and ``mode`` replace the file's."""
     from omegaconf import OmegaConf
 
     path = find_ablation_file(source)
     data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     if not isinstance(data, dict):
         raise AblationError(f"{path}: expected a mapping with base, workload and grid")
-    unknown = sorted(set(data) - {"base", "workload", "grid", "repeats"})
+    unknown = sorted(set(data) - {"base", "workload", "grid", "repeats", "mode"})
     if unknown:
-        raise AblationError(f"{path}: unknown key(s) {', '.join(unknown)}; expected base, workload, grid, repeats")
+        raise AblationError(f"{path}: unknown key(s) {', '.join(unknown)}; expected base, workload, grid, repeats, "
+                            f"mode")
+    mode = mode or data.get("mode", "real")
+    if mode not in MODES:
+        raise AblationError(f"{path}: mode must be one of {', '.join(MODES)}, got {mode!r}")
     base_config, base_overrides = _parse_base(path, data.get("base", "baseline"))
     workload = _parse_workload(path, data.get("workload"))
     config_overrides, workload_overrides = _split_overrides(overrides)
     return Ablation(name=path.stem, base_config=base_config, base_overrides=base_overrides + config_overrides,
                     workload={**workload, **workload_overrides}, grid=_parse_grid(path, data.get("grid")),
-                    repeats=repeats if repeats is not None else _parse_repeats(path, data.get("repeats", 1)))
+                    repeats=repeats if repeats is not None else _parse_repeats(path, data.get("repeats", 1)),
+                    mode=mode)
 
 
 def _parse_base(path: Path, base: Any) -> tuple[str, list[str]]:
@@ -191,14 +202,24 @@ def _split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, Any]]:
 
 
 def run_combination(ablation: Ablation, combination: dict[str, Any]) -> dict[str, Any]:
-    """One fresh engine, one run of the workload; returns the run's summary (with device and dtype)."""
+    """One fresh engine (simulated under ``mode: simulate``), one run of the workload; returns the run's summary
+    (with device and dtype)."""
     from infer.bench.runner import run_workload
     from infer.bench.workloads import build_workload
     from infer.config import load_config
-    from infer.engine import Engine
 
     options = ablation.workload_options(combination)
-    engine = Engine(load_config(ablation.base_config, ablation.config_overrides(combination)))
+    config = load_config(ablation.base_config, ablation.config_overrides(combination))
+    if ablation.mode == "simulate":
+        from infer.simulate.cli import simulate_workload
+        from infer.simulate.engine import SimulatedEngine
+
+        engine = SimulatedEngine(config)
+        summary = simulate_workload(engine, build_workload(options.pop("name"), engine.tokenizer, **options))
+        return {**summary, "device": "simulated", "dtype": config.model.dtype, "quantization": engine.quantization}
+    from infer.engine import Engine
+
+    engine = Engine(config)
     workload = build_workload(options.pop("name"), engine.tokenizer, **options)
     summary = run_workload(engine, workload).summary
     return {**summary, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
@@ -214,14 +235,20 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_ablation(ablation: Ablation, show_progress: bool = True) -> list[CombinationResult]:
-    """Every combination, each repeat in a fresh engine; a failing combination keeps its error and the rest run."""
+def run_ablation(ablation: Ablation, show_progress: bool = True, jobs: int = 1) -> list[CombinationResult]:
+    """Every combination, each repeat in a fresh engine; a failing combination keeps its error and the rest run.
+    ``jobs`` > 1 runs simulated combinations in that many processes (real ones always run one at a time: side by
+    side they would time each other)."""
     from tqdm import tqdm
 
     combinations = ablation.combinations()
     results = [CombinationResult(settings) for settings in combinations]
     progress = tqdm(total=len(combinations) * ablation.repeats, desc=ablation.name, unit="run",
                     disable=not show_progress, dynamic_ncols=True)
+    if jobs > 1 and ablation.mode == "simulate":
+        with progress:
+            _run_parallel(ablation, results, jobs, progress)
+        return results
     # Repeat rounds go across the whole grid, so slow drift on a shared machine widens every combination's spread
     # instead of biasing whichever combination ran during it.
     with progress:
@@ -231,6 +258,32 @@ def run_ablation(ablation: Ablation, show_progress: bool = True) -> list[Combina
                 _run_one(ablation, result)
             progress.update(1)
     return results
+
+
+def _run_parallel(ablation: Ablation, results: list[CombinationResult], jobs: int, progress) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    # spawn: a forked child would inherit torch's thread pools mid-state.
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_run_detached, ablation, result.settings): result
+                   for _, result in itertools.product(range(ablation.repeats), results)}
+        for future in as_completed(futures):
+            result = futures[future]
+            run, error, trace = future.result()
+            if run is not None:
+                result.runs.append(run)
+            elif result.error is None:
+                result.error, result.traceback = error, trace
+            progress.set_postfix_str(result.label)
+            progress.update(1)
+
+
+def _run_detached(ablation: Ablation, settings: dict[str, Any]) -> tuple[dict | None, str | None, str | None]:
+    """``run_combination`` in a worker process: the summary, or the error and its traceback."""
+    result = CombinationResult(settings)
+    _run_one(ablation, result)
+    return (result.runs[0] if result.runs else None), result.error, result.traceback
 
 
 def _run_one(ablation: Ablation, result: CombinationResult) -> None:

@@ -119,21 +119,26 @@ def bench(config: str, overrides: tuple[str, ...], workload_name: str, baseline:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Output folder (default: ablation-results/NAME).")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+@click.option("--mode", type=click.Choice(["real", "simulate"]),
+              help="Run the grid for real or on infer simulate's cost model (default: the file's mode, else real).")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Simulated combinations run in this many processes at once.")
 def ablate(ablation_file: str, overrides: tuple[str, ...], repeats: int | None, out_dir: Path | None,
-           no_progress: bool) -> None:
+           no_progress: bool, mode: str | None, jobs: int) -> None:
     """Run every combination of an ablation file's grid and write CSV, JSON, a markdown table and plots.
 
-    ABLATION is a YAML file or a shipped ablation (attention, cascade, cpu_kernels, memory, prefix, spec). OVERRIDES
+    ABLATION is a YAML file or a shipped ablation (attention, cascade, cpu_kernels, memory, prefix, scale, spec,
+    schedulers). OVERRIDES
     are key=value for the base config, or workload.KEY=VALUE for the workload (workload.num_requests=16).
     """
     from infer.bench.ablate import AblationError, load_ablation, run_ablation
     from infer.bench.report import write_ablation_report
 
     try:
-        ablation = load_ablation(ablation_file, list(overrides), repeats)
+        ablation = load_ablation(ablation_file, list(overrides), repeats, mode)
     except AblationError as error:
         raise click.UsageError(str(error)) from error
-    results = run_ablation(ablation, show_progress=not no_progress)
+    results = run_ablation(ablation, show_progress=not no_progress, jobs=jobs)
     out_dir = out_dir or Path("ablation-results") / ablation.name
     paths = write_ablation_report(ablation, results, out_dir, command_line())
     click.echo((out_dir / "results.md").read_text())

@@ -58,6 +58,7 @@ KEY_METRICS = [
     Metric("mean_running", "mean running", "ratio"),
     Metric("preemptions", "preemptions", "count"),
     Metric("spec_accepted_per_pass", "spec tokens/pass", "ratio", zero_means_unmeasured=True),
+    Metric("ttft_slo_attainment", "TTFT SLO met", "percent"),
 ]
 
 
@@ -154,7 +155,9 @@ def markdown_report(ablation: Ablation, results: list[CombinationResult], header
     lines = [f"### Ablation `{ablation.name}`", "",
              f"`{header['command']}` on {header['date']}, {machine}, torch {header['torch']}, "
              f"dtype {'/'.join(dtypes) or '-'}; workload {workload}; median of {ablation.repeats} run(s)"
-             + (" [min-max]" if ablation.repeats > 1 else "") + ".", ""]
+             + (" [min-max]" if ablation.repeats > 1 else "") + "."
+             + (" Simulated (`infer simulate`): times are the cost model's, not this machine's."
+                if ablation.mode == "simulate" else ""), ""]
     columns = [*ablation.grid, *[metric.label for metric in KEY_METRICS], "error"]
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_markdown_row(result)) + " |" for result in results]

@@ -1,5 +1,6 @@
-"""Replays a workload against an engine (real, or ``infer simulate``'s on its simulated clock): each request is added when its arrival time comes (and, with a batch
-size, when a slot is free), the engine steps until everything finished, and the run is summarized.
+"""Replays a workload against an engine (real, or ``infer simulate``'s on its simulated clock): each request is
+added when its arrival time comes (and, with a batch size, when a slot is free), the engine steps until everything
+finished, and the run is summarized.
 
 TTFT counts from the moment a request could be sent: its arrival time, or later when every slot was busy then (the
 time the slot it takes became free), as vLLM's benchmark starts its clock after the concurrency semaphore.

@@ -9,6 +9,8 @@ the API key (``/v1`` and ``/metrics``), then the body's size.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import hmac
 import ipaddress
 import time
@@ -189,6 +191,8 @@ async def _generate(request: Request, body, format_class, id_prefix: str) -> Res
         params = body.to_sampling_params()
     except SamplingParamsError as error:
         raise ApiError(400, str(error), param=error.field) from error
+    if params.tenant is None:
+        params = dataclasses.replace(params, tenant=tenant_of_api_key(request))
     if params.constraint is not None:
         await _compile_constraint(state, params, body.api_field)
     stream = await _submit(state, f"{id_prefix}-{uuid.uuid4().hex}", body.engine_prompt(), params, body.api_field)
@@ -200,6 +204,15 @@ async def _generate(request: Request, body, format_class, id_prefix: str) -> Res
         response = await respond_when_done(request, stream, format_class(meta), state.metrics)
     response.headers["x-request-id"] = stream.request_id  # the id the engine's log and its aborts use
     return response
+
+
+def tenant_of_api_key(request: Request) -> str | None:
+    """A request without ``user`` belongs to its API key's tenant (a digest, never the key): OpenAI clients always
+    send one, and a server without ``api_key`` accepts any, so keys tell clients apart."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return "key-" + hashlib.sha256(token.strip().encode()).hexdigest()[:12]
 
 
 async def _compile_constraint(state: ServerState, params, api_field) -> None:

@@ -104,7 +104,10 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user id: the request's tenant for ``scheduler: fair``
+    # Scheduling extras (vLLM's ``priority``: lower is served first; a TTFT target in seconds for ``deadline``).
+    priority: int = 0
+    ttft_slo_s: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # Structured output (at most one): OpenAI's response_format, vLLM's structured_outputs and guided_* extras.
@@ -171,7 +174,8 @@ class SamplingFields(BaseModel):
             top_k=defaults.top_k if self.top_k is None else self.top_k,
             min_p=defaults.min_p if self.min_p is None else self.min_p,
             seed=self.seed, stop=self.stop or [], min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, n=self.n,
-            logprobs=logprobs, constraint=self.constraint())
+            logprobs=logprobs, constraint=self.constraint(), priority=self.priority, tenant=self.user,
+            ttft_slo_s=self.ttft_slo_s)
 
 
 class CompletionRequest(SamplingFields):

@@ -18,6 +18,7 @@ Idle time passes at once: ``sleep`` moves the clock.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import deque
 from typing import Any
@@ -33,6 +34,15 @@ from infer.sequence import Sequence
 from infer.simulate.cost import CostModel, build_cost_model
 
 DRAFT_TOKEN_INDEX = 0  # the placeholder drafts are the first pool token; sampled tokens never use it
+
+
+@functools.cache
+def _tokenizer(path: str) -> tuple[Any, list[int]]:
+    """``model.path``'s tokenizer and EOS ids, loaded once per process (an ablation builds an engine per
+    combination)."""
+    from infer.loader import load_tokenizer
+
+    return load_tokenizer(path)[:2]
 
 
 class SimulatedDrafter(Drafter):
@@ -54,7 +64,6 @@ class SimulatedEngine(Engine):
                  tokenizer: tuple[Any, list[int]] | None = None):
         """``cost``: default ``build_cost_model(config)``; ``tokenizer``: (tokenizer, EOS ids), default
         ``model.path``'s (the weights are never loaded)."""
-        from infer.loader import load_tokenizer
         from infer.registry import get_registry
 
         self.config = config
@@ -66,7 +75,7 @@ class SimulatedEngine(Engine):
         self.quantization = config.model.quantization
         self._rng = random.Random(config.model.seed)
         self._accept_rng = random.Random(config.simulate.seed)
-        self.tokenizer, eos = tokenizer or load_tokenizer(config.model.path)[:2]
+        self.tokenizer, eos = tokenizer or _tokenizer(config.model.path)
         self.eos_token_ids = set(eos)
         self.vocab_size = len(self.tokenizer)
         self.max_token_bytes = max(len(token.encode()) for token in self.tokenizer.get_vocab())

@@ -4,8 +4,8 @@ The scheduler plans steps over a real ``SchedulerView`` (a ``KVCacheManager`` ov
 and ``none`` prefix cache by default; ``hash`` where prefix hits must reach the scheduler), and a simulated model
 carries each plan out: scheduled tokens become computed, a sequence that has computed all its tokens gets a fake
 sampled token, and one at its ``max_tokens`` finishes and gives its blocks back. Every plan is checked against the
-limits. The clock is the step number (``SchedulerView.now``; a request's ``arrival_time`` is its arrival step). Workloads
-include requests sharing a prefix (cache hits: admitted sequences arrive with computed tokens) and
+limits. The clock is the step number (``SchedulerView.now``; a request's ``arrival_time`` is its arrival step).
+Workloads include requests sharing a prefix (cache hits: admitted sequences arrive with computed tokens) and
 ``n > 1`` samples (followers share their leader's computed prompt once ``view.is_ready`` says so).
 
 A plugin author's whole test file::

@@ -1,4 +1,4 @@
-"""``scheduler: priority``: lower ``SamplingParams.priority`` first (vLLM's convention), with aging so nothing starves."""
+"""``scheduler: priority``: lower ``SamplingParams.priority`` first (vLLM's convention), aging so nothing starves."""
 
 from __future__ import annotations
 
