@@ -54,6 +54,8 @@ class Drafter(ABC):
 
     config_model: ClassVar[type[DrafterConfig]] = DrafterConfig
     needs_hidden_states: ClassVar[bool] = False
+    # False for a drafter that never proposes (``none``): the engine then calls none of its methods in a step.
+    proposes: ClassVar[bool] = True
 
     def __init__(self, config: DrafterConfig | None = None, **context):
         self.config = config or self.config_model()

@@ -155,6 +155,7 @@ class Engine:
         # state per drafted token (its own KV, the target's features), which it never saw.
         self._jump_forward = (config.guide.jump_forward and not self.drafter.kv_bytes_per_token()
                               and not self.drafter.needs_hidden_states)
+        self._drafting = self._drafts_tokens()
         self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
         self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device, self.executor,
                                   self.pool_plan.num_blocks, f"allocator {config.allocator.name!r} or prefix cache "
@@ -173,6 +174,12 @@ class Engine:
     # -- construction ------------------------------------------------------------------------------------------
     def _plugin(self, kind: str):
         return self.registry.load(kind, getattr(self.config, kind).name)
+
+    def _drafts_tokens(self) -> bool:
+        """Whether any step may carry drafts (a proposing drafter, or grammar-forced tokens): else no drafter method
+        runs in a step."""
+        forced = self._jump_forward and self.config.guide.name != "none"
+        return self.config.drafter.num_speculative_tokens > 0 and (self.drafter.proposes or forced)
 
     def _build_executor(self) -> Executor:
         """How steps run through the model (``infer.execution``): with infer's CPU kernels for float32 on a CPU
@@ -374,16 +381,18 @@ class Engine:
         view = SchedulerView(self.waiting, self.running, self.kv, self.config.scheduler.max_num_seqs,
                              self.config.scheduler.max_num_batched_tokens, self.max_model_len, now=start)
         plan = self.scheduler.schedule(view)
-        for seq in plan.preempted:
-            self.drafter.release(seq)
+        if self._drafting:
+            for seq in plan.preempted:
+                self.drafter.release(seq)
         self.stats.num_preemptions += len(plan.preempted)
         finished: list[Request] = []
         shape = plan.shape()
         if plan:
             output = self._execute(plan, shape)
             finished = self._process(plan, output)
-            self.drafter.observe(output)
-            self._propose_drafts()
+            if self._drafting:
+                self.drafter.observe(output)
+                self._propose_drafts()
         elif self.waiting and not self.running:
             finished = self._refuse_unschedulable()
         self._record_step(plan, shape, self.clock() - start)
@@ -453,6 +462,14 @@ class Engine:
     def _accept(self, seq: Sequence, sampled: list[int], logprobs: list, now: float) -> None:
         """Commit the longest prefix of ``sampled`` that agrees with the drafts, plus the target's next token."""
         drafts = seq.draft_token_ids
+        if not drafts and len(sampled) == 1:  # a plain decode step (or a prompt's last chunk): nothing to verify
+            seq.draft_probs = None
+            seq.num_computed_tokens = seq.num_tokens
+            self._append_token(seq, sampled[0], logprobs[0], now)
+            if self._drafting and not seq.is_finished:
+                self._trim_blocks(seq)
+                self.drafter.rollback(seq, seq.num_tokens)
+            return
         accepted = []
         for j, token in enumerate(sampled):
             accepted.append(token)
@@ -472,7 +489,8 @@ class Engine:
             if seq.is_finished:
                 return
         self._trim_blocks(seq)
-        self.drafter.rollback(seq, seq.num_tokens)
+        if self._drafting:
+            self.drafter.rollback(seq, seq.num_tokens)
 
     def _append_token(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> None:
         seq.output_token_ids.append(token)
@@ -550,7 +568,8 @@ class Engine:
         seq.matcher = None
         seq.num_blocks_offered_to_cache = 0
         self.stats.num_cached_prompt_tokens += seq.num_cached_prompt_tokens
-        self.drafter.release(seq)
+        if self._drafting:
+            self.drafter.release(seq)
         if request is not None and request.finished:
             self.kv.release_fork_pin(request.seqs[0])
             self.registry.hook.request_finished(engine=self, output=self._request_output(request))

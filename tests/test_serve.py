@@ -221,6 +221,26 @@ def test_sampling_extensions_are_accepted(client):
     assert whole.usage.completion_tokens == 6 and whole.choices[0].finish_reason == "length"
 
 
+def test_scheduling_fields_reach_the_sampling_params():
+    """vLLM's priority, a TTFT target, and OpenAI's user as the tenant; without a user, a digest of the bearer key."""
+    from starlette.requests import Request
+
+    from infer.serve.app import tenant_of_api_key
+
+    body = CompletionRequest.model_validate({"prompt": "Hi", "priority": -1, "ttft_slo_s": 0.5, "user": "alice"})
+    params = body.to_sampling_params()
+    assert (params.priority, params.ttft_slo_s, params.tenant) == (-1, 0.5, "alice")
+
+    def request(authorization: str | None) -> Request:
+        headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+        return Request({"type": "http", "headers": headers})
+
+    first, again = tenant_of_api_key(request("Bearer sk-one")), tenant_of_api_key(request("bearer sk-one"))
+    assert first == again and first.startswith("key-") and "sk-one" not in first
+    assert tenant_of_api_key(request("Bearer sk-two")) != first
+    assert tenant_of_api_key(request(None)) is None
+
+
 # -- models, auth, errors ----------------------------------------------------------------------------------------
 def test_models_lists_the_served_model(client):
     models = client.models.list().data
@@ -295,6 +315,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "Hi", "structured_outputs": {"jsn": {}}}, "structured_outputs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": MAX_MODEL_LEN},
      "max_completion_tokens"),
+    ("completions", {"prompt": "Hi", "ttft_slo_s": -1}, "ttft_slo_s"),
 ]
 
 

@@ -51,10 +51,10 @@ class SimulatedDrafter(Drafter):
     def __init__(self, config, draft_token: int, enabled: bool):
         super().__init__(config)
         self.draft_token = draft_token
-        self.enabled = enabled
+        self.proposes = enabled
 
     def propose(self, sequences: list[Sequence], k: int) -> list[list[int]]:
-        return [[self.draft_token] * k if self.enabled else [] for _ in sequences]
+        return [[self.draft_token] * k for _ in sequences]
 
 
 class SimulatedEngine(Engine):
@@ -97,6 +97,7 @@ class SimulatedEngine(Engine):
         self.drafter = SimulatedDrafter(config.drafter, self._token_pool[DRAFT_TOKEN_INDEX],
                                         enabled=config.drafter.name != "none")
         self._jump_forward = False
+        self._drafting = self._drafts_tokens()
         self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

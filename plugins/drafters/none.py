@@ -9,6 +9,8 @@ from infer.drafter import Drafter
 class NoDrafter(Drafter):
     """Proposes nothing; every step decodes one token per sequence."""
 
+    proposes = False
+
     def propose(self, sequences, k):
         return [[] for _ in sequences]
 
