@@ -155,7 +155,6 @@ class Engine:
         # state per drafted token (its own KV, the target's features), which it never saw.
         self._jump_forward = (config.guide.jump_forward and not self.drafter.kv_bytes_per_token()
                               and not self.drafter.needs_hidden_states)
-        self._drafting = self._drafts_tokens()
         self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
         self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device, self.executor,
                                   self.pool_plan.num_blocks, f"allocator {config.allocator.name!r} or prefix cache "
@@ -175,9 +174,10 @@ class Engine:
     def _plugin(self, kind: str):
         return self.registry.load(kind, getattr(self.config, kind).name)
 
-    def _drafts_tokens(self) -> bool:
-        """Whether any step may carry drafts (a proposing drafter, or grammar-forced tokens): else no drafter method
-        runs in a step."""
+    @property
+    def _drafting(self) -> bool:
+        """Whether a step may carry drafts (a proposing drafter, or grammar-forced tokens): else no drafter method
+        runs in it. Read live: a tool may seat its own drafter in a built engine (``infer train-eagle`` does)."""
         forced = self._jump_forward and self.config.guide.name != "none"
         return self.config.drafter.num_speculative_tokens > 0 and (self.drafter.proposes or forced)
 

@@ -110,7 +110,8 @@ def test_config_print_shows_the_resolved_config_with_overrides(runner):
     result = runner.invoke(main, ["config", "baseline", "scheduler.max_num_seqs=8", "--print"])
     assert result.exit_code == 0, result.output
     printed = OmegaConf.to_container(OmegaConf.create(result.output))
-    assert printed["scheduler"] == {"name": "fcfs", "max_num_seqs": 8, "max_num_batched_tokens": 2048}
+    assert printed["scheduler"] == {"name": "fcfs", "max_num_seqs": 8, "max_num_batched_tokens": 2048,
+                                    "preemption": "newest"}
     assert printed["model"]["path"] == "smollm2-135m-instruct"
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import click
@@ -46,7 +45,7 @@ def simulate(config: str, overrides: tuple[str, ...], workload_name: str, fit: b
     from infer.config import load_config
     from infer.metrics import format_summary
     from infer.simulate.cost import CostModelError, build_cost_model
-    from infer.simulate.engine import SimulatedEngine
+    from infer.simulate.engine import SimulatedEngine, simulate_workload
 
     resolved = load_config(config, list(overrides))
     if fit:
@@ -82,17 +81,6 @@ def simulate(config: str, overrides: tuple[str, ...], workload_name: str, fit: b
     if json_path is not None:
         write_json(json_path, result)
         click.echo(f"wrote {json_path}", err=True)
-
-
-def simulate_workload(engine, workload, show_progress: bool = False) -> dict:
-    """``run_workload`` on a ``SimulatedEngine``; the summary gains the simulator's own speed."""
-    from infer.bench.runner import run_workload
-
-    start = time.perf_counter()
-    summary = run_workload(engine, workload, show_progress=show_progress).summary
-    wall = time.perf_counter() - start
-    return {**summary, "simulator_wall_s": wall, "simulated_requests_per_wall_s": summary["requests"] / wall,
-            "simulated_steps_per_wall_s": engine.stats.num_steps / wall}
 
 
 COMPARED = [("output tok/s", "output_tok_per_s"), ("TTFT p50 (s)", "ttft_p50_s"), ("TTFT p99 (s)", "ttft_p99_s"),

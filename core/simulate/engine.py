@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import random
+import time
 from collections import deque
 from typing import Any
 
@@ -97,7 +98,6 @@ class SimulatedEngine(Engine):
         self.drafter = SimulatedDrafter(config.drafter, self._token_pool[DRAFT_TOKEN_INDEX],
                                         enabled=config.drafter.name != "none")
         self._jump_forward = False
-        self._drafting = self._drafts_tokens()
         self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -150,3 +150,14 @@ class SimulatedEngine(Engine):
 
     def output_text(self, seq: Sequence) -> str:
         return super().output_text(seq) if seq.params.stop else ""
+
+
+def simulate_workload(engine, workload, show_progress: bool = False) -> dict:
+    """``run_workload`` on a ``SimulatedEngine``; the summary gains the simulator's own speed."""
+    from infer.bench.runner import run_workload
+
+    start = time.perf_counter()
+    summary = run_workload(engine, workload, show_progress=show_progress).summary
+    wall = time.perf_counter() - start
+    return {**summary, "simulator_wall_s": wall, "simulated_requests_per_wall_s": summary["requests"] / wall,
+            "simulated_steps_per_wall_s": engine.stats.num_steps / wall}
