@@ -43,31 +43,34 @@ class StepShape:
     num_logit_rows: int = 0
     decode_context_tokens: int = 0  # keys the decode rows attend over: the sum of their context lengths
     prefill_attention_pairs: int = 0  # query-key pairs in the prefill chunks' attention
+    decode_context_blocks: int = 0  # distinct KV blocks the decode rows read (a shared prefix's once)
 
     @classmethod
     def of(cls, scheduled: list[tuple[Sequence, int]]) -> "StepShape":
         """The shape of ``scheduled`` (pairs of a plan, before the step runs)."""
         prefill = decode = rows = decode_context = pairs = 0
+        blocks: set[int] = set()
         for seq, num_new in scheduled:
             computed, total = seq.num_computed_tokens, seq.num_tokens
             if total - computed == 1:
                 decode += num_new
                 decode_context += num_new * computed + num_new * (num_new + 1) // 2
+                blocks.update(seq.block_table)
             else:
                 prefill += num_new
                 pairs += num_new * computed + num_new * (num_new + 1) // 2
             if computed + num_new >= total:
                 rows += computed + num_new - max(computed, total - 1)
-        return cls(len(scheduled), prefill, decode, rows, decode_context, pairs)
+        return cls(len(scheduled), prefill, decode, rows, decode_context, pairs, len(blocks))
 
     def features(self) -> tuple[int, ...]:
         """The shape as a cost model's regressors: a constant, then each count."""
         return (1, self.num_prefill_tokens, self.num_decode_tokens, self.num_seqs, self.num_logit_rows,
-                self.decode_context_tokens, self.prefill_attention_pairs)
+                self.decode_context_tokens, self.prefill_attention_pairs, self.decode_context_blocks)
 
 
 FEATURE_NAMES = ("step", "prefill_token", "decode_token", "sequence", "logit_row", "decode_context_token",
-                 "prefill_attention_pair")
+                 "prefill_attention_pair", "decode_context_block")
 
 
 @dataclass(slots=True)
@@ -197,8 +200,9 @@ class BudgetedScheduler(Scheduler):
         plan = StepPlan()
         scheduled: dict[Sequence, int] = {}
         budget = view.max_num_batched_tokens
+        preempted: set[Sequence] = set()
         for seq in list(view.running):
-            if seq not in view.running:  # preempted earlier in this loop
+            if seq in preempted:  # earlier in this loop (a set: a list lookup made a big batch's step quadratic)
                 continue
             num_new = min(view.num_pending_tokens(seq), budget)
             if num_new <= 0:
@@ -208,6 +212,7 @@ class BudgetedScheduler(Scheduler):
                 budget += scheduled.pop(victim, 0)
                 view.preempt(victim)
                 plan.preempted.append(victim)
+                preempted.add(victim)
                 if victim is seq:
                     break
             else:

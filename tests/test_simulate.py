@@ -112,7 +112,8 @@ def test_fit_recovers_a_linear_cost_exactly():
     for _ in range(200):
         shape = StepShape(num_seqs=rng.randint(1, 64), num_prefill_tokens=rng.choice([0, rng.randint(1, 2048)]),
                           num_decode_tokens=rng.randint(0, 64), num_logit_rows=rng.randint(1, 64),
-                          decode_context_tokens=rng.randint(0, 50_000), prefill_attention_pairs=rng.randint(0, 10**6))
+                          decode_context_tokens=rng.randint(0, 50_000), prefill_attention_pairs=rng.randint(0, 10**6),
+                          decode_context_blocks=rng.randint(0, 3000))
         steps.append((shape, sum(truth[name] * x for name, x in zip(FEATURE_NAMES, shape.features()))))
     cost = fit_measured(steps, kv_pool_slots=1000, kv_bytes_per_token=64, engine={})
     for name in FEATURE_NAMES:

@@ -18,7 +18,7 @@ FIT_WORKLOADS: list[tuple[str, dict]] = [
     ("prefill", {"num_requests": 6, "input_len": 768, "seed": 103}),
     ("prefill", {"num_requests": 24, "input_len": 96, "seed": 104}),
     ("long-prompt", {"output_len": 64, "long_len": 1024, "long_arrival_s": 0.5, "seed": 105}),
-    ("shared-prefix", {"groups": 2, "questions": 8, "output_len": 16, "seed": 106}),
+    ("shared-prefix", {"groups": 2, "questions": 24, "output_len": 32, "seed": 106}),
 ]
 # Run first and thrown away: the first steps of a fresh engine pay one-time costs (allocations, lazy imports).
 WARMUP_WORKLOAD = ("chat", {"num_requests": 4, "min_output_len": 8, "output_len": 8, "seed": 100})
@@ -106,10 +106,13 @@ def fit_cost_model(config, show_progress: bool = True, workloads: list[tuple[str
     write it to ``output`` (default: ``simulate.cost_file``, else the cache dir's file for this config)."""
     from infer.bench.runner import run_workload
     from infer.bench.workloads import build_workload
+    from infer.config import InferConfig
     from infer.engine import Engine
     from infer.simulate.cost import default_cost_file, fit_measured
 
-    engine = Engine(config)
+    # A step's cost depends on its shape, not on the plugins: the fit engine caches prefixes (``hash``) so that its
+    # steps include prefill chunks over cached context and decodes over shared blocks, whatever CONFIG caches.
+    engine = Engine(InferConfig.from_dict({**config.to_dict(), "prefix_cache": {"name": "hash"}}))
     name, options = WARMUP_WORKLOAD
     run_workload(engine, build_workload(name, engine.tokenizer, **options))
     engine.step_log = []

@@ -1,7 +1,8 @@
 """Cost models: how long one engine step takes, from its ``StepShape`` alone.
 
 - ``MeasuredCost``: a linear model over the shape's features (a constant per step, per prefill token, per decode
-  token, per sequence, per logits row, per key a decode row attends over, per query-key pair of a prefill chunk),
+  token, per sequence, per logits row, per key a decode row attends over, per query-key pair of a prefill chunk, per
+  distinct KV block the decode rows read: a prefix shared by many rows stays in cache and costs less per key),
   fitted by non-negative least squares on relative error to real steps of this machine (``fit_measured``), stored
   as a small JSON file with the pool size the real engine had.
 - ``RooflineCost``: an accelerator's peak FLOP/s and memory bandwidth over a model geometry (a HF ``config.json``):
@@ -21,7 +22,7 @@ from typing import Any
 
 from infer.scheduler import FEATURE_NAMES, StepShape
 
-COST_FILE_VERSION = 1
+COST_FILE_VERSION = 2  # 2: the distinct decode context blocks feature
 # Roofline assumptions (stated in the README): the share of peak a tuned engine reaches, its per-step host overhead
 # (scheduling, launches; CUDA graphs in decode), one all-reduce's latency, and the memory kept for activations.
 FLOPS_EFFICIENCY = 0.6
