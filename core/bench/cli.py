@@ -53,16 +53,22 @@ def workload_flags(command):
     return command
 
 
+def config_and_workload(verb: str):
+    """CONFIG, OVERRIDES, ``--workload`` and the workload flags, as ``infer bench`` and ``infer simulate`` take them."""
+    def decorate(command):
+        command = workload_flags(command)
+        command = click.option("--workload", "workload_name", type=click.Choice(list(WORKLOADS)), default="chat",
+                               show_default=True, help=f"Which workload to {verb}.")(command)
+        return click.argument("config")(click.argument("overrides", nargs=-1)(command))
+    return decorate
+
+
 def command_line() -> str:
     return "infer " + shlex.join(sys.argv[1:]) if sys.argv and Path(sys.argv[0]).name == "infer" else "infer"
 
 
 @click.command("bench", epilog=CONFIG_HELP)
-@click.argument("config")
-@click.argument("overrides", nargs=-1)
-@click.option("--workload", "workload_name", type=click.Choice(list(WORKLOADS)), default="chat", show_default=True,
-              help="Which workload to run.")
-@workload_flags
+@config_and_workload("run")
 @click.option("--baseline", type=click.Choice(["hf"]), help="Also run HF transformers generate on the same requests.")
 @click.option("--hf-batch-size", type=int, default=16, show_default=True, help="Static batch size of the HF baseline.")
 @click.option("--hf-dtype", type=click.Choice(["same", "float32", "bfloat16"]), default="same", show_default=True,

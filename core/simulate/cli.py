@@ -6,8 +6,7 @@ from pathlib import Path
 
 import click
 
-from infer.bench.cli import command_line, workload_flags
-from infer.bench.workloads import WORKLOADS
+from infer.bench.cli import command_line, config_and_workload
 from infer.cli import CONFIG_HELP
 
 # The real runs a measured cost model is fitted on: decode at many batch sizes, long prefills, chunked prefill beside
@@ -25,11 +24,7 @@ WARMUP_WORKLOAD = ("chat", {"num_requests": 4, "min_output_len": 8, "output_len"
 
 
 @click.command("simulate", epilog=CONFIG_HELP)
-@click.argument("config")
-@click.argument("overrides", nargs=-1)
-@click.option("--workload", "workload_name", type=click.Choice(list(WORKLOADS)), default="chat", show_default=True,
-              help="Which workload to simulate.")
-@workload_flags
+@config_and_workload("simulate")
 @click.option("--fit", is_flag=True, help="Fit the measured cost model instead: run real steps of CONFIG on this "
                                           "machine and write simulate.cost_file (default: the cache dir).")
 @click.option("--real", is_flag=True, help="Also run the workload for real and print both, with simulated/real "
