@@ -19,6 +19,7 @@ FIT_WORKLOADS: list[tuple[str, dict]] = [
     ("long-prompt", {"output_len": 64, "long_len": 1024, "long_arrival_s": 0.5, "seed": 105}),
     ("shared-prefix", {"groups": 2, "questions": 24, "output_len": 32, "seed": 106}),
 ]
+FIT_PREFIX_CACHES = ("none", "hash")
 # Run first and thrown away: the first steps of a fresh engine pay one-time costs (allocations, lazy imports).
 WARMUP_WORKLOAD = ("chat", {"num_requests": 4, "min_output_len": 8, "output_len": 8, "seed": 100})
 
@@ -105,20 +106,24 @@ def fit_cost_model(config, show_progress: bool = True, workloads: list[tuple[str
     from infer.engine import Engine
     from infer.simulate.cost import default_cost_file, fit_measured
 
-    # A step's cost depends on its shape, not on the plugins: the fit engine caches prefixes (``hash``) so that its
-    # steps include prefill chunks over cached context and decodes over shared blocks, whatever CONFIG caches.
-    engine = Engine(InferConfig.from_dict({**config.to_dict(), "prefix_cache": {"name": "hash"}}))
-    name, options = WARMUP_WORKLOAD
-    run_workload(engine, build_workload(name, engine.tokenizer, **options))
-    engine.step_log = []
-    for name, options in workloads or FIT_WORKLOADS:
-        click.echo(f"fit: running {name} {options} for real ...", err=True)
-        run_workload(engine, build_workload(name, engine.tokenizer, **options), show_progress=show_progress)
+    # A step's cost depends on its shape, not on the plugins: the workloads run without a prefix cache and again
+    # with one (``hash``), so that the steps include prefill chunks over cached context and decodes over shared
+    # blocks as well as fresh prompts, whatever CONFIG caches.
+    steps = []
+    for cache in FIT_PREFIX_CACHES:
+        engine = Engine(InferConfig.from_dict({**config.to_dict(), "prefix_cache": {"name": cache}}))
+        name, options = WARMUP_WORKLOAD
+        run_workload(engine, build_workload(name, engine.tokenizer, **options))
+        engine.step_log = []
+        for name, options in workloads or FIT_WORKLOADS:
+            click.echo(f"fit: running {name} {options} with prefix_cache {cache} for real ...", err=True)
+            run_workload(engine, build_workload(name, engine.tokenizer, **options), show_progress=show_progress)
+        steps.extend(engine.step_log)
     plan = engine.pool_plan
     described = {"model": config.model.path, "dtype": str(engine.dtype).removeprefix("torch."),
                  "quantization": engine.quantization, "execution": engine.describe_execution(),
                  "block_size": plan.block_size, "num_blocks": plan.num_blocks}
-    cost = fit_measured(engine.step_log, plan.usable_tokens, plan.bytes_per_token, described)
+    cost = fit_measured(steps, plan.usable_tokens, plan.bytes_per_token, described)
     path = output or (Path(config.simulate.cost_file) if config.simulate.cost_file else default_cost_file(config))
     cost.save(path)
     quality = cost.quality
