@@ -305,11 +305,12 @@ def test_median_and_spread_over_repeats():
 
 @pytest.mark.parametrize(("name", "count"),
                          [("memory", 2), ("prefix", 6), ("spec", 24), ("attention", 4), ("cascade", 2),
-                          ("cpu_kernels", 4)])
+                          ("cpu_kernels", 4), ("schedulers", 6), ("scale", 10)])
 def test_shipped_ablations_parse_and_name_only_real_workload_options(name, count):
     ablation = load_ablation(name)
     combinations = ablation.combinations()
     assert len(combinations) == count
+    assert ablation.mode == ("simulate" if name == "scale" else "real")
     drafters = get_registry().names("drafter")
     for combination in combinations:
         options = ablation.workload_options(combination)
