@@ -107,17 +107,17 @@ class MeasuredCost(CostModel):
 
 
 def default_cost_file(config) -> Path:
-    """Where ``--fit`` writes (and ``measured`` reads) the fit for ``config``'s model, dtype, quantization, block size
-    and budgets on this CPU."""
+    """Where ``--fit`` writes (and ``measured`` reads) the fit for ``config``'s model, dtype, quantization, attention,
+    block size and memory budget on this CPU: what a step's cost and the pool depend on, not the scheduling limits or
+    the plugins (a fit serves every scheduler and prefix cache, and any ``max_num_seqs``)."""
     import hashlib
 
     from infer.host import cache_dir, cpu_signature
 
-    model, scheduler = config.model, config.scheduler
+    model = config.model
     key = json.dumps([cpu_signature(), model.path, model.dtype, model.quantization, model.max_model_len,
                       config.cache.block_size, config.cache.memory_budget, config.cache.num_blocks,
-                      config.attention.name, config.drafter.name, scheduler.max_num_seqs,
-                      scheduler.max_num_batched_tokens])
+                      config.attention.name])
     return cache_dir() / "simulate" / f"measured-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
