@@ -2,7 +2,7 @@
 simulated on the measured cost model, side by side: output tok/s and TTFT p50 (with their ratio), prefix hit rate,
 preemptions, steps. Then the simulator's own speed on the 70B/8xH100 roofline as the batch and the queue grow.
 
-Fit the cost model first (``infer simulate CONFIG --fit``, about 80 s on 2 cores); its fit workloads use other seeds
+Fit the cost model first (``infer simulate CONFIG --fit``, about 160 s on 2 cores); its fit workloads use other seeds
 and sizes than these, so the comparison is out of sample. Real runs alternate with their simulations in one process.
 
     infer simulate baseline --fit
