@@ -46,8 +46,8 @@ class StepStats:
     num_seqs: int = 0
     num_batched_tokens: int = 0
     num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_draft_tokens: int = 0
+    num_decode_tokens: int = 0  # one per decoding sequence plus its drafts (``shape``'s)
+    num_draft_tokens: int = 0  # drafts proposed in this step, for the next one to verify
     num_preempted: int = 0
     num_running: int = 0
     num_waiting: int = 0
