@@ -21,7 +21,8 @@ class DeadlineScheduler(BudgetedScheduler):
 
     Every request has a deadline (``default_ttft_slo_s`` for those without a target), so nothing starves: a deadline
     is a fixed point in time, and only requests that arrive before it can overtake it. A preempted sequence's
-    deadline has passed, so it is readmitted first. Missed deadlines are still served in order (no request is dropped); ``infer bench`` reports the share that met theirs.
+    deadline has passed, so it is readmitted first. Missed deadlines are still served in order (no request is
+    dropped); ``infer bench`` reports the share that met theirs.
     """
 
     config_model = DeadlineSchedulerConfig
