@@ -63,6 +63,17 @@ def config_and_workload(verb: str):
     return decorate
 
 
+def workload_from_flags(name: str, tokenizer, flags: dict):
+    """The workload the command line asks for (only the flags given: each workload keeps its defaults); a bad option
+    is a usage error."""
+    from infer.bench.workloads import WorkloadError, build_workload
+
+    try:
+        return build_workload(name, tokenizer, **{key: value for key, value in flags.items() if value is not None})
+    except WorkloadError as error:
+        raise click.UsageError(str(error)) from error
+
+
 def command_line() -> str:
     return "infer " + shlex.join(sys.argv[1:]) if sys.argv and Path(sys.argv[0]).name == "infer" else "infer"
 
@@ -84,18 +95,13 @@ def bench(config: str, overrides: tuple[str, ...], workload_name: str, baseline:
         write_json,
     )
     from infer.bench.runner import run_workload, tokenize_workload
-    from infer.bench.workloads import WorkloadError, build_workload
     from infer.config import load_config
     from infer.engine import Engine
 
     resolved = load_config(config, list(overrides))
     engine = Engine(resolved)
     click.echo(engine.pool_plan.describe(), err=True)
-    options = {name: value for name, value in flags.items() if value is not None}
-    try:
-        workload = build_workload(workload_name, engine.tokenizer, **options)
-    except WorkloadError as error:
-        raise click.UsageError(str(error)) from error
+    workload = workload_from_flags(workload_name, engine.tokenizer, flags)
     click.echo(f"running {len(workload.requests)} {workload_name} requests ...", err=True)
     summary = run_workload(engine, workload, show_progress=True).summary
     hf = None

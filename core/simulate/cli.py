@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from infer.bench.cli import command_line, config_and_workload
+from infer.bench.cli import command_line, config_and_workload, workload_from_flags
 from infer.cli import CONFIG_HELP
 
 # The real runs a measured cost model is fitted on: decode at many batch sizes, long prefills, chunked prefill beside
@@ -37,7 +37,6 @@ def simulate(config: str, overrides: tuple[str, ...], workload_name: str, fit: b
     """Run CONFIG's scheduler, allocator and prefix cache over a workload with the model replaced by a cost model
     (simulate.cost: measured or roofline); print what infer bench prints, in simulated time."""
     from infer.bench.report import environment, write_json
-    from infer.bench.workloads import WorkloadError, build_workload
     from infer.config import load_config
     from infer.metrics import format_summary
     from infer.simulate.cost import CostModelError, build_cost_model
@@ -53,11 +52,7 @@ def simulate(config: str, overrides: tuple[str, ...], workload_name: str, fit: b
         raise click.UsageError(str(error)) from error
     click.echo(engine.describe_execution(), err=True)
     click.echo(engine.pool_plan.describe(), err=True)
-    options = {name: value for name, value in flags.items() if value is not None}
-    try:
-        workload = build_workload(workload_name, engine.tokenizer, **options)
-    except WorkloadError as error:
-        raise click.UsageError(str(error)) from error
+    workload = workload_from_flags(workload_name, engine.tokenizer, flags)
     summary = simulate_workload(engine, workload, show_progress=not no_progress)
     click.echo(format_summary(summary).replace("wall time", "simulated time", 1))
     click.echo(f"simulator: {summary['simulator_wall_s']:.2f} s of wall time for {summary['requests']} requests "
