@@ -145,21 +145,33 @@ class Engine:
                                     dtype=self.dtype, device=self.device)
         if self.drafter.kv_bytes_per_token():
             self.drafter.allocate_kv_cache(self.pool_plan.num_blocks)
-        self.allocator = self._plugin("allocator")(self.pool_plan.num_blocks, config.cache.block_size,
-                                                   self.max_model_len, config.allocator)
-        self.prefix_cache = self._plugin("prefix_cache")(self.allocator, config.cache.block_size, config.prefix_cache)
-        self.scheduler = self._plugin("scheduler")(config.scheduler)
         self.guide = self._plugin("guide")(
             TokenizerInfo(self.tokenizer, self.model.vocab_size, tuple(sorted(self.eos_token_ids))), config.guide)
         # Tokens a grammar forces become drafts where the drafter proposed none; not with a drafter that keeps
         # state per drafted token (its own KV, the target's features), which it never saw.
         self._jump_forward = (config.guide.jump_forward and not self.drafter.kv_bytes_per_token()
                               and not self.drafter.needs_hidden_states)
-        self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
+        self._init_scheduling(self.pool_plan.num_blocks)
         self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device, self.executor,
                                   self.pool_plan.num_blocks, f"allocator {config.allocator.name!r} or prefix cache "
                                                              f"{config.prefix_cache.name!r}")
         self.sampler = Sampler()
+        logger.info(self.pool_plan.describe())
+        self.registry.hook.engine_started(engine=self)
+
+    # -- construction ------------------------------------------------------------------------------------------
+    def _plugin(self, kind: str):
+        return self.registry.load(kind, getattr(self.config, kind).name)
+
+    def _init_scheduling(self, num_blocks: int) -> None:
+        """The allocator, prefix cache and scheduler plugins over a pool of ``num_blocks``, the queues and the
+        counters: everything a step's scheduling touches (``infer simulate``'s engine builds the same)."""
+        config = self.config
+        self.allocator = self._plugin("allocator")(num_blocks, config.cache.block_size, self.max_model_len,
+                                                   config.allocator)
+        self.prefix_cache = self._plugin("prefix_cache")(self.allocator, config.cache.block_size, config.prefix_cache)
+        self.scheduler = self._plugin("scheduler")(config.scheduler)
+        self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
@@ -167,12 +179,6 @@ class Engine:
         # A list here collects every step's (shape, duration) (``infer simulate --fit`` reads it); None: nothing.
         self.step_log: list[tuple[StepShape, float]] | None = None
         self._request_counter = 0
-        logger.info(self.pool_plan.describe())
-        self.registry.hook.engine_started(engine=self)
-
-    # -- construction ------------------------------------------------------------------------------------------
-    def _plugin(self, kind: str):
-        return self.registry.load(kind, getattr(self.config, kind).name)
 
     @property
     def _drafting(self) -> bool:
@@ -386,7 +392,7 @@ class Engine:
                 self.drafter.release(seq)
         self.stats.num_preemptions += len(plan.preempted)
         finished: list[Request] = []
-        shape = plan.shape()
+        shape = plan.shape() if self._wants_shapes() else None
         if plan:
             output = self._execute(plan, shape)
             finished = self._process(plan, output)
@@ -398,7 +404,12 @@ class Engine:
         self._record_step(plan, shape, self.clock() - start)
         return [self._request_output(request) for request in finished]
 
-    def _execute(self, plan: StepPlan, shape: StepShape) -> StepOutput:
+    def _wants_shapes(self) -> bool:
+        """Whether anyone reads the steps' ``StepShape`` (the step log, ``step_finished`` observers): it is computed
+        only then (``infer simulate``'s cost model always reads it)."""
+        return self.step_log is not None or bool(self.registry.hook.step_finished.get_hookimpls())
+
+    def _execute(self, plan: StepPlan, shape: StepShape | None) -> StepOutput:
         """Run the plan through the model (``infer simulate`` prices ``shape`` instead)."""
         return self.runner.execute(plan.scheduled, want_hidden=self.drafter.needs_hidden_states)
 
@@ -462,14 +473,6 @@ class Engine:
     def _accept(self, seq: Sequence, sampled: list[int], logprobs: list, now: float) -> None:
         """Commit the longest prefix of ``sampled`` that agrees with the drafts, plus the target's next token."""
         drafts = seq.draft_token_ids
-        if not drafts and len(sampled) == 1:  # a plain decode step (or a prompt's last chunk): nothing to verify
-            seq.draft_probs = None
-            seq.num_computed_tokens = seq.num_tokens
-            self._append_token(seq, sampled[0], logprobs[0], now)
-            if self._drafting and not seq.is_finished:
-                self._trim_blocks(seq)
-                self.drafter.rollback(seq, seq.num_tokens)
-            return
         accepted = []
         for j, token in enumerate(sampled):
             accepted.append(token)
@@ -604,15 +607,15 @@ class Engine:
             seq.draft_probs = None if probs is None else probs[: len(seq.draft_token_ids)]
             self.stats.num_draft_tokens += len(seq.draft_token_ids)
 
-    def _record_step(self, plan: StepPlan, shape: StepShape, duration: float) -> None:
+    def _record_step(self, plan: StepPlan, shape: StepShape | None, duration: float) -> None:
         stats = self.stats
         used_blocks = self.num_blocks_used
         stats.num_steps += 1
         stats.peak_blocks_used = max(stats.peak_blocks_used, used_blocks)
         stats.peak_running = max(stats.peak_running, len(self.running))
-        if plan and self.step_log is not None:
-            self.step_log.append((shape, duration))
         if plan:
+            if self.step_log is not None:
+                self.step_log.append((shape, duration))
             stats.busy_time_s += duration
             reserved = sum(len(seq.block_table) for seq in self.running) * self.kv.block_size
             used = sum(min(seq.num_computed_tokens, seq.num_tokens) for seq in self.running)

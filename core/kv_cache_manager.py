@@ -67,8 +67,6 @@ class KVCacheManager:
         """Grow ``seq.block_table`` to hold ``num_computed_tokens + num_new_tokens`` slots. Evicts cached blocks when
         the allocator runs dry; returns False (no change) when even that is not enough."""
         num_slots = min(seq.num_computed_tokens + num_new_tokens, self.max_model_len)
-        if num_slots <= len(seq.block_table) * self.block_size:
-            return True  # the table already holds them (the common decode step)
         missing = self.allocator.blocks_needed(num_slots) - len(seq.block_table)
         if missing <= 0:
             return True

@@ -140,8 +140,8 @@ def ablate(ablation_file: str, overrides: tuple[str, ...], repeats: int | None, 
     """Run every combination of an ablation file's grid and write CSV, JSON, a markdown table and plots.
 
     ABLATION is a YAML file or a shipped ablation (attention, cascade, cpu_kernels, memory, prefix, scale, spec,
-    schedulers). OVERRIDES
-    are key=value for the base config, or workload.KEY=VALUE for the workload (workload.num_requests=16).
+    schedulers). OVERRIDES are key=value for the base config, or workload.KEY=VALUE for the workload
+    (workload.num_requests=16).
     """
     from infer.bench.ablate import AblationError, load_ablation, run_ablation
     from infer.bench.report import write_ablation_report

@@ -21,13 +21,11 @@ from __future__ import annotations
 import functools
 import random
 import time
-from collections import deque
 from typing import Any
 
 from infer.drafter import Drafter
-from infer.engine import Engine, EngineStats
+from infer.engine import Engine
 from infer.guide import TokenizerInfo
-from infer.kv_cache_manager import KVCacheManager
 from infer.kv_pool import plan_kv_pool
 from infer.runner import ModelRunner, StepOutput
 from infer.scheduler import StepPlan, StepShape
@@ -88,9 +86,7 @@ class SimulatedEngine(Engine):
         self.pool_plan = plan_kv_pool(budget_bytes=0, weight_bytes=0, activation_bytes=0,
                                       bytes_per_token=int(self.cost.kv_bytes_per_token), block_size=block_size,
                                       max_model_len=self.max_model_len, num_blocks_override=num_blocks)
-        self.allocator = self._plugin("allocator")(num_blocks, block_size, self.max_model_len, config.allocator)
-        self.prefix_cache = self._plugin("prefix_cache")(self.allocator, block_size, config.prefix_cache)
-        self.scheduler = self._plugin("scheduler")(config.scheduler)
+        self._init_scheduling(num_blocks)
         # Grammars need real logits: constrained requests are refused, naming the guides a real run offers.
         self.guide = self.registry.load("guide", "none")(
             TokenizerInfo(self.tokenizer, self.vocab_size, tuple(sorted(self.eos_token_ids))))
@@ -98,13 +94,6 @@ class SimulatedEngine(Engine):
         self.drafter = SimulatedDrafter(config.drafter, self._token_pool[DRAFT_TOKEN_INDEX],
                                         enabled=config.drafter.name != "none")
         self._jump_forward = False
-        self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.requests = {}
-        self.stats = EngineStats()
-        self.step_log = None
-        self._request_counter = 0
 
     def _synthetic_tokens(self) -> list[int]:
         """Ordinary tokens to sample from: no EOS, no special token."""
@@ -117,6 +106,9 @@ class SimulatedEngine(Engine):
 
     def sleep(self, seconds: float) -> None:
         self.now += max(0.0, seconds)
+
+    def _wants_shapes(self) -> bool:
+        return True  # the cost model prices every step's shape
 
     def describe_execution(self) -> str:
         return f"simulated: {self.cost.describe()}"
