@@ -24,6 +24,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("infer.simulate.cli:simulate", "Run a config's scheduling and caching over a workload on a cost "
                                                 "model (no model forward)."),
     "train-eagle": ("infer.eagle_train:train_eagle_command", "Train an EAGLE draft head for a target model."),
+    "tp-worker": ("infer.parallel:tp_worker_command", "Run a tensor-parallel rank for an engine on another host."),
 }
 CONFIG_HELP = "CONFIG is a YAML file or a shipped config name (baseline); OVERRIDES are key=value (scheduler.name=lpm)."
 

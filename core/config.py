@@ -161,6 +161,32 @@ class ServerConfig(BaseModel):
                                                     "the key by default).")
 
 
+class ParallelConfig(BaseModel):
+    """Section ``parallel``: the model sharded over several processes (``infer.parallel``)."""
+
+    model_config = CORE_MODEL_CONFIG
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks the model is sharded over (column-parallel QKV "
+                                                           "and gate/up, row-parallel output and down, each rank's "
+                                                           "KV pool its own KV heads); 1: one process.")
+    local_ranks: int | None = Field(None, ge=1, description="Ranks this host starts, 0 .. local_ranks - 1 (null: "
+                                                            "all of them); the rest join with infer tp-worker.")
+    master_addr: str | None = Field(None, description="Address rank 0 listens on for the others (null: "
+                                                      "$MASTER_ADDR, else 127.0.0.1).")
+    master_port: int | None = Field(None, ge=0, le=65535, description="Its port (null: $MASTER_PORT, else a free "
+                                                                      "one, which needs every rank on this host).")
+    threads_per_rank: int | None = Field(None, ge=1, description="torch threads each rank runs (null: this host's "
+                                                                 "cores shared evenly among its ranks).")
+    timeout_s: float = Field(600.0, gt=0, description="How long ranks wait for each other to start and for one "
+                                                      "collective (a dead local rank is noticed at once).")
+
+    @model_validator(mode="after")
+    def _check_local_ranks(self) -> ParallelConfig:
+        if self.local_ranks is not None and self.local_ranks > self.tensor_parallel_size:
+            raise ValueError(f"local_ranks {self.local_ranks} exceeds tensor_parallel_size "
+                             f"{self.tensor_parallel_size}")
+        return self
+
+
 class SimulateConfig(BaseModel):
     """Section ``simulate``: how ``infer simulate`` prices a step instead of running the model (every other section
     means what it means in a real run). See ``infer.simulate``."""
@@ -187,7 +213,7 @@ class SimulateConfig(BaseModel):
 
 CORE_SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelConfig, "cache": CacheConfig, "execution": ExecutionConfig, "server": ServerConfig,
-    "plugins": PluginsConfig, "simulate": SimulateConfig,
+    "plugins": PluginsConfig, "simulate": SimulateConfig, "parallel": ParallelConfig,
 }
 
 
@@ -208,6 +234,7 @@ class InferConfig(BaseModel):
     server: ServerConfig = ServerConfig()
     plugins: PluginsConfig = PluginsConfig()
     simulate: SimulateConfig = SimulateConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     @classmethod
     def from_dict(cls, data: Any, registry: Registry | None = None) -> InferConfig:

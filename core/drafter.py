@@ -56,6 +56,9 @@ class Drafter(ABC):
     needs_hidden_states: ClassVar[bool] = False
     # False for a drafter that never proposes (``none``): the engine then calls none of its methods in a step.
     proposes: ClassVar[bool] = True
+    # True for a drafter that never runs ``engine.model`` (whose layers are sharded under tensor parallelism and run
+    # only as a collective of every rank): the engine refuses the others with parallel.tensor_parallel_size > 1.
+    works_with_tensor_parallel: ClassVar[bool] = False
 
     def __init__(self, config: DrafterConfig | None = None, **context):
         self.config = config or self.config_model()

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from infer import cpu_kernels
-from infer.execution import Executor, choose_attention
+from infer.execution import build_attention, build_executor
 from infer.guide import GuideError, TokenizerInfo, constrain_logits
 from infer.kv_cache_manager import KVCacheManager
 from infer.kv_pool import free_device_memory, kv_bytes_per_token, plan_kv_pool
 from infer.memory import measure_peak_bytes
+from infer.parallel import TensorParallel
 from infer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from infer.rejection_sampler import verify_sampled_drafts
 from infer.runner import ModelRunner, StepOutput
@@ -124,23 +124,39 @@ class Engine:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         torch.manual_seed(config.model.seed)
         self._rng = random.Random(config.model.seed)
-        loaded = load_model(config.model.path, self.dtype, self.device)
+        # Sharded over ranks (``infer.parallel``): the others start loading their shards while this one loads.
+        self.tensor_parallel = self._launch_tensor_parallel() if config.parallel.tensor_parallel_size > 1 else None
+        try:
+            self._build(config, load_model(config.model.path, self.dtype, self.device))
+        except BaseException:
+            self.close()
+            raise
+        logger.info(self.pool_plan.describe())
+        self.registry.hook.engine_started(engine=self)
+
+    def _build(self, config, loaded) -> None:
         self.quantization = resolve_quantization(config.model.quantization, config.model.dtype, self.dtype,
                                                  self.device)
-        self.model = quantize_model(loaded.model, self.quantization)
+        model = loaded.model if self.tensor_parallel is None else self.tensor_parallel.shard(loaded.model)
+        self.model = quantize_model(model, self.quantization)
         self.vocab_size = self.model.vocab_size
-        self.executor = self._build_executor()
+        self.executor = build_executor(self.model, config, self.device, self.dtype)
         self.tokenizer = loaded.tokenizer
         self.max_token_bytes = max(len(token.encode()) for token in self.tokenizer.get_vocab())
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.model_name = loaded.name
         self.max_model_len = config.model.max_model_len
         self._check_max_model_len(loaded)
-        self.attention = self._build_attention()
+        self.attention_name, self.attention = build_attention(self.registry, config, self.model, self.device,
+                                                              self.dtype, self.executor.kernels)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.connect()
         # Before sizing the pool: a drafter with its own KV takes its share of the budget.
         self.drafter = self._plugin("drafter")(config.drafter, engine=self)
         self.pool_plan = self._size_pool()
         self.executor.counts.clear()  # the pool-sizing pass above is no step
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.send_pool(self.pool_plan.num_blocks)
         self.kv_cache = torch.zeros(self.attention.kv_cache_shape(self.model.num_layers, self.pool_plan.num_blocks),
                                     dtype=self.dtype, device=self.device)
         if self.drafter.kv_bytes_per_token():
@@ -154,10 +170,28 @@ class Engine:
         self._init_scheduling(self.pool_plan.num_blocks)
         self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device, self.executor,
                                   self.pool_plan.num_blocks, f"allocator {config.allocator.name!r} or prefix cache "
-                                                             f"{config.prefix_cache.name!r}")
+                                                             f"{config.prefix_cache.name!r}", self.tensor_parallel)
         self.sampler = Sampler()
-        logger.info(self.pool_plan.describe())
-        self.registry.hook.engine_started(engine=self)
+
+    def _launch_tensor_parallel(self) -> TensorParallel:
+        """Start the other ranks, once the drafter and the model's heads are known to allow the split."""
+        from transformers import AutoConfig
+
+        from infer.loader import hf_model_dir
+
+        size = self.config.parallel.tensor_parallel_size
+        if not self._plugin("drafter").works_with_tensor_parallel:
+            raise ValueError(f"drafter {self.config.drafter.name!r} cannot run with parallel.tensor_parallel_size="
+                             f"{size}: it may run the target model on rank 0 alone, whose layers are sharded; use "
+                             f"drafter ngram or none (a drafter declares works_with_tensor_parallel = True when it "
+                             f"never runs engine.model)")
+        return TensorParallel.launch(self.config, AutoConfig.from_pretrained(hf_model_dir(self.config.model.path)))
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (idempotent; nothing to do in one process). Steps fail after."""
+        parallel = getattr(self, "tensor_parallel", None)
+        if parallel is not None:
+            parallel.close()
 
     # -- construction ------------------------------------------------------------------------------------------
     def _plugin(self, kind: str):
@@ -187,32 +221,14 @@ class Engine:
         forced = self._jump_forward and self.config.guide.name != "none"
         return self.config.drafter.num_speculative_tokens > 0 and (self.drafter.proposes or forced)
 
-    def _build_executor(self) -> Executor:
-        """How steps run through the model (``infer.execution``): with infer's CPU kernels for float32 on a CPU
-        (loaded once here; ``model.cpu_kernels``), else torch's ops."""
-        model_config, execution = self.config.model, self.config.execution
-        if model_config.compile:
-            self.model.compile_dense_parts()  # compiled code fuses the small ops itself: no kernels there
-        usable = self.device.type == "cpu" and self.dtype == torch.float32 and not model_config.compile
-        kernels = cpu_kernels.load(model_config.cpu_kernels) if usable else None
-        return Executor.for_model(self.model, kernels, execution.paths, execution.fused_max_tokens)
-
     def describe_execution(self) -> str:
         """One line for ``infer run``: the attention backend, the kernels and the execution paths in use."""
         kernels = "infer's CPU kernels" if self.executor.kernels is not None else "torch's ops"
         paths = " > ".join(path.name for path in self.executor.paths)
         chosen = f"{self.attention_name} (auto)" if self.config.attention.name == "auto" else self.attention_name
+        parallel = "" if self.tensor_parallel is None else f"; {self.tensor_parallel.describe()}"
         return (f"attention {chosen}; {kernels}; "
-                f"execution paths {paths} (fused up to {self.executor.fused_max_tokens} tokens)")
-
-    def _build_attention(self):
-        configured = self.config.attention
-        name = self.attention_name = choose_attention(configured.name, self.device, self.dtype,
-                                                      self.executor.kernels)
-        config = configured if name == configured.name else self.registry.config_model("attention", name)()
-        return self.registry.load("attention", name)(
-            num_heads=self.model.num_heads, num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
-            block_size=self.config.cache.block_size, dtype=self.dtype, device=self.device, config=config)
+                f"execution paths {paths} (fused up to {self.executor.fused_max_tokens} tokens){parallel}")
 
     def _check_max_model_len(self, loaded) -> None:
         limit = getattr(loaded.hf_config, "max_position_embeddings", None)
@@ -221,17 +237,26 @@ class Engine:
                              f"(max_position_embeddings={limit}); lower model.max_model_len")
 
     def _size_pool(self):
-        cache = self.config.cache
-        bytes_per_token = kv_bytes_per_token(self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
-                                             self.dtype) + self.drafter.kv_bytes_per_token()
-        weight_bytes = model_weight_bytes(self.model)
-        activation_bytes = 0 if cache.num_blocks is not None else self._profile_activations(bytes_per_token)
+        """The pool's blocks from this host's budget. Sharded, every rank's pool has as many blocks (one block
+        table addresses them all) over its own KV heads, and the budget covers the ranks on this host: their KV bytes
+        per token, weights and activations (rank 0's times the ranks, an estimate) together."""
+        cache, model = self.config.cache, self.model
+        if self.tensor_parallel is None:
+            rank_bytes = [kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, self.dtype)]
+            local_ranks = 1
+        else:
+            rank_bytes = self.tensor_parallel.kv_bytes_per_token(model.num_layers, model.head_dim, self.dtype)
+            local_ranks = self.tensor_parallel.local_ranks
+        bytes_per_token = sum(rank_bytes[:local_ranks]) + self.drafter.kv_bytes_per_token()
+        weight_bytes = model_weight_bytes(model) * local_ranks
+        activation_bytes = 0 if cache.num_blocks is not None else self._profile_activations() * local_ranks
         return plan_kv_pool(
             budget_bytes=cache.budget_bytes(free_device_memory(self.device) + weight_bytes),
             weight_bytes=weight_bytes, activation_bytes=activation_bytes, bytes_per_token=bytes_per_token,
-            block_size=cache.block_size, max_model_len=self.max_model_len, num_blocks_override=cache.num_blocks)
+            block_size=cache.block_size, max_model_len=self.max_model_len, num_blocks_override=cache.num_blocks,
+            rank_bytes_per_token=tuple(rank_bytes) if self.tensor_parallel is not None else ())
 
-    def _profile_activations(self, bytes_per_token: int) -> int:
+    def _profile_activations(self) -> int:
         """Peak memory of one worst-case step (a full token budget split over max_num_seqs sequences, plus their
         logits), measured on a scratch pool just large enough for it."""
         budget = self.config.scheduler.max_num_batched_tokens
@@ -242,7 +267,10 @@ class Engine:
         num_blocks = sum(-(-n // block_size) for n in lengths) + 1
         scratch = torch.zeros(self.attention.kv_cache_shape(self.model.num_layers, num_blocks), dtype=self.dtype,
                               device=self.device)
-        runner = ModelRunner(self.model, self.attention, scratch, self.device, self.executor)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.send_pool(num_blocks)
+        runner = ModelRunner(self.model, self.attention, scratch, self.device, self.executor,
+                             tensor_parallel=self.tensor_parallel)
         seqs, next_block = [], 1
         for i, n in enumerate(lengths):
             seq = Sequence(seq_id=f"profile-{i}", prompt_token_ids=[0] * n, params=SamplingParams())

@@ -120,6 +120,8 @@ class FusedLayersPath(ExecutionPath):
             return "no CPU kernels in this step (they run float32 on a CPU; model.cpu_kernels)"
         if step.num_tokens > self.max_tokens:
             return f"{step.num_tokens} tokens > fused_max_tokens {self.max_tokens}"
+        if layers and layers[0].self_attn.tensor_parallel is not None:
+            return "tensor-parallel layers (an all-reduce follows the output and the down projection)"
         if not layers or any(layer.fused is None for layer in layers):
             return "projections not packed for the kernels (model.quantization fp16 or int8, shapes the GEMV takes)"
         return None
@@ -244,3 +246,29 @@ def choose_attention(name: str, device: torch.device, dtype: torch.dtype, kernel
     if name != "auto":
         return name
     return "cpu" if device.type == "cpu" and dtype == torch.float32 and kernels is not None else "sdpa"
+
+
+def build_executor(model: LlamaForCausalLM, config, device: torch.device, dtype: torch.dtype) -> Executor:
+    """How steps run through ``model`` for ``config`` (an ``InferConfig``): with infer's CPU kernels for float32 on
+    a CPU (loaded once; ``model.cpu_kernels``), else torch's ops. Every tensor-parallel rank builds its own."""
+    from infer import cpu_kernels
+
+    model_config, execution = config.model, config.execution
+    if model_config.compile:
+        model.compile_dense_parts()  # compiled code fuses the small ops itself: no kernels there
+    usable = device.type == "cpu" and dtype == torch.float32 and not model_config.compile
+    kernels = cpu_kernels.load(model_config.cpu_kernels) if usable else None
+    return Executor.for_model(model, kernels, execution.paths, execution.fused_max_tokens)
+
+
+def build_attention(registry, config, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
+                    kernels: CpuKernels | None) -> tuple[str, AttentionBackend]:
+    """The attention backend ``config.attention`` selects (``auto`` resolved by ``choose_attention``) over
+    ``model``'s heads (a tensor-parallel rank's: its own), and its name."""
+    configured = config.attention
+    name = choose_attention(configured.name, device, dtype, kernels)
+    settings = configured if name == configured.name else registry.config_model("attention", name)()
+    backend = registry.load("attention", name)(
+        num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        block_size=config.cache.block_size, dtype=dtype, device=device, config=settings)
+    return name, backend

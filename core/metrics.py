@@ -56,6 +56,23 @@ def summarize(outputs: list[RequestOutput], engine, wall_time_s: float) -> dict:
         "spec_accepted_per_pass": stats.mean_accepted_per_pass,
         "ttft_slo_attainment": slo_attainment(served),
         **grouped_ttfts(served),
+        **tensor_parallel_numbers(engine),
+    }
+
+
+def tensor_parallel_numbers(engine) -> dict:
+    """With a sharded model: the ranks, each rank's KV bytes per token, and rank 0's time in collectives (the
+    plan's broadcast, two all-reduces per layer, the logits' gather, waits for slower ranks included) as a share of
+    the engine's busy time."""
+    parallel = getattr(engine, "tensor_parallel", None)
+    if parallel is None:
+        return {}
+    stats = engine.stats
+    return {
+        "tensor_parallel_size": parallel.world_size,
+        "kv_bytes_per_token_by_rank": list(engine.pool_plan.rank_bytes_per_token),
+        "tp_comm_share": parallel.comm_time_s / stats.busy_time_s if stats.busy_time_s else 0.0,
+        "tp_all_reduces_per_step": parallel.group.num_all_reduces / stats.num_steps if stats.num_steps else 0.0,
     }
 
 
@@ -108,6 +125,11 @@ def format_summary(summary: dict) -> str:
         ("preemptions", str(summary["preemptions"])),
         ("spec tokens per verify pass", f"{summary['spec_accepted_per_pass']:.2f}" if summary["spec_accepted_per_pass"] else "-"),
     ]
+    if summary.get("tensor_parallel_size"):
+        rows.append(("tensor parallel ranks", f"{summary['tensor_parallel_size']} (KV B/token per rank: "
+                                              f"{' / '.join(map(str, summary['kv_bytes_per_token_by_rank']))})"))
+        rows.append(("collectives' share of busy time", f"{summary['tp_comm_share']:.1%} "
+                                                        f"({summary['tp_all_reduces_per_step']:.0f} all-reduces/step)"))
     if summary.get("ttft_slo_attainment") is not None:
         rows.append(("TTFT SLO met", f"{summary['ttft_slo_attainment']:.1%}"))
     for name in ("priority", "tenant"):

@@ -39,6 +39,7 @@ def run_command(config, overrides, prompts_path=None, output_path=None, explain:
     click.echo(format_summary(summarize(outputs, llm.engine, wall)), err=True)
     if explain:
         click.echo(llm.engine.executor.describe(), err=True)
+    llm.close()
     sys.stdout.flush()
 
 

@@ -61,7 +61,7 @@ class ModelRunner:
 
     def __init__(self, model, attention: AttentionBackend, kv_cache: torch.Tensor, device: torch.device,
                  executor: Executor | None = None, num_blocks: int | None = None,
-                 block_sources: str = "the allocator or the prefix cache"):
+                 block_sources: str = "the allocator or the prefix cache", tensor_parallel=None):
         self.model = model
         self.attention = attention
         self.kv_cache = kv_cache
@@ -70,6 +70,9 @@ class ModelRunner:
         self.block_size = attention.block_size
         self.num_blocks = num_blocks
         self.block_sources = block_sources
+        # Rank 0 of a sharded model (``infer.parallel.TensorParallel``): each step's plan goes to the other ranks
+        # first, which run the same forward pass.
+        self.tensor_parallel = tensor_parallel
 
     def build_metadata(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
         input_ids: list[int] = []
@@ -111,17 +114,30 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], want_hidden: bool = False) -> StepOutput:
         input_ids, metadata = self.build_metadata(scheduled)
-        step = self.executor.step(self.model.rotary, self.attention.prepare(metadata), self.kv_cache, self.attention,
-                                  self.model.embed_tokens.weight.dtype)
-        hidden = self.model(input_ids, step)
         indices, rows = self.logits_rows(scheduled)
-        index = torch.tensor(indices, dtype=torch.int64, device=hidden.device)
-        selected = hidden.index_select(0, index)
-        logits = self.model.compute_logits(selected)
+        if self.tensor_parallel is None:
+            hidden, logits = self.forward(input_ids, metadata, indices)
+        else:
+            self.tensor_parallel.send_step(scheduled, input_ids, indices)
+            try:
+                hidden, logits = self.forward(input_ids, metadata, indices)
+            except RuntimeError as error:  # a collective failed: a rank is gone
+                raise self.tensor_parallel.failure(error) from error
         if not want_hidden:
             return StepOutput(logits=logits.float(), rows=rows)
         return StepOutput(logits=logits.float(), rows=rows, hidden_states=hidden,
                           token_rows=self.token_rows(scheduled))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, metadata: AttentionMetadata,
+                indices: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model over one step's tokens: the final hidden states ``[T, hidden]`` and the logits of the tokens at
+        ``indices`` (None on a tensor-parallel rank other than 0)."""
+        step = self.executor.step(self.model.rotary, self.attention.prepare(metadata), self.kv_cache, self.attention,
+                                  self.model.embed_tokens.weight.dtype)
+        hidden = self.model(input_ids, step)
+        index = torch.tensor(indices, dtype=torch.int64, device=hidden.device)
+        return hidden, self.model.compute_logits(hidden.index_select(0, index))
 
     @staticmethod
     def token_rows(scheduled: list[tuple[Sequence, int]]) -> list[BatchRows]:

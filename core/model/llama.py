@@ -25,6 +25,7 @@ from infer.model.rotary import RotaryEmbedding, rope_inverse_frequencies
 if TYPE_CHECKING:
     from infer.cpu_kernels import CpuKernels
     from infer.execution import ForwardStep
+    from infer.parallel import TensorParallelGroup
 
 
 class Attention(nn.Module):
@@ -41,6 +42,9 @@ class Attention(nn.Module):
         qkv_bias, output_bias = _attention_biases(config)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, dtype=dtype)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=output_bias, dtype=dtype)
+        # Sharded by ``infer.parallel.shard_model``: this rank's heads only, and the output projection's partial
+        # sums added over the ranks.
+        self.tensor_parallel: TensorParallelGroup | None = None
 
     def forward(self, hidden: torch.Tensor, step: ForwardStep) -> torch.Tensor:  # hidden: [T, hidden]
         num_tokens = hidden.shape[0]
@@ -49,7 +53,8 @@ class Attention(nn.Module):
         q, k = step.ops.rotate(qkv, self.num_heads + self.num_kv_heads, self.head_dim).split(
             [self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(step.attend(self.layer_index, q, k, v).reshape(num_tokens, self.q_size))
+        out = self.o_proj(step.attend(self.layer_index, q, k, v).reshape(num_tokens, self.q_size))
+        return out if self.tensor_parallel is None else self.tensor_parallel.all_reduce(out)
 
 
 class MLP(nn.Module):
@@ -62,11 +67,13 @@ class MLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype)
+        self.tensor_parallel: TensorParallelGroup | None = None  # as ``Attention``'s
 
     def forward(self, x: torch.Tensor, step: ForwardStep | None = None) -> torch.Tensor:
         """``x`` ``[..., hidden]``; without a step (training an EAGLE head: batched, with autograd) in torch's ops."""
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(silu_and_mul(gate_up) if step is None else step.ops.silu_mul(gate_up))
+        out = self.down_proj(silu_and_mul(gate_up) if step is None else step.ops.silu_mul(gate_up))
+        return out if self.tensor_parallel is None else self.tensor_parallel.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -108,7 +115,8 @@ class DecoderLayer(nn.Module):
             if hasattr(projection, "use_cpu_kernels"):  # PackedLinear
                 projection.use_cpu_kernels(kernels, gemv_rows)
         weights = [getattr(projection, "kernel_weight", None) for projection in projections]
-        if kernels is None or any(weight is None for weight in weights):
+        # A sharded layer all-reduces between its projections, which the fused C calls run back to back.
+        if kernels is None or any(weight is None for weight in weights) or attn.tensor_parallel is not None:
             self.fused = None
             return
         norms = (self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach())
@@ -153,6 +161,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         inverse_frequencies, scaling = rope_inverse_frequencies(config, self.head_dim)
         self.rotary = RotaryEmbedding(inverse_frequencies, self.max_positions, torch.device(device), scaling)
+        # Sharded (``infer.parallel.shard_model``): the layers hold this rank's heads and ``lm_head`` its slice of
+        # the vocabulary, whose logits rank 0 gathers.
+        self.tensor_parallel: TensorParallelGroup | None = None
 
     @classmethod
     def from_hf(
@@ -200,8 +211,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits ``[N, vocab]`` in float32 for hidden states ``[N, hidden]`` from ``forward``."""
-        return self.lm_head(hidden).float()
+        """Vocabulary logits ``[N, vocab]`` in float32 for hidden states ``[N, hidden]`` from ``forward``. Sharded:
+        a collective every rank calls; rank 0 gets the logits, the others None."""
+        logits = self.lm_head(hidden).float()
+        return logits if self.tensor_parallel is None else self.tensor_parallel.gather_vocabulary(logits)
 
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ..., ``lm_head.weight``) into the fused

@@ -54,7 +54,10 @@ def serve_command(config: str, overrides: list[str], host: str | None = None, po
         engine_loop, abort_after_s=settings.shutdown_timeout_s * _ABORT_AT)
     # uvicorn re-raises the signal that stopped it once it has shut down; this handler turns that into exit 0.
     signal.signal(signal.SIGTERM, _exit_after_shutdown)
-    server.run()
+    try:
+        server.run()
+    finally:
+        engine.close()  # the other tensor-parallel ranks (the lifespan has stopped the engine thread)
     if not server.started:
         sys.exit(1)  # e.g. the port was taken; uvicorn has logged why
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from infer.engine import RequestError
+from infer.parallel import TensorParallelError
 from infer.sampling_params import SamplingParams
 from infer.serve.updates import RequestProgress, RequestUpdate
 
@@ -240,6 +241,8 @@ class EngineLoop:
     def _step(self) -> list:
         try:
             self.engine.step()
+        except TensorParallelError:
+            raise  # no step can run any more: the thread ends, failing what is in flight, and /health turns 503
         except Exception:
             logger.exception("an engine step failed; failing every request in flight")
             return self._fail_all("the engine failed while running this request; see the server log")

@@ -20,6 +20,7 @@ class NgramDrafter(Drafter):
     """Stateless and deterministic: proposals depend only on the sequence's committed tokens."""
 
     config_model = NgramDrafterConfig
+    works_with_tensor_parallel = True  # reads token ids only
 
     def propose(self, sequences, k):
         return [self.propose_one(seq.token_ids[-self.config.lookback:], k) for seq in sequences]

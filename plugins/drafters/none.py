@@ -10,6 +10,7 @@ class NoDrafter(Drafter):
     """Proposes nothing; every step decodes one token per sequence."""
 
     proposes = False
+    works_with_tensor_parallel = True
 
     def propose(self, sequences, k):
         return [[] for _ in sequences]
