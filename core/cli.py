@@ -24,6 +24,9 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("infer.simulate.cli:simulate", "Run a config's scheduling and caching over a workload on a cost "
                                                 "model (no model forward)."),
     "train-eagle": ("infer.eagle_train:train_eagle_command", "Train an EAGLE draft head for a target model."),
+    "serve": ("infer.serve.cli:serve", "Serve an OpenAI-compatible HTTP API (--data-parallel-size N: N replicas "
+                                       "behind a router)."),
+    "router": ("infer.serve.cli:router_command", "Route OpenAI API requests over running infer serve replicas."),
     "tp-worker": ("infer.parallel:tp_worker_command", "Run a tensor-parallel rank for an engine on another host."),
 }
 CONFIG_HELP = "CONFIG is a YAML file or a shipped config name (baseline); OVERRIDES are key=value (scheduler.name=lpm)."
@@ -131,20 +134,6 @@ def run_cli(config: str, overrides: tuple[str, ...], prompts: Path | None, outpu
     from infer.run import run_command
 
     run_command(config, list(overrides), prompts, output, explain)
-
-
-@main.command("serve", epilog=CONFIG_HELP)
-@click.argument("config")
-@click.argument("overrides", nargs=-1)
-@click.option("--host", help="Address to bind (default: server.host from the config).")
-@click.option("--port", type=int, help="Port to bind (default: server.port from the config).")
-@click.option("--api-key", help="Require this bearer token (default: server.api_key from the config).")
-def serve_cli(config: str, overrides: tuple[str, ...], host: str | None, port: int | None,
-              api_key: str | None) -> None:
-    """Serve an OpenAI-compatible HTTP API."""
-    from infer.serve.cli import serve_command
-
-    serve_command(config, list(overrides), host, port, api_key)
 
 
 @main.command("config", epilog=CONFIG_HELP)

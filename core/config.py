@@ -178,6 +178,9 @@ class ParallelConfig(BaseModel):
                                                                  "cores shared evenly among its ranks).")
     timeout_s: float = Field(600.0, gt=0, description="How long ranks wait for each other to start and for one "
                                                       "collective (a dead local rank is noticed at once).")
+    data_parallel_size: int = Field(1, ge=1, description="infer serve: engine replicas, each its own process (and "
+                                                         "its tensor-parallel ranks), behind a router (section "
+                                                         "router); 1: one engine serves.")
 
     @model_validator(mode="after")
     def _check_local_ranks(self) -> ParallelConfig:
@@ -185,6 +188,33 @@ class ParallelConfig(BaseModel):
             raise ValueError(f"local_ranks {self.local_ranks} exceeds tensor_parallel_size "
                              f"{self.tensor_parallel_size}")
         return self
+
+
+class RouterConfig(BaseModel):
+    """Section ``router``: how ``infer serve --data-parallel-size N`` and ``infer router`` spread requests over
+    replicas (``infer.serve.router``)."""
+
+    model_config = CORE_MODEL_CONFIG
+    policy: Literal["prefix_affinity", "round_robin"] = Field(
+        "prefix_affinity", description="prefix_affinity: the replica whose cache most likely holds the longest "
+                                       "prefix of the prompt (the router's record of what it sent where), unless it "
+                                       "is much busier than the idlest; round_robin: in turn.")
+    block_chars: int = Field(64, ge=1, description="prefix_affinity: characters per block of the router's record "
+                                                   "(about a KV block of 16 tokens of English).")
+    max_blocks_per_replica: int = Field(200_000, ge=1, description="prefix_affinity: blocks remembered per replica "
+                                                                   "(least recently routed forgotten first).")
+    cache_threshold: float = Field(0.3, ge=0, le=1, description="prefix_affinity: below this share of the prompt "
+                                                                "matched, the idlest replica takes it.")
+    balance_abs_threshold: int = Field(8, ge=0, description="prefix_affinity: the matched replica is passed over "
+                                                            "when it has this many more requests in flight than the "
+                                                            "idlest...")
+    balance_rel_threshold: float = Field(1.5, ge=1, description="...and more than this many times as many.")
+    health_interval_s: float = Field(1.0, gt=0, description="Seconds between health checks of each replica.")
+    failure_threshold: int = Field(2, ge=1, description="Failed health checks in a row that take a replica out "
+                                                        "(a refused connection takes it out at once); one good "
+                                                        "check brings it back.")
+    startup_timeout_s: float = Field(600.0, gt=0, description="infer serve --data-parallel-size: how long the "
+                                                              "replicas may take to load.")
 
 
 class SimulateConfig(BaseModel):
@@ -214,6 +244,7 @@ class SimulateConfig(BaseModel):
 CORE_SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelConfig, "cache": CacheConfig, "execution": ExecutionConfig, "server": ServerConfig,
     "plugins": PluginsConfig, "simulate": SimulateConfig, "parallel": ParallelConfig,
+    "router": RouterConfig,
 }
 
 
@@ -235,6 +266,7 @@ class InferConfig(BaseModel):
     plugins: PluginsConfig = PluginsConfig()
     simulate: SimulateConfig = SimulateConfig()
     parallel: ParallelConfig = ParallelConfig()
+    router: RouterConfig = RouterConfig()
 
     @classmethod
     def from_dict(cls, data: Any, registry: Registry | None = None) -> InferConfig:

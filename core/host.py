@@ -44,3 +44,12 @@ def _cpu_flags_line() -> str:
     except OSError:
         pass
     return ""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (a replica's, a test's rank 0's; another process may still take it)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]

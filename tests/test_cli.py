@@ -200,12 +200,13 @@ def test_run_routes_its_arguments_to_run_command(runner, monkeypatch, tmp_path):
 
 def test_serve_routes_its_arguments_to_serve_command(runner, monkeypatch):
     calls = []
-    serve_cli = types.SimpleNamespace(serve_command=lambda *args: calls.append(args))
-    monkeypatch.setitem(sys.modules, "infer.serve", types.SimpleNamespace(cli=serve_cli))
-    monkeypatch.setitem(sys.modules, "infer.serve.cli", serve_cli)
+    monkeypatch.setattr("infer.serve.cli.serve_command", lambda *args: calls.append(args))
     result = runner.invoke(main, ["serve", "baseline", "--port", "9000", "--api-key", "secret"])
     assert result.exit_code == 0, result.output
-    assert calls == [("baseline", [], None, 9000, "secret")]
+    result = runner.invoke(main, ["serve", "baseline", "model.seed=1", "--data-parallel-size", "2"])
+    assert result.exit_code == 0, result.output
+    assert calls == [("baseline", [], None, 9000, "secret"),
+                     ("baseline", ["model.seed=1", "parallel.data_parallel_size=2"], None, None, None)]
 
 
 def test_config_error_raised_inside_a_command_exits_with_code_2(runner, monkeypatch):

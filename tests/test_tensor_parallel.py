@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from infer import LLM, SamplingParams
-from infer.parallel import TensorParallelError, free_port, pack_step, plan_shards, unpack_step
+from infer.host import free_port
+from infer.parallel import TensorParallelError, pack_step, plan_shards, unpack_step
 from infer.sequence import Sequence
 
 from test_engine_oracle import CHATS, MAX_TOKENS, MODEL, SYSTEM, conversations, hf_greedy, hf_model  # noqa: F401

@@ -26,9 +26,35 @@ CONFIG_HELP = ("CONFIG is a YAML file or a shipped config name (baseline); OVERR
 @click.option("--port", type=int, help="Port to bind (default: server.port from the config).")
 @click.option("--api-key", envvar="INFER_API_KEY",
               help="Require this bearer token on /v1 routes (default: $INFER_API_KEY, then server.api_key).")
-def serve(config: str, overrides: tuple[str, ...], host: str | None, port: int | None, api_key: str | None) -> None:
+@click.option("--data-parallel-size", type=click.IntRange(min=1),
+              help="Engine replicas behind a router on the address (default: parallel.data_parallel_size).")
+def serve(config: str, overrides: tuple[str, ...], host: str | None, port: int | None, api_key: str | None,
+          data_parallel_size: int | None) -> None:
     """Serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
-    serve_command(config, list(overrides), host, port, api_key)
+    overrides = list(overrides)
+    if data_parallel_size is not None:
+        overrides.append(f"parallel.data_parallel_size={data_parallel_size}")
+    serve_command(config, overrides, host, port, api_key)
+
+
+@click.command("router", epilog=CONFIG_HELP)
+@click.argument("overrides", nargs=-1)
+@click.option("--replica", "replicas", multiple=True, required=True,
+              help="A replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each).")
+@click.option("--config", "config", default="baseline", show_default=True,
+              help="Config whose router and server sections apply (OVERRIDES change them: router.policy=...).")
+@click.option("--host", help="Address to bind (default: server.host from the config).")
+@click.option("--port", type=int, help="Port to bind (default: server.port from the config).")
+@click.option("--api-key", envvar="INFER_API_KEY", help="Require this bearer token on /metrics (the replicas check "
+                                                        "/v1 themselves; the router forwards the header).")
+def router_command(overrides: tuple[str, ...], replicas: tuple[str, ...], config: str, host: str | None,
+                   port: int | None, api_key: str | None) -> None:
+    """Route OpenAI API requests over running infer serve replicas (prefix_affinity or round_robin)."""
+    from infer.config import load_config
+    from infer.serve.replicas import run_router
+
+    _log_to_stderr()
+    run_router(list(replicas), load_config(config, list(overrides)), host, port, api_key)
 
 
 def serve_command(config: str, overrides: list[str], host: str | None = None, port: int | None = None,
@@ -43,6 +69,11 @@ def serve_command(config: str, overrides: list[str], host: str | None = None, po
 
     _log_to_stderr()
     resolved = load_config(config, overrides)
+    if resolved.parallel.data_parallel_size > 1:
+        from infer.serve.replicas import serve_data_parallel
+
+        serve_data_parallel(config, overrides, host, port, api_key, resolved)
+        return
     settings = resolved.server
     engine = Engine(resolved)
     bound = settings if host is None else settings.model_copy(update={"host": host})

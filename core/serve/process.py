@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,15 +16,11 @@ from pathlib import Path
 
 import httpx
 
+from infer.host import free_port
+
 LOOPBACK = "127.0.0.1"
 # Runs the click command directly, so a server starts whether or not the ``infer`` script is on PATH.
 LAUNCHER = "from infer.serve.cli import serve; serve()"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
-        return probe.getsockname()[1]
 
 
 class ServerProcess:
