@@ -156,6 +156,7 @@ class Engine:
         self.pool_plan = self._size_pool()
         self.executor.counts.clear()  # the pool-sizing pass above is no step
         if self.tensor_parallel is not None:
+            self.tensor_parallel.group.reset_counters()
             self.tensor_parallel.send_pool(self.pool_plan.num_blocks)
         self.kv_cache = torch.zeros(self.attention.kv_cache_shape(self.model.num_layers, self.pool_plan.num_blocks),
                                     dtype=self.dtype, device=self.device)

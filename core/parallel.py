@@ -124,6 +124,9 @@ class TensorParallelGroup:
         self.plan = plan
         self.rank = plan.rank
         self.world_size = plan.world_size
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
         self.comm_time_s = 0.0
         self.num_all_reduces = 0
 
@@ -426,7 +429,7 @@ class TensorParallel:
 
     def describe(self) -> str:
         return (f"tensor parallel {self.world_size} ranks ({_backend(self.device)}, {self.local_ranks} on this host, "
-                f"{self.threads} threads each)")
+                f"{self.threads} threads each; sharded layers take the torch path)")
 
     def close(self) -> None:
         """Stop every rank: a STOP message when the group works, then join (kill after 10 s) the local ones."""

@@ -100,10 +100,11 @@ def parallel_forwards(engine) -> int:
 
 
 def test_a_rank_started_as_its_own_command_joins_over_loopback():
-    """Two "hosts" on one machine: rank 0 starts no process (local_ranks 1) and rank 1 runs `infer tp-worker`."""
+    """Two "hosts" on one machine: rank 0 starts no process (local_ranks 1) and rank 1 runs `infer tp-worker`; with
+    the sdpa backend (each rank's backend sees its own heads)."""
     port = free_port()
     overrides = ["model.dtype=float32", "model.max_model_len=512", "parallel.tensor_parallel_size=2",
-                 f"parallel.master_port={port}", "parallel.threads_per_rank=1"]
+                 f"parallel.master_port={port}", "parallel.threads_per_rank=1", "attention.name=sdpa"]
     infer = Path(sys.executable).with_name("infer")  # the console script, installed beside this interpreter
     worker = subprocess.Popen([str(infer), "tp-worker", "baseline", *overrides, "--rank", "1"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
