@@ -8,9 +8,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,8 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from infer.config import RouterConfig
-from infer.host import free_port
-from infer.serve.process import ServerProcess
+from infer.serve.process import RouterProcess, ServerProcess
 from infer.serve.router import ReplicaSet, aggregate_metrics, block_hashes, routing_text
 
 BASE = ["model.dtype=float32", "model.max_model_len=512", "cache.num_blocks=128", "prefix_cache.name=radix"]
@@ -147,19 +143,10 @@ def test_two_replicas_answer_as_one_and_prefix_affinity_keeps_the_hit_rate(data_
     # replicas (a second router): each on its own prompts, so every run starts from caches that hold none of them.
     single = [complete(data_parallel.replicas[0], prompt) for prompt in shared_prefix_prompts(seed=1)]
     affinity = [complete(data_parallel.url, prompt) for prompt in shared_prefix_prompts(seed=2)]
-    port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "infer", "router", *[f"--replica={url}" for url in
-                                                                          data_parallel.replicas],
-                               "--port", str(port), "router.policy=round_robin"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}")
-        round_robin = [complete(f"http://127.0.0.1:{port}", prompt) for prompt in shared_prefix_prompts(seed=3)]
+    with RouterProcess(data_parallel.replicas, ["router.policy=round_robin"]) as router:
+        round_robin = [complete(router.url, prompt) for prompt in shared_prefix_prompts(seed=3)]
         # The same prompts through either router: the same text as one replica gives (greedy, float32).
-        repeated = [complete(f"http://127.0.0.1:{port}", prompt) for prompt in shared_prefix_prompts(seed=1)[:3]]
-    finally:
-        router.terminate()
-        router.wait(30)
+        repeated = [complete(router.url, prompt) for prompt in shared_prefix_prompts(seed=1)[:3]]
     assert [r["choices"][0]["text"] for r in repeated] == [r["choices"][0]["text"] for r in single[:3]]
     # 3 groups of 4: one engine misses each group's system prompt once; so does prefix_affinity (each group stays
     # on one replica); round_robin misses it once on each replica.
@@ -191,18 +178,6 @@ def test_a_killed_replica_is_taken_out_and_its_requests_fail_over(data_parallel)
         httpx.get(f"{data_parallel.url}/metrics").text) for sample in family.samples
         if sample.name == "infer_router_replica_up"}
     assert up == {"0": 0.0, "1": 1.0}
-
-
-def wait_healthy(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not become healthy")
 
 
 def process_serving(url: str) -> int:

@@ -20,7 +20,8 @@ from infer.host import free_port
 from infer.parallel import TensorParallelError, pack_step, plan_shards, unpack_step
 from infer.sequence import Sequence
 
-from test_engine_oracle import CHATS, MAX_TOKENS, MODEL, SYSTEM, conversations, hf_greedy, hf_model  # noqa: F401
+from test_engine_oracle import CHATS, MAX_TOKENS, MODEL, SYSTEM, conversations, hf_greedy
+from test_engine_oracle import hf_model  # noqa: F401 (the module's fixture)
 
 BASE = {"model__path": MODEL, "model__dtype": "float32", "model__max_model_len": 512}
 
@@ -73,7 +74,7 @@ def test_a_drafter_that_runs_the_target_model_is_refused_before_any_rank_starts(
         LLM("baseline", drafter__name="eagle", parallel__tensor_parallel_size=2, **BASE)
 
 
-def test_two_ranks_match_hf_greedy_with_chunked_prefill_preemption_prefix_hits_and_ngram(hf_model):
+def test_two_ranks_match_hf_greedy_with_chunked_prefill_preemption_prefix_hits_and_ngram(hf_model):  # noqa: F811
     chats = conversations(CHATS, system=SYSTEM)
     references = hf_greedy(hf_model, chats)
     # 8 prompts of ~160 tokens, 9 blocks of 16 of them the shared system prompt (hash hits), in 19 blocks:
@@ -99,22 +100,25 @@ def parallel_forwards(engine) -> int:
     return sum(engine.executor.counts.values())
 
 
-def test_a_rank_started_as_its_own_command_joins_over_loopback():
+def test_a_rank_started_as_its_own_command_joins_over_loopback(tmp_path):
     """Two "hosts" on one machine: rank 0 starts no process (local_ranks 1) and rank 1 runs `infer tp-worker`; with
     the sdpa backend (each rank's backend sees its own heads)."""
     port = free_port()
     overrides = ["model.dtype=float32", "model.max_model_len=512", "parallel.tensor_parallel_size=2",
-                 f"parallel.master_port={port}", "parallel.threads_per_rank=1", "attention.name=sdpa"]
+                 f"parallel.master_port={port}", "parallel.threads_per_rank=1", "attention.name=sdpa",
+                 "parallel.timeout_s=120"]
     infer = Path(sys.executable).with_name("infer")  # the console script, installed beside this interpreter
-    worker = subprocess.Popen([str(infer), "tp-worker", "baseline", *overrides, "--rank", "1"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "rank1.log"
+    with open(log, "wb") as output:
+        worker = subprocess.Popen([str(infer), "tp-worker", "baseline", *overrides, "--rank", "1"],
+                                  stdout=output, stderr=subprocess.STDOUT)
     try:
         prompts = ["The capital of France is", "def fibonacci(n):"]
         params = SamplingParams(max_tokens=12, temperature=0.0)
         with LLM("baseline", dotlist=[*overrides, "parallel.local_ranks=1"]) as llm:
             assert llm.engine.tensor_parallel.processes == {}
             sharded = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert worker.wait(timeout=60) == 0
+        assert worker.wait(timeout=60) == 0, log.read_text()[-2000:]
     finally:
         if worker.poll() is None:
             worker.kill()

@@ -78,3 +78,13 @@ class ServerProcess:
                 pass
             time.sleep(0.25)
         raise TimeoutError(f"the server did not become healthy in {self.startup_timeout_s} s:\n{self.log_tail()}")
+
+
+class RouterProcess(ServerProcess):
+    """``infer router`` over running replicas at ``urls`` as a child process (``overrides``: ``router.policy=...``)."""
+
+    def __init__(self, urls: list[str], overrides: list[str] = (), startup_timeout_s: float = 60.0,
+                 log_path: str | os.PathLike | None = None):
+        super().__init__("baseline", overrides, startup_timeout_s=startup_timeout_s, log_path=log_path)
+        self.command = [sys.executable, "-m", "infer", "router", *overrides, *[f"--replica={url}" for url in urls],
+                        "--host", LOOPBACK, "--port", str(self.port)]

@@ -41,7 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from infer.config import RouterConfig
-from infer.serve.errors import ApiError, error_response, install_error_handlers
+from infer.serve.errors import ApiError, install_error_handlers
 
 logger = logging.getLogger("infer.router")
 
