@@ -330,6 +330,9 @@ class TensorParallel:
         ``ValueError`` before starting anything when ``hf_config``'s heads cannot be split over the ranks."""
         import torch.multiprocessing as mp
 
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialized in this process (another tensor-parallel "
+                               "engine still open?); close it first (Engine.close or LLM.close)")
         parallel = cls(config)
         parallel.plans = model_shard_plans(hf_config, parallel.world_size)
         parallel.group = TensorParallelGroup(parallel.plans[0])

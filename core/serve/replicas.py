@@ -121,10 +121,12 @@ def run_router(urls: list[str], resolved, host: str | None, port: int | None, ap
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port if port is None else port,
                                            access_log=False, log_level="info",
                                            timeout_graceful_shutdown=settings.shutdown_timeout_s))
-    from infer.serve.cli import _exit_after_shutdown
-
     # uvicorn re-raises the signal that stopped it once it has shut down; this handler turns that into exit 0.
-    signal.signal(signal.SIGTERM, _exit_after_shutdown)
+    signal.signal(signal.SIGTERM, _exit_zero)
     server.run()
     if not server.started:
         raise SystemExit(1)
+
+
+def _exit_zero(signum, frame) -> None:
+    raise SystemExit(0)
