@@ -159,6 +159,8 @@ class ServerConfig(BaseModel):
                           "server by DNS rebinding), any otherwise.")
     metrics_public: bool = Field(False, description="Serve /metrics without the API key when one is set (it needs "
                                                     "the key by default).")
+    metrics_vllm_names: bool = Field(False, description="/metrics also under vLLM's names (vllm:num_requests_running, "
+                                                        "vllm:time_to_first_token_seconds, ...) for its dashboards.")
 
 
 class ParallelConfig(BaseModel):

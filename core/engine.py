@@ -58,9 +58,13 @@ class StepStats:
 
 @dataclass(slots=True)
 class EngineStats:
-    """Totals since start (``infer run`` and ``infer bench`` summarize these)."""
+    """Totals since start: what ``infer run``'s and ``infer bench``'s summaries and the server's ``/metrics`` report
+    (``infer.metrics.ENGINE_COUNTERS`` names the exported ones)."""
 
     num_steps: int = 0
+    num_requests_finished: int = 0
+    num_requests_aborted: int = 0  # finished by an abort (a client gone, the server shutting down)
+    sequences_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> sequences
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     num_prefill_tokens_computed: int = 0
@@ -93,6 +97,22 @@ class EngineStats:
     def mean_accepted_per_pass(self) -> float:
         """Tokens committed per verify pass (bonus token included)."""
         return self.num_accepted_tokens / self.num_verify_passes if self.num_verify_passes else 0.0
+
+
+def request_metrics(request: Request) -> RequestMetrics:
+    """A request's timings and counts so far (``RequestOutput.metrics``; the server's latency histograms read the
+    same)."""
+    seqs, lead = request.seqs, request.seqs[0]
+    return RequestMetrics(
+        arrival_time=request.arrival_time,
+        first_scheduled_time=min((s.first_scheduled_time for s in seqs if s.first_scheduled_time), default=None),
+        first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
+        finish_time=max((s.finish_time for s in seqs if s.finish_time), default=None),
+        num_prompt_tokens=len(request.prompt_token_ids), num_cached_prompt_tokens=lead.num_cached_prompt_tokens,
+        num_output_tokens=sum(s.num_output_tokens for s in seqs), num_preemptions=sum(s.num_preemptions for s in seqs),
+        num_verify_passes=sum(s.num_verify_passes for s in seqs),
+        num_accepted_tokens=sum(s.num_accepted_tokens for s in seqs), token_times=list(lead.token_times),
+        priority=request.params.priority, tenant=request.params.tenant, ttft_slo_s=request.params.ttft_slo_s)
 
 
 @dataclass(slots=True)
@@ -416,6 +436,9 @@ class Engine:
         view = SchedulerView(self.waiting, self.running, self.kv, self.config.scheduler.max_num_seqs,
                              self.config.scheduler.max_num_batched_tokens, self.max_model_len, now=start)
         plan = self.scheduler.schedule(view)
+        for seq, _ in plan.scheduled:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = start
         if self._drafting:
             for seq in plan.preempted:
                 self.drafter.release(seq)
@@ -600,9 +623,12 @@ class Engine:
         seq.matcher = None
         seq.num_blocks_offered_to_cache = 0
         self.stats.num_cached_prompt_tokens += seq.num_cached_prompt_tokens
+        self.stats.sequences_finished[reason] = self.stats.sequences_finished.get(reason, 0) + 1
         if self._drafting:
             self.drafter.release(seq)
         if request is not None and request.finished:
+            self.stats.num_requests_finished += 1
+            self.stats.num_requests_aborted += request.aborted
             self.kv.release_fork_pin(request.seqs[0])
             self.registry.hook.request_finished(engine=self, output=self._request_output(request))
 
@@ -663,21 +689,8 @@ class Engine:
     # -- outputs -----------------------------------------------------------------------------------------------
     def _request_output(self, request: Request) -> RequestOutput:
         completions = [self._completion(seq) for seq in request.seqs]
-        first = min((s.first_token_time for s in request.seqs if s.first_token_time), default=None)
-        finish = max((s.finish_time for s in request.seqs if s.finish_time), default=None)
-        lead = request.seqs[0]
-        metrics = RequestMetrics(
-            arrival_time=request.arrival_time, first_token_time=first, finish_time=finish,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_cached_prompt_tokens=lead.num_cached_prompt_tokens,
-            num_output_tokens=sum(s.num_output_tokens for s in request.seqs),
-            num_preemptions=sum(s.num_preemptions for s in request.seqs),
-            num_verify_passes=sum(s.num_verify_passes for s in request.seqs),
-            num_accepted_tokens=sum(s.num_accepted_tokens for s in request.seqs),
-            token_times=list(lead.token_times), priority=request.params.priority, tenant=request.params.tenant,
-            ttft_slo_s=request.params.ttft_slo_s)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, metrics)
+                             request.finished, request_metrics(request))
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         return CompletionOutput(index=seq.sample_index, text=self.output_text(seq), token_ids=list(seq.output_token_ids),

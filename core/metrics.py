@@ -2,18 +2,53 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from infer.outputs import RequestOutput
 
 
+@dataclass(frozen=True, slots=True)
+class EngineCounter:
+    """A total of the engine's (an ``EngineStats`` attribute), exported by ``/metrics`` as ``infer_<name>`` (and,
+    with ``server.metrics_vllm_names``, under vLLM's name too) and read by the summaries."""
+
+    name: str
+    attribute: str
+    help: str
+    vllm_name: str | None = None
+
+
+# The engine's counters, declared once: ``/metrics`` exports these, ``summarize`` reports them by attribute.
+ENGINE_COUNTERS = (
+    EngineCounter("prompt_tokens_total", "num_prompt_tokens", "Prompt tokens of admitted requests.",
+                  "vllm:prompt_tokens_total"),
+    EngineCounter("prompt_tokens_cached_total", "num_cached_prompt_tokens", "Prompt tokens found in the prefix cache.",
+                  "vllm:prefix_cache_hits_total"),
+    EngineCounter("prefill_tokens_computed_total", "num_prefill_tokens_computed",
+                  "Prompt tokens computed (not found in the cache; recomputed after preemption included)."),
+    EngineCounter("generation_tokens_total", "num_output_tokens", "Output tokens generated.",
+                  "vllm:generation_tokens_total"),
+    EngineCounter("preemptions_total", "num_preemptions", "Sequences preempted for KV space.",
+                  "vllm:num_preemptions_total"),
+    EngineCounter("engine_steps_total", "num_steps", "Engine steps run."),
+    EngineCounter("requests_finished_total", "num_requests_finished", "Requests finished, aborted ones included."),
+    EngineCounter("requests_aborted_total", "num_requests_aborted",
+                  "Requests finished by an abort (the client went away, or the server shut down)."),
+    EngineCounter("spec_decode_draft_tokens_total", "num_draft_tokens", "Draft tokens proposed.",
+                  "vllm:spec_decode_num_draft_tokens_total"),
+    EngineCounter("spec_decode_verify_passes_total", "num_verify_passes", "Verification passes run."),
+    EngineCounter("spec_decode_accepted_tokens_total", "num_accepted_tokens",
+                  "Tokens committed by verify passes (bonus included).", "vllm:spec_decode_num_accepted_tokens_total"),
+)
+
+
 def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]); None for an empty list."""
+    """Linear-interpolated percentile (q in [0, 100], numpy's default method); None for an empty list."""
     if not values:
         return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    import numpy
+
+    return float(numpy.percentile(values, q))
 
 
 def inter_token_latencies(outputs: list[RequestOutput]) -> list[float]:
@@ -29,6 +64,7 @@ def summarize(outputs: list[RequestOutput], engine, wall_time_s: float) -> dict:
     served = [o for o in outputs if o.error is None]
     stats = engine.stats
     ttfts = [o.metrics.ttft_s for o in served if o.metrics.ttft_s is not None]
+    queue_times = [o.metrics.queue_time_s for o in served if o.metrics.queue_time_s is not None]
     tpots = [o.metrics.tpot_s for o in served if o.metrics.tpot_s is not None]
     itls = inter_token_latencies(served)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in served)
@@ -42,6 +78,7 @@ def summarize(outputs: list[RequestOutput], engine, wall_time_s: float) -> dict:
         "output_tok_per_s": output_tokens / wall_time_s if wall_time_s else 0.0,
         "prompt_tok_per_s": stats.num_prefill_tokens_computed / wall_time_s if wall_time_s else 0.0,
         "requests_per_s": len(served) / wall_time_s if wall_time_s else 0.0,
+        "queue_time_p50_s": percentile(queue_times, 50), "queue_time_p99_s": percentile(queue_times, 99),
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
         "tpot_p50_s": percentile(tpots, 50), "tpot_p99_s": percentile(tpots, 99),
         "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
@@ -54,6 +91,7 @@ def summarize(outputs: list[RequestOutput], engine, wall_time_s: float) -> dict:
         "mean_running": stats.mean_running,
         "preemptions": stats.num_preemptions,
         "spec_accepted_per_pass": stats.mean_accepted_per_pass,
+        "counters": {counter.name: getattr(stats, counter.attribute) for counter in ENGINE_COUNTERS},
         "ttft_slo_attainment": slo_attainment(served),
         **grouped_ttfts(served),
         **tensor_parallel_numbers(engine),
@@ -114,6 +152,7 @@ def format_summary(summary: dict) -> str:
         ("output tok/s", f"{summary['output_tok_per_s']:.1f}"),
         ("prefill tok/s (computed)", f"{summary.get('prompt_tok_per_s', 0.0):.1f}"),
         ("requests/s", f"{summary['requests_per_s']:.2f}"),
+        ("queue time p50 / p99", f"{_ms(summary.get('queue_time_p50_s'))} / {_ms(summary.get('queue_time_p99_s'))}"),
         ("TTFT p50 / p99", f"{_ms(summary['ttft_p50_s'])} / {_ms(summary['ttft_p99_s'])}"),
         ("TPOT p50 / p99", f"{_ms(summary['tpot_p50_s'])} / {_ms(summary['tpot_p99_s'])}"),
         ("ITL p50 / p99", f"{_ms(summary['itl_p50_s'])} / {_ms(summary['itl_p99_s'])}"),

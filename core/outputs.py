@@ -20,6 +20,7 @@ class CompletionOutput:
 @dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     num_prompt_tokens: int = 0
@@ -39,6 +40,11 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
+    def queue_time_s(self) -> float | None:
+        """Arrival to the first step that computed any of the request's tokens."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
     def tpot_s(self) -> float | None:
         if self.first_token_time is None or self.finish_time is None or self.num_output_tokens < 2:
             return None
@@ -50,7 +56,7 @@ class RequestMetrics:
 
     def to_dict(self) -> dict:
         data = {key: value for key, value in asdict(self).items() if key != "token_times"}
-        data.update(ttft_s=self.ttft_s, tpot_s=self.tpot_s, latency_s=self.latency_s)
+        data.update(queue_time_s=self.queue_time_s, ttft_s=self.ttft_s, tpot_s=self.tpot_s, latency_s=self.latency_s)
         return data
 
 

@@ -54,6 +54,7 @@ class Sequence:
     # Where the matched stop string begins, in characters from the end of the output text (set with stop_reason).
     stop_chars_from_end: int | None = None
     # Timing (seconds, time.perf_counter()).
+    first_scheduled_time: float | None = None  # the start of the first step that computed any of its tokens
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)

@@ -56,11 +56,14 @@ def health(server) -> dict:
     return httpx.get(f"{server.url}/health", timeout=10).json()
 
 
-def metric_values(server) -> dict[str, float]:
-    """Unlabelled samples of ``/metrics`` as name -> value."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10, headers={"Authorization": f"Bearer {API_KEY}"}).text
-    return {name: float(value) for name, value in (line.split() for line in text.splitlines()
-                                                   if line and not line.startswith("#") and "{" not in line)}
+def metric_values(server, api_key: str | None = API_KEY) -> dict[str, float]:
+    """Unlabelled samples of ``/metrics`` as name -> value, parsed by ``prometheus_client``'s parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(f"{server.url}/metrics", timeout=10, headers=headers).text
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if not sample.labels}
 
 
 def wait_until_idle(server, timeout_s: float = 10.0) -> dict:
@@ -86,16 +89,20 @@ def tokenizer():
 def stream_token_by_token(tokenizer, token_ids: list[int], stop: list[str]) -> str:
     """Feed ``token_ids`` one per step through ``RequestProgress`` the way the engine produces them (finishing at the
     first stop string, whose text is cut); returns the concatenated stream."""
+    from infer import SamplingParams
     from infer.serve.updates import RequestProgress
 
     def output_text(seq) -> str:  # Engine.output_text
         text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         return text[:text.find(seq.stop_reason)] if seq.stop_reason else text
 
+    params = SamplingParams(stop=stop)
     seq = SimpleNamespace(output_token_ids=[], is_finished=False, finish_reason=None, stop_reason=None,
-                          params=SimpleNamespace(stop=stop), logprobs=[], sample_index=0, request_id="r",
-                          num_output_tokens=0, num_cached_prompt_tokens=0, first_token_time=None, finish_time=None)
-    request = SimpleNamespace(seqs=[seq], finished=False, prompt_token_ids=[1], arrival_time=0.0)
+                          params=params, logprobs=[], sample_index=0, request_id="r", num_output_tokens=0,
+                          num_cached_prompt_tokens=0, first_scheduled_time=None, first_token_time=None,
+                          finish_time=None, num_preemptions=0, num_verify_passes=0, num_accepted_tokens=0,
+                          token_times=[])
+    request = SimpleNamespace(seqs=[seq], finished=False, prompt_token_ids=[1], arrival_time=0.0, params=params)
     engine = SimpleNamespace(tokenizer=tokenizer, output_text=output_text)
     progress, streamed = RequestProgress(1, str), ""
     for token_id in token_ids:
@@ -378,8 +385,32 @@ def test_metrics_report_engine_and_latency(server, client):
     assert values["infer_time_to_first_token_seconds_sum"] > 0
 
 
+def test_metrics_equal_an_offline_runs_summary_and_speak_vllms_names_too(tiny_model_dir, tmp_path):
+    """The same requests, one after another, through the server and through ``LLM`` (what ``infer run``
+    summarizes): every engine counter ``/metrics`` exports equals the summary's."""
+    from infer import LLM, SamplingParams
+    from infer.metrics import ENGINE_COUNTERS, summarize
+
+    overrides = tiny_overrides(tiny_model_dir, "prefix_cache.name=radix", "server.metrics_vllm_names=true")
+    prompts = [[1] + list(range(100, 140)) + [200 + index] for index in range(4)]  # a shared 41-token prefix
+    with ServerProcess("baseline", overrides, log_path=tmp_path / "server.log") as tiny:
+        for prompt in prompts:
+            response = httpx.post(f"{tiny.url}/v1/completions", timeout=60,
+                                  json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+            assert response.status_code == 200, response.text
+        served = metric_values(tiny, api_key=None)
+    llm = LLM("baseline", dotlist=overrides)
+    outputs = [llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+               for prompt in prompts]
+    counters = summarize(outputs, llm.engine, wall_time_s=1.0)["counters"]
+    assert counters["prompt_tokens_cached_total"] > 0 and counters["requests_finished_total"] == 4
+    assert {counter.name: served[f"infer_{counter.name}"] for counter in ENGINE_COUNTERS} == counters
+    assert served["vllm:prompt_tokens_total"] == counters["prompt_tokens_total"]
+    assert served["vllm:num_requests_running"] == 0 and served["infer_request_queue_time_seconds_count"] == 4
+
+
 def test_client_leaving_mid_stream_frees_its_blocks(server):
-    before = metric_values(server)["infer_generation_tokens_total"]
+    before = metric_values(server)
     body = {"prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as response:
@@ -391,7 +422,9 @@ def test_client_leaving_mid_stream_frees_its_blocks(server):
                 break  # leaving the line iterator closes the connection
     state = wait_until_idle(server)
     assert state["requests_running"] == 0 and state["kv_blocks_used"] == state["kv_blocks_cached"] == 0
-    assert metric_values(server)["infer_generation_tokens_total"] - before < 400  # aborted, not run to the end
+    after = metric_values(server)
+    assert after["infer_generation_tokens_total"] - before["infer_generation_tokens_total"] < 400  # cut short
+    assert after["infer_requests_aborted_total"] == before["infer_requests_aborted_total"] + 1
 
 
 def test_client_leaving_before_a_non_streamed_answer_frees_its_blocks(server):

@@ -28,7 +28,7 @@ from infer.sampling_params import SamplingParamsError
 from infer.serve.delivery import EventStreamResponse, respond_when_done, stream_events
 from infer.serve.engine_loop import EngineLoop, EngineStopped, ServerBusy
 from infer.serve.errors import ApiError, error_response, install_error_handlers
-from infer.serve.metrics import ServerMetrics
+from infer.serve.metrics import CONTENT_TYPE, ServerMetrics
 from infer.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from infer.serve.responses import ChatFormat, CompletionFormat, ResponseMeta
 
@@ -163,8 +163,7 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
     state = server_state(request)
-    return PlainTextResponse(state.metrics.render(state.engine_loop.snapshot),
-                             media_type="text/plain; version=0.0.4; charset=utf-8")
+    return PlainTextResponse(state.metrics.render(state.engine_loop.snapshot), media_type=CONTENT_TYPE)
 
 
 @router.get("/v1/models")
@@ -250,7 +249,7 @@ def create_app(engine_loop: EngineLoop, api_key: str | None = None, settings: Se
         await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="infer", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.server = ServerState(engine_loop, api_key)
+    app.state.server = ServerState(engine_loop, api_key, ServerMetrics(settings.metrics_vllm_names))
     install_error_handlers(app)
     app.include_router(router)
     # Each middleware added wraps the ones before: the last added runs first.

@@ -13,10 +13,10 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 
-from infer.engine import RequestError
+from infer.engine import EngineStats, RequestError
 from infer.parallel import TensorParallelError
 from infer.sampling_params import SamplingParams
 from infer.serve.updates import RequestProgress, RequestUpdate
@@ -34,22 +34,15 @@ class EngineStopped(Exception):
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    """Engine gauges and counters, copied by the engine thread after every step for ``/metrics`` and ``/health``."""
+    """Engine gauges and a copy of its counters (``EngineStats``), taken by the engine thread after every step for
+    ``/metrics`` and ``/health``."""
 
     num_requests_running: int = 0
     num_requests_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_cached: int = 0
     kv_blocks_total: int = 0
-    prefix_hit_rate: float = 0.0
-    num_prompt_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    mean_accepted_per_pass: float = 0.0
+    stats: EngineStats = field(default_factory=EngineStats)
 
     @classmethod
     def capture(cls, engine) -> EngineSnapshot:
@@ -59,11 +52,8 @@ class EngineSnapshot:
         return cls(
             num_requests_running=len(running), num_requests_waiting=len(waiting),
             kv_blocks_used=engine.num_blocks_used, kv_blocks_cached=engine.prefix_cache.num_cached_blocks,
-            kv_blocks_total=engine.allocator.capacity, prefix_hit_rate=stats.prefix_hit_rate,
-            num_prompt_tokens=stats.num_prompt_tokens, num_cached_prompt_tokens=stats.num_cached_prompt_tokens,
-            num_output_tokens=stats.num_output_tokens, num_preemptions=stats.num_preemptions,
-            num_steps=stats.num_steps, num_draft_tokens=stats.num_draft_tokens,
-            num_accepted_tokens=stats.num_accepted_tokens, mean_accepted_per_pass=stats.mean_accepted_per_pass)
+            kv_blocks_total=engine.allocator.capacity,
+            stats=replace(stats, sequences_finished=dict(stats.sequences_finished)))
 
 
 class RequestStream:

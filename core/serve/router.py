@@ -383,44 +383,39 @@ async def _replica_metrics(client: httpx.AsyncClient, replicas: list[Replica]) -
     return [text for text in await asyncio.gather(*(fetch(replica) for replica in replicas)) if text]
 
 
-# Gauges that are ratios: recomputed from summed counters (or averaged) instead of summed.
+# Gauges that are ratios: recomputed from the summed series they divide instead of summed.
 _RATIO_GAUGES = {"infer_prefix_cache_hit_rate": ("infer_prompt_tokens_cached_total", "infer_prompt_tokens_total"),
-                 "infer_spec_decode_mean_accepted_per_pass": None}
+                 "vllm:kv_cache_usage_perc": ("infer_kv_blocks_used", "infer_kv_blocks_total"),
+                 "infer_kv_cache_usage_ratio": ("infer_kv_blocks_used", "infer_kv_blocks_total"),
+                 "infer_spec_decode_mean_accepted_per_pass": ("infer_spec_decode_accepted_tokens_total",
+                                                              "infer_spec_decode_verify_passes_total")}
 
 
 def aggregate_metrics(texts: list[str]) -> str:
     """Replicas' ``/metrics`` texts as one: every sample summed over the replicas by name and labels (counters,
-    gauges, histogram buckets, sums and counts), ratio gauges recomputed or averaged. Prometheus text format."""
+    gauges, histogram buckets, sums and counts), ratio gauges recomputed. Prometheus text format."""
     from prometheus_client.exposition import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
     from prometheus_client.registry import CollectorRegistry
     from prometheus_client.metrics_core import Metric
 
+    from infer.serve.metrics import Collected
+
     families: dict[str, Metric] = {}
     sums: dict[tuple[str, str, tuple], float] = {}
-    seen: dict[tuple[str, str, tuple], int] = {}
     for text in texts:
         for family in text_string_to_metric_families(text):
             families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
             for sample in family.samples:
                 key = (family.name, sample.name, tuple(sorted(sample.labels.items())))
                 sums[key] = sums.get(key, 0.0) + sample.value
-                seen[key] = seen.get(key, 0) + 1
     totals = {sample_name: value for (_, sample_name, labels), value in sums.items() if not labels}
     for (family_name, sample_name, labels), value in sums.items():
         if sample_name in _RATIO_GAUGES:
-            parts = _RATIO_GAUGES[sample_name]
-            if parts is None:
-                value = value / seen[(family_name, sample_name, labels)]
-            else:
-                numerator, denominator = (totals.get(part, 0.0) for part in parts)
-                value = numerator / denominator if denominator else 0.0
+            numerator, denominator = (totals.get(part, 0.0) for part in _RATIO_GAUGES[sample_name])
+            value = numerator / denominator if denominator else 0.0
         families[family_name].add_sample(sample_name, dict(labels), value if math.isfinite(value) else 0.0)
 
-    class Collected:
-        def collect(self):
-            return list(families.values())
-
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Collected())
+    registry.register(Collected(list(families.values())))
     return generate_latest(registry).decode()

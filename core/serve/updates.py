@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from infer.engine import request_metrics
 from infer.outputs import RequestMetrics
 
 logger = logging.getLogger("infer.serve")
@@ -91,7 +92,7 @@ class RequestProgress:
                   if (delta := self._sample_delta(engine, seq, progress)) is not None]
         if not request.finished:
             return RequestUpdate(deltas) if deltas else None
-        return RequestUpdate(deltas, usage=self._usage(request), metrics=self._metrics(request))
+        return RequestUpdate(deltas, usage=self._usage(request), metrics=request_metrics(request))
 
     def _sample_delta(self, engine, seq, progress: SampleProgress) -> SampleDelta | None:
         if progress.finish_sent:
@@ -129,17 +130,6 @@ class RequestProgress:
         return Usage(prompt_tokens=len(request.prompt_token_ids),
                      completion_tokens=sum(seq.num_output_tokens for seq in request.seqs),
                      cached_tokens=request.seqs[0].num_cached_prompt_tokens)
-
-    @staticmethod
-    def _metrics(request) -> RequestMetrics:
-        seqs = request.seqs
-        return RequestMetrics(
-            arrival_time=request.arrival_time,
-            first_token_time=min((s.first_token_time for s in seqs if s.first_token_time is not None), default=None),
-            finish_time=max((s.finish_time for s in seqs if s.finish_time is not None), default=None),
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_cached_prompt_tokens=seqs[0].num_cached_prompt_tokens,
-            num_output_tokens=seqs[0].num_output_tokens)
 
 
 def _decode_new_tokens(tokenizer, token_ids: list[int], progress: SampleProgress) -> str:
