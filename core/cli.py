@@ -23,7 +23,6 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "ablate": ("infer.bench.cli:ablate", "Benchmark one config per plugin choice and compare them."),
     "simulate": ("infer.simulate.cli:simulate", "Run a config's scheduling and caching over a workload on a cost "
                                                 "model (no model forward)."),
-    "train-eagle": ("infer.eagle_train:train_eagle_command", "Train an EAGLE draft head for a target model."),
     "serve": ("infer.serve.cli:serve", "Serve an OpenAI-compatible HTTP API (--data-parallel-size N: N replicas "
                                        "behind a router)."),
     "router": ("infer.serve.cli:router_command", "Route OpenAI API requests over running infer serve replicas."),

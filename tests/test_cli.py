@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import types
@@ -221,7 +222,7 @@ def test_config_error_raised_inside_a_command_exits_with_code_2(runner, monkeypa
 
 def test_lazy_command_whose_module_is_missing_says_so(runner, monkeypatch):
     monkeypatch.setitem(infer.cli.LAZY_COMMANDS, "ghost", ("infer_no_such_module:ghost", "A missing command."))
-    assert "ghost        A missing command." in runner.invoke(main, ["--help"]).output
+    assert re.search(r"ghost +A missing command\.", runner.invoke(main, ["--help"]).output)
     result = runner.invoke(main, ["ghost"])
     assert result.exit_code == 1
     assert '"infer ghost" is not available in this installation' in result.output
@@ -287,3 +288,20 @@ def test_run_prompt_lines_carry_constraints(tiny_model_dir, tmp_path):
     result = runner.invoke(main, [*args, "--prompts", str(prompts)])
     message = result.output + str(result.exception)
     assert result.exit_code != 0 and "prompts.jsonl:1" in message and "choices" in message
+
+
+def test_train_eagle_comes_from_the_eagle_plugin_through_register_commands():
+    """EAGLE is one plugin package: its command is registered by its own hook, as a third-party plugin's would be,
+    and core holds no EAGLE code or asset."""
+    from pathlib import Path
+
+    from infer.registry import get_registry
+
+    assert "train-eagle" not in infer.cli.LAZY_COMMANDS
+    command = get_registry().plugin_commands()["train-eagle"]
+    assert command.distribution.name == "infer"
+    assert command.command.callback.__module__ == "infer.plugins.drafters.eagle.command"
+    assert "train-eagle" in CliRunner().invoke(main, ["--help"]).output  # the installed plugins' registry
+    core = Path(infer.cli.__file__).parent
+    assert not any("plugins.drafters.eagle" in path.read_text() for path in core.rglob("*.py"))
+    assert not (core / "assets").exists()

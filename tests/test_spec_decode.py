@@ -314,7 +314,7 @@ def test_eagle_confidence_threshold_shortens_chains_and_keeps_the_output(tiny_mo
 def test_train_eagle_writes_a_head_the_drafter_uses(tiny_model_dir, tmp_path):
     from click.testing import CliRunner
 
-    from infer.eagle_train import train_eagle_command
+    from infer.plugins.drafters.eagle.command import train_eagle_command
 
     out = tmp_path / "head"
     result = CliRunner().invoke(train_eagle_command, [
@@ -332,7 +332,7 @@ def test_train_eagle_writes_a_head_the_drafter_uses(tiny_model_dir, tmp_path):
 
 
 def test_feature_recorder_keeps_each_position_once_and_overwrites_after_preemption():
-    from infer.eagle_train import FeatureRecorder
+    from infer.plugins.drafters.eagle.training import FeatureRecorder
     from infer.runner import BatchRows, StepOutput
     from infer.sequence import Sequence
 
@@ -351,7 +351,7 @@ def test_feature_recorder_keeps_each_position_once_and_overwrites_after_preempti
     assert not recorder.features and not recorder.lengths  # released
 
 
-SHIPPED = Path(__file__).resolve().parents[1] / "core" / "assets" / "eagle" / "smollm2-135m-instruct"
+SHIPPED = Path(__file__).resolve().parents[1] / "plugins" / "drafters" / "eagle" / "heads" / "smollm2-135m-instruct"
 
 
 def test_shipped_head_is_small_and_documented():

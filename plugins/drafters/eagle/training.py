@@ -9,24 +9,23 @@
 3. Stop early on held-out acceptance (tokens per verify pass at k drafts, bonus token included, measured on answers
    the head never trained on), write ``head.safetensors`` and a README card to DIR.
 
-The head's code belongs to the ``eagle`` drafter plugin; this command reaches it through the plugin registry.
+Part of the ``eagle`` drafter plugin, which registers the command through ``register_commands``.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import click
 import torch
 import torch.nn.functional as F
 
 from infer.drafter import Drafter
+from infer.plugins.drafters.eagle import head as head_api
+from infer.plugins.drafters.eagle.command import TrainEagleOptions
 
 TOPICS = [
     "volcanoes", "the stock market", "photosynthesis", "chess openings", "the French Revolution", "black holes",
@@ -74,28 +73,6 @@ EVERYDAY_TASKS = [
     "I'm worried about {topic}. What can I do?", "Help me plan {topic}.",
     "What do I need for {topic}?", "Could you suggest a checklist for {topic}?",
 ]
-
-
-@dataclass(slots=True)
-class TrainEagleOptions:
-    """Everything that shapes a training run (the card records it)."""
-
-    num_prompts: int = 960
-    max_tokens: int = 192
-    generation_batch: int = 128
-    draft_vocab_size: int = 8192
-    unroll_steps: int = 3
-    eval_drafts: int = 4
-    epochs: int = 3
-    max_minutes: float = 12.0
-    tokens_per_batch: int = 1024
-    learning_rate: float = 1e-3
-    feature_noise: float = 0.05
-    ce_weight: float = 1.0
-    held_out_fraction: float = 0.05
-    eval_every: int = 25
-    patience: int = 4
-    seed: int = 0
 
 
 @dataclass(slots=True)
@@ -432,7 +409,6 @@ def train_eagle(config, overrides: list[str], out: Path, prompts_path: Path | No
     """Generate, train, write; returns the report."""
     from infer.llm import LLM
     from infer.prompts import read_jsonl
-    from infer.registry import get_registry
 
     torch.manual_seed(options.seed)
     settings = ["drafter.name=none", "prefix_cache.name=none", f"scheduler.max_num_seqs={options.generation_batch}",
@@ -444,7 +420,6 @@ def train_eagle(config, overrides: list[str], out: Path, prompts_path: Path | No
         options.num_prompts, options.seed)
     examples, report.generation_s = cached_examples(
         data_path, lambda: generate_examples(llm, prompts[: options.num_prompts], options))
-    head_api = get_registry().load("drafter", "eagle").head_module
     train_set, held_out = _split(examples, options)
     vocab_ids, report.draft_vocab_coverage = draft_vocabulary(train_set, options.draft_vocab_size)
     report.draft_vocab_size = len(vocab_ids)
@@ -513,36 +488,3 @@ def _option_flags(options: TrainEagleOptions) -> list[str]:
     defaults = TrainEagleOptions()
     return [f"--{name.replace('_', '-')} {value}" for name, value in asdict(options).items()
             if value != getattr(defaults, name)]
-
-
-def _options_from(values: dict) -> TrainEagleOptions:
-    return TrainEagleOptions(**{name: value for name, value in values.items() if value is not None})
-
-
-@click.command("train-eagle")
-@click.argument("config")
-@click.argument("overrides", nargs=-1)
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Folder for head.safetensors and its README card.")
-@click.option("--prompts", "prompts_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="JSONL prompt set (as for infer run); default: the built-in set.")
-@click.option("--num-prompts", type=int, help=f"Prompts to answer (default {TrainEagleOptions.num_prompts}).")
-@click.option("--max-tokens", type=int, help=f"Answer length (default {TrainEagleOptions.max_tokens}).")
-@click.option("--generation-batch", type=int, help="Sequences generated at once "
-                                                   f"(default {TrainEagleOptions.generation_batch}).")
-@click.option("--draft-vocab-size", type=int, help=f"Draft vocabulary (default {TrainEagleOptions.draft_vocab_size}).")
-@click.option("--unroll-steps", type=int, help=f"Unrolled steps (default {TrainEagleOptions.unroll_steps}).")
-@click.option("--epochs", type=int, help=f"Passes over the data (default {TrainEagleOptions.epochs}).")
-@click.option("--max-minutes", type=float, help=f"Training time limit (default {TrainEagleOptions.max_minutes}).")
-@click.option("--learning-rate", type=float, help=f"Peak learning rate (default {TrainEagleOptions.learning_rate}).")
-@click.option("--seed", type=int, help="Seed for prompt order, split and training (default 0).")
-@click.option("--data", "data_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Generated answers and features: read from this file when it exists, else saved to it.")
-def train_eagle_command(config: str, overrides: tuple[str, ...], out: Path, prompts_path: Path | None,
-                        data_path: Path | None, **values) -> None:
-    """Train an EAGLE draft head for CONFIG's model on its own answers, and write it to --out."""
-    options = _options_from(values)
-    report = train_eagle(config, list(overrides), out, prompts_path, options, data_path)
-    click.echo(f"\nwrote {out / 'head.safetensors'}", err=True)
-    click.echo(json.dumps(asdict(report), indent=2), err=True)
-    sys.stdout.flush()

@@ -1,9 +1,9 @@
 """``drafter: eagle``: a one-layer head drafts from the target's own features (EAGLE, Li et al., 2024), as a chain.
 
-The head reads pairs (f_t, x_{t+1}) of a target feature and the token it chose (see ``eagle_head``). After every
-target step the drafter keeps the features of the tokens the target committed (``observe``); ``propose`` then runs the
-head over the pairs it has not seen, whose last output guesses the next token, and feeds each guess back with its own
-predicted feature for the following ones. The head's KV lives in a one-layer pool of the target's block geometry,
+The head reads pairs (f_t, x_{t+1}) of a target feature and the token it chose (see ``head`` beside this module).
+After every target step the drafter keeps the features of the tokens the target committed (``observe``); ``propose``
+then runs the head over the pairs it has not seen, whose last output guesses the next token, and feeds each guess
+back with its own predicted feature for the following ones. The head's KV lives in a one-layer pool of the target's block geometry,
 addressed through the sequences' own block tables.
 
 Guesses never count as computed: after verification the head re-runs the accepted tokens with the target's true
@@ -25,11 +25,10 @@ from pydantic import Field
 from infer.attention import AttentionMetadata
 from infer.drafter import Drafter, DrafterConfig
 from infer.kv_pool import kv_bytes_per_token
-from infer.plugins.drafters import eagle_head
-from infer.plugins.drafters.eagle_head import EagleHead, draft_head_weight, load_head, random_head
+from infer.plugins.drafters.eagle.head import EagleHead, draft_head_weight, load_head, random_head
 from infer.quantization import projection, quantize_linears
 
-SHIPPED_HEADS = "assets/eagle"
+SHIPPED_HEADS = "heads"  # package data of this plugin: heads/<model name>/head.safetensors and its README card
 
 
 class EagleDrafterConfig(DrafterConfig):
@@ -44,8 +43,9 @@ class EagleDrafterConfig(DrafterConfig):
 
 
 def shipped_head_path(model_name: str) -> Path:
-    """Where ``infer`` ships the trained head for ``model_name`` (which may not exist)."""
-    return Path(str(importlib.resources.files("infer") / SHIPPED_HEADS / model_name / "head.safetensors"))
+    """Where this plugin ships the trained head for ``model_name`` (which may not exist)."""
+    package = importlib.resources.files("infer.plugins.drafters.eagle")
+    return Path(str(package / SHIPPED_HEADS / model_name / "head.safetensors"))
 
 
 @dataclass(slots=True)
@@ -85,8 +85,6 @@ class EagleDrafter(Drafter):
     config_model = EagleDrafterConfig
     needs_hidden_states = True
     needs_engine = True
-    # What ``infer train-eagle`` builds, initializes and saves: it reaches the head through the registry.
-    head_module = eagle_head
 
     def __init__(self, config: EagleDrafterConfig | None = None, **context):
         super().__init__(config, **context)
