@@ -12,6 +12,7 @@ import pytest
 from infer import hookimpl
 from infer.allocator import Allocator, AllocatorConfig
 from infer.registry import (
+    KIND_INFO,
     KINDS,
     Distribution,
     DuplicatePluginError,
@@ -250,27 +251,26 @@ def test_get_registry_is_cached_per_load_and_environment(monkeypatch):
     assert get_registry(["x"]) is not first
 
 
-# Built-in entry points are named infer.<kind, plural>.<name> and register <name>.
+# Built-in entry points are named infer.<kind, plural>[.<package>]: one per plugin package, whose __init__ registers
+# every implementation in it.
 ENTRY_POINT_KINDS = {"allocators": "allocator", "prefix_cache": "prefix_cache", "schedulers": "scheduler",
                      "attention": "attention", "drafters": "drafter", "guides": "guide"}
 
 
-def test_builtin_entry_points_register_what_exists_and_warn_for_what_does_not():
+def test_builtin_entry_points_are_plugin_packages_that_register_their_kind():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         registry = Registry.from_entry_points(allowed=frozenset())
-    broken = {b.plugin for b in registry.broken}
-    for entry_point in entry_points(group="infer.plugins"):
-        if entry_point.dist.name != "infer":
-            continue
-        _, kind_plural, name = entry_point.name.split(".")
-        plugin_name = f"infer:{entry_point.name}"
-        if importlib.util.find_spec(entry_point.value) is None:
-            assert plugin_name in broken
-            assert any(plugin_name in str(warning.message) for warning in caught)
-        else:
-            assert plugin_name not in broken
-            spec = registry.spec(ENTRY_POINT_KINDS[kind_plural], name)
-            assert (spec.distribution, spec.version) == ("infer", version("infer"))
-    assert set(KINDS) == set(ENTRY_POINT_KINDS.values())
+    assert not registry.broken and not caught
+    builtin = [entry_point for entry_point in entry_points(group="infer.plugins") if entry_point.dist.name == "infer"]
+    for entry_point in builtin:
+        kind = ENTRY_POINT_KINDS[entry_point.name.split(".")[1]]
+        assert importlib.util.find_spec(entry_point.value).submodule_search_locations, entry_point  # a package
+        names = []
+        getattr(entry_point.load(), KIND_INFO[kind].hook)(lambda name, *args, **kwargs: names.append(name))
+        assert names, f"{entry_point.name} registers no {kind}"
+        for name in names:
+            assert (registry.spec(kind, name).distribution, registry.spec(kind, name).version) == (
+                "infer", version("infer"))
+    assert {ENTRY_POINT_KINDS[entry_point.name.split(".")[1]] for entry_point in builtin} == set(KINDS)
 

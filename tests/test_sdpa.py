@@ -12,7 +12,7 @@ import torch
 
 from infer.attention import AttentionMetadata, write_kv
 from infer.plugins.attention import sdpa as sdpa_plugin
-from infer.plugins.attention import sdpa_entry
+import infer.plugins.attention as attention_plugins
 from infer.plugins.attention.cpu import CpuBackend
 from infer.plugins.attention.sdpa import MAX_PADDED_QUERY_LEN, SdpaBackend
 
@@ -168,7 +168,7 @@ def test_registers_as_sdpa():
     def register(name, target, config=None, description=""):
         registered[name] = (target, description)
 
-    sdpa_entry.register_attention_backends(register)
+    attention_plugins.register_attention_backends(register)
     target, description = registered["sdpa"]
     module_name, class_name = target.split(":")
     assert getattr(__import__(module_name, fromlist=[class_name]), class_name) is SdpaBackend

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from infer.attention import AttentionMetadata, BackendUnavailableError, write_kv  # noqa: E402
-from infer.plugins.attention import triton as triton_plugin  # noqa: E402
+import infer.plugins.attention as attention_plugins  # noqa: E402
 from infer.plugins.attention.triton_backend import TritonAttentionConfig, TritonBackend  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -272,7 +272,7 @@ def test_refuses_unsupported_settings(head_dim, block_size, dtype, message):
 def test_registry_loads_the_backend_and_its_config_by_name():
     from infer.registry import Registry
 
-    registry = Registry.from_plugins([triton_plugin])
+    registry = Registry.from_plugins([attention_plugins])
     assert registry.load("attention", "triton") is TritonBackend
     assert registry.config_model("attention", "triton") is TritonAttentionConfig
 
@@ -283,9 +283,14 @@ def run_python(code: str, **environment: str) -> subprocess.CompletedProcess:
 
 
 def test_registering_imports_neither_torch_nor_triton():
+    """Every built-in plugin package registers from its ``__init__`` with lazy targets: importing them all (what
+    ``infer plugins`` does) loads no heavy module."""
     result = run_python(
-        "import sys, infer.plugins.attention.triton\n"
-        "print(sorted({'torch', 'triton'} & set(sys.modules)))"
+        "import sys, importlib\n"
+        "for package in ('allocators', 'schedulers', 'attention', 'prefix_cache', 'drafters', 'drafters.eagle',\n"
+        "                'guides'):\n"
+        "    importlib.import_module(f'infer.plugins.{package}')\n"
+        "print(sorted({'torch', 'triton', 'xgrammar', 'llguidance'} & set(sys.modules)))"
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

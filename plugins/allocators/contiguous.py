@@ -3,7 +3,6 @@ physically contiguous blocks at admission, whatever it will actually use (the ab
 
 from __future__ import annotations
 
-from infer import hookimpl
 from infer.allocator import AllocatorConfig, RefcountingAllocator
 
 
@@ -43,9 +42,3 @@ class ContiguousAllocator(RefcountingAllocator):
             if run_length == n:
                 return run_start
         return 1 if n == 0 else None
-
-
-@hookimpl
-def register_allocators(register):
-    register("contiguous", ContiguousAllocator,
-             description="Reserves max_model_len of contiguous blocks per request at admission (pre-paging baseline)")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import deque
 
-from infer import hookimpl
 from infer.allocator import AllocatorConfig, RefcountingAllocator
 
 
@@ -24,8 +23,3 @@ class PagedAllocator(RefcountingAllocator):
 
     def _put_free(self, block: int) -> None:
         self._free.append(block)
-
-
-@hookimpl
-def register_allocators(register):
-    register("paged", PagedAllocator, description="On-demand fixed-size blocks from a free list (PagedAttention)")

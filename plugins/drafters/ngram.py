@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from infer import hookimpl
 from infer.drafter import Drafter, DrafterConfig
 
 
@@ -41,8 +40,3 @@ class NgramDrafter(Drafter):
             if tokens[start] == first and tokens[start:start + n] == suffix:
                 return start
         return None
-
-
-@hookimpl
-def register_drafters(register):
-    register("ngram", NgramDrafter, description="Prompt lookup: propose what followed the last n-gram earlier on")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from infer import hookimpl
 from infer.drafter import Drafter
 
 
@@ -14,8 +13,3 @@ class NoDrafter(Drafter):
 
     def propose(self, sequences, k):
         return [[] for _ in sequences]
-
-
-@hookimpl
-def register_drafters(register):
-    register("none", NoDrafter, description="No speculative decoding")

@@ -8,7 +8,6 @@ import json
 
 from pydantic import Field
 
-from infer import hookimpl
 from infer.guide import Constraint, Guide, GuideConfig, GuideError, Matcher, TokenizerInfo, choice_regex, \
     close_objects, require_library
 
@@ -96,8 +95,3 @@ class LLGuidanceGuide(Guide):
 
     def matcher(self, compiled: str) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self._llg.LLMatcher(self._tokenizer, compiled), self._torch, self._stop_token_ids)
-
-
-@hookimpl
-def register_guides(register):
-    register("llguidance", LLGuidanceGuide, description="Constrained decoding with llguidance (Lark grammars)")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from infer import hookimpl
 from infer.guide import Guide, GuideError
 
 
@@ -21,8 +20,3 @@ class NoGuide(Guide):
 
     def matcher(self, compiled):
         raise GuideError("guide none makes no matchers")
-
-
-@hookimpl
-def register_guides(register):
-    register("none", NoGuide, description="No constrained decoding (requests with a constraint are refused)")

@@ -8,7 +8,6 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from infer import hookimpl
 from infer.guide import Constraint, Guide, GuideConfig, GuideError, Matcher, TokenizerInfo, choice_regex, \
     require_library
 
@@ -81,8 +80,3 @@ def _first_line(error: Exception) -> str:
     """xgrammar's messages start with a timestamp and a C++ source location; keep what the user needs."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
-
-
-@hookimpl
-def register_guides(register):
-    register("xgrammar", XGrammarGuide, description="Constrained decoding with xgrammar (EBNF grammars)")

@@ -11,7 +11,6 @@ from collections.abc import Sequence as TokenSequence
 from dataclasses import dataclass
 from typing import Any
 
-from infer import hookimpl
 from infer.allocator import Allocator
 from infer.prefix_cache import Match, PrefixCache, PrefixCacheConfig
 
@@ -150,12 +149,3 @@ class HashPrefixCache(PrefixCache):
             if entry.parent is not None:
                 parent_children = children_left.get(entry.parent, self._entries[entry.parent].num_children)
                 children_left[entry.parent] = parent_children - 1
-
-
-@hookimpl
-def register_prefix_caches(register):
-    register(
-        "hash",
-        "infer.plugins.prefix_cache.hash:HashPrefixCache",
-        description="vLLM-style automatic prefix caching: full blocks keyed by chained SHA-256 hashes, LRU eviction",
-    )

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence as TokenSequence
 from typing import Any
 
-from infer import hookimpl
 from infer.prefix_cache import Match, PrefixCache
 
 
@@ -35,8 +34,3 @@ class NoPrefixCache(PrefixCache):
     @property
     def num_evictable(self) -> int:
         return 0
-
-
-@hookimpl
-def register_prefix_caches(register):
-    register("none", "infer.plugins.prefix_cache.none:NoPrefixCache", description="No prefix caching")

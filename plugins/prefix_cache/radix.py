@@ -9,7 +9,6 @@ from collections.abc import Sequence as TokenSequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from infer import hookimpl
 from infer.allocator import Allocator
 from infer.prefix_cache import Match, PrefixCache, PrefixCacheConfig
 
@@ -228,12 +227,3 @@ class RadixPrefixCache(PrefixCache):
         self._leaves.discard(leaf)
         if parent.parent is not None and not parent.children:
             self._leaves.add(parent)
-
-
-@hookimpl
-def register_prefix_caches(register):
-    register(
-        "radix",
-        "infer.plugins.prefix_cache.radix:RadixPrefixCache",
-        description="SGLang-style RadixAttention: token radix tree, any prefix length at block granularity, LRU leaves",
-    )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from infer import hookimpl
 from infer.scheduler import BudgetedScheduler, SchedulerConfig, SchedulerView
 from infer.sequence import Sequence
 
@@ -34,8 +33,3 @@ class DeadlineScheduler(BudgetedScheduler):
 
     def order_waiting(self, view: SchedulerView) -> list[Sequence]:
         return sorted(view.waiting, key=lambda seq: (self.deadline(seq), seq.arrival_order))
-
-
-@hookimpl
-def register_schedulers(register):
-    register("deadline", DeadlineScheduler, description="Earliest TTFT deadline (arrival + ttft_slo_s) first")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from infer import hookimpl
 from infer.scheduler import BudgetedScheduler, SchedulerConfig, SchedulerView, StepPlan
 from infer.sequence import Sequence
 
@@ -79,8 +78,3 @@ class FairScheduler(BudgetedScheduler):
             if heads[tenant] == len(queues[tenant]):
                 del heads[tenant]
         return ordered
-
-
-@hookimpl
-def register_schedulers(register):
-    register("fair", FairScheduler, description="Per-tenant fairness by virtual token counters (VTC, OSDI'24)")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from infer import hookimpl
 from infer.scheduler import BudgetedScheduler, SchedulerConfig, SchedulerView
 from infer.sequence import Sequence
 
@@ -40,8 +39,3 @@ class HRRNScheduler(BudgetedScheduler):
             return -(view.now - seq.arrival_time) / service, service, seq.arrival_order
 
         return sorted(view.waiting, key=ratio)
-
-
-@hookimpl
-def register_schedulers(register):
-    register("hrrn", HRRNScheduler, description="Highest response ratio next: (waited + service) / service")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from infer import hookimpl
 from infer.scheduler import BudgetedScheduler, SchedulerConfig, SchedulerView, StepPlan
 from infer.sequence import Sequence
 
@@ -107,12 +106,3 @@ class LPMScheduler(BudgetedScheduler):
         for seq in candidates:
             if seq in still_waiting and (seq in self._held or seq.arrival_order < latest_admitted):
                 seq.num_times_passed_over += 1
-
-
-@hookimpl
-def register_schedulers(register):
-    register(
-        "lpm",
-        "infer.plugins.schedulers.lpm:LPMScheduler",
-        description="Longest cached prefix first, FCFS above 128 waiting, in-batch prefix holding, aging bound",
-    )

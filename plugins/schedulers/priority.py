@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from infer import hookimpl
 from infer.scheduler import BudgetedScheduler, SchedulerConfig, SchedulerView
 from infer.sequence import Sequence
 
@@ -38,9 +37,3 @@ class PriorityScheduler(BudgetedScheduler):
     def pick_victim(self, view: SchedulerView, scheduled: dict[Sequence, int]) -> Sequence:
         lowest = max(seq.params.priority for seq in view.running)
         return self.preemption_choice([seq for seq in view.running if seq.params.priority == lowest])
-
-
-@hookimpl
-def register_schedulers(register):
-    register("priority", PriorityScheduler,
-             description="Lowest priority value first, aging by waiting time, lowest priority preempted first")

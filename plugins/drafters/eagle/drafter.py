@@ -3,8 +3,8 @@
 The head reads pairs (f_t, x_{t+1}) of a target feature and the token it chose (see ``head`` beside this module).
 After every target step the drafter keeps the features of the tokens the target committed (``observe``); ``propose``
 then runs the head over the pairs it has not seen, whose last output guesses the next token, and feeds each guess
-back with its own predicted feature for the following ones. The head's KV lives in a one-layer pool of the target's block geometry,
-addressed through the sequences' own block tables.
+back with its own predicted feature for the following ones. The head's KV lives in a one-layer pool of the target's
+block geometry, addressed through the sequences' own block tables.
 
 Guesses never count as computed: after verification the head re-runs the accepted tokens with the target's true
 features. Prefix-cache hits: the head cannot compute KV for positions the target did not compute for this sequence
