@@ -167,7 +167,7 @@ def test_config_rejects_negative_bounds_and_unknown_keys():
 
 
 def test_lpm_registers_under_its_config_name_with_its_config_model():
-    registry = Registry.from_plugins([importlib.import_module("infer.plugins.schedulers.lpm")])
+    registry = Registry.from_plugins([importlib.import_module("infer.plugins.schedulers")])
     assert registry.load("scheduler", "lpm") is LPMScheduler
     assert registry.config_model("scheduler", "lpm") is LPMSchedulerConfig
 
