@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import difflib
 import importlib.resources
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, create_model, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ByteSize, ConfigDict, Field, SerializeAsAny, TypeAdapter, ValidationError,
+                      create_model, field_validator, model_validator)
 
 from infer.allocator import AllocatorConfig
 from infer.attention import AttentionConfig
@@ -37,9 +36,6 @@ DEFAULT_PLUGINS = {"allocator": "paged", "prefix_cache": "none", "scheduler": "f
 # Kinds whose name may be "auto": the engine picks the plugin for the device and dtype (``infer.execution``), and the
 # section takes no keys but the name (name a plugin to set its keys).
 AUTO_SELECTED = {"attention": AttentionConfig}
-SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 CORE_MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
@@ -370,11 +366,12 @@ def parse_memory_budget(value: Any, free_bytes: int) -> int:
 
 
 def _parse_size(text: str) -> int:
-    match = SIZE_PATTERN.match(text)
-    unit = (match.group(2) or "b").lower() if match else ""
-    if not match or unit not in SIZE_UNITS:
-        raise ValueError("not a size: use a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 2GiB")
-    size = int(float(match.group(1)) * SIZE_UNITS[unit])
+    """A size string in bytes, parsed by pydantic's ``ByteSize`` (decimal and binary units, any case)."""
+    try:
+        size = int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise ValueError("not a size: use a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), "
+                         "e.g. 2GiB") from None
     if size <= 0:
         raise ValueError("must be a positive size")
     return size
