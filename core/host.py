@@ -46,6 +46,11 @@ def _cpu_flags_line() -> str:
     return ""
 
 
+def cores_per_process(num_processes: int) -> int:
+    """This process's cores shared evenly among ``num_processes`` processes (at least one each)."""
+    return max(1, len(os.sched_getaffinity(0)) // num_processes)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now (a replica's, a test's rank 0's; another process may still take it)."""
     import socket

@@ -37,6 +37,8 @@ import click
 import torch
 import torch.distributed as dist
 
+from infer.host import cores_per_process
+
 if TYPE_CHECKING:
     from infer.model import LlamaForCausalLM
     from infer.runner import ModelRunner
@@ -287,7 +289,7 @@ def _rank_device(config, rank: int) -> torch.device:
 def _threads_per_rank(config, local_ranks: int) -> int:
     if config.parallel.threads_per_rank is not None:
         return config.parallel.threads_per_rank
-    return max(1, len(os.sched_getaffinity(0)) // local_ranks)
+    return cores_per_process(local_ranks)
 
 
 def _master_address(config, need_port: bool) -> tuple[str, int]:
@@ -414,9 +416,8 @@ class TensorParallel:
             dead = [f"rank {rank} (pid {process.pid}) {_exit_reason(process.exitcode)}"
                     for rank, process in self.processes.items() if process.exitcode is not None]
             who = ("tensor-parallel " + ", ".join(dead)) if dead else "a tensor-parallel rank on another host failed"
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             self.failed = TensorParallelError(f"{who}; the engine cannot run steps any more and stops the other "
-                                              f"ranks ({first_line})")
+                                              f"ranks ({_first_line(error)})")
             self.close()
         return self.failed
 
@@ -439,12 +440,12 @@ class TensorParallel:
         if self._closed:
             return
         self._closed = True
-        if self._connected and self.failed is None:
+        stopped = self._connected and self.failed is None  # told to stop; else they may wait for rank 0 forever
+        if stopped:
             try:
                 self.channel.send(STOP)
             except RuntimeError:
                 pass
-        stopped = self._connected and self.failed is None  # told to stop; else they may wait for rank 0 forever
         for process in self.processes.values():
             process.join(timeout=10 if stopped else 0.5)
             if process.exitcode is None:
@@ -453,6 +454,11 @@ class TensorParallel:
         if dist.is_initialized():
             dist.destroy_process_group()
         torch.set_num_threads(self._threads_before)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _exit_reason(exitcode: int | None) -> str:
@@ -486,8 +492,7 @@ def run_worker(config_data: dict, rank: int, addr: str, port: int, threads: int)
     try:
         _serve_steps(runner)
     except RuntimeError as error:  # rank 0 or a peer is gone: nothing left to serve
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        logger.error("tensor-parallel rank %d stops: %s", rank, first_line)
+        logger.error("tensor-parallel rank %d stops: %s", rank, _first_line(error))
         raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()

@@ -68,10 +68,10 @@ class ApiKeyMiddleware:
     """Bearer-token check for ``/v1`` routes (and ``/metrics`` unless it is public), before the body is read;
     ``/health`` stays open. The scheme is case-insensitive (RFC 7235: ``bearer`` is ``Bearer``)."""
 
-    def __init__(self, app, api_key: str, metrics_public: bool = False):
+    def __init__(self, app, api_key: str, metrics_public: bool = False, metrics_paths: tuple[str, ...] = ("/metrics",)):
         self.app = app
         self.expected = api_key.encode()
-        self.guarded = ("/v1",) if metrics_public else ("/v1", "/metrics")
+        self.guarded = ("/v1",) if metrics_public else ("/v1", *metrics_paths)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self.guarded) and not self._authorized(scope):

@@ -38,17 +38,16 @@ class Replicas:
     """The replica processes of one ``infer serve --data-parallel-size N``."""
 
     def __init__(self, config: str, overrides: list[str], resolved, api_key: str | None):
-        from infer.host import free_port
+        from infer.host import cores_per_process, free_port
 
         self.size = resolved.parallel.data_parallel_size
         self.resolved = resolved
         self.ports = [free_port() for _ in range(self.size)]
         self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
-        cores = len(os.sched_getaffinity(0))
         self.processes: list[subprocess.Popen] = []
         for index, port in enumerate(self.ports):
             env = dict(os.environ)
-            env.setdefault("OMP_NUM_THREADS", str(max(1, cores // self.size)))
+            env.setdefault("OMP_NUM_THREADS", str(cores_per_process(self.size)))
             if api_key:
                 env["INFER_API_KEY"] = api_key
             gpus = resolved.parallel.tensor_parallel_size

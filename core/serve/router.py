@@ -41,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from infer.config import RouterConfig
+from infer.serve.app import ApiKeyMiddleware
 from infer.serve.errors import ApiError, install_error_handlers
 
 logger = logging.getLogger("infer.router")
@@ -175,8 +176,9 @@ class ReplicaFailed(Exception):
 
 def create_router_app(urls: list[str], settings: RouterConfig | None = None, api_key: str | None = None,
                       metrics_public: bool = False) -> FastAPI:
-    """The router's app over replicas at ``urls``. With ``api_key``, ``/metrics`` needs it too (the replicas check
-    it on ``/v1``: the router forwards the Authorization header)."""
+    """The router's app over replicas at ``urls``. With ``api_key``, ``/v1`` needs it (as the replicas, to which the
+    router forwards the Authorization header), and so do ``/metrics`` and ``/replicas/...`` unless ``metrics_public``
+    (the server's ``ApiKeyMiddleware``)."""
     from prometheus_client import CollectorRegistry, Counter, Gauge
 
     settings = settings or RouterConfig()
@@ -204,6 +206,9 @@ def create_router_app(urls: list[str], settings: RouterConfig | None = None, api
     app = FastAPI(title="infer router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.replicas = replicas
     install_error_handlers(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics_public=metrics_public,
+                           metrics_paths=("/metrics", "/replicas"))
 
     async def route(request: Request) -> Response:
         body = await request.body()
@@ -253,7 +258,6 @@ def create_router_app(urls: list[str], settings: RouterConfig | None = None, api
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        _check_key(request, api_key, metrics_public)
         from prometheus_client import generate_latest
 
         texts = await _replica_metrics(request.app.state.client, replicas.healthy)
@@ -265,7 +269,6 @@ def create_router_app(urls: list[str], settings: RouterConfig | None = None, api
 
     @app.get("/replicas/{index}/metrics")
     async def replica_metrics(index: int, request: Request) -> Response:
-        _check_key(request, api_key, metrics_public)
         if not 0 <= index < len(replicas.replicas):
             raise ApiError(404, f"no replica {index}; there are {len(replicas.replicas)}", code="not_found")
         replica = replicas.replicas[index]
@@ -277,17 +280,6 @@ def create_router_app(urls: list[str], settings: RouterConfig | None = None, api
         return Response(response.content, response.status_code, media_type=response.headers.get("content-type"))
 
     return app
-
-
-def _check_key(request: Request, api_key: str | None, metrics_public: bool) -> None:
-    import hmac
-
-    if api_key is None or metrics_public:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise ApiError(401, "invalid or missing API key; send the header 'Authorization: Bearer <key>'",
-                       code="invalid_api_key")
 
 
 def _wants_stream(body: bytes) -> bool:
