@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
+    from infer.attention import AttentionBackend
+    from infer.execution import Executor, ForwardStep
     from infer.runner import StepOutput
     from infer.sequence import Sequence
 
@@ -38,6 +42,73 @@ class SampledDrafts(list):
         self.probs = probs
 
 
+class TargetModel(Protocol):
+    """What a drafter may use of the target model (``infer.model.LlamaForCausalLM`` is one): its shapes, its
+    embedding, its decoder layers, its final norm and output head."""
+
+    config: Any  # the HF config (hidden_size, intermediate_size, rms_norm_eps, ...)
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary: Any  # the rotary embedding a ``ForwardStep`` is built with
+    layers: Any  # the decoder layers, in order
+    embed_tokens: "nn.Module"  # token ids [tokens] -> embeddings [tokens, hidden]
+    norm: "nn.Module"
+    lm_head: "nn.Module"  # ``lm_head.weight`` is float32 [vocab, hidden] even when the head is packed
+
+    def run_layers(self, hidden: "torch.Tensor", layers, step: "ForwardStep") -> "torch.Tensor":
+        """``layers`` over ``hidden`` [tokens, hidden], then the final norm."""
+
+    def compute_logits(self, hidden: "torch.Tensor") -> "torch.Tensor":
+        """Output-head logits of final hidden states."""
+
+
+@dataclass(frozen=True)
+class DrafterContext:
+    """Everything of the engine a drafter may use, and nothing else (drafters never see the engine).
+
+    ``target`` runs the target's parts; ``attention`` is the target's attention backend (a drafter layer with the
+    target's shapes can use it as is) and ``executor`` runs layers on the target's kernels and execution paths
+    (``executor.step(rotary, attention.prepare(metadata), kv_cache, attention, dtype)`` gives the ``ForwardStep``
+    that layers take). Hidden states: a drafter that declares ``needs_hidden_states`` gets the target's final hidden
+    state of every token in ``observe``.
+    """
+
+    target: TargetModel
+    model_name: str
+    tokenizer: Any
+    dtype: "torch.dtype"
+    device: "torch.device"
+    block_size: int
+    seed: int
+    quantization: str  # the target's weight packing (``infer.quantization``): "none", "fp16", "int8", ...
+    attention: "AttentionBackend"
+    executor: "Executor"
+
+    def build_attention(self, num_heads: int, num_kv_heads: int, head_dim: int) -> "AttentionBackend":
+        """An attention backend of the target's kind and block size for layers of other shapes (a draft model)."""
+        return type(self.attention)(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                    block_size=self.block_size, dtype=self.dtype, device=self.device,
+                                    config=self.attention.config)
+
+    def quantize(self, module: "nn.Module") -> "nn.Module":
+        """Pack ``module``'s linear layers as the target's are (in place; returns it). A model's output-head weight
+        stays beside its packed copy, as the target's does."""
+        from infer.quantization import quantize_linears
+
+        head = getattr(module, "lm_head", None)
+        shared = frozenset({id(head.weight)}) if head is not None else frozenset()
+        return quantize_linears(module, self.quantization, shared)
+
+    def projection(self, weight: "torch.Tensor") -> "nn.Module":
+        """``x @ weight.T`` as a module packed as the target's weights are."""
+        from infer.quantization import projection
+
+        return projection(weight, self.quantization)
+
+
 class Drafter(ABC):
     """Proposes up to k draft tokens per running sequence; the engine verifies them with the target.
 
@@ -53,14 +124,19 @@ class Drafter(ABC):
     """
 
     config_model: ClassVar[type[DrafterConfig]] = DrafterConfig
+    # True: ``context`` (a ``DrafterContext``) is required, not optional.
+    needs_target: ClassVar[bool] = False
+    # True: ``observe`` receives the target's final hidden state of every token of every step.
     needs_hidden_states: ClassVar[bool] = False
     # False for a drafter that never proposes (``none``): the engine then calls none of its methods in a step.
     proposes: ClassVar[bool] = True
-    # True for a drafter that never runs ``engine.model`` (whose layers are sharded under tensor parallelism and run
+    # True for a drafter that never runs the target model (whose layers are sharded under tensor parallelism and run
     # only as a collective of every rank): the engine refuses the others with parallel.tensor_parallel_size > 1.
     works_with_tensor_parallel: ClassVar[bool] = False
 
-    def __init__(self, config: DrafterConfig | None = None, **context):
+    def __init__(self, config: DrafterConfig | None = None, context: DrafterContext | None = None):
+        if context is None and self.needs_target:
+            raise TypeError(f"{type(self).__name__} needs a DrafterContext (it declares needs_target)")
         self.config = config or self.config_model()
         self.context = context
 

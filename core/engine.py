@@ -1,4 +1,5 @@
-"""The engine: one ``step()`` = schedule -> run the model -> sample/verify -> update sequences.
+"""The engine: one ``step()`` = schedule -> execute (run the model) -> postprocess (sample, verify drafts, commit
+tokens, finish sequences, draft the next step's guesses).
 
 Offline generation (``infer.LLM``, ``infer run``) and serving (``infer serve``) both drive ``Engine.step()``.
 """
@@ -13,20 +14,22 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from infer.execution import build_attention, build_executor
+from infer.detokenizer import Detokenizer
+from infer.drafter import Drafter, DrafterContext
+from infer.execution import build_model_stack
 from infer.guide import GuideError, TokenizerInfo, constrain_logits
 from infer.kv_cache_manager import KVCacheManager
 from infer.kv_pool import free_device_memory, kv_bytes_per_token, plan_kv_pool
 from infer.memory import measure_peak_bytes
 from infer.parallel import TensorParallel
 from infer.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from infer.rejection_sampler import verify_sampled_drafts
 from infer.runner import ModelRunner, StepOutput
-from infer.quantization import model_weight_bytes, quantize_model, resolve_quantization
+from infer.quantization import model_weight_bytes
 from infer.sampler import Sampler, SampleRequest
 from infer.sampling_params import SamplingParams
 from infer.scheduler import SchedulerView, StepPlan, StepShape
-from infer.sequence import Sequence, SequenceStatus
+from infer.sequence import Sequence, SequenceQueues, SequenceStatus
+from infer.spec_decode import SpeculativeDecoder
 
 logger = logging.getLogger("infer")
 
@@ -155,40 +158,35 @@ class Engine:
         self.registry.hook.engine_started(engine=self)
 
     def _build(self, config, loaded) -> None:
-        self.quantization = resolve_quantization(config.model.quantization, config.model.dtype, self.dtype,
-                                                 self.device)
-        model = loaded.model if self.tensor_parallel is None else self.tensor_parallel.shard(loaded.model)
-        self.model = quantize_model(model, self.quantization)
+        stack = build_model_stack(self.registry, config, loaded.model, self.device, self.dtype,
+                                  shard=None if self.tensor_parallel is None else self.tensor_parallel.shard)
+        self.model, self.quantization, self.executor = stack.model, stack.quantization, stack.executor
+        self.attention_name, self.attention = stack.attention_name, stack.attention
         self.vocab_size = self.model.vocab_size
-        self.executor = build_executor(self.model, config, self.device, self.dtype)
         self.tokenizer = loaded.tokenizer
         self.max_token_bytes = max(len(token.encode()) for token in self.tokenizer.get_vocab())
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.model_name = loaded.name
         self.max_model_len = config.model.max_model_len
         self._check_max_model_len(loaded)
-        self.attention_name, self.attention = build_attention(self.registry, config, self.model, self.device,
-                                                              self.dtype, self.executor.kernels)
         if self.tensor_parallel is not None:
             self.tensor_parallel.connect()
         # Before sizing the pool: a drafter with its own KV takes its share of the budget.
-        self.drafter = self._plugin("drafter")(config.drafter, engine=self)
-        self.pool_plan = self._size_pool()
+        drafter = self._plugin("drafter")(config.drafter, self.drafter_context())
+        self.pool_plan = self._size_pool(drafter)
         self.executor.counts.clear()  # the pool-sizing pass above is no step
         if self.tensor_parallel is not None:
             self.tensor_parallel.group.reset_counters()
             self.tensor_parallel.send_pool(self.pool_plan.num_blocks)
         self.kv_cache = torch.zeros(self.attention.kv_cache_shape(self.model.num_layers, self.pool_plan.num_blocks),
                                     dtype=self.dtype, device=self.device)
-        if self.drafter.kv_bytes_per_token():
-            self.drafter.allocate_kv_cache(self.pool_plan.num_blocks)
+        if drafter.kv_bytes_per_token():
+            drafter.allocate_kv_cache(self.pool_plan.num_blocks)
         self.guide = self._plugin("guide")(
             TokenizerInfo(self.tokenizer, self.model.vocab_size, tuple(sorted(self.eos_token_ids))), config.guide)
-        # Tokens a grammar forces become drafts where the drafter proposed none; not with a drafter that keeps
-        # state per drafted token (its own KV, the target's features), which it never saw.
-        self._jump_forward = (config.guide.jump_forward and not self.drafter.kv_bytes_per_token()
-                              and not self.drafter.needs_hidden_states)
-        self._init_scheduling(self.pool_plan.num_blocks)
+        # Tokens a grammar forces become drafts where the drafter proposed none (``SpeculativeDecoder``).
+        self._init_scheduling(self.pool_plan.num_blocks, drafter,
+                              jump_forward=config.guide.jump_forward and config.guide.name != "none")
         self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device, self.executor,
                                   self.pool_plan.num_blocks, f"allocator {config.allocator.name!r} or prefix cache "
                                                              f"{config.prefix_cache.name!r}", self.tensor_parallel)
@@ -218,29 +216,43 @@ class Engine:
     def _plugin(self, kind: str):
         return self.registry.load(kind, getattr(self.config, kind).name)
 
-    def _init_scheduling(self, num_blocks: int) -> None:
-        """The allocator, prefix cache and scheduler plugins over a pool of ``num_blocks``, the queues and the
-        counters: everything a step's scheduling touches (``infer simulate``'s engine builds the same)."""
+    def drafter_context(self) -> DrafterContext:
+        """What a drafter may use of this engine (``infer.drafter.DrafterContext``)."""
+        return DrafterContext(target=self.model, model_name=self.model_name, tokenizer=self.tokenizer,
+                              dtype=self.dtype, device=self.device, block_size=self.attention.block_size,
+                              seed=self.config.model.seed, quantization=self.quantization, attention=self.attention,
+                              executor=self.executor)
+
+    def _init_scheduling(self, num_blocks: int, drafter: Drafter, jump_forward: bool = False) -> None:
+        """The allocator, prefix cache and scheduler plugins over a pool of ``num_blocks``, the queues, the counters
+        and speculative decoding with ``drafter``: everything a step's bookkeeping touches (``infer simulate``'s
+        engine builds the same)."""
         config = self.config
         self.allocator = self._plugin("allocator")(num_blocks, config.cache.block_size, self.max_model_len,
                                                    config.allocator)
         self.prefix_cache = self._plugin("prefix_cache")(self.allocator, config.cache.block_size, config.prefix_cache)
         self.scheduler = self._plugin("scheduler")(config.scheduler)
         self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.queues = SequenceQueues()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self.speculation = SpeculativeDecoder(drafter, config.drafter, self.kv, self.max_model_len, self.stats,
+                                              jump_forward)
         # A list here collects every step's (shape, duration) (``infer simulate --fit`` reads it); None: nothing.
         self.step_log: list[tuple[StepShape, float]] | None = None
         self._request_counter = 0
 
     @property
-    def _drafting(self) -> bool:
-        """Whether a step may carry drafts (a proposing drafter, or grammar-forced tokens): else no drafter method
-        runs in it. Read live: a tool may seat its own drafter in a built engine (``infer train-eagle`` does)."""
-        forced = self._jump_forward and self.config.guide.name != "none"
-        return self.config.drafter.num_speculative_tokens > 0 and (self.drafter.proposes or forced)
+    def waiting(self) -> deque[Sequence]:
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.queues.running
+
+    @property
+    def drafter(self) -> Drafter:
+        return self.speculation.drafter
 
     def describe_execution(self) -> str:
         """One line for ``infer run``: the attention backend, the kernels and the execution paths in use."""
@@ -257,7 +269,7 @@ class Engine:
             raise ValueError(f"model.max_model_len={self.max_model_len} exceeds the model's limit "
                              f"(max_position_embeddings={limit}); lower model.max_model_len")
 
-    def _size_pool(self):
+    def _size_pool(self, drafter: Drafter):
         """The pool's blocks from this host's budget. Sharded, every rank's pool has as many blocks (one block
         table addresses them all) over its own KV heads, and the budget covers the ranks on this host: their KV bytes
         per token, weights and activations (rank 0's times the ranks, an estimate) together."""
@@ -268,7 +280,7 @@ class Engine:
         else:
             rank_bytes = self.tensor_parallel.kv_bytes_per_token(model.num_layers, model.head_dim, self.dtype)
             local_ranks = self.tensor_parallel.local_ranks
-        bytes_per_token = sum(rank_bytes[:local_ranks]) + self.drafter.kv_bytes_per_token()
+        bytes_per_token = sum(rank_bytes[:local_ranks]) + drafter.kv_bytes_per_token()
         weight_bytes = model_weight_bytes(model) * local_ranks
         activation_bytes = 0 if cache.num_blocks is not None else self._profile_activations() * local_ranks
         return plan_kv_pool(
@@ -340,7 +352,7 @@ class Engine:
                 seq.matcher = self.guide.matcher(compiled)
             seqs.append(seq)
         self.requests[request_id] = Request(request_id, text, list(token_ids), params, seqs, arrival_time)
-        self.waiting.extend(seqs)
+        self.queues.add(seqs)
         self.stats.num_prompt_tokens += len(token_ids) * params.n
         return request_id
 
@@ -433,27 +445,42 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the requests that finished in it."""
         start = self.clock()
-        view = SchedulerView(self.waiting, self.running, self.kv, self.config.scheduler.max_num_seqs,
-                             self.config.scheduler.max_num_batched_tokens, self.max_model_len, now=start)
+        plan = self._schedule(start)
+        output = self._execute(plan) if plan else None
+        return self._postprocess(plan, output, start)
+
+    def _schedule(self, now: float) -> StepPlan:
+        """The scheduler's plan for this step; preempted sequences are back in waiting, their drafts dropped."""
+        view = SchedulerView(self.queues.waiting, self.queues.running, self.kv, self.config.scheduler.max_num_seqs,
+                             self.config.scheduler.max_num_batched_tokens, self.max_model_len, now=now)
         plan = self.scheduler.schedule(view)
         for seq, _ in plan.scheduled:
             if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = start
-        if self._drafting:
-            for seq in plan.preempted:
-                self.drafter.release(seq)
-        self.stats.num_preemptions += len(plan.preempted)
-        finished: list[Request] = []
-        shape = plan.shape() if self._wants_shapes() else None
-        if plan:
-            output = self._execute(plan, shape)
-            finished = self._process(plan, output)
-            if self._drafting:
-                self.drafter.observe(output)
-                self._propose_drafts()
+                seq.first_scheduled_time = now
+        if self._wants_shapes():
+            plan.shape()  # computed now, from the sequences as the step finds them
+        if plan.preempted:
+            self.stats.num_preemptions += len(plan.preempted)
+            if self.speculation.active:
+                self.speculation.release(plan.preempted)
+        return plan
+
+    def _execute(self, plan: StepPlan) -> StepOutput:
+        """Run the plan through the model (``infer simulate`` prices ``plan.shape()`` instead)."""
+        return self.runner.execute(plan.scheduled, want_hidden=self.drafter.needs_hidden_states)
+
+    def _postprocess(self, plan: StepPlan, output: StepOutput | None, start: float) -> list[RequestOutput]:
+        """Commit what the step computed (or refuse the head request when nothing could run), draft for the next
+        step, record the step; the outputs of the requests that finished."""
+        if output is not None:
+            finished = self._commit_step(plan, output)
+            if self.speculation.active:
+                self.speculation.after_step(output, self.queues.running)
         elif self.waiting and not self.running:
             finished = self._refuse_unschedulable()
-        self._record_step(plan, shape, self.clock() - start)
+        else:
+            finished = []
+        self._record_step(plan, self.clock() - start)
         return [self._request_output(request) for request in finished]
 
     def _wants_shapes(self) -> bool:
@@ -461,25 +488,24 @@ class Engine:
         only then (``infer simulate``'s cost model always reads it)."""
         return self.step_log is not None or bool(self.registry.hook.step_finished.get_hookimpls())
 
-    def _execute(self, plan: StepPlan, shape: StepShape | None) -> StepOutput:
-        """Run the plan through the model (``infer simulate`` prices ``shape`` instead)."""
-        return self.runner.execute(plan.scheduled, want_hidden=self.drafter.needs_hidden_states)
-
-    def _process(self, plan: StepPlan, output: StepOutput) -> list[Request]:
+    def _commit_step(self, plan: StepPlan, output: StepOutput) -> list[Request]:
+        """Advance the computed counts, sample every logits row, commit each sequence's tokens, offer newly filled
+        blocks to the prefix cache; the requests that finished."""
         for seq, num_new in plan.scheduled:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.stats.num_prefill_tokens_computed += min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += num_new
         tokens, logprobs = self._sample(output)
         now = self.clock()
+        speculating = self.speculation.active
         finished: list[Request] = []
         for row in output.rows:
-            self._accept(row.seq, tokens[row.start:row.start + row.count], logprobs[row.start:row.start + row.count],
-                         now)
+            span = slice(row.start, row.start + row.count)
+            self._commit(row.seq, tokens[span], logprobs[span], now, speculating)
             if row.seq.is_finished and self.requests[row.seq.request_id].finished:
                 finished.append(self.requests[row.seq.request_id])
-        for seq in self.running:
-            self._offer_to_cache(seq)
+        for seq in self.queues.running:
+            self.kv.offer(seq)
         return finished
 
     def _sample(self, output: StepOutput) -> tuple[list[int], list[dict | None]]:
@@ -490,7 +516,8 @@ class Engine:
                     for row in output.rows for j in range(row.count)]
         logits = self._constrained_logits(output)
         tokens = self.sampler.sample(logits, requests)
-        self._verify_sampled_drafts(logits, output, requests, tokens)
+        if self.speculation.active:
+            self.speculation.verify_sampled(logits, output.rows, requests, tokens)
         return tokens, self.sampler.logprobs(output.logits, tokens, [r.params.logprobs for r in requests])
 
     def _constrained_logits(self, output: StepOutput) -> torch.Tensor:
@@ -503,49 +530,22 @@ class Engine:
         return constrain_logits(output.logits, [(row.seq.matcher, row.start, row.seq.draft_token_ids[:row.count - 1])
                                                 for row in rows], copy=keep_raw, kernels=self.executor.kernels)
 
-    @staticmethod
-    def _verify_sampled_drafts(logits: torch.Tensor, output: StepOutput, requests: list[SampleRequest],
-                               tokens: list[int]) -> None:
-        """For sampled requests whose drafts came with q, replace the row's tokens by rejection sampling's choice
-        (accept with min(1, p/q), residual max(0, p - q)); ``_accept`` then commits exactly those."""
-        for row in output.rows:
-            seq = row.seq
-            if seq.draft_probs is None or not seq.draft_token_ids or seq.params.greedy:
-                continue
-            rows = slice(row.start, row.start + row.count)
-            drafts = seq.draft_token_ids[: row.count - 1]
-            chosen = verify_sampled_drafts(logits[rows], requests[rows], drafts, seq.draft_probs)
-            tokens[row.start:row.start + len(chosen)] = chosen
-
     def _banned_tokens(self, seq: Sequence, position: int) -> tuple[int, ...]:
         if position - seq.num_prompt_tokens >= seq.params.min_tokens:
             return ()
         return tuple(self.eos_token_ids) + tuple(seq.params.stop_token_ids)
 
-    def _accept(self, seq: Sequence, sampled: list[int], logprobs: list, now: float) -> None:
-        """Commit the longest prefix of ``sampled`` that agrees with the drafts, plus the target's next token."""
-        drafts = seq.draft_token_ids
-        accepted = []
-        for j, token in enumerate(sampled):
-            accepted.append(token)
-            if j >= len(drafts) or token != drafts[j]:
-                break
-        if len(sampled) > 1:
-            seq.num_verify_passes += 1
-            seq.num_accepted_tokens += len(accepted)
-            self.stats.num_verify_passes += 1
-            self.stats.num_accepted_tokens += len(accepted)
-        seq.draft_token_ids = []
-        seq.draft_probs = None
-        # K/V is valid for the committed tokens and the accepted drafts; rejected draft slots are overwritten later.
-        seq.num_computed_tokens = seq.num_tokens + len(accepted) - 1
-        for token, logprob in zip(accepted, logprobs):
+    def _commit(self, seq: Sequence, sampled: list[int], logprobs: list, now: float, speculating: bool) -> None:
+        """Commit the tokens of ``seq``'s logits rows: with drafts, those ``SpeculativeDecoder.accept`` keeps
+        (``speculating``: ``self.speculation.active``, read once per step)."""
+        if seq.draft_token_ids:
+            sampled = self.speculation.accept(seq, sampled)
+        for token, logprob in zip(sampled, logprobs):
             self._append_token(seq, token, logprob, now)
             if seq.is_finished:
                 return
-        self._trim_blocks(seq)
-        if self._drafting:
-            self.drafter.rollback(seq, seq.num_tokens)
+        if speculating:
+            self.speculation.rollback(seq)
 
     def _append_token(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> None:
         seq.output_token_ids.append(token)
@@ -580,52 +580,39 @@ class Engine:
         return None
 
     def _find_stop_string(self, seq: Sequence) -> str | None:
-        """The stop string that ends in the newest token's text (it may begin up to ``len(stop) - 1`` characters
-        earlier), the earliest if several; records where it begins. Only the newest text is searched, as vLLM does:
-        a stop string completed before ``min_tokens`` was reached never matches later."""
-        tokens = seq.output_token_ids[-32:]
-        tail = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        # U+FFFD: an incomplete character before the newest token, which may complete it.
-        new_start = len(self.tokenizer.decode(tokens[:-1], skip_special_tokens=True).rstrip("\ufffd"))
+        """The stop string that the newest token's text completes (it may begin up to ``len(stop) - 1`` characters
+        before that text), the earliest if several; records where it begins. A stop string counts only when it
+        begins in text produced after the first ``min_tokens`` tokens: one completed earlier never matches later,
+        and text from before ``min_tokens`` never cuts the output."""
+        detokenizer = self._detokenizer(seq)
+        text = detokenizer.update(seq.output_token_ids)
+        new_start = detokenizer.text_start_of_token(seq.num_output_tokens - 1)
+        floor = detokenizer.text_start_of_token(seq.params.min_tokens)
         found = [(index, stop) for stop in seq.params.stop
-                 if (index := tail.find(stop, max(0, new_start - len(stop) + 1))) >= 0]
+                 if (index := text.find(stop, max(floor, new_start - len(stop) + 1))) >= 0]
         if not found:
             return None
         index, stop = min(found)
-        seq.stop_chars_from_end = len(tail) - index
+        seq.stop_index = index
         return stop
-
-    def _trim_blocks(self, seq: Sequence) -> None:
-        """Release blocks wholly past what the sequence needs after a rejected draft."""
-        keep = self.allocator.blocks_needed(seq.num_tokens)
-        if len(seq.block_table) > keep:
-            self.allocator.release(seq.block_table[keep:][::-1])
-            del seq.block_table[keep:]
-
-    def _offer_to_cache(self, seq: Sequence) -> None:
-        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.kv.block_size
-        if num_full > seq.num_blocks_offered_to_cache:
-            self.kv.commit(seq)
-            seq.num_blocks_offered_to_cache = num_full
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         seq.finish_time = self.clock()
         request = self.requests.get(seq.request_id)
-        if seq in self.running:
-            self.running.remove(seq)
-            self.kv.free_finished(seq, request is not None and any(s in self.waiting for s in request.seqs[1:]))
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        previous = self.queues.finish(seq)
+        if previous is SequenceStatus.RUNNING:
+            followers_waiting = request is not None and any(s.status is SequenceStatus.WAITING
+                                                            for s in request.seqs[1:])
+            self.kv.free_finished(seq, followers_waiting)
+        elif previous is SequenceStatus.WAITING:
             self.kv.free(seq)
-        seq.status = SequenceStatus.FINISHED
         seq.matcher = None
-        seq.num_blocks_offered_to_cache = 0
         self.stats.num_cached_prompt_tokens += seq.num_cached_prompt_tokens
         self.stats.sequences_finished[reason] = self.stats.sequences_finished.get(reason, 0) + 1
-        if self._drafting:
-            self.drafter.release(seq)
+        if self.speculation.active:
+            self.speculation.release([seq])
         if request is not None and request.finished:
             self.stats.num_requests_finished += 1
             self.stats.num_requests_aborted += request.aborted
@@ -642,28 +629,9 @@ class Engine:
                 self._finish(member, "error")
         return [request]
 
-    def _propose_drafts(self) -> None:
-        k = self.config.drafter.num_speculative_tokens
-        decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
-        if not decoding or k <= 0 or len(self.running) > self.config.drafter.max_batch_size:
-            return
-        if self.drafter.kv_bytes_per_token():
-            # The drafter writes KV for the guesses it feeds itself: reserve the verify step's slots now (a sequence
-            # that cannot get them drafts nothing this step).
-            decoding = [seq for seq in decoding if self.kv.allocate(seq, k + 1)]
-        proposals = self.drafter.propose(decoding, k)
-        if self._jump_forward:
-            proposals = [drafts if drafts or seq.matcher is None else seq.matcher.forced_tokens()[:k]
-                         for seq, drafts in zip(decoding, proposals)]
-        for seq, drafts in zip(decoding, proposals):
-            room = min(self.max_model_len - seq.num_tokens - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
-            seq.draft_token_ids = list(drafts[: max(room, 0)])
-            probs = getattr(drafts, "probs", None)
-            seq.draft_probs = None if probs is None else probs[: len(seq.draft_token_ids)]
-            self.stats.num_draft_tokens += len(seq.draft_token_ids)
-
-    def _record_step(self, plan: StepPlan, shape: StepShape | None, duration: float) -> None:
+    def _record_step(self, plan: StepPlan, duration: float) -> None:
         stats = self.stats
+        shape = plan.shape() if self._wants_shapes() else None
         used_blocks = self.num_blocks_used
         stats.num_steps += 1
         stats.peak_blocks_used = max(stats.peak_blocks_used, used_blocks)
@@ -697,16 +665,22 @@ class Engine:
                                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                                 logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None)
 
+    def _detokenizer(self, seq: Sequence) -> Detokenizer:
+        if seq.detokenizer is None:
+            seq.detokenizer = Detokenizer(self.tokenizer)
+        return seq.detokenizer
+
+    def sequence_text(self, seq: Sequence) -> str:
+        """The text of ``seq``'s output tokens so far, uncut (a running sequence's stream reads it)."""
+        return self._detokenizer(seq).update(seq.output_token_ids)
+
     def output_text(self, seq: Sequence) -> str:
-        """Detokenized output; a matched stop string and what follows it are cut (unless asked to keep it)."""
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        """Detokenized output; a matched stop string and what follows it are cut (unless asked to keep it). Always
+        a continuation of every earlier ``sequence_text`` short of the stop string: one detokenizer makes both."""
+        text = self.sequence_text(seq)
         stop = seq.stop_reason
-        if isinstance(stop, str):
-            cut = len(text) - (seq.stop_chars_from_end or 0)
-            if text[cut : cut + len(stop)] != stop:  # the window's text did not end the full text's way
-                cut = text.rfind(stop)
-            if cut >= 0:
-                text = text[: cut + (len(stop) if seq.params.include_stop_str_in_output else 0)]
+        if isinstance(stop, str) and seq.stop_index is not None:
+            text = text[: seq.stop_index + (len(stop) if seq.params.include_stop_str_in_output else 0)]
         return text
 
     def release_request(self, request_id: str) -> None:

@@ -201,6 +201,19 @@ class Executor:
         """An executor with these kernels and paths for another model (a draft model), its weights prepared."""
         return Executor.for_model(model, self.kernels, [path.name for path in self.paths], self.fused_max_tokens)
 
+    def set_fused_max_tokens(self, model: LlamaForCausalLM, max_tokens: int) -> None:
+        """Let steps of up to ``max_tokens`` tokens take the fused paths and ``model``'s GEMV (weights already
+        prepared by ``for_model``)."""
+        from infer.quantization import PackedLinear
+
+        self.fused_max_tokens = max_tokens
+        for path in self.paths:
+            if isinstance(path, FusedLayersPath):
+                path.max_tokens = max_tokens
+        for module in model.modules():
+            if isinstance(module, PackedLinear):
+                module.use_cpu_kernels(module.kernels, max_tokens)
+
     def prepare_layer(self, layer: DecoderLayer) -> None:
         """Prepare a decoder layer outside a model (an EAGLE head's) for these kernels, as ``for_model`` does."""
         layer.use_cpu_kernels(self.kernels, self.fused_max_tokens)
@@ -272,3 +285,27 @@ def build_attention(registry, config, model: LlamaForCausalLM, device: torch.dev
         num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         block_size=config.cache.block_size, dtype=dtype, device=device, config=settings)
     return name, backend
+
+
+@dataclass(slots=True)
+class ModelStack:
+    """A loaded model made ready to run steps: its weights packed, its executor and its attention backend."""
+
+    model: LlamaForCausalLM
+    quantization: str
+    executor: Executor
+    attention_name: str
+    attention: AttentionBackend
+
+
+def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
+                      shard=None) -> ModelStack:
+    """``model`` sharded (``shard``: a tensor-parallel rank's ``shard(model)``), packed for ``model.quantization``,
+    with its executor and attention backend: what the engine and every tensor-parallel rank build alike."""
+    from infer.quantization import quantize_model, resolve_quantization
+
+    quantization = resolve_quantization(config.model.quantization, config.model.dtype, dtype, device)
+    model = quantize_model(model if shard is None else shard(model), quantization)
+    executor = build_executor(model, config, device, dtype)
+    name, attention = build_attention(registry, config, model, device, dtype, executor.kernels)
+    return ModelStack(model, quantization, executor, name, attention)

@@ -24,6 +24,8 @@ class KVCacheManager:
         # n > 1: a finished leader's computed prompt blocks, kept (one reference each) for followers still waiting,
         # with the tokens they hold; by the leader's seq_id.
         self._fork_pins: dict[str, tuple[list[int], int]] = {}
+        # Full blocks of each sequence already offered to the prefix cache (``offer``), while it holds blocks.
+        self._num_offered: dict[Sequence, int] = {}
 
     # -- queries -------------------------------------------------------------------------------------------------
     @property
@@ -98,6 +100,21 @@ class KVCacheManager:
         num_tokens = num_full_blocks * self.block_size
         self.prefix_cache.insert(seq.token_ids[:num_tokens], seq.block_table[:num_full_blocks], seq.params.cache_salt)
 
+    def offer(self, seq: Sequence) -> None:
+        """After a step: offer ``seq``'s newly filled blocks to the prefix cache (``commit``), only when a block was
+        filled since the last offer (a decode step fills one block in ``block_size``)."""
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        if num_full > self._num_offered.get(seq, 0):
+            self.commit(seq)
+            self._num_offered[seq] = num_full
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks wholly past ``seq``'s committed tokens (reserved for drafts that were rejected)."""
+        keep = self.allocator.blocks_needed(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self.allocator.release(seq.block_table[keep:][::-1])
+            del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks (its computed prefix stays in the prefix cache for the next request)."""
         self.commit(seq)
@@ -107,6 +124,7 @@ class KVCacheManager:
         if isinstance(seq.cache_match, Match):
             self.prefix_cache.unlock(seq.cache_match)
         seq.cache_match = None
+        self._num_offered.pop(seq, None)
         # Tail first, so that an LRU cache sees a chain's head as the more recently used end.
         self.allocator.release(seq.block_table[::-1])
         seq.block_table = []

@@ -499,9 +499,8 @@ def run_worker(config_data: dict, rank: int, addr: str, port: int, threads: int)
 
 
 def _build_rank(config, rank: int) -> ModelRunner:
-    from infer.execution import build_attention, build_executor
+    from infer.execution import build_model_stack
     from infer.loader import load_model, resolve_dtype
-    from infer.quantization import quantize_model, resolve_quantization
     from infer.registry import get_registry
     from infer.runner import ModelRunner
 
@@ -512,12 +511,10 @@ def _build_rank(config, rank: int) -> ModelRunner:
     torch.manual_seed(config.model.seed)
     loaded = load_model(config.model.path, dtype, device)
     plan = model_shard_plans(loaded.hf_config, config.parallel.tensor_parallel_size)[rank]
-    model = shard_model(loaded.model, plan, TensorParallelGroup(plan))
-    model = quantize_model(model, resolve_quantization(config.model.quantization, config.model.dtype, dtype, device))
-    executor = build_executor(model, config, device, dtype)
-    _, attention = build_attention(get_registry(config.plugins.load), config, model, device, dtype,
-                                   executor.kernels)
-    return ModelRunner(model, attention, torch.empty(0, dtype=dtype, device=device), device, executor)
+    stack = build_model_stack(get_registry(config.plugins.load), config, loaded.model, device, dtype,
+                              shard=lambda model: shard_model(model, plan, TensorParallelGroup(plan)))
+    return ModelRunner(stack.model, stack.attention, torch.empty(0, dtype=dtype, device=device), device,
+                       stack.executor)
 
 
 def _serve_steps(runner: ModelRunner) -> None:

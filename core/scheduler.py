@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from infer.kv_cache_manager import KVCacheManager
-from infer.sequence import Sequence, SequenceStatus
+from infer.sequence import Sequence, SequenceQueues
 
 
 class SchedulerConfig(BaseModel):
@@ -79,13 +79,17 @@ class StepPlan:
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    _shape: StepShape | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
     def shape(self) -> StepShape:
-        return StepShape.of(self.scheduled)
+        """``StepShape.of(scheduled)``, computed once (read before the step runs: it changes the sequences)."""
+        if self._shape is None:
+            self._shape = StepShape.of(self.scheduled)
+        return self._shape
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
@@ -105,7 +109,8 @@ class SchedulerView:
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, now: float = 0.0):
         self.waiting = waiting
         self.running = running
-        self.kv = kv
+        self._queues = SequenceQueues(waiting, running)
+        self._kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -113,17 +118,20 @@ class SchedulerView:
 
     @property
     def block_size(self) -> int:
-        return self.kv.block_size
+        return self._kv.block_size
 
     @property
     def num_available_blocks(self) -> int:
-        return self.kv.num_available_blocks
+        """Free blocks plus blocks the prefix cache would give back on demand."""
+        return self._kv.num_available_blocks
 
     def cached_prefix_len(self, seq: Sequence) -> int:
-        return self.kv.cached_prefix_len(seq)
+        """Tokens of waiting ``seq`` an admission now would not compute (cache hit or shared fork prefix)."""
+        return self._kv.cached_prefix_len(seq)
 
     def is_ready(self, seq: Sequence) -> bool:
-        return self.kv.is_ready(seq)
+        """False for an n > 1 follower while its leader has not computed the shared prompt yet."""
+        return self._kv.is_ready(seq)
 
     def num_pending_tokens(self, seq: Sequence) -> int:
         """Tokens ``seq`` would compute this step if the budget allowed: the uncomputed committed tokens plus its
@@ -133,24 +141,23 @@ class SchedulerView:
 
     def admit(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Move waiting ``seq`` to running with room for ``num_new_tokens`` tokens past its cached prefix."""
-        if not self.kv.admit(seq, num_new_tokens):
+        if not self._kv.admit(seq, num_new_tokens):
             return False
-        self.waiting.remove(seq)
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self._queues.start(seq)
         return True
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.kv.allocate(seq, num_new_tokens)
+        """Grow running ``seq``'s blocks to hold ``num_new_tokens`` more tokens (evicting cached blocks if needed);
+        False, and no change, when they cannot be had."""
+        return self._kv.allocate(seq, num_new_tokens)
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute later: release ``seq``'s blocks (its prefix stays cached) and put it at the front of waiting."""
-        self.kv.free(seq)
+        self._kv.free(seq)
         seq.draft_token_ids = []
+        seq.draft_probs = None
         seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
-        self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        self._queues.preempt(seq)
 
 
 class Scheduler(ABC):

@@ -1,9 +1,11 @@
-"""The request/sequence state machine: WAITING -> RUNNING -> FINISHED, PREEMPTED back to WAITING."""
+"""The request/sequence state machine: WAITING -> RUNNING -> FINISHED, preempted back to WAITING; ``SequenceQueues``
+is where a status changes."""
 
 from __future__ import annotations
 
 import enum
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 
 from infer.sampling_params import SamplingParams
@@ -44,15 +46,16 @@ class Sequence:
     arrival_time: float = 0.0
     # Prefix-cache bookkeeping (set by the KV cache manager).
     cache_match: object | None = None
-    num_blocks_offered_to_cache: int = 0
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     # Steps this sequence has waited while others were admitted ahead of it (for schedulers' aging bounds).
     num_times_passed_over: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    # Where the matched stop string begins, in characters from the end of the output text (set with stop_reason).
-    stop_chars_from_end: int | None = None
+    # Where the matched stop string begins in the output text (set with stop_reason).
+    stop_index: int | None = None
+    # The output's text, decoded incrementally (``infer.detokenizer.Detokenizer``; created on first use).
+    detokenizer: object | None = None
     # Timing (seconds, time.perf_counter()).
     first_scheduled_time: float | None = None  # the start of the first step that computed any of its tokens
     first_token_time: float | None = None
@@ -62,7 +65,6 @@ class Sequence:
     # Speculative decoding statistics.
     num_verify_passes: int = 0
     num_accepted_tokens: int = 0
-    num_draft_tokens: int = 0
     # Set for n > 1 followers: they wait until this sequence has computed the shared prompt.
     fork_of: "Sequence | None" = None
     # Structured output: this sample's position in its constraint's grammar (``infer.guide.Matcher``).
@@ -103,3 +105,41 @@ class Sequence:
         if position < num_prompt:
             return self.prompt_token_ids[position]
         return self.output_token_ids[position - num_prompt]
+
+
+class SequenceQueues:
+    """The waiting queue (arrival order, preempted sequences at the front) and the running set (admission order):
+    the one place a sequence's status changes, together with its queue. A sequence is in ``waiting`` exactly while
+    WAITING and in ``running`` exactly while RUNNING."""
+
+    def __init__(self, waiting: deque[Sequence] | None = None, running: list[Sequence] | None = None):
+        self.waiting: deque[Sequence] = deque() if waiting is None else waiting
+        self.running: list[Sequence] = [] if running is None else running
+
+    def add(self, seqs: list[Sequence]) -> None:
+        """New sequences join the back of the queue."""
+        for seq in seqs:
+            seq.status = SequenceStatus.WAITING
+        self.waiting.extend(seqs)
+
+    def start(self, seq: Sequence) -> None:
+        """WAITING -> RUNNING (admitted)."""
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """RUNNING -> WAITING, at the front of the queue (recomputed first)."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> SequenceStatus:
+        """WAITING or RUNNING -> FINISHED; returns the status it had."""
+        previous = seq.status
+        if previous is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif previous is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        return previous

@@ -204,23 +204,50 @@ def test_samples_beyond_max_num_seqs_share_the_prompt_after_the_first_finishes(t
     assert llm.engine.stats.num_prefill_tokens_computed == 96 + 5 * 16
 
 
-def test_a_stop_string_completed_before_min_tokens_does_not_cut_the_output(llm):
-    """Stop strings are matched only in text produced once ``min_tokens`` is reached (as vLLM does); the output was
-    cut at an occurrence from before it."""
-    tokenizer = llm.engine.tokenizer
+def stream_and_whole(llm, prompt, params) -> tuple[str, str, list[int]]:
+    """A request run step by step through the server's incremental updates: the streamed text, the final text and
+    the token ids."""
+    from infer.serve.updates import RequestProgress
+
+    engine = llm.engine
+    request_id = engine.add_request(prompt, params)
+    request = engine.requests[request_id]
+    progress = RequestProgress(1, lambda token: engine.tokenizer.decode([token]))
+    streamed = ""
+    while not request.finished:
+        engine.step()
+        update = progress.advance(engine, request)
+        streamed += "".join(delta.text for delta in update.samples) if update else ""
+    (seq,) = request.seqs
+    engine.release_request(request_id)
+    return streamed, engine.output_text(seq), list(seq.output_token_ids)
+
+
+@pytest.mark.parametrize("where", ["before", "across", "after"])
+def test_stop_strings_count_only_in_text_after_min_tokens_streamed_and_whole_alike(llm, where):
+    """A stop string wholly in the first ``min_tokens`` tokens' text, or beginning there and ending after it, never
+    cuts the output (the first cut it before); one wholly after them cuts it at its first such occurrence. The
+    streamed text equals the whole text in each case."""
+    from infer.detokenizer import Detokenizer
+
+    min_tokens = 6
     free = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
-    decoded = [tokenizer.decode(free.token_ids[:k], skip_special_tokens=True) for k in range(41)]
-    stop = decoded[2][-3:]  # ends in the first two tokens' text
-    assert len(stop) == 3
-    min_tokens = 5
-    # The first occurrence ending in a token at or past min_tokens is where the output must end.
-    ends = [k for k in range(min_tokens, 41) if decoded[k].find(stop, max(0, len(decoded[k - 1]) - len(stop) + 1)) >= 0]
-    output = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop],
-                                                       min_tokens=min_tokens))[0]
-    if not ends:
-        assert output.finish_reason == "length" and output.text == decoded[40]
-        return
-    k = ends[0]
-    assert output.token_ids == free.token_ids[:k] and output.finish_reason == "stop"
-    assert output.text == decoded[k][: decoded[k].find(stop, max(0, len(decoded[k - 1]) - len(stop) + 1))]
-    assert len(output.text) > len(decoded[2]) - len(stop)  # not cut at the early occurrence
+    detokenizer = Detokenizer(llm.engine.tokenizer)
+    text = detokenizer.update(free.token_ids)
+    floor = detokenizer.text_start_of_token(min_tokens)  # the first min_tokens tokens' text ends here
+    assert 3 <= floor <= len(text) - 8, "the free text is too short for the three cases"
+    start = {"before": floor - 3, "across": floor - 2, "after": floor + 4}[where]
+    stop = text[start:start + 3]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop], min_tokens=min_tokens)
+    streamed, whole, token_ids = stream_and_whole(llm, PROMPTS[4], params)
+    cut = text.find(stop, floor)
+    if where == "after":
+        assert 0 <= cut <= start
+    else:
+        assert text.find(stop) < floor, "an occurrence from before min_tokens was reached"
+    if cut < 0:
+        assert whole == text and token_ids == free.token_ids
+    else:
+        assert whole == text[:cut]
+        assert token_ids == free.token_ids[:detokenizer.token_of_char(cut + len(stop) - 1) + 1]
+    assert streamed == whole

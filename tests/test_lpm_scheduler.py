@@ -18,16 +18,26 @@ from infer.plugins.schedulers.lpm import LPMScheduler, LPMSchedulerConfig
 from infer.registry import Registry
 from infer.sampling_params import SamplingParams
 from infer.scheduler import SchedulerView
-from infer.sequence import Sequence, SequenceStatus
+from infer.sequence import Sequence, SequenceQueues, SequenceStatus
 
 BLOCK_SIZE = 4
 _seq_ids = itertools.count()
 
 
+class TestView(SchedulerView):
+    """A scheduler's view that keeps its KV manager at hand, for the steps these tests play themselves."""
+
+    __test__ = False
+
+    def __init__(self, waiting, running, kv, *args, **kwargs):
+        super().__init__(waiting, running, kv, *args, **kwargs)
+        self.kv = kv
+
+
 def make_view(max_num_seqs=16, max_num_batched_tokens=512):
     allocator = PagedAllocator(num_blocks=256, block_size=BLOCK_SIZE, max_model_len=512)
     kv = KVCacheManager(allocator, RadixPrefixCache(allocator, BLOCK_SIZE), max_model_len=512)
-    return SchedulerView(deque(), [], kv, max_num_seqs, max_num_batched_tokens, max_model_len=512)
+    return TestView(deque(), [], kv, max_num_seqs, max_num_batched_tokens, max_model_len=512)
 
 
 def arrive(view, prompt):
@@ -56,8 +66,7 @@ def step(scheduler, view):
 def finish_running(view):
     for seq in list(view.running):
         view.kv.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        view.running.remove(seq)
+        SequenceQueues(view.waiting, view.running).finish(seq)
 
 
 def tokens(start, count):

@@ -18,16 +18,26 @@ from infer.plugins.schedulers.hrrn import HRRNScheduler, HRRNSchedulerConfig
 from infer.plugins.schedulers.priority import PriorityScheduler, PrioritySchedulerConfig
 from infer.sampling_params import SamplingParams, SamplingParamsError
 from infer.scheduler import SchedulerConfig, SchedulerView
-from infer.sequence import SequenceStatus, Sequence
+from infer.sequence import Sequence, SequenceQueues
 
 BLOCK_SIZE = 4
 _ids = itertools.count()
 
 
+class TestView(SchedulerView):
+    """A scheduler's view that keeps its KV manager at hand, for the steps these tests play themselves."""
+
+    __test__ = False
+
+    def __init__(self, waiting, running, kv, *args, **kwargs):
+        super().__init__(waiting, running, kv, *args, **kwargs)
+        self.kv = kv
+
+
 def make_view(num_blocks=256, max_num_seqs=16, max_num_batched_tokens=512, now=0.0):
     allocator = PagedAllocator(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=256)
     kv = KVCacheManager(allocator, NoPrefixCache(allocator, BLOCK_SIZE), max_model_len=256)
-    return SchedulerView(deque(), [], kv, max_num_seqs, max_num_batched_tokens, max_model_len=256, now=now)
+    return TestView(deque(), [], kv, max_num_seqs, max_num_batched_tokens, max_model_len=256, now=now)
 
 
 def arrive(view, prompt_len=8, arrival_time=0.0, **params):
@@ -46,8 +56,7 @@ def admitted_order(scheduler, view):
         order.extend(seq for seq, _ in plan.scheduled if seq not in order)
         for seq in list(view.running):
             view.kv.free(seq)
-            seq.status = SequenceStatus.FINISHED
-            view.running.remove(seq)
+            SequenceQueues(view.waiting, view.running).finish(seq)
     return order
 
 

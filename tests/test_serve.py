@@ -90,10 +90,16 @@ def stream_token_by_token(tokenizer, token_ids: list[int], stop: list[str]) -> s
     """Feed ``token_ids`` one per step through ``RequestProgress`` the way the engine produces them (finishing at the
     first stop string, whose text is cut); returns the concatenated stream."""
     from infer import SamplingParams
+    from infer.detokenizer import Detokenizer
     from infer.serve.updates import RequestProgress
 
+    detokenizer = Detokenizer(tokenizer)  # the sequence's own, as the engine keeps it
+
+    def sequence_text(seq) -> str:  # Engine.sequence_text
+        return detokenizer.update(seq.output_token_ids)
+
     def output_text(seq) -> str:  # Engine.output_text
-        text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        text = sequence_text(seq)
         return text[:text.find(seq.stop_reason)] if seq.stop_reason else text
 
     params = SamplingParams(stop=stop)
@@ -103,7 +109,7 @@ def stream_token_by_token(tokenizer, token_ids: list[int], stop: list[str]) -> s
                           finish_time=None, num_preemptions=0, num_verify_passes=0, num_accepted_tokens=0,
                           token_times=[])
     request = SimpleNamespace(seqs=[seq], finished=False, prompt_token_ids=[1], arrival_time=0.0, params=params)
-    engine = SimpleNamespace(tokenizer=tokenizer, output_text=output_text)
+    engine = SimpleNamespace(tokenizer=tokenizer, output_text=output_text, sequence_text=sequence_text)
     progress, streamed = RequestProgress(1, str), ""
     for token_id in token_ids:
         seq.output_token_ids.append(token_id)

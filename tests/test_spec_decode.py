@@ -17,7 +17,7 @@ import torch
 from infer import LLM, SamplingParams
 from infer.drafter import Drafter
 from infer.testing.models import make_tiny_model_dir
-from infer.rejection_sampler import verify_sampled_drafts
+from infer.spec_decode import verify_sampled_drafts
 from infer.sampler import SampleRequest
 from infer.testing import DrafterConformance
 from infer.testing.drafter import with_kv_cache
@@ -148,6 +148,20 @@ def test_draft_identical_to_the_target_accepts_every_draft(tiny_model_dir, ident
     assert stats.mean_accepted_per_pass > 4.5  # k = 4: five tokens a pass, fewer only where max_tokens cuts drafts
 
 
+def test_steps_with_drafter_none_call_no_drafter_method(tiny_model_dir, monkeypatch):
+    """``num_speculative_tokens`` defaults to 4, yet with ``drafter: none`` no step (prefill, decode, preemption,
+    finishing) crosses into the drafter."""
+    llm = make_llm(tiny_model_dir, model__max_model_len=112, cache__num_blocks=8)
+    drafter = llm.engine.drafter
+    assert llm.config.drafter.name == "none" and llm.config.drafter.num_speculative_tokens > 0
+    calls = []
+    for name in ("propose", "observe", "rollback", "release", "kv_bytes_per_token", "allocate_kv_cache"):
+        monkeypatch.setattr(drafter, name, lambda *args, _name=name, **kwargs: calls.append(_name))
+    llm.generate(mixed_prompts(), greedy())
+    assert llm.engine.stats.num_preemptions > 0 and llm.engine.stats.num_output_tokens > 0
+    assert calls == []
+
+
 class RandomTokenDrafter(Drafter):
     """Guesses k random token ids."""
 
@@ -164,7 +178,7 @@ def test_random_drafts_leave_the_output_unchanged(tiny_model_dir):
     prompts = mixed_prompts()
     expected, _ = generate(tiny_model_dir, prompts, greedy())
     llm = make_llm(tiny_model_dir)
-    llm.engine.drafter = RandomTokenDrafter(llm.engine.model.vocab_size)
+    llm.engine.speculation.drafter = RandomTokenDrafter(llm.engine.model.vocab_size)
     outputs = [output.token_ids for output in llm.generate(prompts, greedy())]
     assert outputs == expected
     assert llm.engine.stats.num_draft_tokens > 0
@@ -255,28 +269,12 @@ def vocab64_model_dir(tmp_path_factory):
 
 
 class EngineBackedConformance(DrafterConformance):
-    """The suite's drafter gets a tiny target engine; its end-to-end check runs it inside that engine."""
+    """The suite's drafter gets a tiny target model (its documented way in): a context from an engine over it, and
+    the end-to-end check inside that engine."""
 
     @pytest.fixture
-    def drafter_context(self, vocab64_model_dir):
-        return {"engine": make_llm(vocab64_model_dir).engine}
-
-    @pytest.fixture
-    def engine_factory(self, vocab64_model_dir):
-        def factory(use_drafter: bool):
-            overrides = self.drafter_overrides() if use_drafter else {}
-
-            def run(prompts: list[list[int]]) -> list[list[int]]:
-                outputs, stats = generate(vocab64_model_dir, prompts, greedy(24), **overrides)
-                assert stats.num_verify_passes > 0 or not use_drafter
-                return outputs
-
-            return run
-
-        return factory
-
-    def drafter_overrides(self) -> dict:
-        return {"drafter__name": self.impl_name}
+    def target_model_dir(self, vocab64_model_dir):
+        return vocab64_model_dir
 
 
 class TestModelDrafterConformance(EngineBackedConformance):
@@ -292,10 +290,10 @@ class TestEagleDrafterConformance(EngineBackedConformance):
 
         implementation = self.load_implementation("eagle")
         config = get_registry().config_model("drafter", "eagle")(head="random", min_confidence=0.0)
-        return lambda: with_kv_cache(implementation(config, **drafter_context))
+        return lambda: with_kv_cache(implementation(config, drafter_context))
 
-    def drafter_overrides(self) -> dict:
-        return {"drafter__name": "eagle", "drafter__head": "random", "drafter__min_confidence": 0.0}
+    def drafter_overrides(self, name: str) -> dict:
+        return {"drafter.name": name, "drafter.head": "random", "drafter.min_confidence": 0.0}
 
 
 def test_eagle_confidence_threshold_shortens_chains_and_keeps_the_output(tiny_model_dir):

@@ -1,25 +1,19 @@
 """What the engine thread tells the event loop about one request after each step, and how it works that out.
 
-Text is detokenized incrementally, as vLLM does: each step decodes a window of a few tokens and keeps what the new
-tokens added, so the cost per step does not grow with the output (a full decode of 2,000 tokens takes ~1-3 ms; 64
-of them per step would dominate it). Streamed text must add up to exactly the text a non-streamed request returns
-(``Engine.output_text``), so a delta only releases text that can no longer change: an incomplete UTF-8 character
-(decoded as U+FFFD) waits for its next byte, and the last ``len(longest stop string) - 1`` characters wait until no
-stop string can start there (the engine cuts a matched stop string from the output). When the sequence finishes,
-the rest of its final text goes out.
+Text comes from the sequence's own detokenizer (``Engine.sequence_text``, ``infer.detokenizer``), the one that
+the engine's stop-string checks and its final text (``Engine.output_text``) read, so streamed text adds up to
+exactly the text a non-streamed request returns. A delta only releases text that can no longer change: the
+detokenizer holds back an incomplete UTF-8 character until its last byte comes, and the last
+``len(longest stop string) - 1`` characters wait until no stop string can start there (the engine cuts a matched
+stop string from the output). When the sequence finishes, the rest of its final text goes out.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from infer.engine import request_metrics
 from infer.outputs import RequestMetrics
-
-logger = logging.getLogger("infer.serve")
-
-REPLACEMENT_CHARACTER = "\ufffd"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +58,8 @@ class RequestUpdate:
 
 @dataclass(slots=True)
 class SampleProgress:
-    """One sequence's decoded text so far and how much of it (and of its logprobs) has been sent.
+    """How much of one sequence's text (and of its logprobs) has been sent."""
 
-    ``text`` is the decode of ``output_token_ids[:read_offset]``; the next window to decode starts at
-    ``prefix_offset`` (one step back, so a token's leading space or merged bytes come out as they do in context).
-    """
-
-    text: str = ""
-    prefix_offset: int = 0
-    read_offset: int = 0
     num_chars_sent: int = 0
     num_logprobs_sent: int = 0
     finish_sent: bool = False
@@ -98,10 +85,10 @@ class RequestProgress:
         if progress.finish_sent:
             return None
         if seq.is_finished:
-            text = self._final_text(engine, seq, progress)
+            text = engine.output_text(seq)
             end = len(text)
         else:
-            text = _decode_new_tokens(engine.tokenizer, seq.output_token_ids, progress)
+            text = engine.sequence_text(seq)
             end = _stable_length(text, seq.params.stop)
         new_text = text[progress.num_chars_sent:end]
         new_logprobs = [self._token_logprob(entry) for entry in seq.logprobs[progress.num_logprobs_sent:]]
@@ -113,14 +100,6 @@ class RequestProgress:
         progress.finish_sent = finish_reason is not None
         return SampleDelta(seq.sample_index, new_text, new_logprobs, finish_reason)
 
-    @staticmethod
-    def _final_text(engine, seq, progress: SampleProgress) -> str:
-        text = engine.output_text(seq)
-        if not text.startswith(progress.text[:progress.num_chars_sent]):
-            logger.warning("request %s: streamed text diverged from the final text; the stream is not its prefix",
-                           seq.request_id)
-        return text
-
     def _token_logprob(self, entry: dict) -> TokenLogprob:
         top = [(self.token_text(token_id), logprob) for token_id, logprob in entry["top"]]
         return TokenLogprob(self.token_text(entry["token_id"]), entry["logprob"], top)
@@ -130,18 +109,6 @@ class RequestProgress:
         return Usage(prompt_tokens=len(request.prompt_token_ids),
                      completion_tokens=sum(seq.num_output_tokens for seq in request.seqs),
                      cached_tokens=request.seqs[0].num_cached_prompt_tokens)
-
-
-def _decode_new_tokens(tokenizer, token_ids: list[int], progress: SampleProgress) -> str:
-    """Extend ``progress.text`` with the text of tokens past ``read_offset``; returns the whole text so far."""
-    if progress.read_offset == len(token_ids):
-        return progress.text
-    before = tokenizer.decode(token_ids[progress.prefix_offset:progress.read_offset], skip_special_tokens=True)
-    after = tokenizer.decode(token_ids[progress.prefix_offset:], skip_special_tokens=True)
-    if len(after) > len(before) and not after.endswith(REPLACEMENT_CHARACTER):
-        progress.text += after[len(before):]
-        progress.prefix_offset, progress.read_offset = progress.read_offset, len(token_ids)
-    return progress.text
 
 
 def _stable_length(text: str, stop_strings: list[str]) -> int:

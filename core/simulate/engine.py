@@ -28,7 +28,7 @@ from infer.engine import Engine
 from infer.guide import TokenizerInfo
 from infer.kv_pool import plan_kv_pool
 from infer.runner import ModelRunner, StepOutput
-from infer.scheduler import StepPlan, StepShape
+from infer.scheduler import StepPlan
 from infer.sequence import Sequence
 from infer.simulate.cost import CostModel, build_cost_model
 
@@ -86,14 +86,12 @@ class SimulatedEngine(Engine):
         self.pool_plan = plan_kv_pool(budget_bytes=0, weight_bytes=0, activation_bytes=0,
                                       bytes_per_token=int(self.cost.kv_bytes_per_token), block_size=block_size,
                                       max_model_len=self.max_model_len, num_blocks_override=num_blocks)
-        self._init_scheduling(num_blocks)
+        self._token_pool = self._synthetic_tokens()
+        self._init_scheduling(num_blocks, SimulatedDrafter(config.drafter, self._token_pool[DRAFT_TOKEN_INDEX],
+                                                           enabled=config.drafter.name != "none"))
         # Grammars need real logits: constrained requests are refused, naming the guides a real run offers.
         self.guide = self.registry.load("guide", "none")(
             TokenizerInfo(self.tokenizer, self.vocab_size, tuple(sorted(self.eos_token_ids))))
-        self._token_pool = self._synthetic_tokens()
-        self.drafter = SimulatedDrafter(config.drafter, self._token_pool[DRAFT_TOKEN_INDEX],
-                                        enabled=config.drafter.name != "none")
-        self._jump_forward = False
 
     def _synthetic_tokens(self) -> list[int]:
         """Ordinary tokens to sample from: no EOS, no special token."""
@@ -114,8 +112,8 @@ class SimulatedEngine(Engine):
         return f"simulated: {self.cost.describe()}"
 
     # -- the simulated parts ------------------------------------------------------------------------------------
-    def _execute(self, plan: StepPlan, shape: StepShape) -> StepOutput:
-        self.now += self.cost.step_time(shape)
+    def _execute(self, plan: StepPlan) -> StepOutput:
+        self.now += self.cost.step_time(plan.shape())
         return StepOutput(logits=None, rows=ModelRunner.logits_rows(plan.scheduled)[1])
 
     def _sample(self, output: StepOutput) -> tuple[list[int], list[dict | None]]:

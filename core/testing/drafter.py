@@ -2,17 +2,28 @@
 
 Proposals are checked on ``infer.sequence.Sequence`` objects in decode state (prompts with repeats, so that
 prompt-lookup drafters have something to find), each holding its own blocks so that a drafter with its own KV pool
-(allocated with ``NUM_BLOCKS`` blocks) can write it. A drafter that needs more than its config (a draft model, the
-target's hidden size) gets it by overriding the ``drafter_context`` fixture method; its keyword arguments go to the
-constructor as ``Drafter(config, **context)``. A drafter class that declares ``needs_engine = True`` (it reads the
-target model from ``context["engine"]``) is skipped unless the context provides that engine.
+(allocated with ``NUM_BLOCKS`` blocks) can write it.
+
+A target model: override the ``target_model_dir`` fixture to return one (an HF folder, a GGUF file or an alias, with
+at most ``vocab_size`` tokens; ``infer.testing.models.make_tiny_model_dir(folder, vocab_size=64)`` writes a small
+one). The suite then builds the drafter as the engine does, ``Drafter(config, context)`` with the ``DrafterContext`` of an
+engine over that target, and runs the end-to-end check: greedy output with the drafter inside a real engine equals
+the output without it (``drafter_overrides`` are the config keys that select the drafter there). Without a target
+the drafter gets no context, a drafter that declares ``needs_target`` is skipped, and the end-to-end check too.
 
 A plugin author's whole test file::
 
+    import pytest
+
     from infer.testing import DrafterConformance
+    from infer.testing.models import make_tiny_model_dir
 
     class TestMyDrafter(DrafterConformance):
         impl_name = "mine"
+
+        @pytest.fixture(scope="class")
+        def target_model_dir(self, tmp_path_factory):
+            return str(make_tiny_model_dir(tmp_path_factory.mktemp("target"), vocab_size=self.vocab_size))
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from infer.drafter import Drafter
+from infer.drafter import Drafter, DrafterContext
 from infer.sampling_params import SamplingParams
 from infer.sequence import Sequence, SequenceStatus
 from infer.testing.suite import ConformanceSuite
@@ -68,22 +79,61 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def target_engine_settings(model_dir: str) -> dict[str, Any]:
+    """The engine the suite runs over a target model: float32, a short context, a small pool."""
+    return {"model.path": model_dir, "model.dtype": "float32", "model.max_model_len": 256, "cache.num_blocks": 128}
+
+
+def target_context(model_dir: str) -> DrafterContext:
+    """The ``DrafterContext`` an engine over ``model_dir`` gives its drafter."""
+    from infer import LLM
+
+    settings = target_engine_settings(model_dir)
+    return LLM("baseline", [f"{key}={value}" for key, value in settings.items()]).engine.drafter_context()
+
+
+def engine_generator(model_dir: str, drafter_overrides: dict[str, Any], max_tokens: int = 24) -> EngineFactory:
+    """``factory(use_drafter)``: greedy generation over ``model_dir`` with the drafter that ``drafter_overrides``
+    select (True; it must verify drafts) or none (False)."""
+    from infer import LLM
+
+    def factory(use_drafter: bool) -> Callable[[list[list[int]]], list[list[int]]]:
+        settings = {**target_engine_settings(model_dir), **(drafter_overrides if use_drafter else {})}
+        llm = LLM("baseline", [f"{key}={value}" for key, value in settings.items()])
+
+        def run(prompts: list[list[int]]) -> list[list[int]]:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            outputs = [output.token_ids for output in llm.generate(prompts, params)]
+            assert llm.engine.stats.num_verify_passes > 0 or not use_drafter, "the drafter never proposed a draft"
+            return outputs
+
+        return run
+
+    return factory
+
+
 class DrafterConformance(ConformanceSuite):
-    """The drafter contract: at most k valid tokens per sequence, deterministic, nothing shared between sequences.
+    """The drafter contract: at most k valid tokens per sequence, deterministic, nothing shared between sequences;
+    with a target model, the target's output unchanged inside the engine.
 
     ``vocab_size`` bounds the token ids the suite uses and the drafter may propose.
     """
 
     kind = "drafter"
-    capability_flags = ("needs_engine",)
+    capability_flags = ("needs_target",)
     vocab_size: ClassVar[int] = 64
     num_speculative_tokens: ClassVar[int] = 4
-    needs_engine: ClassVar[bool] = False
+    needs_target: ClassVar[bool] = False
 
     @pytest.fixture
-    def drafter_context(self) -> dict[str, Any]:
-        """Keyword arguments for the drafter's constructor beyond its config. Override to give it a model."""
-        return {}
+    def target_model_dir(self) -> str | None:
+        """A target model for the drafter (see the module); None: none."""
+        return None
+
+    @pytest.fixture
+    def drafter_context(self, target_model_dir) -> DrafterContext | None:
+        """The context the drafter is built with: an engine's over ``target_model_dir``, or None."""
+        return None if target_model_dir is None else target_context(target_model_dir)
 
     @pytest.fixture
     def drafter_factory(self, drafter_context) -> DrafterFactory:
@@ -91,19 +141,31 @@ class DrafterConformance(ConformanceSuite):
         return self.make_drafter_factory(self.impl_name, drafter_context)
 
     @pytest.fixture
-    def engine_factory(self, drafter_factory) -> EngineFactory:
-        """``engine_factory(use_drafter)`` returns a greedy ``generate(prompts) -> outputs``, with or without a
-        drafter from ``drafter_factory``. Override to run the drafter inside the engine; without it the end-to-end
-        check is skipped."""
-        pytest.skip("no engine_factory: override it to check the target's output inside the engine")
+    def engine_factory(self, drafter_factory, target_model_dir) -> EngineFactory:
+        """``engine_factory(use_drafter)`` returns a greedy ``generate(prompts) -> outputs`` inside an engine over
+        ``target_model_dir``, with or without the drafter (``drafter_overrides``)."""
+        if target_model_dir is None:
+            pytest.skip("no target model: override the target_model_dir fixture to check the target's output "
+                        "inside the engine")
+        return engine_generator(target_model_dir, self.drafter_overrides(getattr(drafter_factory, "name",
+                                                                                 self.impl_name)))
 
-    def make_drafter_factory(self, name: str | None, context: dict[str, Any]) -> DrafterFactory:
+    def drafter_overrides(self, name: str) -> dict[str, Any]:
+        """Config keys (dotted) that select drafter ``name`` in an engine."""
+        return {"drafter.name": name}
+
+    def make_drafter_factory(self, name: str | None, context: DrafterContext | None) -> DrafterFactory:
         implementation = self.load_implementation(name)
-        if self.needs_engine and "engine" not in context:
-            pytest.skip(f"drafter {name!r} needs a target engine: override drafter_context to provide "
-                        f"{{'engine': ...}} (a model with vocab_size={self.vocab_size})")
+        if self.needs_target and context is None:
+            pytest.skip(f"drafter {name!r} needs a target model (it declares needs_target): override the "
+                        f"target_model_dir fixture (a model with vocab_size={self.vocab_size} tokens at most)")
         config = self.implementation_config(name, num_speculative_tokens=self.num_speculative_tokens)
-        return lambda: with_kv_cache(implementation(config, **context))
+
+        def factory() -> Drafter:
+            return with_kv_cache(implementation(config, context))
+
+        factory.name = name  # the engine_factory runs the same implementation
+        return factory
 
     def propose(self, factory: DrafterFactory, sequences: list[Sequence], k: int, seed: int = 0) -> list[list[int]]:
         """Proposals of a fresh drafter under ``seed``."""

@@ -18,7 +18,6 @@ A plugin author's whole test file::
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -31,7 +30,7 @@ from infer.kv_cache_manager import KVCacheManager
 from infer.registry import get_registry
 from infer.sampling_params import SamplingParams
 from infer.scheduler import Scheduler, SchedulerView, StepPlan
-from infer.sequence import Sequence, SequenceStatus
+from infer.sequence import Sequence, SequenceQueues, SequenceStatus
 from infer.testing.suite import ConformanceSuite
 
 SAMPLED_TOKEN = 7  # what the simulated model "samples"; its value never matters to a scheduler
@@ -74,8 +73,8 @@ class SimulatedEngine:
         self.scheduler = scheduler
         self.kv = kv
         self.limits = limits
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.queues = SequenceQueues()
+        self.waiting, self.running = self.queues.waiting, self.queues.running
         self.finished: list[Sequence] = []
         self.num_scheduled_tokens = 0
         self.finish_step: dict[Sequence, int] = {}
@@ -101,7 +100,7 @@ class SimulatedEngine:
             )
             for request_samples, request in zip(samples, workload):
                 if request.arrival_step == step:
-                    self.waiting.extend(request_samples)
+                    self.queues.add(request_samples)
             self.view.now = float(step)
             self.step()
             step += 1
@@ -125,8 +124,7 @@ class SimulatedEngine:
         if seq.num_output_tokens == seq.params.max_tokens:
             samples = self.samples_of[seq.request_id]
             self.kv.free_finished(seq, any(other in self.waiting for other in samples[1:]))
-            seq.status = SequenceStatus.FINISHED
-            self.running.remove(seq)
+            self.queues.finish(seq)
             self.finished.append(seq)
             self.finish_step[seq] = int(self.view.now)
             if all(other.status is SequenceStatus.FINISHED for other in samples):

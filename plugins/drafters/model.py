@@ -25,7 +25,7 @@ import torch
 from pydantic import Field
 
 from infer.attention import AttentionMetadata
-from infer.drafter import Drafter, DrafterConfig, SampledDrafts
+from infer.drafter import Drafter, DrafterConfig, DrafterContext, SampledDrafts
 from infer.kv_pool import kv_bytes_per_token
 from infer.sampler import apply_filters, sample_row
 
@@ -88,37 +88,31 @@ class ModelDrafter(Drafter):
     """Drafts with a small model (or the target's first layers) that keeps its own paged KV."""
 
     config_model = ModelDrafterConfig
-    needs_engine = True
+    needs_target = True
 
-    def __init__(self, config: ModelDrafterConfig | None = None, **context):
-        super().__init__(config, **context)
-        engine = context["engine"]
-        self.device = engine.device
-        self.dtype = engine.dtype
-        self.vocab_size = engine.model.vocab_size
-        self.block_size = engine.attention.block_size
-        self.draft, self.attention, self.executor = self._load_draft(engine)
+    def __init__(self, config: ModelDrafterConfig | None = None, context: DrafterContext | None = None):
+        super().__init__(config, context)
+        self.device = context.device
+        self.dtype = context.dtype
+        self.vocab_size = context.target.vocab_size
+        self.block_size = context.block_size
+        self.draft, self.attention, self.executor = self._load_draft(context)
         self.kv_cache: torch.Tensor | None = None
         self._progress: dict[str, DraftProgress] = {}
 
-    def _load_draft(self, engine):
+    def _load_draft(self, context: DrafterContext):
         if self.config.path is None:
-            layers = self.config.layers or max(1, engine.model.num_layers // 2)
-            return TargetLayers(engine.model, layers), engine.attention, engine.executor
+            layers = self.config.layers or max(1, context.target.num_layers // 2)
+            return TargetLayers(context.target, layers), context.attention, context.executor
         from infer.loader import load_model
 
-        loaded = load_model(self.config.path, engine.dtype, engine.device)
-        if loaded.tokenizer.get_vocab() != engine.tokenizer.get_vocab():
+        loaded = load_model(self.config.path, context.dtype, context.device)
+        if loaded.tokenizer.get_vocab() != context.tokenizer.get_vocab():
             raise ValueError(f"drafter.path={self.config.path!r} does not use the target's tokenizer; a draft model "
                              f"must share it token for token")
-        from infer.quantization import quantize_model
-
-        draft = quantize_model(loaded.model, engine.quantization)
-        executor = engine.executor.for_another(draft)  # the target's kernels and paths, if it runs on them
-        attention = type(engine.attention)(
-            num_heads=draft.num_heads, num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim,
-            block_size=engine.attention.block_size, dtype=engine.dtype, device=engine.device,
-            config=engine.attention.config)
+        draft = context.quantize(loaded.model)
+        executor = context.executor.for_another(draft)  # the target's kernels and paths, if it runs on them
+        attention = context.build_attention(draft.num_heads, draft.num_kv_heads, draft.head_dim)
         return draft, attention, executor
 
     # -- the draft pool ------------------------------------------------------------------------------------------

@@ -23,10 +23,9 @@ import torch
 from pydantic import Field
 
 from infer.attention import AttentionMetadata
-from infer.drafter import Drafter, DrafterConfig
+from infer.drafter import Drafter, DrafterConfig, DrafterContext
 from infer.kv_pool import kv_bytes_per_token
 from infer.plugins.drafters.eagle.head import EagleHead, draft_head_weight, load_head, random_head
-from infer.quantization import projection, quantize_linears
 
 SHIPPED_HEADS = "heads"  # package data of this plugin: heads/<model name>/head.safetensors and its README card
 
@@ -83,35 +82,34 @@ class EagleDrafter(Drafter):
     """Chain drafting with an EAGLE head over the target's features."""
 
     config_model = EagleDrafterConfig
+    needs_target = True
     needs_hidden_states = True
-    needs_engine = True
 
-    def __init__(self, config: EagleDrafterConfig | None = None, **context):
-        super().__init__(config, **context)
-        engine = context["engine"]
-        self.target = engine.model
-        self.attention = engine.attention  # the head's layer has the target's layer shapes
-        self.device = engine.device
-        self.dtype = engine.dtype
-        self.block_size = engine.attention.block_size
+    def __init__(self, config: EagleDrafterConfig | None = None, context: DrafterContext | None = None):
+        super().__init__(config, context)
+        self.target = context.target
+        self.attention = context.attention  # the head's layer has the target's layer shapes
+        self.device = context.device
+        self.dtype = context.dtype
+        self.block_size = context.block_size
         # The head's layers and its draft-vocabulary output run with the target's weight packing.
-        self.head = quantize_linears(self._load_head(engine), engine.quantization)
-        self.executor = engine.executor  # the head's layer runs on the target's kernels and paths
+        self.head = context.quantize(self._load_head(context))
+        self.executor = context.executor  # the head's layer runs on the target's kernels and paths
         self.executor.prepare_layer(self.head.layer)
-        self.draft_logits = projection(draft_head_weight(self.target, self.head.vocab_ids), engine.quantization)
+        self.draft_logits = context.projection(draft_head_weight(self.target, self.head.vocab_ids))
         self.kv_cache: torch.Tensor | None = None
         self._logs: dict[str, FeatureLog] = {}
 
-    def _load_head(self, engine) -> EagleHead:
+    def _load_head(self, context: DrafterContext) -> EagleHead:
         choice = self.config.head
         config = self.target.config
         if choice == "random":
-            return random_head(config, self.target, self.dtype, self.device, engine.config.model.seed)
-        path = shipped_head_path(engine.model_name) if choice == "auto" else Path(choice)
+            return random_head(config, self.target, self.dtype, self.device, context.seed)
+        path = shipped_head_path(context.model_name) if choice == "auto" else Path(choice)
         if path.is_dir():
             path = path / "head.safetensors"
         if not path.is_file():
-            hint = (f"no EAGLE head is shipped for model {engine.model_name!r}" if choice == "auto"
+            hint = (f"no EAGLE head is shipped for model {context.model_name!r}" if choice == "auto"
                     else f"drafter.head: no file at {path}")
             raise FileNotFoundError(f"{hint}; train one with `infer train-eagle CONFIG --out DIR` and set "
                                     f"drafter.head=DIR")

@@ -153,7 +153,7 @@ def generate_examples(llm, prompts: list, options: TrainEagleOptions) -> list[Ex
     from infer.sampling_params import SamplingParams
 
     recorder = FeatureRecorder()
-    llm.engine.drafter = recorder
+    llm.engine.speculation.drafter = recorder
     params = SamplingParams(max_tokens=options.max_tokens, temperature=0.0)
     outputs = llm.generate(prompts, params, use_tqdm=True)
     examples = []
