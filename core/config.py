@@ -92,8 +92,19 @@ class ExecutionConfig(BaseModel):
         description="Execution paths in the order each step asks them; the first that accepts runs it. fused-stack: "
                     "all layers in one C call (CPU kernels, packed weights, attention cpu); fused-layers: two C "
                     "calls per layer around the backend's attention; torch: op by op, accepts every step (last).")
-    fused_max_tokens: int = Field(8, ge=0, description="Steps of at most this many tokens may take the fused paths "
-                                                       "and the GEMV (0: never).")
+    fused_max_tokens: int | Literal["auto"] = Field(
+        "auto", description="Steps of at most this many tokens may take the fused paths and the GEMV (0: never). "
+                            "auto: where the GEMV stops being faster than the GEMM on this machine and model, "
+                            "measured once (a few seconds) and cached per CPU (infer.calibration).")
+    recalibrate: bool = Field(False, description="With fused_max_tokens auto: measure again instead of reading the "
+                                                 "cached calibration.")
+
+    @field_validator("fused_max_tokens")
+    @classmethod
+    def _check_fused_max_tokens(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be 0 or more, or auto")
+        return value
 
     @field_validator("paths")
     @classmethod

@@ -162,6 +162,7 @@ class Engine:
                                   shard=None if self.tensor_parallel is None else self.tensor_parallel.shard)
         self.model, self.quantization, self.executor = stack.model, stack.quantization, stack.executor
         self.attention_name, self.attention = stack.attention_name, stack.attention
+        self.calibration = stack.calibration
         self.vocab_size = self.model.vocab_size
         self.tokenizer = loaded.tokenizer
         self.max_token_bytes = max(len(token.encode()) for token in self.tokenizer.get_vocab())
@@ -260,8 +261,9 @@ class Engine:
         paths = " > ".join(path.name for path in self.executor.paths)
         chosen = f"{self.attention_name} (auto)" if self.config.attention.name == "auto" else self.attention_name
         parallel = "" if self.tensor_parallel is None else f"; {self.tensor_parallel.describe()}"
-        return (f"attention {chosen}; {kernels}; "
-                f"execution paths {paths} (fused up to {self.executor.fused_max_tokens} tokens){parallel}")
+        fused = (self.calibration.describe() if self.calibration is not None
+                 else f"fused up to {self.executor.fused_max_tokens} tokens")
+        return f"attention {chosen}; {kernels}; execution paths {paths} ({fused}){parallel}"
 
     def _check_max_model_len(self, loaded) -> None:
         limit = getattr(loaded.hf_config, "max_position_embeddings", None)

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from infer.attention import AttentionBackend, AttentionMetadata
+from infer.calibration import CANDIDATES as CALIBRATION_CANDIDATES
+from infer.calibration import DEFAULT_FUSED_MAX_TOKENS, Calibration, calibrate
 from infer.cpu_kernels import FusedStack, KernelAttentionStep
 from infer.model.ops import StepOps
 
@@ -271,7 +273,11 @@ def build_executor(model: LlamaForCausalLM, config, device: torch.device, dtype:
         model.compile_dense_parts()  # compiled code fuses the small ops itself: no kernels there
     usable = device.type == "cpu" and dtype == torch.float32 and not model_config.compile
     kernels = cpu_kernels.load(model_config.cpu_kernels) if usable else None
-    return Executor.for_model(model, kernels, execution.paths, execution.fused_max_tokens)
+    # auto: prepared for the largest threshold calibration tries; ``build_model_stack`` sets the measured one.
+    max_tokens = execution.fused_max_tokens
+    max_tokens = (max(CALIBRATION_CANDIDATES) if kernels is not None else DEFAULT_FUSED_MAX_TOKENS) \
+        if max_tokens == "auto" else max_tokens
+    return Executor.for_model(model, kernels, execution.paths, max_tokens)
 
 
 def build_attention(registry, config, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
@@ -296,6 +302,7 @@ class ModelStack:
     executor: Executor
     attention_name: str
     attention: AttentionBackend
+    calibration: Calibration | None = None  # where ``execution.fused_max_tokens: auto`` came from
 
 
 def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
@@ -308,4 +315,12 @@ def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.d
     model = quantize_model(model if shard is None else shard(model), quantization)
     executor = build_executor(model, config, device, dtype)
     name, attention = build_attention(registry, config, model, device, dtype, executor.kernels)
-    return ModelStack(model, quantization, executor, name, attention)
+    calibration = None
+    if config.execution.fused_max_tokens == "auto" and executor.kernels is not None:
+        if shard is None:
+            calibration = calibrate(model, attention, executor, quantization, device, dtype,
+                                    recalibrate=config.execution.recalibrate)
+            executor.set_fused_max_tokens(model, calibration.fused_max_tokens)
+        else:  # sharded layers never fuse (an all-reduce follows two of their projections)
+            executor.set_fused_max_tokens(model, DEFAULT_FUSED_MAX_TOKENS)
+    return ModelStack(model, quantization, executor, name, attention, calibration)

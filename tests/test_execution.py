@@ -129,7 +129,7 @@ def test_the_last_path_must_accept_every_step():
 
 def _decode_then_prefill_choices(tiny_model_dir, caplog, *overrides) -> tuple[LLM, list[str]]:
     llm = LLM("baseline", dotlist=[f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256",
-                                   "model.quantization=fp16", *overrides])
+                                   "model.quantization=fp16", "execution.fused_max_tokens=8", *overrides])
     with caplog.at_level(logging.DEBUG, logger="infer.execution"):
         llm.generate(["a b c d e f g h i j k l m n o p"], SamplingParams(max_tokens=3, temperature=0.0))
     return llm, [record.getMessage() for record in caplog.records if record.name == "infer.execution"]
@@ -181,3 +181,74 @@ def test_infer_run_explain_prints_the_choices_and_their_count(tiny_model_dir, tm
     assert result.exit_code == 0, result.output
     assert "infer.execution: " in result.output and "-> torch" in result.output
     assert "execution paths " in result.output and "forward passes: " in result.output
+
+
+# -- execution.fused_max_tokens: auto (infer.calibration) -----------------------------------------------------------
+def test_the_threshold_is_the_largest_step_up_to_which_the_fused_path_never_lost():
+    from infer.calibration import threshold
+
+    assert threshold({1: (1.0, 2.0), 2: (1.0, 2.0), 4: (3.0, 2.0), 8: (1.0, 9.0)}) == 2  # a later win counts not
+    assert threshold({1: (3.0, 2.0), 2: (1.0, 2.0)}) == 0
+    assert threshold({1: (1.0, 2.0), 32: (2.0, 2.0)}) == 32
+
+
+def _auto_llm(tiny_model_dir, *overrides) -> LLM:
+    return LLM("baseline", dotlist=[f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256",
+                                   "model.quantization=fp16", "cache.num_blocks=64", *overrides])
+
+
+def _decode_at(llm: LLM, batch: int) -> dict[str, int]:
+    """Execution-path counts of the decode steps of ``batch`` sequences (each one token a step)."""
+    engine = llm.engine
+    for i in range(batch):
+        engine.add_request(list(range(10 + i, 20 + i)), SamplingParams(max_tokens=4, temperature=0.0))
+    engine.step()  # the prefill, every prompt in one step
+    engine.executor.counts.clear()
+    while engine.has_unfinished():
+        engine.step()
+    for request_id in list(engine.requests):
+        engine.release_request(request_id)
+    return dict(engine.executor.counts)
+
+
+@needs_kernels
+@needs_fbgemm
+def test_auto_takes_the_fused_path_exactly_up_to_the_calibrated_step_size(tiny_model_dir, tmp_path, monkeypatch):
+    """A fake calibration (the fused path wins at 1 and 2 tokens, loses from 4): decode steps of 2 sequences take
+    fused-stack, steps of 3 the GEMM; the result is cached per CPU signature and read back, and recalibrate
+    measures again."""
+    from infer import calibration
+
+    monkeypatch.setattr(calibration, "calibration_path", lambda digest: tmp_path / f"{digest}.json")
+    fake = {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (3.0, 2.0), 8: (9.0, 4.0)}
+    measured = []
+    monkeypatch.setattr(calibration, "measure", lambda *args, **kwargs: measured.append(1) or fake)
+    llm = _auto_llm(tiny_model_dir)
+    assert llm.engine.executor.fused_max_tokens == 2 and measured == [1]
+    assert "fused up to 2 tokens (calibrated now on " in llm.engine.describe_execution()
+    assert _decode_at(llm, 2) == {"fused-stack": 3}
+    assert _decode_at(llm, 3) == {"torch": 3}
+    (cached,) = tmp_path.glob("*.json")
+    again = _auto_llm(tiny_model_dir)
+    assert measured == [1] and again.engine.calibration.cached and again.engine.executor.fused_max_tokens == 2
+    assert "fused up to 2 tokens (cached calibration" in again.engine.describe_execution()
+    _auto_llm(tiny_model_dir, "execution.recalibrate=true")
+    assert measured == [1, 1]
+    # A fixed number is no calibration.
+    assert _auto_llm(tiny_model_dir, "execution.fused_max_tokens=5").engine.calibration is None
+
+
+@needs_kernels
+@needs_fbgemm
+def test_a_real_calibration_times_both_paths_at_every_size(tiny_model_dir, tmp_path, monkeypatch):
+    from infer import calibration
+
+    monkeypatch.setattr(calibration, "calibration_path", lambda digest: tmp_path / f"{digest}.json")
+    llm = _auto_llm(tiny_model_dir)
+    measured = llm.engine.calibration
+    assert sorted(measured.times_ms) == list(calibration.CANDIDATES)
+    assert all(fused > 0 and gemm > 0 for fused, gemm in measured.times_ms.values())
+    assert measured.fused_max_tokens == calibration.threshold(measured.times_ms)
+    assert llm.engine.executor.counts.total() == 0  # the calibration's passes are no steps
+    output = llm.generate([list(range(10, 30))], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    assert len(output.token_ids) == 6
