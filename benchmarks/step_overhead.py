@@ -43,6 +43,7 @@ def mount(root: Path) -> None:
 def measure(overrides: list[str], batches: list[int], steps: int) -> dict[str, list[float]]:
     """Per-step overheads (ms) of ``steps`` decode steps at each batch size."""
     from infer import LLM, SamplingParams
+    from step_profile import drain  # beside this script (imported after ``mount``: it imports infer)
 
     llm = LLM("baseline", overrides)
     engine = llm.engine
@@ -74,12 +75,7 @@ def measure(overrides: list[str], batches: list[int], steps: int) -> dict[str, l
             engine.step()
             overheads.append((time.perf_counter() - began - inside[0]) * 1e3)
         results[str(batch)] = overheads
-        for request_id in list(engine.requests):
-            engine.abort(request_id)
-        while engine.has_unfinished():
-            engine.step()
-        for request_id in list(engine.requests):
-            engine.release_request(request_id)
+        drain(engine)
     return results
 
 

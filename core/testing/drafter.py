@@ -6,10 +6,11 @@ prompt-lookup drafters have something to find), each holding its own blocks so t
 
 A target model: override the ``target_model_dir`` fixture to return one (an HF folder, a GGUF file or an alias, with
 at most ``vocab_size`` tokens; ``infer.testing.models.make_tiny_model_dir(folder, vocab_size=64)`` writes a small
-one). The suite then builds the drafter as the engine does, ``Drafter(config, context)`` with the ``DrafterContext`` of an
-engine over that target, and runs the end-to-end check: greedy output with the drafter inside a real engine equals
-the output without it (``drafter_overrides`` are the config keys that select the drafter there). Without a target
-the drafter gets no context, a drafter that declares ``needs_target`` is skipped, and the end-to-end check too.
+one). The suite then builds the drafter as the engine does, ``Drafter(config, context)`` with the
+``DrafterContext`` of an engine over that target, and runs the end-to-end check: greedy output with the drafter
+inside a real engine equals the output without it (``drafter_overrides`` are the config keys that select the drafter
+there). Without a target the drafter gets no context, a drafter that declares ``needs_target`` is skipped, and the
+end-to-end check too.
 
 A plugin author's whole test file::
 
