@@ -56,18 +56,21 @@ class ModelConfig(BaseModel):
     max_model_len: int = Field(2048, ge=2, description="Longest prompt + output a request may reach, in tokens.")
     seed: int = 0
     device: str = Field("auto", description='"auto": cuda when available, else cpu.')
-    quantization: Literal["auto", "none", "fp16", "int8", "int8_per_row", "w8a8"] = Field(
-        "auto", description='Weights packed for CPU matmuls: "fp16" (half the bytes, near float32 results), "int8" '
+    quantization: Literal["auto", "none", "fp16", "bf16", "int8", "int8_per_row", "w8a8"] = Field(
+        "auto", description='Weights packed for CPU matmuls: "fp16" (half the bytes, near float32 results), "bf16" '
+                            '(a bf16 model\'s weights: the GEMV in float32 for a few tokens, oneDNN\'s bf16 GEMM on '
+                            'AMX/AVX512-BF16 for more), "int8" '
                             '(weight-only int8, a scale per 32 weights: decode steps read about a quarter of '
                             'float32\'s bytes through the CPU kernels; some greedy tokens differ), "int8_per_row" '
                             '(one scale per row: faster at batch 1, further from float32), "w8a8" (fbgemm\'s int8 '
                             'weights and per-call int8 activations; this small model\'s answers change), "none". '
-                            '"auto": fp16 on an x86 CPU when dtype is auto and resolves to float32, else none.')
+                            '"auto": with dtype auto on an x86 CPU, bf16 where it multiplies bf16 natively, else '
+                            'fp16; none elsewhere.')
     cpu_kernels: Literal["auto"] | bool = Field(
         "auto", description="Float32 on a CPU: run RMSNorm (with its residual add), RoPE and SiLU-and-multiply as "
-                            "infer's C kernels, compiled once with the system's C compiler; with fp16 or int8 weights "
-                            "also steps of up to execution.fused_max_tokens tokens (a GEMV over the packed weights, "
-                            "all layers in one call); attention auto then picks the cpu backend. auto: when a "
+                            "infer's C kernels, compiled once with the system's C compiler; with fp16, bf16 or int8 "
+                            "weights also steps of up to execution.fused_max_tokens tokens (a GEMV over the packed "
+                            "weights, all layers in one call); attention auto then picks the cpu backend. auto: when a "
                             "compiler is found (else torch's ops, with a warning); true: fail without one; false: "
                             "torch's ops.")
     compile: bool = Field(False, description="torch.compile each layer's feed-forward half (needs a C++ compiler "

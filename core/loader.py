@@ -62,10 +62,17 @@ class LoadedModel:
 
 
 def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
-    """Map a config dtype name to a torch dtype. ``auto`` is bfloat16 where the device computes it natively
-    (CUDA with bf16 support, CPUs with AVX512-BF16/AMX/ARM BF16), else float32."""
+    """Map a config dtype name to a torch dtype (the activations' and the KV cache's). ``auto``: float32 on an x86
+    CPU, whose weights ``model.quantization: auto`` then packs in the 16-bit format it multiplies fastest (bf16 with
+    AVX512-BF16/AMX, else fp16; ``infer.quantization``); bfloat16 on CUDA with bf16 support and on other CPUs with
+    native bf16 (ARM BF16); else float32."""
     if name == "auto":
-        return torch.bfloat16 if _has_native_bfloat16(torch.device(device)) else torch.float32
+        from infer.quantization import fbgemm_available
+
+        device = torch.device(device)
+        if device.type == "cpu" and fbgemm_available():
+            return torch.float32
+        return torch.bfloat16 if _has_native_bfloat16(device) else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]

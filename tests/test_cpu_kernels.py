@@ -166,14 +166,15 @@ def test_compiler_errors_are_reported(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (4, 32), (12, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("weights", ["fp16", "int8 per 32", "int8 per 8", "int8 per row"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17])  # AVX2 passes of 3 and 2 rows, AVX-512's of 8 and the rest
+@pytest.mark.parametrize("weights", ["fp16", "bf16", "int8 per 32", "int8 per 8", "int8 per row"])
 def test_linear_matches_the_packed_weights(kernels, out_features, in_features, bias, rows, weights):
-    """fp16 weights, or int8 ones times a scale per group of a row, against float64 over the same weights."""
+    """fp16 or bf16 weights, or int8 ones times a scale per group of a row, against float64 over the same
+    weights."""
     weight = randn(out_features, in_features, seed=11, scale=0.1)
     scales = None
-    if weights == "fp16":
-        weight = weight.half()
+    if weights in ("fp16", "bf16"):
+        weight = weight.to(torch.float16 if weights == "fp16" else torch.bfloat16)
         exact = weight.double()
     else:
         group = {"int8 per 32": 32, "int8 per 8": 8, "int8 per row": in_features}[weights]
@@ -190,7 +191,7 @@ def test_linear_matches_the_packed_weights(kernels, out_features, in_features, b
 
 
 def test_pack_weights_lays_out_blocks_of_four_rows_and_refuses_other_shapes():
-    for dtype in (torch.float16, torch.int8):
+    for dtype in (torch.float16, torch.bfloat16, torch.int8):
         weight = torch.arange(8 * 16).view(8, 16).to(dtype)
         packed = cpu_kernels.pack_weights(weight)
         assert cpu_kernels.packed_shape(packed) == (8, 16) and packed.dtype == dtype
@@ -200,7 +201,7 @@ def test_pack_weights_lays_out_blocks_of_four_rows_and_refuses_other_shapes():
         cpu_kernels.pack_weights(torch.zeros(6, 16, dtype=torch.float16))
     with pytest.raises(ValueError, match="% 8"):
         cpu_kernels.pack_weights(torch.zeros(8, 12, dtype=torch.float16))
-    with pytest.raises(ValueError, match="fp16 or int8"):
+    with pytest.raises(ValueError, match="fp16, bf16 or int8"):
         cpu_kernels.pack_weights(torch.zeros(8, 16))
 
 
@@ -227,9 +228,10 @@ def test_linear_refuses_int8_weights_without_their_scales(kernels):
 
 
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="needs fbgemm (x86)")
-@pytest.mark.parametrize(("mode", "bytes_per_weight"), [("fp16", 2), ("int8", 1), ("int8_per_row", 1)])
+@pytest.mark.parametrize(("mode", "bytes_per_weight"), [("fp16", 2), ("bf16", 2), ("int8", 1), ("int8_per_row", 1)])
 def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes_per_weight):
-    """The kernels' copy (fp16, or int8 with its scales) takes up to ``gemv_rows`` rows, fbgemm the rest."""
+    """The kernels' copy (fp16 or bf16, or int8 with its scales) takes up to ``gemv_rows`` rows, the GEMM (fbgemm's,
+    bf16: oneDNN's) the rest."""
     from infer.quantization import PackedLinear
 
     gemv_rows = 8
@@ -239,7 +241,7 @@ def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes
     before_bytes, expected = packed.nbytes, packed(rows)
     packed.use_cpu_kernels(kernels, gemv_rows)
     assert packed.nbytes == before_bytes + 960 * 576 * bytes_per_weight  # the kernels' copy is counted
-    assert packed.kernel_weight.dtype == (torch.float16 if mode == "fp16" else torch.int8)
+    assert packed.kernel_weight.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode, torch.int8)
     calls = []
     original = kernels.linear
     kernels.linear = lambda *args: calls.append(1) or original(*args)
@@ -248,8 +250,10 @@ def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes
         assert torch.equal(packed(rows), expected) and calls == [1]  # one row more: fbgemm, as before
     finally:
         del kernels.linear
-    # int8: the same weights on both paths (the scales make them exact in fp16), so only the sums' order differs
-    torch.testing.assert_close(few, expected[1:], atol=1e-4, rtol=1e-4)
+    # int8: the same weights on both paths (the scales make them exact in fp16), so only the sums' order differs;
+    # bf16: the same weights, but the GEMM rounds its inputs to bf16 (8 bits) where the GEMV keeps float32's
+    tolerance = 2e-2 if mode == "bf16" else 1e-4
+    torch.testing.assert_close(few, expected[1:], atol=tolerance, rtol=tolerance)
     packed.use_cpu_kernels(None)
     assert packed.nbytes == before_bytes and packed.kernel_weight is None
     odd = PackedLinear(torch.nn.Linear(32, 6), mode)  # shapes pack_weights cannot lay out stay on fbgemm
@@ -297,3 +301,51 @@ def test_apply_bitmask_matches_torchs_and_touches_only_the_named_rows(kernels, v
     assert torch.equal(actual[[1, 3]], logits[[1, 3]])
     with pytest.raises(ValueError, match="outside the logits"):
         kernels.apply_bitmask_(actual, bitmask, torch.tensor([0, 1, 5]))
+
+
+# The instruction sets the C source has code for, the flags a build of each needs, and the extra compiler flags that
+# build it on a CPU with more (the portable build turns AVX off, and with it AVX2, FMA, F16C and AVX-512).
+SIMD_BUILDS = {"avx512": ({"avx512f"}, []), "avx2": ({"avx2", "fma", "f16c"}, ["-mno-avx512f"])}
+
+
+@pytest.fixture(scope="module")
+def portable_kernels(tmp_path_factory):
+    built = cpu_kernels.load_built(cpu_kernels.build(tmp_path_factory.mktemp("portable"), ["-mno-avx"]))
+    assert built.simd == "portable"
+    return built
+
+
+@pytest.mark.parametrize("simd", list(SIMD_BUILDS))
+def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path):
+    """The AVX-512 and AVX2 code of every kernel against the portable C on the same inputs, where this CPU has the
+    flags (the other builds are skipped with the reason; CI machines differ)."""
+    from infer.host import cpu_flags
+
+    needed, flags = SIMD_BUILDS[simd]
+    missing = needed - cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(sorted(missing))} for the {simd} kernels")
+    built = cpu_kernels.load_built(cpu_kernels.build(tmp_path, flags))
+    assert built.simd == simd
+    close = lambda a, b: torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)  # noqa: E731  sums' order only
+    for rows in (1, 3, 8, 11):
+        x = randn(rows, 576, seed=rows)
+        for dtype in (torch.float16, torch.bfloat16):
+            packed = cpu_kernels.pack_weights(randn(64, 576, seed=2, scale=0.1).to(dtype))
+            close(built.linear(x, packed, None, None), portable_kernels.linear(x, packed, None, None))
+        for group in (32, 576):
+            weight = torch.randint(-127, 128, (64, 576), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+            scales = cpu_kernels.pack_scales(randn(64, 576 // group, seed=4).abs() * 0.01 + 1e-3)
+            packed = cpu_kernels.pack_weights(weight)
+            close(built.linear(x, packed, scales, None), portable_kernels.linear(x, packed, scales, None))
+        close(built.rms_norm(x, randn(576, seed=5), 1e-5), portable_kernels.rms_norm(x, randn(576, seed=5), 1e-5))
+        gate_up = randn(rows, 2 * 131, seed=6, scale=4.0)
+        close(built.silu_mul(gate_up), portable_kernels.silu_mul(gate_up))
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 8
+    pool = randn(2, num_blocks, block_size, num_kv_heads, head_dim, seed=7)
+    block_tables = torch.tensor([[3, 1, 6, 0], [2, 5, 7, 4]], dtype=torch.int32)
+    q = randn(2, num_heads, head_dim, seed=8)
+    plan = KernelAttentionPlan(None, torch.tensor([0, 1]), torch.tensor([37, 64]), 2, 64)
+    outs = [kernels_.paged_attention(q, pool, block_tables, plan, 0.125, torch.zeros_like(q))
+            for kernels_ in (built, portable_kernels)]
+    close(*outs)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from infer import cpu_kernels, loader
+from infer import cpu_kernels, loader, quantization
 from infer.attention import AttentionMetadata
 from infer.execution import PATH_NAMES, Executor
 from infer.loader import PackagedGguf, load_model, resolve_dtype, resolve_model_path
@@ -199,9 +199,16 @@ def test_resolve_dtype(monkeypatch):
     assert resolve_dtype("float16") is torch.float16
     assert resolve_dtype("bfloat16") is torch.bfloat16
     assert resolve_dtype("float32") is torch.float32
-    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    # an x86 CPU: float32 activations, the weights packed by model.quantization auto (bf16 or fp16)
+    monkeypatch.setattr(quantization, "fbgemm_available", lambda: True)
+    for flags in ({"avx2", "avx512_bf16"}, {"avx2"}):
+        monkeypatch.setattr(loader, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert resolve_dtype("auto", "cpu") is torch.float32
+    # other CPUs (no fbgemm): bfloat16 where native (ARM's bf16 flag), else float32
+    monkeypatch.setattr(quantization, "fbgemm_available", lambda: False)
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"asimd", "bf16"}))
     assert resolve_dtype("auto", "cpu") is torch.bfloat16
-    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"asimd"}))
     assert resolve_dtype("auto", "cpu") is torch.float32
     with pytest.raises(ValueError, match="choose one of auto, float32, bfloat16, float16"):
         resolve_dtype("fp8")

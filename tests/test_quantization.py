@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from infer import LLM, SamplingParams
+from infer import LLM, SamplingParams, quantization
 from infer.loader import load_model
 from infer.model import Linear
 from infer.quantization import (
@@ -31,8 +31,8 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm())
 
 
-@pytest.mark.parametrize(("mode", "tolerance"), [("fp16", 1e-3), ("int8", 2e-2), ("int8_per_row", 2e-2),
-                                                    ("w8a8", 5e-2)])
+@pytest.mark.parametrize(("mode", "tolerance"), [("fp16", 1e-3), ("bf16", 1e-2), ("int8", 2e-2),
+                                                    ("int8_per_row", 2e-2), ("w8a8", 5e-2)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_float32_within_its_precision(mode, tolerance, bias):
     torch.manual_seed(0)
@@ -52,10 +52,13 @@ def test_packed_linear_matches_float32_within_its_precision(mode, tolerance, bia
     assert packed.nbytes < linear.weight.numel() * 4
 
 
-def test_auto_packs_fp16_only_for_float32_reached_through_dtype_auto():
+def test_auto_packs_16_bit_weights_only_for_float32_reached_through_dtype_auto(monkeypatch):
+    monkeypatch.setattr(quantization, "bf16_gemm_available", lambda: False)
     assert resolve_quantization("auto", "auto", torch.float32, CPU) == "fp16"
+    monkeypatch.setattr(quantization, "bf16_gemm_available", lambda: True)  # AVX512-BF16 / AMX
+    assert resolve_quantization("auto", "auto", torch.float32, CPU) == "bf16"
     assert resolve_quantization("auto", "float32", torch.float32, CPU) == "none"  # asked for exact float32
-    assert resolve_quantization("auto", "auto", torch.bfloat16, CPU) == "none"  # native bfloat16 CPU
+    assert resolve_quantization("auto", "auto", torch.bfloat16, CPU) == "none"  # a bfloat16 run (ARM, CUDA)
     assert resolve_quantization("auto", "auto", torch.float32, torch.device("cuda")) == "none"
     assert resolve_quantization("int8", "float32", torch.float32, CPU) == "int8"
     assert resolve_quantization("w8a8", "float32", torch.float32, CPU) == "w8a8"
@@ -64,14 +67,14 @@ def test_auto_packs_fp16_only_for_float32_reached_through_dtype_auto():
 @pytest.mark.parametrize(("name", "dtype", "device", "message"), [
     ("int8", torch.bfloat16, CPU, "model.dtype=float32"),
     ("fp16", torch.float32, torch.device("cuda"), "fbgemm"),
-    ("int4", torch.float32, CPU, "choose one of auto, none, fp16, int8, int8_per_row, w8a8"),
+    ("int4", torch.float32, CPU, "choose one of auto, none, fp16, bf16, int8, int8_per_row, w8a8"),
 ])
 def test_unusable_quantization_is_refused_clearly(name, dtype, device, message):
     with pytest.raises(ValueError, match=message):
         resolve_quantization(name, "float32", dtype, device)
 
 
-@pytest.mark.parametrize("mode", ["fp16", "int8", "int8_per_row", "w8a8"])
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "int8", "int8_per_row", "w8a8"])
 def test_packed_model_logits_track_float32(tiny_model_dir, mode):
     from test_model import PagedPool, random_tokens
 
@@ -85,7 +88,8 @@ def test_packed_model_logits_track_float32(tiny_model_dir, mode):
     tokens = random_tokens(24, seed=1, vocab_size=model.vocab_size)
     expected = PagedPool(model).step({"a": tokens})["a"]
     actual = PagedPool(packed).step({"a": tokens})["a"]
-    assert relative_error(actual, expected) < {"fp16": 2e-3, "int8": 0.05, "int8_per_row": 0.05, "w8a8": 0.1}[mode]
+    assert relative_error(actual, expected) < {"fp16": 2e-3, "bf16": 2e-2, "int8": 0.05, "int8_per_row": 0.05,
+                                               "w8a8": 0.1}[mode]
 
 
 def test_int8_weights_times_their_scales_are_exact_in_fp16():
@@ -118,7 +122,7 @@ def test_quantize_linears_with_none_changes_nothing():
     assert isinstance(quantize_linears(layer, "none")[0], Linear)
 
 
-@pytest.mark.parametrize("mode", ["fp16", "int8", "int8_per_row"])
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "int8", "int8_per_row"])
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
 def test_engine_runs_with_packed_weights(tiny_model_dir, drafter, mode):
     overrides = dict(model__path=tiny_model_dir, model__dtype="float32", model__quantization=mode,

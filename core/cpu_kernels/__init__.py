@@ -1,5 +1,5 @@
 """infer's CPU kernels (``csrc/cpu_kernels.c``): the small float32 ops of a step fused, paged attention that reads
-K/V straight from the pool, a streaming GEMV over packed fp16/int8 weights, and steps of a few tokens with all
+K/V straight from the pool, a streaming GEMV over packed fp16/bf16/int8 weights, and steps of a few tokens with all
 layers in one call.
 
 In eager PyTorch a decode step at batch 1 is mostly dispatch: RMSNorm alone is about ten kernels, RoPE five,
@@ -16,10 +16,10 @@ Which step runs on which of them is decided in one place, ``infer.execution``.
 """
 
 from infer.cpu_kernels.abi import CpuKernels, KernelAttentionPlan
-from infer.cpu_kernels.builder import KernelBuildError, build, compiler, load, source
+from infer.cpu_kernels.builder import KernelBuildError, build, compiler, load, load_built, source
 from infer.cpu_kernels.fused import FusedLayer, FusedStack, KernelAttentionStep
 from infer.cpu_kernels.packing import can_pack, pack_scales, pack_weights, packed_shape
 
 __all__ = ["CpuKernels", "FusedLayer", "FusedStack", "KernelAttentionPlan", "KernelAttentionStep",
-           "KernelBuildError", "build", "can_pack", "compiler", "load", "pack_scales", "pack_weights", "packed_shape",
-           "source"]
+           "KernelBuildError", "build", "can_pack", "compiler", "load", "load_built", "pack_scales", "pack_weights",
+           "packed_shape", "source"]

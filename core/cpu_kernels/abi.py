@@ -3,7 +3,7 @@ Python wrapper per kernel that checks the layout of every tensor the C side will
 
 The kernels work on float32 CPU tensors: RMSNorm with its residual add, RoPE, SiLU-and-multiply, the KV write,
 paged attention read straight from the pool, and a streaming GEMV over weights packed by ``infer.cpu_kernels.packing``
-(fp16, or int8 with a scale per group of weights). ``infer.cpu_kernels.fused`` chains them into whole layers.
+(fp16, bf16, or int8 with a scale per group of weights). ``infer.cpu_kernels.fused`` chains them into whole layers.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ _INT = ctypes.c_int64
 _FLOAT = ctypes.c_float
 _SIGNATURES = {
     "infer_linear_f16": [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT],
+    "infer_linear_bf16": [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT],
     "infer_linear_i8": [_POINTER, _INT, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT],
     "infer_layer_attention_input": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER],
     "infer_layer_feed_forward": [_POINTER, _INT, _POINTER, _POINTER, _POINTER],
@@ -40,6 +41,12 @@ _SIGNATURES = {
 }
 
 
+# How the C side reads a packed weight (``KIND_*`` in the source), by the packed tensor's dtype.
+WEIGHT_KINDS = {torch.float16: 0, torch.int8: 1, torch.bfloat16: 2}
+# What ``infer_simd_width`` reports: the instruction set the kernels were compiled for (``-march=native``).
+SIMD_NAMES = {512: "avx512", 256: "avx2", 0: "portable"}
+
+
 class LayerStruct(ctypes.Structure):
     """``infer_layer`` in the C source: one decoder layer's weights and shapes."""
 
@@ -48,7 +55,8 @@ class LayerStruct(ctypes.Structure):
                                               "down_bias", "input_norm", "post_norm")]
     _fields_ += [("eps", _FLOAT)] + [(name, _INT) for name in ("hidden", "qkv_width", "q_width", "intermediate",
                                                                "rotated_heads", "head_dim", "qkv_groups", "o_groups",
-                                                               "gate_up_groups", "down_groups")]
+                                                               "gate_up_groups", "down_groups", "qkv_kind",
+                                                               "o_kind", "gate_up_kind", "down_kind")]
 
 
 class AttentionStepStruct(ctypes.Structure):
@@ -95,21 +103,26 @@ class CpuKernels:
             function.argtypes = argtypes
             function.restype = None
             setattr(self, "_" + name.removeprefix("infer_"), function)
+        simd_width = library.infer_simd_width
+        simd_width.argtypes, simd_width.restype = [], _INT
+        self.simd = SIMD_NAMES[simd_width()]
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` for a few rows ``x`` ``[rows, k]`` (float32, contiguous) and weights packed by
-        ``pack_weights``: fp16 (``scales`` None), or int8 times ``scales`` (one per group of consecutive weights of
-        a row, packed by ``pack_scales``); float32 ``[rows, n]``. Streams the weights once whatever the rows, so it
-        beats a GEMM only at a few rows (``infer.execution`` sets how many)."""
+        ``pack_weights``: fp16 or bf16 (``scales`` None), or int8 times ``scales`` (one per group of consecutive
+        weights of a row, packed by ``pack_scales``); float32 ``[rows, n]``, accumulated in float32. Streams the
+        weights once whatever the rows, so it beats a GEMM only at a few rows (``infer.execution`` sets how
+        many)."""
         check_flat(x)
         check_packed(packed, scales)
         out_features, in_features = packed_shape(packed)
         out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
         bias_pointer = None if bias is None else bias.data_ptr()
         if scales is None:
-            self._linear_f16(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), bias_pointer, out.data_ptr(),
-                             out_features)
+            linear = self._linear_bf16 if packed.dtype == torch.bfloat16 else self._linear_f16
+            linear(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), bias_pointer, out.data_ptr(),
+                   out_features)
         else:
             self._linear_i8(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), scales.data_ptr(),
                             scales.shape[1], bias_pointer, out.data_ptr(), out_features)
@@ -199,11 +212,11 @@ def check_flat(x: torch.Tensor) -> None:
 
 
 def check_packed(packed: torch.Tensor, scales: torch.Tensor | None) -> None:
-    """Weights from ``pack_weights``: fp16 without scales, or int8 with their scales from ``pack_scales``."""
-    if packed.dim() != 4 or not packed.is_contiguous() or packed.dtype not in (torch.float16, torch.int8):
-        raise ValueError("the CPU kernels need weights packed by pack_weights (fp16 or int8)")
+    """Weights from ``pack_weights``: fp16 or bf16 without scales, or int8 with their scales from ``pack_scales``."""
+    if packed.dim() != 4 or not packed.is_contiguous() or packed.dtype not in WEIGHT_KINDS:
+        raise ValueError("the CPU kernels need weights packed by pack_weights (fp16, bf16 or int8)")
     if (packed.dtype == torch.int8) != (scales is not None):
-        raise ValueError("int8 weights need their scales (pack_scales), fp16 weights take none")
+        raise ValueError("int8 weights need their scales (pack_scales), fp16 and bf16 weights take none")
     if scales is None:
         return
     out_features, in_features = packed_shape(packed)

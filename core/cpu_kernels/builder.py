@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 from importlib import resources
+from collections.abc import Sequence
 from pathlib import Path
 
 from infer.cpu_kernels.abi import CpuKernels
@@ -49,13 +50,16 @@ def compiler() -> str | None:
     return None
 
 
-def build(directory: Path) -> Path:
-    """Compile the kernels into ``directory`` (once per source, flags and CPU) and return the library's path."""
+def build(directory: Path, extra_flags: Sequence[str] = ()) -> Path:
+    """Compile the kernels into ``directory`` (once per source, flags and CPU) and return the library's path.
+    ``extra_flags`` follow ``FLAGS``: ``["-mno-avx512f"]`` builds the AVX2 code on an AVX-512 CPU, ``["-mno-avx"]``
+    the portable C (the tests compare them)."""
     cc = compiler()
     if cc is None:
         raise KernelBuildError("no C compiler found (set $CC, or install gcc)")
     text = source()
-    key = hashlib.sha256("\n".join([text, *FLAGS, cc, cpu_signature()]).encode()).hexdigest()[:16]
+    flags = [*FLAGS, *extra_flags]
+    key = hashlib.sha256("\n".join([text, *flags, cc, cpu_signature()]).encode()).hexdigest()[:16]
     target = directory / f"cpu_kernels-{key}.so"
     if target.is_file():
         return target
@@ -65,7 +69,7 @@ def build(directory: Path) -> Path:
             source_path = Path(staging) / "cpu_kernels.c"
             source_path.write_text(text)
             built = Path(staging) / target.name
-            result = subprocess.run([cc, *FLAGS, "-o", str(built), str(source_path), "-lm"], capture_output=True,
+            result = subprocess.run([cc, *flags, "-o", str(built), str(source_path), "-lm"], capture_output=True,
                                     text=True)
             if result.returncode != 0:
                 raise KernelBuildError(f"{cc} failed to compile the CPU kernels:\n{result.stderr.strip()}")
@@ -77,7 +81,11 @@ def build(directory: Path) -> Path:
 
 @functools.cache
 def _load() -> CpuKernels:
-    path = build(cache_dir() / "kernels")
+    return load_built(build(cache_dir() / "kernels"))
+
+
+def load_built(path: Path) -> CpuKernels:
+    """The kernels in a library ``build`` made."""
     try:
         return CpuKernels(ctypes.CDLL(str(path)), path)
     except (OSError, AttributeError) as error:

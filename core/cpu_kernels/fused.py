@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.cpu_kernels.abi import (AttentionStepStruct, CpuKernels, KernelAttentionPlan, LayerStruct,
+from infer.cpu_kernels.abi import (WEIGHT_KINDS, AttentionStepStruct, CpuKernels, KernelAttentionPlan, LayerStruct,
                                    check_block_tables, check_flat, check_packed, check_pool, check_slots)
 from infer.cpu_kernels.packing import packed_shape
 
@@ -26,7 +26,7 @@ class FusedLayer:
     def __init__(self, kernels: CpuKernels, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
                  biases: list[torch.Tensor | None], norms: tuple[torch.Tensor, torch.Tensor], eps: float,
                  q_width: int, rotated_heads: int, head_dim: int):
-        """``weights``/``scales``/``biases``: packed by ``pack_weights`` (fp16, or int8 with scales packed by
+        """``weights``/``scales``/``biases``: packed by ``pack_weights`` (fp16, bf16, or int8 with scales packed by
         ``pack_scales``, else None), and float32 (or None) for the QKV, output, gate/up and down projections, in
         that order; ``norms``: the input and post-attention RMSNorm weights."""
         for weight, scale in zip(weights, scales):
@@ -35,8 +35,9 @@ class FusedLayer:
         (qkv_width, _), (hidden, _), _, (_, intermediate) = (packed_shape(weight) for weight in weights)
         pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
         groups = [0 if scale is None else scale.shape[1] for scale in scales]
+        kinds = [WEIGHT_KINDS[weight.dtype] for weight in weights]
         self.struct = LayerStruct(*(pointer(tensor) for tensor in (*weights, *scales, *biases, *norms)), eps,
-                                   hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim, *groups)
+                                   hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim, *groups, *kinds)
         self.hidden = hidden
         self.qkv_width = qkv_width
         self._attention_input = kernels._layer_attention_input

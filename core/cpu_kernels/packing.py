@@ -1,5 +1,5 @@
-"""Weights laid out for the CPU kernels' GEMV: blocks of four output rows, each one sequential stream, in fp16 or
-int8 (with per-group scales beside them). ``infer.quantization`` packs its linears with these."""
+"""Weights laid out for the CPU kernels' GEMV: blocks of four output rows, each one sequential stream, in fp16, bf16
+or int8 (with per-group scales beside them). ``infer.quantization`` packs its linears with these."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ def can_pack(out_features: int, in_features: int, group: int = 8) -> bool:
 
 
 def pack_weights(weight: torch.Tensor) -> torch.Tensor:
-    """A linear layer's weight ``[n, k]`` (fp16, or int8 to be scaled per output row) in ``linear``'s layout:
+    """A linear layer's weight ``[n, k]`` (fp16, bf16, or int8 to be scaled per output row) in ``linear``'s layout:
     blocks of four output rows, each ``[k / 8, 4, 8]`` (eight weights of each of the four rows per 64-byte line in
-    fp16, per 32 bytes in int8), so a block is one sequential stream. Needs ``n % 4 == 0`` and ``k % 8 == 0``
+    fp16 and bf16, per 32 bytes in int8), so a block is one sequential stream. Needs ``n % 4 == 0`` and ``k % 8 == 0``
     (``can_pack``)."""
     out_features, in_features = weight.shape
-    if weight.dtype not in (torch.float16, torch.int8):
-        raise ValueError(f"pack_weights takes fp16 or int8 weights, got {weight.dtype}")
+    if weight.dtype not in (torch.float16, torch.bfloat16, torch.int8):
+        raise ValueError(f"pack_weights takes fp16, bf16 or int8 weights, got {weight.dtype}")
     if not can_pack(out_features, in_features):
         raise ValueError(f"pack_weights needs out_features % 4 == 0 and in_features % 8 == 0, got "
                          f"{tuple(weight.shape)}")

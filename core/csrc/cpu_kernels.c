@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -82,7 +82,11 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return total;
 }
 
-/* ---- linear layers over fp16 weights for a few rows ----------------------------------------------------------- */
+/* ---- linear layers over 16-bit or int8 weights for a few rows ------------------------------------------------- */
+
+/* How a packed weight is stored: IEEE half, bfloat16 (a float's upper half: converting is a shift, exact), or int8
+ * with float scales. */
+enum { KIND_F16 = 0, KIND_I8 = 1, KIND_BF16 = 2 };
 
 /* The float value of an IEEE half (bits h). */
 static inline float half_to_float(uint16_t h) {
@@ -105,19 +109,51 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* Weight c (0 to 7) of row i (0 to 3) of a chunk of a packed block, as a float: fp16 (F16C) or int8. */
-static inline float packed_weight(const void *chunk, int i, int c, const int int8) {
-    return int8 ? (float)((const int8_t *)chunk)[i * 8 + c] : half_to_float(((const uint16_t *)chunk)[i * 8 + c]);
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* Weight c (0 to 7) of row i (0 to 3) of a chunk of a packed block, as a float. */
+static inline float packed_weight(const void *chunk, int i, int c, const int kind) {
+    if (kind == KIND_I8) return (float)((const int8_t *)chunk)[i * 8 + c];
+    const uint16_t bits = ((const uint16_t *)chunk)[i * 8 + c];
+    return kind == KIND_BF16 ? bf16_to_float(bits) : half_to_float(bits);
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
 /* The 8 weights of row i (0 to 3) of a chunk of a packed block, as floats. */
-static inline __m256 packed_row8(const void *chunk, int i, const int int8) {
-    if (int8) {
+static inline __m256 packed_row8(const void *chunk, int i, const int kind) {
+    if (kind == KIND_I8) {
         const __m128i bytes = _mm_loadl_epi64((const __m128i *)((const int8_t *)chunk + i * 8));
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
     }
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)chunk + i * 8)));
+    const __m128i halves = _mm_loadu_si128((const __m128i *)((const uint16_t *)chunk + i * 8));
+    if (kind == KIND_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+    return _mm256_cvtph_ps(halves);
+}
+#endif
+
+#ifdef __AVX512F__
+/* Rows 2 * pair and 2 * pair + 1 of a chunk of a packed block: 16 floats, the first row's 8 weights then the
+ * second's (one zmm register holds half of a 64-byte chunk). */
+static inline __m512 packed_pair16(const void *chunk, int pair, const int kind) {
+    if (kind == KIND_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)chunk +
+                                                                                          pair * 16))));
+    const __m256i halves = _mm256_loadu_si256((const __m256i *)((const uint16_t *)chunk + pair * 16));
+    if (kind == KIND_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+    return _mm512_cvtph_ps(halves);
+}
+
+/* The sums of the two 8-float halves of v. */
+static inline void hsum8_pair(__m512 v, float *low, float *high) {
+    const __m256 lo = _mm512_castps512_ps256(v);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    *low = hsum8(lo);
+    *high = hsum8(hi);
 }
 #endif
 
@@ -125,17 +161,65 @@ static inline __m256 packed_row8(const void *chunk, int i, const int int8) {
  * for one scale per row), laid out per block as [k / group][4]: the scales of the block's four rows for each group
  * of columns. */
 
-/* sums[r][i] = x[r] . (output row i of the block) for `count` (1 to 3, a constant once inlined) rows of x and a
- * block of four output rows laid out [k / 8][4][8] (fp16, or int8 times `scales` when `int8`): one sequential
- * stream, each chunk holding 8 weights of each of the 4 rows, converted once and used for every row of x. */
+/* Rows of x one pass of block_dot takes at most: with AVX-512's 32 registers, 8 (16 accumulators, 2 weight vectors,
+ * x); with AVX2's 16, 3 (12 accumulators, 4 weight vectors; x is an FMA memory operand). */
+#ifdef __AVX512F__
+#define PASS_ROWS 8
+#else
+#define PASS_ROWS 3
+#endif
+
+/* sums[r][i] = x[r] . (output row i of the block) for `count` (1 to PASS_ROWS, a constant once inlined) rows of x
+ * and a block of four output rows laid out [k / 8][4][8] (fp16, bf16, or int8 times `scales`, by `kind`): one
+ * sequential stream, each chunk holding 8 weights of each of the 4 rows, converted once and used for every row of
+ * x. */
 static inline __attribute__((always_inline)) void block_dot(const float *x, int64_t k, const void *block,
-                                                            const float *scales, int64_t group, float sums[3][4],
-                                                            const int count, const int int8) {
+                                                            const float *scales, int64_t group,
+                                                            float sums[PASS_ROWS][4], const int count,
+                                                            const int kind) {
+    const int int8 = kind == KIND_I8;
     const int64_t width = int8 ? 1 : 2;  /* bytes per weight */
     /* int8 with one scale per row: scale the sums at the end; with smaller groups: per group (one row of x) or per
      * converted weight (more rows: no registers left for per-group sums) */
     const int per_row = int8 && group == k;
-#if defined(__AVX2__) && defined(__F16C__)
+#if defined(__AVX512F__)
+    /* a chunk is two registers (rows 0-1, rows 2-3); x's 8 floats are broadcast to both halves */
+    __m512 acc[PASS_ROWS][2];
+    for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    /* group scales: [s0 x 8, s1 x 8] and [s2 x 8, s3 x 8] from the four scales of a group */
+    const __m512i first_pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i second_pair = _mm512_add_epi32(first_pair, _mm512_set1_epi32(2));
+    __m512 scale01 = _mm512_setzero_ps(), scale23 = scale01;
+    const float *group_scales = scales;
+    for (int64_t c = 0, left = 0; c < k; c += 8, left -= 8) {
+        const char *chunk = (const char *)block + c * 4 * width;
+        _mm_prefetch(chunk + 2048, _MM_HINT_T0);
+        __m512 w01 = packed_pair16(chunk, 0, kind), w23 = packed_pair16(chunk, 1, kind);
+        if (int8 && !per_row) {
+            if (left == 0) {
+                const __m512 four = _mm512_castps128_ps512(_mm_loadu_ps(group_scales));
+                scale01 = _mm512_permutexvar_ps(first_pair, four);
+                scale23 = _mm512_permutexvar_ps(second_pair, four);
+                group_scales += 4;
+                left = group;
+            }
+            w01 = _mm512_mul_ps(w01, scale01);
+            w23 = _mm512_mul_ps(w23, scale23);
+        }
+        for (int r = 0; r < count; r++) {
+            const __m256d eight = _mm256_castps_pd(_mm256_loadu_ps(x + r * k + c));
+            const __m512 xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(eight));
+            acc[r][0] = _mm512_fmadd_ps(xv, w01, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xv, w23, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < count; r++) {
+        hsum8_pair(acc[r][0], &sums[r][0], &sums[r][1]);
+        hsum8_pair(acc[r][1], &sums[r][2], &sums[r][3]);
+        if (per_row)
+            for (int i = 0; i < 4; i++) sums[r][i] *= scales[i];
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
     if (int8 && count == 1 && !per_row) {
         /* one row of x, decode at batch 1: sums per group, each scaled once (scaling every weight instead measured
          * 5.0 vs 4.6 ms over the 30 layers' projections at groups of 32) */
@@ -147,7 +231,7 @@ static inline __attribute__((always_inline)) void block_dot(const float *x, int6
                 const char *chunk = (const char *)block + c * 4;
                 _mm_prefetch(chunk + 2048, _MM_HINT_T0);
                 __m256 xv = _mm256_loadu_ps(x + c);
-                for (int i = 0; i < 4; i++) part[i] = _mm256_fmadd_ps(xv, packed_row8(chunk, i, 1), part[i]);
+                for (int i = 0; i < 4; i++) part[i] = _mm256_fmadd_ps(xv, packed_row8(chunk, i, kind), part[i]);
             }
             for (int i = 0; i < 4; i++)
                 total[i] = _mm256_fmadd_ps(part[i], _mm256_broadcast_ss(scales + index * 4 + i), total[i]);
@@ -155,7 +239,7 @@ static inline __attribute__((always_inline)) void block_dot(const float *x, int6
         for (int i = 0; i < 4; i++) sums[0][i] = hsum8(total[i]);
         return;
     }
-    __m256 acc[3][4];  /* with the 4 weight vectors, all 16 AVX2 registers at 3 rows (x is an FMA memory operand) */
+    __m256 acc[PASS_ROWS][4];
     for (int r = 0; r < count; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
     const float *group_scales = scales;
@@ -170,7 +254,7 @@ static inline __attribute__((always_inline)) void block_dot(const float *x, int6
         }
         __m256 weights[4];
         for (int i = 0; i < 4; i++) {
-            weights[i] = packed_row8(chunk, i, int8);
+            weights[i] = packed_row8(chunk, i, kind);
             if (int8 && !per_row) weights[i] = _mm256_mul_ps(weights[i], _mm256_broadcast_ss(group_scales + i));
         }
         for (int r = 0; r < count; r++) {
@@ -185,7 +269,7 @@ static inline __attribute__((always_inline)) void block_dot(const float *x, int6
         for (int i = 0; i < 4; i++) {
             float total = 0.0f;
             for (int64_t c = 0; c < k; c++) {
-                float w = packed_weight((const char *)block + (c / 8) * 32 * width, i, c % 8, int8);
+                float w = packed_weight((const char *)block + (c / 8) * 32 * width, i, c % 8, kind);
                 if (int8) w *= scales[(c / group) * 4 + i];
                 total += x[r * k + c] * w;
             }
@@ -195,17 +279,28 @@ static inline __attribute__((always_inline)) void block_dot(const float *x, int6
 #endif
 }
 
+/* How many rows of x the next pass of block_dot takes when `left` are left: PASS_ROWS while that many are left; on
+ * AVX2 passes of 3 rows, then 2 (4 = 2 + 2, 5 = 3 + 2, 7 = 3 + 2 + 2), or 1 when only one is left. */
+static inline int pass_rows(int64_t left) {
+#ifdef __AVX512F__
+    return left >= PASS_ROWS ? PASS_ROWS : (int)left;
+#else
+    return left == 1 ? 1 : (left == 2 || left == 4) ? 2 : 3;
+#endif
+}
+
 /* y[m, n] = w[n, :] . x[m, :] + bias[n] (no bias when NULL) for `rows` rows of x (k floats each), y [rows, n_out],
  * with w [n_out, k] packed by `infer.cpu_kernels.pack_weights` in blocks of four output rows,
- * [n_out / 4][k / 8][4][8] (n_out % 4 == 0, k % 8 == 0), fp16, or int8 with `scales` packed by
+ * [n_out / 4][k / 8][4][8] (n_out % 4 == 0, k % 8 == 0), fp16, bf16, or int8 with `scales` packed by
  * `infer.cpu_kernels.pack_scales` ([n_out / 4][groups][4], groups scales per row). Meant for the few rows of a
  * decode or verification step, which stream every weight from memory once: each block is one sequential stream
- * (row-major rows would be four), reused for up to three rows of x while in registers and for the next ones while
- * in L1. Split over the threads by blocks. */
+ * (row-major rows would be four), reused for up to PASS_ROWS rows of x while in registers and for the next ones
+ * while in L1. Split over the threads by blocks. */
 static inline __attribute__((always_inline)) void linear_packed(const float *x, int64_t rows, int64_t k,
                                                                 const void *w, const float *scales, int64_t groups,
                                                                 const float *bias, float *y, int64_t n_out,
-                                                                const int int8) {
+                                                                const int kind) {
+    const int int8 = kind == KIND_I8;
     const int64_t blocks = n_out / 4, block_bytes = 4 * k * (int8 ? 1 : 2);
     const int64_t group = int8 ? k / groups : k;
 #pragma omp parallel for schedule(static) if (rows * n_out * k >= 65536)
@@ -213,16 +308,23 @@ static inline __attribute__((always_inline)) void linear_packed(const float *x, 
         const void *block = (const char *)w + b * block_bytes;
         const float *own_scales = int8 ? scales + b * 4 * groups : NULL;
         for (int64_t m = 0; m < rows;) {
-            /* passes of 3 rows, then 2 (4 = 2 + 2, 5 = 3 + 2, 7 = 3 + 2 + 2), or 1 when only one is left */
-            const int64_t left = rows - m;
-            const int count = left == 1 ? 1 : (left == 2 || left == 4) ? 2 : 3;
-            float sums[3][4];
-            if (count == 3)
-                block_dot(x + m * k, k, block, own_scales, group, sums, 3, int8);
-            else if (count == 2)
-                block_dot(x + m * k, k, block, own_scales, group, sums, 2, int8);
-            else
-                block_dot(x + m * k, k, block, own_scales, group, sums, 1, int8);
+            const int count = pass_rows(rows - m);
+            float sums[PASS_ROWS][4];
+            switch (count) {  /* a constant count per copy: its accumulators stay in registers */
+#define BLOCK_DOT_CASE(n) \
+                case n: block_dot(x + m * k, k, block, own_scales, group, sums, n, kind); break;
+                BLOCK_DOT_CASE(1)
+                BLOCK_DOT_CASE(2)
+                BLOCK_DOT_CASE(3)
+#if PASS_ROWS > 3
+                BLOCK_DOT_CASE(4)
+                BLOCK_DOT_CASE(5)
+                BLOCK_DOT_CASE(6)
+                BLOCK_DOT_CASE(7)
+                BLOCK_DOT_CASE(8)
+#endif
+#undef BLOCK_DOT_CASE
+            }
             for (int r = 0; r < count; r++)
                 for (int i = 0; i < 4; i++) {
                     const int64_t n = b * 4 + i;
@@ -236,20 +338,39 @@ static inline __attribute__((always_inline)) void linear_packed(const float *x, 
 /* fp16 weights (see linear_packed). */
 void infer_linear_f16(const float *x, int64_t rows, int64_t k, const uint16_t *w, const float *bias, float *y,
                       int64_t n_out) {
-    linear_packed(x, rows, k, w, NULL, 0, bias, y, n_out, 0);
+    linear_packed(x, rows, k, w, NULL, 0, bias, y, n_out, KIND_F16);
+}
+
+/* bfloat16 weights (see linear_packed): the bf16 model's own weights, float32 activations and sums. */
+void infer_linear_bf16(const float *x, int64_t rows, int64_t k, const uint16_t *w, const float *bias, float *y,
+                       int64_t n_out) {
+    linear_packed(x, rows, k, w, NULL, 0, bias, y, n_out, KIND_BF16);
 }
 
 /* int8 weights with `groups` float scales per row (see linear_packed): a bit over half of fp16's bytes. */
 void infer_linear_i8(const float *x, int64_t rows, int64_t k, const int8_t *w, const float *scales, int64_t groups,
                      const float *bias, float *y, int64_t n_out) {
-    linear_packed(x, rows, k, w, scales, groups, bias, y, n_out, 1);
+    linear_packed(x, rows, k, w, scales, groups, bias, y, n_out, KIND_I8);
 }
 
-/* A projection of a layer: int8 weights when it has scales, else fp16. */
-static void layer_linear(const void *w, const float *scales, int64_t groups, const float *x, int64_t rows,
-                         int64_t k, const float *bias, float *y, int64_t n_out) {
-    if (scales)
+/* The SIMD the kernels were built with: 512 (AVX-512), 256 (AVX2 with F16C and FMA) or 0 (portable C). */
+int64_t infer_simd_width(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__) && defined(__F16C__)
+    return 256;
+#else
+    return 0;
+#endif
+}
+
+/* A projection of a layer, its weights stored as `kind`. */
+static void layer_linear(const void *w, int64_t kind, const float *scales, int64_t groups, const float *x,
+                         int64_t rows, int64_t k, const float *bias, float *y, int64_t n_out) {
+    if (kind == KIND_I8)
         infer_linear_i8(x, rows, k, w, scales, groups, bias, y, n_out);
+    else if (kind == KIND_BF16)
+        infer_linear_bf16(x, rows, k, w, bias, y, n_out);
     else
         infer_linear_f16(x, rows, k, w, bias, y, n_out);
 }
@@ -471,16 +592,17 @@ void infer_paged_attention(const float *q, int64_t q_stride, const float *kv, co
 
 /* ---- a few tokens through a layer's dense parts -------------------------------------------------------------- */
 
-/* One layer's projections packed by pack_weights (fp16, or int8 with scales from pack_scales; see
+/* One layer's projections packed by pack_weights (fp16, bf16, or int8 with scales from pack_scales; see
  * linear_packed) with their optional float32 biases, its two RMSNorm weights and its shapes. */
 typedef struct {
-    const void *qkv, *o, *gate_up, *down;  /* fp16, or int8 where the projection has scales */
+    const void *qkv, *o, *gate_up, *down;  /* stored as their *_kind says */
     const float *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
     const float *input_norm, *post_norm;
     float eps;
     int64_t hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim;
     int64_t qkv_groups, o_groups, gate_up_groups, down_groups;  /* int8: scales per row */
+    int64_t qkv_kind, o_kind, gate_up_kind, down_kind;  /* KIND_F16, KIND_I8 or KIND_BF16 */
 } infer_layer;
 
 /* The layer's first half up to attention for `tokens` tokens: residual += delta (none for the first layer),
@@ -490,8 +612,8 @@ void infer_layer_attention_input(const infer_layer *layer, int64_t tokens, float
                                  float *qkv) {
     float *normed = malloc(sizeof(float) * tokens * layer->hidden);
     infer_add_rms_norm(residual, delta, normed, layer->input_norm, tokens, layer->hidden, layer->eps);
-    layer_linear(layer->qkv, layer->qkv_scales, layer->qkv_groups, normed, tokens, layer->hidden, layer->qkv_bias, qkv,
-                 layer->qkv_width);
+    layer_linear(layer->qkv, layer->qkv_kind, layer->qkv_scales, layer->qkv_groups, normed, tokens, layer->hidden,
+                 layer->qkv_bias, qkv, layer->qkv_width);
     infer_rope(qkv, positions, cos_table, sin_table, tokens, layer->qkv_width, layer->rotated_heads,
                layer->head_dim);
     free(normed);
@@ -506,14 +628,14 @@ void infer_layer_feed_forward(const infer_layer *layer, int64_t tokens, const fl
     float *projected = malloc(sizeof(float) * tokens * hidden), *normed = malloc(sizeof(float) * tokens * hidden);
     float *gate_up = malloc(sizeof(float) * tokens * 2 * intermediate);
     float *activated = malloc(sizeof(float) * tokens * intermediate);
-    layer_linear(layer->o, layer->o_scales, layer->o_groups, attended, tokens, layer->q_width, layer->o_bias,
-                 projected, hidden);
+    layer_linear(layer->o, layer->o_kind, layer->o_scales, layer->o_groups, attended, tokens, layer->q_width,
+                 layer->o_bias, projected, hidden);
     infer_add_rms_norm(residual, projected, normed, layer->post_norm, tokens, hidden, layer->eps);
-    layer_linear(layer->gate_up, layer->gate_up_scales, layer->gate_up_groups, normed, tokens, hidden,
-                 layer->gate_up_bias, gate_up, 2 * intermediate);
+    layer_linear(layer->gate_up, layer->gate_up_kind, layer->gate_up_scales, layer->gate_up_groups, normed, tokens,
+                 hidden, layer->gate_up_bias, gate_up, 2 * intermediate);
     infer_silu_mul(gate_up, activated, tokens, intermediate);
-    layer_linear(layer->down, layer->down_scales, layer->down_groups, activated, tokens, intermediate,
-                 layer->down_bias, delta, hidden);
+    layer_linear(layer->down, layer->down_kind, layer->down_scales, layer->down_groups, activated, tokens,
+                 intermediate, layer->down_bias, delta, hidden);
     free(activated);
     free(gate_up);
     free(normed);
