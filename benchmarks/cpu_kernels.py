@@ -9,22 +9,30 @@ section, behind ``execution.fused_max_tokens``' default of 8):
    around the backend's attention (``fused-layers``, what a backend without ``fused_cpu_attention`` gets), and op by
    op with fbgemm's GEMM (``execution.fused_max_tokens=0``; the small-op kernels and the cpu backend in all three);
    ms per step.
+3. ``simd``: the same projections at 1-32 rows through each build of the kernels this CPU runs (``-march=native``,
+   then without AVX-512, then the portable C), over fp16, bf16 and int8 weights, beside oneDNN's bf16 GEMM (what
+   ``model.quantization: bf16`` runs for larger steps; AMX or AVX512-BF16 where the CPU has them), and paged
+   attention of a decode step (batch 1 and 16, 1,024-token contexts); ms per step.
 
 Each case alternates its arms ``--repeats`` times and prints every run.
 
     python benchmarks/cpu_kernels.py
     python benchmarks/cpu_kernels.py --only gemv
+    python benchmarks/cpu_kernels.py --only simd
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from infer import LLM, SamplingParams, cpu_kernels
-from infer.quantization import int8_weights
+from infer.host import cpu_flags
+from infer.quantization import bf16_gemm_available, bf16_gemm_weight, bf16_linear, int8_weights
 from step_profile import drain  # beside this script: abort and release every request of an engine
 
 # (out_features, in_features) of one SmolLM2-135M layer's projections: QKV, output, gate/up, down.
@@ -106,15 +114,77 @@ def steps_case(repeats: int) -> None:
         del engines
 
 
+def simd_builds() -> dict[str, cpu_kernels.CpuKernels]:
+    """Each build of the kernels this CPU can run, by the instruction set it uses."""
+    builds = {}
+    folder = Path(tempfile.mkdtemp(prefix="infer-simd-"))
+    for flags in ([], ["-mno-avx512f"], ["-mno-avx"]):
+        built = cpu_kernels.load_built(cpu_kernels.build(folder, flags))
+        builds.setdefault(built.simd, built)
+    return builds
+
+
+def simd_case(repeats: int) -> None:
+    builds = simd_builds()
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out_features, in_features, generator=generator) * 0.05
+               for _ in range(30) for out_features, in_features in LAYER_SHAPES]
+    kinds = {"fp16": [(cpu_kernels.pack_weights(weight.half()), None) for weight in weights],
+             "bf16": [(cpu_kernels.pack_weights(weight.bfloat16()), None) for weight in weights],
+             "int8": [(cpu_kernels.pack_weights(quantized), cpu_kernels.pack_scales(scales))
+                      for quantized, scales in map(int8_weights, weights)]}
+    onednn = [bf16_gemm_weight(weight) for weight in weights]
+    gemm = "oneDNN bf16 GEMM" + ("" if bf16_gemm_available() else " (bf16 emulated: no avx512_bf16/amx_bf16)")
+    flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+    print(f"builds: {', '.join(builds)}; CPU flags: {', '.join(flags)}")
+    arms = [f"{kind} {simd}" for kind in kinds for simd in builds if simd != "portable"] + [gemm]
+    print("| rows | " + " | ".join(f"{arm} ms" for arm in arms) + " |\n|---|" + "---|" * len(arms))
+    for rows in (1, 2, 4, 8, 16, 32):
+        inputs = {width: torch.randn(rows, width, generator=generator) for width in (576, 1536)}
+
+        def gemv(kernels, packed):
+            return lambda: [kernels.linear(inputs[cpu_kernels.packed_shape(weight)[1]], weight, scales, None)
+                            for weight, scales in packed]
+
+        functions = [gemv(builds[arm.split()[1]], kinds[arm.split()[0]]) for arm in arms[:-1]]
+        functions.append(lambda: [bf16_linear(inputs[weight.shape[1]], packed)
+                                  for weight, packed in zip(weights, onednn)])
+        runs = [[] for _ in arms]
+        for _ in range(repeats):
+            for run, function in zip(runs, functions):
+                run.append(timed(function, 5))
+        print(f"| {rows} | " + " | ".join(" / ".join(f"{value:.1f}" for value in run) for run in runs) + " |",
+              flush=True)
+    print("\n| decode attention, 30 layers | " + " | ".join(f"{simd} ms" for simd in builds) + " |\n|---|" +
+          "---|" * len(builds))
+    heads, kv_heads, head_dim, block_size, context = 9, 3, 64, 16, 1024
+    for batch in (1, 16):
+        blocks = batch * context // block_size
+        pool = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=generator)
+        tables = torch.randperm(blocks, generator=generator).view(batch, -1).to(torch.int32)
+        plan = cpu_kernels.KernelAttentionPlan(None, torch.arange(batch), torch.full((batch,), context), batch,
+                                               context)
+        q, out = torch.randn(batch, heads, head_dim, generator=generator), torch.empty(batch, heads, head_dim)
+        runs = {simd: [] for simd in builds}
+        for _ in range(repeats):
+            for simd, kernels in builds.items():
+                runs[simd].append(timed(lambda: [kernels.paged_attention(q, pool, tables, plan, 0.125, out)
+                                                 for _ in range(30)], 5))
+        print(f"| batch {batch} x {context} | " + " | ".join(" / ".join(f"{value:.1f}" for value in runs[simd])
+                                                         for simd in builds) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["gemv", "steps"])
+    parser.add_argument("--only", choices=["gemv", "steps", "simd"])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.only in (None, "gemv"):
         gemv_case(args.repeats)
     if args.only in (None, "steps"):
         steps_case(args.repeats)
+    if args.only in (None, "simd"):
+        simd_case(args.repeats)
 
 
 if __name__ == "__main__":

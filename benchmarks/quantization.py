@@ -3,7 +3,7 @@
 Each mode generates greedy answers to the same chat prompts. Quality: for each answer, the tokens before its first
 divergence from the exact float32 answer (``none``), summed over prompts, as a share of float32's tokens
 ("agreement"), and how many answers are identical. Speed: output tokens/s at batch 1 (one request at a time) and at
-batch 16 (all prompts at once), with infer's CPU kernels where the mode takes them (fp16, int8). ``bfloat16`` is
+batch 16 (all prompts at once), with infer's CPU kernels where the mode takes them (fp16, bf16, int8). ``bfloat16`` is
 torch's bfloat16 compute (``model.dtype=bfloat16``), for comparison; when it runs, a last table gives each mode's
 agreement with its answers as well.
 
@@ -34,6 +34,7 @@ EXTRA_PROMPTS = [
 MODES = {
     "none": ["model.dtype=float32", "model.quantization=none"],
     "fp16": ["model.dtype=float32", "model.quantization=fp16"],
+    "bf16": ["model.dtype=float32", "model.quantization=bf16"],
     "int8": ["model.dtype=float32", "model.quantization=int8"],
     "int8_per_row": ["model.dtype=float32", "model.quantization=int8_per_row"],
     "w8a8": ["model.dtype=float32", "model.quantization=w8a8"],

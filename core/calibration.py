@@ -2,8 +2,9 @@
 
 A step of a few tokens (decode at a small batch, verification of drafts) runs fastest through infer's C kernels: a
 streaming GEMV over the packed weights and, on the ``fused-stack`` path, every layer in one call. A large step runs
-fastest on the GEMM library torch uses (fbgemm's fp16 GEMM for packed weights). Where the two cross depends on the
-CPU (its vector width, its cache, its cores' share of memory bandwidth) and on the model's shapes, so
+fastest on the GEMM library torch uses (fbgemm's fp16 GEMM for fp16 and int8 weights, oneDNN's bf16 GEMM on AMX
+or AVX512-BF16 for bf16 ones). Where the two cross depends on the CPU (its vector width, its matrix units, its
+cache, its cores' share of memory bandwidth) and on the model's shapes, so
 ``execution.fused_max_tokens: auto`` measures it: decode steps of 1 to 32 sequences (a 64-token context each) through
 the model on the fused path and with every matrix product on the GEMM, alternately, ``REPEATS`` times each, the
 fastest kept (other processes on a shared machine can only make a pass slower, and alternating spreads them over

@@ -256,14 +256,17 @@ class Engine:
         return self.speculation.drafter
 
     def describe_execution(self) -> str:
-        """One line for ``infer run``: the attention backend, the kernels and the execution paths in use."""
-        kernels = "infer's CPU kernels" if self.executor.kernels is not None else "torch's ops"
+        """One line for ``infer run``: the dtypes, the attention backend, the kernels and the execution paths in use."""
+        kernels = (f"infer's CPU kernels ({self.executor.kernels.simd})" if self.executor.kernels is not None
+                   else "torch's ops")
+        weights = "" if self.quantization == "none" else f", {self.quantization} weights"
+        dtypes = f"{str(self.dtype).removeprefix('torch.')}{weights}"
         paths = " > ".join(path.name for path in self.executor.paths)
         chosen = f"{self.attention_name} (auto)" if self.config.attention.name == "auto" else self.attention_name
         parallel = "" if self.tensor_parallel is None else f"; {self.tensor_parallel.describe()}"
         fused = (self.calibration.describe() if self.calibration is not None
                  else f"fused up to {self.executor.fused_max_tokens} tokens")
-        return f"attention {chosen}; {kernels}; execution paths {paths} ({fused}){parallel}"
+        return f"{dtypes}; attention {chosen}; {kernels}; execution paths {paths} ({fused}){parallel}"
 
     def _check_max_model_len(self, loaded) -> None:
         limit = getattr(loaded.hf_config, "max_position_embeddings", None)

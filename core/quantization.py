@@ -123,7 +123,7 @@ class PackedLinear(nn.Module):
             self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
             self.nbytes = weight.numel() * 2
         elif mode == "bf16":
-            self.packed = _bf16_weights(weight)
+            self.packed = bf16_gemm_weight(weight)
             self.nbytes = weight.numel() * 2
         elif mode in ("int8", "int8_per_row"):
             group = INT8_GROUP if mode == "int8" else self.in_features
@@ -190,7 +190,7 @@ class PackedLinear(nn.Module):
         if self.kernels is not None and flat.shape[0] <= self.gemv_rows:
             out = self.kernels.linear(flat, self.kernel_weight, self.kernel_scales, self.bias)
         elif self.mode == "bf16":
-            out = _bf16_linear(flat, self.packed)
+            out = bf16_linear(flat, self.packed)
             if self.bias is not None:
                 out += self.bias
         elif self.mode in _KERNEL_MODES:
@@ -204,15 +204,15 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
 
 
-def _bf16_weights(weight: torch.Tensor) -> torch.Tensor:
+def bf16_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     """A float32 weight ``[n, k]`` in bf16 for oneDNN's GEMM: reordered into its blocked layout once where it runs
     bf16 natively (``to_dense`` gives the plain weight back), else plain."""
     plain = weight.to(torch.bfloat16)
     return torch.ops.mkldnn._reorder_linear_weight(plain, 64) if bf16_gemm_available() else plain
 
 
-def _bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` in float32 for float32 ``x`` and ``_bf16_weights``' GEMM weight."""
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in float32 for float32 ``x`` and ``bf16_gemm_weight``'s result."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, None, "none", [], "").float()
     return torch.nn.functional.linear(x.to(torch.bfloat16), weight).float()

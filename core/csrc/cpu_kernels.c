@@ -50,10 +50,41 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
+#ifdef __AVX512F__
+/* exp8 for 16 floats. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365478515625f), _CMP_LT_OQ);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~tiny, p, _mm512_castsi512_ps(e));
+}
+#endif
+
 /* y[i] = exp(x[i] - shift), returns the sum of y. */
 static float exp_shifted_sum(float *x, int64_t n, float shift) {
     int64_t i = 0;
     float total = 0.0f;
+#ifdef __AVX512F__
+    __m512 wide = _mm512_setzero_ps();
+    const __m512 wide_shift = _mm512_set1_ps(shift);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 y = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), wide_shift));
+        _mm512_storeu_ps(x + i, y);
+        wide = _mm512_add_ps(wide, y);
+    }
+    total = _mm512_reduce_add_ps(wide);
+#endif
 #ifdef __AVX2__
     __m256 acc = _mm256_setzero_ps(), s = _mm256_set1_ps(shift);
     for (; i + 8 <= n; i += 8) {
@@ -61,7 +92,7 @@ static float exp_shifted_sum(float *x, int64_t n, float shift) {
         _mm256_storeu_ps(x + i, y);
         acc = _mm256_add_ps(acc, y);
     }
-    total = hsum8(acc);
+    total += hsum8(acc);
 #endif
     for (; i < n; i++) {
         x[i] = expf(x[i] - shift);
@@ -73,10 +104,15 @@ static float exp_shifted_sum(float *x, int64_t n, float shift) {
 static inline float dot(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
     float total = 0.0f;
+#ifdef __AVX512F__
+    __m512 wide = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) wide = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), wide);
+    total = _mm512_reduce_add_ps(wide);
+#endif
 #ifdef __AVX2__
     __m256 acc = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    total = hsum8(acc);
+    total += hsum8(acc);
 #endif
     for (; i < n; i++) total += a[i] * b[i];
     return total;
@@ -403,6 +439,14 @@ void infer_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t widt
         const float *gate = gate_up + r * 2 * width, *up = gate + width;
         float *y = out + r * width;
         int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= width; i += 16) {
+            const __m512 g = _mm512_loadu_ps(gate + i);
+            const __m512 one = _mm512_set1_ps(1.0f);
+            const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_loadu_ps(up + i)));
+        }
+#endif
 #ifdef __AVX2__
         const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
         for (; i + 8 <= width; i += 8) {
@@ -474,8 +518,30 @@ static float score_keys(const float *query, const float *const *keys, int64_t n,
                         float *scores) {
     float best = -INFINITY;
     int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX2__)
+    if (head_dim % 16 == 0) {  /* 16 floats of a key per load; the 8 sums reduced to 8 floats, then as AVX2 does */
+        __m256 top = _mm256_set1_ps(-INFINITY), factor = _mm256_set1_ps(scale);
+        for (; j + 8 <= n; j += 8) {
+            const float *const *k = keys + j;
+            __m512 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < head_dim; c += 16) {
+                const __m512 x = _mm512_loadu_ps(query + c);
+                for (int i = 0; i < 8; i++) a[i] = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[i] + c), a[i]);
+            }
+            __m256 h[8];
+            for (int i = 0; i < 8; i++)
+                h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
+                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+            __m256 block = _mm256_mul_ps(sum8x8(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]), factor);
+            _mm256_storeu_ps(scores + j, block);
+            top = _mm256_max_ps(top, block);
+        }
+        best = hmax8(top);
+    }
+#endif
 #ifdef __AVX2__
-    if (head_dim % 8 == 0) {
+    if (head_dim % 8 == 0 && j + 8 <= n) {
         __m256 top = _mm256_set1_ps(-INFINITY), factor = _mm256_set1_ps(scale);
         for (; j + 8 <= n; j += 8) {
             const float *const *k = keys + j;
@@ -495,7 +561,7 @@ static float score_keys(const float *query, const float *const *keys, int64_t n,
             _mm256_storeu_ps(scores + j, block);
             top = _mm256_max_ps(top, block);
         }
-        best = hmax8(top);
+        best = fmaxf(best, hmax8(top));
     }
 #endif
     for (; j < n; j++) {
@@ -509,6 +575,24 @@ static float score_keys(const float *query, const float *const *keys, int64_t n,
 static void weigh_values(const float *weights, const float *const *keys, ptrdiff_t value_offset, int64_t n,
                          int64_t head_dim, float factor, float *result) {
     int64_t c = 0;
+#ifdef __AVX512F__
+    for (; c + 64 <= head_dim; c += 64) {  /* 64 floats of the result in 4 registers over all the keys */
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < n; j++) {
+            const float *v = keys[j] + value_offset + c;
+            const __m512 w = _mm512_set1_ps(weights[j]);
+            a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a0);
+            a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), a1);
+            a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 32), a2);
+            a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 48), a3);
+        }
+        const __m512 f = _mm512_set1_ps(factor);
+        _mm512_storeu_ps(result + c, _mm512_mul_ps(a0, f));
+        _mm512_storeu_ps(result + c + 16, _mm512_mul_ps(a1, f));
+        _mm512_storeu_ps(result + c + 32, _mm512_mul_ps(a2, f));
+        _mm512_storeu_ps(result + c + 48, _mm512_mul_ps(a3, f));
+    }
+#endif
 #ifdef __AVX2__
     const __m256 f = _mm256_set1_ps(factor);
     for (; c + 64 <= head_dim; c += 64) {  /* 64 floats of the result stay in registers over all the keys */
