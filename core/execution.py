@@ -176,12 +176,14 @@ class Executor:
     choices. ``Executor()`` runs everything op by op in torch."""
 
     def __init__(self, paths: Sequence[ExecutionPath] | None = None, kernels: CpuKernels | None = None,
-                 fused_max_tokens: int = 0):
+                 fused_max_tokens: int = 0, bf16_gemm_inputs: bool = False):
         self.paths = list(paths) if paths else [TorchPath()]
         if not isinstance(self.paths[-1], TorchPath):
             raise ValueError("the last execution path must be torch, which accepts every step")
         self.kernels = kernels
         self.fused_max_tokens = fused_max_tokens
+        # Every projection is a bf16 GEMM for large steps: those steps pass bf16 rows between them (``StepOps``).
+        self.bf16_gemm_inputs = bf16_gemm_inputs
         self.counts: Counter[str] = Counter()
 
     @classmethod
@@ -197,7 +199,7 @@ class Executor:
         if unknown:
             raise ValueError(f"unknown execution paths {unknown}; choose from {', '.join(PATH_NAMES)}")
         chosen = [known[name](fused_max_tokens) for name in paths if name in known]
-        return cls([*chosen, TorchPath()], kernels, fused_max_tokens)
+        return cls([*chosen, TorchPath()], kernels, fused_max_tokens, _all_bf16_gemms(model))
 
     def for_another(self, model: LlamaForCausalLM) -> Executor:
         """An executor with these kernels and paths for another model (a draft model), its weights prepared."""
@@ -225,7 +227,9 @@ class Executor:
         """The per-step object for ``metadata`` (already through ``attention.prepare``); the small ops run on the
         kernels for float32 on a CPU."""
         usable = self.kernels is not None and dtype == torch.float32 and metadata.positions.device.type == "cpu"
-        ops = StepOps(rotary, metadata.positions, dtype, self.kernels if usable else None)
+        large = self.bf16_gemm_inputs and metadata.num_tokens > self.fused_max_tokens
+        ops = StepOps(rotary, metadata.positions, dtype, self.kernels if usable else None,
+                      torch.bfloat16 if large else None)
         return ForwardStep(metadata, kv_cache, attention, ops, self)
 
     def choose(self, layers: Sequence[DecoderLayer], step: ForwardStep) -> ExecutionPath:
@@ -255,6 +259,18 @@ class Executor:
         return f"execution paths {order}; forward passes: {counts}"
 
 
+def _all_bf16_gemms(model: LlamaForCausalLM) -> bool:
+    """Whether every projection of ``model``'s layers is packed as bf16 (``model.quantization: bf16``) and none is
+    sharded (whose all-reduce would then sum bf16 rows)."""
+    from infer.quantization import PackedLinear
+
+    projections = [module for layer in model.layers
+                   for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                  layer.mlp.down_proj)]
+    return bool(projections) and model.layers[0].self_attn.tensor_parallel is None and all(
+        isinstance(module, PackedLinear) and module.mode == "bf16" for module in projections)
+
+
 def choose_attention(name: str, device: torch.device, dtype: torch.dtype, kernels: CpuKernels | None) -> str:
     """The attention backend ``attention.name`` selects: ``auto`` is ``cpu`` (infer's C paged attention, which the
     fused path can run inside its one call) for float32 on a CPU with the kernels built, else ``sdpa``."""
@@ -281,12 +297,16 @@ def build_executor(model: LlamaForCausalLM, config, device: torch.device, dtype:
 
 
 def build_attention(registry, config, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
-                    kernels: CpuKernels | None) -> tuple[str, AttentionBackend]:
+                    kernels: CpuKernels | None, quantization: str = "none") -> tuple[str, AttentionBackend]:
     """The attention backend ``config.attention`` selects (``auto`` resolved by ``choose_attention``) over
-    ``model``'s heads (a tensor-parallel rank's: its own), and its name."""
+    ``model``'s heads (a tensor-parallel rank's: its own), and its name. A backend's ``prefill_dtype: auto`` (the
+    ``cpu`` backend's) resolves here: bfloat16 with bf16 weights (whose large steps run at bf16 precision), else
+    float32."""
     configured = config.attention
     name = choose_attention(configured.name, device, dtype, kernels)
     settings = configured if name == configured.name else registry.config_model("attention", name)()
+    if getattr(settings, "prefill_dtype", None) == "auto":
+        settings = settings.model_copy(update={"prefill_dtype": "bfloat16" if quantization == "bf16" else "float32"})
     backend = registry.load("attention", name)(
         num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         block_size=config.cache.block_size, dtype=dtype, device=device, config=settings)
@@ -314,7 +334,7 @@ def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.d
     quantization = resolve_quantization(config.model.quantization, config.model.dtype, dtype, device)
     model = quantize_model(model if shard is None else shard(model), quantization)
     executor = build_executor(model, config, device, dtype)
-    name, attention = build_attention(registry, config, model, device, dtype, executor.kernels)
+    name, attention = build_attention(registry, config, model, device, dtype, executor.kernels, quantization)
     calibration = None
     if config.execution.fused_max_tokens == "auto" and executor.kernels is not None:
         if shard is None:

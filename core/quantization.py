@@ -188,8 +188,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the engine's tokens are already flat
         if self.kernels is not None and flat.shape[0] <= self.gemv_rows:
-            out = self.kernels.linear(flat, self.kernel_weight, self.kernel_scales, self.bias)
-        elif self.mode == "bf16":
+            out = self.kernels.linear(flat.float(), self.kernel_weight, self.kernel_scales, self.bias).to(x.dtype)
+        elif self.mode == "bf16":  # bf16 rows in, bf16 rows out (``StepOps.gemm_dtype``); else float32
             out = bf16_linear(flat, self.packed)
             if self.bias is not None:
                 out += self.bias
@@ -212,10 +212,14 @@ def bf16_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` in float32 for float32 ``x`` and ``bf16_gemm_weight``'s result."""
+    """``x @ weight.T`` for ``bf16_gemm_weight``'s result, in ``x``'s dtype: float32 (rounded to bf16 on the way
+    in), or bfloat16 in and out."""
+    rows = x.to(torch.bfloat16)
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, None, "none", [], "").float()
-    return torch.nn.functional.linear(x.to(torch.bfloat16), weight).float()
+        out = torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")
+    else:
+        out = torch.nn.functional.linear(rows, weight)
+    return out.to(x.dtype)
 
 
 @torch.no_grad()

@@ -38,6 +38,26 @@ def test_add_rms_norm_adds_in_place_and_normalizes(kernels, rows, dim):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dim", DIMS)
+def test_norms_into_bf16_round_the_float32_result_to_nearest(kernels, dim):
+    """A bf16 GEMM's input written by the norm: the float32 norm rounded once (ties to even, as torch rounds)."""
+    residual, delta, weight = randn(70, dim, seed=1), randn(70, dim, seed=2), randn(dim, seed=3)
+    expected = kernels.add_rms_norm(residual.clone(), delta, weight, 1e-5).to(torch.bfloat16)
+    out = kernels.add_rms_norm(residual, delta, weight, 1e-5, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    assert torch.equal(kernels.rms_norm(delta, weight, 1e-5, torch.bfloat16),
+                       kernels.rms_norm(delta, weight, 1e-5).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("width", DIMS)
+def test_silu_mul_over_bf16_rows_is_the_float32_result_rounded(kernels, width):
+    gate_up = randn(70, 2 * width, seed=4, scale=8.0).to(torch.bfloat16)
+    out = kernels.silu_mul(gate_up)
+    assert out.dtype == torch.bfloat16
+    expected = (F.silu(gate_up[:, :width].float()) * gate_up[:, width:].float()).to(torch.bfloat16)
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-6, rtol=8e-3)  # at most one bf16 step apart
+
+
 @pytest.mark.parametrize("width", DIMS)
 def test_silu_mul_matches_torch_over_the_whole_range(kernels, width):
     gate_up = randn(9, 2 * width, seed=4, scale=8.0)
@@ -341,6 +361,12 @@ def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path
         close(built.rms_norm(x, randn(576, seed=5), 1e-5), portable_kernels.rms_norm(x, randn(576, seed=5), 1e-5))
         gate_up = randn(rows, 2 * 131, seed=6, scale=4.0)
         close(built.silu_mul(gate_up), portable_kernels.silu_mul(gate_up))
+        narrow = gate_up.to(torch.bfloat16)  # bf16 rows between GEMMs: at most one bf16 step apart
+        torch.testing.assert_close(built.silu_mul(narrow).float(), portable_kernels.silu_mul(narrow).float(),
+                                   atol=1e-6, rtol=8e-3)
+        torch.testing.assert_close(built.rms_norm(x, randn(576, seed=5), 1e-5, torch.bfloat16).float(),
+                                   portable_kernels.rms_norm(x, randn(576, seed=5), 1e-5, torch.bfloat16).float(),
+                                   atol=1e-6, rtol=8e-3)
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 8
     pool = randn(2, num_blocks, block_size, num_kv_heads, head_dim, seed=7)
     block_tables = torch.tensor([[3, 1, 6, 0], [2, 5, 7, 4]], dtype=torch.int32)

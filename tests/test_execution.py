@@ -240,6 +240,29 @@ def test_auto_takes_the_fused_path_exactly_up_to_the_calibrated_step_size(tiny_m
 
 @needs_kernels
 @needs_fbgemm
+def test_large_steps_over_bf16_weights_pass_bf16_rows_between_the_gemms(tiny_model_dir, monkeypatch):
+    """With ``model.quantization: bf16`` a step above ``fused_max_tokens`` narrows its GEMM inputs (norms and SiLU
+    write bf16 rows, QKV is widened for attention) and a step at or below it stays float32 on the fused path; the
+    greedy tokens equal those of the same weights with every GEMM input rounded by the GEMM itself."""
+    from infer.model.ops import StepOps
+
+    seen = []
+    original = StepOps.__init__
+    monkeypatch.setattr(StepOps, "__init__", lambda self, *args, **kwargs: (original(self, *args, **kwargs),
+                                                                           seen.append(self.gemm_dtype))[0])
+    prompt = "a b c d e f g h i j k l m n o p"
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = _auto_llm(tiny_model_dir, "model.quantization=bf16", "execution.fused_max_tokens=8")
+    assert llm.engine.executor.bf16_gemm_inputs
+    narrowed = llm.generate([prompt], params)[0].token_ids
+    assert seen[0] is torch.bfloat16 and set(seen[1:]) == {None}  # the 16-token prefill, then decodes
+    monkeypatch.setattr(llm.engine.executor, "bf16_gemm_inputs", False)
+    assert llm.generate([prompt], params)[0].token_ids == narrowed
+    assert not _auto_llm(tiny_model_dir, "model.quantization=fp16").engine.executor.bf16_gemm_inputs
+
+
+@needs_kernels
+@needs_fbgemm
 def test_a_real_calibration_times_both_paths_at_every_size(tiny_model_dir, tmp_path, monkeypatch):
     from infer import calibration
 

@@ -122,6 +122,43 @@ def test_matches_naive_softmax_oracle(scenario, num_heads, num_kv_heads, block_s
     torch.testing.assert_close(out.double(), oracle(step), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("num_heads, num_kv_heads", HEAD_LAYOUTS)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_cpu_bf16_prefill_attends_long_queries_in_bf16_and_keeps_the_rest_exact(scenario, num_heads, num_kv_heads,
+                                                                                block_size):
+    """``prefill_dtype: bfloat16``: sequences of at least ``prefill_min_tokens`` query tokens go to torch's flash
+    attention in bf16 (within bf16's error of the oracle, cached prefix or not), every other row stays the kernel's
+    float32 (exact)."""
+    from infer.plugins.attention.cpu import CpuAttentionConfig
+
+    heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
+    step = make_step(SCENARIOS[scenario], **heads)
+    backend = CpuBackend(head_dim=HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"),
+                         config=CpuAttentionConfig(prefill_dtype="bfloat16", prefill_min_tokens=4), **heads)
+    metadata = backend.prepare(step.metadata)
+    out = backend.forward(0, step.q, step.k, step.v, step.kv_cache, metadata).double()
+    expected = oracle(step)
+    long_rows = torch.zeros(len(out), dtype=torch.bool)
+    for prefill in metadata.prefills:
+        long_rows[prefill.start:prefill.end] = True
+    starts = step.metadata.query_start_loc.tolist()
+    assert long_rows.tolist() == [new >= 4 for (_, new), start, end in zip(SCENARIOS[scenario], starts, starts[1:])
+                                  for _ in range(start, end)]
+    torch.testing.assert_close(out[~long_rows], expected[~long_rows], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[long_rows], expected[long_rows], atol=3e-2, rtol=3e-2)
+
+
+def test_cpu_prefill_dtype_auto_follows_the_weights(tiny_model_dir):
+    """The engine resolves ``auto``: bf16 prefill attention with bf16 weights, the kernel alone otherwise."""
+    from infer import LLM
+
+    base = dict(model__path=tiny_model_dir, model__dtype="float32", attention__name="cpu", model__max_model_len=256,
+                cache__num_blocks=64)
+    assert LLM("baseline", **base, model__quantization="bf16").engine.attention.prefill_min_tokens == 32
+    assert LLM("baseline", **base, model__quantization="fp16").engine.attention.prefill_min_tokens is None
+
+
 @BACKENDS
 @pytest.mark.parametrize("seed", range(8))
 def test_random_ragged_batches_match_oracle(seed, backend_class):

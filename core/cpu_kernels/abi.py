@@ -30,7 +30,9 @@ _SIGNATURES = {
     "infer_layer_attention_input": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER],
     "infer_layer_feed_forward": [_POINTER, _INT, _POINTER, _POINTER, _POINTER],
     "infer_add_rms_norm": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _FLOAT],
+    "infer_add_rms_norm_bf16": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _FLOAT],
     "infer_silu_mul": [_POINTER, _POINTER, _INT, _INT],
+    "infer_silu_mul_bf16": [_POINTER, _POINTER, _INT, _INT],
     "infer_rope": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_write_kv": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT],
     "infer_paged_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER,
@@ -128,29 +130,40 @@ class CpuKernels:
                             scales.shape[1], bias_pointer, out.data_ptr(), out_features)
         return out
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension of ``x`` ``[rows, dim]``."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension of ``x`` ``[rows, dim]``, in
+        ``out_dtype`` (float32, or bfloat16 rounded to nearest: a bf16 GEMM's input)."""
         check_flat(x)
-        out = torch.empty_like(x)
-        self._add_rms_norm(x.data_ptr(), None, out.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps)
-        return out
+        return self._norm(x, None, weight, eps, out_dtype)
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
-        """``residual += delta`` in place, then the RMSNorm of the sum (a new tensor)."""
+                     eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``residual += delta`` in place, then the RMSNorm of the sum (a new tensor in ``out_dtype``)."""
         check_flat(residual)
         check_flat(delta)
-        out = torch.empty_like(residual)
-        self._add_rms_norm(residual.data_ptr(), delta.data_ptr(), out.data_ptr(), weight.data_ptr(),
-                           residual.shape[0], residual.shape[1], eps)
+        return self._norm(residual, delta, weight, eps, out_dtype)
+
+    def _norm(self, residual, delta, weight, eps, out_dtype) -> torch.Tensor:
+        if out_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the CPU kernels' RMSNorm writes float32 or bfloat16, not {out_dtype}")
+        out = torch.empty(residual.shape, dtype=out_dtype)
+        norm = self._add_rms_norm if out_dtype == torch.float32 else self._add_rms_norm_bf16
+        norm(residual.data_ptr(), None if delta is None else delta.data_ptr(), out.data_ptr(), weight.data_ptr(),
+             residual.shape[0], residual.shape[1], eps)
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 * width]`` (gate first) -> ``[rows, width]``."""
-        check_flat(gate_up)
+        """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 * width]`` (gate first) -> ``[rows, width]``: float32,
+        or bfloat16 in and out (between two bf16 GEMMs; computed in float32, rounded once)."""
+        bf16 = gate_up.dtype == torch.bfloat16
+        if not bf16:
+            check_flat(gate_up)
+        elif gate_up.device.type != "cpu" or not gate_up.is_contiguous():
+            raise ValueError("the CPU kernels' SiLU needs contiguous float32 or bfloat16 CPU rows")
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((rows, width), dtype=gate_up.dtype)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width)
+        (self._silu_mul_bf16 if bf16 else self._silu_mul)(gate_up.data_ptr(), out.data_ptr(), rows, width)
         return out
 
     def rope_(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -411,23 +411,69 @@ static void layer_linear(const void *w, int64_t kind, const float *scales, int64
         infer_linear_f16(x, rows, k, w, bias, y, n_out);
 }
 
+/* ---- bfloat16 activations (the inputs of oneDNN's bf16 GEMM) ------------------------------------------------ */
+
+/* A float rounded to the nearest bfloat16 (ties to even; the inputs here are finite). */
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#ifdef __AVX512F__
+static inline __m256i bf16x16_from(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+static inline __m512 bf16x16_load(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
 /* ---- RMSNorm ------------------------------------------------------------------------------------------------- */
 
 /* For each of `rows` rows of `dim` floats: if delta, residual += delta (in place); then
- * out = residual * rsqrt(mean(residual^2) + eps) * weight. */
-void infer_add_rms_norm(float *residual, const float *delta, float *out, const float *weight, int64_t rows,
-                        int64_t dim, float eps) {
+ * out = residual * rsqrt(mean(residual^2) + eps) * weight, as floats, or rounded to bfloat16 when `bf16_out`. */
+static inline __attribute__((always_inline)) void add_rms_norm(float *residual, const float *delta, void *out,
+                                                               const float *weight, int64_t rows, int64_t dim,
+                                                               float eps, const int bf16_out) {
 #pragma omp parallel for if (rows * dim >= 65536)
     for (int64_t r = 0; r < rows; r++) {
         float *x = residual + r * dim;
-        float *y = out + r * dim;
         if (delta) {
             const float *d = delta + r * dim;
             for (int64_t i = 0; i < dim; i++) x[i] += d[i];
         }
         float scale = 1.0f / sqrtf(dot(x, x, dim) / (float)dim + eps);
-        for (int64_t i = 0; i < dim; i++) y[i] = weight[i] * (x[i] * scale);
+        if (!bf16_out) {
+            float *y = (float *)out + r * dim;
+            for (int64_t i = 0; i < dim; i++) y[i] = weight[i] * (x[i] * scale);
+            continue;
+        }
+        uint16_t *y = (uint16_t *)out + r * dim;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        const __m512 factor = _mm512_set1_ps(scale);
+        for (; i + 16 <= dim; i += 16)
+            _mm256_storeu_si256((__m256i *)(y + i), bf16x16_from(_mm512_mul_ps(
+                _mm512_loadu_ps(weight + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), factor))));
+#endif
+        for (; i < dim; i++) y[i] = float_to_bf16(weight[i] * (x[i] * scale));
     }
+}
+
+void infer_add_rms_norm(float *residual, const float *delta, float *out, const float *weight, int64_t rows,
+                        int64_t dim, float eps) {
+    add_rms_norm(residual, delta, out, weight, rows, dim, eps, 0);
+}
+
+/* infer_add_rms_norm with the normed rows rounded to bfloat16 (the next GEMM's input). */
+void infer_add_rms_norm_bf16(float *residual, const float *delta, uint16_t *out, const float *weight, int64_t rows,
+                             int64_t dim, float eps) {
+    add_rms_norm(residual, delta, out, weight, rows, dim, eps, 1);
 }
 
 /* ---- SiLU(gate) * up ----------------------------------------------------------------------------------------- */
@@ -456,6 +502,43 @@ void infer_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t widt
         }
 #endif
         for (; i < width; i++) y[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* infer_silu_mul over bfloat16 rows (a bf16 GEMM's output) into bfloat16 (the next one's input), computed in float. */
+void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width) {
+#pragma omp parallel for if (rows * width >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * 2 * width, *up = gate + width;
+        uint16_t *y = out + r * width;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= width; i += 16) {
+            const __m512 g = bf16x16_load(gate + i);
+            const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            _mm256_storeu_si256((__m256i *)(y + i), bf16x16_from(_mm512_mul_ps(_mm512_mul_ps(g, sig),
+                                                                                bf16x16_load(up + i))));
+        }
+#endif
+#ifdef __AVX2__
+        /* as infer_silu_mul computes it (exp8), so the float32 and the bf16 paths agree before the rounding */
+        for (; i + 8 <= width; i += 8) {
+            const __m256 one8 = _mm256_set1_ps(1.0f);
+            const __m256 g = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(gate + i))), 16));
+            const __m256 u = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(up + i))), 16));
+            const __m256 sig = _mm256_div_ps(one8, _mm256_add_ps(one8, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            float values[8];
+            _mm256_storeu_ps(values, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
+            for (int j = 0; j < 8; j++) y[i + j] = float_to_bf16(values[j]);
+        }
+#endif
+        for (; i < width; i++) {
+            const float g = bf16_to_float(gate[i]);
+            y[i] = float_to_bf16(g / (1.0f + expf(-g)) * bf16_to_float(up[i]));
+        }
     }
 }
 

@@ -48,7 +48,7 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, step: ForwardStep) -> torch.Tensor:  # hidden: [T, hidden]
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        qkv = step.ops.widen(self.qkv_proj(hidden))
         # Q and K heads rotate together: one set of kernels for both.
         q, k = step.ops.rotate(qkv, self.num_heads + self.num_kv_heads, self.head_dim).split(
             [self.num_heads, self.num_kv_heads], dim=1)
@@ -96,13 +96,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
-        normed, residual = step.ops.norm(self.input_layernorm, hidden, residual)
+        normed, residual = step.ops.norm(self.input_layernorm, hidden, residual, gemm_input=True)
         return self.feed_forward(self.self_attn(normed, step), residual, step)
 
     def feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor,
                      step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
         """The dense second half: the residual add, norm, MLP (what ``model.compile`` compiles)."""
-        normed, residual = step.ops.norm(self.post_attention_layernorm, hidden, residual)
+        normed, residual = step.ops.norm(self.post_attention_layernorm, hidden, residual, gemm_input=True)
         return self.mlp(normed, step), residual
 
     def use_cpu_kernels(self, kernels: CpuKernels | None, gemv_rows: int = 0) -> None:

@@ -16,13 +16,20 @@ if TYPE_CHECKING:
 class StepOps:
     """The small ops of one forward pass (RMSNorm with the residual add before it, RoPE, SiLU-and-multiply): torch's
     ops, or infer's CPU kernels (float32 on a CPU), which do each in one pass. The execution layer builds one per
-    step (``infer.execution``); the layers call it instead of the torch functions."""
+    step (``infer.execution``); the layers call it instead of the torch functions.
+
+    ``gemm_dtype`` bfloat16 (the execution layer's choice for a large step over bf16 weights with the kernels): the
+    norms before a projection write bf16 rows and SiLU-and-multiply runs bf16 to bf16, so the bf16 GEMMs take their
+    inputs and give their outputs without a float32 round trip; ``widen`` brings a projection's bf16 output back to
+    float32 where float32 is read (QKV before RoPE and attention, a layer's output before the residual add). The
+    values are those of rounding each GEMM's input to bf16, which the GEMM does anyway."""
 
     def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype,
-                 kernels: CpuKernels | None = None):
+                 kernels: CpuKernels | None = None, gemm_dtype: torch.dtype | None = None):
         self.kernels = kernels
         self.rotary = rotary
         self.positions = positions
+        self.gemm_dtype = gemm_dtype if kernels is not None else None
         if kernels is None:
             self.cos, self.sin = rotary(positions, dtype)
 
@@ -35,17 +42,23 @@ class StepOps:
         self.kernels.rope_(qkv, self.positions, self.rotary.cos, self.rotary.sin, num_heads, head_dim)
         return heads
 
-    def norm(self, norm: RMSNorm, x: torch.Tensor,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None,
+             gemm_input: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(s), s)`` for ``s = residual + x`` (``s = x`` without a residual). The kernels add in place into
-        ``residual``."""
-        if residual is None:
-            normed = norm(x) if self.kernels is None else self.kernels.rms_norm(x, norm.weight, norm.eps)
-            return normed, x
+        ``residual``. ``gemm_input``: the normed rows feed a projection, so they come in ``gemm_dtype`` when set."""
         if self.kernels is None:
+            if residual is None:
+                return norm(x), x
             residual = residual + x
             return norm(residual), residual
-        return self.kernels.add_rms_norm(residual, x, norm.weight, norm.eps), residual
+        out_dtype = self.gemm_dtype if gemm_input and self.gemm_dtype is not None else torch.float32
+        if residual is None:
+            return self.kernels.rms_norm(x, norm.weight, norm.eps, out_dtype), x
+        return self.kernels.add_rms_norm(residual, self.widen(x), norm.weight, norm.eps, out_dtype), residual
+
+    def widen(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in float32 where this step narrows GEMM inputs and ``x`` is such a GEMM's bf16 output."""
+        return x.float() if self.gemm_dtype is not None and x.dtype == self.gemm_dtype else x
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` ``[T, 2 * width]``, gate first."""
