@@ -85,7 +85,8 @@ class AttentionBackend(ABC):
     """Reads and writes the paged KV pool for one model.
 
     Pool layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V); the engine allocates
-    one tensor for all layers of shape ``kv_cache_shape(num_layers, num_blocks)`` and passes ``kv_cache[layer]``.
+    one tensor for all layers with ``allocate_kv_cache`` (``kv_cache_shape(num_layers, num_blocks)`` in
+    ``kv_dtype``, the activations' dtype unless the backend stores K/V narrower) and passes ``kv_cache[layer]``.
     ``slot = block_table[pos // block_size] * block_size + pos % block_size``.
     """
 
@@ -115,6 +116,7 @@ class AttentionBackend(ABC):
         self.device = torch.device(device)
         self.config = config or self.config_model()
         self.scale = head_dim**-0.5
+        self.kv_dtype = dtype  # the pool's dtype; a backend may store K/V narrower (``cpu``: bfloat16)
         self.check_supported()
 
     def check_supported(self) -> None:
@@ -122,6 +124,10 @@ class AttentionBackend(ABC):
 
     def kv_cache_shape(self, num_layers: int, num_blocks: int) -> tuple[int, ...]:
         return (num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int) -> torch.Tensor:
+        """A zeroed pool for ``num_layers`` layers of ``num_blocks`` blocks, in ``kv_dtype`` on the device."""
+        return torch.zeros(self.kv_cache_shape(num_layers, num_blocks), dtype=self.kv_dtype, device=self.device)
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         """Called once per step before the layers run; backends may precompute per-step data here."""

@@ -148,8 +148,7 @@ def measure(model, attention, executor, device: torch.device, dtype: torch.dtype
     block_size = attention.block_size
     blocks_per_seq = -(-(CONTEXT_TOKENS + 1) // block_size)
     largest = max(candidates)
-    scratch = torch.zeros(attention.kv_cache_shape(model.num_layers, 1 + largest * blocks_per_seq), dtype=dtype,
-                          device=device)
+    scratch = attention.allocate_kv_cache(model.num_layers, 1 + largest * blocks_per_seq)
 
     def forward(input_ids: torch.Tensor, metadata: AttentionMetadata, indices: torch.Tensor) -> None:
         """One pass as ``ModelRunner.forward`` makes it: the layers, then the logits of every row."""

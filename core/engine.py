@@ -179,8 +179,7 @@ class Engine:
         if self.tensor_parallel is not None:
             self.tensor_parallel.group.reset_counters()
             self.tensor_parallel.send_pool(self.pool_plan.num_blocks)
-        self.kv_cache = torch.zeros(self.attention.kv_cache_shape(self.model.num_layers, self.pool_plan.num_blocks),
-                                    dtype=self.dtype, device=self.device)
+        self.kv_cache = self.attention.allocate_kv_cache(self.model.num_layers, self.pool_plan.num_blocks)
         if drafter.kv_bytes_per_token():
             drafter.allocate_kv_cache(self.pool_plan.num_blocks)
         self.guide = self._plugin("guide")(
@@ -260,7 +259,9 @@ class Engine:
         kernels = (f"infer's CPU kernels ({self.executor.kernels.simd})" if self.executor.kernels is not None
                    else "torch's ops")
         weights = "" if self.quantization == "none" else f", {self.quantization} weights"
-        dtypes = f"{str(self.dtype).removeprefix('torch.')}{weights}"
+        name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+        kv = "" if self.attention.kv_dtype == self.dtype else f", {name(self.attention.kv_dtype)} KV"
+        dtypes = f"{name(self.dtype)}{weights}{kv}"
         paths = " > ".join(path.name for path in self.executor.paths)
         chosen = f"{self.attention_name} (auto)" if self.config.attention.name == "auto" else self.attention_name
         parallel = "" if self.tensor_parallel is None else f"; {self.tensor_parallel.describe()}"
@@ -280,10 +281,12 @@ class Engine:
         per token, weights and activations (rank 0's times the ranks, an estimate) together."""
         cache, model = self.config.cache, self.model
         if self.tensor_parallel is None:
-            rank_bytes = [kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, self.dtype)]
+            rank_bytes = [kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
+                                             self.attention.kv_dtype)]
             local_ranks = 1
         else:
-            rank_bytes = self.tensor_parallel.kv_bytes_per_token(model.num_layers, model.head_dim, self.dtype)
+            rank_bytes = self.tensor_parallel.kv_bytes_per_token(model.num_layers, model.head_dim,
+                                                                 self.attention.kv_dtype)
             local_ranks = self.tensor_parallel.local_ranks
         bytes_per_token = sum(rank_bytes[:local_ranks]) + drafter.kv_bytes_per_token()
         weight_bytes = model_weight_bytes(model) * local_ranks
@@ -303,8 +306,7 @@ class Engine:
         lengths = [budget // num_seqs + (1 if i < budget % num_seqs else 0) for i in range(num_seqs)]
         lengths = [n for n in lengths if n > 0]
         num_blocks = sum(-(-n // block_size) for n in lengths) + 1
-        scratch = torch.zeros(self.attention.kv_cache_shape(self.model.num_layers, num_blocks), dtype=self.dtype,
-                              device=self.device)
+        scratch = self.attention.allocate_kv_cache(self.model.num_layers, num_blocks)
         if self.tensor_parallel is not None:
             self.tensor_parallel.send_pool(num_blocks)
         runner = ModelRunner(self.model, self.attention, scratch, self.device, self.executor,

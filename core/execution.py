@@ -299,14 +299,15 @@ def build_executor(model: LlamaForCausalLM, config, device: torch.device, dtype:
 def build_attention(registry, config, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
                     kernels: CpuKernels | None, quantization: str = "none") -> tuple[str, AttentionBackend]:
     """The attention backend ``config.attention`` selects (``auto`` resolved by ``choose_attention``) over
-    ``model``'s heads (a tensor-parallel rank's: its own), and its name. A backend's ``prefill_dtype: auto`` (the
-    ``cpu`` backend's) resolves here: bfloat16 with bf16 weights (whose large steps run at bf16 precision), else
-    float32."""
+    ``model``'s heads (a tensor-parallel rank's: its own), and its name. A backend's ``prefill_dtype`` and
+    ``kv_dtype`` left to ``auto`` (the ``cpu`` backend's) resolve here: bfloat16 with bf16 weights (whose large steps
+    run at bf16 precision), else float32."""
     configured = config.attention
     name = choose_attention(configured.name, device, dtype, kernels)
     settings = configured if name == configured.name else registry.config_model("attention", name)()
-    if getattr(settings, "prefill_dtype", None) == "auto":
-        settings = settings.model_copy(update={"prefill_dtype": "bfloat16" if quantization == "bf16" else "float32"})
+    for key in ("prefill_dtype", "kv_dtype"):  # the cpu backend's
+        if getattr(settings, key, None) == "auto":
+            settings = settings.model_copy(update={key: "bfloat16" if quantization == "bf16" else "float32"})
     backend = registry.load("attention", name)(
         num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         block_size=config.cache.block_size, dtype=dtype, device=device, config=settings)

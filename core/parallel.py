@@ -529,8 +529,7 @@ def _serve_steps(runner: ModelRunner) -> None:
             return
         if kind == POOL:
             runner.kv_cache = None  # the old pool goes before the new one is allocated
-            runner.kv_cache = torch.zeros(runner.attention.kv_cache_shape(model.num_layers, argument), dtype=dtype,
-                                          device=runner.device)
+            runner.kv_cache = runner.attention.allocate_kv_cache(model.num_layers, argument)
             continue
         tables, computed, new, indices, input_ids = unpack_step(payload)
         metadata = AttentionMetadata.build(tables, computed, new, runner.block_size, runner.device)

@@ -372,6 +372,7 @@ def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path
     block_tables = torch.tensor([[3, 1, 6, 0], [2, 5, 7, 4]], dtype=torch.int32)
     q = randn(2, num_heads, head_dim, seed=8)
     plan = KernelAttentionPlan(None, torch.tensor([0, 1]), torch.tensor([37, 64]), 2, 64)
-    outs = [kernels_.paged_attention(q, pool, block_tables, plan, 0.125, torch.zeros_like(q))
-            for kernels_ in (built, portable_kernels)]
-    close(*outs)
+    for kv in (pool, pool.to(torch.bfloat16)):
+        outs = [kernels_.paged_attention(q, kv, block_tables, plan, 0.125, torch.zeros_like(q))
+                for kernels_ in (built, portable_kernels)]
+        close(*outs)

@@ -149,14 +149,40 @@ def test_cpu_bf16_prefill_attends_long_queries_in_bf16_and_keeps_the_rest_exact(
     torch.testing.assert_close(out[long_rows], expected[long_rows], atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("num_heads, num_kv_heads", HEAD_LAYOUTS)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_cpu_bf16_pool_stores_kv_rounded_and_attends_exactly_over_it(scenario, num_heads, num_kv_heads, block_size):
+    """``kv_dtype: bfloat16``: the step's K/V are written rounded to bf16, and every query attends over the rounded
+    K/V exactly (float32 queries and sums), as the oracle does over the same rounded K/V."""
+    from infer.plugins.attention.cpu import CpuAttentionConfig
+
+    heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
+    step = make_step(SCENARIOS[scenario], **heads)
+    step.kv_cache = step.kv_cache.to(torch.bfloat16)
+    for index, (keys, values) in enumerate(zip(step.keys, step.values)):
+        step.keys[index], step.values[index] = keys.bfloat16().float(), values.bfloat16().float()
+    backend = CpuBackend(head_dim=HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"),
+                         config=CpuAttentionConfig(kv_dtype="bfloat16"), **heads)
+    assert backend.kv_dtype == torch.bfloat16
+    out = backend.forward(0, step.q, step.k, step.v, step.kv_cache, backend.prepare(step.metadata))
+    torch.testing.assert_close(out.double(), oracle(step), atol=1e-5, rtol=1e-5)
+    slots = step.metadata.slot_mapping
+    assert torch.equal(step.kv_cache[0].view(-1, num_kv_heads, HEAD_DIM)[slots], step.k.bfloat16())
+
+
 def test_cpu_prefill_dtype_auto_follows_the_weights(tiny_model_dir):
-    """The engine resolves ``auto``: bf16 prefill attention with bf16 weights, the kernel alone otherwise."""
+    """The engine resolves ``auto``: with bf16 weights bf16 prefill attention and a bf16 pool (half the bytes a
+    token), else the kernel alone over a float32 pool."""
     from infer import LLM
 
     base = dict(model__path=tiny_model_dir, model__dtype="float32", attention__name="cpu", model__max_model_len=256,
                 cache__num_blocks=64)
-    assert LLM("baseline", **base, model__quantization="bf16").engine.attention.prefill_min_tokens == 32
-    assert LLM("baseline", **base, model__quantization="fp16").engine.attention.prefill_min_tokens is None
+    bf16 = LLM("baseline", **base, model__quantization="bf16").engine
+    assert bf16.attention.prefill_min_tokens == 32 and bf16.kv_cache.dtype == torch.bfloat16
+    fp16 = LLM("baseline", **base, model__quantization="fp16").engine
+    assert fp16.attention.prefill_min_tokens is None and fp16.kv_cache.dtype == torch.float32
+    assert bf16.pool_plan.bytes_per_token * 2 == fp16.pool_plan.bytes_per_token
 
 
 @BACKENDS

@@ -34,9 +34,9 @@ _SIGNATURES = {
     "infer_silu_mul": [_POINTER, _POINTER, _INT, _INT],
     "infer_silu_mul_bf16": [_POINTER, _POINTER, _INT, _INT],
     "infer_rope": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
-    "infer_write_kv": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT],
+    "infer_write_kv": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_paged_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER,
-                              _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT],
+                              _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT],
     "infer_layers_few": [_POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
                          _INT, _POINTER],
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
@@ -45,6 +45,8 @@ _SIGNATURES = {
 
 # How the C side reads a packed weight (``KIND_*`` in the source), by the packed tensor's dtype.
 WEIGHT_KINDS = {torch.float16: 0, torch.int8: 1, torch.bfloat16: 2}
+# The pool dtypes the KV write and paged attention read (queries and results stay float32).
+KV_DTYPES = (torch.float32, torch.bfloat16)
 # What ``infer_simd_width`` reports: the instruction set the kernels were compiled for (``-march=native``).
 SIMD_NAMES = {512: "avx512", 256: "avx2", 0: "portable"}
 
@@ -68,7 +70,7 @@ class AttentionStepStruct(ctypes.Structure):
     _fields_ += [(name, _POINTER) for name in ("slots", "rows", "seq_of_query", "context_lens")]
     _fields_ += [(name, _INT) for name in ("queries", "max_context", "num_heads", "num_kv_heads", "head_dim",
                                            "block_size", "num_blocks")]
-    _fields_ += [("scale", _FLOAT)]
+    _fields_ += [("scale", _FLOAT), ("kv_bf16", _INT)]
 
 
 @dataclass(slots=True)
@@ -189,15 +191,16 @@ class CpuKernels:
                             rows.data_ptr(), len(rows), logits.shape[1])
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Token ``t``'s K/V ``[T, kv_heads, head_dim]`` (rows may be strided) into one layer's pool
-        ``[2, num_blocks, block_size, kv_heads, head_dim]`` at ``slots[t]`` (int64; negative: skipped)."""
+        """Token ``t``'s K/V ``[T, kv_heads, head_dim]`` (float32, rows may be strided) into one layer's pool
+        ``[2, num_blocks, block_size, kv_heads, head_dim]`` (float32, or bfloat16: rounded to nearest) at
+        ``slots[t]`` (int64; negative: skipped)."""
         check_rows(k)
         check_rows(v)
         check_pool(kv_cache)
         check_slots(slots)
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
         self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache.data_ptr(), slots.data_ptr(),
-                       k.shape[0], k.shape[1] * k.shape[2], num_slots)
+                       k.shape[0], k.shape[1] * k.shape[2], num_slots, kv_cache.dtype == torch.bfloat16)
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         plan: KernelAttentionPlan, scale: float, out: torch.Tensor) -> torch.Tensor:
@@ -213,7 +216,8 @@ class CpuKernels:
         self._paged_attention(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
                               block_tables.stride(0), rows, plan.seq_of_query.data_ptr(),
                               plan.context_lens.data_ptr(), out.data_ptr(), plan.num_queries, num_heads,
-                              num_kv_heads, head_dim, block_size, num_blocks, plan.max_context, scale)
+                              num_kv_heads, head_dim, block_size, num_blocks, plan.max_context, scale,
+                              kv_cache.dtype == torch.bfloat16)
         return out
 
 
@@ -253,8 +257,8 @@ def check_slots(slots: torch.Tensor) -> None:
 
 
 def check_pool(kv_cache: torch.Tensor) -> None:
-    if kv_cache.dtype != torch.float32 or kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
-        raise ValueError("the CPU kernels need one layer's KV pool as a contiguous float32 CPU tensor")
+    if kv_cache.dtype not in KV_DTYPES or kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+        raise ValueError("the CPU kernels need one layer's KV pool as a contiguous float32 or bfloat16 CPU tensor")
 
 
 def check_rows(x: torch.Tensor) -> None:

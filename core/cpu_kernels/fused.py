@@ -83,7 +83,7 @@ class FusedStack:
             kv_cache: torch.Tensor, step: KernelAttentionStep) -> torch.Tensor:
         """The layers over embeddings ``hidden`` ``[T, hidden]``, which become the residual stream (in place);
         returns the last layer's output ``[T, hidden]`` (the final norm adds the two). ``kv_cache``: all layers'
-        pools ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
+        pools ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` (float32 or bfloat16)."""
         check_flat(hidden)
         check_pool(kv_cache)
         step.check()
@@ -93,7 +93,7 @@ class FusedStack:
             step.block_tables.data_ptr(), step.block_tables.stride(0), step.slots.data_ptr(),
             None if plan.rows is None else plan.rows.data_ptr(), plan.seq_of_query.data_ptr(),
             plan.context_lens.data_ptr(), plan.num_queries, plan.max_context, step.num_heads, num_kv_heads, head_dim,
-            block_size, num_blocks, step.scale)
+            block_size, num_blocks, step.scale, kv_cache.dtype == torch.bfloat16)
         delta = torch.empty_like(hidden)
         self._run(self.layers, self.kv_layers.data_ptr(), len(self.layers), hidden.shape[0], hidden.data_ptr(),
                   delta.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),

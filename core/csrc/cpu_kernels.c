@@ -565,14 +565,43 @@ void infer_rope(float *qkv, const int64_t *positions, const float *cos_table, co
     }
 }
 
+/* n floats rounded to bfloat16 (ties to even). */
+static void floats_to_bf16(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) _mm256_storeu_si256((__m256i *)(dst + i), bf16x16_from(_mm512_loadu_ps(src + i)));
+#endif
+    for (; i < n; i++) dst[i] = float_to_bf16(src[i]);
+}
+
+/* n bfloat16 values as floats (exact). */
+static void bf16_to_floats(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, bf16x16_load(src + i));
+#endif
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i))), 16)));
+#endif
+    for (; i < n; i++) dst[i] = bf16_to_float(src[i]);
+}
+
 /* Token t's K (width floats at k + t * k_stride) and V (at v + t * v_stride) into the layer's pool
- * kv (2 x num_slots x width) at slot slots[t]; negative slots are padding and skipped. */
-void infer_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *kv,
-                    const int64_t *slots, int64_t tokens, int64_t width, int64_t num_slots) {
+ * kv (2 x num_slots x width; float32, or bfloat16 rounded to nearest when kv_bf16) at slot slots[t]; negative
+ * slots are padding and skipped. */
+void infer_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, void *kv,
+                    const int64_t *slots, int64_t tokens, int64_t width, int64_t num_slots, int64_t kv_bf16) {
     for (int64_t t = 0; t < tokens; t++) {
         if (slots[t] < 0) continue;
-        memcpy(kv + slots[t] * width, k + t * k_stride, width * sizeof(float));
-        memcpy(kv + (num_slots + slots[t]) * width, v + t * v_stride, width * sizeof(float));
+        if (kv_bf16) {
+            floats_to_bf16(k + t * k_stride, (uint16_t *)kv + slots[t] * width, width);
+            floats_to_bf16(v + t * v_stride, (uint16_t *)kv + (num_slots + slots[t]) * width, width);
+            continue;
+        }
+        memcpy((float *)kv + slots[t] * width, k + t * k_stride, width * sizeof(float));
+        memcpy((float *)kv + (num_slots + slots[t]) * width, v + t * v_stride, width * sizeof(float));
     }
 }
 
@@ -716,17 +745,19 @@ static void weigh_values(const float *weights, const float *const *keys, ptrdiff
 /* Query i (of `queries`) is token row r = rows[i] (r = i when rows is NULL): its heads at q + r * q_stride, its
  * result at out + r * num_heads * head_dim. It attends to the first context_lens[i] tokens of sequence
  * seq_of_query[i], read through that sequence's block table row (block_tables + seq * table_stride) from the
- * layer's pool kv (2 x num_blocks x block_size x num_kv_heads x head_dim). Work is split over (query, KV head)
- * pairs, dynamically over the threads; a pair lists its key rows once, then each query head sharing the KV head
- * scores them, takes the softmax and weighs the value rows (exact, three passes over a per-thread buffer). */
-void infer_paged_attention(const float *q, int64_t q_stride, const float *kv, const int32_t *block_tables,
+ * layer's pool kv (2 x num_blocks x block_size x num_kv_heads x head_dim; float32, or bfloat16 when kv_bf16).
+ * Work is split over (query, KV head) pairs, dynamically over the threads; a pair lists its key rows once (a bf16
+ * pool: converted once into a per-thread float buffer, half the bytes read from memory), then each query head
+ * sharing the KV head scores them, takes the softmax and weighs the value rows (exact, three passes over a
+ * per-thread buffer). */
+void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
                            int64_t table_stride, const int64_t *rows, const int64_t *seq_of_query,
                            const int64_t *context_lens, float *out, int64_t queries, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
-                           int64_t max_context, float scale) {
+                           int64_t max_context, float scale, int64_t kv_bf16) {
     const int64_t per_kv = num_heads / num_kv_heads;
     const int64_t slot_width = num_kv_heads * head_dim;
-    const ptrdiff_t value_offset = num_blocks * block_size * slot_width;
+    const int64_t pool_slots = num_blocks * block_size;
     int64_t total_keys = 0;
     for (int64_t i = 0; i < queries; i++) total_keys += context_lens[i];
 #pragma omp parallel if (total_keys * num_heads >= 8192)
@@ -734,15 +765,29 @@ void infer_paged_attention(const float *q, int64_t q_stride, const float *kv, co
         const int64_t capacity = max_context > 0 ? max_context : 1;
         float *scores = malloc(sizeof(float) * capacity);
         const float **keys = malloc(sizeof(float *) * capacity);
+        float *converted = kv_bf16 ? malloc(sizeof(float) * 2 * capacity * head_dim) : NULL;  /* keys, values */
 #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int64_t i = 0; i < queries; i++) {
             for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
                 const int64_t n = context_lens[i], row = rows ? rows[i] : i;
                 const int32_t *table = block_tables + seq_of_query[i] * table_stride;
+                ptrdiff_t value_offset = pool_slots * slot_width;
                 for (int64_t j = 0, b = 0; j < n; b++) {
-                    const float *block = kv + ((int64_t)table[b] * block_size * slot_width) + kvh * head_dim;
-                    for (int64_t t = 0; t < block_size && j < n; t++, j++) keys[j] = block + t * slot_width;
+                    const int64_t first = (int64_t)table[b] * block_size * slot_width + kvh * head_dim;
+                    for (int64_t t = 0; t < block_size && j < n; t++, j++) {
+                        const int64_t at = first + t * slot_width;
+                        if (kv_bf16) {
+                            float *key = converted + j * head_dim;
+                            bf16_to_floats((const uint16_t *)kv + at, key, head_dim);
+                            bf16_to_floats((const uint16_t *)kv + pool_slots * slot_width + at,
+                                           key + capacity * head_dim, head_dim);
+                            keys[j] = key;
+                        } else {
+                            keys[j] = (const float *)kv + at;
+                        }
+                    }
                 }
+                if (kv_bf16) value_offset = capacity * head_dim;
                 for (int64_t g = 0; g < per_kv; g++) {
                     const int64_t head = kvh * per_kv + g;
                     float best = score_keys(q + row * q_stride + head * head_dim, keys, n, head_dim, scale, scores);
@@ -752,6 +797,7 @@ void infer_paged_attention(const float *q, int64_t q_stride, const float *kv, co
                 }
             }
         }
+        free(converted);
         free(keys);
         free(scores);
     }
@@ -818,31 +864,32 @@ typedef struct {
     const int64_t *slots, *rows, *seq_of_query, *context_lens;
     int64_t queries, max_context, num_heads, num_kv_heads, head_dim, block_size, num_blocks;
     float scale;
+    int64_t kv_bf16;  /* the pool holds bfloat16 */
 } infer_attention_step;
 
 /* `count` layers over `tokens` tokens in one call, what infer_layer_attention_input, infer_write_kv,
  * infer_paged_attention and infer_layer_feed_forward do one by one from Python: layer l reads and writes the pool
- * at kv + kv_layers[l] * kv_layer_stride. `residual` [tokens, hidden] holds the embeddings on entry (the first layer
+ * at kv + kv_layers[l] * kv_layer_stride (elements of the pool's dtype). `residual` [tokens, hidden] holds the embeddings on entry (the first layer
  * adds nothing) and the residual stream on return; `delta` [tokens, hidden] receives the last layer's output (the
  * final norm adds the two). All layers share the hidden size and the attention shapes. */
 void infer_layers_few(const infer_layer *layers, const int64_t *kv_layers, int64_t count, int64_t tokens,
                       float *residual, float *delta, const int64_t *positions, const float *cos_table,
-                      const float *sin_table, float *kv, int64_t kv_layer_stride, const infer_attention_step *step) {
+                      const float *sin_table, void *kv, int64_t kv_layer_stride, const infer_attention_step *step) {
     if (count == 0) return;
     const int64_t qkv_width = layers[0].qkv_width, q_width = layers[0].q_width;
     const int64_t kv_width = step->num_kv_heads * step->head_dim;
     const int64_t num_slots = step->num_blocks * step->block_size;
     float *qkv = malloc(sizeof(float) * tokens * qkv_width), *attended = calloc(tokens * q_width, sizeof(float));
     for (int64_t l = 0; l < count; l++) {
-        float *pool = kv + kv_layers[l] * kv_layer_stride;
+        void *pool = (char *)kv + kv_layers[l] * kv_layer_stride * (step->kv_bf16 ? 2 : 4);
         infer_layer_attention_input(&layers[l], tokens, residual, l ? delta : NULL, positions, cos_table, sin_table,
                                     qkv);
         infer_write_kv(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, pool, step->slots, tokens,
-                       kv_width, num_slots);
+                       kv_width, num_slots, step->kv_bf16);
         infer_paged_attention(qkv, qkv_width, pool, step->block_tables, step->table_stride, step->rows,
                               step->seq_of_query, step->context_lens, attended, step->queries, step->num_heads,
                               step->num_kv_heads, step->head_dim, step->block_size, step->num_blocks,
-                              step->max_context, step->scale);
+                              step->max_context, step->scale, step->kv_bf16);
         infer_layer_feed_forward(&layers[l], tokens, attended, residual, delta);
     }
     free(attended);

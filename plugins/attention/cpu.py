@@ -45,6 +45,11 @@ class CpuAttentionConfig(AttentionConfig):
                             "natively), float32 with the C kernel (exact). auto: bfloat16 when the model's weights "
                             "are bf16 (model.quantization bf16), else float32.")
     prefill_min_tokens: int = Field(32, ge=1, description="Query tokens from which prefill_dtype applies.")
+    kv_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="The pool's dtype: bfloat16 halves its bytes (twice the tokens in a budget, half the "
+                            "bytes each decode step reads; K/V rounded to bf16 once, queries and sums float32), "
+                            "float32 keeps K/V exact. auto: bfloat16 when the model's weights are bf16, else "
+                            "float32.")
 
 
 @dataclass(slots=True)
@@ -80,9 +85,11 @@ class CpuBackend(AttentionBackend):
         except cpu_kernels.KernelBuildError as error:
             raise BackendUnavailableError(f"attention backend cpu needs infer's C kernels: {error}; use "
                                           f"attention.name=sdpa") from error
-        # None: every query on the kernel (float32; auto as the engine has not resolved it counts as float32)
+        # None: every query on the kernel (float32). auto, where the engine has not resolved it, counts as float32.
         bf16 = self.config.prefill_dtype == "bfloat16"
         self.prefill_min_tokens: int | None = self.config.prefill_min_tokens if bf16 else None
+        if self.config.kv_dtype == "bfloat16":
+            self.kv_dtype = torch.bfloat16
 
     def check_supported(self) -> None:
         if self.device.type != "cpu" or self.dtype != torch.float32:
@@ -140,7 +147,8 @@ class CpuBackend(AttentionBackend):
         return out
 
     def _flash(self, q: torch.Tensor, pool: torch.Tensor, prefill: PrefillQuery) -> torch.Tensor:
-        """One sequence's query rows ``[n, heads, head_dim]`` by torch's flash attention in bf16 over its context."""
+        """One sequence's query rows ``[n, heads, head_dim]`` by torch's flash attention in bf16 over its context
+        (a bf16 pool is read as it is, a float32 one rounded)."""
         # [1, heads, tokens, head_dim]: with three dimensions torch takes its math path (13x slower here)
         keys, values = (pool[side].index_select(0, prefill.slots).to(torch.bfloat16).transpose(0, 1)[None]
                         for side in (0, 1))

@@ -117,11 +117,11 @@ class ModelDrafter(Drafter):
 
     # -- the draft pool ------------------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.draft.num_layers, self.draft.num_kv_heads, self.draft.head_dim, self.dtype)
+        return kv_bytes_per_token(self.draft.num_layers, self.draft.num_kv_heads, self.draft.head_dim,
+                                  self.attention.kv_dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = self.attention.kv_cache_shape(self.draft.num_layers, num_blocks)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = self.attention.allocate_kv_cache(self.draft.num_layers, num_blocks)
 
     # -- drafting ------------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -117,11 +117,10 @@ class EagleDrafter(Drafter):
 
     # -- the head's pool -----------------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(1, self.target.num_kv_heads, self.target.head_dim, self.dtype)
+        return kv_bytes_per_token(1, self.target.num_kv_heads, self.target.head_dim, self.attention.kv_dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = self.attention.kv_cache_shape(1, num_blocks)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = self.attention.allocate_kv_cache(1, num_blocks)
 
     # -- features ------------------------------------------------------------------------------------------------
     def observe(self, output):
