@@ -522,7 +522,6 @@ def _serve_steps(runner: ModelRunner) -> None:
 
     model = runner.model
     channel = _Channel(model.tensor_parallel, runner.device if runner.device.type == "cuda" else torch.device("cpu"))
-    dtype = model.embed_tokens.weight.dtype
     while True:
         kind, argument, payload = channel.receive()
         if kind == STOP:
