@@ -159,3 +159,13 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         if not bool(valid.all()):
             slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
     flat.index_copy_(1, slot_mapping, torch.stack((k, v)).to(kv_cache.dtype))
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype,
+                  out: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """K and V stored in ``block_ids``, ``[len(block_ids) * block_size, kv_heads, head_dim]`` each, in ``dtype``;
+    into ``out`` (``[2, len(block_ids), block_size, kv_heads, head_dim]``, the pool's dtype) when given."""
+    # index_select on each contiguous half copies whole blocks; advanced indexing is several times slower on CPU.
+    if out is None:
+        return [kv_cache[half].index_select(0, block_ids).flatten(0, 1).to(dtype) for half in (0, 1)]
+    return [torch.index_select(kv_cache[half], 0, block_ids, out=out[half]).flatten(0, 1) for half in (0, 1)]

@@ -171,17 +171,15 @@ class PackedLinear(nn.Module):
             self.kernels = self.kernel_weight = self.kernel_scales = None
             return
         if self.mode == "bf16":
-            weight = self.packed.to_dense() if self.packed.is_mkldnn else self.packed
+            self.kernel_weight = pack_weights(self.packed.to_dense() if self.packed.is_mkldnn else self.packed)
         else:
             weight, _ = torch.ops.quantized.linear_unpack_fp16(self.packed)
-        if self.mode == "bf16":
-            self.kernel_weight = pack_weights(weight)
-        elif self.scales is not None:  # the fp16 weights are the int8 ones times their scales, exactly
-            groups = weight.float().view(self.out_features, self.scales.shape[1], -1) / self.scales[:, :, None]
-            self.kernel_weight = pack_weights(torch.round(groups).to(torch.int8).view(weight.shape))
-            self.kernel_scales = pack_scales(self.scales)
-        else:
-            self.kernel_weight = pack_weights(weight.to(torch.float16))
+            if self.scales is not None:  # the fp16 weights are the int8 ones times their scales, exactly
+                groups = weight.float().view(self.out_features, self.scales.shape[1], -1) / self.scales[:, :, None]
+                self.kernel_weight = pack_weights(torch.round(groups).to(torch.int8).view(weight.shape))
+                self.kernel_scales = pack_scales(self.scales)
+            else:
+                self.kernel_weight = pack_weights(weight.to(torch.float16))
         self.nbytes += self.kernel_weight.numel() * self.kernel_weight.element_size()
         self.kernels = kernels
 

@@ -152,6 +152,61 @@ static inline float bf16_to_float(uint16_t h) {
     return value;
 }
 
+/* A float rounded to the nearest bfloat16 (ties to even; the inputs here are finite). */
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#ifdef __AVX2__
+/* 8 bfloat16 values as floats. */
+static inline __m256 bf16x8_load(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+#ifdef __AVX512F__
+/* 16 bfloat16 values as floats. */
+static inline __m512 bf16x16_load(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* 16 floats rounded to bfloat16, as float_to_bf16 rounds. */
+static inline __m256i bf16x16_from(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+/* The upper 8 floats of v (the lower 8 are _mm512_castps512_ps256(v)). */
+static inline __m256 high_half(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+#endif
+
+/* n floats rounded to bfloat16 (ties to even). */
+static void floats_to_bf16(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) _mm256_storeu_si256((__m256i *)(dst + i), bf16x16_from(_mm512_loadu_ps(src + i)));
+#endif
+    for (; i < n; i++) dst[i] = float_to_bf16(src[i]);
+}
+
+/* n bfloat16 values as floats (exact). */
+static void bf16_to_floats(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, bf16x16_load(src + i));
+#endif
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, bf16x8_load(src + i));
+#endif
+    for (; i < n; i++) dst[i] = bf16_to_float(src[i]);
+}
+
 /* Weight c (0 to 7) of row i (0 to 3) of a chunk of a packed block, as a float. */
 static inline float packed_weight(const void *chunk, int i, int c, const int kind) {
     if (kind == KIND_I8) return (float)((const int8_t *)chunk)[i * 8 + c];
@@ -166,9 +221,8 @@ static inline __m256 packed_row8(const void *chunk, int i, const int kind) {
         const __m128i bytes = _mm_loadl_epi64((const __m128i *)((const int8_t *)chunk + i * 8));
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
     }
-    const __m128i halves = _mm_loadu_si128((const __m128i *)((const uint16_t *)chunk + i * 8));
-    if (kind == KIND_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
-    return _mm256_cvtph_ps(halves);
+    const uint16_t *row = (const uint16_t *)chunk + i * 8;
+    return kind == KIND_BF16 ? bf16x8_load(row) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)row));
 }
 #endif
 
@@ -179,17 +233,14 @@ static inline __m512 packed_pair16(const void *chunk, int pair, const int kind) 
     if (kind == KIND_I8)
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)chunk +
                                                                                           pair * 16))));
-    const __m256i halves = _mm256_loadu_si256((const __m256i *)((const uint16_t *)chunk + pair * 16));
-    if (kind == KIND_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-    return _mm512_cvtph_ps(halves);
+    const uint16_t *rows = (const uint16_t *)chunk + pair * 16;
+    return kind == KIND_BF16 ? bf16x16_load(rows) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rows));
 }
 
 /* The sums of the two 8-float halves of v. */
 static inline void hsum8_pair(__m512 v, float *low, float *high) {
-    const __m256 lo = _mm512_castps512_ps256(v);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    *low = hsum8(lo);
-    *high = hsum8(hi);
+    *low = hsum8(_mm512_castps512_ps256(v));
+    *high = hsum8(high_half(v));
 }
 #endif
 
@@ -411,28 +462,6 @@ static void layer_linear(const void *w, int64_t kind, const float *scales, int64
         infer_linear_f16(x, rows, k, w, bias, y, n_out);
 }
 
-/* ---- bfloat16 activations (the inputs of oneDNN's bf16 GEMM) ------------------------------------------------ */
-
-/* A float rounded to the nearest bfloat16 (ties to even; the inputs here are finite). */
-static inline uint16_t float_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-#ifdef __AVX512F__
-static inline __m256i bf16x16_from(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
-static inline __m512 bf16x16_load(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-#endif
-
 /* ---- RMSNorm ------------------------------------------------------------------------------------------------- */
 
 /* For each of `rows` rows of `dim` floats: if delta, residual += delta (in place); then
@@ -524,15 +553,11 @@ void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, i
 #ifdef __AVX2__
         /* as infer_silu_mul computes it (exp8), so the float32 and the bf16 paths agree before the rounding */
         for (; i + 8 <= width; i += 8) {
-            const __m256 one8 = _mm256_set1_ps(1.0f);
-            const __m256 g = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(gate + i))), 16));
-            const __m256 u = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(up + i))), 16));
+            const __m256 one8 = _mm256_set1_ps(1.0f), g = bf16x8_load(gate + i);
             const __m256 sig = _mm256_div_ps(one8, _mm256_add_ps(one8, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
             float values[8];
-            _mm256_storeu_ps(values, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
-            for (int j = 0; j < 8; j++) y[i + j] = float_to_bf16(values[j]);
+            _mm256_storeu_ps(values, _mm256_mul_ps(_mm256_mul_ps(g, sig), bf16x8_load(up + i)));
+            floats_to_bf16(values, y + i, 8);
         }
 #endif
         for (; i < width; i++) {
@@ -563,29 +588,6 @@ void infer_rope(float *qkv, const int64_t *positions, const float *cos_table, co
             }
         }
     }
-}
-
-/* n floats rounded to bfloat16 (ties to even). */
-static void floats_to_bf16(const float *src, uint16_t *dst, int64_t n) {
-    int64_t i = 0;
-#ifdef __AVX512F__
-    for (; i + 16 <= n; i += 16) _mm256_storeu_si256((__m256i *)(dst + i), bf16x16_from(_mm512_loadu_ps(src + i)));
-#endif
-    for (; i < n; i++) dst[i] = float_to_bf16(src[i]);
-}
-
-/* n bfloat16 values as floats (exact). */
-static void bf16_to_floats(const uint16_t *src, float *dst, int64_t n) {
-    int64_t i = 0;
-#ifdef __AVX512F__
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, bf16x16_load(src + i));
-#endif
-#ifdef __AVX2__
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i))), 16)));
-#endif
-    for (; i < n; i++) dst[i] = bf16_to_float(src[i]);
 }
 
 /* Token t's K (width floats at k + t * k_stride) and V (at v + t * v_stride) into the layer's pool
@@ -642,9 +644,7 @@ static float score_keys(const float *query, const float *const *keys, int64_t n,
                 for (int i = 0; i < 8; i++) a[i] = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[i] + c), a[i]);
             }
             __m256 h[8];
-            for (int i = 0; i < 8; i++)
-                h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
-                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+            for (int i = 0; i < 8; i++) h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), high_half(a[i]));
             __m256 block = _mm256_mul_ps(sum8x8(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]), factor);
             _mm256_storeu_ps(scores + j, block);
             top = _mm256_max_ps(top, block);
@@ -869,9 +869,10 @@ typedef struct {
 
 /* `count` layers over `tokens` tokens in one call, what infer_layer_attention_input, infer_write_kv,
  * infer_paged_attention and infer_layer_feed_forward do one by one from Python: layer l reads and writes the pool
- * at kv + kv_layers[l] * kv_layer_stride (elements of the pool's dtype). `residual` [tokens, hidden] holds the embeddings on entry (the first layer
- * adds nothing) and the residual stream on return; `delta` [tokens, hidden] receives the last layer's output (the
- * final norm adds the two). All layers share the hidden size and the attention shapes. */
+ * at kv + kv_layers[l] * kv_layer_stride (elements of the pool's dtype). `residual` [tokens, hidden] holds the
+ * embeddings on entry (the first layer adds nothing) and the residual stream on return; `delta` [tokens, hidden]
+ * receives the last layer's output (the final norm adds the two). All layers share the hidden size and the
+ * attention shapes. */
 void infer_layers_few(const infer_layer *layers, const int64_t *kv_layers, int64_t count, int64_t tokens,
                       float *residual, float *delta, const int64_t *positions, const float *cos_table,
                       const float *sin_table, void *kv, int64_t kv_layer_stride, const infer_attention_step *step) {

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from infer import cpu_kernels
-from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata, BackendUnavailableError
+from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata, BackendUnavailableError, gather_blocks
 from infer.cpu_kernels import KernelAttentionPlan
 
 
@@ -54,12 +54,13 @@ class CpuAttentionConfig(AttentionConfig):
 
 @dataclass(slots=True)
 class PrefillQuery:
-    """One sequence's query rows ``start:end`` attended by flash attention over its first ``len(slots)`` tokens,
-    read from the pool at ``slots``; ``mask`` (additive, bf16) where the context holds more than the query rows."""
+    """One sequence's query rows ``start:end`` attended by flash attention over its first ``context`` tokens, read
+    from the pool's ``block_ids``; ``mask`` (additive, bf16) where the context holds more than the query rows."""
 
     start: int
     end: int
-    slots: torch.Tensor  # [context] int64
+    context: int
+    block_ids: torch.Tensor  # int64, the sequence's first ceil(context / block_size) blocks
     mask: torch.Tensor | None
 
 
@@ -106,14 +107,12 @@ class CpuBackend(AttentionBackend):
         prefills, kernel_rows, start = [], [], 0
         for index, (query_len, context) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
             if query_len >= threshold:
-                positions = torch.arange(context)
-                table = metadata.block_tables[index].to(torch.int64)
-                slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+                block_ids = metadata.block_tables[index, : -(-context // self.block_size)].long()
                 mask = None
                 if context > query_len:  # bottom-right causal: query i sees positions <= context - query_len + i
                     allowed = torch.ones(query_len, context, dtype=torch.bool).tril(context - query_len)
                     mask = torch.zeros(query_len, context, dtype=torch.bfloat16).masked_fill(~allowed, float("-inf"))
-                prefills.append(PrefillQuery(start, start + query_len, slots, mask))
+                prefills.append(PrefillQuery(start, start + query_len, context, block_ids, mask))
             else:
                 kernel_rows.extend(range(start, start + query_len))
             start += query_len
@@ -140,18 +139,16 @@ class CpuBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype)
         if metadata.plan is not None:
             self.kernels.paged_attention(q, kv_cache, metadata.block_tables, metadata.plan, self.scale, out)
-        if metadata.prefills:
-            pool = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
-            for prefill in metadata.prefills:
-                out[prefill.start:prefill.end] = self._flash(q[prefill.start:prefill.end], pool, prefill)
+        for prefill in metadata.prefills:
+            out[prefill.start:prefill.end] = self._flash(q[prefill.start:prefill.end], kv_cache, prefill)
         return out
 
-    def _flash(self, q: torch.Tensor, pool: torch.Tensor, prefill: PrefillQuery) -> torch.Tensor:
+    def _flash(self, q: torch.Tensor, kv_cache: torch.Tensor, prefill: PrefillQuery) -> torch.Tensor:
         """One sequence's query rows ``[n, heads, head_dim]`` by torch's flash attention in bf16 over its context
         (a bf16 pool is read as it is, a float32 one rounded)."""
         # [1, heads, tokens, head_dim]: with three dimensions torch takes its math path (13x slower here)
-        keys, values = (pool[side].index_select(0, prefill.slots).to(torch.bfloat16).transpose(0, 1)[None]
-                        for side in (0, 1))
+        keys, values = (side[: prefill.context].transpose(0, 1)[None]
+                        for side in gather_blocks(kv_cache, prefill.block_ids, torch.bfloat16))
         attended = F.scaled_dot_product_attention(q.to(torch.bfloat16).transpose(0, 1)[None], keys, values,
                                                   attn_mask=prefill.mask, is_causal=prefill.mask is None,
                                                   scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)

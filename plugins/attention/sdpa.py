@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata, write_kv
+from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata, gather_blocks, write_kv
 
 # Queries up to this long are padded into the shared call; the padding wasted per sequence stays below this bound.
 MAX_PADDED_QUERY_LEN = 16
@@ -390,13 +390,3 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     [..., R]."""
     lse = torch.logaddexp(lse_a, lse_b).unsqueeze(-1)
     return (out_a * (lse_a.unsqueeze(-1) - lse).exp_() + out_b * (lse_b.unsqueeze(-1) - lse).exp_()).to(out_a.dtype)
-
-
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype,
-                  out: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """K and V stored in ``block_ids``, ``[len(block_ids) * block_size, kv_heads, head_dim]`` each, in ``dtype``;
-    into ``out`` (``[2, len(block_ids), block_size, kv_heads, head_dim]``, the pool's dtype) when given."""
-    # index_select on each contiguous half copies whole blocks; advanced indexing is several times slower on CPU.
-    if out is None:
-        return [kv_cache[half].index_select(0, block_ids).flatten(0, 1).to(dtype) for half in (0, 1)]
-    return [torch.index_select(kv_cache[half], 0, block_ids, out=out[half]).flatten(0, 1) for half in (0, 1)]
