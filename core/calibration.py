@@ -5,7 +5,7 @@ streaming GEMV over the packed weights and, on the ``fused-stack`` path, every l
 fastest on the GEMM library torch uses (fbgemm's fp16 GEMM for fp16 and int8 weights, oneDNN's bf16 GEMM on AMX
 or AVX512-BF16 for bf16 ones). Where the two cross depends on the CPU (its vector width, its matrix units, its
 cache, its cores' share of memory bandwidth) and on the model's shapes, so
-``execution.fused_max_tokens: auto`` measures it: decode steps of 1 to 32 sequences (a 64-token context each) through
+``execution.fused_max_tokens: auto`` measures it: decode steps of 1 to 128 sequences (a 64-token context each) through
 the model on the fused path and with every matrix product on the GEMM, alternately, ``REPEATS`` times each, the
 fastest kept (other processes on a shared machine can only make a pass slower, and alternating spreads them over
 both). The threshold is the largest step size up to which the fused path was never slower.
@@ -29,7 +29,7 @@ import torch
 
 logger = logging.getLogger("infer.execution")
 
-CANDIDATES = (1, 2, 4, 8, 16, 32)
+CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128)
 CONTEXT_TOKENS = 64
 REPEATS = 7
 # The flags that change which path is faster (the C kernels are built with -march=native).

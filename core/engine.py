@@ -256,8 +256,9 @@ class Engine:
 
     def describe_execution(self) -> str:
         """One line for ``infer run``: the dtypes, the attention backend, the kernels and the execution paths in use."""
-        kernels = (f"infer's CPU kernels ({self.executor.kernels.simd})" if self.executor.kernels is not None
-                   else "torch's ops")
+        cpu = self.executor.kernels
+        tiles = ", AMX tiles" if cpu is not None and cpu.amx and self.quantization == "bf16" else ""
+        kernels = f"infer's CPU kernels ({cpu.simd}{tiles})" if cpu is not None else "torch's ops"
         weights = "" if self.quantization == "none" else f", {self.quantization} weights"
         name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
         kv = "" if self.attention.kv_dtype == self.dtype else f", {name(self.attention.kv_dtype)} KV"

@@ -34,13 +34,16 @@ import warnings
 import torch
 from torch import nn
 
-from infer.cpu_kernels.packing import can_pack, pack_scales, pack_weights
+from infer.cpu_kernels.packing import can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights
 from infer.model import Linear
 
 QUANTIZATIONS = ("none", "fp16", "bf16", "int8", "int8_per_row", "w8a8")
 # Weights per int8 scale in mode int8 (int8_per_row: a whole row).
 INT8_GROUP = 32
 _KERNEL_MODES = ("fp16", "bf16", "int8", "int8_per_row")
+# bf16 on AMX: inputs of up to this many rows take infer's tiles (``CpuKernels.linear_tiles``), larger ones (prefill
+# chunks) oneDNN's GEMM, faster there: four 512-token prompts 596 vs 857 ms a step (README, CPU performance).
+TILE_MAX_ROWS = 256
 # CPU feature flags for native bf16 matmuls on x86 (oneDNN's bf16 GEMM runs on them).
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
@@ -153,13 +156,18 @@ class PackedLinear(nn.Module):
         # their scales in pack_scales' layout.
         self.kernel_weight: torch.Tensor | None = None
         self.kernel_scales: torch.Tensor | None = None
+        # bf16 on kernels with AMX: the weights in pack_tiles' layout for every larger input, in place of oneDNN's.
+        self.tile_weight: torch.Tensor | None = None
 
     def use_cpu_kernels(self, kernels, gemv_rows: int = 0) -> None:
         """Compute inputs of up to ``gemv_rows`` rows (decode at small batches, verification: the execution layer's
         ``fused_max_tokens``) with ``kernels.linear`` (``fp16`` and the int8 modes, shapes ``pack_weights`` takes),
         over a copy of the weights in its layout beside fbgemm's packed one: fp16, or the int8 weights and their
         scales. The streaming GEMV has no fixed per-call cost, where fbgemm pays 20-45 us at one row (README, CPU
-        performance). Costs the copy's bytes (counted in ``nbytes``). ``kernels`` None undoes it."""
+        performance). Costs the copy's bytes (counted in ``nbytes``). bf16 on kernels with AMX (``kernels.amx``):
+        inputs of more rows than one GEMV pass (``kernels.pass_rows``), up to ``TILE_MAX_ROWS``, take
+        ``kernels.linear_tiles`` over a third copy in ``pack_tiles``' layout (README, CPU performance). ``kernels``
+        None undoes it."""
         self.gemv_rows = gemv_rows if kernels is not None else 0
         if self.mode not in _KERNEL_MODES or (kernels is None) == (self.kernels is None):
             return
@@ -167,11 +175,16 @@ class PackedLinear(nn.Module):
         if not can_pack(self.out_features, self.in_features, group):  # stays on fbgemm
             return
         if kernels is None:
-            self.nbytes -= self.kernel_weight.numel() * self.kernel_weight.element_size()
-            self.kernels = self.kernel_weight = self.kernel_scales = None
+            for copy in (self.kernel_weight, self.tile_weight):
+                self.nbytes -= 0 if copy is None else copy.numel() * copy.element_size()
+            self.kernels = self.kernel_weight = self.kernel_scales = self.tile_weight = None
             return
         if self.mode == "bf16":
-            self.kernel_weight = pack_weights(self.packed.to_dense() if self.packed.is_mkldnn else self.packed)
+            plain = self.packed.to_dense() if self.packed.is_mkldnn else self.packed
+            self.kernel_weight = pack_weights(plain)
+            if kernels.amx and can_pack_tiles(self.out_features, self.in_features):
+                self.tile_weight = pack_tiles(plain)
+                self.nbytes += self.tile_weight.numel() * 2
         else:
             weight, _ = torch.ops.quantized.linear_unpack_fp16(self.packed)
             if self.scales is not None:  # the fp16 weights are the int8 ones times their scales, exactly
@@ -185,8 +198,13 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the engine's tokens are already flat
-        if self.kernels is not None and flat.shape[0] <= self.gemv_rows:
+        rows = flat.shape[0]
+        if self.kernels is not None and rows <= self.gemv_rows and \
+                (self.tile_weight is None or rows <= self.kernels.pass_rows):
             out = self.kernels.linear(flat.float(), self.kernel_weight, self.kernel_scales, self.bias).to(x.dtype)
+        elif self.tile_weight is not None and rows <= TILE_MAX_ROWS:  # float32 or bf16 rows in, the same out
+            out = self.kernels.linear_tiles(flat if flat.dtype == torch.bfloat16 else flat.float(), self.tile_weight,
+                                            self.bias)
         elif self.mode == "bf16":  # bf16 rows in, bf16 rows out (``StepOps.gemm_dtype``); else float32
             out = bf16_linear(flat, self.packed)
             if self.bias is not None:

@@ -232,6 +232,72 @@ def test_pack_scales_lays_out_each_blocks_groups():
     assert torch.equal(packed[1, 2], scales[4:8, 2])  # block 1 (rows 4-7), group 2
 
 
+def test_pack_tiles_lays_out_amx_b_tiles_and_refuses_other_shapes():
+    weight = torch.arange(64 * 96).view(64, 96).to(torch.bfloat16)
+    tiles = cpu_kernels.pack_tiles(weight)
+    assert cpu_kernels.tiles_shape(tiles) == (64, 96) and torch.equal(cpu_kernels.unpack_tiles(tiles), weight)
+    # Block 1 (columns 32-63), k tile 2 (64-95), its second tile (columns 48-63): row p = 3 holds the pairs
+    # (w[c, 64 + 6], w[c, 64 + 7]) of each column c.
+    assert torch.equal(tiles[1, 2, 1, 3], weight[48:64, 70:72])
+    for shape in ((48, 64), (64, 48)):
+        with pytest.raises(ValueError, match="% 32"):
+            cpu_kernels.pack_tiles(torch.zeros(shape, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_kernels.pack_tiles(torch.zeros(64, 64))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 9, 16, 17, 33, 70, 300])  # partial and whole 16/32-row tiles, two 256-row chunks
+def test_linear_tiles_is_the_bf16_rounded_product_in_float32(kernels, rows, bias):
+    """AMX's tiles (plain C where the build has none) against float64 over the same bf16 weights and the rows
+    rounded to bf16: only the sums' order differs; bf16 rows in give bf16 rows out, rounded once."""
+    weight = randn(96, 576, seed=21, scale=0.1).to(torch.bfloat16)
+    bias_values = randn(96, seed=22) if bias else None
+    x = randn(rows, 576, seed=23)
+    exact = torch.nn.functional.linear(x.to(torch.bfloat16).double(), weight.double(),
+                                       None if bias_values is None else bias_values.double())
+    tiles = cpu_kernels.pack_tiles(weight)
+    out = kernels.linear_tiles(x, tiles, bias_values)
+    assert out.dtype == torch.float32 and out.shape == (rows, 96)
+    torch.testing.assert_close(out.double(), exact, atol=1e-4, rtol=1e-5)
+    narrow = kernels.linear_tiles(x.to(torch.bfloat16), tiles, bias_values)
+    assert narrow.dtype == torch.bfloat16
+    torch.testing.assert_close(narrow.double(), exact, atol=1e-4, rtol=8e-3)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.linear_tiles(x[:, :64].contiguous(), tiles, None)
+    with pytest.raises(ValueError, match="packed by pack_tiles"):
+        kernels.linear_tiles(x, weight, None)
+
+
+def test_fused_layer_multiplies_large_steps_on_the_tiles(kernels):
+    """A fused layer with tiles beside its bf16 GEMV weights: steps of up to one GEMV pass give exactly the GEMV's
+    result, larger ones the tiles' (activations rounded to bf16, within bf16 of the float32 GEMV)."""
+    from infer.cpu_kernels import FusedLayer
+
+    hidden, intermediate, head_dim = 64, 128, 16
+    shapes = [(hidden + 2 * 32, hidden), (hidden, hidden), (2 * intermediate, hidden), (hidden, intermediate)]
+    plain = [randn(*shape, seed=30 + i, scale=0.1).to(torch.bfloat16) for i, shape in enumerate(shapes)]
+    weights = [cpu_kernels.pack_weights(weight) for weight in plain]
+    norms = (randn(hidden, seed=40).abs() + 0.5, randn(hidden, seed=41).abs() + 0.5)
+    args = (weights, [None] * 4, [None] * 4, norms, 1e-5, hidden, (hidden + 64) // head_dim, head_dim)
+    layers = [FusedLayer(kernels, *args), FusedLayer(kernels, *args, [cpu_kernels.pack_tiles(w) for w in plain])]
+    for tokens in (kernels.pass_rows, kernels.pass_rows + 5):
+        residual, attended = randn(tokens, hidden, seed=42), randn(tokens, hidden, seed=43)
+        outs = []
+        for layer in layers:
+            stream = residual.clone()
+            outs.append((layer.feed_forward(attended, stream), stream))
+        (gemv, gemv_stream), (tiled, tiled_stream) = outs
+        if tokens <= kernels.pass_rows:
+            assert torch.equal(gemv, tiled) and torch.equal(gemv_stream, tiled_stream)
+        else:
+            torch.testing.assert_close(tiled, gemv, atol=3e-2, rtol=3e-2)
+            torch.testing.assert_close(tiled_stream, gemv_stream, atol=3e-2, rtol=3e-2)
+            assert not torch.equal(tiled, gemv)  # the tiles did run
+    with pytest.raises(ValueError, match="packed by pack_tiles"):
+        FusedLayer(kernels, *args, [cpu_kernels.pack_tiles(plain[1])] * 4)
+
+
 def test_linear_refuses_int8_weights_without_their_scales(kernels):
     packed = cpu_kernels.pack_weights(torch.zeros(8, 64, dtype=torch.int8))
     x = torch.zeros(1, 64)
@@ -260,14 +326,23 @@ def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes
     rows = randn(gemv_rows + 1, 576, seed=14)
     before_bytes, expected = packed.nbytes, packed(rows)
     packed.use_cpu_kernels(kernels, gemv_rows)
-    assert packed.nbytes == before_bytes + 960 * 576 * bytes_per_weight  # the kernels' copy is counted
+    copies = 2 if packed.tile_weight is not None else 1  # bf16 on AMX: the GEMV's copy and the tiles'
+    assert packed.nbytes == before_bytes + copies * 960 * 576 * bytes_per_weight  # the kernels' copies count
     assert packed.kernel_weight.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode, torch.int8)
     calls = []
     original = kernels.linear
     kernels.linear = lambda *args: calls.append(1) or original(*args)
     try:
         few = packed(rows[1:gemv_rows + 1])
-        assert torch.equal(packed(rows), expected) and calls == [1]  # one row more: fbgemm, as before
+        large = packed(rows)  # one row more: fbgemm, as before
+        assert calls == [1]
+        if packed.tile_weight is not None:  # bf16 on AMX: the tiles, inputs rounded as oneDNN's, float32 out
+            weight = cpu_kernels.unpack_tiles(packed.tile_weight).double()
+            exact = rows.to(torch.bfloat16).double() @ weight.T + linear.bias.double()
+            torch.testing.assert_close(large.double(), exact, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(large, expected, atol=1e-2, rtol=1e-2)  # oneDNN's sums come out in bf16
+        else:
+            assert torch.equal(large, expected)
     finally:
         del kernels.linear
     # int8: the same weights on both paths (the scales make them exact in fp16), so only the sums' order differs;
@@ -330,8 +405,12 @@ SIMD_BUILDS = {"avx512": ({"avx512f"}, []), "avx2": ({"avx2", "fma", "f16c"}, ["
 
 @pytest.fixture(scope="module")
 def portable_kernels(tmp_path_factory):
-    built = cpu_kernels.load_built(cpu_kernels.build(tmp_path_factory.mktemp("portable"), ["-mno-avx"]))
-    assert built.simd == "portable"
+    from infer.host import cpu_flags
+
+    # -mno-avx leaves AMX on (gcc does not tie it to AVX): the reference is plain C throughout
+    flags = ["-mno-avx", "-mno-amx-tile"] if "amx_tile" in cpu_flags() else ["-mno-avx"]
+    built = cpu_kernels.load_built(cpu_kernels.build(tmp_path_factory.mktemp("portable"), flags))
+    assert built.simd == "portable" and not built.amx
     return built
 
 
@@ -358,6 +437,11 @@ def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path
             scales = cpu_kernels.pack_scales(randn(64, 576 // group, seed=4).abs() * 0.01 + 1e-3)
             packed = cpu_kernels.pack_weights(weight)
             close(built.linear(x, packed, scales, None), portable_kernels.linear(x, packed, scales, None))
+        tiles = cpu_kernels.pack_tiles(randn(96, 576, seed=2, scale=0.1).to(torch.bfloat16))
+        for rows_in in (x, x.to(torch.bfloat16)):  # AMX's tiles where the build has them, else the same plain C
+            outs = [kernels_.linear_tiles(rows_in, tiles, randn(96, seed=9)).float()
+                    for kernels_ in (built, portable_kernels)]
+            torch.testing.assert_close(*outs, atol=2e-5, rtol=2e-5 if rows_in.dtype == torch.float32 else 8e-3)
         close(built.rms_norm(x, randn(576, seed=5), 1e-5), portable_kernels.rms_norm(x, randn(576, seed=5), 1e-5))
         gate_up = randn(rows, 2 * 131, seed=6, scale=4.0)
         close(built.silu_mul(gate_up), portable_kernels.silu_mul(gate_up))

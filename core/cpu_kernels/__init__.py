@@ -18,8 +18,9 @@ Which step runs on which of them is decided in one place, ``infer.execution``.
 from infer.cpu_kernels.abi import CpuKernels, KernelAttentionPlan
 from infer.cpu_kernels.builder import KernelBuildError, build, compiler, load, load_built, source
 from infer.cpu_kernels.fused import FusedLayer, FusedStack, KernelAttentionStep
-from infer.cpu_kernels.packing import can_pack, pack_scales, pack_weights, packed_shape
+from infer.cpu_kernels.packing import (can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, packed_shape,
+                                       tiles_shape, unpack_tiles)
 
 __all__ = ["CpuKernels", "FusedLayer", "FusedStack", "KernelAttentionPlan", "KernelAttentionStep",
-           "KernelBuildError", "build", "can_pack", "compiler", "load", "load_built", "pack_scales", "pack_weights",
-           "packed_shape", "source"]
+           "KernelBuildError", "build", "can_pack", "can_pack_tiles", "compiler", "load", "load_built", "pack_scales",
+           "pack_tiles", "pack_weights", "packed_shape", "source", "tiles_shape", "unpack_tiles"]

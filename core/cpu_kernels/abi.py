@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.cpu_kernels.packing import packed_shape
+from infer.cpu_kernels.packing import packed_shape, tiles_shape
 
 if TYPE_CHECKING:
     from infer.attention import AttentionMetadata
@@ -40,6 +40,7 @@ _SIGNATURES = {
     "infer_layers_few": [_POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
                          _INT, _POINTER],
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
+    "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT],
 }
 
 
@@ -61,6 +62,7 @@ class LayerStruct(ctypes.Structure):
                                                                "rotated_heads", "head_dim", "qkv_groups", "o_groups",
                                                                "gate_up_groups", "down_groups", "qkv_kind",
                                                                "o_kind", "gate_up_kind", "down_kind")]
+    _fields_ += [(name, _POINTER) for name in ("qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")]
 
 
 class AttentionStepStruct(ctypes.Structure):
@@ -107,9 +109,14 @@ class CpuKernels:
             function.argtypes = argtypes
             function.restype = None
             setattr(self, "_" + name.removeprefix("infer_"), function)
-        simd_width = library.infer_simd_width
-        simd_width.argtypes, simd_width.restype = [], _INT
+        simd_width, pass_rows, amx = library.infer_simd_width, library.infer_pass_rows, library.infer_amx_available
+        for query in (simd_width, pass_rows, amx):
+            query.argtypes, query.restype = [], _INT
         self.simd = SIMD_NAMES[simd_width()]
+        # The GEMV streams the weights once per this many rows of x.
+        self.pass_rows = pass_rows()
+        # Whether the build multiplies bf16 on AMX tiles and the OS lets this process use them (``linear_tiles``).
+        self.amx = bool(amx())
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
@@ -130,6 +137,26 @@ class CpuKernels:
         else:
             self._linear_i8(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), scales.data_ptr(),
                             scales.shape[1], bias_pointer, out.data_ptr(), out_features)
+        return out
+
+    def linear_tiles(self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for rows ``x`` ``[rows, k]`` (float32 or bfloat16, contiguous; rounded to bf16)
+        and a bf16 weight packed by ``pack_tiles``, accumulated in float32, in ``x``'s dtype: AMX's tiles where
+        ``amx``, the same arithmetic in plain C elsewhere (slow: the reference). Any number of rows; from about a
+        dozen it beats oneDNN's bf16 GEMM on the model's shapes (README, CPU performance)."""
+        if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError(f"linear_tiles needs contiguous float32 or bfloat16 CPU rows, got {x.dtype} on {x.device}")
+        if tiles.dtype != torch.bfloat16 or tiles.dim() != 6 or not tiles.is_contiguous():
+            raise ValueError("linear_tiles needs a bf16 weight packed by pack_tiles")
+        out_features, in_features = tiles_shape(tiles)
+        if x.shape[1] != in_features or (bias is not None and (bias.dtype != torch.float32 or
+                                                              bias.shape != (out_features,))):
+            raise ValueError(f"linear_tiles: x {tuple(x.shape)} and bias do not fit weights [{out_features}, "
+                             f"{in_features}]")
+        out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+        bf16 = x.dtype == torch.bfloat16
+        self._linear_tiles(x.data_ptr(), bf16, x.shape[0], in_features, tiles.data_ptr(),
+                           None if bias is None else bias.data_ptr(), out.data_ptr(), bf16, out_features)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -12,7 +12,7 @@ import torch
 
 from infer.cpu_kernels.abi import (WEIGHT_KINDS, AttentionStepStruct, CpuKernels, KernelAttentionPlan, LayerStruct,
                                    check_block_tables, check_flat, check_packed, check_pool, check_slots)
-from infer.cpu_kernels.packing import packed_shape
+from infer.cpu_kernels.packing import packed_shape, tiles_shape
 
 if TYPE_CHECKING:
     from infer.attention import AttentionMetadata
@@ -25,19 +25,25 @@ class FusedLayer:
 
     def __init__(self, kernels: CpuKernels, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
                  biases: list[torch.Tensor | None], norms: tuple[torch.Tensor, torch.Tensor], eps: float,
-                 q_width: int, rotated_heads: int, head_dim: int):
+                 q_width: int, rotated_heads: int, head_dim: int, tiles: list[torch.Tensor | None] | None = None):
         """``weights``/``scales``/``biases``: packed by ``pack_weights`` (fp16, bf16, or int8 with scales packed by
         ``pack_scales``, else None), and float32 (or None) for the QKV, output, gate/up and down projections, in
-        that order; ``norms``: the input and post-attention RMSNorm weights."""
-        for weight, scale in zip(weights, scales):
+        that order; ``norms``: the input and post-attention RMSNorm weights; ``tiles``: bf16 weights may also come
+        packed by ``pack_tiles`` (or None), which steps of more rows than one GEMV pass (``pass_rows``) multiply
+        on AMX."""
+        tiles = tiles or [None] * 4
+        for weight, scale, tile in zip(weights, scales, tiles):
             check_packed(weight, scale)
-        self._keep = [*weights, *scales, *biases, *norms]
+            if tile is not None and (tile.dtype != torch.bfloat16 or tiles_shape(tile) != packed_shape(weight)):
+                raise ValueError("a projection's tiles must be its bf16 weight packed by pack_tiles")
+        self._keep = [*weights, *scales, *biases, *norms, *tiles]
         (qkv_width, _), (hidden, _), _, (_, intermediate) = (packed_shape(weight) for weight in weights)
         pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
         groups = [0 if scale is None else scale.shape[1] for scale in scales]
         kinds = [WEIGHT_KINDS[weight.dtype] for weight in weights]
         self.struct = LayerStruct(*(pointer(tensor) for tensor in (*weights, *scales, *biases, *norms)), eps,
-                                   hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim, *groups, *kinds)
+                                   hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim, *groups, *kinds,
+                                   *(pointer(tile) for tile in tiles))
         self.hidden = hidden
         self.qkv_width = qkv_width
         self._attention_input = kernels._layer_attention_input

@@ -39,3 +39,35 @@ def pack_scales(scales: torch.Tensor) -> torch.Tensor:
 def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
     """``(out_features, in_features)`` of a weight packed by ``pack_weights``."""
     return packed.shape[0] * 4, packed.shape[1] * 8
+
+
+TILE = 32  # AMX's layout takes output columns and input columns in blocks of 32
+
+
+def can_pack_tiles(out_features: int, in_features: int) -> bool:
+    """Whether ``pack_tiles`` lays out this shape."""
+    return out_features % TILE == 0 and in_features % TILE == 0
+
+
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight ``[n, k]`` in ``infer_linear_tiles``' layout for AMX's bf16 dot products: per block of 32
+    output columns and per 32 input columns, two 16 x 16 B tiles (16 output columns each), row ``p`` holding the
+    pairs ``(w[c, 2p], w[c, 2p + 1])`` of the tile's 16 columns ``c``: ``[n / 32, k / 32, 2, 16, 16, 2]``, each block
+    one sequential stream. Needs ``n % 32 == 0`` and ``k % 32 == 0`` (``can_pack_tiles``)."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.bfloat16 or not can_pack_tiles(out_features, in_features):
+        raise ValueError(f"pack_tiles takes bf16 weights [n, k] with n % {TILE} == 0 and k % {TILE} == 0, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    view = weight.detach().reshape(out_features // TILE, 2, 16, in_features // TILE, 16, 2)
+    return view.permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
+def unpack_tiles(tiles: torch.Tensor) -> torch.Tensor:
+    """The plain ``[n, k]`` weight that ``pack_tiles`` laid out."""
+    out_features, in_features = tiles_shape(tiles)
+    return tiles.permute(0, 2, 4, 1, 3, 5).reshape(out_features, in_features)
+
+
+def tiles_shape(tiles: torch.Tensor) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a weight packed by ``pack_tiles``."""
+    return tiles.shape[0] * TILE, tiles.shape[1] * TILE

@@ -440,6 +440,162 @@ void infer_linear_i8(const float *x, int64_t rows, int64_t k, const int8_t *w, c
     linear_packed(x, rows, k, w, scales, groups, bias, y, n_out, KIND_I8);
 }
 
+/* ---- bf16 GEMM on AMX tiles ---------------------------------------------------------------------------------- */
+
+/* y [rows, n_out] = x [rows, k] . w^T (+ bias) with bf16 weights laid out by `infer.cpu_kernels.pack_tiles` for
+ * AMX's TDPBF16PS: per block of 32 output columns and per 32 columns of k, two 1 KB B tiles (16 output columns
+ * each), row p holding the pairs (w[n][2p], w[n][2p + 1]) of the tile's 16 n: [n_out / 32][k / 32][2][16][16][2]
+ * (n_out % 32 == 0, k % 32 == 0). x (float32, or bf16 when `x_bf16`) is rounded to bf16 into a buffer padded to
+ * 32 rows; products accumulate in float32; y is float32, or bf16 (rounded once) when `y_bf16`. Each thread takes
+ * blocks of 32 output columns and runs every 32-row block of x over it: a block's weights (32 k bf16s per column)
+ * come from memory once and stay in L2 for the next rows, 2 x 2 tiles of results per pass. Rows of x go in chunks
+ * of TILE_CHUNK_ROWS, which stay in L2 while every block of weights passes over them (a 2048-row prefill over all
+ * rows at once read x from L3: 1016 vs 596 ms for four 512-token prompts). Where the build has no AMX the same
+ * arithmetic runs in plain C (the reference the tests hold the tiles to). */
+#define TILE_CHUNK_ROWS 256
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+#endif
+
+/* 1 when this build multiplies on AMX tiles and Linux lets the process use them (asked for once). */
+int64_t infer_amx_available(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+#else
+    return 0;
+#endif
+}
+
+/* Stores a 16 x 16 float tile of results (`stride` floats apart) at rows m, columns n of y: the rows below
+ * `rows`, plus bias, as float32 or bf16. */
+static void store_tile(const float *tile, int64_t stride, int64_t m, int64_t rows, int64_t n, const float *bias,
+                       void *y, int64_t n_out, int y_bf16) {
+#ifdef __AVX512F__
+    const __m512 add = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < 16 && m + r < rows; r++) {
+        const __m512 out = _mm512_add_ps(_mm512_loadu_ps(tile + r * stride), add);
+        if (y_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + (m + r) * n_out + n), bf16x16_from(out));
+        else
+            _mm512_storeu_ps((float *)y + (m + r) * n_out + n, out);
+    }
+    return;
+#endif
+    for (int64_t r = 0; r < 16 && m + r < rows; r++) {
+        float out[16];
+        for (int c = 0; c < 16; c++) out[c] = tile[r * stride + c] + (bias ? bias[n + c] : 0.0f);
+        if (y_bf16)
+            floats_to_bf16(out, (uint16_t *)y + (m + r) * n_out + n, 16);
+        else
+            memcpy((float *)y + (m + r) * n_out + n, out, sizeof out);
+    }
+}
+
+void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, const uint16_t *w,
+                        const float *bias, void *y, int64_t y_bf16, int64_t n_out) {
+    const int64_t padded = (rows + 31) / 32 * 32, k_tiles = k / 32, blocks = n_out / 32;
+    uint16_t *xb = malloc(sizeof(uint16_t) * padded * k);
+    memset(xb + rows * k, 0, sizeof(uint16_t) * (padded - rows) * k);
+#pragma omp parallel for schedule(static) if (rows * k >= 65536)
+    for (int64_t m = 0; m < rows; m++) {
+        if (x_bf16)
+            memcpy(xb + m * k, (const uint16_t *)x + m * k, sizeof(uint16_t) * k);
+        else
+            floats_to_bf16((const float *)x + m * k, xb + m * k, k);
+    }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#pragma omp parallel
+    {
+        tile_config config = {0};
+        config.palette = 1;
+        for (int t = 0; t < 8; t++) {
+            config.rows[t] = 16;
+            config.colsb[t] = 64;
+        }
+        _tile_loadconfig(&config);
+        float results[4][16][16];
+        for (int64_t chunk = 0; chunk < padded; chunk += TILE_CHUNK_ROWS) {
+            const int64_t chunk_end = chunk + TILE_CHUNK_ROWS < padded ? chunk + TILE_CHUNK_ROWS : padded;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint16_t *wb = w + b * k_tiles * 1024;
+            const int64_t n = b * 32;
+            for (int64_t m = chunk; m < chunk_end; m += 32) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                const uint16_t *x0 = xb + m * k, *x1 = x0 + 16 * k;
+                for (int64_t t = 0; t < k_tiles; t++) {
+                    _tile_loadd(4, x0 + t * 32, k * 2);
+                    _tile_loadd(5, x1 + t * 32, k * 2);
+                    _tile_loadd(6, wb + t * 1024, 64);
+                    _tile_loadd(7, wb + t * 1024 + 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                const int direct = !bias && !y_bf16;
+                if (direct && m + 32 <= rows) {  /* whole tiles straight into y */
+                    float *out = (float *)y + m * n_out + n;
+                    _tile_stored(0, out, n_out * 4);
+                    _tile_stored(1, out + 16, n_out * 4);
+                    _tile_stored(2, out + 16 * n_out, n_out * 4);
+                    _tile_stored(3, out + 16 * n_out + 16, n_out * 4);
+                    continue;
+                }
+                _tile_stored(0, results[0], 64);
+                _tile_stored(1, results[1], 64);
+                _tile_stored(2, results[2], 64);
+                _tile_stored(3, results[3], 64);
+                for (int q = 0; q < 4; q++)
+                    store_tile(&results[q][0][0], 16, m + (q / 2) * 16, rows, n + (q % 2) * 16, bias, y, n_out,
+                               y_bf16);
+            }
+        }
+        }
+        _tile_release();
+    }
+#else
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t m = 0; m < rows; m += 16) {
+            for (int half = 0; half < 2; half++) {
+                float tile[16][16] = {{0}};
+                const uint16_t *wt = w + b * k_tiles * 1024 + half * 512;
+                for (int64_t t = 0; t < k_tiles; t++)
+                    for (int r = 0; r < 16 && m + r < rows; r++)
+                        for (int p = 0; p < 16; p++) {
+                            const float x0 = bf16_to_float(xb[(m + r) * k + t * 32 + 2 * p]);
+                            const float x1 = bf16_to_float(xb[(m + r) * k + t * 32 + 2 * p + 1]);
+                            for (int c = 0; c < 16; c++) {
+                                const uint16_t *pair = wt + t * 1024 + p * 32 + c * 2;
+                                tile[r][c] += x0 * bf16_to_float(pair[0]) + x1 * bf16_to_float(pair[1]);
+                            }
+                        }
+                store_tile(&tile[0][0], 16, m, rows, b * 32 + half * 16, bias, y, n_out, y_bf16);
+            }
+        }
+    }
+#endif
+    free(xb);
+}
+
+/* The most rows of x one pass of the GEMV takes (PASS_ROWS): beyond them it streams the weights again. */
+int64_t infer_pass_rows(void) { return PASS_ROWS; }
+
 /* The SIMD the kernels were built with: 512 (AVX-512), 256 (AVX2 with F16C and FMA) or 0 (portable C). */
 int64_t infer_simd_width(void) {
 #if defined(__AVX512F__)
@@ -452,9 +608,11 @@ int64_t infer_simd_width(void) {
 }
 
 /* A projection of a layer, its weights stored as `kind`. */
-static void layer_linear(const void *w, int64_t kind, const float *scales, int64_t groups, const float *x,
-                         int64_t rows, int64_t k, const float *bias, float *y, int64_t n_out) {
-    if (kind == KIND_I8)
+static void layer_linear(const void *w, int64_t kind, const float *scales, int64_t groups, const uint16_t *tiles,
+                         const float *x, int64_t rows, int64_t k, const float *bias, float *y, int64_t n_out) {
+    if (tiles && rows > PASS_ROWS)
+        infer_linear_tiles(x, 0, rows, k, tiles, bias, y, 0, n_out);
+    else if (kind == KIND_I8)
         infer_linear_i8(x, rows, k, w, scales, groups, bias, y, n_out);
     else if (kind == KIND_BF16)
         infer_linear_bf16(x, rows, k, w, bias, y, n_out);
@@ -816,6 +974,9 @@ typedef struct {
     int64_t hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim;
     int64_t qkv_groups, o_groups, gate_up_groups, down_groups;  /* int8: scales per row */
     int64_t qkv_kind, o_kind, gate_up_kind, down_kind;  /* KIND_F16, KIND_I8 or KIND_BF16 */
+    /* bf16 only, optional (NULL: none): the same weights laid out by pack_tiles for AMX, which takes steps of more
+     * rows than one pass of the GEMV */
+    const uint16_t *qkv_tiles, *o_tiles, *gate_up_tiles, *down_tiles;
 } infer_layer;
 
 /* The layer's first half up to attention for `tokens` tokens: residual += delta (none for the first layer),
@@ -825,8 +986,8 @@ void infer_layer_attention_input(const infer_layer *layer, int64_t tokens, float
                                  float *qkv) {
     float *normed = malloc(sizeof(float) * tokens * layer->hidden);
     infer_add_rms_norm(residual, delta, normed, layer->input_norm, tokens, layer->hidden, layer->eps);
-    layer_linear(layer->qkv, layer->qkv_kind, layer->qkv_scales, layer->qkv_groups, normed, tokens, layer->hidden,
-                 layer->qkv_bias, qkv, layer->qkv_width);
+    layer_linear(layer->qkv, layer->qkv_kind, layer->qkv_scales, layer->qkv_groups, layer->qkv_tiles, normed,
+                 tokens, layer->hidden, layer->qkv_bias, qkv, layer->qkv_width);
     infer_rope(qkv, positions, cos_table, sin_table, tokens, layer->qkv_width, layer->rotated_heads,
                layer->head_dim);
     free(normed);
@@ -841,14 +1002,14 @@ void infer_layer_feed_forward(const infer_layer *layer, int64_t tokens, const fl
     float *projected = malloc(sizeof(float) * tokens * hidden), *normed = malloc(sizeof(float) * tokens * hidden);
     float *gate_up = malloc(sizeof(float) * tokens * 2 * intermediate);
     float *activated = malloc(sizeof(float) * tokens * intermediate);
-    layer_linear(layer->o, layer->o_kind, layer->o_scales, layer->o_groups, attended, tokens, layer->q_width,
-                 layer->o_bias, projected, hidden);
+    layer_linear(layer->o, layer->o_kind, layer->o_scales, layer->o_groups, layer->o_tiles, attended, tokens,
+                 layer->q_width, layer->o_bias, projected, hidden);
     infer_add_rms_norm(residual, projected, normed, layer->post_norm, tokens, hidden, layer->eps);
-    layer_linear(layer->gate_up, layer->gate_up_kind, layer->gate_up_scales, layer->gate_up_groups, normed, tokens,
-                 hidden, layer->gate_up_bias, gate_up, 2 * intermediate);
+    layer_linear(layer->gate_up, layer->gate_up_kind, layer->gate_up_scales, layer->gate_up_groups,
+                 layer->gate_up_tiles, normed, tokens, hidden, layer->gate_up_bias, gate_up, 2 * intermediate);
     infer_silu_mul(gate_up, activated, tokens, intermediate);
-    layer_linear(layer->down, layer->down_kind, layer->down_scales, layer->down_groups, activated, tokens,
-                 intermediate, layer->down_bias, delta, hidden);
+    layer_linear(layer->down, layer->down_kind, layer->down_scales, layer->down_groups, layer->down_tiles,
+                 activated, tokens, intermediate, layer->down_bias, delta, hidden);
     free(activated);
     free(gate_up);
     free(normed);

@@ -122,7 +122,8 @@ class DecoderLayer(nn.Module):
         norms = (self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach())
         self.fused = FusedLayer(kernels, weights, [projection.kernel_scales for projection in projections],
                                 [projection.bias for projection in projections], norms, self.input_layernorm.eps,
-                                attn.q_size, attn.num_heads + attn.num_kv_heads, attn.head_dim)
+                                attn.q_size, attn.num_heads + attn.num_kv_heads, attn.head_dim,
+                                [projection.tile_weight for projection in projections])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -200,7 +201,8 @@ class LlamaForCausalLM(nn.Module):
         copies of them and their addresses. The execution layer calls it (``infer.execution.Executor``)."""
         for layer in self.layers:
             layer.use_cpu_kernels(kernels, gemv_rows)
-        if getattr(self.lm_head, "scales", None) is not None:  # int8 modes (fp16: fbgemm as fast on the head)
+        # int8 modes, and bf16 (its tiles beat oneDNN from a dozen rows); fp16: fbgemm as fast on the head
+        if getattr(self.lm_head, "scales", None) is not None or getattr(self.lm_head, "mode", None) == "bf16":
             self.lm_head.use_cpu_kernels(kernels, gemv_rows)
 
     def compile_dense_parts(self) -> None:
