@@ -8,8 +8,9 @@ fbgemm, which ships inside torch's x86 builds, multiplies float32 activations by
 - ``bf16``: bfloat16 weights (a bf16 model's own). Steps of a few tokens read them through infer's CPU kernels
   with float32 activations and sums; larger steps multiply on AMX through infer's tile kernel (up to
   ``TILE_MAX_ROWS`` rows) or run oneDNN's bf16 GEMM over the same weights (AMX or AVX512-BF16; prepacked once),
-  activations rounded to bf16 and float32 accumulation, the precision of a bf16 model. What ``auto`` picks on a CPU with native bf16: on the Intel AMX machine the GEMM at
-  64 rows measured 5-6x fbgemm's fp16 and 12x at 512 (README, "CPU performance").
+  activations rounded to bf16 and float32 accumulation, the precision of a bf16 model. What ``auto`` picks on
+  a CPU with native bf16: on the Intel AMX machine the GEMM at 64 rows measured 5-6x fbgemm's fp16 and 12x at 512
+  (README, "CPU performance").
 - ``int8``: weight-only int8, one scale per 32 consecutive weights of a row (``int8_weights``), activations stay
   float32. Steps of a few tokens read the int8 weights through infer's CPU kernels (``infer.cpu_kernels``: 9/16 of
   fp16's bytes with the scales, and bytes are the decode step's bound); larger steps run fbgemm's fp16 GEMM over
@@ -156,7 +157,7 @@ class PackedLinear(nn.Module):
         # their scales in pack_scales' layout.
         self.kernel_weight: torch.Tensor | None = None
         self.kernel_scales: torch.Tensor | None = None
-        # bf16 on kernels with AMX: the weights in pack_tiles' layout for every larger input, in place of oneDNN's.
+        # bf16 on kernels with AMX: the weights in pack_tiles' layout for inputs of 9 to TILE_MAX_ROWS rows.
         self.tile_weight: torch.Tensor | None = None
 
     def use_cpu_kernels(self, kernels, gemv_rows: int = 0) -> None:

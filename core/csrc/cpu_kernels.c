@@ -490,8 +490,7 @@ static void store_tile(const float *tile, int64_t stride, int64_t m, int64_t row
         else
             _mm512_storeu_ps((float *)y + (m + r) * n_out + n, out);
     }
-    return;
-#endif
+#else
     for (int64_t r = 0; r < 16 && m + r < rows; r++) {
         float out[16];
         for (int c = 0; c < 16; c++) out[c] = tile[r * stride + c] + (bias ? bias[n + c] : 0.0f);
@@ -500,6 +499,7 @@ static void store_tile(const float *tile, int64_t stride, int64_t m, int64_t row
         else
             memcpy((float *)y + (m + r) * n_out + n, out, sizeof out);
     }
+#endif
 }
 
 void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, const uint16_t *w,
@@ -528,43 +528,43 @@ void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, 
         for (int64_t chunk = 0; chunk < padded; chunk += TILE_CHUNK_ROWS) {
             const int64_t chunk_end = chunk + TILE_CHUNK_ROWS < padded ? chunk + TILE_CHUNK_ROWS : padded;
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint16_t *wb = w + b * k_tiles * 1024;
-            const int64_t n = b * 32;
-            for (int64_t m = chunk; m < chunk_end; m += 32) {
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                const uint16_t *x0 = xb + m * k, *x1 = x0 + 16 * k;
-                for (int64_t t = 0; t < k_tiles; t++) {
-                    _tile_loadd(4, x0 + t * 32, k * 2);
-                    _tile_loadd(5, x1 + t * 32, k * 2);
-                    _tile_loadd(6, wb + t * 1024, 64);
-                    _tile_loadd(7, wb + t * 1024 + 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
+            for (int64_t b = 0; b < blocks; b++) {
+                const uint16_t *wb = w + b * k_tiles * 1024;
+                const int64_t n = b * 32;
+                for (int64_t m = chunk; m < chunk_end; m += 32) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    const uint16_t *x0 = xb + m * k, *x1 = x0 + 16 * k;
+                    for (int64_t t = 0; t < k_tiles; t++) {
+                        _tile_loadd(4, x0 + t * 32, k * 2);
+                        _tile_loadd(5, x1 + t * 32, k * 2);
+                        _tile_loadd(6, wb + t * 1024, 64);
+                        _tile_loadd(7, wb + t * 1024 + 512, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                    const int direct = !bias && !y_bf16;
+                    if (direct && m + 32 <= rows) {  /* whole tiles straight into y */
+                        float *out = (float *)y + m * n_out + n;
+                        _tile_stored(0, out, n_out * 4);
+                        _tile_stored(1, out + 16, n_out * 4);
+                        _tile_stored(2, out + 16 * n_out, n_out * 4);
+                        _tile_stored(3, out + 16 * n_out + 16, n_out * 4);
+                        continue;
+                    }
+                    _tile_stored(0, results[0], 64);
+                    _tile_stored(1, results[1], 64);
+                    _tile_stored(2, results[2], 64);
+                    _tile_stored(3, results[3], 64);
+                    for (int q = 0; q < 4; q++)
+                        store_tile(&results[q][0][0], 16, m + (q / 2) * 16, rows, n + (q % 2) * 16, bias, y, n_out,
+                                   y_bf16);
                 }
-                const int direct = !bias && !y_bf16;
-                if (direct && m + 32 <= rows) {  /* whole tiles straight into y */
-                    float *out = (float *)y + m * n_out + n;
-                    _tile_stored(0, out, n_out * 4);
-                    _tile_stored(1, out + 16, n_out * 4);
-                    _tile_stored(2, out + 16 * n_out, n_out * 4);
-                    _tile_stored(3, out + 16 * n_out + 16, n_out * 4);
-                    continue;
-                }
-                _tile_stored(0, results[0], 64);
-                _tile_stored(1, results[1], 64);
-                _tile_stored(2, results[2], 64);
-                _tile_stored(3, results[3], 64);
-                for (int q = 0; q < 4; q++)
-                    store_tile(&results[q][0][0], 16, m + (q / 2) * 16, rows, n + (q % 2) * 16, bias, y, n_out,
-                               y_bf16);
             }
-        }
         }
         _tile_release();
     }
