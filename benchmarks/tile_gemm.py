@@ -1,0 +1,59 @@
+"""infer's AMX tile GEMM (``CpuKernels.linear_tiles``) against oneDNN's prepacked bf16 GEMM on the default model's
+projection shapes, hot weights, ms per call (best of three runs of ``--repeats`` calls): float32 rows in and out (how
+the fused stack and the output head call it) and bf16 in and out (large steps' rows between the GEMMs). The
+README's "session 12" section quotes it; ``TILE_MAX_ROWS`` in ``infer.quantization`` follows from where oneDNN
+wins.
+
+    OMP_NUM_THREADS=2 python benchmarks/tile_gemm.py
+    python benchmarks/tile_gemm.py --rows 17 64 --repeats 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from infer import cpu_kernels
+from infer.quantization import bf16_gemm_available, bf16_gemm_weight, bf16_linear
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def best_ms(call, repeats: int) -> float:
+    call()
+    runs = []
+    for _ in range(3):
+        began = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        runs.append((time.perf_counter() - began) / repeats * 1e3)
+    return min(runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[17, 64, 256, 512, 2048])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    kernels = cpu_kernels.load(True)
+    if not kernels.amx or not bf16_gemm_available():
+        raise SystemExit("needs AMX (amx_bf16) and oneDNN's bf16 GEMM: this CPU or build has neither")
+    print("| rows | io | " + " | ".join(f"{name} tiles / oneDNN" for name in SHAPES) + " |")
+    print("|---" * (len(SHAPES) + 2) + "|")
+    for rows in args.rows:
+        for dtype in (torch.float32, torch.bfloat16):
+            cells = []
+            for name, (n, k) in SHAPES.items():
+                weight = torch.randn(n, k).to(torch.bfloat16)
+                tiles, packed = cpu_kernels.pack_tiles(weight), bf16_gemm_weight(weight.float())
+                x = torch.randn(rows, k).to(dtype)
+                tiled = best_ms(lambda: kernels.linear_tiles(x, tiles, None), args.repeats)
+                onednn = best_ms(lambda: bf16_linear(x, packed), args.repeats)
+                cells.append(f"{tiled:.3f} / {onednn:.3f}")
+            print(f"| {rows} | {str(dtype).removeprefix('torch.')} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
