@@ -1,8 +1,8 @@
-"""infer's AMX tile GEMM (``CpuKernels.linear_tiles``) against oneDNN's prepacked bf16 GEMM on the default model's
-projection shapes, hot weights, ms per call (best of three runs of ``--repeats`` calls): float32 rows in and out (how
-the fused stack and the output head call it) and bf16 in and out (large steps' rows between the GEMMs). The
-README's "session 12" section quotes it; ``TILE_MAX_ROWS`` in ``infer.quantization`` follows from where oneDNN
-wins.
+"""infer's bf16 tile GEMM (``CpuKernels.linear_tiles``: AMX's tiles or AVX512-BF16's dot products) against
+oneDNN's prepacked bf16 GEMM on the default model's projection shapes, hot weights, ms per call (best of three runs
+of ``--repeats`` calls): float32 rows in and out (how the fused stack and the output head call it) and bf16 in and
+out (large steps' rows between the GEMMs). The README's session 12 (AMX) and session 13 (AVX512-BF16) sections
+quote it; ``TILE_MAX_ROWS`` in ``infer.quantization`` follows from where oneDNN wins.
 
     OMP_NUM_THREADS=2 python benchmarks/tile_gemm.py
     python benchmarks/tile_gemm.py --rows 17 64 --repeats 50
@@ -38,8 +38,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     kernels = cpu_kernels.load(True)
-    if not kernels.amx or not bf16_gemm_available():
-        raise SystemExit("needs AMX (amx_bf16) and oneDNN's bf16 GEMM: this CPU or build has neither")
+    if not kernels.tiles or not bf16_gemm_available():
+        raise SystemExit("needs AMX or AVX512-BF16 and oneDNN's bf16 GEMM: this CPU or build has neither")
+    print(f"infer's kernel: {kernels.tiles}")
     print("| rows | io | " + " | ".join(f"{name} tiles / oneDNN" for name in SHAPES) + " |")
     print("|---" * (len(SHAPES) + 2) + "|")
     for rows in args.rows:

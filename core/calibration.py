@@ -11,8 +11,8 @@ fastest kept (other processes on a shared machine can only make a pass slower, a
 both). The threshold is the largest step size up to which the fused path was never slower.
 
 The result is cached per signature (the CPU's name and the vector flags that matter, torch's threads and version,
-the model's shapes, weight packing and dtype) under the cache dir, ``calibration/<signature>.json``; a config with
-``execution.recalibrate: true`` measures again. ``infer run`` prints what was chosen.
+the model's shapes, weight packing and dtype, the kernels' build) under the cache dir,
+``calibration/<signature>.json``; a config with ``execution.recalibrate: true`` measures again. ``infer run`` prints what was chosen.
 """
 
 from __future__ import annotations
@@ -74,12 +74,14 @@ def cpu_description() -> tuple[str, tuple[str, ...]]:
     return name, tuple(flag for flag in VECTOR_FLAGS if flag in flags)
 
 
-def signature(model, quantization: str, dtype: torch.dtype) -> tuple[str, str]:
-    """(the CPU's name, a short hash of everything the threshold depends on)."""
+def signature(model, quantization: str, dtype: torch.dtype, kernels: str = "") -> tuple[str, str]:
+    """(the CPU's name, a short hash of everything the threshold depends on). ``kernels`` names the kernels' build
+    (its file, named by the source's and flags' hash): new kernels measure again."""
     name, flags = cpu_description()
     shapes = (model.num_layers, model.config.hidden_size, model.config.intermediate_size, model.num_heads,
               model.num_kv_heads, model.head_dim, model.vocab_size)
-    key = json.dumps([name, flags, torch.get_num_threads(), torch.__version__, shapes, quantization, str(dtype)])
+    key = json.dumps([name, flags, torch.get_num_threads(), torch.__version__, shapes, quantization, str(dtype),
+                      kernels])
     return name, hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -126,7 +128,8 @@ def save(calibration: Calibration) -> None:
 def calibrate(model, attention, executor, quantization: str, device: torch.device, dtype: torch.dtype,
               recalibrate: bool = False) -> Calibration:
     """The cached calibration for this machine and model, or a new measurement (``recalibrate``: always)."""
-    cpu, digest = signature(model, quantization, dtype)
+    build = executor.kernels.path.name if executor.kernels is not None else ""
+    cpu, digest = signature(model, quantization, dtype, build)
     if not recalibrate:
         cached = load_cached(digest)
         if cached is not None:

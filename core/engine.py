@@ -257,7 +257,7 @@ class Engine:
     def describe_execution(self) -> str:
         """One line for ``infer run``: the dtypes, the attention backend, the kernels and the execution paths in use."""
         cpu = self.executor.kernels
-        tiles = ", AMX tiles" if cpu is not None and cpu.amx and self.quantization == "bf16" else ""
+        tiles = f", {cpu.tiles}" if cpu is not None and cpu.tiles and self.quantization == "bf16" else ""
         kernels = f"infer's CPU kernels ({cpu.simd}{tiles})" if cpu is not None else "torch's ops"
         weights = "" if self.quantization == "none" else f", {self.quantization} weights"
         name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731

@@ -157,7 +157,8 @@ class PackedLinear(nn.Module):
         # their scales in pack_scales' layout.
         self.kernel_weight: torch.Tensor | None = None
         self.kernel_scales: torch.Tensor | None = None
-        # bf16 on kernels with AMX: the weights in pack_tiles' layout for inputs of 9 to TILE_MAX_ROWS rows.
+        # bf16 on kernels with AMX or AVX512-BF16: the weights in pack_tiles' layout, for inputs of 9 to TILE_MAX_ROWS
+        # rows.
         self.tile_weight: torch.Tensor | None = None
 
     def use_cpu_kernels(self, kernels, gemv_rows: int = 0) -> None:
@@ -165,10 +166,10 @@ class PackedLinear(nn.Module):
         ``fused_max_tokens``) with ``kernels.linear`` (``fp16`` and the int8 modes, shapes ``pack_weights`` takes),
         over a copy of the weights in its layout beside fbgemm's packed one: fp16, or the int8 weights and their
         scales. The streaming GEMV has no fixed per-call cost, where fbgemm pays 20-45 us at one row (README, CPU
-        performance). Costs the copy's bytes (counted in ``nbytes``). bf16 on kernels with AMX (``kernels.amx``):
-        inputs of more rows than one GEMV pass (``kernels.pass_rows``), up to ``TILE_MAX_ROWS``, take
-        ``kernels.linear_tiles`` over a third copy in ``pack_tiles``' layout (README, CPU performance). ``kernels``
-        None undoes it."""
+        performance). Costs the copy's bytes (counted in ``nbytes``). bf16 on kernels with AMX or AVX512-BF16
+        (``kernels.tiles``): inputs of more rows than one GEMV pass (``kernels.pass_rows``), up to ``TILE_MAX_ROWS``,
+        take ``kernels.linear_tiles`` over a third copy in ``pack_tiles``' layout (README, CPU performance).
+        ``kernels`` None undoes it."""
         self.gemv_rows = gemv_rows if kernels is not None else 0
         if self.mode not in _KERNEL_MODES or (kernels is None) == (self.kernels is None):
             return
@@ -183,7 +184,7 @@ class PackedLinear(nn.Module):
         if self.mode == "bf16":
             plain = self.packed.to_dense() if self.packed.is_mkldnn else self.packed
             self.kernel_weight = pack_weights(plain)
-            if kernels.amx and can_pack_tiles(self.out_features, self.in_features):
+            if kernels.tiles and can_pack_tiles(self.out_features, self.in_features):
                 self.tile_weight = pack_tiles(plain)
                 self.nbytes += self.tile_weight.numel() * 2
         else:

@@ -249,8 +249,9 @@ def test_pack_tiles_lays_out_amx_b_tiles_and_refuses_other_shapes():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 9, 16, 17, 33, 70, 300])  # partial and whole 16/32-row tiles, two 256-row chunks
 def test_linear_tiles_is_the_bf16_rounded_product_in_float32(kernels, rows, bias):
-    """AMX's tiles (plain C where the build has none) against float64 over the same bf16 weights and the rows
-    rounded to bf16: only the sums' order differs; bf16 rows in give bf16 rows out, rounded once."""
+    """AMX's tiles or AVX512-BF16's dot products (plain C where the build has neither) against float64 over the same
+    bf16 weights and the rows rounded to bf16: only the sums' order differs; bf16 rows in give bf16 rows out,
+    rounded once."""
     weight = randn(96, 576, seed=21, scale=0.1).to(torch.bfloat16)
     bias_values = randn(96, seed=22) if bias else None
     x = randn(rows, 576, seed=23)
@@ -267,6 +268,20 @@ def test_linear_tiles_is_the_bf16_rounded_product_in_float32(kernels, rows, bias
         kernels.linear_tiles(x[:, :64].contiguous(), tiles, None)
     with pytest.raises(ValueError, match="packed by pack_tiles"):
         kernels.linear_tiles(x, weight, None)
+
+
+def test_the_tile_gemm_is_the_fastest_this_cpu_has(kernels):
+    """-march=native builds the AMX kernel where the CPU has AMX (used when Linux allows it), else the AVX512-BF16
+    one where it has that; only a CPU with neither multiplies ``linear_tiles`` in plain C."""
+    from infer.host import cpu_flags
+
+    flags = cpu_flags()
+    if {"amx_tile", "amx_bf16"} <= flags:
+        assert kernels.tiles in ("AMX tiles", "AVX512-BF16")
+    elif {"avx512f", "avx512_bf16"} <= flags:
+        assert kernels.tiles == "AVX512-BF16" and not kernels.amx
+    else:
+        assert kernels.tiles is None and not kernels.amx
 
 
 def test_fused_layer_multiplies_large_steps_on_the_tiles(kernels):
@@ -399,8 +414,10 @@ def test_apply_bitmask_matches_torchs_and_touches_only_the_named_rows(kernels, v
 
 
 # The instruction sets the C source has code for, the flags a build of each needs, and the extra compiler flags that
-# build it on a CPU with more (the portable build turns AVX off, and with it AVX2, FMA, F16C and AVX-512).
-SIMD_BUILDS = {"avx512": ({"avx512f"}, []), "avx2": ({"avx2", "fma", "f16c"}, ["-mno-avx512f"])}
+# build it on a CPU with more (the portable build turns AVX off, and with it AVX2, FMA, F16C and AVX-512;
+# "avx512_bf16" is the AVX-512 build whose tile GEMM takes AVX512-BF16's dot products even on a CPU with AMX).
+SIMD_BUILDS = {"avx512": ({"avx512f"}, []), "avx512_bf16": ({"avx512f", "avx512_bf16"}, ["-mno-amx-tile"]),
+               "avx2": ({"avx2", "fma", "f16c"}, ["-mno-avx512f"])}
 
 
 @pytest.fixture(scope="module")
@@ -424,8 +441,12 @@ def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path
     missing = needed - cpu_flags()
     if missing:
         pytest.skip(f"this CPU lacks {', '.join(sorted(missing))} for the {simd} kernels")
+    if "-mno-amx-tile" in flags and "amx_tile" not in cpu_flags():
+        flags = []  # a compiler may not know the flag; -march=native leaves AMX off on this CPU anyway
     built = cpu_kernels.load_built(cpu_kernels.build(tmp_path, flags))
-    assert built.simd == simd
+    assert built.simd == simd.removesuffix("_bf16")
+    if simd == "avx512_bf16":
+        assert built.tiles == "AVX512-BF16"
     close = lambda a, b: torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)  # noqa: E731  sums' order only
     for rows in (1, 3, 8, 11):
         x = randn(rows, 576, seed=rows)
@@ -438,7 +459,7 @@ def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path
             packed = cpu_kernels.pack_weights(weight)
             close(built.linear(x, packed, scales, None), portable_kernels.linear(x, packed, scales, None))
         tiles = cpu_kernels.pack_tiles(randn(96, 576, seed=2, scale=0.1).to(torch.bfloat16))
-        for rows_in in (x, x.to(torch.bfloat16)):  # AMX's tiles where the build has them, else the same plain C
+        for rows_in in (x, x.to(torch.bfloat16)):  # AMX's tiles or AVX512-BF16 where the build has them, else plain C
             outs = [kernels_.linear_tiles(rows_in, tiles, randn(96, seed=9)).float()
                     for kernels_ in (built, portable_kernels)]
             torch.testing.assert_close(*outs, atol=2e-5, rtol=2e-5 if rows_in.dtype == torch.float32 else 8e-3)

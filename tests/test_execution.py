@@ -215,8 +215,8 @@ def _decode_at(llm: LLM, batch: int) -> dict[str, int]:
 @needs_fbgemm
 def test_auto_takes_the_fused_path_exactly_up_to_the_calibrated_step_size(tiny_model_dir, tmp_path, monkeypatch):
     """A fake calibration (the fused path wins at 1 and 2 tokens, loses from 4): decode steps of 2 sequences take
-    fused-stack, steps of 3 the GEMM; the result is cached per CPU signature and read back, and recalibrate
-    measures again."""
+    fused-stack, steps of 3 the GEMM; the result is cached per CPU signature and kernel build and read back, and
+    recalibrate measures again."""
     from infer import calibration
 
     monkeypatch.setattr(calibration, "calibration_path", lambda digest: tmp_path / f"{digest}.json")
@@ -234,6 +234,10 @@ def test_auto_takes_the_fused_path_exactly_up_to_the_calibrated_step_size(tiny_m
     assert "fused up to 2 tokens (cached calibration" in again.engine.describe_execution()
     _auto_llm(tiny_model_dir, "execution.recalibrate=true")
     assert measured == [1, 1]
+    # Another build of the kernels (a changed source or flags: another file name) is measured anew.
+    kernels = again.engine.executor.kernels
+    monkeypatch.setattr(kernels, "path", kernels.path.with_name("cpu_kernels-0123456789abcdef.so"))
+    assert not _auto_llm(tiny_model_dir).engine.calibration.cached and measured == [1, 1, 1]
     # A fixed number is no calibration.
     assert _auto_llm(tiny_model_dir, "execution.fused_max_tokens=5").engine.calibration is None
 

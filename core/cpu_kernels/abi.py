@@ -50,6 +50,7 @@ WEIGHT_KINDS = {torch.float16: 0, torch.int8: 1, torch.bfloat16: 2}
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # What ``infer_simd_width`` reports: the instruction set the kernels were compiled for (``-march=native``).
 SIMD_NAMES = {512: "avx512", 256: "avx2", 0: "portable"}
+TILE_KINDS = {2: "AMX tiles", 1: "AVX512-BF16", 0: None}
 
 
 class LayerStruct(ctypes.Structure):
@@ -109,14 +110,16 @@ class CpuKernels:
             function.argtypes = argtypes
             function.restype = None
             setattr(self, "_" + name.removeprefix("infer_"), function)
-        simd_width, pass_rows, amx = library.infer_simd_width, library.infer_pass_rows, library.infer_amx_available
-        for query in (simd_width, pass_rows, amx):
+        simd_width, pass_rows, tile_kind = library.infer_simd_width, library.infer_pass_rows, library.infer_tile_kind
+        for query in (simd_width, pass_rows, tile_kind):
             query.argtypes, query.restype = [], _INT
         self.simd = SIMD_NAMES[simd_width()]
         # The GEMV streams the weights once per this many rows of x.
         self.pass_rows = pass_rows()
-        # Whether the build multiplies bf16 on AMX tiles and the OS lets this process use them (``linear_tiles``).
-        self.amx = bool(amx())
+        # How ``linear_tiles`` multiplies: "AMX tiles" (the build has AMX and the OS lets this process use it),
+        # "AVX512-BF16" (its dot products), or None (plain C, the slow reference).
+        self.tiles = TILE_KINDS[tile_kind()]
+        self.amx = self.tiles == "AMX tiles"
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
@@ -141,9 +144,10 @@ class CpuKernels:
 
     def linear_tiles(self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` for rows ``x`` ``[rows, k]`` (float32 or bfloat16, contiguous; rounded to bf16)
-        and a bf16 weight packed by ``pack_tiles``, accumulated in float32, in ``x``'s dtype: AMX's tiles where
-        ``amx``, the same arithmetic in plain C elsewhere (slow: the reference). Any number of rows; from about a
-        dozen it beats oneDNN's bf16 GEMM on the model's shapes (README, CPU performance)."""
+        and a bf16 weight packed by ``pack_tiles``, accumulated in float32, in ``x``'s dtype: on AMX's tiles or with
+        AVX512-BF16's dot products (``tiles``), the same arithmetic in plain C elsewhere (slow: the reference). Any
+        number of rows; from about a dozen it beats oneDNN's bf16 GEMM on the model's shapes with float32 rows
+        (README, CPU performance)."""
         if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or not x.is_contiguous():
             raise ValueError(f"linear_tiles needs contiguous float32 or bfloat16 CPU rows, got {x.dtype} on {x.device}")
         if tiles.dtype != torch.bfloat16 or tiles.dim() != 6 or not tiles.is_contiguous():
