@@ -12,7 +12,8 @@ both). The threshold is the largest step size up to which the fused path was nev
 
 The result is cached per signature (the CPU's name and the vector flags that matter, torch's threads and version,
 the model's shapes, weight packing and dtype, the kernels' build) under the cache dir,
-``calibration/<signature>.json``; a config with ``execution.recalibrate: true`` measures again. ``infer run`` prints what was chosen.
+``calibration/<signature>.json``; a config with ``execution.recalibrate: true`` measures again. ``infer run`` prints
+what was chosen.
 """
 
 from __future__ import annotations
