@@ -30,7 +30,7 @@ class FusedLayer:
         ``pack_scales``, else None), and float32 (or None) for the QKV, output, gate/up and down projections, in
         that order; ``norms``: the input and post-attention RMSNorm weights; ``tiles``: bf16 weights may also come
         packed by ``pack_tiles`` (or None), which steps of more rows than one GEMV pass (``pass_rows``) multiply
-        on AMX."""
+        on (``kernels.tiles``: AMX tiles or AVX512-BF16)."""
         tiles = tiles or [None] * 4
         for weight, scale, tile in zip(weights, scales, tiles):
             check_packed(weight, scale)

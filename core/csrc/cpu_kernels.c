@@ -1081,8 +1081,8 @@ typedef struct {
     int64_t hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim;
     int64_t qkv_groups, o_groups, gate_up_groups, down_groups;  /* int8: scales per row */
     int64_t qkv_kind, o_kind, gate_up_kind, down_kind;  /* KIND_F16, KIND_I8 or KIND_BF16 */
-    /* bf16 only, optional (NULL: none): the same weights laid out by pack_tiles for AMX, which takes steps of more
-     * rows than one pass of the GEMV */
+    /* bf16 only, optional (NULL: none): the same weights laid out by pack_tiles for the tile GEMM (AMX or
+     * AVX512-BF16), which takes steps of more rows than one pass of the GEMV */
     const uint16_t *qkv_tiles, *o_tiles, *gate_up_tiles, *down_tiles;
 } infer_layer;
 
