@@ -7,8 +7,9 @@ fbgemm, which ships inside torch's x86 builds, multiplies float32 activations by
   Half the bytes of float32; relative error of a matmul about 2e-4.
 - ``bf16``: bfloat16 weights (a bf16 model's own). Steps of a few tokens read them through infer's CPU kernels
   with float32 activations and sums; larger steps multiply through infer's tile kernel (AMX tiles, else
-  AVX512-BF16 dot products; up to ``TILE_MAX_ROWS`` rows) or run oneDNN's bf16 GEMM over the same weights (AMX or AVX512-BF16; prepacked once),
-  activations rounded to bf16 and float32 accumulation, the precision of a bf16 model. What ``auto`` picks on
+  AVX512-BF16 dot products; up to ``TILE_MAX_ROWS`` rows) or run oneDNN's bf16 GEMM over the same weights (AMX or
+  AVX512-BF16; prepacked once), activations rounded to bf16 and float32 accumulation, the precision of a bf16
+  model. What ``auto`` picks on
   a CPU with native bf16: on the Intel AMX machine the GEMM at 64 rows measured 5-6x fbgemm's fp16 and 12x at 512
   (README, "CPU performance").
 - ``int8``: weight-only int8, one scale per 32 consecutive weights of a row (``int8_weights``), activations stay
