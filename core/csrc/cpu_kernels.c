@@ -8,6 +8,7 @@
  * is), so both share one thread pool.
  */
 
+#define _DEFAULT_SOURCE /* syscall() under -std=c11, for AMX's permission request */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -445,14 +446,14 @@ void infer_linear_i8(const float *x, int64_t rows, int64_t k, const int8_t *w, c
 /* y [rows, n_out] = x [rows, k] . w^T (+ bias) with bf16 weights laid out by `infer.cpu_kernels.pack_tiles` for
  * AMX's TDPBF16PS: per block of 32 output columns and per 32 columns of k, two 1 KB B tiles (16 output columns
  * each), row p holding the pairs (w[n][2p], w[n][2p + 1]) of the tile's 16 n: [n_out / 32][k / 32][2][16][16][2]
- * (n_out % 32 == 0, k % 32 == 0). x (float32, or bf16 when `x_bf16`) is rounded to bf16 into a buffer padded to
- * 32 rows; products accumulate in float32; y is float32, or bf16 (rounded once) when `y_bf16`. Each thread takes
- * blocks of 32 output columns and runs every block of rows of x over it: a block's weights (32 k bf16s per column)
- * come from memory once and stay in L2 for the next rows. On AMX (when the OS allows it) 2 x 2 tiles of results per
- * pass; else with AVX512-BF16 (VDPBF16PS reads each B tile row as one register: the same layout) DOT_ROWS rows per
- * pass; else the same arithmetic in plain C (the reference the tests hold the other two to). Rows of x go in chunks
- * of TILE_CHUNK_ROWS, which stay in L2 while every block of weights passes over them (a 2048-row prefill over all
- * rows at once read x from L3 on AMX: 1016 vs 596 ms for four 512-token prompts). */
+ * (n_out % 32 == 0, k % 32 == 0). x (float32, or bf16 when `x_bf16`) is rounded to bf16 into a buffer (padded to
+ * 32 rows for AMX); products accumulate in float32; y is float32, or bf16 (rounded once) when `y_bf16`. Each thread
+ * takes blocks of 32 output columns and runs every block of rows of x over it: a block's weights (32 k bf16s per
+ * column) come from memory once and stay in L2 for the next rows. On AMX (when the OS allows it) 2 x 2 tiles of
+ * results per pass; else with AVX512-BF16 (VDPBF16PS reads each B tile row as one register: the same layout)
+ * DOT_ROWS rows per pass; else the same arithmetic in plain C (the reference the tests hold the other two to).
+ * Rows of x go in chunks of TILE_CHUNK_ROWS, which stay in L2 while every block of weights passes over them (a
+ * 2048-row prefill over all rows at once read x from L3 on AMX: 1016 vs 596 ms for four 512-token prompts). */
 #define TILE_CHUNK_ROWS 256
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -468,7 +469,7 @@ typedef struct {
 #endif
 
 /* 1 when this build multiplies on AMX tiles and Linux lets the process use them (asked for once). */
-int64_t infer_amx_available(void) {
+static int amx_available(void) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     static int state = -1;
     if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
@@ -478,19 +479,24 @@ int64_t infer_amx_available(void) {
 #endif
 }
 
+#ifdef __AVX512F__
+/* Stores 16 results at element `at` of y, as float32 or rounded to bf16. */
+static inline void store16(__m512 out, void *y, int64_t at, int y_bf16) {
+    if (y_bf16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), bf16x16_from(out));
+    else
+        _mm512_storeu_ps((float *)y + at, out);
+}
+#endif
+
 /* Stores a 16 x 16 float tile of results (`stride` floats apart) at rows m, columns n of y: the rows below
  * `rows`, plus bias, as float32 or bf16. */
 static void store_tile(const float *tile, int64_t stride, int64_t m, int64_t rows, int64_t n, const float *bias,
                        void *y, int64_t n_out, int y_bf16) {
 #ifdef __AVX512F__
     const __m512 add = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < 16 && m + r < rows; r++) {
-        const __m512 out = _mm512_add_ps(_mm512_loadu_ps(tile + r * stride), add);
-        if (y_bf16)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)y + (m + r) * n_out + n), bf16x16_from(out));
-        else
-            _mm512_storeu_ps((float *)y + (m + r) * n_out + n, out);
-    }
+    for (int64_t r = 0; r < 16 && m + r < rows; r++)
+        store16(_mm512_add_ps(_mm512_loadu_ps(tile + r * stride), add), y, (m + r) * n_out + n, y_bf16);
 #else
     for (int64_t r = 0; r < 16 && m + r < rows; r++) {
         float out[16];
@@ -569,13 +575,13 @@ static void tiles_amx(const uint16_t *xb, int64_t rows, int64_t padded, int64_t 
  * of the 32 registers, plus the two weight vectors; x's pairs are broadcast from memory. */
 #define DOT_ROWS 12
 
-/* Rows 0..count-1 of y (rows of n_out, from column n; float32 or bf16) = rows of xb (bf16, k each) times one
+/* Rows 0..count-1 of y (rows of n_out from element `at`; float32 or bf16) = rows of xb (bf16, k each) times one
  * block of 32 output columns in pack_tiles' layout (+ bias from column n): per pair p of k, one register of each
  * half's 16 (w[n][2p], w[n][2p + 1]) pairs, the very layout VDPBF16PS reads. The sums stay in registers until
  * stored (the bias is read only then: held through the loop it pushed the weights out of registers). */
 static inline __attribute__((always_inline)) void block_dot_bf16(const uint16_t *xb, int64_t k, const uint16_t *wb,
-                                                                 const float *bias, void *y, int64_t n_out,
-                                                                 int y_bf16, const int count) {
+                                                                 const float *bias, void *y, int64_t at,
+                                                                 int64_t n_out, int y_bf16, const int count) {
     __m512 acc[DOT_ROWS][2];
     for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t t = 0; t < k / 32; t++) {
@@ -597,16 +603,8 @@ static inline __attribute__((always_inline)) void block_dot_bf16(const uint16_t 
     const __m512 add0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
     const __m512 add1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
     for (int r = 0; r < count; r++) {
-        const __m512 out0 = _mm512_add_ps(acc[r][0], add0), out1 = _mm512_add_ps(acc[r][1], add1);
-        if (y_bf16) {
-            uint16_t *row = (uint16_t *)y + r * n_out;
-            _mm256_storeu_si256((__m256i *)row, bf16x16_from(out0));
-            _mm256_storeu_si256((__m256i *)(row + 16), bf16x16_from(out1));
-        } else {
-            float *row = (float *)y + r * n_out;
-            _mm512_storeu_ps(row, out0);
-            _mm512_storeu_ps(row + 16, out1);
-        }
+        store16(_mm512_add_ps(acc[r][0], add0), y, at + r * n_out, y_bf16);
+        store16(_mm512_add_ps(acc[r][1], add1), y, at + r * n_out + 16, y_bf16);
     }
 }
 
@@ -615,7 +613,7 @@ static inline __attribute__((always_inline)) void block_dot_bf16(const uint16_t 
  * for small k) for the next rows. */
 static void tiles_avx512_bf16(const uint16_t *xb, int64_t rows, int64_t k, const uint16_t *w, const float *bias,
                               void *y, int y_bf16, int64_t n_out) {
-    const int64_t blocks = n_out / 32, width = y_bf16 ? 2 : 4;
+    const int64_t blocks = n_out / 32;
 #pragma omp parallel
     for (int64_t chunk = 0; chunk < rows; chunk += TILE_CHUNK_ROWS) {
         const int64_t chunk_end = chunk + TILE_CHUNK_ROWS < rows ? chunk + TILE_CHUNK_ROWS : rows;
@@ -625,10 +623,9 @@ static void tiles_avx512_bf16(const uint16_t *xb, int64_t rows, int64_t k, const
             const float *own_bias = bias ? bias + b * 32 : NULL;
             for (int64_t m = chunk; m < chunk_end;) {
                 const int count = chunk_end - m < DOT_ROWS ? (int)(chunk_end - m) : DOT_ROWS;
-                void *out = (char *)y + (m * n_out + b * 32) * width;
                 switch (count) {  /* a constant count per copy: its sums stay in registers */
 #define DOT_CASE(c) \
-                    case c: block_dot_bf16(xb + m * k, k, wb, own_bias, out, n_out, y_bf16, c); break;
+                    case c: block_dot_bf16(xb + m * k, k, wb, own_bias, y, m * n_out + b * 32, n_out, y_bf16, c); break;
                     DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4) DOT_CASE(5) DOT_CASE(6)
                     DOT_CASE(7) DOT_CASE(8) DOT_CASE(9) DOT_CASE(10) DOT_CASE(11) DOT_CASE(12)
 #undef DOT_CASE
@@ -669,7 +666,7 @@ static void tiles_portable(const uint16_t *xb, int64_t rows, int64_t k, const ui
 /* How this build multiplies `infer_linear_tiles`: 2 on AMX tiles (built with AMX and allowed by the OS), 1 with
  * AVX512-BF16's dot products, 0 in plain C. */
 int64_t infer_tile_kind(void) {
-    if (infer_amx_available()) return 2;
+    if (amx_available()) return 2;
 #if defined(__AVX512BF16__)
     return 1;
 #else
@@ -679,7 +676,8 @@ int64_t infer_tile_kind(void) {
 
 void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, const uint16_t *w,
                         const float *bias, void *y, int64_t y_bf16, int64_t n_out) {
-    const int64_t padded = (rows + 31) / 32 * 32;
+    const int64_t kind = infer_tile_kind();
+    const int64_t padded = kind == 2 ? (rows + 31) / 32 * 32 : rows;  /* AMX loads whole 16-row tiles of x */
     uint16_t *xb = malloc(sizeof(uint16_t) * padded * k);
     memset(xb + rows * k, 0, sizeof(uint16_t) * (padded - rows) * k);
 #pragma omp parallel for schedule(static) if (rows * k >= 65536)
@@ -689,7 +687,6 @@ void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, 
         else
             floats_to_bf16((const float *)x + m * k, xb + m * k, k);
     }
-    const int64_t kind = infer_tile_kind();
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (kind == 2) tiles_amx(xb, rows, padded, k, w, bias, y, (int)y_bf16, n_out);
 #endif
