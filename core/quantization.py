@@ -9,9 +9,8 @@ fbgemm, which ships inside torch's x86 builds, multiplies float32 activations by
   with float32 activations and sums; larger steps multiply through infer's tile kernel (AMX tiles, else
   AVX512-BF16 dot products; up to ``TILE_MAX_ROWS`` rows) or run oneDNN's bf16 GEMM over the same weights (AMX or
   AVX512-BF16; prepacked once), activations rounded to bf16 and float32 accumulation, the precision of a bf16
-  model. What ``auto`` picks on
-  a CPU with native bf16: on the Intel AMX machine the GEMM at 64 rows measured 5-6x fbgemm's fp16 and 12x at 512
-  (README, "CPU performance").
+  model. What ``auto`` picks on a CPU with native bf16: on the Intel AMX machine the GEMM at 64 rows measured 5-6x
+  fbgemm's fp16 and 12x at 512 (README, "CPU performance").
 - ``int8``: weight-only int8, one scale per 32 consecutive weights of a row (``int8_weights``), activations stay
   float32. Steps of a few tokens read the int8 weights through infer's CPU kernels (``infer.cpu_kernels``: 9/16 of
   fp16's bytes with the scales, and bytes are the decode step's bound); larger steps run fbgemm's fp16 GEMM over
@@ -43,8 +42,9 @@ QUANTIZATIONS = ("none", "fp16", "bf16", "int8", "int8_per_row", "w8a8")
 # Weights per int8 scale in mode int8 (int8_per_row: a whole row).
 INT8_GROUP = 32
 _KERNEL_MODES = ("fp16", "bf16", "int8", "int8_per_row")
-# bf16 on AMX: inputs of up to this many rows take infer's tiles (``CpuKernels.linear_tiles``), larger ones (prefill
-# chunks) oneDNN's GEMM, faster there: four 512-token prompts 596 vs 857 ms a step (README, CPU performance).
+# bf16 on AMX or AVX512-BF16: inputs of up to this many rows take infer's tile GEMM (``CpuKernels.linear_tiles``),
+# larger ones (prefill chunks) oneDNN's GEMM, faster there on AMX (four 512-token prompts 596 vs 857 ms a step) and
+# level with it on AVX512-BF16 (``benchmarks/tile_gemm.py``; README, CPU performance).
 TILE_MAX_ROWS = 256
 # CPU feature flags for native bf16 matmuls on x86 (oneDNN's bf16 GEMM runs on them).
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})

@@ -413,19 +413,25 @@ def test_apply_bitmask_matches_torchs_and_touches_only_the_named_rows(kernels, v
         kernels.apply_bitmask_(actual, bitmask, torch.tensor([0, 1, 5]))
 
 
+def without_amx() -> list[str]:
+    """The flag that keeps AMX out of a -march=native build, where the CPU has AMX (elsewhere a compiler may not know
+    it, and -march=native leaves AMX off anyway)."""
+    from infer.host import cpu_flags
+
+    return ["-mno-amx-tile"] if "amx_tile" in cpu_flags() else []
+
+
 # The instruction sets the C source has code for, the flags a build of each needs, and the extra compiler flags that
 # build it on a CPU with more (the portable build turns AVX off, and with it AVX2, FMA, F16C and AVX-512;
 # "avx512_bf16" is the AVX-512 build whose tile GEMM takes AVX512-BF16's dot products even on a CPU with AMX).
-SIMD_BUILDS = {"avx512": ({"avx512f"}, []), "avx512_bf16": ({"avx512f", "avx512_bf16"}, ["-mno-amx-tile"]),
+SIMD_BUILDS = {"avx512": ({"avx512f"}, []), "avx512_bf16": ({"avx512f", "avx512_bf16"}, without_amx()),
                "avx2": ({"avx2", "fma", "f16c"}, ["-mno-avx512f"])}
 
 
 @pytest.fixture(scope="module")
 def portable_kernels(tmp_path_factory):
-    from infer.host import cpu_flags
-
     # -mno-avx leaves AMX on (gcc does not tie it to AVX): the reference is plain C throughout
-    flags = ["-mno-avx", "-mno-amx-tile"] if "amx_tile" in cpu_flags() else ["-mno-avx"]
+    flags = ["-mno-avx", *without_amx()]
     built = cpu_kernels.load_built(cpu_kernels.build(tmp_path_factory.mktemp("portable"), flags))
     assert built.simd == "portable" and not built.amx
     return built
@@ -441,8 +447,6 @@ def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path
     missing = needed - cpu_flags()
     if missing:
         pytest.skip(f"this CPU lacks {', '.join(sorted(missing))} for the {simd} kernels")
-    if "-mno-amx-tile" in flags and "amx_tile" not in cpu_flags():
-        flags = []  # a compiler may not know the flag; -march=native leaves AMX off on this CPU anyway
     built = cpu_kernels.load_built(cpu_kernels.build(tmp_path, flags))
     assert built.simd == simd.removesuffix("_bf16")
     if simd == "avx512_bf16":
