@@ -46,7 +46,8 @@ class Step:
     values: list[torch.Tensor]
 
 
-def make_step(sequences, *, num_heads, num_kv_heads, block_size, seed=0, dtype=torch.float32) -> Step:
+def make_step(sequences, *, num_heads, num_kv_heads, block_size, seed=0, dtype=torch.float32,
+              head_dim=HEAD_DIM) -> Step:
     """Scatter each sequence over shuffled pool blocks, write its cached prefix, and draw this step's Q/K/V."""
     generator = torch.Generator().manual_seed(seed)
     num_cached = [cached for cached, _ in sequences]
@@ -56,14 +57,14 @@ def make_step(sequences, *, num_heads, num_kv_heads, block_size, seed=0, dtype=t
     free_blocks = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
     block_tables = [[free_blocks.pop() for _ in range(count)] for count in blocks_needed]
     # Garbage everywhere, so reading a slot that was never written shows up as a mismatch.
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=generator).to(dtype)
-    keys = [torch.randn(c + n, num_kv_heads, HEAD_DIM, generator=generator).to(dtype) for c, n in sequences]
-    values = [torch.randn(c + n, num_kv_heads, HEAD_DIM, generator=generator).to(dtype) for c, n in sequences]
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    keys = [torch.randn(c + n, num_kv_heads, head_dim, generator=generator).to(dtype) for c, n in sequences]
+    values = [torch.randn(c + n, num_kv_heads, head_dim, generator=generator).to(dtype) for c, n in sequences]
     prefix = AttentionMetadata.build(block_tables, [0] * len(sequences), num_cached, block_size)
     cached_keys = torch.cat([key[:cached] for key, cached in zip(keys, num_cached)])
     cached_values = torch.cat([value[:cached] for value, cached in zip(values, num_cached)])
     write_kv(kv_cache, cached_keys, cached_values, prefix.slot_mapping)
-    q = torch.randn(sum(num_new), num_heads, HEAD_DIM, generator=generator).to(dtype)
+    q = torch.randn(sum(num_new), num_heads, head_dim, generator=generator).to(dtype)
     k = torch.cat([key[cached:] for key, cached in zip(keys, num_cached)])
     v = torch.cat([value[cached:] for value, cached in zip(values, num_cached)])
     metadata = AttentionMetadata.build(block_tables, num_cached, num_new, block_size)
@@ -122,31 +123,83 @@ def test_matches_naive_softmax_oracle(scenario, num_heads, num_kv_heads, block_s
     torch.testing.assert_close(out.double(), oracle(step), atol=1e-5, rtol=1e-5)
 
 
+def infer_flash_or_skip() -> None:
+    from infer import cpu_kernels
+
+    if not cpu_kernels.load(True).flash:
+        pytest.skip("infer's flash attention is built only where the CPU has avx512_bf16, which this one lacks")
+
+
+@pytest.mark.parametrize("kernel, pool", [("torch", torch.float32), ("infer", torch.float32),
+                                          ("infer", torch.bfloat16)])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("num_heads, num_kv_heads", HEAD_LAYOUTS)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_cpu_bf16_prefill_attends_long_queries_in_bf16_and_keeps_the_rest_exact(scenario, num_heads, num_kv_heads,
-                                                                                block_size):
-    """``prefill_dtype: bfloat16``: sequences of at least ``prefill_min_tokens`` query tokens go to torch's flash
-    attention in bf16 (within bf16's error of the oracle, cached prefix or not), every other row stays the kernel's
-    float32 (exact)."""
+                                                                                block_size, kernel, pool):
+    """``prefill_dtype: bfloat16``: sequences of at least ``prefill_min_tokens`` query tokens go to a flash
+    attention in bf16, torch's or infer's own (AVX512-BF16, head sizes a multiple of 64; skipped where the CPU lacks
+    it), within bf16's error of the oracle, cached prefix or not, from a float32 or a bf16 pool; every other row
+    stays the kernel's float32 (exact over the pool's K/V)."""
     from infer.plugins.attention.cpu import CpuAttentionConfig
 
+    if kernel == "infer":
+        infer_flash_or_skip()
+    head_dim = 64 if kernel == "infer" else HEAD_DIM
     heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
-    step = make_step(SCENARIOS[scenario], **heads)
-    backend = CpuBackend(head_dim=HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"),
-                         config=CpuAttentionConfig(prefill_dtype="bfloat16", prefill_min_tokens=4), **heads)
+    step = make_step(SCENARIOS[scenario], head_dim=head_dim, **heads)
+    if pool == torch.bfloat16:  # the oracle sees the K/V the pool holds
+        step.kv_cache = step.kv_cache.to(pool)
+        for index, (keys, values) in enumerate(zip(step.keys, step.values)):
+            step.keys[index], step.values[index] = keys.bfloat16().float(), values.bfloat16().float()
+    backend = CpuBackend(head_dim=head_dim, dtype=torch.float32, device=torch.device("cpu"),
+                         config=CpuAttentionConfig(prefill_dtype="bfloat16", prefill_min_tokens=4,
+                                                   prefill_kernel=kernel), **heads)
+    assert backend.prefill_kernel == kernel
     metadata = backend.prepare(step.metadata)
     out = backend.forward(0, step.q, step.k, step.v, step.kv_cache, metadata).double()
     expected = oracle(step)
     long_rows = torch.zeros(len(out), dtype=torch.bool)
-    for prefill in metadata.prefills:
-        long_rows[prefill.start:prefill.end] = True
+    if kernel == "infer":
+        assert not metadata.prefills
+        chunks = metadata.flash
+        for start, query_len in zip(chunks.starts.tolist(), chunks.query_lens.tolist()) if chunks else ():
+            long_rows[start:start + query_len] = True
+    else:
+        assert metadata.flash is None
+        for prefill in metadata.prefills:
+            long_rows[prefill.start:prefill.end] = True
     starts = step.metadata.query_start_loc.tolist()
     assert long_rows.tolist() == [new >= 4 for (_, new), start, end in zip(SCENARIOS[scenario], starts, starts[1:])
                                   for _ in range(start, end)]
     torch.testing.assert_close(out[~long_rows], expected[~long_rows], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[long_rows], expected[long_rows], atol=3e-2, rtol=3e-2)
+
+
+def test_cpu_prefill_kernel_auto_takes_infers_flash_where_it_is_built_and_the_cpu_has_no_amx(monkeypatch):
+    """``prefill_kernel: auto``: infer's flash attention with this build's AVX512-BF16 code and a head size it
+    takes, torch's (oneDNN's AMX code) on a CPU with AMX or where the kernel is missing; asking for infer's where it
+    cannot run names what is missing."""
+    from infer.attention import BackendUnavailableError
+    from infer.plugins.attention import cpu as cpu_plugin
+
+    def backend(head_dim: int, kernel: str = "auto") -> CpuBackend:
+        config = cpu_plugin.CpuAttentionConfig(prefill_dtype="bfloat16", prefill_kernel=kernel)
+        return CpuBackend(num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=torch.float32,
+                          device=torch.device("cpu"), config=config)
+
+    built = backend(64).kernels.flash
+    flags = cpu_plugin.cpu_description()
+    monkeypatch.setattr(cpu_plugin, "cpu_description", lambda: (flags[0], tuple(f for f in flags[1] if f != "amx_bf16")))
+    assert backend(64).prefill_kernel == ("infer" if built else "torch")
+    assert backend(32).prefill_kernel == "torch"
+    assert CpuBackend(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
+                      device=torch.device("cpu")).prefill_kernel is None  # prefill_dtype float32: no flash at all
+    monkeypatch.setattr(cpu_plugin, "cpu_description", lambda: (flags[0], (*flags[1], "amx_bf16")))
+    assert backend(64).prefill_kernel == "torch"
+    assert backend(64, "torch").prefill_kernel == "torch"
+    with pytest.raises(BackendUnavailableError, match="head size 32"):
+        backend(32, "infer")
 
 
 @pytest.mark.parametrize("block_size", [1, 16])

@@ -15,12 +15,12 @@ performance", and ``benchmarks/cpu_kernels.py``).
 Which step runs on which of them is decided in one place, ``infer.execution``.
 """
 
-from infer.cpu_kernels.abi import CpuKernels, KernelAttentionPlan
+from infer.cpu_kernels.abi import CpuKernels, FlashChunks, KernelAttentionPlan
 from infer.cpu_kernels.builder import KernelBuildError, build, compiler, load, load_built, source
 from infer.cpu_kernels.fused import FusedLayer, FusedStack, KernelAttentionStep
 from infer.cpu_kernels.packing import (can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, packed_shape,
                                        tiles_shape, unpack_tiles)
 
-__all__ = ["CpuKernels", "FusedLayer", "FusedStack", "KernelAttentionPlan", "KernelAttentionStep",
+__all__ = ["CpuKernels", "FlashChunks", "FusedLayer", "FusedStack", "KernelAttentionPlan", "KernelAttentionStep",
            "KernelBuildError", "build", "can_pack", "can_pack_tiles", "compiler", "load", "load_built", "pack_scales",
            "pack_tiles", "pack_weights", "packed_shape", "source", "tiles_shape", "unpack_tiles"]

@@ -41,6 +41,8 @@ _SIGNATURES = {
                          _INT, _POINTER],
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
     "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT],
+    "infer_flash_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT,
+                              _POINTER, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT],
 }
 
 
@@ -111,7 +113,8 @@ class CpuKernels:
             function.restype = None
             setattr(self, "_" + name.removeprefix("infer_"), function)
         simd_width, pass_rows, tile_kind = library.infer_simd_width, library.infer_pass_rows, library.infer_tile_kind
-        for query in (simd_width, pass_rows, tile_kind):
+        flash_kind = library.infer_flash_kind
+        for query in (simd_width, pass_rows, tile_kind, flash_kind):
             query.argtypes, query.restype = [], _INT
         self.simd = SIMD_NAMES[simd_width()]
         # The GEMV streams the weights once per this many rows of x.
@@ -120,6 +123,8 @@ class CpuKernels:
         # "AVX512-BF16" (its dot products), or None (plain C, the slow reference).
         self.tiles = TILE_KINDS[tile_kind()]
         self.amx = self.tiles == "AMX tiles"
+        # Whether ``flash_attention`` exists in this build (it needs AVX512-BF16).
+        self.flash = bool(flash_kind())
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
@@ -250,6 +255,52 @@ class CpuKernels:
                               num_kv_heads, head_dim, block_size, num_blocks, plan.max_context, scale,
                               kv_cache.dtype == torch.bfloat16)
         return out
+
+    def flash_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                        chunks: FlashChunks, scale: float, out: torch.Tensor) -> torch.Tensor:
+        """Causal attention for the prefill chunks ``chunks`` names (rows of ``q`` ``[T, heads, head_dim]``, rows
+        may be strided) over their contexts in one layer's pool, at the precision of torch's bf16 flash attention
+        (Q, K, V and the probabilities rounded to bf16, scores and sums float32); results land in the same rows of
+        ``out`` ``[T, heads, head_dim]`` (contiguous), which is returned. Needs ``self.flash`` and a head size that
+        is a multiple of 64."""
+        check_rows(q)
+        check_pool(kv_cache)
+        check_block_tables(block_tables)
+        _, num_heads, head_dim = q.shape
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        if not self.flash or head_dim % 64:
+            raise ValueError(f"flash_attention needs an AVX512-BF16 build and head_dim a multiple of 64 (build: "
+                             f"{self.flash}, head_dim {head_dim})")
+        if not out.is_contiguous() or out.shape != q.shape or out.dtype != torch.float32:
+            raise ValueError("flash_attention writes a contiguous float32 out of q's shape")
+        self._flash_attention(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
+                              block_tables.stride(0), chunks.starts.data_ptr(), chunks.query_lens.data_ptr(),
+                              chunks.contexts.data_ptr(), chunks.tables.data_ptr(), chunks.count, out.data_ptr(),
+                              num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+                              kv_cache.dtype == torch.bfloat16)
+        return out
+
+
+@dataclass(slots=True)
+class FlashChunks:
+    """The prefill chunks ``flash_attention`` computes: chunk ``i`` is token rows ``starts[i]`` onwards,
+    ``query_lens[i]`` of them, the last positions of a context of ``contexts[i]`` tokens read through block table
+    row ``tables[i]`` (int64 each)."""
+
+    starts: torch.Tensor
+    query_lens: torch.Tensor
+    contexts: torch.Tensor
+    tables: torch.Tensor
+
+    @classmethod
+    def of(cls, chunks: list[tuple[int, int, int, int]]) -> FlashChunks:
+        """From ``(start, query_len, context, table_row)`` per chunk."""
+        columns = torch.tensor(chunks, dtype=torch.int64).reshape(-1, 4).t().contiguous()
+        return cls(*columns)
+
+    @property
+    def count(self) -> int:
+        return len(self.starts)
 
 
 def check_flat(x: torch.Tensor) -> None:

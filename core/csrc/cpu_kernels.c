@@ -1065,6 +1065,236 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
     }
 }
 
+/* ---- prefill attention: flash attention on AVX512-BF16's dot products ---------------------------------------- */
+
+/* 1 when this build has infer_flash_attention (AVX512-BF16), else 0 (prefill chunks then stay on torch's). */
+int64_t infer_flash_kind(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+#define FLASH_TOKENS 16  /* query tokens per work item: times the query heads of one KV head, its rows */
+#define FLASH_KEYS 32    /* keys per step of the online softmax: two registers of scores per row */
+#define SCORE_ROWS 12    /* rows per pass of Q K^T: 2 accumulators each */
+#define WEIGH_ROWS 6     /* rows per pass of P V: 4 accumulators each (64 columns of the result) */
+
+/* scores[r][0..31] = q_r . key_j for rows 0..count-1 of qb (bf16, head_dim each) and the 32 keys of one packed
+ * tile (two halves of 16 keys; per pair p of head_dim, one register of the 16 keys' (k[2p], k[2p + 1]) pairs). */
+static inline __attribute__((always_inline)) void flash_scores(const uint16_t *qb, int64_t head_dim,
+                                                               const uint16_t *keys, float *scores, const int count) {
+    __m512 acc[SCORE_ROWS][2];
+    for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < head_dim / 2; p++) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(keys + p * 32);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(keys + head_dim * 16 + p * 32);
+        for (int r = 0; r < count; r++) {
+            int32_t pair;
+            memcpy(&pair, qb + r * head_dim + 2 * p, sizeof pair);
+            const __m512bh qv = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qv, k0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qv, k1);
+        }
+    }
+    for (int r = 0; r < count; r++) {
+        _mm512_storeu_ps(scores + r * FLASH_KEYS, acc[r][0]);
+        _mm512_storeu_ps(scores + r * FLASH_KEYS + 16, acc[r][1]);
+    }
+}
+
+/* acc_r[c..c+63] = acc_r[c..c+63] * rescale[r] + sum_j p_rj v_j[c..c+63] for rows 0..count-1: probs (bf16, 32 a
+ * row) times one packed tile of values (per key pair, head_dim columns of (v[2j][d], v[2j + 1][d]) pairs). */
+static inline __attribute__((always_inline)) void flash_weigh(const uint16_t *probs, const uint16_t *values,
+                                                              int64_t head_dim, int64_t c, const float *rescale,
+                                                              float *acc_rows, const int count) {
+    __m512 acc[WEIGH_ROWS][4];
+    for (int r = 0; r < count; r++) {
+        const __m512 factor = _mm512_set1_ps(rescale[r]);
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc_rows + r * head_dim + c + 16 * i),
+                                                              factor);
+    }
+    for (int j = 0; j < FLASH_KEYS / 2; j++) {
+        const uint16_t *pairs = values + j * 2 * head_dim + 2 * c;
+        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(pairs), v1 = (__m512bh)_mm512_loadu_si512(pairs + 32);
+        const __m512bh v2 = (__m512bh)_mm512_loadu_si512(pairs + 64), v3 = (__m512bh)_mm512_loadu_si512(pairs + 96);
+        for (int r = 0; r < count; r++) {
+            int32_t pair;
+            memcpy(&pair, probs + r * FLASH_KEYS + 2 * j, sizeof pair);
+            const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pv, v0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pv, v1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], pv, v2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], pv, v3);
+        }
+    }
+    for (int r = 0; r < count; r++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc_rows + r * head_dim + c + 16 * i, acc[r][i]);
+}
+
+/* Key j of one sequence's context (head kvh) into the packed K and V of its tile: keys in two halves of 16 as
+ * flash_scores reads them, values in key pairs as flash_weigh reads them. `key`/`value` NULL: zeros (padding). */
+static void flash_pack_key(const void *key, const void *value, int kv_bf16, int64_t j, int64_t head_dim,
+                           uint16_t *packed_keys, uint16_t *packed_values) {
+    uint16_t *kt = packed_keys + (j / FLASH_KEYS) * FLASH_KEYS * head_dim + ((j % FLASH_KEYS) / 16) * 16 * head_dim;
+    uint16_t *vt = packed_values + (j / 2) * 2 * head_dim;
+    const int lane = (int)(j % 16), odd = (int)(j % 2);
+    for (int64_t d = 0; d < head_dim; d++) {
+        uint16_t k = 0, v = 0;
+        if (key) {
+            k = kv_bf16 ? ((const uint16_t *)key)[d] : float_to_bf16(((const float *)key)[d]);
+            v = kv_bf16 ? ((const uint16_t *)value)[d] : float_to_bf16(((const float *)value)[d]);
+        }
+        kt[(d / 2) * 32 + lane * 2 + (d % 2)] = k;
+        vt[d * 2 + odd] = v;
+    }
+}
+#endif
+
+/* Causal attention for `count` prefill chunks: chunk i is token rows starts[i] .. starts[i] + query_lens[i] - 1 of
+ * q [T, num_heads, head_dim] (float32, rows q_stride apart), positions contexts[i] - query_lens[i] onwards of the
+ * sequence whose block table row is tables[i]; each row attends to its own position and every one before, read
+ * from the layer's pool kv (float32, or bfloat16 when kv_bf16) into out [T, num_heads, head_dim] (float32). The
+ * precision of torch's bf16 flash attention: Q, K, V and the probabilities rounded to bf16, the scores, the softmax
+ * and the sums float32. Each chunk's K/V of each KV head are packed once (two tiles of keys per 32 as
+ * flash_scores reads them, values in key pairs), then work items of FLASH_TOKENS query tokens times the query heads
+ * of one KV head run an online softmax over tiles of 32 keys, the last tiles of each chunk (the most keys) first.
+ * head_dim must be a multiple of 64. */
+void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
+                           int64_t table_stride, const int64_t *starts, const int64_t *query_lens,
+                           const int64_t *contexts, const int64_t *tables, int64_t count, float *out,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           int64_t num_blocks, float scale, int64_t kv_bf16) {
+#if defined(__AVX512BF16__)
+    const int64_t per_kv = num_heads / num_kv_heads, slot_width = num_kv_heads * head_dim;
+    const int64_t pool_values = num_blocks * block_size * slot_width;
+    const size_t element = kv_bf16 ? 2 : 4;
+    int64_t *packed_at = malloc(sizeof(int64_t) * (count + 1)), *items_at = malloc(sizeof(int64_t) * (count + 1));
+    packed_at[0] = items_at[0] = 0;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t keys = (contexts[i] + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS;
+        packed_at[i + 1] = packed_at[i] + keys * num_kv_heads * head_dim;
+        items_at[i + 1] = items_at[i] + (query_lens[i] + FLASH_TOKENS - 1) / FLASH_TOKENS * num_kv_heads;
+    }
+    uint16_t *packed_keys = malloc(sizeof(uint16_t) * packed_at[count]);
+    uint16_t *packed_values = malloc(sizeof(uint16_t) * packed_at[count]);
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t i = 0; i < count; i++) {
+            for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+                const int64_t keys = (contexts[i] + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS;
+                const int64_t at = packed_at[i] + kvh * keys * head_dim;
+                const int32_t *table = block_tables + tables[i] * table_stride;
+                for (int64_t j = 0; j < keys; j++) {
+                    const char *key = NULL, *value = NULL;
+                    if (j < contexts[i]) {
+                        const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
+                        key = (const char *)kv + (slot * slot_width + kvh * head_dim) * element;
+                        value = key + pool_values * element;
+                    }
+                    flash_pack_key(key, value, (int)kv_bf16, j, head_dim, packed_keys + at, packed_values + at);
+                }
+            }
+        }  /* the loop's barrier: every tile is packed before any is read */
+        const int64_t max_rows = FLASH_TOKENS * per_kv;
+        uint16_t *qb = malloc(sizeof(uint16_t) * max_rows * head_dim);
+        uint16_t *probs = malloc(sizeof(uint16_t) * max_rows * FLASH_KEYS);
+        float *scores = malloc(sizeof(float) * max_rows * FLASH_KEYS), *acc = malloc(sizeof(float) * max_rows * head_dim);
+        float *best = malloc(sizeof(float) * max_rows), *total = malloc(sizeof(float) * max_rows);
+        float *rescale = malloc(sizeof(float) * max_rows);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items_at[count]; item++) {
+            int64_t i = 0;
+            while (items_at[i + 1] <= item) i++;
+            const int64_t local = item - items_at[i], tiles = (query_lens[i] + FLASH_TOKENS - 1) / FLASH_TOKENS;
+            const int64_t kvh = local % num_kv_heads, tile = tiles - 1 - local / num_kv_heads;
+            const int64_t first = tile * FLASH_TOKENS;
+            const int64_t tokens = query_lens[i] - first < FLASH_TOKENS ? query_lens[i] - first : FLASH_TOKENS;
+            const int64_t rows = tokens * per_kv, offset = contexts[i] - query_lens[i] + first;  /* row 0's position */
+            const int64_t keys = (contexts[i] + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS;
+            const uint16_t *own_keys = packed_keys + packed_at[i] + kvh * keys * head_dim;
+            const uint16_t *own_values = packed_values + packed_at[i] + kvh * keys * head_dim;
+            for (int64_t r = 0; r < rows; r++) {  /* row r: token first + r / per_kv, head kvh * per_kv + r % per_kv */
+                const int64_t token = starts[i] + first + r / per_kv, head = kvh * per_kv + r % per_kv;
+                floats_to_bf16(q + token * q_stride + head * head_dim, qb + r * head_dim, head_dim);
+                best[r] = -INFINITY;
+                total[r] = 0.0f;
+            }
+            memset(acc, 0, sizeof(float) * rows * head_dim);
+            const int64_t last = offset + tokens - 1;  /* the last row's position: keys beyond it are never seen */
+            for (int64_t k0 = 0; k0 <= last; k0 += FLASH_KEYS) {
+                const uint16_t *key_tile = own_keys + k0 * head_dim, *value_tile = own_values + k0 * head_dim;
+                for (int64_t r = 0; r < rows;) {
+                    const int n = rows - r < SCORE_ROWS ? (int)(rows - r) : SCORE_ROWS;
+                    switch (n) {  /* a constant count per copy: its sums stay in registers */
+#define SCORE_CASE(c) case c: flash_scores(qb + r * head_dim, head_dim, key_tile, scores + r * FLASH_KEYS, c); break;
+                        SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4) SCORE_CASE(5) SCORE_CASE(6)
+                        SCORE_CASE(7) SCORE_CASE(8) SCORE_CASE(9) SCORE_CASE(10) SCORE_CASE(11) SCORE_CASE(12)
+#undef SCORE_CASE
+                    }
+                    r += n;
+                }
+                const __m512 factor = _mm512_set1_ps(scale);
+                for (int64_t r = 0; r < rows; r++) {  /* the online softmax: keys past the row's position masked */
+                    const int64_t seen = offset + r / per_kv - k0 + 1;
+                    const __mmask16 m0 = seen >= 16 ? 0xFFFF : (__mmask16)((1u << (seen > 0 ? seen : 0)) - 1);
+                    const __mmask16 m1 = seen >= 32 ? 0xFFFF : seen <= 16 ? 0 : (__mmask16)((1u << (seen - 16)) - 1);
+                    const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(scores + r * FLASH_KEYS), factor);
+                    const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(scores + r * FLASH_KEYS + 16), factor);
+                    const float top = fmaxf(best[r], fmaxf(_mm512_mask_reduce_max_ps(m0, s0),
+                                                           _mm512_mask_reduce_max_ps(m1, s1)));
+                    const __m512 shift = _mm512_set1_ps(top);
+                    const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, shift)));
+                    const __m512 p1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, shift)));
+                    rescale[r] = expf(best[r] - top);  /* 0 on the first tile (best -inf) */
+                    total[r] = total[r] * rescale[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+                    best[r] = top;
+                    _mm256_storeu_si256((__m256i *)(probs + r * FLASH_KEYS), bf16x16_from(p0));
+                    _mm256_storeu_si256((__m256i *)(probs + r * FLASH_KEYS + 16), bf16x16_from(p1));
+                }
+                for (int64_t c = 0; c < head_dim; c += 64) {
+                    for (int64_t r = 0; r < rows;) {
+                        const int n = rows - r < WEIGH_ROWS ? (int)(rows - r) : WEIGH_ROWS;
+                        switch (n) {
+#define WEIGH_CASE(k) case k: flash_weigh(probs + r * FLASH_KEYS, value_tile, head_dim, c, rescale + r, \
+                                          acc + r * head_dim, k); break;
+                            WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) WEIGH_CASE(5) WEIGH_CASE(6)
+#undef WEIGH_CASE
+                        }
+                        r += n;
+                    }
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t token = starts[i] + first + r / per_kv, head = kvh * per_kv + r % per_kv;
+                const float inverse = 1.0f / total[r];
+                float *result = out + (token * num_heads + head) * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) result[d] = acc[r * head_dim + d] * inverse;
+            }
+        }
+        free(rescale);
+        free(total);
+        free(best);
+        free(acc);
+        free(scores);
+        free(probs);
+        free(qb);
+    }
+    free(packed_values);
+    free(packed_keys);
+    free(items_at);
+    free(packed_at);
+#else
+    (void)q; (void)q_stride; (void)kv; (void)block_tables; (void)table_stride; (void)starts; (void)query_lens;
+    (void)contexts; (void)tables; (void)count; (void)out; (void)num_heads; (void)num_kv_heads; (void)head_dim;
+    (void)block_size; (void)num_blocks; (void)scale; (void)kv_bf16;
+    abort();  /* the Python side asks infer_flash_kind first */
+#endif
+}
+
 /* ---- a few tokens through a layer's dense parts -------------------------------------------------------------- */
 
 /* One layer's projections packed by pack_weights (fp16, bf16, or int8 with scales from pack_scales; see

@@ -8,11 +8,15 @@ cascade. Measured against ``sdpa``'s torch path per layer call: prefill chunks a
 (README, "CPU performance").
 
 With ``prefill_dtype: bfloat16`` the sequences that bring at least ``prefill_min_tokens`` query tokens to a step
-(prefill chunks) are attended by torch's flash attention in bf16 instead (their context gathered from the pool and
-rounded to bf16 once per layer; oneDNN's AMX or AVX512-BF16 code where the CPU has it): on the Intel AMX machine
-512 fresh tokens took 26 ms over the 30 layers against the kernel's 97. ``auto`` (the default) does it where the
-model's weights are bf16 (``model.quantization: bf16``, whose large steps already run at bf16 precision), and
-keeps float32 everywhere else. Every other query stays on the kernel.
+(prefill chunks) are attended by a flash attention in bf16 instead (Q, K, V and the probabilities rounded to bf16,
+scores and sums float32). ``auto`` (the default) does it where the model's weights are bf16 (``model.quantization:
+bf16``, whose large steps already run at bf16 precision), and keeps float32 everywhere else. Every other query stays
+on the kernel. Which flash attention, ``prefill_kernel``: ``infer``'s own (``infer_flash_attention``, AVX512-BF16
+dot products over K/V packed once per layer from the pool, an online softmax over tiles of 32 keys; 512 fresh
+tokens 4.0-4.8 ms a layer against torch's 8.4 on an Intel Xeon without AMX) or ``torch``'s
+(``scaled_dot_product_attention`` over the context gathered from the pool; oneDNN's AMX code where the CPU has AMX:
+26 ms over the 30 layers there, faster than dot products can be). ``auto``: infer's where the kernels have it and
+the CPU has no AMX, else torch's.
 
 Decode and verification queries are exactly the kernels', over the standard pool layout, so it declares
 ``fused_cpu_attention``: the execution layer may then run a step of a few tokens through all layers in one C call,
@@ -32,7 +36,8 @@ from pydantic import Field
 
 from infer import cpu_kernels
 from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata, BackendUnavailableError, gather_blocks
-from infer.cpu_kernels import KernelAttentionPlan
+from infer.calibration import cpu_description
+from infer.cpu_kernels import FlashChunks, KernelAttentionPlan
 
 
 class CpuAttentionConfig(AttentionConfig):
@@ -45,6 +50,10 @@ class CpuAttentionConfig(AttentionConfig):
                             "natively), float32 with the C kernel (exact). auto: bfloat16 when the model's weights "
                             "are bf16 (model.quantization bf16), else float32.")
     prefill_min_tokens: int = Field(32, ge=1, description="Query tokens from which prefill_dtype applies.")
+    prefill_kernel: Literal["auto", "infer", "torch"] = Field(
+        "auto", description="Which flash attention computes prefill_dtype bfloat16: infer (the C kernels' own, "
+                            "AVX512-BF16), torch (scaled_dot_product_attention; oneDNN's AMX code where the CPU has "
+                            "AMX). auto: infer where the kernels have it and the CPU has no AMX, else torch.")
     kv_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="The pool's dtype: bfloat16 halves its bytes (twice the tokens in a budget, half the "
                             "bytes each decode step reads; K/V rounded to bf16 once, queries and sums float32), "
@@ -67,10 +76,12 @@ class PrefillQuery:
 @dataclass(slots=True)
 class CpuMetadata(AttentionMetadata):
     """``AttentionMetadata`` plus the kernel's plan (which row attends to how many tokens of which sequence; None
-    when no row is the kernel's) and the sequences flash attention takes instead."""
+    when no row is the kernel's) and the sequences flash attention takes instead: infer's (``flash``) or torch's
+    (``prefills``)."""
 
     plan: KernelAttentionPlan | None = None
     prefills: list[PrefillQuery] = field(default_factory=list)
+    flash: FlashChunks | None = None
 
 
 class CpuBackend(AttentionBackend):
@@ -89,6 +100,8 @@ class CpuBackend(AttentionBackend):
         # None: every query on the kernel (float32). auto, where the engine has not resolved it, counts as float32.
         bf16 = self.config.prefill_dtype == "bfloat16"
         self.prefill_min_tokens: int | None = self.config.prefill_min_tokens if bf16 else None
+        # "infer" or "torch": whose flash attention takes those sequences (None: no sequence is taken)
+        self.prefill_kernel: str | None = self._choose_prefill_kernel() if bf16 else None
         if self.config.kv_dtype == "bfloat16":
             self.kv_dtype = torch.bfloat16
 
@@ -97,6 +110,19 @@ class CpuBackend(AttentionBackend):
             raise BackendUnavailableError(f"attention backend cpu runs float32 on a CPU, not {self.dtype} on "
                                           f"{self.device}; use attention.name=sdpa (or auto, which picks for you)")
 
+    def _choose_prefill_kernel(self) -> str:
+        own = self.kernels.flash and self.head_dim % 64 == 0
+        chosen = self.config.prefill_kernel
+        if chosen == "infer" and not own:
+            raise BackendUnavailableError(
+                f"attention.prefill_kernel=infer needs infer's flash attention, built only where the CPU has "
+                f"AVX512-BF16 and for a head size that is a multiple of 64 (this build: "
+                f"{'has it' if self.kernels.flash else 'has none'}, head size {self.head_dim}); use "
+                f"attention.prefill_kernel=torch or auto")
+        if chosen == "auto":
+            chosen = "infer" if own and "amx_bf16" not in cpu_description()[1] else "torch"
+        return chosen
+
     def prepare(self, metadata: AttentionMetadata) -> CpuMetadata:
         """The kernel's plan and the flash-attention sequences of the step, built once for all layers."""
         fields = {item.name: getattr(metadata, item.name) for item in dataclasses.fields(AttentionMetadata)}
@@ -104,9 +130,11 @@ class CpuBackend(AttentionBackend):
         if threshold is None or metadata.max_query_len < threshold:
             return CpuMetadata(**fields, plan=KernelAttentionPlan.every_token(metadata))
         every = KernelAttentionPlan.every_token(metadata)
-        prefills, kernel_rows, start = [], [], 0
+        prefills, chunks, kernel_rows, start = [], [], [], 0
         for index, (query_len, context) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
-            if query_len >= threshold:
+            if query_len >= threshold and self.prefill_kernel == "infer":
+                chunks.append((start, query_len, context, index))
+            elif query_len >= threshold:
                 block_ids = metadata.block_tables[index, : -(-context // self.block_size)].long()
                 mask = None
                 if context > query_len:  # bottom-right causal: query i sees positions <= context - query_len + i
@@ -121,7 +149,7 @@ class CpuBackend(AttentionBackend):
             rows = torch.tensor(kernel_rows, dtype=torch.int64)
             plan = KernelAttentionPlan(rows, every.seq_of_query[rows].contiguous(),
                                        every.context_lens[rows].contiguous(), len(kernel_rows), every.max_context)
-        return CpuMetadata(**fields, plan=plan, prefills=prefills)
+        return CpuMetadata(**fields, plan=plan, prefills=prefills, flash=FlashChunks.of(chunks) if chunks else None)
 
     def forward(
         self,
@@ -139,6 +167,8 @@ class CpuBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype)
         if metadata.plan is not None:
             self.kernels.paged_attention(q, kv_cache, metadata.block_tables, metadata.plan, self.scale, out)
+        if metadata.flash is not None:
+            self.kernels.flash_attention(q, kv_cache, metadata.block_tables, metadata.flash, self.scale, out)
         for prefill in metadata.prefills:
             out[prefill.start:prefill.end] = self._flash(q[prefill.start:prefill.end], kv_cache, prefill)
         return out
