@@ -190,7 +190,8 @@ def test_cpu_prefill_kernel_auto_takes_infers_flash_where_it_is_built_and_the_cp
 
     built = backend(64).kernels.flash
     flags = cpu_plugin.cpu_description()
-    monkeypatch.setattr(cpu_plugin, "cpu_description", lambda: (flags[0], tuple(f for f in flags[1] if f != "amx_bf16")))
+    without_amx = tuple(flag for flag in flags[1] if flag != "amx_bf16")
+    monkeypatch.setattr(cpu_plugin, "cpu_description", lambda: (flags[0], without_amx))
     assert backend(64).prefill_kernel == ("infer" if built else "torch")
     assert backend(32).prefill_kernel == "torch"
     assert CpuBackend(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
