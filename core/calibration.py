@@ -14,6 +14,13 @@ The result is cached per signature (the CPU's name and the vector flags that mat
 the model's shapes, weight packing and dtype, the kernels' build) under the cache dir,
 ``calibration/<signature>.json``; a config with ``execution.recalibrate: true`` measures again. ``infer run`` prints
 what was chosen.
+
+A second, smaller measurement, ``choose_gemm`` (``execution.large_gemm: auto``), decides how bf16 weights' steps
+of more rows than the GEMV takes multiply: with bf16 arithmetic (infer's tile kernel on AMX tiles or AVX512-BF16
+dot products up to ``TILE_MAX_ROWS`` rows, oneDNN's GEMM beyond, inputs rounded to bf16) or on the same tiles with
+float32 FMAs over the widened bf16 weights (float32 inputs). On AMX the bf16 arithmetic wins by far; on an Intel Xeon
+with AVX512-BF16 and no AMX the FMAs ran 1.6x its dot products (README, CPU performance). Cached the same way,
+``calibration/gemm-<signature>.json``.
 """
 
 from __future__ import annotations
@@ -103,17 +110,20 @@ def threshold(times_ms: dict[int, tuple[float, float]]) -> int:
     return best
 
 
+def read_times(data: dict) -> dict[int, tuple[float, float]]:
+    """A cached ``times_ms`` (JSON keys are strings) back as ints to pairs of floats."""
+    return {int(size): (float(pair[0]), float(pair[1])) for size, pair in data["times_ms"].items()}
+
+
 def load_cached(digest: str) -> Calibration | None:
-    path = calibration_path(digest)
     try:
-        data = json.loads(path.read_text())
-        times = {int(tokens): (float(pair[0]), float(pair[1])) for tokens, pair in data["times_ms"].items()}
-        return Calibration(int(data["fused_max_tokens"]), data["cpu"], digest, times, cached=True)
+        data = json.loads(calibration_path(digest).read_text())
+        return Calibration(int(data["fused_max_tokens"]), data["cpu"], digest, read_times(data), cached=True)
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None  # none yet, or unreadable: measure again
 
 
-def save(calibration: Calibration) -> None:
+def save(calibration: Calibration | GemmChoice) -> None:
     path = calibration_path(calibration.signature)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -130,6 +140,7 @@ def calibrate(model, attention, executor, quantization: str, device: torch.devic
               recalibrate: bool = False) -> Calibration:
     """The cached calibration for this machine and model, or a new measurement (``recalibrate``: always)."""
     build = executor.kernels.path.name if executor.kernels is not None else ""
+    build += ", float32 GEMMs" if executor.float_gemms else ""  # the torch path's large steps
     cpu, digest = signature(model, quantization, dtype, build)
     if not recalibrate:
         cached = load_cached(digest)
@@ -180,4 +191,95 @@ def measure(model, attention, executor, device: torch.device, dtype: torch.dtype
     finally:
         executor.set_fused_max_tokens(model, restore)
         executor.counts.clear()
+    return times
+
+
+# Rows ``choose_gemm`` times: a large decode step (against the bf16 tiles) and a prefill chunk (against oneDNN).
+GEMM_ROWS = (64, 512)
+# The FMAs must be at least this much faster at every size (a tie keeps the bf16 arithmetic the CPU was built for).
+GEMM_MARGIN = 0.9
+
+
+@dataclass(slots=True)
+class GemmChoice:
+    """How bf16 weights' large steps multiply, ``bf16`` or ``float32`` (the tiles' FMAs: ``PackedLinear``'s
+    ``tile_fma``), and per rows the milliseconds it came from: bf16, float32 (none where configured or where the
+    FMAs cannot run)."""
+
+    name: str
+    signature: str = ""
+    times_ms: dict[int, tuple[float, float]] = field(default_factory=dict)
+    cached: bool = False
+    reason: str = "configured"
+
+    def describe(self) -> str:
+        if not self.times_ms:
+            return f"large GEMMs {self.name} ({self.reason})"
+        where = "cached" if self.cached else "measured now"
+        cells = ", ".join(f"{rows} rows {bf16:.2f} vs {f32:.2f} ms"
+                          for rows, (bf16, f32) in sorted(self.times_ms.items()))
+        return f"large GEMMs {self.name} ({where}; bf16 vs float32 {cells})"
+
+
+def choose_gemm(setting: str, model, kernels, recalibrate: bool = False) -> GemmChoice:
+    """``execution.large_gemm``: ``bf16`` or ``float32`` as configured, or for ``auto`` the cached measurement for
+    this CPU and model shape, or a new one (``recalibrate``: always): float32 where it is faster than bf16 by
+    ``GEMM_MARGIN`` at every size of ``GEMM_ROWS``. Without the tile kernel's FMAs (no AVX-512 build, or no tiles)
+    only bf16 exists."""
+    if not (kernels.tile_fma and kernels.tiles):
+        if setting == "float32":
+            raise ValueError(f"execution.large_gemm=float32 runs on infer's tile kernel with AVX-512 FMAs; these "
+                             f"kernels are a {kernels.simd} build (tiles: {kernels.tiles}); use auto or bf16")
+        return GemmChoice("bf16", reason="no float32 tile kernel in this build")
+    if setting != "auto":
+        return GemmChoice(setting)
+    from infer.cpu_kernels import can_pack_tiles
+
+    shape = (model.config.hidden_size, model.config.intermediate_size)
+    if not can_pack_tiles(2 * shape[1], shape[0]):
+        return GemmChoice("bf16", reason="the model's shapes do not fit the tiles")
+    name, flags = cpu_description()
+    key = json.dumps(["gemm", name, flags, torch.get_num_threads(), torch.__version__, shape, kernels.path.name])
+    digest = "gemm-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    if not recalibrate:
+        try:
+            data = json.loads(calibration_path(digest).read_text())
+            return GemmChoice(str(data["name"]), digest, read_times(data), cached=True)
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            pass
+    times = measure_gemm(*shape, kernels)
+    faster = all(f32 < bf16 * GEMM_MARGIN for bf16, f32 in times.values())
+    choice = GemmChoice("float32" if faster else "bf16", digest, times, reason="measured")
+    save(choice)
+    logger.info("GEMM calibration: %s", choice.describe())
+    return choice
+
+
+@torch.inference_mode()
+def measure_gemm(hidden: int, intermediate: int, kernels, rows: tuple[int, ...] = GEMM_ROWS,
+                 repeats: int = REPEATS) -> dict[int, tuple[float, float]]:
+    """Per row count, the fastest of ``repeats`` gate/up projections (the model's largest; random weights, rounded
+    to bf16 and packed for the tiles) with bf16 arithmetic as a ``PackedLinear`` runs it there (the tiles with float32
+    rows up to ``TILE_MAX_ROWS``, oneDNN's GEMM with bf16 rows beyond) and on the tiles' float32 FMAs, alternately
+    (ms)."""
+    from infer.cpu_kernels import pack_tiles
+    from infer.quantization import TILE_MAX_ROWS, bf16_gemm_weight, bf16_linear
+
+    weight = (torch.randn(2 * intermediate, hidden) * 0.02).bfloat16()
+    tiles, packed = pack_tiles(weight), bf16_gemm_weight(weight.float())
+    times = {}
+    for count in rows:
+        x = torch.randn(count, hidden)
+        x_bf16 = x.bfloat16()
+        bf16 = (lambda: kernels.linear_tiles(x, tiles, None)) if count <= TILE_MAX_ROWS else \
+            (lambda: bf16_linear(x_bf16, packed))
+        candidates = bf16, lambda: kernels.linear_tiles(x, tiles, None, fma=True)
+        best = [float("inf"), float("inf")]
+        for repeat in range(repeats + 1):
+            for index, run in enumerate(candidates):
+                began = time.perf_counter()
+                run()
+                if repeat:  # the first round warms up
+                    best[index] = min(best[index], (time.perf_counter() - began) * 1e3)
+        times[count] = (best[0], best[1])
     return times

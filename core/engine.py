@@ -162,7 +162,7 @@ class Engine:
                                   shard=None if self.tensor_parallel is None else self.tensor_parallel.shard)
         self.model, self.quantization, self.executor = stack.model, stack.quantization, stack.executor
         self.attention_name, self.attention = stack.attention_name, stack.attention
-        self.calibration = stack.calibration
+        self.calibration, self.gemm = stack.calibration, stack.gemm
         self.vocab_size = self.model.vocab_size
         self.tokenizer = loaded.tokenizer
         self.max_token_bytes = max(len(token.encode()) for token in self.tokenizer.get_vocab())
@@ -270,7 +270,8 @@ class Engine:
         parallel = "" if self.tensor_parallel is None else f"; {self.tensor_parallel.describe()}"
         fused = (self.calibration.describe() if self.calibration is not None
                  else f"fused up to {self.executor.fused_max_tokens} tokens")
-        return f"{dtypes}; attention {chosen}; {kernels}; execution paths {paths} ({fused}){parallel}"
+        gemm = "" if self.gemm is None else f"; {self.gemm.describe()}"
+        return f"{dtypes}; attention {chosen}; {kernels}; execution paths {paths} ({fused}){gemm}{parallel}"
 
     def _check_max_model_len(self, loaded) -> None:
         limit = getattr(loaded.hf_config, "max_position_embeddings", None)

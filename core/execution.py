@@ -36,7 +36,7 @@ import torch
 
 from infer.attention import AttentionBackend, AttentionMetadata
 from infer.calibration import CANDIDATES as CALIBRATION_CANDIDATES
-from infer.calibration import DEFAULT_FUSED_MAX_TOKENS, Calibration, calibrate
+from infer.calibration import DEFAULT_FUSED_MAX_TOKENS, Calibration, GemmChoice, calibrate, choose_gemm
 from infer.cpu_kernels import FusedStack, KernelAttentionStep
 from infer.model.ops import StepOps
 
@@ -184,14 +184,19 @@ class Executor:
         self.fused_max_tokens = fused_max_tokens
         # Every projection is a bf16 GEMM for large steps: those steps pass bf16 rows between them (``StepOps``).
         self.bf16_gemm_inputs = bf16_gemm_inputs
+        self.float_gemms = False  # bf16 weights' large steps on the tiles' float32 FMAs (``for_model``)
+        self.gemm: GemmChoice | None = None  # where that choice came from (``build_executor``)
         self.counts: Counter[str] = Counter()
 
     @classmethod
     def for_model(cls, model: LlamaForCausalLM, kernels: CpuKernels | None,
-                  paths: Sequence[str] = PATH_NAMES, fused_max_tokens: int = 8) -> Executor:
+                  paths: Sequence[str] = PATH_NAMES, fused_max_tokens: int = 8,
+                  float_gemms: bool = False) -> Executor:
         """The executor for ``model``: with ``kernels``, its weights prepared for them and the fused paths named in
-        ``paths`` (in that order) before torch; without, torch alone."""
-        model.use_cpu_kernels(kernels, fused_max_tokens)
+        ``paths`` (in that order) before torch; without, torch alone. ``float_gemms``: bf16 weights' steps of more
+        rows than the GEMV takes multiply on the tile kernel's float32 FMAs (``execution.large_gemm``), so large
+        steps pass float32 rows between the projections."""
+        model.use_cpu_kernels(kernels, fused_max_tokens, float_gemms)
         if kernels is None:
             return cls()
         known = {"fused-stack": FusedStackPath, "fused-layers": FusedLayersPath}
@@ -199,11 +204,15 @@ class Executor:
         if unknown:
             raise ValueError(f"unknown execution paths {unknown}; choose from {', '.join(PATH_NAMES)}")
         chosen = [known[name](fused_max_tokens) for name in paths if name in known]
-        return cls([*chosen, TorchPath()], kernels, fused_max_tokens, _all_bf16_gemms(model))
+        executor = cls([*chosen, TorchPath()], kernels, fused_max_tokens, _all_bf16_gemms(model) and not float_gemms)
+        executor.float_gemms = float_gemms
+        return executor
 
     def for_another(self, model: LlamaForCausalLM) -> Executor:
-        """An executor with these kernels and paths for another model (a draft model), its weights prepared."""
-        return Executor.for_model(model, self.kernels, [path.name for path in self.paths], self.fused_max_tokens)
+        """An executor with these kernels and paths for another model (a draft model), its weights prepared (on the
+        tiles' float32 FMAs where this one's are)."""
+        return Executor.for_model(model, self.kernels, [path.name for path in self.paths], self.fused_max_tokens,
+                                  self.float_gemms)
 
     def set_fused_max_tokens(self, model: LlamaForCausalLM, max_tokens: int) -> None:
         """Let steps of up to ``max_tokens`` tokens take the fused paths and ``model``'s GEMV (weights already
@@ -279,9 +288,11 @@ def choose_attention(name: str, device: torch.device, dtype: torch.dtype, kernel
     return "cpu" if device.type == "cpu" and dtype == torch.float32 and kernels is not None else "sdpa"
 
 
-def build_executor(model: LlamaForCausalLM, config, device: torch.device, dtype: torch.dtype) -> Executor:
+def build_executor(model: LlamaForCausalLM, config, device: torch.device, dtype: torch.dtype,
+                   quantization: str = "none") -> Executor:
     """How steps run through ``model`` for ``config`` (an ``InferConfig``): with infer's CPU kernels for float32 on
-    a CPU (loaded once; ``model.cpu_kernels``), else torch's ops. Every tensor-parallel rank builds its own."""
+    a CPU (loaded once; ``model.cpu_kernels``), else torch's ops; bf16 weights' large steps on what
+    ``execution.large_gemm`` chose (``executor.gemm``). Every tensor-parallel rank builds its own."""
     from infer import cpu_kernels
 
     model_config, execution = config.model, config.execution
@@ -293,7 +304,13 @@ def build_executor(model: LlamaForCausalLM, config, device: torch.device, dtype:
     max_tokens = execution.fused_max_tokens
     max_tokens = (max(CALIBRATION_CANDIDATES) if kernels is not None else DEFAULT_FUSED_MAX_TOKENS) \
         if max_tokens == "auto" else max_tokens
-    return Executor.for_model(model, kernels, execution.paths, max_tokens)
+    gemm = None
+    if kernels is not None and quantization == "bf16":
+        gemm = choose_gemm(execution.large_gemm, model, kernels, execution.recalibrate)
+    executor = Executor.for_model(model, kernels, execution.paths, max_tokens, gemm is not None and
+                                  gemm.name == "float32")
+    executor.gemm = gemm
+    return executor
 
 
 def build_attention(registry, config, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
@@ -324,6 +341,7 @@ class ModelStack:
     attention_name: str
     attention: AttentionBackend
     calibration: Calibration | None = None  # where ``execution.fused_max_tokens: auto`` came from
+    gemm: GemmChoice | None = None  # bf16 weights: what their large steps multiply on (``execution.large_gemm``)
 
 
 def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
@@ -334,7 +352,7 @@ def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.d
 
     quantization = resolve_quantization(config.model.quantization, config.model.dtype, dtype, device)
     model = quantize_model(model if shard is None else shard(model), quantization)
-    executor = build_executor(model, config, device, dtype)
+    executor = build_executor(model, config, device, dtype, quantization)
     name, attention = build_attention(registry, config, model, device, dtype, executor.kernels, quantization)
     calibration = None
     if config.execution.fused_max_tokens == "auto" and executor.kernels is not None:
@@ -344,4 +362,4 @@ def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.d
             executor.set_fused_max_tokens(model, calibration.fused_max_tokens)
         else:  # sharded layers never fuse (an all-reduce follows two of their projections)
             executor.set_fused_max_tokens(model, DEFAULT_FUSED_MAX_TOKENS)
-    return ModelStack(model, quantization, executor, name, attention, calibration)
+    return ModelStack(model, quantization, executor, name, attention, calibration, executor.gemm)

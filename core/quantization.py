@@ -35,7 +35,7 @@ import warnings
 import torch
 from torch import nn
 
-from infer.cpu_kernels.packing import can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights
+from infer.cpu_kernels.packing import can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, unpack_tiles
 from infer.model import Linear
 
 QUANTIZATIONS = ("none", "fp16", "bf16", "int8", "int8_per_row", "w8a8")
@@ -161,8 +161,11 @@ class PackedLinear(nn.Module):
         # bf16 on kernels with AMX or AVX512-BF16: the weights in pack_tiles' layout, for inputs of 9 to TILE_MAX_ROWS
         # rows.
         self.tile_weight: torch.Tensor | None = None
+        # bf16 with tiles where float32 FMAs outrun the bf16 dot products (``use_cpu_kernels``' ``tile_fma``): every
+        # input the GEMV does not take multiplies on the tiles with float32 FMAs; oneDNN's copy (``packed``) is dropped.
+        self.tile_fma = False
 
-    def use_cpu_kernels(self, kernels, gemv_rows: int = 0) -> None:
+    def use_cpu_kernels(self, kernels, gemv_rows: int = 0, tile_fma: bool = False) -> None:
         """Compute inputs of up to ``gemv_rows`` rows (decode at small batches, verification: the execution layer's
         ``fused_max_tokens``) with ``kernels.linear`` (``fp16`` and the int8 modes, shapes ``pack_weights`` takes),
         over a copy of the weights in its layout beside fbgemm's packed one: fp16, or the int8 weights and their
@@ -170,7 +173,10 @@ class PackedLinear(nn.Module):
         performance). Costs the copy's bytes (counted in ``nbytes``). bf16 on kernels with AMX or AVX512-BF16
         (``kernels.tiles``): inputs of more rows than one GEMV pass (``kernels.pass_rows``), up to ``TILE_MAX_ROWS``,
         take ``kernels.linear_tiles`` over a third copy in ``pack_tiles``' layout (README, CPU performance).
-        ``kernels`` None undoes it."""
+        ``tile_fma`` (bf16 with tiles, kernels with ``tile_fma``): every input of more rows than one GEMV pass takes
+        the tiles with float32 FMAs (float32 inputs, not rounded), whatever its rows, and oneDNN's copy is dropped:
+        for CPUs where that beats the bf16 dot products and oneDNN (``infer.calibration.choose_gemm``). Applied when
+        the kernels are first set. ``kernels`` None undoes it."""
         self.gemv_rows = gemv_rows if kernels is not None else 0
         if self.mode not in _KERNEL_MODES or (kernels is None) == (self.kernels is None):
             return
@@ -178,16 +184,23 @@ class PackedLinear(nn.Module):
         if not can_pack(self.out_features, self.in_features, group):  # stays on fbgemm
             return
         if kernels is None:
+            if self.packed is None:  # oneDNN's copy back from the tiles
+                self.packed = bf16_gemm_weight(self.bf16_weight().float())
+                self.nbytes += self.in_features * self.out_features * 2
             for copy in (self.kernel_weight, self.tile_weight):
                 self.nbytes -= 0 if copy is None else copy.numel() * copy.element_size()
             self.kernels = self.kernel_weight = self.kernel_scales = self.tile_weight = None
+            self.tile_fma = False
             return
         if self.mode == "bf16":
-            plain = self.packed.to_dense() if self.packed.is_mkldnn else self.packed
+            plain = self.bf16_weight()
             self.kernel_weight = pack_weights(plain)
             if kernels.tiles and can_pack_tiles(self.out_features, self.in_features):
                 self.tile_weight = pack_tiles(plain)
                 self.nbytes += self.tile_weight.numel() * 2
+                if tile_fma and kernels.tile_fma:
+                    self.tile_fma, self.packed = True, None
+                    self.nbytes -= plain.numel() * 2
         else:
             weight, _ = torch.ops.quantized.linear_unpack_fp16(self.packed)
             if self.scales is not None:  # the fp16 weights are the int8 ones times their scales, exactly
@@ -199,15 +212,21 @@ class PackedLinear(nn.Module):
         self.nbytes += self.kernel_weight.numel() * self.kernel_weight.element_size()
         self.kernels = kernels
 
+    def bf16_weight(self) -> torch.Tensor:
+        """Mode bf16: the plain bf16 weight ``[n, k]``, from whichever copy this module holds."""
+        if self.packed is None:
+            return unpack_tiles(self.tile_weight)
+        return self.packed.to_dense() if self.packed.is_mkldnn else self.packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the engine's tokens are already flat
         rows = flat.shape[0]
         if self.kernels is not None and rows <= self.gemv_rows and \
                 (self.tile_weight is None or rows <= self.kernels.pass_rows):
             out = self.kernels.linear(flat.float(), self.kernel_weight, self.kernel_scales, self.bias).to(x.dtype)
-        elif self.tile_weight is not None and rows <= TILE_MAX_ROWS:  # float32 or bf16 rows in, the same out
+        elif self.tile_weight is not None and (self.tile_fma or rows <= TILE_MAX_ROWS):  # float32 or bf16 rows
             out = self.kernels.linear_tiles(flat if flat.dtype == torch.bfloat16 else flat.float(), self.tile_weight,
-                                            self.bias)
+                                            self.bias, self.tile_fma)
         elif self.mode == "bf16":  # bf16 rows in, bf16 rows out (``StepOps.gemm_dtype``); else float32
             out = bf16_linear(flat, self.packed)
             if self.bias is not None:

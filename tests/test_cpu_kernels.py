@@ -270,6 +270,32 @@ def test_linear_tiles_is_the_bf16_rounded_product_in_float32(kernels, rows, bias
         kernels.linear_tiles(x, weight, None)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 300])  # partial and whole 8-row passes, two 256-row chunks
+def test_linear_tiles_with_fma_is_the_float32_rows_times_the_bf16_weights(kernels, rows, bias):
+    """``fma``: float32 FMAs over the widened bf16 weights, the rows not rounded: float64's product of the same
+    values up to the sums' order; bf16 rows in are widened exactly and come out rounded once. Needs an AVX-512
+    build (skipped elsewhere, where asking for it is refused)."""
+    weight = randn(96, 576, seed=21, scale=0.1).to(torch.bfloat16)
+    tiles = cpu_kernels.pack_tiles(weight)
+    x = randn(rows, 576, seed=23)
+    if not kernels.tile_fma:
+        with pytest.raises(ValueError, match="AVX-512 build"):
+            kernels.linear_tiles(x, tiles, None, fma=True)
+        pytest.skip(f"the tiles' float32 FMAs need an AVX-512 build; these kernels are {kernels.simd}")
+    bias_values = randn(96, seed=22) if bias else None
+    wide_bias = None if bias_values is None else bias_values.double()
+    exact = torch.nn.functional.linear(x.double(), weight.double(), wide_bias)
+    out = kernels.linear_tiles(x, tiles, bias_values, fma=True)
+    assert out.dtype == torch.float32 and out.shape == (rows, 96)
+    torch.testing.assert_close(out.double(), exact, atol=2e-5, rtol=1e-5)
+    narrow_in = x.to(torch.bfloat16)
+    narrow = kernels.linear_tiles(narrow_in, tiles, bias_values, fma=True)
+    assert narrow.dtype == torch.bfloat16
+    exact = torch.nn.functional.linear(narrow_in.double(), weight.double(), wide_bias)
+    torch.testing.assert_close(narrow.double(), exact, atol=1e-4, rtol=8e-3)
+
+
 def test_the_tile_gemm_is_the_fastest_this_cpu_has(kernels):
     """-march=native builds the AMX kernel where the CPU has AMX (used when Linux allows it), else the AVX512-BF16
     one where it has that; only a CPU with neither multiplies ``linear_tiles`` in plain C."""
@@ -286,7 +312,8 @@ def test_the_tile_gemm_is_the_fastest_this_cpu_has(kernels):
 
 def test_fused_layer_multiplies_large_steps_on_the_tiles(kernels):
     """A fused layer with tiles beside its bf16 GEMV weights: steps of up to one GEMV pass give exactly the GEMV's
-    result, larger ones the tiles' (activations rounded to bf16, within bf16 of the float32 GEMV)."""
+    result, larger ones the tiles' (activations rounded to bf16, within bf16 of the float32 GEMV; with the tiles'
+    float32 FMAs, where built, the GEMV's float32 products up to the sums' order)."""
     from infer.cpu_kernels import FusedLayer
 
     hidden, intermediate, head_dim = 64, 128, 16
@@ -295,20 +322,26 @@ def test_fused_layer_multiplies_large_steps_on_the_tiles(kernels):
     weights = [cpu_kernels.pack_weights(weight) for weight in plain]
     norms = (randn(hidden, seed=40).abs() + 0.5, randn(hidden, seed=41).abs() + 0.5)
     args = (weights, [None] * 4, [None] * 4, norms, 1e-5, hidden, (hidden + 64) // head_dim, head_dim)
-    layers = [FusedLayer(kernels, *args), FusedLayer(kernels, *args, [cpu_kernels.pack_tiles(w) for w in plain])]
+    tiles = [cpu_kernels.pack_tiles(w) for w in plain]
+    layers = [FusedLayer(kernels, *args), FusedLayer(kernels, *args, tiles)]
+    if kernels.tile_fma:  # float32 FMAs on the same tiles: float32 rows times the bf16 weights, as the GEMV's
+        layers.append(FusedLayer(kernels, *args, tiles, tiles_fma=True))
     for tokens in (kernels.pass_rows, kernels.pass_rows + 5):
         residual, attended = randn(tokens, hidden, seed=42), randn(tokens, hidden, seed=43)
         outs = []
         for layer in layers:
             stream = residual.clone()
             outs.append((layer.feed_forward(attended, stream), stream))
-        (gemv, gemv_stream), (tiled, tiled_stream) = outs
+        (gemv, gemv_stream), (tiled, tiled_stream) = outs[:2]
         if tokens <= kernels.pass_rows:
-            assert torch.equal(gemv, tiled) and torch.equal(gemv_stream, tiled_stream)
-        else:
-            torch.testing.assert_close(tiled, gemv, atol=3e-2, rtol=3e-2)
-            torch.testing.assert_close(tiled_stream, gemv_stream, atol=3e-2, rtol=3e-2)
-            assert not torch.equal(tiled, gemv)  # the tiles did run
+            assert all(torch.equal(gemv, out) and torch.equal(gemv_stream, stream) for out, stream in outs)
+            continue
+        torch.testing.assert_close(tiled, gemv, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(tiled_stream, gemv_stream, atol=3e-2, rtol=3e-2)
+        assert not torch.equal(tiled, gemv)  # the tiles did run
+        for out, stream in outs[2:]:
+            torch.testing.assert_close(out, gemv, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(stream, gemv_stream, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="packed by pack_tiles"):
         FusedLayer(kernels, *args, [cpu_kernels.pack_tiles(plain[1])] * 4)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 
 from infer import LLM, SamplingParams, cpu_kernels
 from infer.execution import Executor, choose_attention
+from infer.loader import load_model
+from infer.quantization import PackedLinear, quantize_model
 
 CORE = Path(__file__).resolve().parents[1] / "core"
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
@@ -122,7 +125,7 @@ def test_the_last_path_must_accept_every_step():
 
     with pytest.raises(ValueError, match="last execution path must be torch"):
         Executor([FusedLayersPath(8)])
-    model = type("Model", (), {"use_cpu_kernels": lambda self, kernels, rows: None})()
+    model = type("Model", (), {"use_cpu_kernels": lambda self, kernels, rows, tile_fma=False: None})()
     with pytest.raises(ValueError, match="unknown execution paths"):
         Executor.for_model(model, object(), ["fused-stak", "torch"])
 
@@ -256,13 +259,84 @@ def test_large_steps_over_bf16_weights_pass_bf16_rows_between_the_gemms(tiny_mod
                                                                            seen.append(self.gemm_dtype))[0])
     prompt = "a b c d e f g h i j k l m n o p"
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    llm = _auto_llm(tiny_model_dir, "model.quantization=bf16", "execution.fused_max_tokens=8")
+    llm = _auto_llm(tiny_model_dir, "model.quantization=bf16", "execution.fused_max_tokens=8",
+                    "execution.large_gemm=bf16")
     assert llm.engine.executor.bf16_gemm_inputs
     narrowed = llm.generate([prompt], params)[0].token_ids
     assert seen[0] is torch.bfloat16 and set(seen[1:]) == {None}  # the 16-token prefill, then decodes
     monkeypatch.setattr(llm.engine.executor, "bf16_gemm_inputs", False)
     assert llm.generate([prompt], params)[0].token_ids == narrowed
     assert not _auto_llm(tiny_model_dir, "model.quantization=fp16").engine.executor.bf16_gemm_inputs
+
+
+@needs_kernels
+@needs_fbgemm
+def test_auto_large_gemm_takes_float32_where_it_was_measured_faster_at_every_size(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    """``execution.large_gemm: auto`` with bf16 weights: a fake measurement where float32 wins by the margin at both
+    sizes puts every projection's large steps on the tiles' float32 FMAs (float32 rows between them, in the fused
+    layers too, a draft model's alike), cached and read back; a win short of the margin at one size keeps bf16; a
+    configured choice measures nothing; other weights never ask. Skipped where the kernels have no FMA tiles."""
+    from infer import calibration
+
+    if not (cpu_kernels.load(True).tile_fma and cpu_kernels.load(True).tiles):
+        pytest.skip("the tiles' float32 FMAs need an AVX-512 build with tiles (AVX512-BF16 or AMX)")
+    monkeypatch.setattr(calibration, "calibration_path", lambda digest: tmp_path / f"{digest}.json")
+    fake = {64: (2.0, 1.0), 512: (10.0, 6.0)}
+    measured = []
+    monkeypatch.setattr(calibration, "measure_gemm", lambda *args, **kwargs: measured.append(1) or fake)
+    bf16 = ("model.quantization=bf16", "execution.fused_max_tokens=8")
+    llm = _auto_llm(tiny_model_dir, *bf16)
+    engine = llm.engine
+    assert engine.gemm.name == "float32" and measured == [1]
+    assert engine.executor.float_gemms and not engine.executor.bf16_gemm_inputs
+    projections = [module for module in engine.model.modules() if isinstance(module, PackedLinear)]
+    assert projections and all(module.tile_fma and module.packed is None for module in projections)
+    assert all(layer.fused.struct.tiles_fma for layer in engine.model.layers)
+    assert "large GEMMs float32 (measured now; bf16 vs float32 64 rows 2.00 vs 1.00 ms, 512 rows 10.00 vs 6.00 " \
+           "ms)" in engine.describe_execution()
+    outputs = llm.generate(["a b c d e f g h i j k l m n o p"] * 2, SamplingParams(max_tokens=6, temperature=0.0))
+    assert outputs[0].token_ids == outputs[1].token_ids and len(outputs[0].token_ids) == 6
+    again = _auto_llm(tiny_model_dir, *bf16)
+    assert measured == [1] and again.engine.gemm.cached and again.engine.gemm.name == "float32"
+    draft = quantize_model(load_model(tiny_model_dir, torch.float32, torch.device("cpu")).model, "bf16")
+    assert again.engine.executor.for_another(draft).float_gemms  # a draft model's executor, as a drafter makes it
+    assert all(module.tile_fma for module in draft.modules() if isinstance(module, PackedLinear))
+    fake[512] = (10.0, 9.5)  # faster, but not by GEMM_MARGIN
+    assert _auto_llm(tiny_model_dir, *bf16, "execution.recalibrate=true").engine.gemm.name == "bf16"
+    assert measured == [1, 1]
+    configured = _auto_llm(tiny_model_dir, *bf16, "execution.large_gemm=float32").engine
+    assert configured.gemm.name == "float32" and configured.executor.float_gemms and measured == [1, 1]
+    assert "large GEMMs float32 (configured)" in configured.describe_execution()
+    assert _auto_llm(tiny_model_dir).engine.gemm is None  # fp16 weights: no such choice
+
+
+@needs_kernels
+@needs_fbgemm
+def test_large_gemm_float32_prefill_matches_float32_over_the_rounded_weights(tiny_model_dir, tmp_path):
+    """With ``large_gemm: float32`` (and float32 prefill attention) every product is float32 rows times the bf16
+    weights: the greedy tokens of a prefill and decodes equal those of an exact float32 model whose weights were
+    rounded to bf16 beforehand."""
+    from safetensors.torch import load_file, save_file
+
+    if not (cpu_kernels.load(True).tile_fma and cpu_kernels.load(True).tiles):
+        pytest.skip("the tiles' float32 FMAs need an AVX-512 build with tiles (AVX512-BF16 or AMX)")
+    rounded_dir = tmp_path / "rounded"
+    shutil.copytree(tiny_model_dir, rounded_dir)
+    for path in rounded_dir.glob("*.safetensors"):
+        tensors = load_file(path)
+        save_file({name: tensor.bfloat16().float() if tensor.dim() == 2 else tensor
+                   for name, tensor in tensors.items()}, path)
+    prompts = [list(range(10, 50)), list(range(100, 137))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    fma = LLM("baseline", dotlist=[f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256",
+                                   "model.quantization=bf16", "cache.num_blocks=64", "execution.large_gemm=float32",
+                                   "attention.name=cpu", "attention.prefill_dtype=float32",
+                                   "attention.kv_dtype=float32"])
+    exact = LLM("baseline", dotlist=[f"model.path={rounded_dir}", "model.dtype=float32", "model.max_model_len=256",
+                                     "model.quantization=none", "cache.num_blocks=64"])
+    assert [out.token_ids for out in fma.generate(prompts, params)] == \
+        [out.token_ids for out in exact.generate(prompts, params)]
 
 
 @needs_kernels
@@ -277,5 +351,9 @@ def test_a_real_calibration_times_both_paths_at_every_size(tiny_model_dir, tmp_p
     assert all(fused > 0 and gemm > 0 for fused, gemm in measured.times_ms.values())
     assert measured.fused_max_tokens == calibration.threshold(measured.times_ms)
     assert llm.engine.executor.counts.total() == 0  # the calibration's passes are no steps
+    kernels = llm.engine.executor.kernels
+    if kernels.tile_fma and kernels.tiles:
+        times = calibration.measure_gemm(64, 96, kernels, rows=(16, 300), repeats=2)
+        assert sorted(times) == [16, 300] and all(bf16 > 0 and f32 > 0 for bf16, f32 in times.values())
     output = llm.generate([list(range(10, 30))], SamplingParams(max_tokens=6, temperature=0.0))[0]
     assert len(output.token_ids) == 6

@@ -52,6 +52,41 @@ def test_packed_linear_matches_float32_within_its_precision(mode, tolerance, bia
     assert packed.nbytes < linear.weight.numel() * 4
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_tile_fma_multiplies_float32_rows_by_the_bf16_weights_beyond_the_gemv(bias):
+    """``tile_fma``: every input the GEMV does not take, whatever its rows, is float32 rows times the bf16 weights'
+    values (the tiles' FMAs: float64's product up to the sums' order); the GEMV's rows are unchanged; oneDNN's copy is
+    dropped and its bytes with it, and comes back when the kernels are undone."""
+    from infer import cpu_kernels
+
+    if cpu_kernels.compiler() is None:
+        pytest.skip("the CPU kernels need a C compiler")
+    kernels = cpu_kernels.load(True)
+    if not (kernels.tile_fma and kernels.tiles):
+        pytest.skip(f"the tiles' FMAs need an AVX-512 build with tiles (these: {kernels.simd}, {kernels.tiles})")
+    torch.manual_seed(0)
+    linear = Linear(96, 160, bias=bias)
+    torch.nn.init.normal_(linear.weight, std=0.1)
+    rounded = linear.weight.detach().bfloat16().double()
+    bias_values = None if linear.bias is None else linear.bias.detach().double()
+    plain, fma = PackedLinear(linear, "bf16"), PackedLinear(linear, "bf16")
+    plain.use_cpu_kernels(kernels, 8)
+    fma.use_cpu_kernels(kernels, 8, tile_fma=True)
+    assert fma.tile_fma and fma.packed is None and not plain.tile_fma
+    assert fma.nbytes == plain.nbytes - rounded.numel() * 2
+    few = torch.randn(3, 96)
+    with torch.no_grad():
+        assert torch.equal(fma(few), plain(few))
+        for rows in (9, 64, 300):  # 300: beyond TILE_MAX_ROWS, oneDNN's range without tile_fma
+            x = torch.randn(rows, 96)
+            exact = torch.nn.functional.linear(x.double(), rounded, bias_values)
+            torch.testing.assert_close(fma(x).double(), exact, atol=2e-5, rtol=1e-5)
+        fma.use_cpu_kernels(None)
+        x = torch.randn(300, 96)
+        assert fma.packed is not None and not fma.tile_fma and fma.nbytes == PackedLinear(linear, "bf16").nbytes
+        assert relative_error(fma(x), linear(x)) < 1e-2
+
+
 def test_auto_packs_16_bit_weights_only_for_float32_reached_through_dtype_auto(monkeypatch):
     monkeypatch.setattr(quantization, "bf16_gemm_available", lambda: False)
     assert resolve_quantization("auto", "auto", torch.float32, CPU) == "fp16"

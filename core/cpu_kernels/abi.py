@@ -40,7 +40,7 @@ _SIGNATURES = {
     "infer_layers_few": [_POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
                          _INT, _POINTER],
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
-    "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT],
+    "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
     "infer_flash_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT,
                               _POINTER, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT],
 }
@@ -66,6 +66,7 @@ class LayerStruct(ctypes.Structure):
                                                                "gate_up_groups", "down_groups", "qkv_kind",
                                                                "o_kind", "gate_up_kind", "down_kind")]
     _fields_ += [(name, _POINTER) for name in ("qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")]
+    _fields_ += [("tiles_fma", _INT)]
 
 
 class AttentionStepStruct(ctypes.Structure):
@@ -123,6 +124,8 @@ class CpuKernels:
         # "AVX512-BF16" (its dot products), or None (plain C, the slow reference).
         self.tiles = TILE_KINDS[tile_kind()]
         self.amx = self.tiles == "AMX tiles"
+        # Whether ``linear_tiles`` can multiply float32 rows with float32 FMAs (``fma``; AVX-512 builds).
+        self.tile_fma = self.simd == "avx512"
         # Whether ``flash_attention`` exists in this build (it needs AVX512-BF16).
         self.flash = bool(flash_kind())
 
@@ -147,12 +150,16 @@ class CpuKernels:
                             scales.shape[1], bias_pointer, out.data_ptr(), out_features)
         return out
 
-    def linear_tiles(self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear_tiles(self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None,
+                     fma: bool = False) -> torch.Tensor:
         """``x @ weight.T + bias`` for rows ``x`` ``[rows, k]`` (float32 or bfloat16, contiguous; rounded to bf16)
         and a bf16 weight packed by ``pack_tiles``, accumulated in float32, in ``x``'s dtype: on AMX's tiles or with
         AVX512-BF16's dot products (``tiles``), the same arithmetic in plain C elsewhere (slow: the reference). Any
         number of rows; from about a dozen it beats oneDNN's bf16 GEMM on the model's shapes with float32 rows
-        (README, CPU performance)."""
+        (README, CPU performance). ``fma`` (needs ``tile_fma``): ``x`` is not rounded; float32 FMAs over the widened
+        bf16 weights instead, faster where the CPU's float32 rate is more than half its bf16 dot products'."""
+        if fma and not self.tile_fma:
+            raise ValueError(f"linear_tiles' float32 FMAs need an AVX-512 build of the kernels, not {self.simd}")
         if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or not x.is_contiguous():
             raise ValueError(f"linear_tiles needs contiguous float32 or bfloat16 CPU rows, got {x.dtype} on {x.device}")
         if tiles.dtype != torch.bfloat16 or tiles.dim() != 6 or not tiles.is_contiguous():
@@ -165,7 +172,7 @@ class CpuKernels:
         out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
         bf16 = x.dtype == torch.bfloat16
         self._linear_tiles(x.data_ptr(), bf16, x.shape[0], in_features, tiles.data_ptr(),
-                           None if bias is None else bias.data_ptr(), out.data_ptr(), bf16, out_features)
+                           None if bias is None else bias.data_ptr(), out.data_ptr(), bf16, out_features, fma)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -25,12 +25,13 @@ class FusedLayer:
 
     def __init__(self, kernels: CpuKernels, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
                  biases: list[torch.Tensor | None], norms: tuple[torch.Tensor, torch.Tensor], eps: float,
-                 q_width: int, rotated_heads: int, head_dim: int, tiles: list[torch.Tensor | None] | None = None):
+                 q_width: int, rotated_heads: int, head_dim: int, tiles: list[torch.Tensor | None] | None = None,
+                 tiles_fma: bool = False):
         """``weights``/``scales``/``biases``: packed by ``pack_weights`` (fp16, bf16, or int8 with scales packed by
         ``pack_scales``, else None), and float32 (or None) for the QKV, output, gate/up and down projections, in
         that order; ``norms``: the input and post-attention RMSNorm weights; ``tiles``: bf16 weights may also come
         packed by ``pack_tiles`` (or None), which steps of more rows than one GEMV pass (``pass_rows``) multiply
-        on (``kernels.tiles``: AMX tiles or AVX512-BF16)."""
+        on (``kernels.tiles``: AMX tiles or AVX512-BF16; ``tiles_fma``: float32 FMAs, ``linear_tiles``' ``fma``)."""
         tiles = tiles or [None] * 4
         for weight, scale, tile in zip(weights, scales, tiles):
             check_packed(weight, scale)
@@ -43,7 +44,7 @@ class FusedLayer:
         kinds = [WEIGHT_KINDS[weight.dtype] for weight in weights]
         self.struct = LayerStruct(*(pointer(tensor) for tensor in (*weights, *scales, *biases, *norms)), eps,
                                    hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim, *groups, *kinds,
-                                   *(pointer(tile) for tile in tiles))
+                                   *(pointer(tile) for tile in tiles), tiles_fma)
         self.hidden = hidden
         self.qkv_width = qkv_width
         self._attention_input = kernels._layer_attention_input

@@ -452,8 +452,10 @@ void infer_linear_i8(const float *x, int64_t rows, int64_t k, const int8_t *w, c
  * column) come from memory once and stay in L2 for the next rows. On AMX (when the OS allows it) 2 x 2 tiles of
  * results per pass; else with AVX512-BF16 (VDPBF16PS reads each B tile row as one register: the same layout)
  * DOT_ROWS rows per pass; else the same arithmetic in plain C (the reference the tests hold the other two to).
- * Rows of x go in chunks of TILE_CHUNK_ROWS, which stay in L2 while every block of weights passes over them (a
- * 2048-row prefill over all rows at once read x from L3 on AMX: 1016 vs 596 ms for four 512-token prompts). */
+ * With `fma` (AVX-512 builds) x stays float32 and the products are float32 FMAs over the widened weights instead
+ * (block_fma_bf16), for CPUs where those outrun the bf16 dot products. Rows of x go in chunks of
+ * TILE_CHUNK_ROWS, which stay in L2 while every block of weights passes over them (a 2048-row prefill over all rows
+ * at once read x from L3 on AMX: 1016 vs 596 ms for four 512-token prompts). */
 #define TILE_CHUNK_ROWS 256
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -637,6 +639,74 @@ static void tiles_avx512_bf16(const uint16_t *xb, int64_t rows, int64_t k, const
 }
 #endif
 
+#if defined(__AVX512F__)
+/* Rows of x one pass of the FMA kernel takes: 2 accumulators each, 16 of the 32 registers, plus the four widened
+ * weight vectors and the broadcasts (12 rows made gcc spill). */
+#define FMA_ROWS 8
+
+/* block_dot_bf16's product with float32 FMAs (any AVX-512 build): rows of x (float32, not rounded to bf16) times
+ * the block's bf16 weights, widened in registers (a pair's even weight is its low half shifted up, its odd one its
+ * high half masked). Two FMAs per pair where VDPBF16PS takes one, at the CPU's float32 rate: faster where that rate
+ * is more than half the dot products' (an Intel Xeon with AVX512-BF16 and no AMX: 1.6x, level with MKL's float32
+ * GEMM), and float32 products of the exact bf16 weights. */
+static inline __attribute__((always_inline)) void block_fma_bf16(const float *x, int64_t k, const uint16_t *wb,
+                                                                 const float *bias, void *y, int64_t at,
+                                                                 int64_t n_out, int y_bf16, const int count) {
+    __m512 acc[FMA_ROWS][2];
+    for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t t = 0; t < k / 32; t++) {
+        const uint16_t *tile = wb + t * 1024;
+        for (int p = 0; p < 16; p++) {
+            _mm_prefetch((const char *)(tile + 1024 + p * 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(tile + 1536 + p * 32), _MM_HINT_T0);
+            const __m512i w0 = _mm512_loadu_si512(tile + p * 32), w1 = _mm512_loadu_si512(tile + 512 + p * 32);
+            const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+            const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
+            const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+            const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
+            for (int r = 0; r < count; r++) {
+                const __m512 xe = _mm512_set1_ps(x[r * k + t * 32 + 2 * p]);
+                const __m512 xo = _mm512_set1_ps(x[r * k + t * 32 + 2 * p + 1]);
+                acc[r][0] = _mm512_fmadd_ps(xo, odd0, _mm512_fmadd_ps(xe, even0, acc[r][0]));
+                acc[r][1] = _mm512_fmadd_ps(xo, odd1, _mm512_fmadd_ps(xe, even1, acc[r][1]));
+            }
+        }
+    }
+    const __m512 add0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 add1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < count; r++) {
+        store16(_mm512_add_ps(acc[r][0], add0), y, at + r * n_out, y_bf16);
+        store16(_mm512_add_ps(acc[r][1], add1), y, at + r * n_out + 16, y_bf16);
+    }
+}
+
+/* tiles_avx512_bf16's schedule over block_fma_bf16: float32 rows x. */
+static void tiles_avx512_fma(const float *x, int64_t rows, int64_t k, const uint16_t *w, const float *bias, void *y,
+                             int y_bf16, int64_t n_out) {
+    const int64_t blocks = n_out / 32;
+#pragma omp parallel
+    for (int64_t chunk = 0; chunk < rows; chunk += TILE_CHUNK_ROWS) {
+        const int64_t chunk_end = chunk + TILE_CHUNK_ROWS < rows ? chunk + TILE_CHUNK_ROWS : rows;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint16_t *wb = w + b * (k / 32) * 1024;
+            const float *own_bias = bias ? bias + b * 32 : NULL;
+            for (int64_t m = chunk; m < chunk_end;) {
+                const int count = chunk_end - m < FMA_ROWS ? (int)(chunk_end - m) : FMA_ROWS;
+                switch (count) {
+#define FMA_CASE(c) \
+                    case c: block_fma_bf16(x + m * k, k, wb, own_bias, y, m * n_out + b * 32, n_out, y_bf16, c); break;
+                    FMA_CASE(1) FMA_CASE(2) FMA_CASE(3) FMA_CASE(4) FMA_CASE(5) FMA_CASE(6) FMA_CASE(7) FMA_CASE(8)
+#undef FMA_CASE
+                }
+                m += count;
+            }
+        }
+    }
+}
+#endif
+
 /* The same arithmetic in plain C: the reference the tests hold the other two to. */
 static void tiles_portable(const uint16_t *xb, int64_t rows, int64_t k, const uint16_t *w, const float *bias,
                            void *y, int y_bf16, int64_t n_out) {
@@ -675,7 +745,18 @@ int64_t infer_tile_kind(void) {
 }
 
 void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, const uint16_t *w,
-                        const float *bias, void *y, int64_t y_bf16, int64_t n_out) {
+                        const float *bias, void *y, int64_t y_bf16, int64_t n_out, int64_t fma) {
+#if defined(__AVX512F__)
+    if (fma) {  /* float32 rows as they are (bf16 ones widened, exactly) */
+        float *widened = x_bf16 ? malloc(sizeof(float) * rows * k) : NULL;
+        if (widened) bf16_to_floats((const uint16_t *)x, widened, rows * k);
+        tiles_avx512_fma(widened ? widened : (const float *)x, rows, k, w, bias, y, (int)y_bf16, n_out);
+        free(widened);
+        return;
+    }
+#else
+    (void)fma;
+#endif
     const int64_t kind = infer_tile_kind();
     const int64_t padded = kind == 2 ? (rows + 31) / 32 * 32 : rows;  /* AMX loads whole 16-row tiles of x */
     uint16_t *xb = malloc(sizeof(uint16_t) * padded * k);
@@ -713,9 +794,10 @@ int64_t infer_simd_width(void) {
 
 /* A projection of a layer, its weights stored as `kind`. */
 static void layer_linear(const void *w, int64_t kind, const float *scales, int64_t groups, const uint16_t *tiles,
-                         const float *x, int64_t rows, int64_t k, const float *bias, float *y, int64_t n_out) {
+                         int64_t tiles_fma, const float *x, int64_t rows, int64_t k, const float *bias, float *y,
+                         int64_t n_out) {
     if (tiles && rows > PASS_ROWS)
-        infer_linear_tiles(x, 0, rows, k, tiles, bias, y, 0, n_out);
+        infer_linear_tiles(x, 0, rows, k, tiles, bias, y, 0, n_out, tiles_fma);
     else if (kind == KIND_I8)
         infer_linear_i8(x, rows, k, w, scales, groups, bias, y, n_out);
     else if (kind == KIND_BF16)
@@ -1202,7 +1284,8 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
         const int64_t max_rows = FLASH_TOKENS * per_kv;
         uint16_t *qb = malloc(sizeof(uint16_t) * max_rows * head_dim);
         uint16_t *probs = malloc(sizeof(uint16_t) * max_rows * FLASH_KEYS);
-        float *scores = malloc(sizeof(float) * max_rows * FLASH_KEYS), *acc = malloc(sizeof(float) * max_rows * head_dim);
+        float *scores = malloc(sizeof(float) * max_rows * FLASH_KEYS);
+        float *acc = malloc(sizeof(float) * max_rows * head_dim);
         float *best = malloc(sizeof(float) * max_rows), *total = malloc(sizeof(float) * max_rows);
         float *rescale = malloc(sizeof(float) * max_rows);
 #pragma omp for schedule(dynamic, 1)
@@ -1311,6 +1394,7 @@ typedef struct {
     /* bf16 only, optional (NULL: none): the same weights laid out by pack_tiles for the tile GEMM (AMX or
      * AVX512-BF16), which takes steps of more rows than one pass of the GEMV */
     const uint16_t *qkv_tiles, *o_tiles, *gate_up_tiles, *down_tiles;
+    int64_t tiles_fma;  /* the tiles multiply float32 rows with FMAs (infer_linear_tiles' fma) */
 } infer_layer;
 
 /* The layer's first half up to attention for `tokens` tokens: residual += delta (none for the first layer),
@@ -1320,8 +1404,8 @@ void infer_layer_attention_input(const infer_layer *layer, int64_t tokens, float
                                  float *qkv) {
     float *normed = malloc(sizeof(float) * tokens * layer->hidden);
     infer_add_rms_norm(residual, delta, normed, layer->input_norm, tokens, layer->hidden, layer->eps);
-    layer_linear(layer->qkv, layer->qkv_kind, layer->qkv_scales, layer->qkv_groups, layer->qkv_tiles, normed,
-                 tokens, layer->hidden, layer->qkv_bias, qkv, layer->qkv_width);
+    layer_linear(layer->qkv, layer->qkv_kind, layer->qkv_scales, layer->qkv_groups, layer->qkv_tiles,
+                 layer->tiles_fma, normed, tokens, layer->hidden, layer->qkv_bias, qkv, layer->qkv_width);
     infer_rope(qkv, positions, cos_table, sin_table, tokens, layer->qkv_width, layer->rotated_heads,
                layer->head_dim);
     free(normed);
@@ -1336,14 +1420,15 @@ void infer_layer_feed_forward(const infer_layer *layer, int64_t tokens, const fl
     float *projected = malloc(sizeof(float) * tokens * hidden), *normed = malloc(sizeof(float) * tokens * hidden);
     float *gate_up = malloc(sizeof(float) * tokens * 2 * intermediate);
     float *activated = malloc(sizeof(float) * tokens * intermediate);
-    layer_linear(layer->o, layer->o_kind, layer->o_scales, layer->o_groups, layer->o_tiles, attended, tokens,
-                 layer->q_width, layer->o_bias, projected, hidden);
+    layer_linear(layer->o, layer->o_kind, layer->o_scales, layer->o_groups, layer->o_tiles, layer->tiles_fma,
+                 attended, tokens, layer->q_width, layer->o_bias, projected, hidden);
     infer_add_rms_norm(residual, projected, normed, layer->post_norm, tokens, hidden, layer->eps);
     layer_linear(layer->gate_up, layer->gate_up_kind, layer->gate_up_scales, layer->gate_up_groups,
-                 layer->gate_up_tiles, normed, tokens, hidden, layer->gate_up_bias, gate_up, 2 * intermediate);
+                 layer->gate_up_tiles, layer->tiles_fma, normed, tokens, hidden, layer->gate_up_bias, gate_up,
+                 2 * intermediate);
     infer_silu_mul(gate_up, activated, tokens, intermediate);
     layer_linear(layer->down, layer->down_kind, layer->down_scales, layer->down_groups, layer->down_tiles,
-                 activated, tokens, intermediate, layer->down_bias, delta, hidden);
+                 layer->tiles_fma, activated, tokens, intermediate, layer->down_bias, delta, hidden);
     free(activated);
     free(gate_up);
     free(normed);

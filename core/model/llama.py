@@ -105,15 +105,15 @@ class DecoderLayer(nn.Module):
         normed, residual = step.ops.norm(self.post_attention_layernorm, hidden, residual, gemm_input=True)
         return self.mlp(normed, step), residual
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None, gemv_rows: int = 0) -> None:
+    def use_cpu_kernels(self, kernels: CpuKernels | None, gemv_rows: int = 0, tile_fma: bool = False) -> None:
         """Let the packed projections compute inputs of up to ``gemv_rows`` rows with the kernels' GEMV (see
-        ``PackedLinear``), and when all four then have packed copies (fp16 or int8), build ``self.fused``.
-        ``kernels`` None undoes it."""
+        ``PackedLinear``; ``tile_fma`` there too), and when all four then have packed copies (fp16 or int8), build
+        ``self.fused``. ``kernels`` None undoes it."""
         attn, mlp = self.self_attn, self.mlp
         projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         for projection in projections:
             if hasattr(projection, "use_cpu_kernels"):  # PackedLinear
-                projection.use_cpu_kernels(kernels, gemv_rows)
+                projection.use_cpu_kernels(kernels, gemv_rows, tile_fma)
         weights = [getattr(projection, "kernel_weight", None) for projection in projections]
         # A sharded layer all-reduces between its projections, which the fused C calls run back to back.
         if kernels is None or any(weight is None for weight in weights) or attn.tensor_parallel is not None:
@@ -123,7 +123,8 @@ class DecoderLayer(nn.Module):
         self.fused = FusedLayer(kernels, weights, [projection.kernel_scales for projection in projections],
                                 [projection.bias for projection in projections], norms, self.input_layernorm.eps,
                                 attn.q_size, attn.num_heads + attn.num_kv_heads, attn.head_dim,
-                                [projection.tile_weight for projection in projections])
+                                [projection.tile_weight for projection in projections],
+                                any(projection.tile_fma for projection in projections))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -194,16 +195,17 @@ class LlamaForCausalLM(nn.Module):
         delta, residual = step.run_layers(layers, hidden)
         return step.ops.norm(self.norm, delta, residual)[0]
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None, gemv_rows: int = 0) -> None:
+    def use_cpu_kernels(self, kernels: CpuKernels | None, gemv_rows: int = 0, tile_fma: bool = False) -> None:
         """Prepare the weights for ``kernels`` (``infer.cpu_kernels``; None: torch's ops only): each layer's
         ``FusedLayer`` where its projections are packed (fp16 or int8), and the GEMV for inputs of up to
-        ``gemv_rows`` rows (with int8 the output head's too). Call it once the weights are final: the kernels read
-        copies of them and their addresses. The execution layer calls it (``infer.execution.Executor``)."""
+        ``gemv_rows`` rows (with int8 the output head's too); ``tile_fma``: bf16 weights' larger inputs on the tile
+        kernel's float32 FMAs (``PackedLinear``). Call it once the weights are final: the kernels read copies of them
+        and their addresses. The execution layer calls it (``infer.execution.Executor``)."""
         for layer in self.layers:
-            layer.use_cpu_kernels(kernels, gemv_rows)
+            layer.use_cpu_kernels(kernels, gemv_rows, tile_fma)
         # int8 modes, and bf16 (its tiles beat oneDNN from a dozen rows); fp16: fbgemm as fast on the head
         if getattr(self.lm_head, "scales", None) is not None or getattr(self.lm_head, "mode", None) == "bf16":
-            self.lm_head.use_cpu_kernels(kernels, gemv_rows)
+            self.lm_head.use_cpu_kernels(kernels, gemv_rows, tile_fma)
 
     def compile_dense_parts(self) -> None:
         """``torch.compile`` each layer's feed-forward half (norm, gate/up, SiLU, down, residual), with dynamic
