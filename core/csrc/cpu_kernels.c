@@ -610,31 +610,15 @@ static inline __attribute__((always_inline)) void block_dot_bf16(const uint16_t 
     }
 }
 
-/* The same product with AVX512-BF16's dot products (AMD Zen 4/5, Intel without AMX): each thread takes blocks of
- * 32 output columns and runs the chunk's rows over each, DOT_ROWS at a time; the block's weights stay in L2 (L1
- * for small k) for the next rows. */
-static void tiles_avx512_bf16(const uint16_t *xb, int64_t rows, int64_t k, const uint16_t *w, const float *bias,
-                              void *y, int y_bf16, int64_t n_out) {
-    const int64_t blocks = n_out / 32;
-#pragma omp parallel
-    for (int64_t chunk = 0; chunk < rows; chunk += TILE_CHUNK_ROWS) {
-        const int64_t chunk_end = chunk + TILE_CHUNK_ROWS < rows ? chunk + TILE_CHUNK_ROWS : rows;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint16_t *wb = w + b * (k / 32) * 1024;
-            const float *own_bias = bias ? bias + b * 32 : NULL;
-            for (int64_t m = chunk; m < chunk_end;) {
-                const int count = chunk_end - m < DOT_ROWS ? (int)(chunk_end - m) : DOT_ROWS;
-                switch (count) {  /* a constant count per copy: its sums stay in registers */
-#define DOT_CASE(c) \
-                    case c: block_dot_bf16(xb + m * k, k, wb, own_bias, y, m * n_out + b * 32, n_out, y_bf16, c); break;
-                    DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4) DOT_CASE(5) DOT_CASE(6)
-                    DOT_CASE(7) DOT_CASE(8) DOT_CASE(9) DOT_CASE(10) DOT_CASE(11) DOT_CASE(12)
+/* Up to DOT_ROWS rows of xb over one block (block_dot_bf16 with a constant count per copy, so its sums stay in
+ * registers). */
+static void pass_dot_bf16(const uint16_t *xb, int64_t k, const uint16_t *wb, const float *bias, void *y, int64_t at,
+                          int64_t n_out, int y_bf16, int count) {
+    switch (count) {
+#define DOT_CASE(c) case c: block_dot_bf16(xb, k, wb, bias, y, at, n_out, y_bf16, c); break;
+        DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4) DOT_CASE(5) DOT_CASE(6)
+        DOT_CASE(7) DOT_CASE(8) DOT_CASE(9) DOT_CASE(10) DOT_CASE(11) DOT_CASE(12)
 #undef DOT_CASE
-                }
-                m += count;
-            }
-        }
     }
 }
 #endif
@@ -681,9 +665,27 @@ static inline __attribute__((always_inline)) void block_fma_bf16(const float *x,
     }
 }
 
-/* tiles_avx512_bf16's schedule over block_fma_bf16: float32 rows x. */
-static void tiles_avx512_fma(const float *x, int64_t rows, int64_t k, const uint16_t *w, const float *bias, void *y,
-                             int y_bf16, int64_t n_out) {
+/* Up to FMA_ROWS rows of x over one block (block_fma_bf16, a constant count per copy). */
+static void pass_fma_bf16(const float *x, int64_t k, const uint16_t *wb, const float *bias, void *y, int64_t at,
+                          int64_t n_out, int y_bf16, int count) {
+    switch (count) {
+#define FMA_CASE(c) case c: block_fma_bf16(x, k, wb, bias, y, at, n_out, y_bf16, c); break;
+        FMA_CASE(1) FMA_CASE(2) FMA_CASE(3) FMA_CASE(4) FMA_CASE(5) FMA_CASE(6) FMA_CASE(7) FMA_CASE(8)
+#undef FMA_CASE
+    }
+}
+
+/* The product with AVX-512 instead of AMX: VDPBF16PS over xb (bf16 rows; AVX512-BF16 builds), or with `fma` the
+ * float32 FMAs over x (float32 rows). Each thread takes blocks of 32 output columns and runs the chunk's rows over
+ * each, a pass of rows at a time; the block's weights stay in L2 (L1 for small k) for the next rows. */
+static void tiles_avx512(const void *x, int fma, int64_t rows, int64_t k, const uint16_t *w, const float *bias,
+                         void *y, int y_bf16, int64_t n_out) {
+#if defined(__AVX512BF16__)
+    const int64_t pass = fma ? FMA_ROWS : DOT_ROWS;
+#else
+    const int64_t pass = FMA_ROWS;  /* the FMAs are all this build has */
+    (void)fma;
+#endif
     const int64_t blocks = n_out / 32;
 #pragma omp parallel
     for (int64_t chunk = 0; chunk < rows; chunk += TILE_CHUNK_ROWS) {
@@ -692,15 +694,16 @@ static void tiles_avx512_fma(const float *x, int64_t rows, int64_t k, const uint
         for (int64_t b = 0; b < blocks; b++) {
             const uint16_t *wb = w + b * (k / 32) * 1024;
             const float *own_bias = bias ? bias + b * 32 : NULL;
-            for (int64_t m = chunk; m < chunk_end;) {
-                const int count = chunk_end - m < FMA_ROWS ? (int)(chunk_end - m) : FMA_ROWS;
-                switch (count) {
-#define FMA_CASE(c) \
-                    case c: block_fma_bf16(x + m * k, k, wb, own_bias, y, m * n_out + b * 32, n_out, y_bf16, c); break;
-                    FMA_CASE(1) FMA_CASE(2) FMA_CASE(3) FMA_CASE(4) FMA_CASE(5) FMA_CASE(6) FMA_CASE(7) FMA_CASE(8)
-#undef FMA_CASE
+            for (int64_t m = chunk; m < chunk_end; m += pass) {
+                const int count = (int)(chunk_end - m < pass ? chunk_end - m : pass);
+                const int64_t at = m * n_out + b * 32;
+#if defined(__AVX512BF16__)
+                if (!fma) {
+                    pass_dot_bf16((const uint16_t *)x + m * k, k, wb, own_bias, y, at, n_out, y_bf16, count);
+                    continue;
                 }
-                m += count;
+#endif
+                pass_fma_bf16((const float *)x + m * k, k, wb, own_bias, y, at, n_out, y_bf16, count);
             }
         }
     }
@@ -750,7 +753,7 @@ void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, 
     if (fma) {  /* float32 rows as they are (bf16 ones widened, exactly) */
         float *widened = x_bf16 ? malloc(sizeof(float) * rows * k) : NULL;
         if (widened) bf16_to_floats((const uint16_t *)x, widened, rows * k);
-        tiles_avx512_fma(widened ? widened : (const float *)x, rows, k, w, bias, y, (int)y_bf16, n_out);
+        tiles_avx512(widened ? widened : x, 1, rows, k, w, bias, y, (int)y_bf16, n_out);
         free(widened);
         return;
     }
@@ -772,7 +775,7 @@ void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, 
     if (kind == 2) tiles_amx(xb, rows, padded, k, w, bias, y, (int)y_bf16, n_out);
 #endif
 #if defined(__AVX512BF16__)
-    if (kind == 1) tiles_avx512_bf16(xb, rows, k, w, bias, y, (int)y_bf16, n_out);
+    if (kind == 1) tiles_avx512(xb, 0, rows, k, w, bias, y, (int)y_bf16, n_out);
 #endif
     if (kind == 0) tiles_portable(xb, rows, k, w, bias, y, (int)y_bf16, n_out);
     free(xb);
