@@ -489,6 +489,19 @@ static inline void store16(__m512 out, void *y, int64_t at, int y_bf16) {
     else
         _mm512_storeu_ps((float *)y + at, out);
 }
+
+/* Rows 0..count-1 of one block's sums (its two halves of 16 columns) plus the bias (NULL: none) into y, rows of n_out
+ * from element `at`: the tile kernels' last step, where the bias is first read (held through their loops it pushed
+ * the weights out of registers). */
+static inline __attribute__((always_inline)) void store_block(__m512 (*acc)[2], int count, const float *bias,
+                                                              void *y, int64_t at, int64_t n_out, int y_bf16) {
+    const __m512 add0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 add1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < count; r++) {
+        store16(_mm512_add_ps(acc[r][0], add0), y, at + r * n_out, y_bf16);
+        store16(_mm512_add_ps(acc[r][1], add1), y, at + r * n_out + 16, y_bf16);
+    }
+}
 #endif
 
 /* Stores a 16 x 16 float tile of results (`stride` floats apart) at rows m, columns n of y: the rows below
@@ -580,7 +593,7 @@ static void tiles_amx(const uint16_t *xb, int64_t rows, int64_t padded, int64_t 
 /* Rows 0..count-1 of y (rows of n_out from element `at`; float32 or bf16) = rows of xb (bf16, k each) times one
  * block of 32 output columns in pack_tiles' layout (+ bias from column n): per pair p of k, one register of each
  * half's 16 (w[n][2p], w[n][2p + 1]) pairs, the very layout VDPBF16PS reads. The sums stay in registers until
- * stored (the bias is read only then: held through the loop it pushed the weights out of registers). */
+ * stored (store_block). */
 static inline __attribute__((always_inline)) void block_dot_bf16(const uint16_t *xb, int64_t k, const uint16_t *wb,
                                                                  const float *bias, void *y, int64_t at,
                                                                  int64_t n_out, int y_bf16, const int count) {
@@ -602,12 +615,7 @@ static inline __attribute__((always_inline)) void block_dot_bf16(const uint16_t 
             }
         }
     }
-    const __m512 add0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    const __m512 add1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-    for (int r = 0; r < count; r++) {
-        store16(_mm512_add_ps(acc[r][0], add0), y, at + r * n_out, y_bf16);
-        store16(_mm512_add_ps(acc[r][1], add1), y, at + r * n_out + 16, y_bf16);
-    }
+    store_block(acc, count, bias, y, at, n_out, y_bf16);
 }
 
 /* Up to DOT_ROWS rows of xb over one block (block_dot_bf16 with a constant count per copy, so its sums stay in
@@ -657,12 +665,7 @@ static inline __attribute__((always_inline)) void block_fma_bf16(const float *x,
             }
         }
     }
-    const __m512 add0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    const __m512 add1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-    for (int r = 0; r < count; r++) {
-        store16(_mm512_add_ps(acc[r][0], add0), y, at + r * n_out, y_bf16);
-        store16(_mm512_add_ps(acc[r][1], add1), y, at + r * n_out + 16, y_bf16);
-    }
+    store_block(acc, count, bias, y, at, n_out, y_bf16);
 }
 
 /* Up to FMA_ROWS rows of x over one block (block_fma_bf16, a constant count per copy). */
