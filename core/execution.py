@@ -314,17 +314,21 @@ def build_executor(model: LlamaForCausalLM, config, device: torch.device, dtype:
 
 
 def build_attention(registry, config, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
-                    kernels: CpuKernels | None, quantization: str = "none") -> tuple[str, AttentionBackend]:
+                    kernels: CpuKernels | None, quantization: str = "none",
+                    float_gemms: bool = False) -> tuple[str, AttentionBackend]:
     """The attention backend ``config.attention`` selects (``auto`` resolved by ``choose_attention``) over
     ``model``'s heads (a tensor-parallel rank's: its own), and its name. A backend's ``prefill_dtype`` and
     ``kv_dtype`` left to ``auto`` (the ``cpu`` backend's) resolve here: bfloat16 with bf16 weights (whose large steps
-    run at bf16 precision), else float32."""
+    run at bf16 precision), else float32; its ``prefill_arithmetic`` to float32 where the projections' large steps
+    run on float32 FMAs (``float_gemms``: ``Executor.float_gemms``), else bf16."""
     configured = config.attention
     name = choose_attention(configured.name, device, dtype, kernels)
     settings = configured if name == configured.name else registry.config_model("attention", name)()
     for key in ("prefill_dtype", "kv_dtype"):  # the cpu backend's
         if getattr(settings, key, None) == "auto":
             settings = settings.model_copy(update={key: "bfloat16" if quantization == "bf16" else "float32"})
+    if getattr(settings, "prefill_arithmetic", None) == "auto":
+        settings = settings.model_copy(update={"prefill_arithmetic": "float32" if float_gemms else "bf16"})
     backend = registry.load("attention", name)(
         num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         block_size=config.cache.block_size, dtype=dtype, device=device, config=settings)
@@ -353,7 +357,8 @@ def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.d
     quantization = resolve_quantization(config.model.quantization, config.model.dtype, dtype, device)
     model = quantize_model(model if shard is None else shard(model), quantization)
     executor = build_executor(model, config, device, dtype, quantization)
-    name, attention = build_attention(registry, config, model, device, dtype, executor.kernels, quantization)
+    name, attention = build_attention(registry, config, model, device, dtype, executor.kernels, quantization,
+                                      executor.float_gemms)
     calibration = None
     if config.execution.fused_max_tokens == "auto" and executor.kernels is not None:
         if shard is None:

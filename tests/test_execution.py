@@ -293,6 +293,7 @@ def test_auto_large_gemm_takes_float32_where_it_was_measured_faster_at_every_siz
     projections = [module for module in engine.model.modules() if isinstance(module, PackedLinear)]
     assert projections and all(module.tile_fma and module.packed is None for module in projections)
     assert all(layer.fused.struct.tiles_fma for layer in engine.model.layers)
+    assert engine.attention.config.prefill_arithmetic == "float32"  # infer's flash attention on FMAs too
     assert "large GEMMs float32 (measured now; bf16 vs float32 64 rows 2.00 vs 1.00 ms, 512 rows 10.00 vs 6.00 " \
            "ms)" in engine.describe_execution()
     outputs = llm.generate(["a b c d e f g h i j k l m n o p"] * 2, SamplingParams(max_tokens=6, temperature=0.0))
@@ -303,7 +304,8 @@ def test_auto_large_gemm_takes_float32_where_it_was_measured_faster_at_every_siz
     assert again.engine.executor.for_another(draft).float_gemms  # a draft model's executor, as a drafter makes it
     assert all(module.tile_fma for module in draft.modules() if isinstance(module, PackedLinear))
     fake[512] = (10.0, 9.5)  # faster, but not by GEMM_MARGIN
-    assert _auto_llm(tiny_model_dir, *bf16, "execution.recalibrate=true").engine.gemm.name == "bf16"
+    kept = _auto_llm(tiny_model_dir, *bf16, "execution.recalibrate=true").engine
+    assert kept.gemm.name == "bf16" and kept.attention.config.prefill_arithmetic == "bf16"
     assert measured == [1, 1]
     configured = _auto_llm(tiny_model_dir, *bf16, "execution.large_gemm=float32").engine
     assert configured.gemm.name == "float32" and configured.executor.float_gemms and measured == [1, 1]

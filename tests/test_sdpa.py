@@ -131,7 +131,8 @@ def infer_flash_or_skip() -> None:
 
 
 @pytest.mark.parametrize("kernel, pool", [("torch", torch.float32), ("infer", torch.float32),
-                                          ("infer", torch.bfloat16)])
+                                          ("infer", torch.bfloat16), ("infer-fma", torch.float32),
+                                          ("infer-fma", torch.bfloat16)])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("num_heads, num_kv_heads", HEAD_LAYOUTS)
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -139,10 +140,12 @@ def test_cpu_bf16_prefill_attends_long_queries_in_bf16_and_keeps_the_rest_exact(
                                                                                 block_size, kernel, pool):
     """``prefill_dtype: bfloat16``: sequences of at least ``prefill_min_tokens`` query tokens go to a flash
     attention in bf16, torch's or infer's own (AVX512-BF16, head sizes a multiple of 64; skipped where the CPU lacks
-    it), within bf16's error of the oracle, cached prefix or not, from a float32 or a bf16 pool; every other row
-    stays the kernel's float32 (exact over the pool's K/V)."""
+    it; on bf16 dot products or float32 FMAs), within bf16's error of the oracle, cached prefix or not, from a float32
+    or a bf16 pool; every other row stays the kernel's float32 (exact over the pool's K/V)."""
     from infer.plugins.attention.cpu import CpuAttentionConfig
 
+    arithmetic = "float32" if kernel == "infer-fma" else "bf16"
+    kernel = kernel.removesuffix("-fma")
     if kernel == "infer":
         infer_flash_or_skip()
     head_dim = 64 if kernel == "infer" else HEAD_DIM
@@ -154,8 +157,8 @@ def test_cpu_bf16_prefill_attends_long_queries_in_bf16_and_keeps_the_rest_exact(
             step.keys[index], step.values[index] = keys.bfloat16().float(), values.bfloat16().float()
     backend = CpuBackend(head_dim=head_dim, dtype=torch.float32, device=torch.device("cpu"),
                          config=CpuAttentionConfig(prefill_dtype="bfloat16", prefill_min_tokens=4,
-                                                   prefill_kernel=kernel), **heads)
-    assert backend.prefill_kernel == kernel
+                                                   prefill_kernel=kernel, prefill_arithmetic=arithmetic), **heads)
+    assert backend.prefill_kernel == kernel and backend.prefill_fma == (kernel == "infer" and arithmetic == "float32")
     metadata = backend.prepare(step.metadata)
     out = backend.forward(0, step.q, step.k, step.v, step.kv_cache, metadata).double()
     expected = oracle(step)
@@ -194,6 +197,7 @@ def test_cpu_prefill_kernel_auto_takes_infers_flash_where_it_is_built_and_the_cp
     monkeypatch.setattr(cpu_plugin, "cpu_description", lambda: (flags[0], without_amx))
     assert backend(64).prefill_kernel == ("infer" if built else "torch")
     assert backend(32).prefill_kernel == "torch"
+    assert not backend(64).prefill_fma  # arithmetic auto, unresolved by an engine: bf16
     assert CpuBackend(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
                       device=torch.device("cpu")).prefill_kernel is None  # prefill_dtype float32: no flash at all
     monkeypatch.setattr(cpu_plugin, "cpu_description", lambda: (flags[0], (*flags[1], "amx_bf16")))

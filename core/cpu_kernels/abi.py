@@ -42,7 +42,7 @@ _SIGNATURES = {
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
     "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
     "infer_flash_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT,
-                              _POINTER, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT],
+                              _POINTER, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT, _INT],
 }
 
 
@@ -264,12 +264,13 @@ class CpuKernels:
         return out
 
     def flash_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        chunks: FlashChunks, scale: float, out: torch.Tensor) -> torch.Tensor:
+                        chunks: FlashChunks, scale: float, out: torch.Tensor, fma: bool = False) -> torch.Tensor:
         """Causal attention for the prefill chunks ``chunks`` names (rows of ``q`` ``[T, heads, head_dim]``, rows
         may be strided) over their contexts in one layer's pool, at the precision of torch's bf16 flash attention
         (Q, K, V and the probabilities rounded to bf16, scores and sums float32); results land in the same rows of
         ``out`` ``[T, heads, head_dim]`` (contiguous), which is returned. Needs ``self.flash`` and a head size that
-        is a multiple of 64."""
+        is a multiple of 64. ``fma``: float32 FMAs over the widened K/V instead, Q and the probabilities not rounded
+        (faster where the CPU's float32 rate beats its bf16 dot products, as ``linear_tiles``' ``fma``)."""
         check_rows(q)
         check_pool(kv_cache)
         check_block_tables(block_tables)
@@ -284,7 +285,7 @@ class CpuKernels:
                               block_tables.stride(0), chunks.starts.data_ptr(), chunks.query_lens.data_ptr(),
                               chunks.contexts.data_ptr(), chunks.tables.data_ptr(), chunks.count, out.data_ptr(),
                               num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-                              kv_cache.dtype == torch.bfloat16)
+                              kv_cache.dtype == torch.bfloat16, fma)
         return out
 
 

@@ -1222,6 +1222,63 @@ static inline __attribute__((always_inline)) void flash_weigh(const uint16_t *pr
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc_rows + r * head_dim + c + 16 * i, acc[r][i]);
 }
 
+#define SCORE_FMA_ROWS 8  /* flash_scores_fma: 16 accumulators, 4 widened key vectors (more rows spill) */
+#define WEIGH_FMA_ROWS 4  /* flash_weigh_fma: 16 accumulators, 8 widened value vectors */
+
+/* A register of 16 bf16 pairs as its even and odd elements, float32 (exact). */
+static inline __attribute__((always_inline)) void widen_pairs(__m512i pairs, __m512 *even, __m512 *odd) {
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* flash_scores with float32 FMAs over the widened keys: rows of qf float32 (not rounded). */
+static inline __attribute__((always_inline)) void flash_scores_fma(const float *qf, int64_t head_dim,
+                                                                   const uint16_t *keys, float *scores,
+                                                                   const int count) {
+    __m512 acc[SCORE_FMA_ROWS][2];
+    for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < head_dim / 2; p++) {
+        __m512 even0, odd0, even1, odd1;
+        widen_pairs(_mm512_loadu_si512(keys + p * 32), &even0, &odd0);
+        widen_pairs(_mm512_loadu_si512(keys + head_dim * 16 + p * 32), &even1, &odd1);
+        for (int r = 0; r < count; r++) {
+            const __m512 qe = _mm512_set1_ps(qf[r * head_dim + 2 * p]);
+            const __m512 qo = _mm512_set1_ps(qf[r * head_dim + 2 * p + 1]);
+            acc[r][0] = _mm512_fmadd_ps(qo, odd0, _mm512_fmadd_ps(qe, even0, acc[r][0]));
+            acc[r][1] = _mm512_fmadd_ps(qo, odd1, _mm512_fmadd_ps(qe, even1, acc[r][1]));
+        }
+    }
+    for (int r = 0; r < count; r++) {
+        _mm512_storeu_ps(scores + r * FLASH_KEYS, acc[r][0]);
+        _mm512_storeu_ps(scores + r * FLASH_KEYS + 16, acc[r][1]);
+    }
+}
+
+/* flash_weigh with float32 FMAs: probs float32 (32 a row, not rounded) times the widened values. */
+static inline __attribute__((always_inline)) void flash_weigh_fma(const float *probs, const uint16_t *values,
+                                                                  int64_t head_dim, int64_t c, const float *rescale,
+                                                                  float *acc_rows, const int count) {
+    __m512 acc[WEIGH_FMA_ROWS][4];
+    for (int r = 0; r < count; r++) {
+        const __m512 factor = _mm512_set1_ps(rescale[r]);
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc_rows + r * head_dim + c + 16 * i),
+                                                              factor);
+    }
+    for (int j = 0; j < FLASH_KEYS / 2; j++) {
+        const uint16_t *pairs = values + j * 2 * head_dim + 2 * c;
+        __m512 even[4], odd[4];  /* keys 2j and 2j + 1, 16 columns each */
+        for (int i = 0; i < 4; i++) widen_pairs(_mm512_loadu_si512(pairs + 32 * i), &even[i], &odd[i]);
+        for (int r = 0; r < count; r++) {
+            const __m512 pe = _mm512_set1_ps(probs[r * FLASH_KEYS + 2 * j]);
+            const __m512 po = _mm512_set1_ps(probs[r * FLASH_KEYS + 2 * j + 1]);
+            for (int i = 0; i < 4; i++)
+                acc[r][i] = _mm512_fmadd_ps(po, odd[i], _mm512_fmadd_ps(pe, even[i], acc[r][i]));
+        }
+    }
+    for (int r = 0; r < count; r++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc_rows + r * head_dim + c + 16 * i, acc[r][i]);
+}
+
 /* Key j of one sequence's context (head kvh) into the packed K and V of its tile: keys in two halves of 16 as
  * flash_scores reads them, values in key pairs as flash_weigh reads them. `key`/`value` NULL: zeros (padding). */
 static void flash_pack_key(const void *key, const void *value, int kv_bf16, int64_t j, int64_t head_dim,
@@ -1249,12 +1306,13 @@ static void flash_pack_key(const void *key, const void *value, int kv_bf16, int6
  * and the sums float32. Each chunk's K/V of each KV head are packed once (two tiles of keys per 32 as
  * flash_scores reads them, values in key pairs), then work items of FLASH_TOKENS query tokens times the query heads
  * of one KV head run an online softmax over tiles of 32 keys, the last tiles of each chunk (the most keys) first.
- * head_dim must be a multiple of 64. */
+ * With `fma` the products are float32 FMAs over the widened K/V instead, Q and the probabilities kept float32 (for
+ * CPUs whose float32 rate beats their bf16 dot products, as the tile GEMM's fma). head_dim must be a multiple of 64. */
 void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
                            int64_t table_stride, const int64_t *starts, const int64_t *query_lens,
                            const int64_t *contexts, const int64_t *tables, int64_t count, float *out,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           int64_t num_blocks, float scale, int64_t kv_bf16) {
+                           int64_t num_blocks, float scale, int64_t kv_bf16, int64_t fma) {
 #if defined(__AVX512BF16__)
     const int64_t per_kv = num_heads / num_kv_heads, slot_width = num_kv_heads * head_dim;
     const int64_t pool_values = num_blocks * block_size * slot_width;
@@ -1289,6 +1347,7 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
         }  /* the loop's barrier: every tile is packed before any is read */
         const int64_t max_rows = FLASH_TOKENS * per_kv;
         uint16_t *qb = malloc(sizeof(uint16_t) * max_rows * head_dim);
+        float *qf = fma ? malloc(sizeof(float) * max_rows * head_dim) : NULL;
         uint16_t *probs = malloc(sizeof(uint16_t) * max_rows * FLASH_KEYS);
         float *scores = malloc(sizeof(float) * max_rows * FLASH_KEYS);
         float *acc = malloc(sizeof(float) * max_rows * head_dim);
@@ -1308,7 +1367,10 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
             const uint16_t *own_values = packed_values + packed_at[i] + kvh * keys * head_dim;
             for (int64_t r = 0; r < rows; r++) {  /* row r: token first + r / per_kv, head kvh * per_kv + r % per_kv */
                 const int64_t token = starts[i] + first + r / per_kv, head = kvh * per_kv + r % per_kv;
-                floats_to_bf16(q + token * q_stride + head * head_dim, qb + r * head_dim, head_dim);
+                if (fma)
+                    memcpy(qf + r * head_dim, q + token * q_stride + head * head_dim, sizeof(float) * head_dim);
+                else
+                    floats_to_bf16(q + token * q_stride + head * head_dim, qb + r * head_dim, head_dim);
                 best[r] = -INFINITY;
                 total[r] = 0.0f;
             }
@@ -1316,9 +1378,20 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
             const int64_t last = offset + tokens - 1;  /* the last row's position: keys beyond it are never seen */
             for (int64_t k0 = 0; k0 <= last; k0 += FLASH_KEYS) {
                 const uint16_t *key_tile = own_keys + k0 * head_dim, *value_tile = own_values + k0 * head_dim;
-                for (int64_t r = 0; r < rows;) {
-                    const int n = rows - r < SCORE_ROWS ? (int)(rows - r) : SCORE_ROWS;
+                for (int64_t r = 0; r < rows && fma;) {
+                    const int n = rows - r < SCORE_FMA_ROWS ? (int)(rows - r) : SCORE_FMA_ROWS;
                     switch (n) {  /* a constant count per copy: its sums stay in registers */
+#define SCORE_CASE(c) case c: flash_scores_fma(qf + r * head_dim, head_dim, key_tile, scores + r * FLASH_KEYS, c); \
+                      break;
+                        SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4) SCORE_CASE(5) SCORE_CASE(6)
+                        SCORE_CASE(7) SCORE_CASE(8)
+#undef SCORE_CASE
+                    }
+                    r += n;
+                }
+                for (int64_t r = 0; r < rows && !fma;) {
+                    const int n = rows - r < SCORE_ROWS ? (int)(rows - r) : SCORE_ROWS;
+                    switch (n) {
 #define SCORE_CASE(c) case c: flash_scores(qb + r * head_dim, head_dim, key_tile, scores + r * FLASH_KEYS, c); break;
                         SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4) SCORE_CASE(5) SCORE_CASE(6)
                         SCORE_CASE(7) SCORE_CASE(8) SCORE_CASE(9) SCORE_CASE(10) SCORE_CASE(11) SCORE_CASE(12)
@@ -1341,10 +1414,27 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
                     rescale[r] = expf(best[r] - top);  /* 0 on the first tile (best -inf) */
                     total[r] = total[r] * rescale[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
                     best[r] = top;
-                    _mm256_storeu_si256((__m256i *)(probs + r * FLASH_KEYS), bf16x16_from(p0));
-                    _mm256_storeu_si256((__m256i *)(probs + r * FLASH_KEYS + 16), bf16x16_from(p1));
+                    if (fma) {  /* the probabilities replace the row's scores, float32 */
+                        _mm512_storeu_ps(scores + r * FLASH_KEYS, p0);
+                        _mm512_storeu_ps(scores + r * FLASH_KEYS + 16, p1);
+                    } else {
+                        _mm256_storeu_si256((__m256i *)(probs + r * FLASH_KEYS), bf16x16_from(p0));
+                        _mm256_storeu_si256((__m256i *)(probs + r * FLASH_KEYS + 16), bf16x16_from(p1));
+                    }
                 }
-                for (int64_t c = 0; c < head_dim; c += 64) {
+                for (int64_t c = 0; c < head_dim && fma; c += 64) {
+                    for (int64_t r = 0; r < rows;) {
+                        const int n = rows - r < WEIGH_FMA_ROWS ? (int)(rows - r) : WEIGH_FMA_ROWS;
+                        switch (n) {
+#define WEIGH_CASE(k) case k: flash_weigh_fma(scores + r * FLASH_KEYS, value_tile, head_dim, c, rescale + r, \
+                                              acc + r * head_dim, k); break;
+                            WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4)
+#undef WEIGH_CASE
+                        }
+                        r += n;
+                    }
+                }
+                for (int64_t c = 0; c < head_dim && !fma; c += 64) {
                     for (int64_t r = 0; r < rows;) {
                         const int n = rows - r < WEIGH_ROWS ? (int)(rows - r) : WEIGH_ROWS;
                         switch (n) {
@@ -1370,6 +1460,7 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
         free(acc);
         free(scores);
         free(probs);
+        free(qf);
         free(qb);
     }
     free(packed_values);
@@ -1379,7 +1470,7 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
 #else
     (void)q; (void)q_stride; (void)kv; (void)block_tables; (void)table_stride; (void)starts; (void)query_lens;
     (void)contexts; (void)tables; (void)count; (void)out; (void)num_heads; (void)num_kv_heads; (void)head_dim;
-    (void)block_size; (void)num_blocks; (void)scale; (void)kv_bf16;
+    (void)block_size; (void)num_blocks; (void)scale; (void)kv_bf16; (void)fma;
     abort();  /* the Python side asks infer_flash_kind first */
 #endif
 }
