@@ -1170,6 +1170,23 @@ int64_t infer_flash_kind(void) {
 #define SCORE_ROWS 12    /* rows per pass of Q K^T: 2 accumulators each */
 #define WEIGH_ROWS 6     /* rows per pass of P V: 4 accumulators each (64 columns of the result) */
 
+/* A row's 32 scores (two registers) into the scores buffer. */
+static inline __attribute__((always_inline)) void store_scores(const __m512 *acc, float *scores) {
+    _mm512_storeu_ps(scores, acc[0]);
+    _mm512_storeu_ps(scores + 16, acc[1]);
+}
+
+/* acc[r] = 64 columns (from c) of row r's running result times rescale[r], for rows 0..count-1: where a tile of P V
+ * starts, the earlier tiles' sum scaled to the new row maximum. */
+static inline __attribute__((always_inline)) void load_rescaled(__m512 (*acc)[4], int count, const float *acc_rows,
+                                                                int64_t head_dim, int64_t c, const float *rescale) {
+    for (int r = 0; r < count; r++) {
+        const __m512 factor = _mm512_set1_ps(rescale[r]);
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc_rows + r * head_dim + c + 16 * i),
+                                                              factor);
+    }
+}
+
 /* scores[r][0..31] = q_r . key_j for rows 0..count-1 of qb (bf16, head_dim each) and the 32 keys of one packed
  * tile (two halves of 16 keys; per pair p of head_dim, one register of the 16 keys' (k[2p], k[2p + 1]) pairs). */
 static inline __attribute__((always_inline)) void flash_scores(const uint16_t *qb, int64_t head_dim,
@@ -1187,10 +1204,7 @@ static inline __attribute__((always_inline)) void flash_scores(const uint16_t *q
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qv, k1);
         }
     }
-    for (int r = 0; r < count; r++) {
-        _mm512_storeu_ps(scores + r * FLASH_KEYS, acc[r][0]);
-        _mm512_storeu_ps(scores + r * FLASH_KEYS + 16, acc[r][1]);
-    }
+    for (int r = 0; r < count; r++) store_scores(acc[r], scores + r * FLASH_KEYS);
 }
 
 /* acc_r[c..c+63] = acc_r[c..c+63] * rescale[r] + sum_j p_rj v_j[c..c+63] for rows 0..count-1: probs (bf16, 32 a
@@ -1199,11 +1213,7 @@ static inline __attribute__((always_inline)) void flash_weigh(const uint16_t *pr
                                                               int64_t head_dim, int64_t c, const float *rescale,
                                                               float *acc_rows, const int count) {
     __m512 acc[WEIGH_ROWS][4];
-    for (int r = 0; r < count; r++) {
-        const __m512 factor = _mm512_set1_ps(rescale[r]);
-        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc_rows + r * head_dim + c + 16 * i),
-                                                              factor);
-    }
+    load_rescaled(acc, count, acc_rows, head_dim, c, rescale);
     for (int j = 0; j < FLASH_KEYS / 2; j++) {
         const uint16_t *pairs = values + j * 2 * head_dim + 2 * c;
         const __m512bh v0 = (__m512bh)_mm512_loadu_si512(pairs), v1 = (__m512bh)_mm512_loadu_si512(pairs + 32);
@@ -1248,10 +1258,7 @@ static inline __attribute__((always_inline)) void flash_scores_fma(const float *
             acc[r][1] = _mm512_fmadd_ps(qo, odd1, _mm512_fmadd_ps(qe, even1, acc[r][1]));
         }
     }
-    for (int r = 0; r < count; r++) {
-        _mm512_storeu_ps(scores + r * FLASH_KEYS, acc[r][0]);
-        _mm512_storeu_ps(scores + r * FLASH_KEYS + 16, acc[r][1]);
-    }
+    for (int r = 0; r < count; r++) store_scores(acc[r], scores + r * FLASH_KEYS);
 }
 
 /* flash_weigh with float32 FMAs: probs float32 (32 a row, not rounded) times the widened values. */
@@ -1259,11 +1266,7 @@ static inline __attribute__((always_inline)) void flash_weigh_fma(const float *p
                                                                   int64_t head_dim, int64_t c, const float *rescale,
                                                                   float *acc_rows, const int count) {
     __m512 acc[WEIGH_FMA_ROWS][4];
-    for (int r = 0; r < count; r++) {
-        const __m512 factor = _mm512_set1_ps(rescale[r]);
-        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc_rows + r * head_dim + c + 16 * i),
-                                                              factor);
-    }
+    load_rescaled(acc, count, acc_rows, head_dim, c, rescale);
     for (int j = 0; j < FLASH_KEYS / 2; j++) {
         const uint16_t *pairs = values + j * 2 * head_dim + 2 * c;
         __m512 even[4], odd[4];  /* keys 2j and 2j + 1, 16 columns each */
