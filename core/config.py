@@ -102,10 +102,10 @@ class ExecutionConfig(BaseModel):
     recalibrate: bool = Field(False, description="With fused_max_tokens or large_gemm auto: measure again instead of "
                                                  "reading the cached calibration.")
     large_gemm: Literal["auto", "bf16", "float32"] = Field(
-        "auto", description="With bf16 weights (model.quantization bf16): what steps of more rows than the GEMV takes "
-                            "multiply on. bf16: infer's tile kernel and oneDNN's bf16 GEMM (inputs rounded to bf16). "
-                            "float32: torch's float32 GEMM over a float32 copy of the same weights (4 more bytes a "
-                            "weight; float32 inputs). auto: float32 where measured faster on this CPU (cached).")
+        "auto", description="With bf16 weights (model.quantization bf16): how steps of more rows than the GEMV takes "
+                            "multiply. bf16: infer's tile kernel and oneDNN's bf16 GEMM (inputs rounded to bf16). "
+                            "float32: the tile kernel with float32 FMAs over the same bf16 weights (float32 inputs; "
+                            "oneDNN's copy dropped). auto: float32 where measured faster on this CPU (cached).")
 
     @field_validator("fused_max_tokens")
     @classmethod
