@@ -115,12 +115,18 @@ def read_times(data: dict) -> dict[int, tuple[float, float]]:
     return {int(size): (float(pair[0]), float(pair[1])) for size, pair in data["times_ms"].items()}
 
 
-def load_cached(digest: str) -> Calibration | None:
+def read_cached(digest: str, build):
+    """``build(data)`` of the cached file ``digest``, or None where there is none yet or it is unreadable (then
+    measure again)."""
     try:
-        data = json.loads(calibration_path(digest).read_text())
-        return Calibration(int(data["fused_max_tokens"]), data["cpu"], digest, read_times(data), cached=True)
+        return build(json.loads(calibration_path(digest).read_text()))
     except (OSError, ValueError, KeyError, TypeError, IndexError):
-        return None  # none yet, or unreadable: measure again
+        return None
+
+
+def load_cached(digest: str) -> Calibration | None:
+    return read_cached(digest, lambda data: Calibration(int(data["fused_max_tokens"]), data["cpu"], digest,
+                                                        read_times(data), cached=True))
 
 
 def save(calibration: Calibration | GemmChoice) -> None:
@@ -241,12 +247,10 @@ def choose_gemm(setting: str, model, kernels, recalibrate: bool = False) -> Gemm
     name, flags = cpu_description()
     key = json.dumps(["gemm", name, flags, torch.get_num_threads(), torch.__version__, shape, kernels.path.name])
     digest = "gemm-" + hashlib.sha256(key.encode()).hexdigest()[:16]
-    if not recalibrate:
-        try:
-            data = json.loads(calibration_path(digest).read_text())
-            return GemmChoice(str(data["name"]), digest, read_times(data), cached=True)
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
-            pass
+    cached = None if recalibrate else read_cached(
+        digest, lambda data: GemmChoice(str(data["name"]), digest, read_times(data), cached=True))
+    if cached is not None:
+        return cached
     times = measure_gemm(*shape, kernels)
     faster = all(f32 < bf16 * GEMM_MARGIN for bf16, f32 in times.values())
     choice = GemmChoice("float32" if faster else "bf16", digest, times, reason="measured")

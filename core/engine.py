@@ -162,7 +162,7 @@ class Engine:
                                   shard=None if self.tensor_parallel is None else self.tensor_parallel.shard)
         self.model, self.quantization, self.executor = stack.model, stack.quantization, stack.executor
         self.attention_name, self.attention = stack.attention_name, stack.attention
-        self.calibration, self.gemm = stack.calibration, stack.gemm
+        self.calibration = stack.calibration
         self.vocab_size = self.model.vocab_size
         self.tokenizer = loaded.tokenizer
         self.max_token_bytes = max(len(token.encode()) for token in self.tokenizer.get_vocab())
@@ -271,7 +271,7 @@ class Engine:
         parallel = "" if self.tensor_parallel is None else f"; {self.tensor_parallel.describe()}"
         fused = (self.calibration.describe() if self.calibration is not None
                  else f"fused up to {self.executor.fused_max_tokens} tokens")
-        gemm = "" if self.gemm is None else f"; {self.gemm.describe()}"
+        gemm = "" if self.executor.gemm is None else f"; {self.executor.gemm.describe()}"
         return f"{dtypes}; attention {chosen}; {kernels}; execution paths {paths} ({fused}){gemm}{parallel}"
 
     def _check_max_model_len(self, loaded) -> None:

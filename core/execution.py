@@ -176,7 +176,7 @@ class Executor:
     choices. ``Executor()`` runs everything op by op in torch."""
 
     def __init__(self, paths: Sequence[ExecutionPath] | None = None, kernels: CpuKernels | None = None,
-                 fused_max_tokens: int = 0, bf16_gemm_inputs: bool = False):
+                 fused_max_tokens: int = 0, bf16_gemm_inputs: bool = False, gemm: GemmChoice | None = None):
         self.paths = list(paths) if paths else [TorchPath()]
         if not isinstance(self.paths[-1], TorchPath):
             raise ValueError("the last execution path must be torch, which accepts every step")
@@ -184,18 +184,23 @@ class Executor:
         self.fused_max_tokens = fused_max_tokens
         # Every projection is a bf16 GEMM for large steps: those steps pass bf16 rows between them (``StepOps``).
         self.bf16_gemm_inputs = bf16_gemm_inputs
-        self.float_gemms = False  # bf16 weights' large steps on the tiles' float32 FMAs (``for_model``)
-        self.gemm: GemmChoice | None = None  # where that choice came from (``build_executor``)
+        self.gemm = gemm  # bf16 weights: what their large steps multiply on (``execution.large_gemm``)
         self.counts: Counter[str] = Counter()
+
+    @property
+    def float_gemms(self) -> bool:
+        """bf16 weights' large steps run on the tiles' float32 FMAs (``gemm`` chose float32)."""
+        return self.gemm is not None and self.gemm.name == "float32"
 
     @classmethod
     def for_model(cls, model: LlamaForCausalLM, kernels: CpuKernels | None,
                   paths: Sequence[str] = PATH_NAMES, fused_max_tokens: int = 8,
-                  float_gemms: bool = False) -> Executor:
+                  gemm: GemmChoice | None = None) -> Executor:
         """The executor for ``model``: with ``kernels``, its weights prepared for them and the fused paths named in
-        ``paths`` (in that order) before torch; without, torch alone. ``float_gemms``: bf16 weights' steps of more
+        ``paths`` (in that order) before torch; without, torch alone. ``gemm`` float32: bf16 weights' steps of more
         rows than the GEMV takes multiply on the tile kernel's float32 FMAs (``execution.large_gemm``), so large
         steps pass float32 rows between the projections."""
+        float_gemms = gemm is not None and gemm.name == "float32"
         model.use_cpu_kernels(kernels, fused_max_tokens, float_gemms)
         if kernels is None:
             return cls()
@@ -204,15 +209,14 @@ class Executor:
         if unknown:
             raise ValueError(f"unknown execution paths {unknown}; choose from {', '.join(PATH_NAMES)}")
         chosen = [known[name](fused_max_tokens) for name in paths if name in known]
-        executor = cls([*chosen, TorchPath()], kernels, fused_max_tokens, _all_bf16_gemms(model) and not float_gemms)
-        executor.float_gemms = float_gemms
-        return executor
+        return cls([*chosen, TorchPath()], kernels, fused_max_tokens, _all_bf16_gemms(model) and not float_gemms,
+                   gemm)
 
     def for_another(self, model: LlamaForCausalLM) -> Executor:
         """An executor with these kernels and paths for another model (a draft model), its weights prepared (on the
         tiles' float32 FMAs where this one's are)."""
         return Executor.for_model(model, self.kernels, [path.name for path in self.paths], self.fused_max_tokens,
-                                  self.float_gemms)
+                                  self.gemm)
 
     def set_fused_max_tokens(self, model: LlamaForCausalLM, max_tokens: int) -> None:
         """Let steps of up to ``max_tokens`` tokens take the fused paths and ``model``'s GEMV (weights already
@@ -307,10 +311,7 @@ def build_executor(model: LlamaForCausalLM, config, device: torch.device, dtype:
     gemm = None
     if kernels is not None and quantization == "bf16":
         gemm = choose_gemm(execution.large_gemm, model, kernels, execution.recalibrate)
-    executor = Executor.for_model(model, kernels, execution.paths, max_tokens, gemm is not None and
-                                  gemm.name == "float32")
-    executor.gemm = gemm
-    return executor
+    return Executor.for_model(model, kernels, execution.paths, max_tokens, gemm)
 
 
 def build_attention(registry, config, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
@@ -345,7 +346,6 @@ class ModelStack:
     attention_name: str
     attention: AttentionBackend
     calibration: Calibration | None = None  # where ``execution.fused_max_tokens: auto`` came from
-    gemm: GemmChoice | None = None  # bf16 weights: what their large steps multiply on (``execution.large_gemm``)
 
 
 def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
@@ -367,4 +367,4 @@ def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.d
             executor.set_fused_max_tokens(model, calibration.fused_max_tokens)
         else:  # sharded layers never fuse (an all-reduce follows two of their projections)
             executor.set_fused_max_tokens(model, DEFAULT_FUSED_MAX_TOKENS)
-    return ModelStack(model, quantization, executor, name, attention, calibration, executor.gemm)
+    return ModelStack(model, quantization, executor, name, attention, calibration)

@@ -288,7 +288,7 @@ def test_auto_large_gemm_takes_float32_where_it_was_measured_faster_at_every_siz
     bf16 = ("model.quantization=bf16", "execution.fused_max_tokens=8")
     llm = _auto_llm(tiny_model_dir, *bf16)
     engine = llm.engine
-    assert engine.gemm.name == "float32" and measured == [1]
+    assert engine.executor.gemm.name == "float32" and measured == [1]
     assert engine.executor.float_gemms and not engine.executor.bf16_gemm_inputs
     projections = [module for module in engine.model.modules() if isinstance(module, PackedLinear)]
     assert projections and all(module.tile_fma and module.packed is None for module in projections)
@@ -299,18 +299,18 @@ def test_auto_large_gemm_takes_float32_where_it_was_measured_faster_at_every_siz
     outputs = llm.generate(["a b c d e f g h i j k l m n o p"] * 2, SamplingParams(max_tokens=6, temperature=0.0))
     assert outputs[0].token_ids == outputs[1].token_ids and len(outputs[0].token_ids) == 6
     again = _auto_llm(tiny_model_dir, *bf16)
-    assert measured == [1] and again.engine.gemm.cached and again.engine.gemm.name == "float32"
+    assert measured == [1] and again.engine.executor.gemm.cached and again.engine.executor.gemm.name == "float32"
     draft = quantize_model(load_model(tiny_model_dir, torch.float32, torch.device("cpu")).model, "bf16")
     assert again.engine.executor.for_another(draft).float_gemms  # a draft model's executor, as a drafter makes it
     assert all(module.tile_fma for module in draft.modules() if isinstance(module, PackedLinear))
     fake[512] = (10.0, 9.5)  # faster, but not by GEMM_MARGIN
     kept = _auto_llm(tiny_model_dir, *bf16, "execution.recalibrate=true").engine
-    assert kept.gemm.name == "bf16" and kept.attention.config.prefill_arithmetic == "bf16"
+    assert kept.executor.gemm.name == "bf16" and kept.attention.config.prefill_arithmetic == "bf16"
     assert measured == [1, 1]
     configured = _auto_llm(tiny_model_dir, *bf16, "execution.large_gemm=float32").engine
-    assert configured.gemm.name == "float32" and configured.executor.float_gemms and measured == [1, 1]
+    assert configured.executor.gemm.name == "float32" and configured.executor.float_gemms and measured == [1, 1]
     assert "large GEMMs float32 (configured)" in configured.describe_execution()
-    assert _auto_llm(tiny_model_dir).engine.gemm is None  # fp16 weights: no such choice
+    assert _auto_llm(tiny_model_dir).engine.executor.gemm is None  # fp16 weights: no such choice
 
 
 @needs_kernels

@@ -192,15 +192,14 @@ def test_cpu_prefill_kernel_auto_takes_infers_flash_where_it_is_built_and_the_cp
                           device=torch.device("cpu"), config=config)
 
     built = backend(64).kernels.flash
-    flags = cpu_plugin.cpu_description()
-    without_amx = tuple(flag for flag in flags[1] if flag != "amx_bf16")
-    monkeypatch.setattr(cpu_plugin, "cpu_description", lambda: (flags[0], without_amx))
+    flags = cpu_plugin.cpu_flags()
+    monkeypatch.setattr(cpu_plugin, "cpu_flags", lambda: flags - {"amx_bf16"})
     assert backend(64).prefill_kernel == ("infer" if built else "torch")
     assert backend(32).prefill_kernel == "torch"
     assert not backend(64).prefill_fma  # arithmetic auto, unresolved by an engine: bf16
     assert CpuBackend(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
                       device=torch.device("cpu")).prefill_kernel is None  # prefill_dtype float32: no flash at all
-    monkeypatch.setattr(cpu_plugin, "cpu_description", lambda: (flags[0], (*flags[1], "amx_bf16")))
+    monkeypatch.setattr(cpu_plugin, "cpu_flags", lambda: flags | {"amx_bf16"})
     assert backend(64).prefill_kernel == "torch"
     assert backend(64, "torch").prefill_kernel == "torch"
     with pytest.raises(BackendUnavailableError, match="head size 32"):

@@ -490,6 +490,13 @@ static inline void store16(__m512 out, void *y, int64_t at, int y_bf16) {
         _mm512_storeu_ps((float *)y + at, out);
 }
 
+/* A register of 16 bf16 pairs as its even and odd elements, float32 (exact: the even one is its low half shifted
+ * up, the odd one its high half masked). */
+static inline __attribute__((always_inline)) void widen_pairs(__m512i pairs, __m512 *even, __m512 *odd) {
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
 /* Rows 0..count-1 of one block's sums (its two halves of 16 columns) plus the bias (NULL: none) into y, rows of n_out
  * from element `at`: the tile kernels' last step, where the bias is first read (held through their loops it pushed
  * the weights out of registers). */
@@ -637,26 +644,22 @@ static void pass_dot_bf16(const uint16_t *xb, int64_t k, const uint16_t *wb, con
 #define FMA_ROWS 8
 
 /* block_dot_bf16's product with float32 FMAs (any AVX-512 build): rows of x (float32, not rounded to bf16) times
- * the block's bf16 weights, widened in registers (a pair's even weight is its low half shifted up, its odd one its
- * high half masked). Two FMAs per pair where VDPBF16PS takes one, at the CPU's float32 rate: faster where that rate
- * is more than half the dot products' (an Intel Xeon with AVX512-BF16 and no AMX: 1.6x, level with MKL's float32
- * GEMM), and float32 products of the exact bf16 weights. */
+ * the block's bf16 weights, widened in registers (widen_pairs). Two FMAs per pair where VDPBF16PS takes one, at the
+ * CPU's float32 rate: faster where that rate is more than half the dot products' (an Intel Xeon with AVX512-BF16 and
+ * no AMX: 1.6x, level with MKL's float32 GEMM), and float32 products of the exact bf16 weights. */
 static inline __attribute__((always_inline)) void block_fma_bf16(const float *x, int64_t k, const uint16_t *wb,
                                                                  const float *bias, void *y, int64_t at,
                                                                  int64_t n_out, int y_bf16, const int count) {
     __m512 acc[FMA_ROWS][2];
     for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int64_t t = 0; t < k / 32; t++) {
         const uint16_t *tile = wb + t * 1024;
         for (int p = 0; p < 16; p++) {
             _mm_prefetch((const char *)(tile + 1024 + p * 32), _MM_HINT_T0);
             _mm_prefetch((const char *)(tile + 1536 + p * 32), _MM_HINT_T0);
-            const __m512i w0 = _mm512_loadu_si512(tile + p * 32), w1 = _mm512_loadu_si512(tile + 512 + p * 32);
-            const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
-            const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
-            const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
-            const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
+            __m512 even0, odd0, even1, odd1;
+            widen_pairs(_mm512_loadu_si512(tile + p * 32), &even0, &odd0);
+            widen_pairs(_mm512_loadu_si512(tile + 512 + p * 32), &even1, &odd1);
             for (int r = 0; r < count; r++) {
                 const __m512 xe = _mm512_set1_ps(x[r * k + t * 32 + 2 * p]);
                 const __m512 xo = _mm512_set1_ps(x[r * k + t * 32 + 2 * p + 1]);
@@ -1187,6 +1190,13 @@ static inline __attribute__((always_inline)) void load_rescaled(__m512 (*acc)[4]
     }
 }
 
+/* load_rescaled's counterpart: the rows' 64 columns (from c) back into their running results. */
+static inline __attribute__((always_inline)) void store_result(__m512 (*acc)[4], int count, float *acc_rows,
+                                                               int64_t head_dim, int64_t c) {
+    for (int r = 0; r < count; r++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc_rows + r * head_dim + c + 16 * i, acc[r][i]);
+}
+
 /* scores[r][0..31] = q_r . key_j for rows 0..count-1 of qb (bf16, head_dim each) and the 32 keys of one packed
  * tile (two halves of 16 keys; per pair p of head_dim, one register of the 16 keys' (k[2p], k[2p + 1]) pairs). */
 static inline __attribute__((always_inline)) void flash_scores(const uint16_t *qb, int64_t head_dim,
@@ -1228,18 +1238,11 @@ static inline __attribute__((always_inline)) void flash_weigh(const uint16_t *pr
             acc[r][3] = _mm512_dpbf16_ps(acc[r][3], pv, v3);
         }
     }
-    for (int r = 0; r < count; r++)
-        for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc_rows + r * head_dim + c + 16 * i, acc[r][i]);
+    store_result(acc, count, acc_rows, head_dim, c);
 }
 
 #define SCORE_FMA_ROWS 8  /* flash_scores_fma: 16 accumulators, 4 widened key vectors (more rows spill) */
 #define WEIGH_FMA_ROWS 4  /* flash_weigh_fma: 16 accumulators, 8 widened value vectors */
-
-/* A register of 16 bf16 pairs as its even and odd elements, float32 (exact). */
-static inline __attribute__((always_inline)) void widen_pairs(__m512i pairs, __m512 *even, __m512 *odd) {
-    *even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-    *odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
 
 /* flash_scores with float32 FMAs over the widened keys: rows of qf float32 (not rounded). */
 static inline __attribute__((always_inline)) void flash_scores_fma(const float *qf, int64_t head_dim,
@@ -1278,8 +1281,62 @@ static inline __attribute__((always_inline)) void flash_weigh_fma(const float *p
                 acc[r][i] = _mm512_fmadd_ps(po, odd[i], _mm512_fmadd_ps(pe, even[i], acc[r][i]));
         }
     }
-    for (int r = 0; r < count; r++)
-        for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc_rows + r * head_dim + c + 16 * i, acc[r][i]);
+    store_result(acc, count, acc_rows, head_dim, c);
+}
+
+/* Scores of `rows` rows against one tile of 32 keys, a pass of rows at a time (a constant count per copy, so the
+ * sums stay in registers): float32 FMAs over qf's rows, or the dot products over qb's. */
+static void flash_score_rows(int fma, const uint16_t *qb, const float *qf, int64_t head_dim, const uint16_t *keys,
+                             float *scores, int64_t rows) {
+    for (int64_t r = 0; r < rows && fma;) {
+        const int n = rows - r < SCORE_FMA_ROWS ? (int)(rows - r) : SCORE_FMA_ROWS;
+        switch (n) {
+#define SCORE_CASE(c) case c: flash_scores_fma(qf + r * head_dim, head_dim, keys, scores + r * FLASH_KEYS, c); break;
+            SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4) SCORE_CASE(5) SCORE_CASE(6) SCORE_CASE(7)
+            SCORE_CASE(8)
+#undef SCORE_CASE
+        }
+        r += n;
+    }
+    for (int64_t r = 0; r < rows && !fma;) {
+        const int n = rows - r < SCORE_ROWS ? (int)(rows - r) : SCORE_ROWS;
+        switch (n) {
+#define SCORE_CASE(c) case c: flash_scores(qb + r * head_dim, head_dim, keys, scores + r * FLASH_KEYS, c); break;
+            SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4) SCORE_CASE(5) SCORE_CASE(6)
+            SCORE_CASE(7) SCORE_CASE(8) SCORE_CASE(9) SCORE_CASE(10) SCORE_CASE(11) SCORE_CASE(12)
+#undef SCORE_CASE
+        }
+        r += n;
+    }
+}
+
+/* The running results of `rows` rows rescaled and plus their probabilities times one tile of values, 64 columns
+ * and a pass of rows at a time: float32 FMAs over the float32 probabilities, or the dot products over the bf16
+ * ones. */
+static void flash_weigh_rows(int fma, const uint16_t *probs, const float *probs_f, const uint16_t *values,
+                             int64_t head_dim, const float *rescale, float *acc, int64_t rows) {
+    for (int64_t c = 0; c < head_dim; c += 64) {
+        for (int64_t r = 0; r < rows && fma;) {
+            const int n = rows - r < WEIGH_FMA_ROWS ? (int)(rows - r) : WEIGH_FMA_ROWS;
+            switch (n) {
+#define WEIGH_CASE(k) case k: flash_weigh_fma(probs_f + r * FLASH_KEYS, values, head_dim, c, rescale + r, \
+                                              acc + r * head_dim, k); break;
+                WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4)
+#undef WEIGH_CASE
+            }
+            r += n;
+        }
+        for (int64_t r = 0; r < rows && !fma;) {
+            const int n = rows - r < WEIGH_ROWS ? (int)(rows - r) : WEIGH_ROWS;
+            switch (n) {
+#define WEIGH_CASE(k) case k: flash_weigh(probs + r * FLASH_KEYS, values, head_dim, c, rescale + r, \
+                                          acc + r * head_dim, k); break;
+                WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) WEIGH_CASE(5) WEIGH_CASE(6)
+#undef WEIGH_CASE
+            }
+            r += n;
+        }
+    }
 }
 
 /* Key j of one sequence's context (head kvh) into the packed K and V of its tile: keys in two halves of 16 as
@@ -1349,9 +1406,10 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
             }
         }  /* the loop's barrier: every tile is packed before any is read */
         const int64_t max_rows = FLASH_TOKENS * per_kv;
-        uint16_t *qb = malloc(sizeof(uint16_t) * max_rows * head_dim);
+        /* Q's rows and the probabilities: float32 (the probabilities in place of the scores) with fma, else bf16 */
+        uint16_t *qb = fma ? NULL : malloc(sizeof(uint16_t) * max_rows * head_dim);
         float *qf = fma ? malloc(sizeof(float) * max_rows * head_dim) : NULL;
-        uint16_t *probs = malloc(sizeof(uint16_t) * max_rows * FLASH_KEYS);
+        uint16_t *probs = fma ? NULL : malloc(sizeof(uint16_t) * max_rows * FLASH_KEYS);
         float *scores = malloc(sizeof(float) * max_rows * FLASH_KEYS);
         float *acc = malloc(sizeof(float) * max_rows * head_dim);
         float *best = malloc(sizeof(float) * max_rows), *total = malloc(sizeof(float) * max_rows);
@@ -1381,27 +1439,7 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
             const int64_t last = offset + tokens - 1;  /* the last row's position: keys beyond it are never seen */
             for (int64_t k0 = 0; k0 <= last; k0 += FLASH_KEYS) {
                 const uint16_t *key_tile = own_keys + k0 * head_dim, *value_tile = own_values + k0 * head_dim;
-                for (int64_t r = 0; r < rows && fma;) {
-                    const int n = rows - r < SCORE_FMA_ROWS ? (int)(rows - r) : SCORE_FMA_ROWS;
-                    switch (n) {  /* a constant count per copy: its sums stay in registers */
-#define SCORE_CASE(c) case c: flash_scores_fma(qf + r * head_dim, head_dim, key_tile, scores + r * FLASH_KEYS, c); \
-                      break;
-                        SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4) SCORE_CASE(5) SCORE_CASE(6)
-                        SCORE_CASE(7) SCORE_CASE(8)
-#undef SCORE_CASE
-                    }
-                    r += n;
-                }
-                for (int64_t r = 0; r < rows && !fma;) {
-                    const int n = rows - r < SCORE_ROWS ? (int)(rows - r) : SCORE_ROWS;
-                    switch (n) {
-#define SCORE_CASE(c) case c: flash_scores(qb + r * head_dim, head_dim, key_tile, scores + r * FLASH_KEYS, c); break;
-                        SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4) SCORE_CASE(5) SCORE_CASE(6)
-                        SCORE_CASE(7) SCORE_CASE(8) SCORE_CASE(9) SCORE_CASE(10) SCORE_CASE(11) SCORE_CASE(12)
-#undef SCORE_CASE
-                    }
-                    r += n;
-                }
+                flash_score_rows((int)fma, qb, qf, head_dim, key_tile, scores, rows);
                 const __m512 factor = _mm512_set1_ps(scale);
                 for (int64_t r = 0; r < rows; r++) {  /* the online softmax: keys past the row's position masked */
                     const int64_t seen = offset + r / per_kv - k0 + 1;
@@ -1425,30 +1463,7 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
                         _mm256_storeu_si256((__m256i *)(probs + r * FLASH_KEYS + 16), bf16x16_from(p1));
                     }
                 }
-                for (int64_t c = 0; c < head_dim && fma; c += 64) {
-                    for (int64_t r = 0; r < rows;) {
-                        const int n = rows - r < WEIGH_FMA_ROWS ? (int)(rows - r) : WEIGH_FMA_ROWS;
-                        switch (n) {
-#define WEIGH_CASE(k) case k: flash_weigh_fma(scores + r * FLASH_KEYS, value_tile, head_dim, c, rescale + r, \
-                                              acc + r * head_dim, k); break;
-                            WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4)
-#undef WEIGH_CASE
-                        }
-                        r += n;
-                    }
-                }
-                for (int64_t c = 0; c < head_dim && !fma; c += 64) {
-                    for (int64_t r = 0; r < rows;) {
-                        const int n = rows - r < WEIGH_ROWS ? (int)(rows - r) : WEIGH_ROWS;
-                        switch (n) {
-#define WEIGH_CASE(k) case k: flash_weigh(probs + r * FLASH_KEYS, value_tile, head_dim, c, rescale + r, \
-                                          acc + r * head_dim, k); break;
-                            WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) WEIGH_CASE(5) WEIGH_CASE(6)
-#undef WEIGH_CASE
-                        }
-                        r += n;
-                    }
-                }
+                flash_weigh_rows((int)fma, probs, scores, value_tile, head_dim, rescale, acc, rows);
             }
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t token = starts[i] + first + r / per_kv, head = kvh * per_kv + r % per_kv;

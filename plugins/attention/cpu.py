@@ -39,7 +39,7 @@ from pydantic import Field
 
 from infer import cpu_kernels
 from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata, BackendUnavailableError, gather_blocks
-from infer.calibration import cpu_description
+from infer.host import cpu_flags
 from infer.cpu_kernels import FlashChunks, KernelAttentionPlan
 
 
@@ -130,7 +130,7 @@ class CpuBackend(AttentionBackend):
                 f"{'has it' if self.kernels.flash else 'has none'}, head size {self.head_dim}); use "
                 f"attention.prefill_kernel=torch or auto")
         if chosen == "auto":
-            chosen = "infer" if own and "amx_bf16" not in cpu_description()[1] else "torch"
+            chosen = "infer" if own and "amx_bf16" not in cpu_flags() else "torch"
         return chosen
 
     def prepare(self, metadata: AttentionMetadata) -> CpuMetadata:
