@@ -266,8 +266,9 @@ class Engine:
         paths = " > ".join(path.name for path in self.executor.paths)
         chosen = f"{self.attention_name} (auto)" if self.config.attention.name == "auto" else self.attention_name
         prefill = getattr(self.attention, "prefill_kernel", None)  # the cpu backend's bf16 prefill chunks
-        fma = " (float32 FMAs)" if getattr(self.attention, "prefill_fma", False) else ""
-        chosen += f", bf16 prefill on {prefill}'s flash attention{fma}" if prefill else ""
+        how = (" (float32 FMAs)" if getattr(self.attention, "prefill_fma", False)
+               else " (AMX tiles)" if getattr(self.attention, "prefill_tiles", False) else "")
+        chosen += f", bf16 prefill on {prefill}'s flash attention{how}" if prefill else ""
         parallel = "" if self.tensor_parallel is None else f"; {self.tensor_parallel.describe()}"
         fused = (self.calibration.describe() if self.calibration is not None
                  else f"fused up to {self.executor.fused_max_tokens} tokens")

@@ -38,6 +38,21 @@ def test_add_rms_norm_adds_in_place_and_normalizes(kernels, rows, dim):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", DIMS)
+def test_add_rms_norm_adds_a_bf16_delta_as_its_float32_widening(kernels, dim, out_dtype):
+    """A bf16 GEMM's output added straight into the float32 residual: the same sum and norm as adding its float32
+    copy (the widening is exact)."""
+    residual, weight = randn(70, dim, seed=1), randn(dim, seed=3)
+    delta = randn(70, dim, seed=2).to(torch.bfloat16)
+    expected_residual = residual.clone()
+    expected = kernels.add_rms_norm(expected_residual, delta.float(), weight, 1e-5, out_dtype)
+    out = kernels.add_rms_norm(residual, delta, weight, 1e-5, out_dtype)
+    assert torch.equal(residual, expected_residual) and torch.equal(out, expected)
+    with pytest.raises(ValueError, match="residual's shape"):
+        kernels.add_rms_norm(residual, delta[:, :-1], weight, 1e-5)
+
+
 @pytest.mark.parametrize("dim", DIMS)
 def test_norms_into_bf16_round_the_float32_result_to_nearest(kernels, dim):
     """A bf16 GEMM's input written by the norm: the float32 norm rounded once (ties to even, as torch rounds)."""
@@ -518,3 +533,36 @@ def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path
         outs = [kernels_.paged_attention(q, kv, block_tables, plan, 0.125, torch.zeros_like(q))
                 for kernels_ in (built, portable_kernels)]
         close(*outs)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_flash_attention_on_amx_tiles_matches_its_avx512_bf16_dot_products(kernels, block_size, tmp_path):
+    """infer's flash attention in its bf16 mode multiplies on AMX tiles where the build and the OS allow (head size
+    64: S^T = K Q^T and O^T = V^T P^T, a token per lane); the same chunks on the AVX512-BF16 build's dot products
+    (AMX kept out) give the same results within bf16's rounding of the probabilities, fresh prompts and cached
+    prefixes, partial tiles of tokens and keys, grouped heads, float32 and bf16 pools. Runs where the CPU has AMX."""
+    from infer.cpu_kernels import FlashChunks
+
+    if not kernels.flash_amx:
+        pytest.skip("this CPU (or this OS) gives no AMX tiles to infer's flash attention")
+    dots = cpu_kernels.load_built(cpu_kernels.build(tmp_path, without_amx()))
+    assert dots.flash and not dots.flash_amx
+    num_heads, num_kv_heads, head_dim = 6, 2, 64
+    # (query tokens, context): a fresh prompt, one after a cached prefix, a short one, partial tiles everywhere
+    chunks = [(70, 70), (33, 100), (5, 5), (16, 47)]
+    num_blocks = sum(-(-context // block_size) for _, context in chunks) + 1
+    pool = randn(2, num_blocks, block_size, num_kv_heads, head_dim, seed=11)
+    order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(12)) + 1
+    tables = torch.zeros(len(chunks), max(-(-context // block_size) for _, context in chunks), dtype=torch.int32)
+    start = 0
+    for index, (_, context) in enumerate(chunks):
+        used = -(-context // block_size)
+        tables[index, :used] = order[start:start + used].int()
+        start += used
+    q = randn(sum(tokens for tokens, _ in chunks), num_heads, head_dim, seed=13)
+    starts = [sum(tokens for tokens, _ in chunks[:index]) for index in range(len(chunks))]
+    plan = FlashChunks.of([(at, tokens, context, index) for index, (at, (tokens, context)) in
+                           enumerate(zip(starts, chunks))])
+    for kv in (pool, pool.to(torch.bfloat16)):
+        amx, dot = (built.flash_attention(q, kv, tables, plan, 0.125, torch.zeros_like(q)) for built in (kernels, dots))
+        torch.testing.assert_close(amx, dot, atol=4e-3, rtol=1e-2)

@@ -179,10 +179,11 @@ def test_cpu_bf16_prefill_attends_long_queries_in_bf16_and_keeps_the_rest_exact(
     torch.testing.assert_close(out[long_rows], expected[long_rows], atol=3e-2, rtol=3e-2)
 
 
-def test_cpu_prefill_kernel_auto_takes_infers_flash_where_it_is_built_and_the_cpu_has_no_amx(monkeypatch):
+def test_cpu_prefill_kernel_auto_takes_infers_flash_where_it_is_built_unless_amx_is_there_and_it_cannot_use_it(
+        monkeypatch):
     """``prefill_kernel: auto``: infer's flash attention with this build's AVX512-BF16 code and a head size it
-    takes, torch's (oneDNN's AMX code) on a CPU with AMX or where the kernel is missing; asking for infer's where it
-    cannot run names what is missing."""
+    takes; on a CPU with AMX only where its products run on the tiles (head size 64), else torch's (oneDNN's AMX
+    code), as where the kernel is missing; asking for infer's where it cannot run names what is missing."""
     from infer.attention import BackendUnavailableError
     from infer.plugins.attention import cpu as cpu_plugin
 
@@ -200,7 +201,12 @@ def test_cpu_prefill_kernel_auto_takes_infers_flash_where_it_is_built_and_the_cp
     assert CpuBackend(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
                       device=torch.device("cpu")).prefill_kernel is None  # prefill_dtype float32: no flash at all
     monkeypatch.setattr(cpu_plugin, "cpu_flags", lambda: flags | {"amx_bf16"})
+    kernels = backend(64).kernels
+    monkeypatch.setattr(kernels, "flash_amx", False)  # a build or an OS without the tiles
     assert backend(64).prefill_kernel == "torch"
+    monkeypatch.setattr(kernels, "flash_amx", built)  # the tiles, where the kernel is built at all
+    assert backend(64).prefill_kernel == ("infer" if built else "torch")
+    assert backend(128).prefill_kernel == "torch"  # the tile kernel takes head size 64 only
     assert backend(64, "torch").prefill_kernel == "torch"
     with pytest.raises(BackendUnavailableError, match="head size 32"):
         backend(32, "infer")

@@ -29,8 +29,7 @@ _SIGNATURES = {
     "infer_linear_i8": [_POINTER, _INT, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT],
     "infer_layer_attention_input": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER],
     "infer_layer_feed_forward": [_POINTER, _INT, _POINTER, _POINTER, _POINTER],
-    "infer_add_rms_norm": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _FLOAT],
-    "infer_add_rms_norm_bf16": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _FLOAT],
+    "infer_add_rms_norm_mixed": [_POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT, _FLOAT],
     "infer_silu_mul": [_POINTER, _POINTER, _INT, _INT],
     "infer_silu_mul_bf16": [_POINTER, _POINTER, _INT, _INT],
     "infer_rope": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
@@ -126,8 +125,10 @@ class CpuKernels:
         self.amx = self.tiles == "AMX tiles"
         # Whether ``linear_tiles`` can multiply float32 rows with float32 FMAs (``fma``; AVX-512 builds).
         self.tile_fma = self.simd == "avx512"
-        # Whether ``flash_attention`` exists in this build (it needs AVX512-BF16).
-        self.flash = bool(flash_kind())
+        # Whether ``flash_attention`` exists in this build (it needs AVX512-BF16), and whether its bf16 products
+        # run on AMX tiles (as ``linear_tiles``: the build has AMX and the OS lets this process use it).
+        flash = flash_kind()
+        self.flash, self.flash_amx = flash > 0, flash == 2
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
@@ -184,18 +185,24 @@ class CpuKernels:
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                      eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``residual += delta`` in place, then the RMSNorm of the sum (a new tensor in ``out_dtype``)."""
+        """``residual += delta`` in place, then the RMSNorm of the sum (a new tensor in ``out_dtype``). ``delta``
+        float32, or bfloat16 (a bf16 GEMM's output, widened as it is added)."""
         check_flat(residual)
-        check_flat(delta)
+        if delta.dtype == torch.bfloat16:
+            if delta.device.type != "cpu" or not delta.is_contiguous() or delta.shape != residual.shape:
+                raise ValueError("the CPU kernels' RMSNorm adds a contiguous CPU delta of the residual's shape")
+        else:
+            check_flat(delta)
         return self._norm(residual, delta, weight, eps, out_dtype)
 
     def _norm(self, residual, delta, weight, eps, out_dtype) -> torch.Tensor:
         if out_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the CPU kernels' RMSNorm writes float32 or bfloat16, not {out_dtype}")
         out = torch.empty(residual.shape, dtype=out_dtype)
-        norm = self._add_rms_norm if out_dtype == torch.float32 else self._add_rms_norm_bf16
-        norm(residual.data_ptr(), None if delta is None else delta.data_ptr(), out.data_ptr(), weight.data_ptr(),
-             residual.shape[0], residual.shape[1], eps)
+        self._add_rms_norm_mixed(residual.data_ptr(), None if delta is None else delta.data_ptr(),
+                                 delta is not None and delta.dtype == torch.bfloat16, out.data_ptr(),
+                                 out_dtype == torch.bfloat16, weight.data_ptr(), residual.shape[0], residual.shape[1],
+                                 eps)
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -269,8 +276,10 @@ class CpuKernels:
         may be strided) over their contexts in one layer's pool, at the precision of torch's bf16 flash attention
         (Q, K, V and the probabilities rounded to bf16, scores and sums float32); results land in the same rows of
         ``out`` ``[T, heads, head_dim]`` (contiguous), which is returned. Needs ``self.flash`` and a head size that
-        is a multiple of 64. ``fma``: float32 FMAs over the widened K/V instead, Q and the probabilities not rounded
-        (faster where the CPU's float32 rate beats its bf16 dot products, as ``linear_tiles``' ``fma``)."""
+        is a multiple of 64. The bf16 products run on AMX tiles where ``self.flash_amx`` and the head size is 64,
+        else on AVX512-BF16's dot products. ``fma``: float32 FMAs over the widened K/V instead, Q and the
+        probabilities not rounded (faster where the CPU's float32 rate beats its bf16 dot products, as
+        ``linear_tiles``' ``fma``)."""
         check_rows(q)
         check_pool(kv_cache)
         check_block_tables(block_tables)

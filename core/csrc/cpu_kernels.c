@@ -819,14 +819,22 @@ static void layer_linear(const void *w, int64_t kind, const float *scales, int64
 
 /* For each of `rows` rows of `dim` floats: if delta, residual += delta (in place); then
  * out = residual * rsqrt(mean(residual^2) + eps) * weight, as floats, or rounded to bfloat16 when `bf16_out`. */
-static inline __attribute__((always_inline)) void add_rms_norm(float *residual, const float *delta, void *out,
-                                                               const float *weight, int64_t rows, int64_t dim,
-                                                               float eps, const int bf16_out) {
+static inline __attribute__((always_inline)) void add_rms_norm(float *residual, const void *delta, int delta_bf16,
+                                                               void *out, const float *weight, int64_t rows,
+                                                               int64_t dim, float eps, const int bf16_out) {
 #pragma omp parallel for if (rows * dim >= 65536)
     for (int64_t r = 0; r < rows; r++) {
         float *x = residual + r * dim;
-        if (delta) {
-            const float *d = delta + r * dim;
+        if (delta && delta_bf16) {  /* a bf16 GEMM's output, widened as it is added */
+            const uint16_t *d = (const uint16_t *)delta + r * dim;
+            int64_t i = 0;
+#ifdef __AVX512F__
+            for (; i + 16 <= dim; i += 16)
+                _mm512_storeu_ps(x + i, _mm512_add_ps(_mm512_loadu_ps(x + i), bf16x16_load(d + i)));
+#endif
+            for (; i < dim; i++) x[i] += bf16_to_float(d[i]);
+        } else if (delta) {
+            const float *d = (const float *)delta + r * dim;
             for (int64_t i = 0; i < dim; i++) x[i] += d[i];
         }
         float scale = 1.0f / sqrtf(dot(x, x, dim) / (float)dim + eps);
@@ -849,13 +857,18 @@ static inline __attribute__((always_inline)) void add_rms_norm(float *residual, 
 
 void infer_add_rms_norm(float *residual, const float *delta, float *out, const float *weight, int64_t rows,
                         int64_t dim, float eps) {
-    add_rms_norm(residual, delta, out, weight, rows, dim, eps, 0);
+    add_rms_norm(residual, delta, 0, out, weight, rows, dim, eps, 0);
 }
 
-/* infer_add_rms_norm with the normed rows rounded to bfloat16 (the next GEMM's input). */
-void infer_add_rms_norm_bf16(float *residual, const float *delta, uint16_t *out, const float *weight, int64_t rows,
-                             int64_t dim, float eps) {
-    add_rms_norm(residual, delta, out, weight, rows, dim, eps, 1);
+/* infer_add_rms_norm for any of the large steps' dtypes: delta float32 or bfloat16 (`delta_bf16`: a bf16 GEMM's
+ * output, added without a float32 copy), the normed rows float32 or rounded to bfloat16 (`out_bf16`: the next
+ * GEMM's input). */
+void infer_add_rms_norm_mixed(float *residual, const void *delta, int64_t delta_bf16, void *out, int64_t out_bf16,
+                              const float *weight, int64_t rows, int64_t dim, float eps) {
+    if (out_bf16)
+        add_rms_norm(residual, delta, (int)delta_bf16, out, weight, rows, dim, eps, 1);
+    else
+        add_rms_norm(residual, delta, (int)delta_bf16, out, weight, rows, dim, eps, 0);
 }
 
 /* ---- SiLU(gate) * up ----------------------------------------------------------------------------------------- */
@@ -1158,10 +1171,11 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
 
 /* ---- prefill attention: flash attention on AVX512-BF16's dot products ---------------------------------------- */
 
-/* 1 when this build has infer_flash_attention (AVX512-BF16), else 0 (prefill chunks then stay on torch's). */
+/* 2 when this build's infer_flash_attention multiplies on AMX tiles (its bf16 mode; float32 FMAs stay AVX-512), 1
+ * when on AVX512-BF16's dot products, 0 when it has none (prefill chunks then stay on torch's). */
 int64_t infer_flash_kind(void) {
 #if defined(__AVX512BF16__)
-    return 1;
+    return amx_available() ? 2 : 1;
 #else
     return 0;
 #endif
@@ -1358,6 +1372,147 @@ static void flash_pack_key(const void *key, const void *value, int kv_bf16, int6
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define FLASH_AMX 1
+/* ---- the same on AMX tiles, transposed: 16 query tokens of one head are the 16 lanes of every register ---------
+ * S^T = K Q^T (keys as A rows, Q^T as the B tile), so each register of scores is one key for the 16 tokens and the
+ * softmax's maxima, sums and rescaling are lane-wise (no reductions across a register); O^T += V^T P^T, the
+ * results' 64 dims x 16 tokens held in four tiles through the whole item. A lane's maximum moves only when a tile's
+ * exceeds it by more than FLASH_SLACK (then the held results are rescaled once), so the probabilities stay below
+ * e^FLASH_SLACK before the final division: the same sums as rescaling at every tile, far fewer rescalings. */
+#define FLASH_SLACK 8.0f
+
+/* Key j into the AMX layouts: keys as rows of head_dim bf16, values transposed per tile of 32 keys (head_dim rows
+ * of 32 keys, the A operand of V^T P^T). `key`/`value` NULL: zeros (padding past the context). */
+static void flash_pack_key_amx(const void *key, const void *value, int kv_bf16, int64_t j, int64_t head_dim,
+                               uint16_t *packed_keys, uint16_t *packed_values) {
+    uint16_t *kt = packed_keys + j * head_dim;
+    uint16_t *vt = packed_values + (j / FLASH_KEYS) * FLASH_KEYS * head_dim + j % FLASH_KEYS;
+    if (key && kv_bf16) {  /* a bf16 pool's row as it is */
+        memcpy(kt, key, sizeof(uint16_t) * head_dim);
+        for (int64_t d = 0; d < head_dim; d++) vt[d * FLASH_KEYS] = ((const uint16_t *)value)[d];
+        return;
+    }
+    for (int64_t d = 0; d < head_dim; d++) {
+        kt[d] = key ? float_to_bf16(((const float *)key)[d]) : 0;
+        vt[d * FLASH_KEYS] = key ? float_to_bf16(((const float *)value)[d]) : 0;
+    }
+}
+
+/* Tiles 0 and 1 = S^T of 32 keys (rows of 64 bf16, from `keys`) and the 16 tokens of q_t (Q^T, 32 dim pairs). */
+static inline __attribute__((always_inline)) void flash_scores_amx(const uint32_t (*q_t)[16], const uint16_t *keys) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int d = 0; d < 64; d += 32) {
+        _tile_loadd(4, q_t[d / 2], 64);
+        _tile_loadd(5, keys + d, 128);
+        _tile_dpbf16ps(0, 5, 4);
+        _tile_loadd(5, keys + 16 * 64 + d, 128);
+        _tile_dpbf16ps(1, 5, 4);
+    }
+}
+
+/* One work item: `tokens` (<= 16) query rows of one head, q_stride floats apart, positions offset onwards, against
+ * the keys and values packed by flash_pack_key_amx, into out (rows out_stride floats apart). head_dim is 64 (four
+ * result tiles); the caller has loaded the tile configuration (every tile 16 rows of 64 bytes). */
+static void flash_item_amx(const float *q, int64_t q_stride, int64_t tokens, int64_t offset, const uint16_t *keys,
+                           const uint16_t *values, float scale, float *out, int64_t out_stride) {
+    enum { HEAD_DIM = 64 };
+    uint32_t q_rows[16][HEAD_DIM / 2];           /* Q in bf16, a token per row (its dim pairs as 32-bit words) */
+    uint32_t q_t[HEAD_DIM / 2][16];              /* Q^T as B tiles: per dim pair, the 16 tokens' pairs */
+    float scores[FLASH_KEYS][16];                /* S^T: a key per row, a token per lane */
+    uint16_t probs[FLASH_KEYS / 2][16][2];       /* P^T as a B tile: per key pair, the 16 tokens' pairs */
+    float results[HEAD_DIM][16];
+    for (int64_t t = 0; t < 16; t++) {           /* lanes past `tokens`: zero queries, results never read */
+        for (int d = 0; d < HEAD_DIM; d += 32) {
+            const __m512 low = t < tokens ? _mm512_loadu_ps(q + t * q_stride + d) : _mm512_setzero_ps();
+            const __m512 high = t < tokens ? _mm512_loadu_ps(q + t * q_stride + d + 16) : _mm512_setzero_ps();
+            _mm512_storeu_si512(&q_rows[t][d / 2], (__m512i)_mm512_cvtne2ps_pbh(high, low));
+        }
+    }
+    const __m512i token_rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                                                   1, 0), _mm512_set1_epi32(HEAD_DIM / 2));
+    for (int p = 0; p < HEAD_DIM / 2; p++)
+        _mm512_storeu_si512(q_t[p], _mm512_i32gather_epi32(token_rows, &q_rows[0][p], 4));
+    const __m512 factor = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 held = minus_inf, total = _mm512_setzero_ps();  /* per token: the maximum its sums are scaled to */
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(6);
+    _tile_zero(7);
+    const int64_t last = offset + tokens - 1;
+    flash_scores_amx(q_t, keys);
+    for (int64_t k0 = 0; k0 <= last; k0 += FLASH_KEYS) {
+        _tile_stored(0, &scores[0][0], 64);
+        _tile_stored(1, &scores[16][0], 64);
+        /* the next tile's scores on the tile unit while this tile's softmax runs on the vector units */
+        if (k0 + FLASH_KEYS <= last) flash_scores_amx(q_t, keys + (k0 + FLASH_KEYS) * HEAD_DIM);
+        __m512 s[FLASH_KEYS], tops[4] = {minus_inf, minus_inf, minus_inf, minus_inf};  /* 4 chains of maxima */
+        for (int j = 0; j < FLASH_KEYS; j++) {  /* key k0 + j is seen by the tokens at or after its position */
+            const int64_t ahead = k0 + j - offset;
+            const __mmask16 seen = ahead <= 0 ? 0xFFFF : ahead >= 16 ? 0 : (__mmask16)(0xFFFFu << ahead);
+            s[j] = _mm512_mask_mul_ps(minus_inf, seen, _mm512_loadu_ps(scores[j]), factor);
+            tops[j % 4] = _mm512_max_ps(tops[j % 4], s[j]);
+        }
+        const __m512 top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
+        const __mmask16 moved = _mm512_cmp_ps_mask(top, _mm512_add_ps(held, _mm512_set1_ps(FLASH_SLACK)),
+                                                   _CMP_GT_OQ);
+        if (moved) {  /* those tokens' sums rescaled to their new maxima (none held yet on the first tile) */
+            const __m512 target = _mm512_mask_mov_ps(held, moved, top);
+            const __m512 rescale = exp16(_mm512_sub_ps(held, target));
+            total = _mm512_mul_ps(total, rescale);
+            if (k0 > 0) {
+                _tile_stored(2, &results[0][0], 64);
+                _tile_stored(3, &results[16][0], 64);
+                _tile_stored(6, &results[32][0], 64);
+                _tile_stored(7, &results[48][0], 64);
+                for (int d = 0; d < HEAD_DIM; d++)
+                    _mm512_storeu_ps(results[d], _mm512_mul_ps(_mm512_loadu_ps(results[d]), rescale));
+                _tile_loadd(2, &results[0][0], 64);
+                _tile_loadd(3, &results[16][0], 64);
+                _tile_loadd(6, &results[32][0], 64);
+                _tile_loadd(7, &results[48][0], 64);
+            }
+            held = target;
+        }
+        __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int j = 0; j < FLASH_KEYS; j += 2) {
+            const __m512 p0 = exp16(_mm512_sub_ps(s[j], held)), p1 = exp16(_mm512_sub_ps(s[j + 1], held));
+            sums[j / 2 % 4] = _mm512_add_ps(sums[j / 2 % 4], _mm512_add_ps(p0, p1));
+            const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            _mm512_storeu_si512(&probs[j / 2][0][0], pair);
+        }
+        total = _mm512_add_ps(total, _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3])));
+        _tile_loadd(4, &probs[0][0][0], 64);
+        const uint16_t *v = values + k0 * HEAD_DIM;  /* V^T of this tile: a dim per row, 32 keys */
+        _tile_loadd(5, v, FLASH_KEYS * 2);
+        _tile_dpbf16ps(2, 5, 4);
+        _tile_loadd(5, v + 16 * FLASH_KEYS, FLASH_KEYS * 2);
+        _tile_dpbf16ps(3, 5, 4);
+        _tile_loadd(5, v + 32 * FLASH_KEYS, FLASH_KEYS * 2);
+        _tile_dpbf16ps(6, 5, 4);
+        _tile_loadd(5, v + 48 * FLASH_KEYS, FLASH_KEYS * 2);
+        _tile_dpbf16ps(7, 5, 4);
+    }
+    _tile_stored(2, &results[0][0], 64);
+    _tile_stored(3, &results[16][0], 64);
+    _tile_stored(6, &results[32][0], 64);
+    _tile_stored(7, &results[48][0], 64);
+    float inverse[16];
+    _mm512_storeu_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
+    const __m512i dim_rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1,
+                                                                 0), _mm512_set1_epi32(16));
+    for (int64_t t = 0; t < tokens; t++) {  /* O^T back to a row per token, divided by the token's sum */
+        const __m512 factor_t = _mm512_set1_ps(inverse[t]);
+        for (int d = 0; d < HEAD_DIM; d += 16)
+            _mm512_storeu_ps(out + t * out_stride + d,
+                             _mm512_mul_ps(_mm512_i32gather_ps(dim_rows, &results[d][t], 4), factor_t));
+    }
+}
+#endif
+
 /* Causal attention for `count` prefill chunks: chunk i is token rows starts[i] .. starts[i] + query_lens[i] - 1 of
  * q [T, num_heads, head_dim] (float32, rows q_stride apart), positions contexts[i] - query_lens[i] onwards of the
  * sequence whose block table row is tables[i]; each row attends to its own position and every one before, read
@@ -1367,7 +1522,9 @@ static void flash_pack_key(const void *key, const void *value, int kv_bf16, int6
  * flash_scores reads them, values in key pairs), then work items of FLASH_TOKENS query tokens times the query heads
  * of one KV head run an online softmax over tiles of 32 keys, the last tiles of each chunk (the most keys) first.
  * With `fma` the products are float32 FMAs over the widened K/V instead, Q and the probabilities kept float32 (for
- * CPUs whose float32 rate beats their bf16 dot products, as the tile GEMM's fma). head_dim must be a multiple of 64. */
+ * CPUs whose float32 rate beats their bf16 dot products, as the tile GEMM's fma). head_dim must be a multiple of 64.
+ * Without fma, at head_dim 64 on a build and OS with AMX, the products run on AMX tiles instead (flash_item_amx:
+ * K packed as rows, V transposed per tile, a work item per 16 query tokens of one head). */
 void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
                            int64_t table_stride, const int64_t *starts, const int64_t *query_lens,
                            const int64_t *contexts, const int64_t *tables, int64_t count, float *out,
@@ -1375,6 +1532,9 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
                            int64_t num_blocks, float scale, int64_t kv_bf16, int64_t fma) {
 #if defined(__AVX512BF16__)
     const int64_t per_kv = num_heads / num_kv_heads, slot_width = num_kv_heads * head_dim;
+    /* bf16 products on AMX tiles where the build and Linux allow (head_dim 64): a work item per query head */
+    const int amx = !fma && head_dim == 64 && amx_available();
+    const int64_t item_heads = amx ? num_heads : num_kv_heads;
     const int64_t pool_values = num_blocks * block_size * slot_width;
     const size_t element = kv_bf16 ? 2 : 4;
     int64_t *packed_at = malloc(sizeof(int64_t) * (count + 1)), *items_at = malloc(sizeof(int64_t) * (count + 1));
@@ -1382,7 +1542,7 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
     for (int64_t i = 0; i < count; i++) {
         const int64_t keys = (contexts[i] + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS;
         packed_at[i + 1] = packed_at[i] + keys * num_kv_heads * head_dim;
-        items_at[i + 1] = items_at[i] + (query_lens[i] + FLASH_TOKENS - 1) / FLASH_TOKENS * num_kv_heads;
+        items_at[i + 1] = items_at[i] + (query_lens[i] + FLASH_TOKENS - 1) / FLASH_TOKENS * item_heads;
     }
     uint16_t *packed_keys = malloc(sizeof(uint16_t) * packed_at[count]);
     uint16_t *packed_values = malloc(sizeof(uint16_t) * packed_at[count]);
@@ -1401,10 +1561,43 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
                         key = (const char *)kv + (slot * slot_width + kvh * head_dim) * element;
                         value = key + pool_values * element;
                     }
+#ifdef FLASH_AMX
+                    if (amx) {
+                        flash_pack_key_amx(key, value, (int)kv_bf16, j, head_dim, packed_keys + at,
+                                           packed_values + at);
+                        continue;
+                    }
+#endif
                     flash_pack_key(key, value, (int)kv_bf16, j, head_dim, packed_keys + at, packed_values + at);
                 }
             }
         }  /* the loop's barrier: every tile is packed before any is read */
+#ifdef FLASH_AMX
+        if (amx) {
+            tile_config config = {0};
+            config.palette = 1;
+            for (int t = 0; t < 8; t++) {
+                config.rows[t] = 16;
+                config.colsb[t] = 64;
+            }
+            _tile_loadconfig(&config);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < items_at[count]; item++) {
+                int64_t i = 0;
+                while (items_at[i + 1] <= item) i++;
+                const int64_t local = item - items_at[i], tiles = (query_lens[i] + FLASH_TOKENS - 1) / FLASH_TOKENS;
+                const int64_t head = local % num_heads, first = (tiles - 1 - local / num_heads) * FLASH_TOKENS;
+                const int64_t tokens = query_lens[i] - first < FLASH_TOKENS ? query_lens[i] - first : FLASH_TOKENS;
+                const int64_t keys = (contexts[i] + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS;
+                const int64_t at = packed_at[i] + head / per_kv * keys * head_dim, row = starts[i] + first;
+                flash_item_amx(q + row * q_stride + head * head_dim, q_stride, tokens,
+                               contexts[i] - query_lens[i] + first, packed_keys + at, packed_values + at, scale,
+                               out + (row * num_heads + head) * head_dim, num_heads * head_dim);
+            }
+            _tile_release();
+        } else
+#endif
+        {
         const int64_t max_rows = FLASH_TOKENS * per_kv;
         /* Q's rows and the probabilities: float32 (the probabilities in place of the scores) with fma, else bf16 */
         uint16_t *qb = fma ? NULL : malloc(sizeof(uint16_t) * max_rows * head_dim);
@@ -1480,6 +1673,7 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
         free(probs);
         free(qf);
         free(qb);
+        }
     }
     free(packed_values);
     free(packed_keys);

@@ -54,7 +54,8 @@ class StepOps:
         out_dtype = self.gemm_dtype if gemm_input and self.gemm_dtype is not None else torch.float32
         if residual is None:
             return self.kernels.rms_norm(x, norm.weight, norm.eps, out_dtype), x
-        return self.kernels.add_rms_norm(residual, self.widen(x), norm.weight, norm.eps, out_dtype), residual
+        # a bf16 GEMM's output is widened inside the kernel as it is added
+        return self.kernels.add_rms_norm(residual, x, norm.weight, norm.eps, out_dtype), residual
 
     def widen(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` in float32 where this step narrows GEMM inputs and ``x`` is such a GEMM's bf16 output."""

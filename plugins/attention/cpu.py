@@ -11,12 +11,13 @@ With ``prefill_dtype: bfloat16`` the sequences that bring at least ``prefill_min
 (prefill chunks) are attended by a flash attention in bf16 instead (Q, K, V and the probabilities rounded to bf16,
 scores and sums float32). ``auto`` (the default) does it where the model's weights are bf16 (``model.quantization:
 bf16``, whose large steps already run at bf16 precision), and keeps float32 everywhere else. Every other query stays
-on the kernel. Which flash attention, ``prefill_kernel``: ``infer``'s own (``infer_flash_attention``, AVX512-BF16
-dot products over K/V packed once per layer from the pool, an online softmax over tiles of 32 keys; 512 fresh
-tokens 4.0-4.8 ms a layer against torch's 8.4 on an Intel Xeon without AMX) or ``torch``'s
-(``scaled_dot_product_attention`` over the context gathered from the pool; oneDNN's AMX code where the CPU has AMX:
-26 ms over the 30 layers there, faster than dot products can be). ``auto``: infer's where the kernels have it and
-the CPU has no AMX, else torch's. infer's runs on bf16 dot products or, with ``prefill_arithmetic: float32`` (what
+on the kernel. Which flash attention, ``prefill_kernel``: ``infer``'s own (``infer_flash_attention``: K/V packed
+once per layer from the pool, an online softmax over tiles of 32 keys; AVX512-BF16 dot products, 512 fresh tokens
+4.0-4.8 ms a layer against torch's 8.4 on an Intel Xeon without AMX; on AMX tiles where the CPU has them and the
+head size is 64, 16 tokens of one head as the lanes of every register, four 512-token prompts 5.4-6.2 ms a layer
+against torch's 12.1-14.8 measured side by side on an AMX Xeon) or ``torch``'s (``scaled_dot_product_attention``
+over the context gathered from the pool; oneDNN's AMX code where the CPU has AMX). ``auto``: infer's where the
+kernels have it, except on an AMX CPU whose tiles infer's cannot use (another head size), where torch's is faster. infer's runs on bf16 dot products or, with ``prefill_arithmetic: float32`` (what
 ``auto`` resolves to where the projections' large GEMMs chose float32 FMAs, ``execution.large_gemm``), on float32
 FMAs over the bf16 K/V, Q and the probabilities unrounded: 512 fresh tokens 2.1-2.2 ms a layer against the dot
 products' 2.9-3.1 there.
@@ -54,9 +55,11 @@ class CpuAttentionConfig(AttentionConfig):
                             "are bf16 (model.quantization bf16), else float32.")
     prefill_min_tokens: int = Field(32, ge=1, description="Query tokens from which prefill_dtype applies.")
     prefill_kernel: Literal["auto", "infer", "torch"] = Field(
-        "auto", description="Which flash attention computes prefill_dtype bfloat16: infer (the C kernels' own, "
-                            "AVX512-BF16), torch (scaled_dot_product_attention; oneDNN's AMX code where the CPU has "
-                            "AMX). auto: infer where the kernels have it and the CPU has no AMX, else torch.")
+        "auto", description="Which flash attention computes prefill_dtype bfloat16: infer (the C kernels' own, on "
+                            "AMX tiles where the CPU has them and the head size is 64, else AVX512-BF16 dot "
+                            "products), torch (scaled_dot_product_attention over the gathered context; oneDNN's AMX "
+                            "code where the CPU has AMX). auto: infer where the kernels have it, except on a CPU with "
+                            "AMX that infer's cannot use (then torch).")
     prefill_arithmetic: Literal["auto", "bf16", "float32"] = Field(
         "auto", description="infer's flash attention (prefill_kernel infer): bf16 dot products (Q and the "
                             "probabilities rounded to bf16) or float32 FMAs over the bf16 K/V (Q and the "
@@ -112,6 +115,9 @@ class CpuBackend(AttentionBackend):
         self.prefill_kernel: str | None = self._choose_prefill_kernel() if bf16 else None
         # infer's flash attention on float32 FMAs (auto, where the engine has not resolved it, counts as bf16)
         self.prefill_fma = self.prefill_kernel == "infer" and self.config.prefill_arithmetic == "float32"
+        # its bf16 products on AMX tiles (what the C side picks for the bf16 mode at head size 64 on such a build)
+        self.prefill_tiles = (self.prefill_kernel == "infer" and not self.prefill_fma and self.kernels.flash_amx
+                              and self.head_dim == 64)
         if self.config.kv_dtype == "bfloat16":
             self.kv_dtype = torch.bfloat16
 
@@ -129,8 +135,9 @@ class CpuBackend(AttentionBackend):
                 f"AVX512-BF16 and for a head size that is a multiple of 64 (this build: "
                 f"{'has it' if self.kernels.flash else 'has none'}, head size {self.head_dim}); use "
                 f"attention.prefill_kernel=torch or auto")
-        if chosen == "auto":
-            chosen = "infer" if own and "amx_bf16" not in cpu_flags() else "torch"
+        if chosen == "auto":  # on AMX infer's only where its products run on the tiles (head size 64)
+            on_amx = "amx_bf16" in cpu_flags()
+            chosen = "infer" if own and (not on_amx or (self.kernels.flash_amx and self.head_dim == 64)) else "torch"
         return chosen
 
     def prepare(self, metadata: AttentionMetadata) -> CpuMetadata:
