@@ -98,6 +98,21 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v(kernels, head_dim):
     assert torch.equal(qkv[:, rotated * head_dim :], original[:, rotated * head_dim :])
 
 
+@pytest.mark.parametrize("tokens", [5, 70])
+def test_rope_widened_is_the_bf16_rows_widened_then_rotated(kernels, tokens):
+    """A bf16 QKV projection's output widened and rotated in one pass: exactly ``rope_`` over its float32 copy."""
+    head_dim, num_heads, num_kv_heads = 64, 6, 2
+    rotary = RotaryEmbedding(default_inverse_frequencies(10000.0, head_dim), 4096, torch.device("cpu"))
+    qkv = randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, seed=6).to(torch.bfloat16)
+    positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(7))
+    expected = qkv.float()
+    kernels.rope_(expected, positions, rotary.cos, rotary.sin, num_heads + num_kv_heads, head_dim)
+    out = kernels.rope_widened(qkv, positions, rotary.cos, rotary.sin, num_heads + num_kv_heads, head_dim)
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernels.rope_widened(qkv.float(), positions, rotary.cos, rotary.sin, num_heads, head_dim)
+
+
 def test_write_kv_reads_strided_rows_and_skips_padding_slots(kernels):
     kv_cache = torch.zeros(2, 4, 2, 3, 8)  # 8 slots of 3 heads x 8
     qkv = randn(3, 5 * 3 * 8, seed=6)  # K and V are strided views into a wider row, as the model passes them

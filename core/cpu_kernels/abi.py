@@ -33,6 +33,7 @@ _SIGNATURES = {
     "infer_silu_mul": [_POINTER, _POINTER, _INT, _INT],
     "infer_silu_mul_bf16": [_POINTER, _POINTER, _INT, _INT],
     "infer_rope": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
+    "infer_rope_widen": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_write_kv": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_paged_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER,
                               _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT],
@@ -226,6 +227,17 @@ class CpuKernels:
             raise ValueError("the CPU kernels' RoPE needs float32 rows with contiguous columns and int64 positions")
         self._rope(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
                    qkv.stride(0), num_heads, head_dim)
+
+    def rope_widened(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     num_heads: int, head_dim: int) -> torch.Tensor:
+        """``rope_`` over a bf16 GEMM's output ``qkv`` ``[T, width]`` (contiguous): a new float32 ``[T, width]``,
+        ``qkv`` widened with its first ``num_heads`` heads rotated, in one pass."""
+        if qkv.dtype != torch.bfloat16 or not qkv.is_contiguous() or positions.dtype != torch.int64:
+            raise ValueError("rope_widened needs contiguous bfloat16 rows and int64 positions")
+        out = torch.empty(qkv.shape, dtype=torch.float32)
+        self._rope_widen(qkv.data_ptr(), out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                         qkv.shape[0], qkv.shape[1], num_heads, head_dim)
+        return out
 
     def apply_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
         """Forbidden tokens of ``bitmask[i]`` (int32 ``[n, words]``, ``infer.guide``'s layout) to -inf in row

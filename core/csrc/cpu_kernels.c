@@ -938,21 +938,35 @@ void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, i
 /* qkv: tokens x row_stride floats, Q heads then K heads (head_dim each) first. Rotates those num_heads heads of
  * every token in place, HF's half-split layout (pairs i, i + head_dim / 2), with cos / signed-sin tables
  * ([max_positions, head_dim], sin's first half negated): x * cos + swap_halves(x) * sin. */
+static inline void rotate_row(float *row, const float *c, const float *s, int64_t num_heads, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *x = row + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            float a = x[i], b = x[i + half];
+            x[i] = a * c[i] + b * s[i];
+            x[i + half] = b * c[i + half] + a * s[i + half];
+        }
+    }
+}
+
 void infer_rope(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
                 int64_t tokens, int64_t row_stride, int64_t num_heads, int64_t head_dim) {
-    const int64_t half = head_dim / 2;
+#pragma omp parallel for if (tokens >= 64)
+    for (int64_t t = 0; t < tokens; t++)
+        rotate_row(qkv + t * row_stride, cos_table + positions[t] * head_dim, sin_table + positions[t] * head_dim,
+                   num_heads, head_dim);
+}
+
+/* infer_rope over a bf16 GEMM's output: out (tokens x width, float32, contiguous) = qkv (bfloat16, the same shape)
+ * widened, the first num_heads heads of each row rotated; one pass, each row rotated while it is in L1. */
+void infer_rope_widen(const uint16_t *qkv, float *out, const int64_t *positions, const float *cos_table,
+                      const float *sin_table, int64_t tokens, int64_t width, int64_t num_heads, int64_t head_dim) {
 #pragma omp parallel for if (tokens >= 64)
     for (int64_t t = 0; t < tokens; t++) {
-        float *row = qkv + t * row_stride;
-        const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
-        for (int64_t h = 0; h < num_heads; h++) {
-            float *x = row + h * head_dim;
-            for (int64_t i = 0; i < half; i++) {
-                float a = x[i], b = x[i + half];
-                x[i] = a * c[i] + b * s[i];
-                x[i + half] = b * c[i + half] + a * s[i + half];
-            }
-        }
+        bf16_to_floats(qkv + t * width, out + t * width, width);
+        rotate_row(out + t * width, cos_table + positions[t] * head_dim, sin_table + positions[t] * head_dim,
+                   num_heads, head_dim);
     }
 }
 

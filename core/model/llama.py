@@ -48,10 +48,9 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, step: ForwardStep) -> torch.Tensor:  # hidden: [T, hidden]
         num_tokens = hidden.shape[0]
-        qkv = step.ops.widen(self.qkv_proj(hidden))
-        # Q and K heads rotate together: one set of kernels for both.
-        q, k = step.ops.rotate(qkv, self.num_heads + self.num_kv_heads, self.head_dim).split(
-            [self.num_heads, self.num_kv_heads], dim=1)
+        # Q and K heads rotate together: one set of kernels for both (a bf16 output widened on the way).
+        qkv, heads = step.ops.rotate(self.qkv_proj(hidden), self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.o_proj(step.attend(self.layer_index, q, k, v).reshape(num_tokens, self.q_size))
         return out if self.tensor_parallel is None else self.tensor_parallel.all_reduce(out)

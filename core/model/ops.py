@@ -33,14 +33,20 @@ class StepOps:
         if kernels is None:
             self.cos, self.sin = rotary(positions, dtype)
 
-    def rotate(self, qkv: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-        """The first ``num_heads`` heads of ``qkv`` ``[T, width]`` rotated, ``[T, num_heads, head_dim]`` (with the
-        kernels: rotated in place, a view of ``qkv``)."""
+    def rotate(self, qkv: torch.Tensor, num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(qkv, heads)``: the QKV projection's output ``[T, width]`` in float32 where this step narrows GEMM
+        inputs (``widen``), and its first ``num_heads`` heads rotated, ``[T, num_heads, head_dim]`` (with the
+        kernels: rotated in place, a view of the returned ``qkv``; a bf16 output widened and rotated in one pass)."""
+        if self.kernels is not None and qkv.dtype == torch.bfloat16 and self.gemm_dtype is not None:
+            qkv = self.kernels.rope_widened(qkv, self.positions, self.rotary.cos, self.rotary.sin, num_heads,
+                                            head_dim)
+            return qkv, qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+        qkv = self.widen(qkv)
         heads = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
         if self.kernels is None:
-            return apply_rotary(heads, self.cos, self.sin)
+            return qkv, apply_rotary(heads, self.cos, self.sin)
         self.kernels.rope_(qkv, self.positions, self.rotary.cos, self.rotary.sin, num_heads, head_dim)
-        return heads
+        return qkv, heads
 
     def norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None,
              gemm_input: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
