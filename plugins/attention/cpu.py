@@ -17,10 +17,10 @@ once per layer from the pool, an online softmax over tiles of 32 keys; AVX512-BF
 head size is 64, 16 tokens of one head as the lanes of every register, four 512-token prompts 5.4-6.2 ms a layer
 against torch's 12.1-14.8 measured side by side on an AMX Xeon) or ``torch``'s (``scaled_dot_product_attention``
 over the context gathered from the pool; oneDNN's AMX code where the CPU has AMX). ``auto``: infer's where the
-kernels have it, except on an AMX CPU whose tiles infer's cannot use (another head size), where torch's is faster. infer's runs on bf16 dot products or, with ``prefill_arithmetic: float32`` (what
-``auto`` resolves to where the projections' large GEMMs chose float32 FMAs, ``execution.large_gemm``), on float32
-FMAs over the bf16 K/V, Q and the probabilities unrounded: 512 fresh tokens 2.1-2.2 ms a layer against the dot
-products' 2.9-3.1 there.
+kernels have it, except on an AMX CPU whose tiles infer's cannot use (another head size), where torch's is faster.
+infer's runs on bf16 products or, with ``prefill_arithmetic: float32`` (what ``auto`` resolves to where the
+projections' large GEMMs chose float32 FMAs, ``execution.large_gemm``), on float32 FMAs over the bf16 K/V, Q and the
+probabilities unrounded: 512 fresh tokens 2.1-2.2 ms a layer against the dot products' 2.9-3.1 there.
 
 Decode and verification queries are exactly the kernels', over the standard pool layout, so it declares
 ``fused_cpu_attention``: the execution layer may then run a step of a few tokens through all layers in one C call,
