@@ -470,6 +470,19 @@ typedef struct {
 } tile_config;
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* This thread's tile configuration: all eight tiles 16 rows of 64 bytes (what every AMX kernel here uses). */
+static void load_full_tiles(void) {
+    tile_config config = {0};
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+#endif
+
 /* 1 when this build multiplies on AMX tiles and Linux lets the process use them (asked for once). */
 static int amx_available(void) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -538,13 +551,7 @@ static void tiles_amx(const uint16_t *xb, int64_t rows, int64_t padded, int64_t 
     const int64_t k_tiles = k / 32, blocks = n_out / 32;
 #pragma omp parallel
     {
-        tile_config config = {0};
-        config.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            config.rows[t] = 16;
-            config.colsb[t] = 64;
-        }
-        _tile_loadconfig(&config);
+        load_full_tiles();
         float results[4][16][16];
         for (int64_t chunk = 0; chunk < padded; chunk += TILE_CHUNK_ROWS) {
             const int64_t chunk_end = chunk + TILE_CHUNK_ROWS < padded ? chunk + TILE_CHUNK_ROWS : padded;
@@ -1588,13 +1595,7 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
         }  /* the loop's barrier: every tile is packed before any is read */
 #ifdef FLASH_AMX
         if (amx) {
-            tile_config config = {0};
-            config.palette = 1;
-            for (int t = 0; t < 8; t++) {
-                config.rows[t] = 16;
-                config.colsb[t] = 64;
-            }
-            _tile_loadconfig(&config);
+            load_full_tiles();
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < items_at[count]; item++) {
                 int64_t i = 0;
