@@ -1374,6 +1374,28 @@ static void flash_weigh_rows(int fma, const uint16_t *probs, const float *probs_
     }
 }
 
+/* Work item `item` of infer_flash_attention (items_at: the chunks' first items): its chunk, which of `heads` heads
+ * (the query heads on AMX, the KV heads on the dot products), its first query token in the chunk and how many (the
+ * chunk's last tiles of tokens, which see the most keys, first), the first token's position, and the chunk's keys
+ * rounded up to whole tiles. */
+typedef struct {
+    int64_t chunk, head, first, tokens, offset, keys;
+} flash_item;
+
+static flash_item flash_item_at(int64_t item, const int64_t *items_at, const int64_t *query_lens,
+                                const int64_t *contexts, int64_t heads) {
+    flash_item it = {0};
+    while (items_at[it.chunk + 1] <= item) it.chunk++;
+    const int64_t local = item - items_at[it.chunk], length = query_lens[it.chunk];
+    const int64_t tiles = (length + FLASH_TOKENS - 1) / FLASH_TOKENS;
+    it.head = local % heads;
+    it.first = (tiles - 1 - local / heads) * FLASH_TOKENS;
+    it.tokens = length - it.first < FLASH_TOKENS ? length - it.first : FLASH_TOKENS;
+    it.offset = contexts[it.chunk] - length + it.first;
+    it.keys = (contexts[it.chunk] + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS;
+    return it;
+}
+
 /* Key j of one sequence's context (head kvh) into the packed K and V of its tile: keys in two halves of 16 as
  * flash_scores reads them, values in key pairs as flash_weigh reads them. `key`/`value` NULL: zeros (padding). */
 static void flash_pack_key(const void *key, const void *value, int kv_bf16, int64_t j, int64_t head_dim,
@@ -1598,96 +1620,90 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
             load_full_tiles();
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < items_at[count]; item++) {
-                int64_t i = 0;
-                while (items_at[i + 1] <= item) i++;
-                const int64_t local = item - items_at[i], tiles = (query_lens[i] + FLASH_TOKENS - 1) / FLASH_TOKENS;
-                const int64_t head = local % num_heads, first = (tiles - 1 - local / num_heads) * FLASH_TOKENS;
-                const int64_t tokens = query_lens[i] - first < FLASH_TOKENS ? query_lens[i] - first : FLASH_TOKENS;
-                const int64_t keys = (contexts[i] + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS;
-                const int64_t at = packed_at[i] + head / per_kv * keys * head_dim, row = starts[i] + first;
-                flash_item_amx(q + row * q_stride + head * head_dim, q_stride, tokens,
-                               contexts[i] - query_lens[i] + first, packed_keys + at, packed_values + at, scale,
-                               out + (row * num_heads + head) * head_dim, num_heads * head_dim);
+                const flash_item it = flash_item_at(item, items_at, query_lens, contexts, num_heads);
+                const int64_t at = packed_at[it.chunk] + it.head / per_kv * it.keys * head_dim;
+                const int64_t row = starts[it.chunk] + it.first;
+                flash_item_amx(q + row * q_stride + it.head * head_dim, q_stride, it.tokens, it.offset,
+                               packed_keys + at, packed_values + at, scale,
+                               out + (row * num_heads + it.head) * head_dim, num_heads * head_dim);
             }
             _tile_release();
         } else
 #endif
         {
-        const int64_t max_rows = FLASH_TOKENS * per_kv;
-        /* Q's rows and the probabilities: float32 (the probabilities in place of the scores) with fma, else bf16 */
-        uint16_t *qb = fma ? NULL : malloc(sizeof(uint16_t) * max_rows * head_dim);
-        float *qf = fma ? malloc(sizeof(float) * max_rows * head_dim) : NULL;
-        uint16_t *probs = fma ? NULL : malloc(sizeof(uint16_t) * max_rows * FLASH_KEYS);
-        float *scores = malloc(sizeof(float) * max_rows * FLASH_KEYS);
-        float *acc = malloc(sizeof(float) * max_rows * head_dim);
-        float *best = malloc(sizeof(float) * max_rows), *total = malloc(sizeof(float) * max_rows);
-        float *rescale = malloc(sizeof(float) * max_rows);
+            const int64_t max_rows = FLASH_TOKENS * per_kv;
+            /* Q's rows and the probabilities: float32 (the probabilities in place of the scores) with fma, else bf16 */
+            uint16_t *qb = fma ? NULL : malloc(sizeof(uint16_t) * max_rows * head_dim);
+            float *qf = fma ? malloc(sizeof(float) * max_rows * head_dim) : NULL;
+            uint16_t *probs = fma ? NULL : malloc(sizeof(uint16_t) * max_rows * FLASH_KEYS);
+            float *scores = malloc(sizeof(float) * max_rows * FLASH_KEYS);
+            float *acc = malloc(sizeof(float) * max_rows * head_dim);
+            float *best = malloc(sizeof(float) * max_rows), *total = malloc(sizeof(float) * max_rows);
+            float *rescale = malloc(sizeof(float) * max_rows);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items_at[count]; item++) {
-            int64_t i = 0;
-            while (items_at[i + 1] <= item) i++;
-            const int64_t local = item - items_at[i], tiles = (query_lens[i] + FLASH_TOKENS - 1) / FLASH_TOKENS;
-            const int64_t kvh = local % num_kv_heads, tile = tiles - 1 - local / num_kv_heads;
-            const int64_t first = tile * FLASH_TOKENS;
-            const int64_t tokens = query_lens[i] - first < FLASH_TOKENS ? query_lens[i] - first : FLASH_TOKENS;
-            const int64_t rows = tokens * per_kv, offset = contexts[i] - query_lens[i] + first;  /* row 0's position */
-            const int64_t keys = (contexts[i] + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS;
-            const uint16_t *own_keys = packed_keys + packed_at[i] + kvh * keys * head_dim;
-            const uint16_t *own_values = packed_values + packed_at[i] + kvh * keys * head_dim;
-            for (int64_t r = 0; r < rows; r++) {  /* row r: token first + r / per_kv, head kvh * per_kv + r % per_kv */
-                const int64_t token = starts[i] + first + r / per_kv, head = kvh * per_kv + r % per_kv;
-                if (fma)
-                    memcpy(qf + r * head_dim, q + token * q_stride + head * head_dim, sizeof(float) * head_dim);
-                else
-                    floats_to_bf16(q + token * q_stride + head * head_dim, qb + r * head_dim, head_dim);
-                best[r] = -INFINITY;
-                total[r] = 0.0f;
-            }
-            memset(acc, 0, sizeof(float) * rows * head_dim);
-            const int64_t last = offset + tokens - 1;  /* the last row's position: keys beyond it are never seen */
-            for (int64_t k0 = 0; k0 <= last; k0 += FLASH_KEYS) {
-                const uint16_t *key_tile = own_keys + k0 * head_dim, *value_tile = own_values + k0 * head_dim;
-                flash_score_rows((int)fma, qb, qf, head_dim, key_tile, scores, rows);
-                const __m512 factor = _mm512_set1_ps(scale);
-                for (int64_t r = 0; r < rows; r++) {  /* the online softmax: keys past the row's position masked */
-                    const int64_t seen = offset + r / per_kv - k0 + 1;
-                    const __mmask16 m0 = seen >= 16 ? 0xFFFF : (__mmask16)((1u << (seen > 0 ? seen : 0)) - 1);
-                    const __mmask16 m1 = seen >= 32 ? 0xFFFF : seen <= 16 ? 0 : (__mmask16)((1u << (seen - 16)) - 1);
-                    const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(scores + r * FLASH_KEYS), factor);
-                    const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(scores + r * FLASH_KEYS + 16), factor);
-                    const float top = fmaxf(best[r], fmaxf(_mm512_mask_reduce_max_ps(m0, s0),
-                                                           _mm512_mask_reduce_max_ps(m1, s1)));
-                    const __m512 shift = _mm512_set1_ps(top);
-                    const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, shift)));
-                    const __m512 p1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, shift)));
-                    rescale[r] = expf(best[r] - top);  /* 0 on the first tile (best -inf) */
-                    total[r] = total[r] * rescale[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-                    best[r] = top;
-                    if (fma) {  /* the probabilities replace the row's scores, float32 */
-                        _mm512_storeu_ps(scores + r * FLASH_KEYS, p0);
-                        _mm512_storeu_ps(scores + r * FLASH_KEYS + 16, p1);
-                    } else {
-                        _mm256_storeu_si256((__m256i *)(probs + r * FLASH_KEYS), bf16x16_from(p0));
-                        _mm256_storeu_si256((__m256i *)(probs + r * FLASH_KEYS + 16), bf16x16_from(p1));
-                    }
+            for (int64_t item = 0; item < items_at[count]; item++) {
+                const flash_item it = flash_item_at(item, items_at, query_lens, contexts, num_kv_heads);
+                const int64_t i = it.chunk, kvh = it.head, first = it.first, tokens = it.tokens, keys = it.keys;
+                const int64_t rows = tokens * per_kv, offset = it.offset;  /* offset: row 0's position */
+                const uint16_t *own_keys = packed_keys + packed_at[i] + kvh * keys * head_dim;
+                const uint16_t *own_values = packed_values + packed_at[i] + kvh * keys * head_dim;
+                /* row r: token first + r / per_kv, head kvh * per_kv + r % per_kv */
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t token = starts[i] + first + r / per_kv, head = kvh * per_kv + r % per_kv;
+                    if (fma)
+                        memcpy(qf + r * head_dim, q + token * q_stride + head * head_dim, sizeof(float) * head_dim);
+                    else
+                        floats_to_bf16(q + token * q_stride + head * head_dim, qb + r * head_dim, head_dim);
+                    best[r] = -INFINITY;
+                    total[r] = 0.0f;
                 }
-                flash_weigh_rows((int)fma, probs, scores, value_tile, head_dim, rescale, acc, rows);
+                memset(acc, 0, sizeof(float) * rows * head_dim);
+                const int64_t last = offset + tokens - 1;  /* the last row's position: keys beyond it are never seen */
+                for (int64_t k0 = 0; k0 <= last; k0 += FLASH_KEYS) {
+                    const uint16_t *key_tile = own_keys + k0 * head_dim, *value_tile = own_values + k0 * head_dim;
+                    flash_score_rows((int)fma, qb, qf, head_dim, key_tile, scores, rows);
+                    const __m512 factor = _mm512_set1_ps(scale);
+                    for (int64_t r = 0; r < rows; r++) {  /* the online softmax: keys past the row's position masked */
+                        const int64_t seen = offset + r / per_kv - k0 + 1;
+                        const __mmask16 m0 = seen >= 16 ? 0xFFFF : (__mmask16)((1u << (seen > 0 ? seen : 0)) - 1);
+                        const __mmask16 m1 = seen >= 32   ? 0xFFFF
+                                             : seen <= 16 ? 0
+                                                          : (__mmask16)((1u << (seen - 16)) - 1);
+                        const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(scores + r * FLASH_KEYS), factor);
+                        const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(scores + r * FLASH_KEYS + 16), factor);
+                        const float top = fmaxf(best[r], fmaxf(_mm512_mask_reduce_max_ps(m0, s0),
+                                                               _mm512_mask_reduce_max_ps(m1, s1)));
+                        const __m512 shift = _mm512_set1_ps(top);
+                        const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, shift)));
+                        const __m512 p1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, shift)));
+                        rescale[r] = expf(best[r] - top);  /* 0 on the first tile (best -inf) */
+                        total[r] = total[r] * rescale[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+                        best[r] = top;
+                        if (fma) {  /* the probabilities replace the row's scores, float32 */
+                            _mm512_storeu_ps(scores + r * FLASH_KEYS, p0);
+                            _mm512_storeu_ps(scores + r * FLASH_KEYS + 16, p1);
+                        } else {
+                            _mm256_storeu_si256((__m256i *)(probs + r * FLASH_KEYS), bf16x16_from(p0));
+                            _mm256_storeu_si256((__m256i *)(probs + r * FLASH_KEYS + 16), bf16x16_from(p1));
+                        }
+                    }
+                    flash_weigh_rows((int)fma, probs, scores, value_tile, head_dim, rescale, acc, rows);
+                }
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t token = starts[i] + first + r / per_kv, head = kvh * per_kv + r % per_kv;
+                    const float inverse = 1.0f / total[r];
+                    float *result = out + (token * num_heads + head) * head_dim;
+                    for (int64_t d = 0; d < head_dim; d++) result[d] = acc[r * head_dim + d] * inverse;
+                }
             }
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t token = starts[i] + first + r / per_kv, head = kvh * per_kv + r % per_kv;
-                const float inverse = 1.0f / total[r];
-                float *result = out + (token * num_heads + head) * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) result[d] = acc[r * head_dim + d] * inverse;
-            }
-        }
-        free(rescale);
-        free(total);
-        free(best);
-        free(acc);
-        free(scores);
-        free(probs);
-        free(qf);
-        free(qb);
+            free(rescale);
+            free(total);
+            free(best);
+            free(acc);
+            free(scores);
+            free(probs);
+            free(qf);
+            free(qb);
         }
     }
     free(packed_values);

@@ -20,9 +20,10 @@ class StepOps:
 
     ``gemm_dtype`` bfloat16 (the execution layer's choice for a large step over bf16 weights with the kernels): the
     norms before a projection write bf16 rows and SiLU-and-multiply runs bf16 to bf16, so the bf16 GEMMs take their
-    inputs and give their outputs without a float32 round trip; ``widen`` brings a projection's bf16 output back to
-    float32 where float32 is read (QKV before RoPE and attention, a layer's output before the residual add). The
-    values are those of rounding each GEMM's input to bf16, which the GEMM does anyway."""
+    inputs and give their outputs without a float32 round trip; a projection's bf16 output comes back to float32
+    where float32 is read, inside the kernel that reads it (RoPE widens QKV as it rotates, the RMSNorm a layer's
+    output as it adds it to the residual). The values are those of rounding each GEMM's input to bf16, which the
+    GEMM does anyway."""
 
     def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype,
                  kernels: CpuKernels | None = None, gemm_dtype: torch.dtype | None = None):
@@ -34,14 +35,13 @@ class StepOps:
             self.cos, self.sin = rotary(positions, dtype)
 
     def rotate(self, qkv: torch.Tensor, num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(qkv, heads)``: the QKV projection's output ``[T, width]`` in float32 where this step narrows GEMM
-        inputs (``widen``), and its first ``num_heads`` heads rotated, ``[T, num_heads, head_dim]`` (with the
+        """``(qkv, heads)``: the QKV projection's output ``[T, width]`` in float32 (widened where this step narrows
+        GEMM inputs), and its first ``num_heads`` heads rotated, ``[T, num_heads, head_dim]`` (with the
         kernels: rotated in place, a view of the returned ``qkv``; a bf16 output widened and rotated in one pass)."""
-        if self.kernels is not None and qkv.dtype == torch.bfloat16 and self.gemm_dtype is not None:
+        if self.gemm_dtype is not None and qkv.dtype == self.gemm_dtype:  # set only with the kernels
             qkv = self.kernels.rope_widened(qkv, self.positions, self.rotary.cos, self.rotary.sin, num_heads,
                                             head_dim)
             return qkv, qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
-        qkv = self.widen(qkv)
         heads = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
         if self.kernels is None:
             return qkv, apply_rotary(heads, self.cos, self.sin)
@@ -62,10 +62,6 @@ class StepOps:
             return self.kernels.rms_norm(x, norm.weight, norm.eps, out_dtype), x
         # a bf16 GEMM's output is widened inside the kernel as it is added
         return self.kernels.add_rms_norm(residual, x, norm.weight, norm.eps, out_dtype), residual
-
-    def widen(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` in float32 where this step narrows GEMM inputs and ``x`` is such a GEMM's bf16 output."""
-        return x.float() if self.gemm_dtype is not None and x.dtype == self.gemm_dtype else x
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` ``[T, 2 * width]``, gate first."""

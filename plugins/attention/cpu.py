@@ -111,13 +111,14 @@ class CpuBackend(AttentionBackend):
         # None: every query on the kernel (float32). auto, where the engine has not resolved it, counts as float32.
         bf16 = self.config.prefill_dtype == "bfloat16"
         self.prefill_min_tokens: int | None = self.config.prefill_min_tokens if bf16 else None
+        # infer's flash attention can multiply on AMX tiles here (what the C side picks for its bf16 mode)
+        self._flash_on_tiles = self.kernels.flash_amx and self.head_dim == 64
         # "infer" or "torch": whose flash attention takes those sequences (None: no sequence is taken)
         self.prefill_kernel: str | None = self._choose_prefill_kernel() if bf16 else None
         # infer's flash attention on float32 FMAs (auto, where the engine has not resolved it, counts as bf16)
         self.prefill_fma = self.prefill_kernel == "infer" and self.config.prefill_arithmetic == "float32"
-        # its bf16 products on AMX tiles (what the C side picks for the bf16 mode at head size 64 on such a build)
-        self.prefill_tiles = (self.prefill_kernel == "infer" and not self.prefill_fma and self.kernels.flash_amx
-                              and self.head_dim == 64)
+        # its bf16 products on AMX tiles
+        self.prefill_tiles = self.prefill_kernel == "infer" and not self.prefill_fma and self._flash_on_tiles
         if self.config.kv_dtype == "bfloat16":
             self.kv_dtype = torch.bfloat16
 
@@ -135,9 +136,8 @@ class CpuBackend(AttentionBackend):
                 f"AVX512-BF16 and for a head size that is a multiple of 64 (this build: "
                 f"{'has it' if self.kernels.flash else 'has none'}, head size {self.head_dim}); use "
                 f"attention.prefill_kernel=torch or auto")
-        if chosen == "auto":  # on AMX infer's only where its products run on the tiles (head size 64)
-            on_amx = "amx_bf16" in cpu_flags()
-            chosen = "infer" if own and (not on_amx or (self.kernels.flash_amx and self.head_dim == 64)) else "torch"
+        if chosen == "auto":  # on AMX infer's only where its products run on the tiles
+            chosen = "infer" if own and ("amx_bf16" not in cpu_flags() or self._flash_on_tiles) else "torch"
         return chosen
 
     def prepare(self, metadata: AttentionMetadata) -> CpuMetadata:
