@@ -42,21 +42,35 @@ def apply_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, _MASK)
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # Keep the smallest set whose mass reaches top_p (the token crossing the threshold stays).
-        drop_sorted = cumulative - sorted_probs >= params.top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop_sorted, 0.0))
+        probs = _top_p(probs, params.top_p)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return probs / probs.sum()
 
 
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches ``top_p`` (the token crossing it stays).
+
+    Sorting a 49k vocabulary costs ~7 ms a row on one core; the set nearly always lies within the few hundred most
+    likely tokens, so take the 256 most likely (a partial sort) and sort everything only when their mass falls short
+    of ``top_p``; otherwise every token past them is dropped, exactly as a full sort would drop it."""
+    values, order = torch.topk(probs, min(256, probs.shape[-1]))
+    cumulative = torch.cumsum(values, dim=-1)
+    if float(cumulative[-1]) < top_p:  # a flat distribution: sort it all
+        values, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(values, dim=-1)
+    kept = values.masked_fill(cumulative - values >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, kept)
+
+
 def sample_row(probs: torch.Tensor, seed: int, position: int) -> int:
-    """Draw from ``probs`` with the exponential-race trick (argmax p/E, E ~ Exp(1)), keyed by (seed, position)."""
+    """Draw from ``probs`` by inverting its cumulative distribution at one uniform number keyed by (seed, position):
+    a sum over the vocabulary and one random draw (an exponential race, which draws a random number per token, took
+    4 ms a row over 49k tokens). A token of probability 0 is never drawn."""
     generator = position_generator(seed, position, probs.device)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int(torch.argmax(probs / noise))
+    cumulative = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    point = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device) * cumulative[-1]
+    return min(int(torch.searchsorted(cumulative, point, right=True)), probs.shape[-1] - 1)
 
 
 class Sampler:
