@@ -317,7 +317,7 @@ def test_train_eagle_writes_a_head_the_drafter_uses(tiny_model_dir, tmp_path):
     out = tmp_path / "head"
     result = CliRunner().invoke(train_eagle_command, [
         "baseline", f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256",
-        "--out", str(out), "--num-prompts", "24", "--max-tokens", "24", "--epochs", "1"])
+        "--out", str(out), "--num-prompts", "24", "--self-prompts", "8", "--max-tokens", "24", "--epochs", "1"])
     assert result.exit_code == 0, result.output
     assert (out / "head.safetensors").is_file()
     card = (out / "README.md").read_text()
@@ -327,6 +327,38 @@ def test_train_eagle_writes_a_head_the_drafter_uses(tiny_model_dir, tmp_path):
     outputs, stats = generate(tiny_model_dir, prompts, greedy(), drafter__name="eagle", drafter__head=str(out))
     assert outputs == expected
     assert stats.num_verify_passes > 0
+
+
+def test_self_written_prompts_continue_the_user_turn_and_keep_distinct_finished_requests(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from infer.plugins.drafters.eagle.training import self_written_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    template = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                             add_generation_prompt=True)
+    user_prefix = tokenizer.encode(template[: template.index("hi")], add_special_tokens=False)
+    calls = []
+
+    def generate(prompts, params, use_tqdm):
+        calls.append((prompts, params))
+        replies = [("How do tides work?", "stop"), ("How do tides work?", "stop"), ("A request cut off", "length"),
+                   ("  Name a bird.  ", "stop"), ("ok", "stop")]
+        return [SimpleNamespace(text=text, finish_reason=reason, error=None, token_ids=[0] * (2 if text == "ok" else 5))
+                for (text, reason), _ in zip(replies * len(prompts), prompts)]
+
+    llm = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer), generate=generate)
+    prompts = self_written_prompts(llm, 3, seed=7)
+    # Each sample continues the template exactly where a user's message begins, from a seed of its own.
+    sent, params = calls[0]
+    assert all(prompt == user_prefix for prompt in sent) and len(sent) >= 3
+    assert len({p.seed for p in params}) == len(params) and all(p.temperature == 1.0 for p in params)
+    # Kept: finished by the model, at least 4 tokens, stripped, each once.
+    assert prompts == [[{"role": "user", "content": "How do tides work?"}],
+                       [{"role": "user", "content": "Name a bird."}]]
+    assert self_written_prompts(llm, 0, seed=7) == []
 
 
 def test_feature_recorder_keeps_each_position_once_and_overwrites_after_preemption():

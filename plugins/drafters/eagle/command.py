@@ -16,6 +16,7 @@ class TrainEagleOptions:
     """Everything that shapes a training run (the card records it)."""
 
     num_prompts: int = 960
+    self_prompts: int = 2000
     max_tokens: int = 192
     generation_batch: int = 128
     draft_vocab_size: int = 8192
@@ -45,6 +46,8 @@ def _options_from(values: dict) -> TrainEagleOptions:
 @click.option("--prompts", "prompts_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="JSONL prompt set (as for infer run); default: the built-in set.")
 @click.option("--num-prompts", type=int, help=f"Prompts to answer (default {TrainEagleOptions.num_prompts}).")
+@click.option("--self-prompts", type=int, help="Requests the target writes itself and then answers, on top of "
+                                              f"--num-prompts (default {TrainEagleOptions.self_prompts}).")
 @click.option("--max-tokens", type=int, help=f"Answer length (default {TrainEagleOptions.max_tokens}).")
 @click.option("--generation-batch", type=int, help="Sequences generated at once "
                                                    f"(default {TrainEagleOptions.generation_batch}).")
@@ -52,6 +55,8 @@ def _options_from(values: dict) -> TrainEagleOptions:
 @click.option("--unroll-steps", type=int, help=f"Unrolled steps (default {TrainEagleOptions.unroll_steps}).")
 @click.option("--epochs", type=int, help=f"Passes over the data (default {TrainEagleOptions.epochs}).")
 @click.option("--max-minutes", type=float, help=f"Training time limit (default {TrainEagleOptions.max_minutes}).")
+@click.option("--patience", type=int, help="Stop after this many held-out evaluations without a gain "
+                                          f"(default {TrainEagleOptions.patience}).")
 @click.option("--learning-rate", type=float, help=f"Peak learning rate (default {TrainEagleOptions.learning_rate}).")
 @click.option("--seed", type=int, help="Seed for prompt order, split and training (default 0).")
 @click.option("--data", "data_path", type=click.Path(dir_okay=False, path_type=Path),

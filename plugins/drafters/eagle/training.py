@@ -88,6 +88,7 @@ class Example:
 @dataclass(slots=True)
 class TrainReport:
     target: str
+    num_self_prompts: int = 0
     num_train_examples: int = 0
     num_held_out_examples: int = 0
     num_train_tokens: int = 0
@@ -108,6 +109,31 @@ def builtin_prompts(count: int, seed: int) -> list[list[dict]]:
     texts += [task.format(topic=topic) for topic in EVERYDAY_TOPICS for task in EVERYDAY_TASKS]
     random.Random(seed).shuffle(texts)
     return [[{"role": "user", "content": text}] for text in texts[:count]]
+
+
+def self_written_prompts(llm, count: int, seed: int, max_tokens: int = 64) -> list[list[dict]]:
+    """Up to ``count`` user requests written by the target itself (Magpie, Xu et al. 2024): its chat template up to
+    where a user's message begins, continued by sampling at temperature 1, each from its own seed, so the requests are
+    the kind the model was tuned to answer, in phrasings and on topics nobody listed. A request is kept when the model
+    ended the turn itself within ``max_tokens`` tokens; duplicates are dropped."""
+    from infer.sampling_params import SamplingParams
+
+    if count <= 0:
+        return []
+    marker = "\x00REQUEST\x00"
+    template = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                                        add_generation_prompt=True)
+    prefix = llm.engine.tokenizer.encode(template[: template.index(marker)], add_special_tokens=False)
+    # A fifth more samples than asked for: some run past max_tokens and some repeat.
+    samples = count + count // 5 + 1
+    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=seed * 1_000_003 + index)
+              for index in range(samples)]
+    texts = {}
+    for output in llm.generate([prefix] * samples, params, use_tqdm=True):
+        text = output.text.strip()
+        if output.error is None and output.finish_reason == "stop" and len(output.token_ids) >= 4 and text:
+            texts.setdefault(text, None)
+    return [[{"role": "user", "content": text}] for text in list(texts)[:count]]
 
 
 # -- 1. generating the data -----------------------------------------------------------------------------------------
@@ -166,20 +192,22 @@ def generate_examples(llm, prompts: list, options: TrainEagleOptions) -> list[Ex
     return examples
 
 
-def cached_examples(path: Path | None, generate) -> tuple[list[Example], float]:
-    """The examples saved at ``path`` when it exists; otherwise ``generate()``'s, saved there when a path is given
-    (a second training run on the same data skips generation). Also returns the seconds generation took."""
+def cached_examples(path: Path | None, generate) -> tuple[list[Example], float, int]:
+    """The examples saved at ``path`` when it exists; otherwise ``generate()``'s (examples and how many prompts the
+    target wrote), saved there when a path is given (a second training run on the same data skips generation). Also
+    returns the seconds generation took and the number of self-written prompts."""
     if path is not None and path.is_file():
         saved = torch.load(path)
-        return [Example(**fields) for fields in saved["examples"]], saved["generation_s"]
+        return ([Example(**fields) for fields in saved["examples"]], saved["generation_s"],
+                saved.get("num_self_prompts", 0))
     start = time.monotonic()
-    examples = generate()
+    examples, num_self_prompts = generate()
     seconds = time.monotonic() - start
     if path is not None:
         fields = [{"token_ids": e.token_ids, "features": e.features, "num_prompt_tokens": e.num_prompt_tokens}
                   for e in examples]
-        torch.save({"examples": fields, "generation_s": seconds}, path)
-    return examples, seconds
+        torch.save({"examples": fields, "generation_s": seconds, "num_self_prompts": num_self_prompts}, path)
+    return examples, seconds, num_self_prompts
 
 
 def draft_vocabulary(examples: list[Example], size: int) -> tuple[torch.Tensor, float]:
@@ -360,10 +388,14 @@ def train_head(head, target, train_set: list[Example], held_out: list[Example], 
     num_batches = len(batches(train_set, options.tokens_per_batch, vocab_index, None))
     total_steps = options.epochs * num_batches
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.learning_rate, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total_steps)))
+    # The cosine ends where training will: after every epoch, or at the time limit when that comes first (its step
+    # estimated from the pace so far, evaluations included), so a run cut by the clock still anneals.
+    horizon = [total_steps]
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (
+        1 + math.cos(math.pi * min(step / horizon[0], 1.0))))
     best = _evaluate(head, target, held_out_batches, head_weight, options, report, 0, None)
-    deadline = time.monotonic() + options.max_minutes * 60
+    started = time.monotonic()
+    deadline = started + options.max_minutes * 60
     progress = tqdm(total=total_steps, desc="training", unit="step", dynamic_ncols=True)
     stale = 0
     for batch in _epochs(train_set, vocab_index, options, shuffle):
@@ -377,6 +409,9 @@ def train_head(head, target, train_set: list[Example], held_out: list[Example], 
         report.steps += 1
         progress.update(1)
         progress.set_postfix(loss=f"{loss.item():.3f}", accept=f"{report.held_out_acceptance:.2f}", refresh=False)
+        if report.steps == options.eval_every + 1:  # the pace includes one evaluation
+            pace = report.steps / (time.monotonic() - started)
+            horizon[0] = max(report.steps + 1, min(total_steps, int(pace * options.max_minutes * 60)))
         if report.steps % options.eval_every == 0:
             improved = _evaluate(head, target, held_out_batches, head_weight, options, report, report.steps, best)
             stale = 0 if improved is not best else stale + 1
@@ -418,8 +453,14 @@ def train_eagle(config, overrides: list[str], out: Path, prompts_path: Path | No
     report = TrainReport(target=llm.engine.model_name)
     prompts = [item.prompt for item in read_jsonl(prompts_path)] if prompts_path else builtin_prompts(
         options.num_prompts, options.seed)
-    examples, report.generation_s = cached_examples(
-        data_path, lambda: generate_examples(llm, prompts[: options.num_prompts], options))
+
+    def generate():
+        written = self_written_prompts(llm, options.self_prompts, options.seed)
+        mixed = prompts[: options.num_prompts] + written
+        random.Random(options.seed).shuffle(mixed)
+        return generate_examples(llm, mixed, options), len(written)
+
+    examples, report.generation_s, report.num_self_prompts = cached_examples(data_path, generate)
     train_set, held_out = _split(examples, options)
     vocab_ids, report.draft_vocab_coverage = draft_vocabulary(train_set, options.draft_vocab_size)
     report.draft_vocab_size = len(vocab_ids)
@@ -457,6 +498,8 @@ def model_card(report: TrainReport, options: TrainEagleOptions, config, override
     """The README next to the head: data, training, measured acceptance, and how to reproduce it."""
     source = str(prompts_path) if prompts_path else (f"the built-in set ({len(TOPICS)} topics x {len(TASKS)} tasks, "
                                                       f"{len(EVERYDAY_TOPICS)} x {len(EVERYDAY_TASKS)} everyday)")
+    self_written = (f" and {report.num_self_prompts} requests the target wrote itself (sampled from its chat "
+                    f"template where a user's turn begins)" if report.num_self_prompts else "")
     command = " ".join(["infer train-eagle", str(config), *overrides, "--out DIR", *_option_flags(options),
                         *([f"--prompts {prompts_path}"] if prompts_path else [])])
     return "\n".join([
@@ -466,8 +509,8 @@ def model_card(report: TrainReport, options: TrainEagleOptions, config, override
         "self-distillation with `infer train-eagle`; used by `drafter: eagle` (`configs/radix_lpm_eagle.yaml`).",
         "",
         (f"- Data: {report.num_train_examples} greedy answers of the target (max {options.max_tokens} tokens) to "
-         f"prompts from {source}; {report.num_train_tokens} tokens ({report.num_answer_tokens} in answers), "
-         f"generated by infer's engine in {report.generation_s / 60:.1f} min."),
+         f"prompts from {source}{self_written}; {report.num_train_tokens} tokens ({report.num_answer_tokens} in "
+         f"answers), generated by infer's engine in {report.generation_s / 60:.1f} min."),
         (f"- Draft vocabulary: the {report.draft_vocab_size} most frequent answer tokens, covering "
          f"{report.draft_vocab_coverage:.1%} of answer tokens."),
         (f"- Training: {report.steps} steps ({report.training_s / 60:.1f} min on CPU), {options.unroll_steps} "
