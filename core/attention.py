@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -49,13 +51,14 @@ class AttentionMetadata:
         their K/V stored through ``block_tables[i]`` (what the engine's runner builds each step)."""
         width = max(len(table) for table in block_tables)
         tables = torch.tensor([table + [0] * (width - len(table)) for table in block_tables], dtype=torch.int32)
-        # Built as one list: a tensor per sequence costs more than the whole list at batch 64.
-        positions = torch.tensor([p for c, n in zip(num_cached, num_new) for p in range(c, c + n)], dtype=torch.int64)
-        seq_index = torch.repeat_interleave(torch.arange(len(num_new)), torch.tensor(num_new))
-        slots = tables[seq_index, positions // block_size].to(torch.int64) * block_size + positions % block_size
+        # Plain lists, one tensor each: a tensor op per sequence (or even a few per step) costs more than the
+        # arithmetic, at batch 1 (an EAGLE chain step) as at batch 64.
+        span = [(table, range(c, c + n)) for table, c, n in zip(block_tables, num_cached, num_new)]
+        positions = torch.tensor([p for _, run in span for p in run], dtype=torch.int64)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for table, run in span for p in run],
+                             dtype=torch.int64)
         seq_lens = [c + n for c, n in zip(num_cached, num_new)]
-        query_start_loc = torch.zeros(len(num_new) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.cumsum(torch.tensor(num_new, dtype=torch.int32), 0)
+        query_start_loc = torch.tensor([0, *itertools.accumulate(num_new)], dtype=torch.int32)
         return cls(
             positions=positions.to(device),
             query_start_loc=query_start_loc.to(device),
