@@ -231,9 +231,11 @@ class Executor:
             if isinstance(module, PackedLinear):
                 module.use_cpu_kernels(module.kernels, max_tokens)
 
-    def prepare_layer(self, layer: DecoderLayer) -> None:
-        """Prepare a decoder layer outside a model (an EAGLE head's) for these kernels, as ``for_model`` does."""
-        layer.use_cpu_kernels(self.kernels, self.fused_max_tokens)
+    def prepare(self, module: torch.nn.Module) -> None:
+        """Prepare a decoder layer or a packed projection outside a model (an EAGLE head's) for these kernels, as
+        ``for_model`` does: small steps take the GEMV (a projection outside the packing modes stays as it is)."""
+        if hasattr(module, "use_cpu_kernels"):
+            module.use_cpu_kernels(self.kernels, self.fused_max_tokens, self.float_gemms)
 
     def step(self, rotary: RotaryEmbedding, metadata: AttentionMetadata, kv_cache: torch.Tensor,
              attention: AttentionBackend, dtype: torch.dtype) -> ForwardStep:

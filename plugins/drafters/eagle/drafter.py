@@ -94,9 +94,10 @@ class EagleDrafter(Drafter):
         self.block_size = context.block_size
         # The head's layers and its draft-vocabulary output run with the target's weight packing.
         self.head = context.quantize(self._load_head(context))
-        self.executor = context.executor  # the head's layer runs on the target's kernels and paths
-        self.executor.prepare_layer(self.head.layer)
+        self.executor = context.executor  # the head runs on the target's kernels and paths
         self.draft_logits = context.projection(draft_head_weight(self.target, self.head.vocab_ids))
+        for module in (self.head.layer, self.head.fc, self.draft_logits):  # one row per chain step: the GEMV
+            self.executor.prepare(module)
         self.kv_cache: torch.Tensor | None = None
         self._logs: dict[str, FeatureLog] = {}
 

@@ -47,14 +47,20 @@ class EagleHead(nn.Module):
             self.norm = RMSNorm(hidden, config.rms_norm_eps, dtype)
         self.register_buffer("vocab_ids", vocab_ids.to(device=device, dtype=torch.int64))
 
-    def combine(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """The layer's input ``[T, hidden]`` from token embeddings and the features they follow."""
-        return self.fc(torch.cat((self.embed_norm(embeds), self.feature_norm(features.to(embeds.dtype))), dim=-1))
+    def combine(self, embeds: torch.Tensor, features: torch.Tensor, ops=None) -> torch.Tensor:
+        """The layer's input ``[T, hidden]`` from token embeddings and the features they follow; the norms on
+        ``ops`` (a step's ``StepOps``: the CPU kernels' where it has them) or in torch (training)."""
+        features = features.to(embeds.dtype)
+        if ops is None:
+            normed = (self.embed_norm(embeds), self.feature_norm(features))
+        else:
+            normed = (ops.norm(self.embed_norm, embeds)[0], ops.norm(self.feature_norm, features)[0])
+        return self.fc(torch.cat(normed, dim=-1))
 
     def forward(self, embeds, features, step) -> torch.Tensor:
         """Paged inference: predicted features ``[T, hidden]``, writing the layer's K/V into ``step.kv_cache`` (the
         head's own one-layer pool); ``step`` from the target's executor (``infer.execution.ForwardStep``)."""
-        hidden, residual = step.run_layers([self.layer], self.combine(embeds, features))
+        hidden, residual = step.run_layers([self.layer], self.combine(embeds, features, step.ops))
         return step.ops.norm(self.norm, hidden, residual)[0]
 
 
