@@ -13,6 +13,7 @@ flip a near-tie; float32 is exact). Prints a markdown table.
 
     python benchmarks/spec_decode.py                                       # default dtype, batch 1, 4 and 16
     python benchmarks/spec_decode.py --dtype float32 --batch-sizes 1 --max-tokens 64
+    python benchmarks/spec_decode.py --drafters none eagle --batch-sizes 1 --interleave   # side by side, per wave
 
 On a CPU shared with other processes, one thread per process (``OMP_NUM_THREADS=1``) avoids OpenMP threads waiting
 on descheduled siblings, which on 2 busy cores made every step several times slower.
@@ -108,6 +109,9 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--model-layers", type=int, default=8, help="self-speculative draft depth (drafter: model)")
     parser.add_argument("--drafters", nargs="+", default=[drafter for _, drafter in PLAN],
                         help="subset of none ngram eagle model")
+    parser.add_argument("--interleave", action="store_true",
+                        help="build every drafter's engine first and run each wave on all of them in turn (ratios "
+                             "that hold on a noisy machine; more memory: one engine per drafter at once)")
     return parser.parse_args()
 
 
@@ -116,7 +120,7 @@ def prompts_for(workload: str, count: int) -> list[list[dict]]:
     return [[{"role": "user", "content": texts[i % len(texts)]}] for i in range(count)]
 
 
-def run_drafter(drafter: str, workloads: list[str], args) -> list[Result]:
+def build_llm(drafter: str, args) -> LLM:
     overrides = {**DRAFTERS[drafter], "drafter.num_speculative_tokens": args.k,
                  "drafter.max_batch_size": max(args.batch_sizes), "model.dtype": args.dtype,
                  "model.quantization": args.quantization,
@@ -125,18 +129,46 @@ def run_drafter(drafter: str, workloads: list[str], args) -> list[Result]:
         overrides["drafter.layers"] = args.model_layers
     llm = LLM("baseline", dotlist=[f"{key}={value}" for key, value in overrides.items()])
     llm.generate(prompts_for("chat", 1), SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
-    return [run_workload(llm, drafter, workload, batch_size, args)
+    return llm
+
+
+def run_drafter(drafter: str, workloads: list[str], args) -> list[Result]:
+    llm = build_llm(drafter, args)
+    return [run_workload({drafter: llm}, workload, batch_size, args)[0]
             for workload in workloads for batch_size in args.batch_sizes]
 
 
-def run_workload(llm: LLM, drafter: str, workload: str, batch_size: int, args) -> Result:
+def run_interleaved(args) -> list[Result]:
+    """Every drafter's engine built up front; each wave of requests runs on all of them in turn (the order rotating
+    from one wave to the next), so a machine that slows down or speeds up mid-run weighs on every drafter alike."""
+    drafters = list(dict.fromkeys(args.drafters))
+    llms = {drafter: build_llm(drafter, args) for drafter in drafters}
+    results: list[Result] = []
+    for workload in dict.fromkeys(workload for workload, drafter in PLAN if drafter in llms):
+        engines = {drafter: llms[drafter] for name, drafter in PLAN if name == workload and drafter in llms}
+        for batch_size in args.batch_sizes:
+            results.extend(run_workload(engines, workload, batch_size, args))
+        print(table(results), flush=True)
+        print(flush=True)
+    return results
+
+
+def run_workload(llms: dict[str, LLM], workload: str, batch_size: int, args) -> list[Result]:
+    """The workload's waves of ``batch_size`` requests on each engine of ``llms`` (by drafter); one result each."""
     prompts = prompts_for(workload, max(args.num_prompts, batch_size))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    outputs, seconds = [], 0.0
-    for start in range(0, len(prompts), batch_size):
-        began = time.perf_counter()
-        outputs.extend(llm.generate(prompts[start:start + batch_size], params))
-        seconds += time.perf_counter() - began
+    names = list(llms)
+    outputs: dict[str, list] = {name: [] for name in names}
+    seconds = dict.fromkeys(names, 0.0)
+    for wave, start in enumerate(range(0, len(prompts), batch_size)):
+        for name in names[wave % len(names):] + names[:wave % len(names)]:
+            began = time.perf_counter()
+            outputs[name].extend(llms[name].generate(prompts[start:start + batch_size], params))
+            seconds[name] += time.perf_counter() - began
+    return [summarize(name, workload, batch_size, outputs[name], seconds[name]) for name in names]
+
+
+def summarize(drafter: str, workload: str, batch_size: int, outputs: list, seconds: float) -> Result:
     passes = sum(output.metrics.num_verify_passes for output in outputs)
     accepted = sum(output.metrics.num_accepted_tokens for output in outputs)
     decode_seconds = sum(output.metrics.finish_time - output.metrics.first_token_time for output in outputs)
@@ -161,13 +193,16 @@ def table(results: list[Result]) -> str:
 def main() -> None:
     args = parse_arguments()
     torch.manual_seed(0)
-    results: list[Result] = []
-    for drafter in dict.fromkeys(args.drafters):
-        workloads = [workload for workload, name in PLAN if name == drafter]
-        results.extend(run_drafter(drafter, workloads, args))
-        print(table(results), flush=True)
-        print(flush=True)
-    print(f"dtype {args.dtype}, quantization {args.quantization}, k={args.k}, max_tokens={args.max_tokens}, "
+    if args.interleave:
+        run_interleaved(args)
+    else:
+        results: list[Result] = []
+        for drafter in dict.fromkeys(args.drafters):
+            workloads = [workload for workload, name in PLAN if name == drafter]
+            results.extend(run_drafter(drafter, workloads, args))
+            print(table(results), flush=True)
+            print(flush=True)
+    print(f"{'interleaved' if args.interleave else 'one drafter after another'}, dtype {args.dtype}, quantization {args.quantization}, k={args.k}, max_tokens={args.max_tokens}, "
           f"threads {torch.get_num_threads()}, "
           f"draft depth (model) {args.model_layers} layers")
 
