@@ -202,7 +202,8 @@ def main() -> None:
             results.extend(run_drafter(drafter, workloads, args))
             print(table(results), flush=True)
             print(flush=True)
-    print(f"{'interleaved' if args.interleave else 'one drafter after another'}, dtype {args.dtype}, quantization {args.quantization}, k={args.k}, max_tokens={args.max_tokens}, "
+    order = "interleaved" if args.interleave else "one drafter after another"
+    print(f"{order}, dtype {args.dtype}, quantization {args.quantization}, k={args.k}, max_tokens={args.max_tokens}, "
           f"threads {torch.get_num_threads()}, "
           f"draft depth (model) {args.model_layers} layers")
 
