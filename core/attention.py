@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
