@@ -106,6 +106,11 @@ class ExecutionConfig(BaseModel):
                             "multiply. bf16: infer's tile kernel and oneDNN's bf16 GEMM (inputs rounded to bf16). "
                             "float32: the tile kernel with float32 FMAs over the same bf16 weights (float32 inputs; "
                             "oneDNN's copy dropped). auto: float32 where measured faster on this CPU (cached).")
+    reuse_freed_memory: bool = Field(
+        True, description="On a CPU: glibc's malloc keeps freed memory for the next step's tensors (blocks under 32 "
+                          "MiB from the heap, up to 1 GiB of free heap kept) instead of returning it to the kernel "
+                          "and faulting it in again page by page (infer.host.reuse_freed_memory; process-wide). "
+                          "false: glibc's defaults.")
 
     @field_validator("fused_max_tokens")
     @classmethod

@@ -17,6 +17,7 @@ import torch
 from infer.detokenizer import Detokenizer
 from infer.drafter import Drafter, DrafterContext
 from infer.execution import build_model_stack
+from infer.host import reuse_freed_memory
 from infer.guide import GuideError, TokenizerInfo, constrain_logits
 from infer.kv_cache_manager import KVCacheManager
 from infer.kv_pool import free_device_memory, kv_bytes_per_token, plan_kv_pool
@@ -273,7 +274,9 @@ class Engine:
         fused = (self.calibration.describe() if self.calibration is not None
                  else f"fused up to {self.executor.fused_max_tokens} tokens")
         gemm = "" if self.executor.gemm is None else f"; {self.executor.gemm.describe()}"
-        return f"{dtypes}; attention {chosen}; {kernels}; execution paths {paths} ({fused}){gemm}{parallel}"
+        heap = "; malloc keeps freed memory" if self.device.type == "cpu" and \
+            self.config.execution.reuse_freed_memory and reuse_freed_memory() else ""
+        return f"{dtypes}; attention {chosen}; {kernels}; execution paths {paths} ({fused}){gemm}{heap}{parallel}"
 
     def _check_max_model_len(self, loaded) -> None:
         limit = getattr(loaded.hf_config, "max_position_embeddings", None)

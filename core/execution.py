@@ -38,6 +38,7 @@ from infer.attention import AttentionBackend, AttentionMetadata
 from infer.calibration import CANDIDATES as CALIBRATION_CANDIDATES
 from infer.calibration import DEFAULT_FUSED_MAX_TOKENS, Calibration, GemmChoice, calibrate, choose_gemm
 from infer.cpu_kernels import FusedStack, KernelAttentionStep
+from infer.host import reuse_freed_memory
 from infer.model.ops import StepOps
 
 if TYPE_CHECKING:
@@ -356,6 +357,8 @@ def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.d
     with its executor and attention backend: what the engine and every tensor-parallel rank build alike."""
     from infer.quantization import quantize_model, resolve_quantization
 
+    if device.type == "cpu" and config.execution.reuse_freed_memory:
+        reuse_freed_memory()
     quantization = resolve_quantization(config.model.quantization, config.model.dtype, dtype, device)
     model = quantize_model(model if shard is None else shard(model), quantization)
     executor = build_executor(model, config, device, dtype, quantization)
