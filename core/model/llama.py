@@ -52,8 +52,10 @@ class Attention(nn.Module):
         qkv, heads = step.ops.rotate(self.qkv_proj(hidden), self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.o_proj(step.attend(self.layer_index, q, k, v).reshape(num_tokens, self.q_size))
-        return out if self.tensor_parallel is None else self.tensor_parallel.all_reduce(out)
+        attended = step.attend(self.layer_index, q, k, v).reshape(num_tokens, self.q_size)
+        if self.tensor_parallel is not None:  # the partial sums all-reduced in float32
+            return self.tensor_parallel.all_reduce(self.o_proj(attended))
+        return self.o_proj(step.ops.gemm_rows(attended))
 
 
 class MLP(nn.Module):

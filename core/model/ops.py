@@ -23,7 +23,7 @@ class StepOps:
     inputs and give their outputs without a float32 round trip; a projection's bf16 output comes back to float32
     where float32 is read, inside the kernel that reads it (RoPE widens QKV as it rotates, the RMSNorm a layer's
     output as it adds it to the residual). The values are those of rounding each GEMM's input to bf16, which the
-    GEMM does anyway."""
+    GEMM does anyway (the attention's output is rounded before the output projection, ``gemm_rows``)."""
 
     def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype,
                  kernels: CpuKernels | None = None, gemm_dtype: torch.dtype | None = None):
@@ -62,6 +62,11 @@ class StepOps:
             return self.kernels.rms_norm(x, norm.weight, norm.eps, out_dtype), x
         # a bf16 GEMM's output is widened inside the kernel as it is added
         return self.kernels.add_rms_norm(residual, x, norm.weight, norm.eps, out_dtype), residual
+
+    def gemm_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as a projection's input: in ``gemm_dtype`` where set (attention's float32 output rounded once, so
+        the output projection gives bf16 rows, which the next norm widens as it adds them), else as it is."""
+        return x if self.gemm_dtype is None else x.to(self.gemm_dtype)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` ``[T, 2 * width]``, gate first."""
