@@ -372,19 +372,21 @@ llm = LLM("baseline", dotlist=["execution.reuse_freed_memory=" + sys.argv[1]])
 assert ("malloc keeps freed memory" in llm.engine.describe_execution()) == (sys.argv[1] == "true")
 prompts = torch.randint(1000, 20000, (4, 512), generator=torch.Generator().manual_seed(0)).tolist()
 params = SamplingParams(max_tokens=1, temperature=0.0)
-llm.generate(prompts, params, use_tqdm=False)  # the first step sizes the heap
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
+for _ in range(2):  # the first steps size the heap
     llm.generate(prompts, params, use_tqdm=False)
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 3)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    llm.generate(prompts, params, use_tqdm=False)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 5)
 """
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="reuse_freed_memory tunes glibc's malloc")
 def test_prefill_steps_reuse_freed_memory_instead_of_faulting_it_in_again():
     """Four 512-token prompts on the default model, prefilled again and again: with glibc's defaults each step's
-    activations (a few MiB a tensor) are mapped afresh and faulted in page by page (~100,000 page faults a 2048-token
-    step on an AMX Xeon); with ``execution.reuse_freed_memory`` (the default) the freed blocks serve the next ones."""
+    activations (a few MiB a tensor) are mapped afresh and faulted in page by page (6,800-33,600 page faults a
+    2048-token step on an AMX Xeon, by what ran before in the process); with ``execution.reuse_freed_memory`` (the
+    default) the freed blocks serve the next ones (81-658)."""
     def faults_per_generate(reuse: str) -> int:
         result = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, reuse], capture_output=True, text=True,
                                 timeout=600)
@@ -392,4 +394,4 @@ def test_prefill_steps_reuse_freed_memory_instead_of_faulting_it_in_again():
         return int(result.stdout.split()[-1])
 
     plain, reused = faults_per_generate("false"), faults_per_generate("true")
-    assert plain > 20_000 and reused < plain / 10, (plain, reused)
+    assert plain > 2_000 and reused * 5 < plain, (plain, reused)
