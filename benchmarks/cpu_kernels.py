@@ -13,12 +13,16 @@ section, behind ``execution.fused_max_tokens``' default of 8):
    then without AVX-512, then the portable C), over fp16, bf16 and int8 weights, beside oneDNN's bf16 GEMM (what
    ``model.quantization: bf16`` runs for larger steps; AMX or AVX512-BF16 where the CPU has them), and paged
    attention of a decode step (batch 1 and 16, 1,024-token contexts); ms per step.
+4. ``prefetch``: the GEMV's L2 prefetch (``INFER_GEMV_L2_AHEAD`` in the C source, 6 KB ahead) against a build
+   without it (its L1 prefetch only, 1 KB ahead): the 30 layers' projections and the output head over bf16
+   and fp16 weights at 1-8 rows; ms per step and GB/s of weights streamed.
 
 Each case alternates its arms ``--repeats`` times and prints every run.
 
     python benchmarks/cpu_kernels.py
     python benchmarks/cpu_kernels.py --only gemv
     python benchmarks/cpu_kernels.py --only simd
+    python benchmarks/cpu_kernels.py --only prefetch
 """
 
 from __future__ import annotations
@@ -174,9 +178,36 @@ def simd_case(repeats: int) -> None:
                                                          for simd in builds) + " |", flush=True)
 
 
+def prefetch_case(repeats: int) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="infer-prefetch-"))
+    builds = {"L1 + L2 prefetch": cpu_kernels.load_built(cpu_kernels.build(folder)),
+              "L1 prefetch only": cpu_kernels.load_built(cpu_kernels.build(folder, ["-DINFER_GEMV_L2_AHEAD=0"]))}
+    generator = torch.Generator().manual_seed(0)
+    shapes = [shape for _ in range(30) for shape in LAYER_SHAPES] + [(49152, 576)]  # + the output head
+    weights = [torch.randn(out_features, in_features, generator=generator) * 0.05
+               for out_features, in_features in shapes]
+    kinds = {kind: [cpu_kernels.pack_weights(weight.to(dtype)) for weight in weights]
+             for kind, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    streamed = sum(out_features * in_features * 2 for out_features, in_features in shapes)
+    arms = [(kind, build) for kind in kinds for build in builds]
+    print(f"builds: {next(iter(builds.values())).simd}; {streamed / 1e6:.0f} MB of weights a step")
+    print("| rows | " + " | ".join(f"{kind} {build} ms (GB/s)" for kind, build in arms) + " |\n|---|" +
+          "---|" * len(arms))
+    for rows in (1, 2, 4, 8):
+        inputs = {width: torch.randn(rows, width, generator=generator) for width in (576, 1536)}
+        runs = [[] for _ in arms]
+        for _ in range(repeats):
+            for run, (kind, build) in zip(runs, arms):
+                kernels = builds[build]
+                run.append(timed(lambda: [kernels.linear(inputs[cpu_kernels.packed_shape(weight)[1]], weight, None,
+                                                         None) for weight in kinds[kind]], 5))
+        print(f"| {rows} | " + " | ".join(" / ".join(f"{value:.1f} ({streamed / value / 1e6:.1f})" for value in run)
+                                         for run in runs) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["gemv", "steps", "simd"])
+    parser.add_argument("--only", choices=["gemv", "steps", "simd", "prefetch"])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.only in (None, "gemv"):
@@ -185,6 +216,8 @@ def main() -> None:
         steps_case(args.repeats)
     if args.only in (None, "simd"):
         simd_case(args.repeats)
+    if args.only in (None, "prefetch"):
+        prefetch_case(args.repeats)
 
 
 if __name__ == "__main__":

@@ -258,14 +258,21 @@ static inline void hsum8_pair(__m512 v, float *low, float *high) {
 #endif
 
 /* Software prefetch of the GEMV's weight stream, ahead of the 64 bytes at `chunk` (into the next block at a block's
- * end, which this thread takes next): into L1 1 KB ahead and into L2 6 KB ahead. The L1 prefetch alone (2 KB) kept
- * too few lines in flight, the L1's fill buffers being the limit: on 2 cores of an AMX Xeon one token's GEMVs
- * (30 layers and the output head, bf16) streamed 19.7 GB/s so and 24.6-26.9 with the L2 prefetch, 4 rows 17.5 vs
- * 21.6, 8 rows 16.8 vs 18.6; the AVX2 build there 19.9 vs 23.8. Earlier, on an AVX2 EPYC, the L1 prefetch alone
- * had beaten the hardware prefetcher from 2 rows of x on (5 rows 13.8 vs 16.0 ms for the 30 layers). */
+ * end, which this thread takes next): into L1 1 KB ahead and into L2 INFER_GEMV_L2_AHEAD (6 KB) ahead. An L1
+ * prefetch alone keeps too few lines in flight (the L1's fill buffers are the limit). On 2 cores of an AMX Xeon, the
+ * 30 layers and the output head in bf16 (`benchmarks/cpu_kernels.py --only prefetch`): 1 row 24.7-25.1 -> 27.3-28.2
+ * GB/s with the L2 prefetch, 4 rows 20.6-21.5 -> 25.1-25.7, 8 rows 17.9-18.3 -> 19.6-20.5; fp16 alike. Against
+ * the 2 KB L1-only prefetch before it, one row went 19.7 -> 24.6-26.9 GB/s, and the AVX2 build there 19.9 -> 23.8.
+ * Earlier, on an AVX2 EPYC, the L1 prefetch had beaten the hardware prefetcher alone from 2 rows of x on (5 rows
+ * 13.8 vs 16.0 ms for the 30 layers). */
+#ifndef INFER_GEMV_L2_AHEAD
+#define INFER_GEMV_L2_AHEAD 6144  /* 0: no L2 prefetch (benchmarks/cpu_kernels.py --only prefetch builds it so) */
+#endif
 static inline __attribute__((always_inline)) void gemv_prefetch(const char *chunk) {
     __builtin_prefetch(chunk + 1024, 0, 3);  /* prefetcht0 on x86 */
-    __builtin_prefetch(chunk + 6144, 0, 2);  /* prefetcht1 */
+#if INFER_GEMV_L2_AHEAD
+    __builtin_prefetch(chunk + INFER_GEMV_L2_AHEAD, 0, 2);  /* prefetcht1 */
+#endif
 }
 
 /* sums[r][i] = x[r] . (output row i of the block) for `count` (1 to PASS_ROWS, a constant once inlined) rows of x
