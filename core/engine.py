@@ -17,7 +17,6 @@ import torch
 from infer.detokenizer import Detokenizer
 from infer.drafter import Drafter, DrafterContext
 from infer.execution import build_model_stack
-from infer.host import reuse_freed_memory
 from infer.guide import GuideError, TokenizerInfo, constrain_logits
 from infer.kv_cache_manager import KVCacheManager
 from infer.kv_pool import free_device_memory, kv_bytes_per_token, plan_kv_pool
@@ -164,6 +163,7 @@ class Engine:
         self.model, self.quantization, self.executor = stack.model, stack.quantization, stack.executor
         self.attention_name, self.attention = stack.attention_name, stack.attention
         self.calibration = stack.calibration
+        self.reuses_freed_memory = stack.reuses_freed_memory
         self.vocab_size = self.model.vocab_size
         self.tokenizer = loaded.tokenizer
         self.max_token_bytes = max(len(token.encode()) for token in self.tokenizer.get_vocab())
@@ -274,8 +274,7 @@ class Engine:
         fused = (self.calibration.describe() if self.calibration is not None
                  else f"fused up to {self.executor.fused_max_tokens} tokens")
         gemm = "" if self.executor.gemm is None else f"; {self.executor.gemm.describe()}"
-        heap = "; malloc keeps freed memory" if self.device.type == "cpu" and \
-            self.config.execution.reuse_freed_memory and reuse_freed_memory() else ""
+        heap = "; malloc keeps freed memory" if self.reuses_freed_memory else ""
         return f"{dtypes}; attention {chosen}; {kernels}; execution paths {paths} ({fused}){gemm}{heap}{parallel}"
 
     def _check_max_model_len(self, loaded) -> None:

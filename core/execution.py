@@ -349,6 +349,7 @@ class ModelStack:
     attention_name: str
     attention: AttentionBackend
     calibration: Calibration | None = None  # where ``execution.fused_max_tokens: auto`` came from
+    reuses_freed_memory: bool = False  # ``execution.reuse_freed_memory`` applied (``infer.host.reuse_freed_memory``)
 
 
 def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
@@ -357,8 +358,7 @@ def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.d
     with its executor and attention backend: what the engine and every tensor-parallel rank build alike."""
     from infer.quantization import quantize_model, resolve_quantization
 
-    if device.type == "cpu" and config.execution.reuse_freed_memory:
-        reuse_freed_memory()
+    reuses_freed_memory = device.type == "cpu" and config.execution.reuse_freed_memory and reuse_freed_memory()
     quantization = resolve_quantization(config.model.quantization, config.model.dtype, dtype, device)
     model = quantize_model(model if shard is None else shard(model), quantization)
     executor = build_executor(model, config, device, dtype, quantization)
@@ -372,4 +372,4 @@ def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.d
             executor.set_fused_max_tokens(model, calibration.fused_max_tokens)
         else:  # sharded layers never fuse (an all-reduce follows two of their projections)
             executor.set_fused_max_tokens(model, DEFAULT_FUSED_MAX_TOKENS)
-    return ModelStack(model, quantization, executor, name, attention, calibration)
+    return ModelStack(model, quantization, executor, name, attention, calibration, reuses_freed_memory)

@@ -364,7 +364,6 @@ def test_a_real_calibration_times_both_paths_at_every_size(tiny_model_dir, tmp_p
     assert len(output.token_ids) == 6
 
 
-
 _FAULTS_SCRIPT = """
 import resource, sys, torch
 from infer import LLM, SamplingParams
