@@ -121,9 +121,12 @@ class KernelAttentionStep:
 
     @classmethod
     def from_metadata(cls, metadata: AttentionMetadata, num_heads: int, scale: float) -> KernelAttentionStep:
-        """The step's attention from the core metadata every backend receives (the model's shapes beside it)."""
-        return cls(KernelAttentionPlan.every_token(metadata), metadata.block_tables, metadata.slot_mapping, num_heads,
-                   scale)
+        """The step's attention from the core metadata every backend receives (the model's shapes beside it); the
+        every-token plan the ``cpu`` backend's ``prepare`` already put beside it is taken as it is."""
+        plan = getattr(metadata, "plan", None)
+        if plan is None or plan.rows is not None:  # none, or only some tokens'
+            plan = KernelAttentionPlan.every_token(metadata)
+        return cls(plan, metadata.block_tables, metadata.slot_mapping, num_heads, scale)
 
     def check(self) -> None:
         check_block_tables(self.block_tables)
