@@ -415,8 +415,16 @@ static inline __attribute__((always_inline)) void linear_packed(const float *x, 
             const int count = pass_rows(rows - m);
             float sums[PASS_ROWS][4];
             switch (count) {  /* a constant count per copy: its accumulators stay in registers */
+/* the kind as a constant too: inside the OpenMP region the compiler no longer sees the constant linear_packed was
+ * inlined with, and tested the kind around every chunk's conversion (cache-hot on AVX2, 576 x 1536 fp16: 3 rows
+ * of x 21.4 -> 17.3 cycles a chunk, 8 rows 50.7 -> 44.9 once it is hoisted) */
+#define BLOCK_DOT_KIND(n, kind_) block_dot(x + m * k, k, block, own_scales, group, sums, n, kind_)
 #define BLOCK_DOT_CASE(n) \
-                case n: block_dot(x + m * k, k, block, own_scales, group, sums, n, kind); break;
+                case n: \
+                    if (kind == KIND_F16) BLOCK_DOT_KIND(n, KIND_F16); \
+                    else if (kind == KIND_BF16) BLOCK_DOT_KIND(n, KIND_BF16); \
+                    else BLOCK_DOT_KIND(n, KIND_I8); \
+                    break;
                 BLOCK_DOT_CASE(1)
                 BLOCK_DOT_CASE(2)
                 BLOCK_DOT_CASE(3)
@@ -428,6 +436,7 @@ static inline __attribute__((always_inline)) void linear_packed(const float *x, 
                 BLOCK_DOT_CASE(8)
 #endif
 #undef BLOCK_DOT_CASE
+#undef BLOCK_DOT_KIND
             }
             for (int r = 0; r < count; r++)
                 for (int i = 0; i < 4; i++) {
