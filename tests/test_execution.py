@@ -370,7 +370,7 @@ import resource, sys, torch
 from infer import LLM, SamplingParams
 llm = LLM("baseline", dotlist=["execution.reuse_freed_memory=" + sys.argv[1]])
 assert ("malloc keeps freed memory" in llm.engine.describe_execution()) == (sys.argv[1] == "true")
-prompts = torch.randint(1000, 20000, (2, 512), generator=torch.Generator().manual_seed(0)).tolist()
+prompts = torch.randint(1000, 20000, (1, 512), generator=torch.Generator().manual_seed(0)).tolist()
 params = SamplingParams(max_tokens=1, temperature=0.0)
 llm.generate(prompts, params, use_tqdm=False)  # the first step sizes the heap
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -382,12 +382,12 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 2)
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="reuse_freed_memory tunes glibc's malloc")
 def test_prefill_steps_reuse_freed_memory_instead_of_faulting_it_in_again():
-    """Two 512-token prompts on the default model, prefilled again and again: with glibc's thresholds each step's
+    """A 512-token prompt on the default model, prefilled again and again: with glibc's thresholds each step's
     activations (a few MiB a tensor) are mapped afresh and faulted in page by page; with
     ``execution.reuse_freed_memory`` (the default) the freed blocks serve the next ones. Both runs start from
     glibc's starting thresholds (128 KiB) held fixed: left dynamic, glibc raises them to the largest mapped block
     freed so far, so the plain count depended on what the process had freed before (0 to 33,563 a 2048-token step
-    in session 18's runs, 0 inside CI's full suite once). On an AVX2 EPYC: 291,854 faults a generate vs 0."""
+    in session 18's runs, 0 inside CI's full suite once). On an AVX2 EPYC: 150,333 faults a generate vs 0."""
     glibc_start = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
     def faults_per_generate(reuse: str) -> int:
