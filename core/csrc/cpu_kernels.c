@@ -416,8 +416,8 @@ static inline __attribute__((always_inline)) void linear_packed(const float *x, 
             float sums[PASS_ROWS][4];
             switch (count) {  /* a constant count per copy: its accumulators stay in registers */
 /* the kind as a constant too: inside the OpenMP region the compiler no longer sees the constant linear_packed was
- * inlined with, and tested the kind around every chunk's conversion (cache-hot on AVX2, 576 x 1536 fp16: 3 rows
- * of x 21.4 -> 17.3 cycles a chunk, 8 rows 50.7 -> 44.9 once it is hoisted) */
+ * inlined with, and tested the kind around every chunk's conversion (cache-hot on AVX2, 256 x 1536 fp16: 3 rows
+ * of x 23.3 -> 19.4 cycles a chunk, 8 rows 42.3 -> 36.7 once it is hoisted) */
 #define BLOCK_DOT_KIND(n, kind_) block_dot(x + m * k, k, block, own_scales, group, sums, n, kind_)
 #define BLOCK_DOT_CASE(n) \
                 case n: \
