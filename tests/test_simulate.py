@@ -175,7 +175,8 @@ def test_cli_simulates_on_a_roofline_and_explains_a_missing_fit(tmp_path):
     assert missing.exit_code == 2 and "--fit" in missing.output
 
 
-# slow: 33 s on a 2-core AVX2 EPYC: fits on real steps of the default model (the default suite ran 17 min in a clean-clone .ci/run there)
+# slow: 33 s on a 2-core AVX2 EPYC: fits on real steps of the default model
+# (the default suite ran 17 min in a clean-clone .ci/run there)
 @pytest.mark.slow
 def test_fit_on_real_steps_then_simulate_with_it(tmp_path):
     from infer.simulate.cli import fit_cost_model

@@ -100,7 +100,8 @@ def parallel_forwards(engine) -> int:
     return sum(engine.executor.counts.values())
 
 
-# slow: 31 s on a 2-core AVX2 EPYC: a second process loads the model (the default suite ran 17 min in a clean-clone .ci/run there)
+# slow: 31 s on a 2-core AVX2 EPYC: a second process loads the model
+# (the default suite ran 17 min in a clean-clone .ci/run there)
 @pytest.mark.slow
 def test_a_rank_started_as_its_own_command_joins_over_loopback(tmp_path, hf_model):  # noqa: F811
     """Two "hosts" on one machine: rank 0 starts no process (local_ranks 1) and rank 1 runs `infer tp-worker`; with
