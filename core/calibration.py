@@ -8,7 +8,9 @@ cache, its cores' share of memory bandwidth) and on the model's shapes, so
 ``execution.fused_max_tokens: auto`` measures it: decode steps of 1 to 128 sequences (a 64-token context each) through
 the model on the fused path and with every matrix product on the GEMM, alternately, ``REPEATS`` times each, the
 fastest kept (other processes on a shared machine can only make a pass slower, and alternating spreads them over
-both). The threshold is the largest step size up to which the fused path was never slower.
+both). The first size where the fused path lost is measured a second time (``confirm_first_loss``: one slow
+spell can cap the threshold otherwise). The threshold is the largest step size up to which the fused path was never
+slower.
 
 The result is cached per signature (the CPU's name and the vector flags that matter, torch's threads and version,
 the model's shapes, weight packing and dtype, the kernels' build) under the cache dir,
@@ -30,6 +32,7 @@ import json
 import logging
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -163,7 +166,8 @@ def calibrate(model, attention, executor, quantization: str, device: torch.devic
 @torch.inference_mode()
 def measure(model, attention, executor, device: torch.device, dtype: torch.dtype,
             candidates: tuple[int, ...] = CANDIDATES, repeats: int = REPEATS) -> dict[int, tuple[float, float]]:
-    """Per step size: the fastest of ``repeats`` decode forward passes on the fused path and on the GEMM (ms)."""
+    """Per step size: the fastest of ``repeats`` decode forward passes on the fused path and on the GEMM (ms), the
+    first loss of the fused path confirmed (``confirm_first_loss``)."""
     from infer.attention import AttentionMetadata
 
     block_size = attention.block_size
@@ -178,25 +182,46 @@ def measure(model, attention, executor, device: torch.device, dtype: torch.dtype
 
     tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(largest)]
     restore = executor.fused_max_tokens
-    times: dict[int, tuple[float, float]] = {}
+
+    def time_size(tokens: int) -> tuple[float, float]:
+        metadata = AttentionMetadata.build(tables[:tokens], [CONTEXT_TOKENS] * tokens, [1] * tokens, block_size,
+                                           device)
+        input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        indices = torch.arange(tokens, device=device)
+        best = {tokens: float("inf"), 0: float("inf")}
+        for repeat in range(repeats + 1):
+            for limit in (tokens, 0):
+                executor.set_fused_max_tokens(model, limit)
+                began = time.perf_counter()
+                forward(input_ids, metadata, indices)
+                if repeat:  # the first round warms up
+                    best[limit] = min(best[limit], (time.perf_counter() - began) * 1e3)
+        return best[tokens], best[0]
+
     try:
-        for tokens in candidates:
-            metadata = AttentionMetadata.build(tables[:tokens], [CONTEXT_TOKENS] * tokens, [1] * tokens, block_size,
-                                               device)
-            input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
-            indices = torch.arange(tokens, device=device)
-            best = {tokens: float("inf"), 0: float("inf")}
-            for repeat in range(repeats + 1):
-                for limit in (tokens, 0):
-                    executor.set_fused_max_tokens(model, limit)
-                    began = time.perf_counter()
-                    forward(input_ids, metadata, indices)
-                    if repeat:  # the first round warms up
-                        best[limit] = min(best[limit], (time.perf_counter() - began) * 1e3)
-            times[tokens] = (best[tokens], best[0])
+        times = confirm_first_loss({tokens: time_size(tokens) for tokens in candidates}, time_size)
     finally:
         executor.set_fused_max_tokens(model, restore)
         executor.counts.clear()
+    return times
+
+
+def confirm_first_loss(times: dict[int, tuple[float, float]],
+                       time_size: Callable[[int], tuple[float, float]]) -> dict[int, tuple[float, float]]:
+    """``times`` with the first step size where the fused path lost measured again (``time_size``), each path's
+    faster time kept, until a loss stands or none is left: the first loss caps the threshold, and a slow spell on a
+    shared machine (other processes only ever slow a pass) can make one size lose that wins on a second look. On the
+    Intel Xeon with AMX a calibration had the fused path lose at 64 tokens, 48.1 vs 44.9 ms, and win at 128; measured
+    again, 30.0 vs 36.8 ms (README, CPU performance)."""
+    times = dict(times)
+    for tokens in sorted(times):
+        fused, gemm = times[tokens]
+        if fused <= gemm:
+            continue
+        again = time_size(tokens)
+        times[tokens] = (min(fused, again[0]), min(gemm, again[1]))
+        if times[tokens][0] > times[tokens][1]:
+            break
     return times
 
 

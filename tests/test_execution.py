@@ -199,6 +199,21 @@ def test_the_threshold_is_the_largest_step_up_to_which_the_fused_path_never_lost
     assert threshold({1: (1.0, 2.0), 32: (2.0, 2.0)}) == 32
 
 
+def test_the_first_loss_is_measured_again_before_it_caps_the_threshold():
+    """A slow spell over one size's passes (the fused path losing at 4 tokens, winning at 8) is measured again and
+    each path's faster time kept; a loss that stands ends the re-measuring, later losses are not measured again."""
+    from infer.calibration import confirm_first_loss, threshold
+
+    first = {1: (1.0, 2.0), 4: (5.0, 3.0), 8: (2.0, 4.0), 16: (6.0, 5.0), 32: (9.0, 5.0)}
+    again = {4: (2.5, 3.5), 16: (7.0, 5.5)}
+    asked = []
+    times = confirm_first_loss(first, lambda tokens: asked.append(tokens) or again[tokens])
+    assert asked == [4, 16] and times[4] == (2.5, 3.0) and times[16] == (6.0, 5.0) and times[32] == first[32]
+    assert threshold(first) == 1 and threshold(times) == 8
+    assert confirm_first_loss({1: (1.0, 2.0)}, lambda tokens: asked.append(tokens)) == {1: (1.0, 2.0)}
+    assert asked == [4, 16]
+
+
 def _auto_llm(tiny_model_dir, *overrides) -> LLM:
     return LLM("baseline", dotlist=[f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256",
                                    "model.quantization=fp16", "cache.num_blocks=64", *overrides])
