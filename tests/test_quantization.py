@@ -67,6 +67,8 @@ def test_tile_fma_multiplies_float32_rows_by_the_bf16_weights_beyond_the_gemv(bi
     torch.manual_seed(0)
     linear = Linear(96, 160, bias=bias)
     torch.nn.init.normal_(linear.weight, std=0.1)
+    if bias:  # infer's Linear leaves its parameters uninitialized: whatever memory held, NaN included
+        torch.nn.init.normal_(linear.bias)
     rounded = linear.weight.detach().bfloat16().double()
     bias_values = None if linear.bias is None else linear.bias.detach().double()
     plain, fma = PackedLinear(linear, "bf16"), PackedLinear(linear, "bf16")
