@@ -67,8 +67,15 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~tiny, p, _mm512_castsi512_ps(e));
+    /* p * 2^n in one instruction (exact, as multiplying by 2^n's bits is), where the integer route takes three */
+    return _mm512_maskz_scalef_ps((__mmask16)~tiny, p, n);
+}
+/* 1 / d for finite d in [1, 2^120] (SiLU's 1 + e^-g): VRCP14PS refined by one Newton step, within 2 float32 ulps of
+ * the quotient (an infinite d would give NaN: inf * 0 in the step). A bf16 result hides the difference; VDIVPS
+ * costs 16 cycles a register on these cores, as much as all of the bf16 SiLU's other work. */
+static inline __m512 reciprocal16(__m512 d) {
+    const __m512 r = _mm512_rcp14_ps(d);
+    return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
 }
 #endif
 
@@ -943,7 +950,9 @@ void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, i
         const __m512 one = _mm512_set1_ps(1.0f);
         for (; i + 16 <= width; i += 16) {
             const __m512 g = bf16x16_load(gate + i);
-            const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            /* -g capped at 80 keeps e^-g finite: below g = -80, silu(g) < 1e-33 * |g| either way */
+            const __m512 sig = reciprocal16(_mm512_add_ps(one, exp16(_mm512_min_ps(
+                _mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(80.0f)))));
             _mm256_storeu_si256((__m256i *)(y + i), bf16x16_from(_mm512_mul_ps(_mm512_mul_ps(g, sig),
                                                                                 bf16x16_load(up + i))));
         }
@@ -1517,12 +1526,26 @@ static void flash_item_amx(const float *q, int64_t q_stride, int64_t tokens, int
         _tile_stored(1, &scores[16][0], 64);
         /* the next tile's scores on the tile unit while this tile's softmax runs on the vector units */
         if (k0 + FLASH_KEYS <= last) flash_scores_amx(q_t, keys + (k0 + FLASH_KEYS) * HEAD_DIM);
-        __m512 s[FLASH_KEYS], tops[4] = {minus_inf, minus_inf, minus_inf, minus_inf};  /* 4 chains of maxima */
-        for (int j = 0; j < FLASH_KEYS; j++) {  /* key k0 + j is seen by the tokens at or after its position */
-            const int64_t ahead = k0 + j - offset;
-            const __mmask16 seen = ahead <= 0 ? 0xFFFF : ahead >= 16 ? 0 : (__mmask16)(0xFFFFu << ahead);
-            s[j] = _mm512_mask_mul_ps(minus_inf, seen, _mm512_loadu_ps(scores[j]), factor);
-            tops[j % 4] = _mm512_max_ps(tops[j % 4], s[j]);
+        /* the scores scaled, in place: key k0 + j is seen by the tokens at or after its position (masked to -inf
+         * for the others, which only a tile reaching past the chunk's first position has); unrolled, so that the
+         * four chains of maxima and the sums below stay in registers */
+        __m512 tops[4] = {minus_inf, minus_inf, minus_inf, minus_inf};
+        if (k0 + FLASH_KEYS - 1 > offset) {
+#pragma GCC unroll 32
+            for (int j = 0; j < FLASH_KEYS; j++) {
+                const int64_t ahead = k0 + j - offset;
+                const __mmask16 seen = ahead <= 0 ? 0xFFFF : ahead >= 16 ? 0 : (__mmask16)(0xFFFFu << ahead);
+                const __m512 scaled = _mm512_mask_mul_ps(minus_inf, seen, _mm512_loadu_ps(scores[j]), factor);
+                _mm512_storeu_ps(scores[j], scaled);
+                tops[j % 4] = _mm512_max_ps(tops[j % 4], scaled);
+            }
+        } else {
+#pragma GCC unroll 32
+            for (int j = 0; j < FLASH_KEYS; j++) {
+                const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(scores[j]), factor);
+                _mm512_storeu_ps(scores[j], scaled);
+                tops[j % 4] = _mm512_max_ps(tops[j % 4], scaled);
+            }
         }
         const __m512 top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
         const __mmask16 moved = _mm512_cmp_ps_mask(top, _mm512_add_ps(held, _mm512_set1_ps(FLASH_SLACK)),
@@ -1546,8 +1569,10 @@ static void flash_item_amx(const float *q, int64_t q_stride, int64_t tokens, int
             held = target;
         }
         __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+#pragma GCC unroll 16
         for (int j = 0; j < FLASH_KEYS; j += 2) {
-            const __m512 p0 = exp16(_mm512_sub_ps(s[j], held)), p1 = exp16(_mm512_sub_ps(s[j + 1], held));
+            const __m512 p0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores[j]), held));
+            const __m512 p1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores[j + 1]), held));
             sums[j / 2 % 4] = _mm512_add_ps(sums[j / 2 % 4], _mm512_add_ps(p0, p1));
             const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
             _mm512_storeu_si512(&probs[j / 2][0][0], pair);
