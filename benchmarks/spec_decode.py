@@ -14,6 +14,8 @@ flip a near-tie; float32 is exact). Prints a markdown table.
     python benchmarks/spec_decode.py                                       # default dtype, batch 1, 4 and 16
     python benchmarks/spec_decode.py --dtype float32 --batch-sizes 1 --max-tokens 64
     python benchmarks/spec_decode.py --drafters none eagle --batch-sizes 1 --interleave   # side by side, per wave
+    python benchmarks/spec_decode.py --drafters none eagle eagle@head_quantization=target,min_confidence=0.6 \
+        --batch-sizes 1 --interleave                      # variants: drafter.KEY=VALUE overrides after the @
 
 On a CPU shared with other processes, one thread per process (``OMP_NUM_THREADS=1``) avoids OpenMP threads waiting
 on descheduled siblings, which on 2 busy cores made every step several times slower.
@@ -73,6 +75,29 @@ DRAFTERS = {
 PLAN = [("copy", "none"), ("copy", "ngram"), ("chat", "none"), ("chat", "eagle"), ("chat", "model")]
 
 
+def drafter_name(spec: str) -> str:
+    """The drafter of a ``--drafters`` entry: ``NAME`` or ``NAME@KEY=VALUE,...``."""
+    return spec.partition("@")[0]
+
+
+def drafter_overrides(spec: str) -> dict[str, str]:
+    """The config overrides of a ``--drafters`` entry: its drafter's, then ``drafter.KEY=VALUE`` per pair."""
+    name, _, options = spec.partition("@")
+    if name not in DRAFTERS:
+        raise SystemExit(f"unknown drafter {name!r} in {spec!r}; choose one of {', '.join(DRAFTERS)}")
+    overrides = dict(DRAFTERS[name])
+    for option in filter(None, options.split(",")):
+        key, equals, value = option.partition("=")
+        if not equals or not key:
+            raise SystemExit(f"drafter option {option!r} in {spec!r} is not KEY=VALUE")
+        overrides[f"drafter.{key}"] = value
+    return overrides
+
+
+def workloads_of(spec: str) -> list[str]:
+    return [workload for workload, name in PLAN if name == drafter_name(spec)]
+
+
 @dataclass(slots=True)
 class Result:
     workload: str
@@ -108,7 +133,8 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=4, help="drafts per verify pass")
     parser.add_argument("--model-layers", type=int, default=8, help="self-speculative draft depth (drafter: model)")
     parser.add_argument("--drafters", nargs="+", default=[drafter for _, drafter in PLAN],
-                        help="subset of none ngram eagle model")
+                        help="subset of none ngram eagle model; NAME@KEY=VALUE,... adds a variant with those "
+                             "drafter.KEY overrides (eagle@min_confidence=0.6)")
     parser.add_argument("--interleave", action="store_true",
                         help="build every drafter's engine first and run each wave on all of them in turn (ratios "
                              "that hold on a noisy machine; more memory: one engine per drafter at once)")
@@ -121,12 +147,12 @@ def prompts_for(workload: str, count: int) -> list[list[dict]]:
 
 
 def build_llm(drafter: str, args) -> LLM:
-    overrides = {**DRAFTERS[drafter], "drafter.num_speculative_tokens": args.k,
-                 "drafter.max_batch_size": max(args.batch_sizes), "model.dtype": args.dtype,
-                 "model.quantization": args.quantization,
+    overrides = {"drafter.num_speculative_tokens": args.k, "drafter.max_batch_size": max(args.batch_sizes),
+                 "model.dtype": args.dtype, "model.quantization": args.quantization,
                  "scheduler.max_num_seqs": max(args.batch_sizes)}
-    if drafter == "model":
+    if drafter_name(drafter) == "model":
         overrides["drafter.layers"] = args.model_layers
+    overrides.update(drafter_overrides(drafter))
     llm = LLM("baseline", dotlist=[f"{key}={value}" for key, value in overrides.items()])
     llm.generate(prompts_for("chat", 1), SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
     return llm
@@ -144,8 +170,8 @@ def run_interleaved(args) -> list[Result]:
     drafters = list(dict.fromkeys(args.drafters))
     llms = {drafter: build_llm(drafter, args) for drafter in drafters}
     results: list[Result] = []
-    for workload in dict.fromkeys(workload for workload, drafter in PLAN if drafter in llms):
-        engines = {drafter: llms[drafter] for name, drafter in PLAN if name == workload and drafter in llms}
+    for workload in dict.fromkeys(workload for drafter in drafters for workload in workloads_of(drafter)):
+        engines = {drafter: llms[drafter] for drafter in drafters if workload in workloads_of(drafter)}
         for batch_size in args.batch_sizes:
             results.extend(run_workload(engines, workload, batch_size, args))
         print(table(results), flush=True)
@@ -181,7 +207,8 @@ def table(results: list[Result]) -> str:
     lines = ["| workload | drafter | batch | tokens/pass | tok/s | vs none | decode tok/s per request | same output |",
              "|---|---|---|---|---|---|---|---|"]
     order = list(DRAFTERS)
-    for r in sorted(results, key=lambda r: (r.workload != "copy", r.batch_size, order.index(r.drafter))):
+    for r in sorted(results, key=lambda r: (r.workload != "copy", r.batch_size, order.index(drafter_name(r.drafter)),
+                                            r.drafter)):
         base = baseline.get((r.workload, r.batch_size))
         ratio = f"{r.tokens_per_second / base.tokens_per_second:.2f}x" if base else "-"
         same = (f"{sum(a == b for a, b in zip(r.token_ids, base.token_ids))}/{len(r.token_ids)}" if base else "-")
@@ -198,8 +225,7 @@ def main() -> None:
     else:
         results: list[Result] = []
         for drafter in dict.fromkeys(args.drafters):
-            workloads = [workload for workload, name in PLAN if name == drafter]
-            results.extend(run_drafter(drafter, workloads, args))
+            results.extend(run_drafter(drafter, workloads_of(drafter), args))
             print(table(results), flush=True)
             print(flush=True)
     order = "interleaved" if args.interleave else "one drafter after another"

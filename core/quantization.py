@@ -41,7 +41,7 @@ from infer.model import Linear
 QUANTIZATIONS = ("none", "fp16", "bf16", "int8", "int8_per_row", "w8a8")
 # Weights per int8 scale in mode int8 (int8_per_row: a whole row).
 INT8_GROUP = 32
-_KERNEL_MODES = ("fp16", "bf16", "int8", "int8_per_row")
+KERNEL_MODES = ("fp16", "bf16", "int8", "int8_per_row")
 # bf16 on AMX or AVX512-BF16: inputs of up to this many rows take infer's tile GEMM (``CpuKernels.linear_tiles``),
 # larger ones (prefill chunks) oneDNN's GEMM, faster there on AMX (four 512-token prompts 596 vs 857 ms a step) and
 # level with it on AVX512-BF16 (``benchmarks/tile_gemm.py``; README, CPU performance).
@@ -178,7 +178,7 @@ class PackedLinear(nn.Module):
         for CPUs where that beats the bf16 dot products and oneDNN (``infer.calibration.choose_gemm``). Applied when
         the kernels are first set. ``kernels`` None undoes it."""
         self.gemv_rows = gemv_rows if kernels is not None else 0
-        if self.mode not in _KERNEL_MODES or (kernels is None) == (self.kernels is None):
+        if self.mode not in KERNEL_MODES or (kernels is None) == (self.kernels is None):
             return
         group = 8 if self.scales is None else self.in_features // self.scales.shape[1]
         if not can_pack(self.out_features, self.in_features, group):  # stays on fbgemm
@@ -231,11 +231,11 @@ class PackedLinear(nn.Module):
             out = bf16_linear(flat, self.packed)
             if self.bias is not None:
                 out += self.bias
-        elif self.mode in _KERNEL_MODES:
-            out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)
+        elif self.mode in KERNEL_MODES:  # float32 out, from bf16 rows too (a large step's beside bf16 weights)
+            out = torch.ops.quantized.linear_dynamic_fp16(flat.float(), self.packed)
         else:
             # reduce_range: 7-bit activations, so AVX2's 16-bit pairwise sums cannot saturate.
-            out = torch.ops.quantized.linear_dynamic(flat, self.packed, True)
+            out = torch.ops.quantized.linear_dynamic(flat.float(), self.packed, True)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -52,6 +52,22 @@ def test_packed_linear_matches_float32_within_its_precision(mode, tolerance, bia
     assert packed.nbytes < linear.weight.numel() * 4
 
 
+@pytest.mark.parametrize("mode", ["fp16", "int8", "int8_per_row", "w8a8"])
+def test_packed_linear_takes_the_bf16_rows_of_a_large_step_beside_bf16_weights(mode):
+    """A large step over a bf16 model hands its projections bf16 rows (``StepOps.gemm_dtype``); a module packed
+    otherwise (an EAGLE head beside that target) multiplies their float32 widening and answers in float32."""
+    torch.manual_seed(0)
+    linear = Linear(96, 160, bias=True)
+    torch.nn.init.normal_(linear.weight, std=0.1)
+    torch.nn.init.normal_(linear.bias)
+    packed = PackedLinear(linear, mode)
+    rows = torch.randn(300, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        out = packed(rows)
+        assert out.dtype == torch.float32
+        assert torch.equal(out, packed(rows.float()))
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_tile_fma_multiplies_float32_rows_by_the_bf16_weights_beyond_the_gemv(bias):
     """``tile_fma``: every input the GEMV does not take, whatever its rows, is float32 rows times the bf16 weights'

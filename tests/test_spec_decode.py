@@ -17,6 +17,7 @@ import torch
 from infer import LLM, SamplingParams
 from infer.drafter import Drafter
 from infer.testing.models import make_tiny_model_dir
+from infer.registry import get_registry
 from infer.spec_decode import verify_sampled_drafts
 from infer.sampler import SampleRequest
 from infer.testing import DrafterConformance
@@ -294,6 +295,34 @@ class TestEagleDrafterConformance(EngineBackedConformance):
 
     def drafter_overrides(self, name: str) -> dict:
         return {"drafter.name": name, "drafter.head": "random", "drafter.min_confidence": 0.0}
+
+
+def test_eagle_head_packing_follows_head_quantization():
+    from types import SimpleNamespace
+
+    from infer.plugins.drafters.eagle.drafter import head_packing
+
+    on_kernels = SimpleNamespace(executor=SimpleNamespace(kernels=object()), quantization="bf16")
+    assert head_packing("auto", on_kernels) == "int8_per_row"  # half the bytes a draft step streams
+    assert head_packing("target", on_kernels) == "bf16"
+    assert head_packing("fp16", on_kernels) == "fp16"
+    # Without the kernels, or with projections they do not run (float32, w8a8): the target's packing.
+    assert head_packing("auto", SimpleNamespace(executor=SimpleNamespace(kernels=None), quantization="bf16")) == "bf16"
+    assert head_packing("auto", SimpleNamespace(executor=on_kernels.executor, quantization="none")) == "none"
+    with pytest.raises(ValueError, match="choose auto, target or one of"):
+        get_registry().config_model("drafter", "eagle")(head_quantization="int4")
+
+
+@pytest.mark.parametrize("packing", ["int8_per_row", "fp16"])
+def test_eagle_head_packed_apart_from_the_target_keeps_the_output(tiny_model_dir, packing):
+    prompts = mixed_prompts()
+    expected, _ = generate(tiny_model_dir, prompts, greedy(), scheduler__max_num_batched_tokens=32)
+    llm = make_llm(tiny_model_dir, scheduler__max_num_batched_tokens=32, drafter__name="eagle",
+                   drafter__head="random", drafter__min_confidence=0.0, drafter__head_quantization=packing)
+    assert llm.engine.drafter.head.layer.mlp.down_proj.mode == packing
+    outputs = [output.token_ids for output in llm.generate(prompts, greedy())]
+    assert outputs == expected
+    assert llm.engine.stats.num_verify_passes > 0
 
 
 def test_eagle_confidence_threshold_shortens_chains_and_keeps_the_output(tiny_model_dir):
