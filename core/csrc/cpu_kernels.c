@@ -1518,25 +1518,15 @@ static void flash_item_amx(const float *q, int64_t q_stride, int64_t tokens, int
         /* the next tile's scores on the tile unit while this tile's softmax runs on the vector units */
         if (k0 + FLASH_KEYS <= last) flash_scores_amx(q_t, keys + (k0 + FLASH_KEYS) * HEAD_DIM);
         /* the scores scaled, in place: key k0 + j is seen by the tokens at or after its position (masked to -inf
-         * for the others, which only a tile reaching past the chunk's first position has); unrolled, so that the
-         * four chains of maxima and the sums below stay in registers */
+         * for the others); unrolled, so that the four chains of maxima and the sums below stay in registers */
         __m512 tops[4] = {minus_inf, minus_inf, minus_inf, minus_inf};
-        if (k0 + FLASH_KEYS - 1 > offset) {
 #pragma GCC unroll 32
-            for (int j = 0; j < FLASH_KEYS; j++) {
-                const int64_t ahead = k0 + j - offset;
-                const __mmask16 seen = ahead <= 0 ? 0xFFFF : ahead >= 16 ? 0 : (__mmask16)(0xFFFFu << ahead);
-                const __m512 scaled = _mm512_mask_mul_ps(minus_inf, seen, _mm512_loadu_ps(scores[j]), factor);
-                _mm512_storeu_ps(scores[j], scaled);
-                tops[j % 4] = _mm512_max_ps(tops[j % 4], scaled);
-            }
-        } else {
-#pragma GCC unroll 32
-            for (int j = 0; j < FLASH_KEYS; j++) {
-                const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(scores[j]), factor);
-                _mm512_storeu_ps(scores[j], scaled);
-                tops[j % 4] = _mm512_max_ps(tops[j % 4], scaled);
-            }
+        for (int j = 0; j < FLASH_KEYS; j++) {
+            const int64_t ahead = k0 + j - offset;
+            const __mmask16 seen = ahead <= 0 ? 0xFFFF : ahead >= 16 ? 0 : (__mmask16)(0xFFFFu << ahead);
+            const __m512 scaled = _mm512_mask_mul_ps(minus_inf, seen, _mm512_loadu_ps(scores[j]), factor);
+            _mm512_storeu_ps(scores[j], scaled);
+            tops[j % 4] = _mm512_max_ps(tops[j % 4], scaled);
         }
         const __m512 top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
         const __mmask16 moved = _mm512_cmp_ps_mask(top, _mm512_add_ps(held, _mm512_set1_ps(FLASH_SLACK)),
