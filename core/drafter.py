@@ -93,20 +93,20 @@ class DrafterContext:
                                     block_size=self.block_size, dtype=self.dtype, device=self.device,
                                     config=self.attention.config)
 
-    def quantize(self, module: "nn.Module") -> "nn.Module":
-        """Pack ``module``'s linear layers as the target's are (in place; returns it). A model's output-head weight
-        stays beside its packed copy, as the target's does."""
+    def quantize(self, module: "nn.Module", mode: str | None = None) -> "nn.Module":
+        """Pack ``module``'s linear layers as the target's are, or as ``mode`` (an ``infer.quantization`` mode) says
+        (in place; returns it). A model's output-head weight stays beside its packed copy, as the target's does."""
         from infer.quantization import quantize_linears
 
         head = getattr(module, "lm_head", None)
         shared = frozenset({id(head.weight)}) if head is not None else frozenset()
-        return quantize_linears(module, self.quantization, shared)
+        return quantize_linears(module, mode or self.quantization, shared)
 
-    def projection(self, weight: "torch.Tensor") -> "nn.Module":
-        """``x @ weight.T`` as a module packed as the target's weights are."""
+    def projection(self, weight: "torch.Tensor", mode: str | None = None) -> "nn.Module":
+        """``x @ weight.T`` as a module packed as the target's weights are, or as ``mode`` says."""
         from infer.quantization import projection
 
-        return projection(weight, self.quantization)
+        return projection(weight, mode or self.quantization)
 
 
 class Drafter(ABC):

@@ -26,7 +26,7 @@ from infer.attention import AttentionMetadata
 from infer.drafter import Drafter, DrafterConfig, DrafterContext
 from infer.kv_pool import kv_bytes_per_token
 from infer.plugins.drafters.eagle.head import EagleHead, draft_head_weight, load_head, random_head
-from infer.quantization import KERNEL_MODES, projection, quantize_linears
+from infer.quantization import KERNEL_MODES, QUANTIZATIONS
 
 SHIPPED_HEADS = "heads"  # package data of this plugin: heads/<model name>/head.safetensors and its README card
 
@@ -50,8 +50,6 @@ class EagleDrafterConfig(DrafterConfig):
     @field_validator("head_quantization")
     @classmethod
     def _known_packing(cls, value: str) -> str:
-        from infer.quantization import QUANTIZATIONS
-
         if value not in ("auto", "target", *QUANTIZATIONS):
             raise ValueError(f"unknown head_quantization {value!r}; choose auto, target or one of "
                              f"{', '.join(QUANTIZATIONS)}")
@@ -67,7 +65,7 @@ def head_packing(choice: str, context: DrafterContext) -> str:
         return context.quantization
     if choice != "auto":
         return choice
-    on_kernels = getattr(context.executor, "kernels", None) is not None and context.quantization in KERNEL_MODES
+    on_kernels = context.executor.kernels is not None and context.quantization in KERNEL_MODES
     return "int8_per_row" if on_kernels else context.quantization
 
 
@@ -124,8 +122,9 @@ class EagleDrafter(Drafter):
         self.block_size = context.block_size
         self.executor = context.executor  # the head runs on the target's kernels and paths
         self.head_quantization = head_packing(self.config.head_quantization, context)
-        self.head = quantize_linears(self._load_head(context), self.head_quantization)
-        self.draft_logits = projection(draft_head_weight(self.target, self.head.vocab_ids), self.head_quantization)
+        self.head = context.quantize(self._load_head(context), self.head_quantization)
+        self.draft_logits = context.projection(draft_head_weight(self.target, self.head.vocab_ids),
+                                               self.head_quantization)
         for module in (self.head.layer, self.head.fc, self.draft_logits):  # one row per chain step: the GEMV
             self.executor.prepare(module)
         self.kv_cache: torch.Tensor | None = None
