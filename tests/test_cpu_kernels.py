@@ -185,6 +185,30 @@ def test_paged_attention_fills_only_the_planned_rows(kernels):
                                    rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_gives_a_query_the_same_bits_alone_or_beside_others(kernels, kv_dtype):
+    """A query's result depends on its own context only: verification rows of one sequence (which share work items),
+    queries of other sequences, and contexts across several of the kernel's key chunks give each row exactly what it
+    gets as the only query of its step, so a verified draft equals the decode row it stands for."""
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    kv_cache = randn(2, 48, block_size, num_kv_heads, head_dim, seed=11).to(kv_dtype)
+    block_tables = torch.tensor([list(range(24))[::-1], list(range(24, 48))], dtype=torch.int32)
+    # sequence 0: five verification rows ending at 300 keys; sequence 1: one decode row over 129 keys
+    seqs, lengths = [0, 0, 0, 0, 0, 1], [296, 297, 298, 299, 300, 129]
+    q = randn(len(seqs), num_heads, head_dim, seed=12)
+    together = KernelAttentionPlan(None, torch.tensor(seqs), torch.tensor(lengths), len(seqs), max(lengths))
+    out = kernels.paged_attention(q, kv_cache, block_tables, together, 0.125, torch.empty(q.shape))
+    for row, (seq, length) in enumerate(zip(seqs, lengths)):
+        alone = KernelAttentionPlan(None, torch.tensor([seq]), torch.tensor([length]), 1, length)
+        single = kernels.paged_attention(q[row: row + 1].contiguous(), kv_cache, block_tables, alone, 0.125,
+                                         torch.empty(1, num_heads, head_dim))
+        assert torch.equal(out[row], single[0])
+        table = block_tables[seq].long()
+        keys, values = (kv_cache[half, table].flatten(0, 1)[:length].float() for half in (0, 1))
+        torch.testing.assert_close(out[row].double(), reference_attention(q[row], keys, values, 0.125), atol=1e-5,
+                                   rtol=1e-5)
+
+
 def test_build_is_cached_per_source_and_reused(tmp_path, monkeypatch):
     first = cpu_kernels.build(tmp_path)
     stamp = first.stat().st_mtime_ns
@@ -539,11 +563,11 @@ def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path
         torch.testing.assert_close(built.rms_norm(x, randn(576, seed=5), 1e-5, torch.bfloat16).float(),
                                    portable_kernels.rms_norm(x, randn(576, seed=5), 1e-5, torch.bfloat16).float(),
                                    atol=1e-6, rtol=8e-3)
-    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 8
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 14
     pool = randn(2, num_blocks, block_size, num_kv_heads, head_dim, seed=7)
-    block_tables = torch.tensor([[3, 1, 6, 0], [2, 5, 7, 4]], dtype=torch.int32)
-    q = randn(2, num_heads, head_dim, seed=8)
-    plan = KernelAttentionPlan(None, torch.tensor([0, 1]), torch.tensor([37, 64]), 2, 64)
+    block_tables = torch.tensor([[3, 1, 6, 0, 8, 9, 10], [2, 5, 7, 4, 11, 13, 12]], dtype=torch.int32)
+    q = randn(4, num_heads, head_dim, seed=8)  # two rows of sequence 1 (verification), over one or two key chunks
+    plan = KernelAttentionPlan(None, torch.tensor([0, 1, 1, 1]), torch.tensor([37, 64, 100, 101]), 4, 101)
     for kv in (pool, pool.to(torch.bfloat16)):
         outs = [kernels_.paged_attention(q, kv, block_tables, plan, 0.125, torch.zeros_like(q))
                 for kernels_ in (built, portable_kernels)]
