@@ -325,6 +325,46 @@ def test_eagle_head_packed_apart_from_the_target_keeps_the_output(tiny_model_dir
     assert llm.engine.stats.num_verify_passes > 0
 
 
+def test_eagle_fused_head_drafts_what_the_head_through_the_executor_drafts(tiny_model_dir, monkeypatch):
+    """Where the head's layer and projections run on the CPU kernels' GEMV, a draft step is one C call
+    (``FusedDraftHead``): it proposes exactly the drafts the same step through the executor's paths proposes, chains
+    of several guesses included, and the output stays the target's."""
+    from infer.cpu_kernels import FusedDraftHead
+    from infer.plugins.drafters.eagle.drafter import EagleDrafter
+
+    prompts = mixed_prompts()
+    target = {"model__quantization": "fp16", "execution__fused_max_tokens": 8}  # the head on the GEMV beside it
+    expected, _ = generate(tiny_model_dir, prompts, greedy(), **target)
+    runs = []
+    monkeypatch.setattr(FusedDraftHead, "run", _counted(FusedDraftHead.run, runs))
+
+    def drafts_of():
+        llm = make_llm(tiny_model_dir, drafter__name="eagle", drafter__head="random",
+                       drafter__head_quantization="int8_per_row", drafter__min_confidence=0.0, **target)
+        proposed = []
+        drafter = llm.engine.drafter
+        original = drafter.propose
+        drafter.propose = lambda sequences, k: proposed.append(original(sequences, k)) or proposed[-1]
+        outputs = [output.token_ids for output in llm.generate(prompts, greedy())]
+        assert outputs == expected
+        return proposed
+
+    fused = drafts_of()
+    assert runs, "the fused head never ran"
+    count = len(runs)
+    monkeypatch.setattr(EagleDrafter, "_takes_fused_head", lambda self, metadata, dtype: False)
+    through_layers = drafts_of()
+    assert len(runs) == count  # the second engine never took it
+    assert through_layers == fused and any(len(chain) > 1 for step in fused for chain in step)
+
+
+def _counted(function, calls: list):
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+    return wrapper
+
+
 def test_eagle_confidence_threshold_shortens_chains_and_keeps_the_output(tiny_model_dir):
     prompts = mixed_prompts()
     expected, _ = generate(tiny_model_dir, prompts, greedy())

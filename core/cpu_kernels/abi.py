@@ -39,6 +39,8 @@ _SIGNATURES = {
                               _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT],
     "infer_layers_few": [_POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
                          _INT, _POINTER],
+    "infer_draft_head_step": [_POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
+                              _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER],
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
     "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
     "infer_flash_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT,
@@ -67,6 +69,16 @@ class LayerStruct(ctypes.Structure):
                                                                "o_kind", "gate_up_kind", "down_kind")]
     _fields_ += [(name, _POINTER) for name in ("qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")]
     _fields_ += [("tiles_fma", _INT)]
+
+
+class DraftHeadStruct(ctypes.Structure):
+    """``infer_draft_head`` in the C source: an EAGLE draft head's norms, fc and draft-vocabulary output."""
+
+    _fields_ = [(name, _POINTER) for name in ("embed_norm", "feature_norm", "norm")] + [("eps", _FLOAT)]
+    _fields_ += [(name, _POINTER) for name in ("fc", "fc_scales", "fc_bias")]
+    _fields_ += [(name, _INT) for name in ("fc_groups", "fc_kind")]
+    _fields_ += [(name, _POINTER) for name in ("out", "out_scales")]
+    _fields_ += [(name, _INT) for name in ("out_groups", "out_kind", "vocab", "hidden")]
 
 
 class AttentionStepStruct(ctypes.Structure):

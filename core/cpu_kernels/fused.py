@@ -5,13 +5,14 @@ backend's) and ``FusedStack`` (consecutive layers, attention included, in one ca
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from infer.cpu_kernels.abi import (WEIGHT_KINDS, AttentionStepStruct, CpuKernels, KernelAttentionPlan, LayerStruct,
-                                   check_block_tables, check_flat, check_packed, check_pool, check_slots)
+from infer.cpu_kernels.abi import (WEIGHT_KINDS, AttentionStepStruct, CpuKernels, DraftHeadStruct, KernelAttentionPlan,
+                                   LayerStruct, check_block_tables, check_flat, check_packed, check_pool, check_slots)
 from infer.cpu_kernels.packing import packed_shape, tiles_shape
 
 if TYPE_CHECKING:
@@ -94,18 +95,69 @@ class FusedStack:
         check_flat(hidden)
         check_pool(kv_cache)
         step.check()
-        _, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        plan = step.plan
-        struct = AttentionStepStruct(
-            step.block_tables.data_ptr(), step.block_tables.stride(0), step.slots.data_ptr(),
-            None if plan.rows is None else plan.rows.data_ptr(), plan.seq_of_query.data_ptr(),
-            plan.context_lens.data_ptr(), plan.num_queries, plan.max_context, step.num_heads, num_kv_heads, head_dim,
-            block_size, num_blocks, step.scale, kv_cache.dtype == torch.bfloat16)
         delta = torch.empty_like(hidden)
         self._run(self.layers, self.kv_layers.data_ptr(), len(self.layers), hidden.shape[0], hidden.data_ptr(),
                   delta.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
-                  kv_cache.stride(0), ctypes.byref(struct))
+                  kv_cache.stride(0), ctypes.byref(step.struct(kv_cache)))
         return delta
+
+
+class FusedDraftHead:
+    """An EAGLE draft head's step over a few pairs in one C call (``infer_draft_head_step``): the norms of the token
+    embeddings and target features, the fc over both, the head's decoder layer with its attention, the final norm of
+    each sequence's last row, the draft-vocabulary logits, their argmax and its softmax probability. A chain step
+    was otherwise about twenty calls from Python around ~0.3 ms of C (README, speculative decoding)."""
+
+    def __init__(self, kernels: CpuKernels, layer: FusedLayer, norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 eps: float, fc: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+                 out: tuple[torch.Tensor, torch.Tensor | None]):
+        """``norms``: the embedding, feature and final RMSNorm weights (float32); ``fc``: the packed weight
+        ``[hidden, 2 * hidden]``, its scales and float32 bias (or None); ``out``: the packed draft-vocabulary weight
+        ``[vocab, hidden]`` and its scales (``pack_weights``/``pack_scales``)."""
+        for weight, scales in (fc[:2], out):
+            check_packed(weight, scales)
+        (hidden, pair_width), (vocab, out_width) = packed_shape(fc[0]), packed_shape(out[0])
+        if pair_width != 2 * hidden or out_width != hidden or layer.hidden != hidden:
+            raise ValueError(f"a draft head needs fc [hidden, 2 * hidden] and output [vocab, hidden] around a layer of "
+                             f"hidden size {layer.hidden}, got fc {packed_shape(fc[0])} and output {(vocab, out_width)}")
+        for tensor in (*norms, *(bias for bias in fc[2:] if bias is not None)):
+            check_flat(tensor)
+        pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
+        groups = lambda scales: 0 if scales is None else scales.shape[1]  # noqa: E731
+        self.struct = DraftHeadStruct(*(pointer(norm) for norm in norms), eps, pointer(fc[0]), pointer(fc[1]),
+                                      pointer(fc[2]), groups(fc[1]), WEIGHT_KINDS[fc[0].dtype], pointer(out[0]),
+                                      pointer(out[1]), groups(out[1]), WEIGHT_KINDS[out[0].dtype], vocab, hidden)
+        self.layer = layer
+        self.hidden = hidden
+        self._keep = [*norms, *fc, *out]
+        self._run = kernels._draft_head_step
+
+    def run(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor, kv_cache: torch.Tensor, step: KernelAttentionStep,
+            last_rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head over pairs ``embeds``/``features`` ``[T, hidden]`` at ``positions``, writing its K/V into its
+        one-layer pool ``kv_cache`` ``[1, 2, num_blocks, block_size, kv_heads, head_dim]``: for the rows
+        ``last_rows`` (one a sequence), the predicted features ``[S, hidden]``, the draft-vocabulary index of
+        each guess (int64 ``[S]``) and its probability under the head (float32 ``[S]``)."""
+        for tensor in (embeds, features):
+            check_flat(tensor)
+        if embeds.shape != features.shape or embeds.shape[1] != self.hidden:
+            raise ValueError(f"a draft step needs embeddings and features [T, {self.hidden}], got "
+                             f"{tuple(embeds.shape)} and {tuple(features.shape)}")
+        check_pool(kv_cache)
+        step.check()
+        seqs = len(last_rows)
+        if seqs and not 0 <= min(last_rows) <= max(last_rows) < embeds.shape[0]:
+            raise ValueError(f"last_rows {list(last_rows)} are not rows of a step of {embeds.shape[0]} tokens")
+        rows = torch.tensor(last_rows, dtype=torch.int64)
+        predicted = torch.empty((seqs, self.hidden), dtype=torch.float32)
+        guesses = torch.empty(seqs, dtype=torch.int64)
+        confidence = torch.empty(seqs, dtype=torch.float32)
+        self._run(ctypes.byref(self.struct), ctypes.byref(self.layer.struct), embeds.shape[0], embeds.data_ptr(),
+                  features.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
+                  ctypes.byref(step.struct(kv_cache)), rows.data_ptr(), seqs, predicted.data_ptr(),
+                  guesses.data_ptr(), confidence.data_ptr())
+        return predicted, guesses, confidence
 
 
 @dataclass(slots=True)
@@ -127,6 +179,17 @@ class KernelAttentionStep:
         if plan is None or plan.rows is not None:  # none, or only some tokens'
             plan = KernelAttentionPlan.every_token(metadata)
         return cls(plan, metadata.block_tables, metadata.slot_mapping, num_heads, scale)
+
+    def struct(self, kv_cache: torch.Tensor) -> AttentionStepStruct:
+        """The C side's view of this step over the pools ``kv_cache`` (``[..., num_blocks, block_size, kv_heads,
+        head_dim]``)."""
+        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[-4:]
+        plan = self.plan
+        return AttentionStepStruct(
+            self.block_tables.data_ptr(), self.block_tables.stride(0), self.slots.data_ptr(),
+            None if plan.rows is None else plan.rows.data_ptr(), plan.seq_of_query.data_ptr(),
+            plan.context_lens.data_ptr(), plan.num_queries, plan.max_context, self.num_heads, num_kv_heads, head_dim,
+            block_size, num_blocks, self.scale, kv_cache.dtype == torch.bfloat16)
 
     def check(self) -> None:
         check_block_tables(self.block_tables)

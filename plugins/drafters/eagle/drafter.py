@@ -16,6 +16,7 @@ correctness.
 from __future__ import annotations
 
 import importlib.resources
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,10 +24,12 @@ import torch
 from pydantic import Field, field_validator
 
 from infer.attention import AttentionMetadata
+from infer.cpu_kernels import FusedDraftHead, KernelAttentionPlan, KernelAttentionStep
 from infer.drafter import Drafter, DrafterConfig, DrafterContext
+from infer.execution import FusedStackPath
 from infer.kv_pool import kv_bytes_per_token
 from infer.plugins.drafters.eagle.head import EagleHead, draft_head_weight, load_head, random_head
-from infer.quantization import KERNEL_MODES, QUANTIZATIONS
+from infer.quantization import KERNEL_MODES, QUANTIZATIONS, PackedLinear
 
 SHIPPED_HEADS = "heads"  # package data of this plugin: heads/<model name>/head.safetensors and its README card
 
@@ -127,6 +130,9 @@ class EagleDrafter(Drafter):
                                                self.head_quantization)
         for module in (self.head.layer, self.head.fc, self.draft_logits):  # one row per chain step: the GEMV
             self.executor.prepare(module)
+        self._vocab_ids = self.head.vocab_ids.tolist()  # a draft-vocabulary index -> its target token id
+        self._fused_head = self._build_fused_head()
+        self._fused_head_accepted: bool | None = None  # the executor's verdict on the head's layer (asked once)
         self.kv_cache: torch.Tensor | None = None
         self._logs: dict[str, FeatureLog] = {}
 
@@ -219,22 +225,76 @@ class EagleDrafter(Drafter):
         ``[len(active), hidden]``, and the sequences (indices into ``sequences``) whose guess fell below
         ``min_confidence``."""
         seqs = [sequences[i] for i in active]
-        metadata = AttentionMetadata.build([seq.block_table for seq in seqs], starts, [len(t) for t in tokens],
-                                           self.block_size, self.device)
+        lengths = [len(t) for t in tokens]
+        metadata = AttentionMetadata.build([seq.block_table for seq in seqs], starts, lengths, self.block_size,
+                                           self.device)
         input_ids = torch.tensor([t for row in tokens for t in row], dtype=torch.int64, device=self.device)
         embeds = self.target.embed_tokens(input_ids)
-        step = self.executor.step(self.target.rotary, self.attention.prepare(metadata), self.kv_cache, self.attention,
-                                  embeds.dtype)
-        predicted = self.head(embeds, features, step)
-        last = predicted.index_select(0, (metadata.query_start_loc[1:] - 1).to(torch.int64))
-        logits = self.draft_logits(last)
-        guesses = self.head.vocab_ids[logits.argmax(dim=-1)].tolist()
+        last_rows = list(itertools.accumulate(lengths, initial=-1))[1:]  # each sequence's last pair
+        run = self._run_fused if self._takes_fused_head(metadata, embeds.dtype) else self._run_layers
+        last, choice, confidence = run(metadata, embeds, features, last_rows)
+        guesses = [self._vocab_ids[index] for index in choice.tolist()]
         for i, guess in zip(active, guesses):
             drafts[i].append(guess)
         if self.config.min_confidence <= 0.0:
             return last, []
-        confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
         return last, [i for i, p in zip(active, confidence) if p < self.config.min_confidence]
+
+    def _run_fused(self, metadata, embeds, features, last_rows) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+        """The head as one C call: the last rows' predicted features, their guesses (draft-vocabulary indices) and
+        the head's probability of each."""
+        self.executor.counts[FusedStackPath.name] += 1
+        rotary = self.target.rotary
+        plan = KernelAttentionStep(KernelAttentionPlan.every_token(metadata), metadata.block_tables,
+                                   metadata.slot_mapping, self.attention.num_heads, self.attention.scale)
+        last, choice, probability = self._fused_head.run(embeds, features, metadata.positions, rotary.cos, rotary.sin,
+                                                         self.kv_cache, plan, last_rows)
+        return last, choice, probability.tolist()
+
+    def _run_layers(self, metadata, embeds, features,
+                    last_rows) -> tuple[torch.Tensor, torch.Tensor, list[float] | None]:
+        """``_run_fused``'s results through the executor's path for the head's layer and the modules around it (the
+        probabilities only where ``min_confidence`` reads them)."""
+        step = self.executor.step(self.target.rotary, self.attention.prepare(metadata), self.kv_cache, self.attention,
+                                  embeds.dtype)
+        predicted = self.head(embeds, features, step)
+        last = predicted.index_select(0, torch.tensor(last_rows, dtype=torch.int64, device=self.device))
+        logits = self.draft_logits(last)
+        confidence = None
+        if self.config.min_confidence > 0.0:
+            confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
+        return last, logits.argmax(dim=-1), confidence
+
+    def _build_fused_head(self) -> FusedDraftHead | None:
+        """The head as one C call (``FusedDraftHead``) where its layer and projections run on the CPU kernels'
+        GEMV, else None (torch, or the path the executor picks for the layer)."""
+        head, out = self.head, self.draft_logits
+        norms = (head.embed_norm, head.feature_norm, head.norm)
+        kernel_projections = all(isinstance(module, PackedLinear) and module.kernels is not None
+                                 for module in (head.fc, out))
+        if self.executor.kernels is None or head.layer.fused is None or not kernel_projections or \
+                len({norm.eps for norm in norms}) > 1 or any(norm.weight.dtype != torch.float32 for norm in norms):
+            return None
+        return FusedDraftHead(self.executor.kernels, head.layer.fused, tuple(norm.weight.detach() for norm in norms),
+                              head.norm.eps, (head.fc.kernel_weight, head.fc.kernel_scales, head.fc.bias),
+                              (out.kernel_weight, out.kernel_scales))
+
+    def _takes_fused_head(self, metadata: AttentionMetadata, dtype: torch.dtype) -> bool:
+        """Whether this head run takes ``FusedDraftHead``: the projections take the GEMV for its rows (the fused head
+        never takes the tiles' GEMM), and the executor would run the layer in one C call. What the executor decides
+        beside the step's size (kernels, dtype, backend, packing) is fixed for the drafter's life: asked once."""
+        if self._fused_head is None:
+            return False
+        fc, out, kernels = self.head.fc, self.draft_logits, self.executor.kernels
+        limit = lambda module: module.gemv_rows if module.tile_weight is None else min(  # noqa: E731
+            module.gemv_rows, kernels.pass_rows)
+        if metadata.num_tokens > min(limit(fc), self.executor.fused_max_tokens) or metadata.num_seqs > limit(out):
+            return False
+        if self._fused_head_accepted is None:
+            step = self.executor.step(self.target.rotary, self.attention.prepare(metadata), self.kv_cache,
+                                      self.attention, dtype)
+            self._fused_head_accepted = self.executor.choose([self.head.layer], step).name == FusedStackPath.name
+        return self._fused_head_accepted
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     def release(self, seq):
