@@ -14,6 +14,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -1281,6 +1284,15 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
         for (int64_t c = chunk_first[g]; c < chunk_first[g + 1]; c++) group_of_chunk[c] = g;
     float *partial = scratch(0, sizeof(float) * (partials > 0 ? partials : 1) * entry);
     const int parallel = total_keys * num_heads >= 2048;
+    /* An item takes every KV head of its chunk, whose slots it then reads whole and in order, where there are items
+     * enough for the threads; else one KV head (a single sequence's few chunks). Which item computes a query head's
+     * chunk never changes what it computes. */
+#ifdef _OPENMP
+    const int64_t threads = parallel ? omp_get_max_threads() : 1;
+#else
+    const int64_t threads = 1;
+#endif
+    const int64_t split = chunks >= 4 * threads ? 1 : num_kv_heads;
 #pragma omp parallel if (parallel)
     {
         const float *keys[DECODE_CHUNK];
@@ -1290,8 +1302,8 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
         float **head_results = malloc(sizeof(float *) * group_heads);
         float *converted = scratch(2, sizeof(float) * 2 * DECODE_CHUNK * head_dim);  /* a bf16 pool's keys, values */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < chunks * num_kv_heads; item++) {
-            const int64_t chunk = item / num_kv_heads, kvh = item % num_kv_heads, g = group_of_chunk[chunk];
+        for (int64_t item = 0; item < chunks * split; item++) {
+            const int64_t chunk = item / split, g = group_of_chunk[chunk];
             const int64_t c = chunk - chunk_first[g], start = c * DECODE_CHUNK;
             const int64_t first_query = group_first[g], end_query = group_first[g + 1];
             int64_t end = start;
@@ -1299,6 +1311,8 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
                 if (context_lens[i] > end) end = context_lens[i];
             if (end > start + DECODE_CHUNK) end = start + DECODE_CHUNK;
             const int32_t *table = block_tables + seq_of_query[first_query] * table_stride;
+            const int64_t first_kv_head = item % split * (num_kv_heads / split);
+            for (int64_t kvh = first_kv_head; kvh < first_kv_head + num_kv_heads / split; kvh++) {
             ptrdiff_t value_offset = pool_slots * slot_width;
             for (int64_t j = start; j < end;) {
                 const int64_t first = (int64_t)table[j / block_size] * block_size * slot_width + kvh * head_dim;
@@ -1306,9 +1320,29 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
                     const int64_t at = first + t * slot_width;
                     if (kv_bf16) {
                         float *key = converted + (j - start) * head_dim;
-                        bf16_to_floats((const uint16_t *)kv + at, key, head_dim);
-                        bf16_to_floats((const uint16_t *)kv + pool_slots * slot_width + at,
-                                       key + DECODE_CHUNK * head_dim, head_dim);
+                        const uint16_t *k_row = (const uint16_t *)kv + at;
+                        const uint16_t *v_row = k_row + pool_slots * slot_width;
+#ifdef __AVX512F__
+                        if (head_dim == 64) {  /* the default model's: both rows' loads issued together */
+                            const __m512 k0 = bf16x16_load(k_row), k1 = bf16x16_load(k_row + 16),
+                                         k2 = bf16x16_load(k_row + 32), k3 = bf16x16_load(k_row + 48),
+                                         v0 = bf16x16_load(v_row), v1 = bf16x16_load(v_row + 16),
+                                         v2 = bf16x16_load(v_row + 32), v3 = bf16x16_load(v_row + 48);
+                            float *value = key + DECODE_CHUNK * head_dim;
+                            _mm512_storeu_ps(key, k0);
+                            _mm512_storeu_ps(key + 16, k1);
+                            _mm512_storeu_ps(key + 32, k2);
+                            _mm512_storeu_ps(key + 48, k3);
+                            _mm512_storeu_ps(value, v0);
+                            _mm512_storeu_ps(value + 16, v1);
+                            _mm512_storeu_ps(value + 32, v2);
+                            _mm512_storeu_ps(value + 48, v3);
+                            keys[j - start] = key;
+                            continue;
+                        }
+#endif
+                        bf16_to_floats(k_row, key, head_dim);
+                        bf16_to_floats(v_row, key + DECODE_CHUNK * head_dim, head_dim);
                         keys[j - start] = key;
                     } else {
                         keys[j - start] = (const float *)kv + at;
@@ -1337,6 +1371,7 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
                 }
             }
             weigh_heads(head_weights, heads, keys, value_offset, end - start, head_dim, head_results);
+            }
         }
         free(head_results);
         free(head_weights);
