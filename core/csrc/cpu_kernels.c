@@ -1163,7 +1163,7 @@ static void weigh_values(const float *weights, const float *const *keys, ptrdiff
  * accumulators are independent chains (one head's four had waited on the FMA latency, 4 cycles a key). The same
  * sums, in the same order, as weigh_values with factor 1. */
 #define WEIGH_HEADS 6
-static inline __attribute__((always_inline)) void weigh_heads_block(const float *const *weights,
+static inline __attribute__((always_inline)) void weigh_heads_block(float *const *weights,
                                                                     const float *const *keys, ptrdiff_t offset,
                                                                     int64_t n, float *const *results,
                                                                     const int count) {
@@ -1189,7 +1189,7 @@ static inline __attribute__((always_inline)) void weigh_heads_block(const float 
 
 /* results[h] = sum_j weights[h][j] * values[j] (values[j] = keys[j] + value_offset) for `heads` heads over the same
  * n value rows: weigh_values with factor 1 for each, several heads a pass where AVX-512 has the registers. */
-static void weigh_heads(const float *const *weights, int64_t heads, const float *const *keys,
+static void weigh_heads(float *const *weights, int64_t heads, const float *const *keys,
                         ptrdiff_t value_offset, int64_t n, int64_t head_dim, float *const *results) {
     int64_t h = 0;
 #ifdef __AVX512F__
@@ -1214,10 +1214,119 @@ static void weigh_heads(const float *const *weights, int64_t heads, const float 
     for (; h < heads; h++) weigh_values(weights[h], keys, value_offset, n, head_dim, 1.0f, results[h]);
 }
 
+#ifdef __AVX512F__
+/* The sums of four registers' 16 lanes each, as lanes 0-3 (a's, b's, c's, d's): pairs interleaved, then 128-bit
+ * lanes folded. Each sum's order depends on its own register only. */
+static inline __attribute__((always_inline)) __m128 sum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                                      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+    const __m512 halves = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0x4E));
+    return _mm512_castps512_ps128(_mm512_add_ps(halves, _mm512_shuffle_f32x4(halves, halves, 0xB1)));
+}
+
+/* A bf16 pool's 64-wide rows, straight from the pool: scores[h][j] = scale * queries[h] . keys[j] for `count` (1 to
+ * 3, a constant once inlined) query heads and j < n, each key widened once for all of them, four keys a pass;
+ * best[h] their maxima. The last pass repeats key n - 1 where fewer than four are left (a key's score never depends
+ * on the others of its pass). */
+static inline __attribute__((always_inline)) void score_bf16_block(const float *const *queries,
+                                                                   const uint16_t *const *keys, int64_t n,
+                                                                   float scale, float *const *scores, float *best,
+                                                                   const int count) {
+    __m512 qv[3][4];
+    __m128 top[3];
+    for (int h = 0; h < count; h++) {
+        for (int i = 0; i < 4; i++) qv[h][i] = _mm512_loadu_ps(queries[h] + 16 * i);
+        top[h] = _mm_set1_ps(-INFINITY);
+    }
+    const __m128 factor = _mm_set1_ps(scale);
+    for (int64_t j = 0; j < n; j += 4) {
+        __m512 acc[3][4];
+        for (int r = 0; r < 4; r++) {
+            const uint16_t *key = keys[j + r < n ? j + r : n - 1];
+            const __m512 k0 = bf16x16_load(key), k1 = bf16x16_load(key + 16), k2 = bf16x16_load(key + 32),
+                         k3 = bf16x16_load(key + 48);
+            for (int h = 0; h < count; h++)
+                acc[h][r] = _mm512_fmadd_ps(qv[h][3], k3, _mm512_fmadd_ps(qv[h][2], k2, _mm512_fmadd_ps(
+                    qv[h][1], k1, _mm512_mul_ps(qv[h][0], k0))));
+        }
+        for (int h = 0; h < count; h++) {
+            const __m128 four = _mm_mul_ps(sum4x16(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), factor);
+            if (j + 4 <= n) {
+                _mm_storeu_ps(scores[h] + j, four);
+                top[h] = _mm_max_ps(top[h], four);
+            } else {
+                float last[4];
+                _mm_storeu_ps(last, four);
+                for (int64_t r = 0; r < n - j; r++) {
+                    scores[h][j + r] = last[r];
+                    top[h] = _mm_max_ps(top[h], _mm_set1_ps(last[r]));
+                }
+            }
+        }
+    }
+    for (int h = 0; h < count; h++) {
+        const __m128 pairs = _mm_max_ps(top[h], _mm_movehl_ps(top[h], top[h]));
+        best[h] = _mm_cvtss_f32(_mm_max_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+    }
+}
+
+static void score_bf16_heads(const float *const *queries, int64_t heads, const uint16_t *const *keys, int64_t n,
+                             float scale, float *const *scores, float *best) {
+    for (int64_t h = 0; h < heads; h += 3) {
+        switch (heads - h < 3 ? heads - h : 3) {
+            case 1: score_bf16_block(queries + h, keys, n, scale, scores + h, best + h, 1); break;
+            case 2: score_bf16_block(queries + h, keys, n, scale, scores + h, best + h, 2); break;
+            default: score_bf16_block(queries + h, keys, n, scale, scores + h, best + h, 3); break;
+        }
+    }
+}
+
+/* weigh_heads_block over a bf16 pool's 64-wide value rows (values[j] at keys[j] + offset elements), each widened
+ * once for all the heads. */
+static inline __attribute__((always_inline)) void weigh_bf16_block(float *const *weights,
+                                                                   const uint16_t *const *keys, ptrdiff_t offset,
+                                                                   int64_t n, float *const *results,
+                                                                   const int count) {
+    __m512 acc[WEIGH_HEADS][4];
+    for (int h = 0; h < count; h++)
+        for (int i = 0; i < 4; i++) acc[h][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const uint16_t *v = keys[j] + offset;
+        const __m512 v0 = bf16x16_load(v), v1 = bf16x16_load(v + 16), v2 = bf16x16_load(v + 32),
+                     v3 = bf16x16_load(v + 48);
+        for (int h = 0; h < count; h++) {
+            const __m512 w = _mm512_set1_ps(weights[h][j]);
+            acc[h][0] = _mm512_fmadd_ps(w, v0, acc[h][0]);
+            acc[h][1] = _mm512_fmadd_ps(w, v1, acc[h][1]);
+            acc[h][2] = _mm512_fmadd_ps(w, v2, acc[h][2]);
+            acc[h][3] = _mm512_fmadd_ps(w, v3, acc[h][3]);
+        }
+    }
+    for (int h = 0; h < count; h++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(results[h] + 16 * i, acc[h][i]);
+}
+
+static void weigh_bf16_heads(float *const *weights, int64_t heads, const uint16_t *const *keys,
+                             ptrdiff_t offset, int64_t n, float *const *results) {
+    for (int64_t h = 0; h < heads; h += WEIGH_HEADS) {
+        switch (heads - h < WEIGH_HEADS ? heads - h : WEIGH_HEADS) {
+            case 1: weigh_bf16_block(weights + h, keys, offset, n, results + h, 1); break;
+            case 2: weigh_bf16_block(weights + h, keys, offset, n, results + h, 2); break;
+            case 3: weigh_bf16_block(weights + h, keys, offset, n, results + h, 3); break;
+            case 4: weigh_bf16_block(weights + h, keys, offset, n, results + h, 4); break;
+            case 5: weigh_bf16_block(weights + h, keys, offset, n, results + h, 5); break;
+            default: weigh_bf16_block(weights + h, keys, offset, n, results + h, 6); break;
+        }
+    }
+}
+#endif
+
 /* A buffer of at least `bytes` for this thread, kept from call to call in one of SCRATCH_SLOTS slots (its contents
  * are not). The attention runs per layer, many times a step; a fresh malloc of tens of KB can come back as
  * untouched pages, a fault each. */
-#define SCRATCH_SLOTS 4
+#define SCRATCH_SLOTS 8
 static void *scratch(int slot, size_t bytes) {
     static __thread void *buffers[SCRATCH_SLOTS];
     static __thread size_t sizes[SCRATCH_SLOTS];
@@ -1293,13 +1402,23 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
     const int64_t threads = 1;
 #endif
     const int64_t split = chunks >= 4 * threads ? 1 : num_kv_heads;
+#ifdef __AVX512F__
+    const int direct = kv_bf16 && head_dim == 64;
+#else
+    const int direct = 0;
+#endif
 #pragma omp parallel if (parallel)
     {
         const float *keys[DECODE_CHUNK];
+        const uint16_t *raw[DECODE_CHUNK];
+        (void)raw;  /* the direct path's (AVX-512 builds) */
         const int64_t group_heads = DECODE_GROUP * per_kv;
         float *scores = scratch(1, sizeof(float) * group_heads * DECODE_CHUNK);
-        const float **head_weights = malloc(sizeof(float *) * group_heads);
-        float **head_results = malloc(sizeof(float *) * group_heads);
+        float **head_weights = scratch(3, sizeof(float *) * group_heads);
+        float **head_results = scratch(4, sizeof(float *) * group_heads);
+        const float **head_queries = scratch(5, sizeof(float *) * group_heads);
+        int64_t *head_keys = scratch(6, sizeof(int64_t) * group_heads);  /* the keys of the chunk each sees */
+        float *head_best = scratch(7, sizeof(float) * group_heads);
         float *converted = scratch(2, sizeof(float) * 2 * DECODE_CHUNK * head_dim);  /* a bf16 pool's keys, values */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < chunks * split; item++) {
@@ -1313,83 +1432,93 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
             const int32_t *table = block_tables + seq_of_query[first_query] * table_stride;
             const int64_t first_kv_head = item % split * (num_kv_heads / split);
             for (int64_t kvh = first_kv_head; kvh < first_kv_head + num_kv_heads / split; kvh++) {
-            ptrdiff_t value_offset = pool_slots * slot_width;
-            for (int64_t j = start; j < end;) {
-                const int64_t first = (int64_t)table[j / block_size] * block_size * slot_width + kvh * head_dim;
-                for (int64_t t = j % block_size; t < block_size && j < end; t++, j++) {
-                    const int64_t at = first + t * slot_width;
-                    if (kv_bf16) {
-                        float *key = converted + (j - start) * head_dim;
-                        const uint16_t *k_row = (const uint16_t *)kv + at;
-                        const uint16_t *v_row = k_row + pool_slots * slot_width;
-#ifdef __AVX512F__
-                        if (head_dim == 64) {  /* the default model's: both rows' loads issued together */
-                            const __m512 k0 = bf16x16_load(k_row), k1 = bf16x16_load(k_row + 16),
-                                         k2 = bf16x16_load(k_row + 32), k3 = bf16x16_load(k_row + 48),
-                                         v0 = bf16x16_load(v_row), v1 = bf16x16_load(v_row + 16),
-                                         v2 = bf16x16_load(v_row + 32), v3 = bf16x16_load(v_row + 48);
-                            float *value = key + DECODE_CHUNK * head_dim;
-                            _mm512_storeu_ps(key, k0);
-                            _mm512_storeu_ps(key + 16, k1);
-                            _mm512_storeu_ps(key + 32, k2);
-                            _mm512_storeu_ps(key + 48, k3);
-                            _mm512_storeu_ps(value, v0);
-                            _mm512_storeu_ps(value + 16, v1);
-                            _mm512_storeu_ps(value + 32, v2);
-                            _mm512_storeu_ps(value + 48, v3);
+                /* the chunk's key rows of this KV head: a bf16 pool's 64-wide rows as they are where AVX-512 reads
+                 * them so (each widened in registers, once for all the query heads it serves), else as floats (a
+                 * bf16 pool's widened into this thread's buffer) */
+                ptrdiff_t value_offset = pool_slots * slot_width;
+                for (int64_t j = start; j < end;) {
+                    const int64_t first = (int64_t)table[j / block_size] * block_size * slot_width + kvh * head_dim;
+                    for (int64_t t = j % block_size; t < block_size && j < end; t++, j++) {
+                        const int64_t at = first + t * slot_width;
+                        if (direct) {
+                            raw[j - start] = (const uint16_t *)kv + at;
+                        } else if (kv_bf16) {
+                            float *key = converted + (j - start) * head_dim;
+                            bf16_to_floats((const uint16_t *)kv + at, key, head_dim);
+                            bf16_to_floats((const uint16_t *)kv + pool_slots * slot_width + at,
+                                           key + DECODE_CHUNK * head_dim, head_dim);
                             keys[j - start] = key;
-                            continue;
+                        } else {
+                            keys[j - start] = (const float *)kv + at;
                         }
-#endif
-                        bf16_to_floats(k_row, key, head_dim);
-                        bf16_to_floats(v_row, key + DECODE_CHUNK * head_dim, head_dim);
-                        keys[j - start] = key;
-                    } else {
-                        keys[j - start] = (const float *)kv + at;
                     }
                 }
-            }
-            if (kv_bf16) value_offset = DECODE_CHUNK * head_dim;
-            /* every query head of the group that sees this chunk: its scores (zero past its own keys, so that all
-             * weigh the chunk's value rows together), maximum and exp sum */
-            int64_t heads = 0;
-            for (int64_t i = first_query; i < end_query; i++) {
-                const int64_t n = (context_lens[i] < end ? context_lens[i] : end) - start;
-                if (n <= 0) continue;
-                const int64_t row = rows ? rows[i] : i;
-                const int64_t count = (context_lens[i] + DECODE_CHUNK - 1) / DECODE_CHUNK;
-                for (int64_t h = kvh * per_kv; h < (kvh + 1) * per_kv; h++, heads++) {
-                    float *own = partial + (partial_at[i] + h * count + c) * entry;
-                    float *weights = scores + heads * DECODE_CHUNK;
-                    const float best = score_keys(q + row * q_stride + h * head_dim, keys, n, head_dim, scale,
-                                                  weights);
-                    own[head_dim] = best;
-                    own[head_dim + 1] = exp_shifted_sum(weights, n, best);
-                    for (int64_t j = n; j < end - start; j++) weights[j] = 0.0f;
-                    head_weights[heads] = weights;
-                    head_results[heads] = own;
+                if (kv_bf16 && !direct) value_offset = DECODE_CHUNK * head_dim;
+                /* every query head of the group that sees this chunk (a query's heads side by side): its scores
+                 * (zero past its own keys, so that all weigh the chunk's value rows together), maximum, exp sum */
+                int64_t heads = 0;
+                for (int64_t i = first_query; i < end_query; i++) {
+                    const int64_t n = (context_lens[i] < end ? context_lens[i] : end) - start;
+                    if (n <= 0) continue;
+                    const int64_t row = rows ? rows[i] : i;
+                    const int64_t count = (context_lens[i] + DECODE_CHUNK - 1) / DECODE_CHUNK;
+                    for (int64_t h = kvh * per_kv; h < (kvh + 1) * per_kv; h++, heads++) {
+                        head_queries[heads] = q + row * q_stride + h * head_dim;
+                        head_keys[heads] = n;
+                        head_weights[heads] = scores + heads * DECODE_CHUNK;
+                        head_results[heads] = partial + (partial_at[i] + h * count + c) * entry;
+                    }
                 }
-            }
-            weigh_heads(head_weights, heads, keys, value_offset, end - start, head_dim, head_results);
+                for (int64_t a = 0; a < heads; a += per_kv) {
+#ifdef __AVX512F__
+                    if (direct) {
+                        score_bf16_heads(head_queries + a, per_kv, raw, head_keys[a], scale, head_weights + a,
+                                         head_best + a);
+                        continue;
+                    }
+#endif
+                    for (int64_t b = a; b < a + per_kv; b++)
+                        head_best[b] = score_keys(head_queries[b], keys, head_keys[b], head_dim, scale,
+                                                  head_weights[b]);
+                }
+                for (int64_t a = 0; a < heads; a++) {
+                    float *own = head_results[a], *weights = head_weights[a];
+                    own[head_dim] = head_best[a];
+                    own[head_dim + 1] = exp_shifted_sum(weights, head_keys[a], head_best[a]);
+                    for (int64_t j = head_keys[a]; j < end - start; j++) weights[j] = 0.0f;
+                }
+#ifdef __AVX512F__
+                if (direct) {
+                    weigh_bf16_heads(head_weights, heads, raw, value_offset, end - start, head_results);
+                    continue;
+                }
+#endif
+                weigh_heads(head_weights, heads, keys, value_offset, end - start, head_dim, head_results);
             }
         }
-        free(head_results);
-        free(head_weights);
         /* merge each query head's chunks, in order */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < queries; i++) {
             const int64_t row = rows ? rows[i] : i, count = (context_lens[i] + DECODE_CHUNK - 1) / DECODE_CHUNK;
             for (int64_t h = 0; h < num_heads; h++) {
                 const float *own = partial + (partial_at[i] + h * count) * entry;
-                float *result = out + (row * num_heads + h) * head_dim;
-                float top = -INFINITY, total = 0.0f;
+                float *restrict result = out + (row * num_heads + h) * head_dim;
+                if (count == 1) {  /* what the general case computes for one chunk: exp(0) = 1, 0 + x = x */
+                    const float factor = 1.0f / own[head_dim + 1];
+                    for (int64_t d = 0; d < head_dim; d++) result[d] = own[d] * factor;
+                    continue;
+                }
+                float top = -INFINITY, total = 0.0f, scales[count];
                 for (int64_t c = 0; c < count; c++) top = fmaxf(top, own[c * entry + head_dim]);
-                for (int64_t c = 0; c < count; c++)
-                    total += own[c * entry + head_dim + 1] * expf(own[c * entry + head_dim] - top);
+                for (int64_t c = 0; c < count; c++) {
+                    scales[c] = expf(own[c * entry + head_dim] - top);
+                    total += own[c * entry + head_dim + 1] * scales[c];
+                }
                 for (int64_t d = 0; d < head_dim; d++) result[d] = 0.0f;
                 for (int64_t c = 0; c < count; c++) {
-                    const float factor = expf(own[c * entry + head_dim] - top) / total;
-                    for (int64_t d = 0; d < head_dim; d++) result[d] += own[c * entry + d] * factor;
+                    const float factor = scales[c] / total;
+                    const float *restrict sums = own + c * entry;
+                    for (int64_t d = 0; d < head_dim; d++) result[d] += sums[d] * factor;
                 }
             }
         }
