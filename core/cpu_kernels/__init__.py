@@ -22,6 +22,7 @@ from infer.cpu_kernels.fused import FusedDraftHead, FusedLayer, FusedStack, Kern
 from infer.cpu_kernels.packing import (can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, packed_shape,
                                        tiles_shape, unpack_tiles)
 
-__all__ = ["CpuKernels", "FlashChunks", "FusedDraftHead", "FusedLayer", "FusedStack", "KernelAttentionPlan", "KernelAttentionStep",
-           "KernelBuildError", "build", "can_pack", "can_pack_tiles", "compiler", "load", "load_built", "pack_scales",
-           "pack_tiles", "pack_weights", "packed_shape", "source", "tiles_shape", "unpack_tiles"]
+__all__ = ["CpuKernels", "FlashChunks", "FusedDraftHead", "FusedLayer", "FusedStack", "KernelAttentionPlan",
+           "KernelAttentionStep", "KernelBuildError", "build", "can_pack", "can_pack_tiles", "compiler", "load",
+           "load_built", "pack_scales", "pack_tiles", "pack_weights", "packed_shape", "source", "tiles_shape",
+           "unpack_tiles"]

@@ -106,7 +106,8 @@ class FusedDraftHead:
     """An EAGLE draft head's step over a few pairs in one C call (``infer_draft_head_step``): the norms of the token
     embeddings and target features, the fc over both, the head's decoder layer with its attention, the final norm of
     each sequence's last row, the draft-vocabulary logits, their argmax and its softmax probability. A chain step
-    was otherwise about twenty calls from Python around ~0.3 ms of C (README, speculative decoding)."""
+    was otherwise about twenty calls from Python around ~0.3 ms of C (README, "On an Intel Xeon with AMX, a seventh
+    time")."""
 
     def __init__(self, kernels: CpuKernels, layer: FusedLayer, norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                  eps: float, fc: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
@@ -118,8 +119,9 @@ class FusedDraftHead:
             check_packed(weight, scales)
         (hidden, pair_width), (vocab, out_width) = packed_shape(fc[0]), packed_shape(out[0])
         if pair_width != 2 * hidden or out_width != hidden or layer.hidden != hidden:
-            raise ValueError(f"a draft head needs fc [hidden, 2 * hidden] and output [vocab, hidden] around a layer of "
-                             f"hidden size {layer.hidden}, got fc {packed_shape(fc[0])} and output {(vocab, out_width)}")
+            raise ValueError(f"a draft head needs fc [hidden, 2 * hidden] and output [vocab, hidden] around a layer "
+                             f"of hidden size {layer.hidden}, got fc {packed_shape(fc[0])} and output "
+                             f"{(vocab, out_width)}")
         for tensor in (*norms, *(bias for bias in fc[2:] if bias is not None)):
             check_flat(tensor)
         pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731

@@ -1159,31 +1159,52 @@ static void weigh_values(const float *weights, const float *const *keys, ptrdiff
 
 #ifdef __AVX512F__
 /* results[h][c..c+64) = sum_j weights[h][j] * values[j][c..c+64) for `count` (1 to WEIGH_HEADS, a constant once
- * inlined) heads sharing the value rows: each value row is loaded once for all of them, and their 4 x count
- * accumulators are independent chains (one head's four had waited on the FMA latency, 4 cycles a key). The same
- * sums, in the same order, as weigh_values with factor 1. */
+ * inlined) heads sharing the value rows (values[j] at rows[j] + offset elements: floats, or bf16 widened in
+ * registers when `bf16`): each value row is loaded once for all of them, and their 4 x count accumulators are
+ * independent chains (one head's four had waited on the FMA latency, 4 cycles a key). The same sums, in the same
+ * order, as weigh_values with factor 1. */
 #define WEIGH_HEADS 6
-static inline __attribute__((always_inline)) void weigh_heads_block(float *const *weights,
-                                                                    const float *const *keys, ptrdiff_t offset,
-                                                                    int64_t n, float *const *results,
-                                                                    const int count) {
+static inline __attribute__((always_inline)) void weigh_heads_block(float *const *weights, const void *const *rows,
+                                                                    ptrdiff_t offset, int64_t n,
+                                                                    float *const *results, const int count,
+                                                                    const int bf16) {
     __m512 acc[WEIGH_HEADS][4];
     for (int h = 0; h < count; h++)
         for (int i = 0; i < 4; i++) acc[h][i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
-        const float *v = keys[j] + offset;
-        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-                     v3 = _mm512_loadu_ps(v + 48);
+        __m512 v[4];
+        for (int i = 0; i < 4; i++)
+            v[i] = bf16 ? bf16x16_load((const uint16_t *)rows[j] + offset + 16 * i)
+                        : _mm512_loadu_ps((const float *)rows[j] + offset + 16 * i);
         for (int h = 0; h < count; h++) {
             const __m512 w = _mm512_set1_ps(weights[h][j]);
-            acc[h][0] = _mm512_fmadd_ps(w, v0, acc[h][0]);
-            acc[h][1] = _mm512_fmadd_ps(w, v1, acc[h][1]);
-            acc[h][2] = _mm512_fmadd_ps(w, v2, acc[h][2]);
-            acc[h][3] = _mm512_fmadd_ps(w, v3, acc[h][3]);
+            for (int i = 0; i < 4; i++) acc[h][i] = _mm512_fmadd_ps(w, v[i], acc[h][i]);
         }
     }
     for (int h = 0; h < count; h++)
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(results[h] + 16 * i, acc[h][i]);
+}
+
+/* weigh_heads_block for `count` heads, the count and the rows' type constants in each copy (the accumulators stay in
+ * registers). */
+static void weigh_pass(float *const *weights, const void *const *rows, ptrdiff_t offset, int64_t n,
+                       float *const *results, int count, int bf16) {
+#define WEIGH_CASE(k) \
+    case k: \
+        if (bf16) weigh_heads_block(weights, rows, offset, n, results, k, 1); \
+        else weigh_heads_block(weights, rows, offset, n, results, k, 0); \
+        break;
+    switch (count) {
+        WEIGH_CASE(1)
+        WEIGH_CASE(2)
+        WEIGH_CASE(3)
+        WEIGH_CASE(4)
+        WEIGH_CASE(5)
+        default:
+            if (bf16) weigh_heads_block(weights, rows, offset, n, results, WEIGH_HEADS, 1);
+            else weigh_heads_block(weights, rows, offset, n, results, WEIGH_HEADS, 0);
+    }
+#undef WEIGH_CASE
 }
 #endif
 
@@ -1199,14 +1220,7 @@ static void weigh_heads(float *const *weights, int64_t heads, const float *const
             for (int64_t c = 0; c < head_dim; c += 64) {
                 float *at[WEIGH_HEADS];
                 for (int i = 0; i < count; i++) at[i] = results[h + i] + c;
-                switch (count) {  /* a constant count per copy: the accumulators stay in registers */
-                    case 1: weigh_heads_block(weights + h, keys, value_offset + c, n, at, 1); break;
-                    case 2: weigh_heads_block(weights + h, keys, value_offset + c, n, at, 2); break;
-                    case 3: weigh_heads_block(weights + h, keys, value_offset + c, n, at, 3); break;
-                    case 4: weigh_heads_block(weights + h, keys, value_offset + c, n, at, 4); break;
-                    case 5: weigh_heads_block(weights + h, keys, value_offset + c, n, at, 5); break;
-                    default: weigh_heads_block(weights + h, keys, value_offset + c, n, at, 6); break;
-                }
+                weigh_pass(weights + h, (const void *const *)keys, value_offset + c, n, at, count, 0);
             }
         }
     }
@@ -1283,43 +1297,12 @@ static void score_bf16_heads(const float *const *queries, int64_t heads, const u
     }
 }
 
-/* weigh_heads_block over a bf16 pool's 64-wide value rows (values[j] at keys[j] + offset elements), each widened
- * once for all the heads. */
-static inline __attribute__((always_inline)) void weigh_bf16_block(float *const *weights,
-                                                                   const uint16_t *const *keys, ptrdiff_t offset,
-                                                                   int64_t n, float *const *results,
-                                                                   const int count) {
-    __m512 acc[WEIGH_HEADS][4];
-    for (int h = 0; h < count; h++)
-        for (int i = 0; i < 4; i++) acc[h][i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j++) {
-        const uint16_t *v = keys[j] + offset;
-        const __m512 v0 = bf16x16_load(v), v1 = bf16x16_load(v + 16), v2 = bf16x16_load(v + 32),
-                     v3 = bf16x16_load(v + 48);
-        for (int h = 0; h < count; h++) {
-            const __m512 w = _mm512_set1_ps(weights[h][j]);
-            acc[h][0] = _mm512_fmadd_ps(w, v0, acc[h][0]);
-            acc[h][1] = _mm512_fmadd_ps(w, v1, acc[h][1]);
-            acc[h][2] = _mm512_fmadd_ps(w, v2, acc[h][2]);
-            acc[h][3] = _mm512_fmadd_ps(w, v3, acc[h][3]);
-        }
-    }
-    for (int h = 0; h < count; h++)
-        for (int i = 0; i < 4; i++) _mm512_storeu_ps(results[h] + 16 * i, acc[h][i]);
-}
-
-static void weigh_bf16_heads(float *const *weights, int64_t heads, const uint16_t *const *keys,
-                             ptrdiff_t offset, int64_t n, float *const *results) {
-    for (int64_t h = 0; h < heads; h += WEIGH_HEADS) {
-        switch (heads - h < WEIGH_HEADS ? heads - h : WEIGH_HEADS) {
-            case 1: weigh_bf16_block(weights + h, keys, offset, n, results + h, 1); break;
-            case 2: weigh_bf16_block(weights + h, keys, offset, n, results + h, 2); break;
-            case 3: weigh_bf16_block(weights + h, keys, offset, n, results + h, 3); break;
-            case 4: weigh_bf16_block(weights + h, keys, offset, n, results + h, 4); break;
-            case 5: weigh_bf16_block(weights + h, keys, offset, n, results + h, 5); break;
-            default: weigh_bf16_block(weights + h, keys, offset, n, results + h, 6); break;
-        }
-    }
+/* weigh_heads over a bf16 pool's 64-wide value rows, each widened once for all the heads of a pass. */
+static void weigh_bf16_heads(float *const *weights, int64_t heads, const uint16_t *const *keys, ptrdiff_t offset,
+                             int64_t n, float *const *results) {
+    for (int64_t h = 0; h < heads; h += WEIGH_HEADS)
+        weigh_pass(weights + h, (const void *const *)keys, offset, n, results + h,
+                   heads - h < WEIGH_HEADS ? (int)(heads - h) : WEIGH_HEADS, 1);
 }
 #endif
 
