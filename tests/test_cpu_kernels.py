@@ -209,6 +209,29 @@ def test_paged_attention_gives_a_query_the_same_bits_alone_or_beside_others(kern
                                    rtol=1e-5)
 
 
+def test_paged_attention_over_a_long_chunk_matches_each_query_alone(kernels):
+    """A 512-token prefill chunk after 1,024 cached tokens holds more partial results than the kernel keeps at once
+    (``DECODE_PARTIALS``, 4 << 20 floats), so it goes through in several runs of queries: every row still equals the
+    same query alone, bit for bit."""
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    kv_cache = randn(2, 96, block_size, num_kv_heads, head_dim, seed=13)
+    block_tables = torch.arange(96, dtype=torch.int32).flip(0).view(1, 96)
+    lengths = list(range(1025, 1537))
+    assert sum(num_heads * math.ceil(length / 64) * (head_dim + 2) for length in lengths) > 4 << 20
+    q = randn(len(lengths), num_heads, head_dim, seed=14)
+    plan = KernelAttentionPlan(None, torch.zeros(len(lengths), dtype=torch.int64), torch.tensor(lengths),
+                               len(lengths), max(lengths))
+    out = kernels.paged_attention(q, kv_cache, block_tables, plan, 0.125, torch.empty(q.shape))
+    for row in (0, 200, 300, 511):
+        alone = KernelAttentionPlan(None, torch.tensor([0]), torch.tensor([lengths[row]]), 1, lengths[row])
+        single = kernels.paged_attention(q[row: row + 1].contiguous(), kv_cache, block_tables, alone, 0.125,
+                                         torch.empty(1, num_heads, head_dim))
+        assert torch.equal(out[row], single[0])
+        keys, values = (kv_cache[half, block_tables[0].long()].flatten(0, 1)[: lengths[row]] for half in (0, 1))
+        torch.testing.assert_close(out[row].double(), reference_attention(q[row], keys, values, 0.125), atol=1e-5,
+                                   rtol=1e-5)
+
+
 def test_build_is_cached_per_source_and_reused(tmp_path, monkeypatch):
     first = cpu_kernels.build(tmp_path)
     stamp = first.stat().st_mtime_ns

@@ -1327,26 +1327,26 @@ static void *scratch(int slot, size_t bytes) {
 /* Consecutive queries of one sequence (a verification's rows, a chunk's) that share a work item's key rows. */
 #define DECODE_GROUP 16
 
-/* Query i (of `queries`) is token row r = rows[i] (r = i when rows is NULL): its heads at q + r * q_stride, its
- * result at out + r * num_heads * head_dim. It attends to the first context_lens[i] tokens of sequence
- * seq_of_query[i], read through that sequence's block table row (block_tables + seq * table_stride) from the
- * layer's pool kv (2 x num_blocks x block_size x num_kv_heads x head_dim; float32, or bfloat16 when kv_bf16).
+/* Query i (of `queries`) is token row r = rows[i] (r = i when rows is NULL; r = row_base + i in a run of
+ * paged_attention_run): its heads at q + r * q_stride, its result at out + r * num_heads * head_dim. It attends to the
+ * first context_lens[i] tokens of sequence seq_of_query[i], read through that sequence's block table row
+ * (block_tables + seq * table_stride) from the layer's pool kv (2 x num_blocks x block_size x num_kv_heads x
+ * head_dim; float32, or bfloat16 when kv_bf16).
  *
- * Split decoding: the work items are (group, KV head, chunk of DECODE_CHUNK keys), dynamically over the threads,
- * where a group is up to DECODE_GROUP consecutive queries of one sequence. An item lists its key rows once (a bf16
- * pool: converted once into a per-thread float buffer), then every query head of the group that sees the chunk
- * scores them, takes their softmax against the chunk's own maximum and weighs the value rows; the chunks' partial
- * results are then merged per query head in chunk order. Queries of one sequence no longer convert its keys each,
- * and a single sequence's few KV heads no longer leave threads idle. At batch 1 on 2 cores of an AMX Xeon (9 heads,
- * 3 KV heads, a bf16 pool, 300 keys, a call from Python): one query 26.3 -> 17.2 us, two 46.4 -> 22.1 us, five
- * (a verification of 4 drafts) 68.4 -> 36.0 us. */
-void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
-                           int64_t table_stride, const int64_t *rows, const int64_t *seq_of_query,
-                           const int64_t *context_lens, float *out, int64_t queries, int64_t num_heads,
-                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
-                           int64_t max_context, float scale, int64_t kv_bf16) {
-    (void)max_context;
-    if (queries <= 0) return;
+ * Split decoding: the work items are (group, chunk of DECODE_CHUNK keys, its KV heads or one of them), dynamically
+ * over the threads, where a group is up to DECODE_GROUP consecutive queries of one sequence. An item lists its key
+ * rows once for the whole group (AVX-512 reads a bf16 pool's 64-wide rows in place and widens them in registers;
+ * elsewhere a bf16 pool's rows are widened into a per-thread float buffer), then every query head of the group that
+ * sees the chunk scores them, takes their softmax against the chunk's own maximum and weighs the value rows; the
+ * chunks' partial results are then merged per query head in chunk order. Against the kernel before (one item per
+ * query and KV head over its whole context, keys copied to floats per query), on 2 cores of an AMX Xeon, bf16 pool:
+ * batch 1 at 300 keys 35.5 -> 14.7 us a call, two queries of it 65.3 -> 19.9, batch 64 at ~650 keys 2,568 -> 1,335
+ * us (README, session 23). */
+static void paged_attention_run(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
+                                int64_t table_stride, const int64_t *rows, int64_t row_base,
+                                const int64_t *seq_of_query, const int64_t *context_lens, float *out,
+                                int64_t queries, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                int64_t block_size, int64_t num_blocks, float scale, int64_t kv_bf16) {
     const int64_t per_kv = num_heads / num_kv_heads;
     const int64_t slot_width = num_kv_heads * head_dim;
     const int64_t pool_slots = num_blocks * block_size;
@@ -1443,7 +1443,7 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
                 for (int64_t i = first_query; i < end_query; i++) {
                     const int64_t n = (context_lens[i] < end ? context_lens[i] : end) - start;
                     if (n <= 0) continue;
-                    const int64_t row = rows ? rows[i] : i;
+                    const int64_t row = rows ? rows[i] : row_base + i;
                     const int64_t count = (context_lens[i] + DECODE_CHUNK - 1) / DECODE_CHUNK;
                     for (int64_t h = kvh * per_kv; h < (kvh + 1) * per_kv; h++, heads++) {
                         head_queries[heads] = q + row * q_stride + h * head_dim;
@@ -1482,7 +1482,7 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
         /* merge each query head's chunks, in order */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < queries; i++) {
-            const int64_t row = rows ? rows[i] : i, count = (context_lens[i] + DECODE_CHUNK - 1) / DECODE_CHUNK;
+            const int64_t row = rows ? rows[i] : row_base + i, count = (context_lens[i] + DECODE_CHUNK - 1) / DECODE_CHUNK;
             for (int64_t h = 0; h < num_heads; h++) {
                 const float *own = partial + (partial_at[i] + h * count) * entry;
                 float *restrict result = out + (row * num_heads + h) * head_dim;
@@ -1510,6 +1510,30 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
     free(partial_at);
     free(chunk_first);
     free(group_first);
+}
+
+/* Partial results (floats) infer_paged_attention holds at once: queries go through in runs whose partials fit, so a
+ * long prefill chunk over a long context (a float32 step's every query) never holds one for every (query, head,
+ * chunk) together. A query's result is its own, so the runs change nothing. */
+#define DECODE_PARTIALS (4 << 20)
+
+void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
+                           int64_t table_stride, const int64_t *rows, const int64_t *seq_of_query,
+                           const int64_t *context_lens, float *out, int64_t queries, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+                           int64_t max_context, float scale, int64_t kv_bf16) {
+    (void)max_context;
+    const int64_t entry = head_dim + 2;
+    for (int64_t first = 0, last = 0; first < queries; first = last) {
+        for (int64_t held = 0; last < queries; last++) {
+            const int64_t need = num_heads * ((context_lens[last] + DECODE_CHUNK - 1) / DECODE_CHUNK) * entry;
+            if (last > first && held + need > DECODE_PARTIALS) break;
+            held += need;
+        }
+        paged_attention_run(q, q_stride, kv, block_tables, table_stride, rows ? rows + first : NULL, first,
+                            seq_of_query + first, context_lens + first, out, last - first, num_heads, num_kv_heads,
+                            head_dim, block_size, num_blocks, scale, kv_bf16);
+    }
 }
 
 /* ---- prefill attention: flash attention on AVX512-BF16's dot products ---------------------------------------- */
