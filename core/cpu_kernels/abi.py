@@ -156,7 +156,7 @@ class CpuKernels:
         check_packed(packed, scales)
         out_features, in_features = packed_shape(packed)
         out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
-        bias_pointer = None if bias is None else bias.data_ptr()
+        bias_pointer = address(bias)
         if scales is None:
             linear = self._linear_bf16 if packed.dtype == torch.bfloat16 else self._linear_f16
             linear(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), bias_pointer, out.data_ptr(),
@@ -188,7 +188,7 @@ class CpuKernels:
         out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
         bf16 = x.dtype == torch.bfloat16
         self._linear_tiles(x.data_ptr(), bf16, x.shape[0], in_features, tiles.data_ptr(),
-                           None if bias is None else bias.data_ptr(), out.data_ptr(), bf16, out_features, fma)
+                           address(bias), out.data_ptr(), bf16, out_features, fma)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -214,7 +214,7 @@ class CpuKernels:
         if out_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the CPU kernels' RMSNorm writes float32 or bfloat16, not {out_dtype}")
         out = torch.empty(residual.shape, dtype=out_dtype)
-        self._add_rms_norm_mixed(residual.data_ptr(), None if delta is None else delta.data_ptr(),
+        self._add_rms_norm_mixed(residual.data_ptr(), address(delta),
                                  delta is not None and delta.dtype == torch.bfloat16, out.data_ptr(),
                                  out_dtype == torch.bfloat16, weight.data_ptr(), residual.shape[0], residual.shape[1],
                                  eps)
@@ -288,7 +288,7 @@ class CpuKernels:
         check_block_tables(block_tables)
         _, num_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-        rows = None if plan.rows is None else plan.rows.data_ptr()
+        rows = address(plan.rows)
         self._paged_attention(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
                               block_tables.stride(0), rows, plan.seq_of_query.data_ptr(),
                               plan.context_lens.data_ptr(), out.data_ptr(), plan.num_queries, num_heads,
@@ -344,6 +344,16 @@ class FlashChunks:
     @property
     def count(self) -> int:
         return len(self.starts)
+
+
+def address(tensor: torch.Tensor | None) -> int | None:
+    """Where ``tensor``'s data starts, for a C struct field (None: NULL)."""
+    return None if tensor is None else tensor.data_ptr()
+
+
+def scale_groups(scales: torch.Tensor | None) -> int:
+    """Scales per row of int8 weights packed by ``pack_scales`` (0: fp16 or bf16 weights, which take none)."""
+    return 0 if scales is None else scales.shape[1]
 
 
 def check_flat(x: torch.Tensor) -> None:

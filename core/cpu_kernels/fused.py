@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer.cpu_kernels.abi import (WEIGHT_KINDS, AttentionStepStruct, CpuKernels, DraftHeadStruct, KernelAttentionPlan,
-                                   LayerStruct, check_block_tables, check_flat, check_packed, check_pool, check_slots)
+                                   LayerStruct, address, check_block_tables, check_flat, check_packed, check_pool,
+                                   check_slots, scale_groups)
 from infer.cpu_kernels.packing import packed_shape, tiles_shape
 
 if TYPE_CHECKING:
@@ -40,12 +41,11 @@ class FusedLayer:
                 raise ValueError("a projection's tiles must be its bf16 weight packed by pack_tiles")
         self._keep = [*weights, *scales, *biases, *norms, *tiles]
         (qkv_width, _), (hidden, _), _, (_, intermediate) = (packed_shape(weight) for weight in weights)
-        pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
-        groups = [0 if scale is None else scale.shape[1] for scale in scales]
+        groups = [scale_groups(scale) for scale in scales]
         kinds = [WEIGHT_KINDS[weight.dtype] for weight in weights]
-        self.struct = LayerStruct(*(pointer(tensor) for tensor in (*weights, *scales, *biases, *norms)), eps,
+        self.struct = LayerStruct(*(address(tensor) for tensor in (*weights, *scales, *biases, *norms)), eps,
                                    hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim, *groups, *kinds,
-                                   *(pointer(tile) for tile in tiles), tiles_fma)
+                                   *(address(tile) for tile in tiles), tiles_fma)
         self.hidden = hidden
         self.qkv_width = qkv_width
         self._attention_input = kernels._layer_attention_input
@@ -57,9 +57,8 @@ class FusedLayer:
         projection, RoPE at ``positions`` with ``RotaryEmbedding``'s tables: returns the rotated ``[T, qkv_width]``."""
         tokens = residual.shape[0]
         qkv = torch.empty((tokens, self.qkv_width), dtype=torch.float32)
-        self._attention_input(ctypes.byref(self.struct), tokens, residual.data_ptr(),
-                              None if delta is None else delta.data_ptr(), positions.data_ptr(), cos.data_ptr(),
-                              sin.data_ptr(), qkv.data_ptr())
+        self._attention_input(ctypes.byref(self.struct), tokens, residual.data_ptr(), address(delta),
+                              positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.data_ptr())
         return qkv
 
     def feed_forward(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -124,11 +123,10 @@ class FusedDraftHead:
                              f"{(vocab, out_width)}")
         for tensor in (*norms, *(bias for bias in fc[2:] if bias is not None)):
             check_flat(tensor)
-        pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
-        groups = lambda scales: 0 if scales is None else scales.shape[1]  # noqa: E731
-        self.struct = DraftHeadStruct(*(pointer(norm) for norm in norms), eps, pointer(fc[0]), pointer(fc[1]),
-                                      pointer(fc[2]), groups(fc[1]), WEIGHT_KINDS[fc[0].dtype], pointer(out[0]),
-                                      pointer(out[1]), groups(out[1]), WEIGHT_KINDS[out[0].dtype], vocab, hidden)
+        self.struct = DraftHeadStruct(*(address(norm) for norm in norms), eps, address(fc[0]), address(fc[1]),
+                                      address(fc[2]), scale_groups(fc[1]), WEIGHT_KINDS[fc[0].dtype],
+                                      address(out[0]), address(out[1]), scale_groups(out[1]),
+                                      WEIGHT_KINDS[out[0].dtype], vocab, hidden)
         self.layer = layer
         self.hidden = hidden
         self._keep = [*norms, *fc, *out]
@@ -188,10 +186,10 @@ class KernelAttentionStep:
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[-4:]
         plan = self.plan
         return AttentionStepStruct(
-            self.block_tables.data_ptr(), self.block_tables.stride(0), self.slots.data_ptr(),
-            None if plan.rows is None else plan.rows.data_ptr(), plan.seq_of_query.data_ptr(),
-            plan.context_lens.data_ptr(), plan.num_queries, plan.max_context, self.num_heads, num_kv_heads, head_dim,
-            block_size, num_blocks, self.scale, kv_cache.dtype == torch.bfloat16)
+            self.block_tables.data_ptr(), self.block_tables.stride(0), self.slots.data_ptr(), address(plan.rows),
+            plan.seq_of_query.data_ptr(), plan.context_lens.data_ptr(), plan.num_queries, plan.max_context,
+            self.num_heads, num_kv_heads, head_dim, block_size, num_blocks, self.scale,
+            kv_cache.dtype == torch.bfloat16)
 
     def check(self) -> None:
         check_block_tables(self.block_tables)

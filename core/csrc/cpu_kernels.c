@@ -1208,11 +1208,14 @@ static void weigh_pass(float *const *weights, const void *const *rows, ptrdiff_t
 }
 #endif
 
-/* results[h] = sum_j weights[h][j] * values[j] (values[j] = keys[j] + value_offset) for `heads` heads over the same
- * n value rows: weigh_values with factor 1 for each, several heads a pass where AVX-512 has the registers. */
-static void weigh_heads(float *const *weights, int64_t heads, const float *const *keys,
+/* results[h] = sum_j weights[h][j] * values[j] (values[j] at rows[j] + value_offset elements) for `heads` heads over
+ * the same n value rows: weigh_values with factor 1 for each, several heads a pass where AVX-512 has the registers.
+ * The rows are floats, or, with `bf16` (AVX-512 and a head size of 64 only), a bf16 pool's rows widened in registers
+ * once for all the heads of a pass. */
+static void weigh_heads(float *const *weights, int64_t heads, const void *const *rows, int bf16,
                         ptrdiff_t value_offset, int64_t n, int64_t head_dim, float *const *results) {
     int64_t h = 0;
+    (void)bf16;  /* never set without AVX-512 */
 #ifdef __AVX512F__
     if (head_dim % 64 == 0) {
         for (; h < heads; h += WEIGH_HEADS) {
@@ -1220,12 +1223,13 @@ static void weigh_heads(float *const *weights, int64_t heads, const float *const
             for (int64_t c = 0; c < head_dim; c += 64) {
                 float *at[WEIGH_HEADS];
                 for (int i = 0; i < count; i++) at[i] = results[h + i] + c;
-                weigh_pass(weights + h, (const void *const *)keys, value_offset + c, n, at, count, 0);
+                weigh_pass(weights + h, rows, value_offset + c, n, at, count, bf16);
             }
         }
     }
 #endif
-    for (; h < heads; h++) weigh_values(weights[h], keys, value_offset, n, head_dim, 1.0f, results[h]);
+    for (; h < heads; h++)
+        weigh_values(weights[h], (const float *const *)rows, value_offset, n, head_dim, 1.0f, results[h]);
 }
 
 #ifdef __AVX512F__
@@ -1297,13 +1301,6 @@ static void score_bf16_heads(const float *const *queries, int64_t heads, const u
     }
 }
 
-/* weigh_heads over a bf16 pool's 64-wide value rows, each widened once for all the heads of a pass. */
-static void weigh_bf16_heads(float *const *weights, int64_t heads, const uint16_t *const *keys, ptrdiff_t offset,
-                             int64_t n, float *const *results) {
-    for (int64_t h = 0; h < heads; h += WEIGH_HEADS)
-        weigh_pass(weights + h, (const void *const *)keys, offset, n, results + h,
-                   heads - h < WEIGH_HEADS ? (int)(heads - h) : WEIGH_HEADS, 1);
-}
 #endif
 
 /* A buffer of at least `bytes` for this thread, kept from call to call in one of SCRATCH_SLOTS slots (its contents
@@ -1393,8 +1390,7 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
 #pragma omp parallel if (parallel)
     {
         const float *keys[DECODE_CHUNK];
-        const uint16_t *raw[DECODE_CHUNK];
-        (void)raw;  /* the direct path's (AVX-512 builds) */
+        const uint16_t *raw[DECODE_CHUNK];  /* the direct path's rows (AVX-512 builds) */
         const int64_t group_heads = DECODE_GROUP * per_kv;
         float *scores = scratch(1, sizeof(float) * group_heads * DECODE_CHUNK);
         float **head_weights = scratch(3, sizeof(float *) * group_heads);
@@ -1470,19 +1466,15 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
                     own[head_dim + 1] = exp_shifted_sum(weights, head_keys[a], head_best[a]);
                     for (int64_t j = head_keys[a]; j < end - start; j++) weights[j] = 0.0f;
                 }
-#ifdef __AVX512F__
-                if (direct) {
-                    weigh_bf16_heads(head_weights, heads, raw, value_offset, end - start, head_results);
-                    continue;
-                }
-#endif
-                weigh_heads(head_weights, heads, keys, value_offset, end - start, head_dim, head_results);
+                weigh_heads(head_weights, heads, direct ? (const void *const *)raw : (const void *const *)keys, direct,
+                            value_offset, end - start, head_dim, head_results);
             }
         }
         /* merge each query head's chunks, in order */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < queries; i++) {
-            const int64_t row = rows ? rows[i] : row_base + i, count = (context_lens[i] + DECODE_CHUNK - 1) / DECODE_CHUNK;
+            const int64_t row = rows ? rows[i] : row_base + i;
+            const int64_t count = (context_lens[i] + DECODE_CHUNK - 1) / DECODE_CHUNK;
             for (int64_t h = 0; h < num_heads; h++) {
                 const float *own = partial + (partial_at[i] + h * count) * entry;
                 float *restrict result = out + (row * num_heads + h) * head_dim;
