@@ -30,6 +30,14 @@ class AttentionMetadata:
     Sequence ``i`` owns query tokens ``query_start_loc[i]:query_start_loc[i+1]`` at positions
     ``seq_lens[i] - query_len_i ... seq_lens[i] - 1``; each attends to every position ``<=`` its own in its sequence
     (bottom-right causal), reading cached positions through ``block_tables[i]``.
+
+    Draft trees (``own_keys`` not None; only for backends that declare ``draft_trees``): a sequence's last tokens may
+    be a tree of drafts (``infer.drafter.DraftTree``) in a caterpillar's shape, a spine of drafts each after the one
+    before it and leaves hanging off the spine. Token ``t``'s K/V are always written at its own slot
+    (``slot_mapping[t]``, the next token index of the sequence), but a leaf sits at the position of the spine draft it
+    stands beside (``positions[t]``, which RoPE uses): it attends to every position ``<=`` its own, the last of them,
+    its own position, read from the sequence's token index ``own_keys[t]`` (its own slot) instead of from the spine.
+    ``own_keys[t]`` is -1 for every other token.
     """
 
     positions: torch.Tensor  # [T] int64
@@ -42,24 +50,41 @@ class AttentionMetadata:
     # Host copies for backends that loop on the CPU side.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    own_keys: torch.Tensor | None = None  # [T] int64: draft trees' leaves (see above); None when the step has none
 
     @classmethod
     def build(cls, block_tables: list[list[int]], num_cached: list[int], num_new: list[int], block_size: int,
-              device: torch.device | str = "cpu") -> "AttentionMetadata":
+              device: torch.device | str = "cpu",
+              draft_depths: list[list[int] | None] | None = None) -> "AttentionMetadata":
         """Metadata for sequences with ``num_cached[i]`` tokens already in the pool computing ``num_new[i]`` more,
-        their K/V stored through ``block_tables[i]`` (what the engine's runner builds each step)."""
+        their K/V stored through ``block_tables[i]`` (what the engine's runner builds each step). ``draft_depths[i]``
+        (None: a chain, or no drafts): the depth in its draft tree of each draft among sequence ``i``'s last new
+        tokens (1 for a child of the last committed token), which places the tree's leaves."""
         width = max(len(table) for table in block_tables)
         tables = torch.tensor([table + [0] * (width - len(table)) for table in block_tables], dtype=torch.int32)
         # Plain lists, one tensor each: a tensor op per sequence (or even a few per step) costs more than the
         # arithmetic, at batch 1 (an EAGLE chain step) as at batch 64.
         span = [(table, range(c, c + n)) for table, c, n in zip(block_tables, num_cached, num_new)]
-        positions = torch.tensor([p for _, run in span for p in run], dtype=torch.int64)
+        positions = [p for _, run in span for p in run]
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for table, run in span for p in run],
                              dtype=torch.int64)
+        own_keys = None
+        if draft_depths is not None and any(draft_depths):
+            own_keys = [-1] * len(positions)
+            for end, run, depths in zip(itertools.accumulate(num_new), span, draft_depths):
+                if not depths:
+                    continue
+                root = run[1][-1] - len(depths)  # the last committed token's index
+                for offset, depth in enumerate(depths):
+                    token = end - len(depths) + offset
+                    if root + depth != positions[token]:  # a leaf: beside the spine's draft at its depth
+                        own_keys[token] = positions[token]
+                        positions[token] = root + depth
+            own_keys = torch.tensor(own_keys, dtype=torch.int64, device=device)
         seq_lens = [c + n for c, n in zip(num_cached, num_new)]
         query_start_loc = torch.tensor([0, *itertools.accumulate(num_new)], dtype=torch.int32)
         return cls(
-            positions=positions.to(device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
             query_start_loc=query_start_loc.to(device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             block_tables=tables.to(device),
@@ -68,6 +93,7 @@ class AttentionMetadata:
             max_seq_len=max(seq_lens),
             query_lens_cpu=list(num_new),
             seq_lens_cpu=seq_lens,
+            own_keys=own_keys,
         )
 
     @property
@@ -98,6 +124,9 @@ class AttentionBackend(ABC):
     # layers of a step of a few tokens) instead of calling ``forward``. Every other backend keeps False and always
     # sees ``forward``.
     fused_cpu_attention: ClassVar[bool] = False
+    # True for a backend that attends draft trees' leaves as ``AttentionMetadata.own_keys`` says; the engine drafts
+    # chains only (a tree's spine) for every other.
+    draft_trees: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from infer.attention import AttentionBackend
+    from infer.calibration import RowsCalibration
     from infer.execution import Executor, ForwardStep
     from infer.runner import StepOutput
     from infer.sequence import Sequence
@@ -40,6 +41,48 @@ class SampledDrafts(list):
     def __init__(self, token_ids: list[int], probs: "torch.Tensor"):
         super().__init__(token_ids)
         self.probs = probs
+
+
+class DraftTree(list):
+    """Draft token ids as a tree, for a greedy request: ``parents[i]`` is the index of draft ``i``'s parent, -1 for
+    the sequence's last committed token (the root). Verification accepts the longest path from the root whose every
+    draft equals the target's own choice after its parent, plus the target's next token; so at each depth several
+    alternatives can be checked in one pass for the price of their rows.
+
+    The shape is a caterpillar, what ``AttentionMetadata.own_keys`` can attend: the first drafts form a chain, the
+    spine (``parents[i] == i - 1``), and every later draft is a leaf, a child of the root or of a spine draft, with no
+    children of its own (an alternative to the spine's draft at its depth). A chain is the tree without leaves. The
+    engine keeps only the spine where it cannot verify a tree (a sampled request, a structured-output one, an
+    attention backend without ``draft_trees``), so a drafter should order each level's likeliest guess on the spine.
+    """
+
+    def __init__(self, token_ids: list[int], parents: list[int]):
+        super().__init__(token_ids)
+        self.parents = list(parents)
+        self.depths = tree_depths(self.parents)
+
+    @property
+    def spine_length(self) -> int:
+        return spine_length(self.parents)
+
+
+def spine_length(parents: list[int]) -> int:
+    """How many of a draft tree's first drafts each follow the one before (its spine)."""
+    length = 0
+    while length < len(parents) and parents[length] == length - 1:
+        length += 1
+    return length
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each draft's depth in a caterpillar-shaped ``DraftTree`` (1: a child of the root); ``ValueError`` for any
+    other shape."""
+    spine = spine_length(parents)
+    for index, parent in enumerate(parents[spine:], start=spine):
+        if not -1 <= parent < spine:
+            raise ValueError(f"draft {index} hangs off draft {parent}: a draft tree's leaves hang off the root (-1) or "
+                             f"a spine draft (0..{spine - 1}), parents {parents}")
+    return [index + 1 if index < spine else parent + 2 for index, parent in enumerate(parents)]
 
 
 class TargetModel(Protocol):
@@ -86,6 +129,16 @@ class DrafterContext:
     quantization: str  # the target's weight packing (``infer.quantization``): "none", "fp16", "int8", ...
     attention: "AttentionBackend"
     executor: "Executor"
+    recalibrate: bool = False  # ``execution.recalibrate``: measure again rather than read cached calibrations
+
+    def free_verify_rows(self) -> RowsCalibration:
+        """How many query rows of one sequence the target computes for about a decode step's time on this machine
+        (a verification of drafts is one row per draft plus one): measured once per machine and model, cached
+        (``infer.calibration.calibrate_rows``)."""
+        from infer.calibration import calibrate_rows
+
+        return calibrate_rows(self.target, self.attention, self.executor, self.quantization, self.device,
+                              self.dtype, self.recalibrate)
 
     def build_attention(self, num_heads: int, num_kv_heads: int, head_dim: int) -> "AttentionBackend":
         """An attention backend of the target's kind and block size for layers of other shapes (a draft model)."""
@@ -155,6 +208,10 @@ class Drafter(ABC):
     def kv_bytes_per_token(self) -> int:
         """Bytes of the drafter's own KV per token slot (0: it keeps none)."""
         return 0
+
+    def describe(self) -> str:
+        """How it drafts, for ``infer run``'s summary of the execution (empty: nothing worth a line)."""
+        return ""
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the drafter's KV pool: ``num_blocks`` blocks of the target's block size (called once, when

@@ -191,6 +191,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device, self.executor,
                                   self.pool_plan.num_blocks, f"allocator {config.allocator.name!r} or prefix cache "
                                                              f"{config.prefix_cache.name!r}", self.tensor_parallel)
+        if self.attention.draft_trees and self.tensor_parallel is None:  # other ranks' pools would not follow a move
+            self.speculation.move_kv = self.runner.move_kv
         self.sampler = Sampler()
 
     def _launch_tensor_parallel(self) -> TensorParallel:
@@ -222,7 +224,7 @@ class Engine:
         return DrafterContext(target=self.model, model_name=self.model_name, tokenizer=self.tokenizer,
                               dtype=self.dtype, device=self.device, block_size=self.attention.block_size,
                               seed=self.config.model.seed, quantization=self.quantization, attention=self.attention,
-                              executor=self.executor)
+                              executor=self.executor, recalibrate=self.config.execution.recalibrate)
 
     def _init_scheduling(self, num_blocks: int, drafter: Drafter, jump_forward: bool = False) -> None:
         """The allocator, prefix cache and scheduler plugins over a pool of ``num_blocks``, the queues, the counters
@@ -275,7 +277,10 @@ class Engine:
                  else f"fused up to {self.executor.fused_max_tokens} tokens")
         gemm = "" if self.executor.gemm is None else f"; {self.executor.gemm.describe()}"
         heap = "; malloc keeps freed memory" if self.reuses_freed_memory else ""
-        return f"{dtypes}; attention {chosen}; {kernels}; execution paths {paths} ({fused}){gemm}{heap}{parallel}"
+        drafts = self.drafter.describe()
+        drafts = f"; {drafts}" if drafts else ""
+        return (f"{dtypes}; attention {chosen}; {kernels}; execution paths {paths} ({fused}){gemm}{heap}{parallel}"
+                f"{drafts}")
 
     def _check_max_model_len(self, loaded) -> None:
         limit = getattr(loaded.hf_config, "max_position_embeddings", None)
@@ -554,7 +559,8 @@ class Engine:
         """Commit the tokens of ``seq``'s logits rows: with drafts, those ``SpeculativeDecoder.accept`` keeps
         (``speculating``: ``self.speculation.active``, read once per step)."""
         if seq.draft_token_ids:
-            sampled = self.speculation.accept(seq, sampled)
+            sampled, rows = self.speculation.accept(seq, sampled)
+            logprobs = [logprobs[row] for row in rows]
         for token, logprob in zip(sampled, logprobs):
             self._append_token(seq, token, logprob, now)
             if seq.is_finished:

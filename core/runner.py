@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.attention import AttentionBackend, AttentionMetadata
+from infer.drafter import tree_depths
 from infer.execution import Executor
 from infer.sequence import Sequence
 
@@ -78,9 +79,12 @@ class ModelRunner:
         input_ids: list[int] = []
         for seq, num_new in scheduled:
             input_ids.extend(step_tokens(seq, num_new))
+        trees = [tree_depths(seq.draft_parents[: num_new - 1]) if seq.draft_parents and num_new > 1 else None
+                 for seq, num_new in scheduled]
         metadata = AttentionMetadata.build([seq.block_table for seq, _ in scheduled],
                                            [seq.num_computed_tokens for seq, _ in scheduled],
-                                           [num_new for _, num_new in scheduled], self.block_size, self.device)
+                                           [num_new for _, num_new in scheduled], self.block_size, self.device,
+                                           trees if any(trees) else None)
         if self.num_blocks is not None:
             self.check_block_tables(scheduled, metadata.block_tables)
         return torch.tensor(input_ids, dtype=torch.int64, device=self.device), metadata
@@ -95,6 +99,14 @@ class ModelRunner:
         raise BlockTableError(f"sequence {seq.seq_id}: its block table holds block {bad}, outside the KV pool's "
                               f"{self.num_blocks} blocks (ids 0..{self.num_blocks - 1}); {self.block_sources} handed "
                               f"it out: a bug in that plugin (its conformance suite, infer.testing, may show it)")
+
+    def move_kv(self, seq: Sequence, source: int, target: int) -> None:
+        """Copy the K/V of ``seq``'s token index ``source`` over those of ``target`` in every layer of the pool (a
+        draft tree's accepted leaf, written past the spine, to its position)."""
+        size, table = self.block_size, seq.block_table
+        slots = self.kv_cache.flatten(2, 3)  # [layers, 2, slots, kv_heads, head_dim]
+        slots[:, :, table[target // size] * size + target % size] = slots[:, :, table[source // size] * size +
+                                                                           source % size]
 
     @staticmethod
     def logits_rows(scheduled: list[tuple[Sequence, int]]) -> tuple[list[int], list[BatchRows]]:

@@ -156,6 +156,7 @@ class SchedulerView:
         self._kv.free(seq)
         seq.draft_token_ids = []
         seq.draft_probs = None
+        seq.draft_parents = None
         seq.num_preemptions += 1
         self._queues.preempt(seq)
 

@@ -41,6 +41,8 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     # [len(draft_token_ids), vocab] float32 when the drafter sampled its guesses (``infer.drafter.SampledDrafts``).
     draft_probs: object | None = None
+    # The drafts' parents when they form a tree (``infer.drafter.DraftTree``); None: a chain.
+    draft_parents: list[int] | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
     arrival_time: float = 0.0

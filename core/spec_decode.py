@@ -10,17 +10,24 @@ comes from a generator keyed by (request seed, position) and salted apart from t
 commits the same tokens. ``accept`` commits the longest agreeing prefix plus the target's next token; ``rollback``
 tells the drafter where the sequence now ends and gives back the blocks reserved for rejected drafts.
 
+Draft trees (``infer.drafter.DraftTree``, greedy requests only): the drafts are computed in one pass as any are, a
+leaf at the position of the spine draft it stands beside (``AttentionMetadata.own_keys``), and ``accept`` walks from
+the root to the child that equals the target's choice, as long as there is one. A path that ends in a leaf leaves
+the leaf's K/V at its own slot, past the spine: they are copied to the slot of its position before the blocks past
+the committed tokens go back, and its hidden state to the row a drafter reads for that position.
+
 With a drafter that never proposes (``none``) and no grammar-forced tokens, ``active`` is False and the engine calls
 nothing here in a step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from infer.drafter import Drafter, DrafterConfig
+from infer.drafter import Drafter, DrafterConfig, spine_length, tree_depths
 from infer.kv_cache_manager import KVCacheManager
 from infer.sampler import SampleRequest, apply_filters, position_generator, sample_row
 from infer.sequence import Sequence
@@ -83,6 +90,11 @@ class SpeculativeDecoder:
         self.max_model_len = max_model_len
         self.stats = stats
         self._jump_forward = jump_forward
+        # Copies a token's K/V over another's in the target's pool (``ModelRunner.move_kv``): set by the engine where
+        # its attention backend attends draft trees; None keeps every tree's spine only.
+        self.move_kv: Callable[[Sequence, int, int], None] | None = None
+        # Accepted leaves this step: sequence id -> (the leaf's row, the row of its position) within its step rows
+        self._moved_rows: dict[str, tuple[int, int]] = {}
 
     @property
     def jump_forward(self) -> bool:
@@ -99,7 +111,15 @@ class SpeculativeDecoder:
 
     # -- after a step: propose -----------------------------------------------------------------------------------
     def after_step(self, output: StepOutput, running: list[Sequence]) -> None:
-        """Show the drafter the step, then draft for the sequences in decode."""
+        """Show the drafter the step (an accepted leaf's hidden state in the row of its position), then draft for the
+        sequences in decode."""
+        if self._moved_rows and output.hidden_states is not None:
+            with torch.inference_mode():  # the forward pass's tensor
+                for row in output.token_rows:
+                    moved = self._moved_rows.get(row.seq.seq_id)
+                    if moved is not None:
+                        output.hidden_states[row.start + moved[1]] = output.hidden_states[row.start + moved[0]]
+        self._moved_rows.clear()
         self.drafter.observe(output)
         self.propose(running)
 
@@ -117,11 +137,27 @@ class SpeculativeDecoder:
             proposals = [drafts if drafts or seq.matcher is None else seq.matcher.forced_tokens()[:k]
                          for seq, drafts in zip(decoding, proposals)]
         for seq, drafts in zip(decoding, proposals):
-            room = min(self.max_model_len - seq.num_tokens - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
-            seq.draft_token_ids = list(drafts[: max(room, 0)])
-            probs = getattr(drafts, "probs", None)
-            seq.draft_probs = None if probs is None else probs[: len(seq.draft_token_ids)]
-            self.stats.num_draft_tokens += len(seq.draft_token_ids)
+            room = max(0, min(self.max_model_len - seq.num_tokens - 1,
+                              seq.params.max_tokens - seq.num_output_tokens - 1))
+            probs, parents = getattr(drafts, "probs", None), getattr(drafts, "parents", None)
+            tokens = list(drafts[:room])
+            if parents is not None:
+                tokens, parents = self._tree_that_fits(seq, list(drafts), parents, room)
+            seq.draft_token_ids, seq.draft_parents = tokens, parents
+            seq.draft_probs = None if probs is None else probs[: len(tokens)]
+            self.stats.num_draft_tokens += len(tokens)
+
+    def _tree_that_fits(self, seq: Sequence, drafts: list[int], parents: list[int],
+                        room: int) -> tuple[list[int], list[int] | None]:
+        """A drafter's tree for ``seq`` as this step can verify it: the drafts no deeper than ``room`` (tokens past
+        it could not be committed), and only its spine (a chain: parents None) for a sampled or structured-output
+        request or where the engine cannot attend trees."""
+        depths = tree_depths(parents)
+        if self.move_kv is None or not seq.params.greedy or seq.matcher is not None:
+            return drafts[:min(spine_length(parents), room)], None
+        kept = [index for index, depth in enumerate(depths) if depth <= room]
+        # the spine comes first and every leaf's parent is on it, so the kept spine keeps its indices
+        return [drafts[index] for index in kept], [parents[index] for index in kept]
 
     # -- in the step: verify and accept --------------------------------------------------------------------------
     @staticmethod
@@ -138,16 +174,29 @@ class SpeculativeDecoder:
                                            seq.draft_probs)
             tokens[row.start:row.start + len(chosen)] = chosen
 
-    def accept(self, seq: Sequence, sampled: list[int]) -> list[int]:
-        """The tokens to commit for ``seq`` out of its rows' ``sampled`` ones: the longest prefix that agrees with
-        its drafts, plus the target's next token. Clears the drafts; the K/V of the accepted ones counts as
-        computed (rejected draft slots are overwritten later)."""
-        drafts = seq.draft_token_ids
-        accepted = []
-        for j, token in enumerate(sampled):
-            accepted.append(token)
-            if j >= len(drafts) or token != drafts[j]:
+    def accept(self, seq: Sequence, sampled: list[int]) -> tuple[list[int], list[int]]:
+        """The tokens to commit for ``seq`` out of its rows' ``sampled`` ones, and the rows they came from: the
+        longest run of drafts that agrees with the target (a path from the root, in a tree), plus the target's next
+        token. Clears the drafts; the K/V of the accepted ones counts as computed (rejected draft slots are
+        overwritten later; an accepted leaf's are moved to its position)."""
+        drafts, parents = seq.draft_token_ids, seq.draft_parents
+        rows = [0]
+        while len(rows) < len(sampled):
+            node = rows[-1] - 1  # the draft whose row the last accepted token came from (-1: the root)
+            token = sampled[rows[-1]]
+            if parents is None:
+                child = node + 1 if node + 1 < len(drafts) and drafts[node + 1] == token else None
+            else:
+                child = next((index for index in range(node + 1, min(len(drafts), len(sampled) - 1))
+                              if parents[index] == node and drafts[index] == token), None)
+            if child is None:
                 break
+            rows.append(child + 1)
+        accepted = [sampled[row] for row in rows]
+        if len(rows) > 1 and rows[-1] != len(rows) - 1:  # the path ends in a leaf, whose K/V sit past the spine
+            committed = seq.num_tokens
+            self.move_kv(seq, committed + rows[-1] - 1, committed + len(rows) - 2)
+            self._moved_rows[seq.seq_id] = (rows[-1], len(rows) - 1)
         if len(sampled) > 1:
             seq.num_verify_passes += 1
             seq.num_accepted_tokens += len(accepted)
@@ -155,8 +204,9 @@ class SpeculativeDecoder:
             self.stats.num_accepted_tokens += len(accepted)
         seq.draft_token_ids = []
         seq.draft_probs = None
+        seq.draft_parents = None
         seq.num_computed_tokens = seq.num_tokens + len(accepted) - 1
-        return accepted
+        return accepted, rows
 
     def rollback(self, seq: Sequence) -> None:
         """After ``seq``'s tokens were committed (and it goes on): the drafter forgets state past them, and the

@@ -232,6 +232,41 @@ def test_paged_attention_over_a_long_chunk_matches_each_query_alone(kernels):
                                    rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("root", [60, 126, 300])
+def test_a_draft_trees_leaf_gets_the_bits_of_its_key_at_its_own_position(kernels, kv_dtype, root):
+    """A draft tree's leaf reads its own K/V from the slot it was written to (past the spine) in place of its
+    position's: exactly what a query at that position computes when the leaf's K/V sit there, bit for bit, beside the
+    spine's rows and another sequence's (roots on both sides of the kernel's 64-key chunks)."""
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    kv_cache = randn(2, 64, block_size, num_kv_heads, head_dim, seed=21).to(kv_dtype)
+    block_tables = torch.tensor([list(range(1, 32))[::-1], list(range(32, 63))], dtype=torch.int32)
+    # sequence 0: the root, a spine of three drafts, leaves at depths 1, 2 and 4 (tokens root + 4 .. root + 6);
+    # sequence 1: one decode row
+    spine, leaves = [root + 1, root + 2, root + 3, root + 4], [(1, root + 5), (2, root + 6), (4, root + 7)]
+    seqs = [0] * (len(spine) + len(leaves)) + [1]
+    lengths = spine + [root + depth + 1 for depth, _ in leaves] + [77]
+    own = [-1] * len(spine) + [token for _, token in leaves] + [-1]
+    q = randn(len(seqs), num_heads, head_dim, seed=22)
+    plan = KernelAttentionPlan(None, torch.tensor(seqs), torch.tensor(lengths), len(seqs), max(lengths),
+                               torch.tensor(own))
+    out = kernels.paged_attention(q, kv_cache, block_tables, plan, 0.125, torch.empty(q.shape))
+    slots = [int(block_tables[0, t // block_size]) * block_size + t % block_size for t in range(root + 8)]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    for row in range(len(seqs)):
+        moved = kv_cache.clone()  # the leaf's K/V at its own position, as a decode step there would hold them
+        if own[row] >= 0:
+            moved.view(2, -1, num_kv_heads, head_dim)[:, slots[lengths[row] - 1]] = flat[:, slots[own[row]]]
+        alone = KernelAttentionPlan(None, torch.tensor([seqs[row]]), torch.tensor([lengths[row]]), 1, lengths[row])
+        single = kernels.paged_attention(q[row: row + 1].contiguous(), moved, block_tables, alone, 0.125,
+                                         torch.empty(1, num_heads, head_dim))
+        assert torch.equal(out[row], single[0]), row
+        keys, values = (moved[half, block_tables[seqs[row]].long()].flatten(0, 1)[: lengths[row]].float()
+                        for half in (0, 1))
+        torch.testing.assert_close(out[row].double(), reference_attention(q[row], keys, values, 0.125), atol=1e-5,
+                                   rtol=1e-5)
+
+
 def test_build_is_cached_per_source_and_reused(tmp_path, monkeypatch):
     first = cpu_kernels.build(tmp_path)
     stamp = first.stat().st_mtime_ns
@@ -589,8 +624,10 @@ def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 14
     pool = randn(2, num_blocks, block_size, num_kv_heads, head_dim, seed=7)
     block_tables = torch.tensor([[3, 1, 6, 0, 8, 9, 10], [2, 5, 7, 4, 11, 13, 12]], dtype=torch.int32)
-    q = randn(4, num_heads, head_dim, seed=8)  # two rows of sequence 1 (verification), over one or two key chunks
-    plan = KernelAttentionPlan(None, torch.tensor([0, 1, 1, 1]), torch.tensor([37, 64, 100, 101]), 4, 101)
+    # three rows of sequence 1 (verification), over one or two key chunks, and a draft tree's leaf beside the second
+    q = randn(5, num_heads, head_dim, seed=8)
+    plan = KernelAttentionPlan(None, torch.tensor([0, 1, 1, 1, 1]), torch.tensor([37, 64, 100, 101, 100]), 5, 101,
+                               torch.tensor([-1, -1, -1, -1, 105]))
     for kv in (pool, pool.to(torch.bfloat16)):
         outs = [kernels_.paged_attention(q, kv, block_tables, plan, 0.125, torch.zeros_like(q))
                 for kernels_ in (built, portable_kernels)]

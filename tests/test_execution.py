@@ -380,6 +380,40 @@ def test_a_real_calibration_times_both_paths_at_every_size(tiny_model_dir, tmp_p
     assert len(output.token_ids) == 6
 
 
+def test_free_rows_is_the_most_rows_within_the_margin_of_one():
+    from infer.calibration import free_rows
+
+    assert free_rows({1: 10.0, 2: 9.8, 3: 10.4, 4: 10.45, 5: 11.0, 8: 10.0}) == 4  # 5 rows cost 1.1x: the end
+    assert free_rows({1: 10.0, 2: 12.0, 3: 10.0}) == 1
+
+
+@needs_kernels
+def test_eagle_trees_hold_one_draft_fewer_than_the_rows_a_decode_step_verifies(tiny_model_dir, tmp_path,
+                                                                                monkeypatch):
+    """``tree_budget: auto`` takes the measured free rows (a fake measurement: 5 rows within 5% of one) less the
+    root's row, capped by ``num_speculative_tokens``; the measurement is cached and read back, ``infer run`` names
+    it, and a number or ``tree_width: 1`` (chains) measures nothing."""
+    from infer import calibration
+
+    monkeypatch.setattr(calibration, "calibration_path", lambda digest: tmp_path / f"{digest}.json")
+    measured, measure_rows = [], calibration.measure_rows
+    fake = {1: 10.0, 2: 10.0, 3: 10.2, 4: 10.3, 5: 10.4, 6: 11.5, 7: 12.0, 8: 13.0}
+    monkeypatch.setattr(calibration, "measure_rows", lambda *args, **kwargs: measured.append(1) or fake)
+    eagle = ["drafter.name=eagle", "drafter.head=random"]
+    llm = _auto_llm(tiny_model_dir, *eagle, "drafter.num_speculative_tokens=6")
+    assert llm.engine.drafter.tree_budget == 4 and measured == [1]
+    assert "eagle trees of up to 4 drafts, 3 guesses a run: 5 rows of a sequence" in llm.engine.describe_execution()
+    assert _auto_llm(tiny_model_dir, *eagle).engine.drafter.tree_budget == 4 and measured == [1]  # cached; k = 4
+    assert _auto_llm(tiny_model_dir, *eagle, "drafter.num_speculative_tokens=2").engine.drafter.tree_budget == 2
+    assert _auto_llm(tiny_model_dir, *eagle, "drafter.tree_budget=3").engine.drafter.tree_budget == 3
+    chains = _auto_llm(tiny_model_dir, *eagle, "drafter.tree_width=1").engine
+    assert chains.drafter.tree_budget is None and "eagle chains of up to 4" in chains.describe_execution()
+    assert measured == [1]
+    times = measure_rows(llm.engine.model, llm.engine.attention, llm.engine.executor, llm.engine.device,
+                                     llm.engine.dtype, candidates=(1, 3), repeats=1)
+    assert sorted(times) == [1, 3] and all(ms > 0 for ms in times.values())
+
+
 _FAULTS_SCRIPT = """
 import resource, sys, torch
 from infer import LLM, SamplingParams

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from infer import LLM, SamplingParams
-from infer.drafter import Drafter
+from infer.drafter import Drafter, DraftTree
 from infer.testing.models import make_tiny_model_dir
 from infer.registry import get_registry
 from infer.spec_decode import verify_sampled_drafts
@@ -43,14 +43,16 @@ def other_model_dir(tiny_model_dir, tmp_path_factory):
     return str(destination)
 
 
-@pytest.fixture(params=["ngram", "model-self", "model-other", "eagle"])
+@pytest.fixture(params=["ngram", "model-self", "model-other", "eagle", "eagle-tree"])
 def drafter(request, other_model_dir):
-    """Config overrides selecting each drafter (the eagle head is untrained: output must not depend on it)."""
+    """Config overrides selecting each drafter (the eagle head is untrained: output must not depend on it), eagle
+    drafting chains and trees."""
     return {
         "ngram": {"drafter__name": "ngram"},
         "model-self": {"drafter__name": "model", "drafter__layers": 1},
         "model-other": {"drafter__name": "model", "drafter__path": other_model_dir},
-        "eagle": {"drafter__name": "eagle", "drafter__head": "random"},
+        "eagle": {"drafter__name": "eagle", "drafter__head": "random", "drafter__tree_width": 1},
+        "eagle-tree": {"drafter__name": "eagle", "drafter__head": "random", "drafter__tree_budget": 4},
     }[request.param]
 
 
@@ -173,6 +175,122 @@ class RandomTokenDrafter(Drafter):
 
     def propose(self, sequences, k):
         return [[self.rng.randrange(self.vocab_size) for _ in range(k)] for _ in sequences]
+
+
+class OracleTreeDrafter(Drafter):
+    """Knows each prompt's greedy continuation and drafts trees whose every accepted path ends in a leaf: the spine
+    guesses right then wrong, with the right second guess on a leaf beside it (three tokens a pass), or the spine
+    guesses wrong beside a right leaf (two tokens a pass), turn about."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], vocab_size: int):
+        super().__init__()
+        self.expected = expected
+        self.vocab_size = vocab_size
+        self.passes = 0
+
+    def propose(self, sequences, k):
+        proposals = []
+        for seq in sequences:
+            future = self.expected[tuple(seq.prompt_token_ids)][seq.num_output_tokens:]
+            self.passes += 1
+            if len(future) < 3 or k < 4:
+                proposals.append([])
+            elif self.passes % 2:
+                proposals.append(DraftTree([future[0], self.wrong(future[1]), self.wrong(future[0]), future[1]],
+                                           [-1, 0, -1, 0]))
+            else:
+                proposals.append(DraftTree([self.wrong(future[0]), future[0]], [-1, -1]))
+        return proposals
+
+    def wrong(self, token: int) -> int:
+        return (token + 1) % self.vocab_size
+
+
+def test_a_draft_trees_accepted_leaf_leaves_the_output_unchanged(tiny_model_dir):
+    """Every accepted path ends in a leaf, whose K/V the engine moves from its own slot (past the spine) to its
+    position before the next step reads them: the output equals the target's alone, in a mixed batch with chunked
+    prefills (a budget cut drops a tree's last drafts), and each pass commits more than one token."""
+    prompts = mixed_prompts()
+    settings = {"scheduler__max_num_batched_tokens": 32}
+    expected, _ = generate(tiny_model_dir, prompts, greedy(), **settings)
+    llm = make_llm(tiny_model_dir, **settings)
+    assert llm.engine.speculation.move_kv is not None  # the cpu backend attends trees
+    llm.engine.speculation.drafter = OracleTreeDrafter(
+        {tuple(prompt): output for prompt, output in zip(prompts, expected)}, llm.engine.model.vocab_size)
+    outputs = [output.token_ids for output in llm.generate(prompts, greedy())]
+    assert outputs == expected
+    assert llm.engine.stats.mean_accepted_per_pass > 2.2
+
+
+def test_a_tree_is_cut_to_its_spine_where_it_cannot_be_verified(tiny_model_dir):
+    """Sampled requests, and every request on a backend without ``draft_trees`` (sdpa), get the tree's spine only:
+    the output stays the target's."""
+    prompts = mixed_prompts()
+    sampled = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=2, seed=7 + i, ignore_eos=True)
+               for i in range(len(prompts))]
+    for settings, params in (({"attention__name": "sdpa"}, greedy()), ({}, sampled)):
+        expected, _ = generate(tiny_model_dir, prompts, params, **settings)
+        llm = make_llm(tiny_model_dir, **settings)
+        drafter = OracleTreeDrafter({tuple(prompt): output for prompt, output in zip(prompts, expected)},
+                                    llm.engine.model.vocab_size)
+        llm.engine.speculation.drafter = drafter
+        parents = []
+        llm.engine.speculation.accept = lambda seq, sampled_, seen=parents, accept=llm.engine.speculation.accept: (
+            seen.append(seq.draft_parents) or accept(seq, sampled_))
+        outputs = [output.token_ids for output in llm.generate(prompts, params)]
+        assert outputs == expected
+        assert parents and all(tree is None for tree in parents)
+
+
+def test_an_accepted_leaf_moves_its_kv_and_its_hidden_state_to_its_position():
+    """``accept`` walks the tree to the leaf the target agrees with, asks for the leaf's K/V to be copied from its
+    slot to its position's, and ``after_step`` puts its hidden state in the row a drafter reads for that position."""
+    from types import SimpleNamespace
+
+    from infer.runner import BatchRows, StepOutput
+    from infer.sequence import Sequence
+    from infer.spec_decode import SpeculativeDecoder
+
+    observed, moves = [], []
+    drafter = SimpleNamespace(observe=observed.append, propose=lambda sequences, k: [], kv_bytes_per_token=lambda: 0)
+    config = SimpleNamespace(num_speculative_tokens=4, max_batch_size=8)
+    stats = SimpleNamespace(num_verify_passes=0, num_accepted_tokens=0, num_draft_tokens=0)
+    speculation = SpeculativeDecoder(drafter, config, kv=None, max_model_len=256, stats=stats)
+    speculation.move_kv = lambda seq, source, target: moves.append((source, target))
+    seq = Sequence("s", [1, 2, 3], greedy())
+    seq.num_computed_tokens = 2  # token 2 (the root) is computed by this step with the drafts
+    seq.draft_token_ids, seq.draft_parents = [10, 11, 12, 13], [-1, 0, -1, 0]  # spine 10, 11; leaves 12, 13
+    # rows: root -> 10 (spine), after 10 -> 13 (the leaf beside 11), after the leaf -> 20 (the bonus)
+    tokens, rows = speculation.accept(seq, [10, 13, 99, 98, 20])
+    assert tokens == [10, 13, 20] and rows == [0, 1, 4]
+    assert moves == [(3 + 3, 3 + 1)]  # the leaf's token index (3 committed + draft 3) -> position 3 + 1
+    hidden = torch.arange(5.0).unsqueeze(1).repeat(1, 2)
+    output = StepOutput(torch.zeros(5, 4), [], hidden, [BatchRows(seq, 0, 5, 2)])
+    speculation.after_step(output, [])
+    assert observed == [output] and hidden[2].tolist() == [4.0, 4.0]  # the leaf's row at its position's
+
+
+def test_draft_trees_are_caterpillars():
+    from infer.drafter import DraftTree, tree_depths
+
+    assert tree_depths([-1, 0, 1]) == [1, 2, 3]  # a chain
+    assert DraftTree([5, 6, 7, 8], [-1, 0, -1, 1]).depths == [1, 2, 1, 3]  # leaves beside the spine's drafts
+    assert DraftTree([5, 6], [-1, 0]).spine_length == 2
+    for parents in ([-1, -1, 1], [-1, 0, 2], [0]):  # a leaf's child, a parent after its child, no root
+        with pytest.raises(ValueError, match="hang off the root"):
+            tree_depths(parents)
+
+
+def test_eagle_tree_growth_keeps_the_likeliest_paths():
+    """EAGLE-2's reranking: of every guess, the ``budget`` with the largest path probability; the chain grows while
+    its next guess could still rank among them."""
+    from infer.plugins.drafters.eagle.drafter import TreeGrowth
+
+    growth = TreeGrowth(3)
+    assert growth.add([10, 11, 12], [0.6, 0.3, 0.1])  # 0.6 * 0.6 could beat 0.1
+    assert not growth.add([20, 21, 22], [0.5, 0.2, 0.1])  # paths 0.3, 0.12, 0.06: the third best is 0.3
+    tree = growth.tree()
+    assert list(tree) == [10, 20, 11] and tree.parents == [-1, 0, -1]  # 0.6, 0.3 (spine), 0.3 (leaf at depth 1)
 
 
 def test_random_drafts_leave_the_output_unchanged(tiny_model_dir):
@@ -340,7 +458,7 @@ def test_eagle_fused_head_drafts_what_the_head_through_the_executor_drafts(tiny_
 
     def drafts_of():
         llm = make_llm(tiny_model_dir, drafter__name="eagle", drafter__head="random",
-                       drafter__head_quantization="int8_per_row", drafter__min_confidence=0.0, **target)
+                       drafter__head_quantization="int8_per_row", drafter__tree_budget=4, **target)
         proposed = []
         drafter = llm.engine.drafter
         original = drafter.propose
@@ -368,7 +486,7 @@ def _counted(function, calls: list):
 def test_eagle_confidence_threshold_shortens_chains_and_keeps_the_output(tiny_model_dir):
     prompts = mixed_prompts()
     expected, _ = generate(tiny_model_dir, prompts, greedy())
-    eagle = {"drafter__name": "eagle", "drafter__head": "random"}
+    eagle = {"drafter__name": "eagle", "drafter__head": "random", "drafter__tree_width": 1}
     _, full = generate(tiny_model_dir, prompts, greedy(), **eagle, drafter__min_confidence=0.0)
     outputs, short = generate(tiny_model_dir, prompts, greedy(), **eagle, drafter__min_confidence=1.0)
     assert outputs == expected
@@ -475,6 +593,6 @@ def test_flagship_config_runs_the_shipped_head_with_the_target_output():
     outputs = llm.generate(chats, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
     stats = llm.engine.stats
-    # min_confidence 0.8 ends chains early: fewer drafts per pass, most of them accepted.
-    assert stats.mean_accepted_per_pass > 1.3
-    assert stats.num_draft_tokens < 2 * stats.num_verify_passes
+    # trees of a few drafts (as many as a decode step's time verifies on this CPU), a path of them accepted
+    assert stats.mean_accepted_per_pass > 1.4
+    assert stats.num_draft_tokens <= llm.engine.drafter.tree_budget * stats.num_verify_passes

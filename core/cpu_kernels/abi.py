@@ -36,11 +36,11 @@ _SIGNATURES = {
     "infer_rope_widen": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_write_kv": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_paged_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER,
-                              _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT],
+                              _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT],
     "infer_layers_few": [_POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
                          _INT, _POINTER],
     "infer_draft_head_step": [_POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
-                              _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER],
+                              _POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER],
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
     "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
     "infer_flash_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT,
@@ -88,19 +88,22 @@ class AttentionStepStruct(ctypes.Structure):
     _fields_ += [(name, _POINTER) for name in ("slots", "rows", "seq_of_query", "context_lens")]
     _fields_ += [(name, _INT) for name in ("queries", "max_context", "num_heads", "num_kv_heads", "head_dim",
                                            "block_size", "num_blocks")]
-    _fields_ += [("scale", _FLOAT), ("kv_bf16", _INT)]
+    _fields_ += [("scale", _FLOAT), ("kv_bf16", _INT), ("own_keys", _POINTER)]
 
 
 @dataclass(slots=True)
 class KernelAttentionPlan:
     """Which token rows ``paged_attention`` computes: query ``i`` is row ``rows[i]`` (all rows in order when None)
-    of sequence ``seq_of_query[i]``, attending to its first ``context_lens[i]`` tokens (int64 each)."""
+    of sequence ``seq_of_query[i]``, attending to its first ``context_lens[i]`` tokens (int64 each); where
+    ``own_keys[i] >= 0`` (a draft tree's leaf, ``AttentionMetadata.own_keys``), the last of them is read from the
+    sequence's token ``own_keys[i]`` instead."""
 
     rows: torch.Tensor | None
     seq_of_query: torch.Tensor
     context_lens: torch.Tensor
     num_queries: int
     max_context: int
+    own_keys: torch.Tensor | None = None
 
     @classmethod
     def every_token(cls, metadata: AttentionMetadata) -> KernelAttentionPlan:
@@ -113,7 +116,15 @@ class KernelAttentionPlan:
             # from a list: torch.repeat_interleave alone cost ~40 us, most of an EAGLE chain step's planning
             seq_of_query = torch.tensor([seq for seq, count in enumerate(query_lens) for _ in range(count)],
                                         dtype=torch.int64)
-        return cls(None, seq_of_query, metadata.positions + 1, metadata.num_tokens, metadata.max_seq_len)
+        return cls(None, seq_of_query, metadata.positions + 1, metadata.num_tokens, metadata.max_seq_len,
+                   metadata.own_keys)
+
+    def of_rows(self, rows: list[int]) -> KernelAttentionPlan:
+        """The plan of this every-token plan's queries at ``rows`` only (the step's others attended elsewhere)."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        own = None if self.own_keys is None else self.own_keys[index].contiguous()
+        return KernelAttentionPlan(index, self.seq_of_query[index].contiguous(), self.context_lens[index].contiguous(),
+                                   len(rows), self.max_context, own)
 
 
 class CpuKernels:
@@ -291,7 +302,8 @@ class CpuKernels:
         rows = address(plan.rows)
         self._paged_attention(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
                               block_tables.stride(0), rows, plan.seq_of_query.data_ptr(),
-                              plan.context_lens.data_ptr(), out.data_ptr(), plan.num_queries, num_heads,
+                              plan.context_lens.data_ptr(), address(plan.own_keys), out.data_ptr(), plan.num_queries,
+                              num_heads,
                               num_kv_heads, head_dim, block_size, num_blocks, plan.max_context, scale,
                               kv_cache.dtype == torch.bfloat16)
         return out

@@ -104,7 +104,7 @@ class FusedStack:
 class FusedDraftHead:
     """An EAGLE draft head's step over a few pairs in one C call (``infer_draft_head_step``): the norms of the token
     embeddings and target features, the fc over both, the head's decoder layer with its attention, the final norm of
-    each sequence's last row, the draft-vocabulary logits, their argmax and its softmax probability. A chain step
+    each sequence's last row, the draft-vocabulary logits, their largest few and their softmax probabilities. A chain step
     was otherwise about twenty calls from Python around ~0.3 ms of C (README, "On an Intel Xeon with AMX, a seventh
     time")."""
 
@@ -133,12 +133,13 @@ class FusedDraftHead:
         self._run = kernels._draft_head_step
 
     def run(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor, kv_cache: torch.Tensor, step: KernelAttentionStep,
-            last_rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            sin: torch.Tensor, kv_cache: torch.Tensor, step: KernelAttentionStep, last_rows: Sequence[int],
+            width: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The head over pairs ``embeds``/``features`` ``[T, hidden]`` at ``positions``, writing its K/V into its
         one-layer pool ``kv_cache`` ``[1, 2, num_blocks, block_size, kv_heads, head_dim]``: for the rows
-        ``last_rows`` (one a sequence), the predicted features ``[S, hidden]``, the draft-vocabulary index of
-        each guess (int64 ``[S]``) and its probability under the head (float32 ``[S]``)."""
+        ``last_rows`` (one a sequence), the predicted features ``[S, hidden]``, the draft-vocabulary indices of the
+        ``width`` likeliest guesses, likeliest first (int64 ``[S, width]``), and their probabilities under the head
+        (float32 ``[S, width]``)."""
         for tensor in (embeds, features):
             check_flat(tensor)
         if embeds.shape != features.shape or embeds.shape[1] != self.hidden:
@@ -151,11 +152,11 @@ class FusedDraftHead:
             raise ValueError(f"last_rows {list(last_rows)} are not rows of a step of {embeds.shape[0]} tokens")
         rows = torch.tensor(last_rows, dtype=torch.int64)
         predicted = torch.empty((seqs, self.hidden), dtype=torch.float32)
-        guesses = torch.empty(seqs, dtype=torch.int64)
-        confidence = torch.empty(seqs, dtype=torch.float32)
+        guesses = torch.empty((seqs, width), dtype=torch.int64)
+        confidence = torch.empty((seqs, width), dtype=torch.float32)
         self._run(ctypes.byref(self.struct), ctypes.byref(self.layer.struct), embeds.shape[0], embeds.data_ptr(),
                   features.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
-                  ctypes.byref(step.struct(kv_cache)), rows.data_ptr(), seqs, predicted.data_ptr(),
+                  ctypes.byref(step.struct(kv_cache)), rows.data_ptr(), seqs, predicted.data_ptr(), width,
                   guesses.data_ptr(), confidence.data_ptr())
         return predicted, guesses, confidence
 
@@ -189,7 +190,7 @@ class KernelAttentionStep:
             self.block_tables.data_ptr(), self.block_tables.stride(0), self.slots.data_ptr(), address(plan.rows),
             plan.seq_of_query.data_ptr(), plan.context_lens.data_ptr(), plan.num_queries, plan.max_context,
             self.num_heads, num_kv_heads, head_dim, block_size, num_blocks, self.scale,
-            kv_cache.dtype == torch.bfloat16)
+            kv_cache.dtype == torch.bfloat16, address(plan.own_keys))
 
     def check(self) -> None:
         check_block_tables(self.block_tables)

@@ -1328,7 +1328,9 @@ static void *scratch(int slot, size_t bytes) {
  * paged_attention_run): its heads at q + r * q_stride, its result at out + r * num_heads * head_dim. It attends to the
  * first context_lens[i] tokens of sequence seq_of_query[i], read through that sequence's block table row
  * (block_tables + seq * table_stride) from the layer's pool kv (2 x num_blocks x block_size x num_kv_heads x
- * head_dim; float32, or bfloat16 when kv_bf16).
+ * head_dim; float32, or bfloat16 when kv_bf16). With own_keys (NULL: none) and own_keys[i] >= 0, the last of those
+ * tokens, its own position, is read from the sequence's token own_keys[i] instead: a leaf of a draft tree, which
+ * stands beside the spine's draft at that position while its K/V were written past the spine.
  *
  * Split decoding: the work items are (group, chunk of DECODE_CHUNK keys, its KV heads or one of them), dynamically
  * over the threads, where a group is up to DECODE_GROUP consecutive queries of one sequence. An item lists its key
@@ -1341,7 +1343,8 @@ static void *scratch(int slot, size_t bytes) {
  * us (README, session 23). */
 static void paged_attention_run(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
                                 int64_t table_stride, const int64_t *rows, int64_t row_base,
-                                const int64_t *seq_of_query, const int64_t *context_lens, float *out,
+                                const int64_t *seq_of_query, const int64_t *context_lens, const int64_t *own_keys,
+                                float *out,
                                 int64_t queries, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                 int64_t block_size, int64_t num_blocks, float scale, int64_t kv_bf16) {
     const int64_t per_kv = num_heads / num_kv_heads;
@@ -1371,6 +1374,12 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
     int64_t *group_of_chunk = malloc(sizeof(int64_t) * (chunks > 0 ? chunks : 1));
     for (int64_t g = 0; g < groups; g++)
         for (int64_t c = chunk_first[g]; c < chunk_first[g + 1]; c++) group_of_chunk[c] = g;
+    /* a draft tree's leaves: each takes its group's items for the chunks before its own position's, and an item of
+     * its own for that chunk, whose last key is its own (the same keys, in the same order, as a query at that
+     * position whose K/V sat there: the same bits) */
+    int64_t leaves = 0, *leaf_query = malloc(sizeof(int64_t) * (queries > 0 ? queries : 1));
+    for (int64_t i = 0; own_keys && i < queries; i++)
+        if (own_keys[i] >= 0) leaf_query[leaves++] = i;
     float *partial = scratch(0, sizeof(float) * (partials > 0 ? partials : 1) * entry);
     const int parallel = total_keys * num_heads >= 2048;
     /* An item takes every KV head of its chunk, whose slots it then reads whole and in order, where there are items
@@ -1400,17 +1409,28 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
         float *head_best = scratch(7, sizeof(float) * group_heads);
         float *converted = scratch(2, sizeof(float) * 2 * DECODE_CHUNK * head_dim);  /* a bf16 pool's keys, values */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < chunks * split; item++) {
-            const int64_t chunk = item / split, g = group_of_chunk[chunk];
-            const int64_t c = chunk - chunk_first[g], start = c * DECODE_CHUNK;
-            const int64_t first_query = group_first[g], end_query = group_first[g + 1];
+        for (int64_t item = 0; item < chunks * split + leaves; item++) {
+            int64_t c, first_query, end_query, first_kv_head = 0, kv_heads = num_kv_heads, own = -1;
+            if (item < chunks * split) {
+                const int64_t chunk = item / split, g = group_of_chunk[chunk];
+                c = chunk - chunk_first[g];
+                first_query = group_first[g];
+                end_query = group_first[g + 1];
+                kv_heads = num_kv_heads / split;
+                first_kv_head = item % split * kv_heads;
+            } else {  /* a leaf's own chunk, every KV head */
+                first_query = leaf_query[item - chunks * split];
+                end_query = first_query + 1;
+                c = (context_lens[first_query] - 1) / DECODE_CHUNK;
+                own = own_keys[first_query];
+            }
+            const int64_t start = c * DECODE_CHUNK;
             int64_t end = start;
             for (int64_t i = first_query; i < end_query; i++)
                 if (context_lens[i] > end) end = context_lens[i];
             if (end > start + DECODE_CHUNK) end = start + DECODE_CHUNK;
             const int32_t *table = block_tables + seq_of_query[first_query] * table_stride;
-            const int64_t first_kv_head = item % split * (num_kv_heads / split);
-            for (int64_t kvh = first_kv_head; kvh < first_kv_head + num_kv_heads / split; kvh++) {
+            for (int64_t kvh = first_kv_head; kvh < first_kv_head + kv_heads; kvh++) {
                 /* the chunk's key rows of this KV head: a bf16 pool's 64-wide rows as they are where AVX-512 reads
                  * them so (each widened in registers, once for all the query heads it serves), else as floats (a
                  * bf16 pool's widened into this thread's buffer) */
@@ -1432,13 +1452,28 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
                         }
                     }
                 }
+                if (own >= 0) {  /* the leaf's own K/V in place of its position's */
+                    const int64_t slot = (int64_t)table[own / block_size] * block_size + own % block_size;
+                    const int64_t at = slot * slot_width + kvh * head_dim, j = end - 1 - start;
+                    if (direct) {
+                        raw[j] = (const uint16_t *)kv + at;
+                    } else if (kv_bf16) {
+                        bf16_to_floats((const uint16_t *)kv + at, converted + j * head_dim, head_dim);
+                        bf16_to_floats((const uint16_t *)kv + pool_slots * slot_width + at,
+                                       converted + j * head_dim + DECODE_CHUNK * head_dim, head_dim);
+                    } else {
+                        keys[j] = (const float *)kv + at;
+                    }
+                }
                 if (kv_bf16 && !direct) value_offset = DECODE_CHUNK * head_dim;
                 /* every query head of the group that sees this chunk (a query's heads side by side): its scores
                  * (zero past its own keys, so that all weigh the chunk's value rows together), maximum, exp sum */
                 int64_t heads = 0;
                 for (int64_t i = first_query; i < end_query; i++) {
                     const int64_t n = (context_lens[i] < end ? context_lens[i] : end) - start;
-                    if (n <= 0) continue;
+                    const int leaf_later = own < 0 && own_keys && own_keys[i] >= 0 &&
+                                           c >= (context_lens[i] - 1) / DECODE_CHUNK;
+                    if (n <= 0 || leaf_later) continue;  /* a leaf's own chunk is its own item */
                     const int64_t row = rows ? rows[i] : row_base + i;
                     const int64_t count = (context_lens[i] + DECODE_CHUNK - 1) / DECODE_CHUNK;
                     for (int64_t h = kvh * per_kv; h < (kvh + 1) * per_kv; h++, heads++) {
@@ -1498,6 +1533,7 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
             }
         }
     }
+    free(leaf_query);
     free(group_of_chunk);
     free(partial_at);
     free(chunk_first);
@@ -1511,7 +1547,8 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
 
 void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
                            int64_t table_stride, const int64_t *rows, const int64_t *seq_of_query,
-                           const int64_t *context_lens, float *out, int64_t queries, int64_t num_heads,
+                           const int64_t *context_lens, const int64_t *own_keys, float *out, int64_t queries,
+                           int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
                            int64_t max_context, float scale, int64_t kv_bf16) {
     (void)max_context;
@@ -1523,7 +1560,8 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
             held += need;
         }
         paged_attention_run(q, q_stride, kv, block_tables, table_stride, rows ? rows + first : NULL, first,
-                            seq_of_query + first, context_lens + first, out, last - first, num_heads, num_kv_heads,
+                            seq_of_query + first, context_lens + first, own_keys ? own_keys + first : NULL, out,
+                            last - first, num_heads, num_kv_heads,
                             head_dim, block_size, num_blocks, scale, kv_bf16);
     }
 }
@@ -2129,6 +2167,7 @@ typedef struct {
     int64_t queries, max_context, num_heads, num_kv_heads, head_dim, block_size, num_blocks;
     float scale;
     int64_t kv_bf16;  /* the pool holds bfloat16 */
+    const int64_t *own_keys;  /* NULL, or a draft tree's leaves' own K/V (infer_paged_attention's own_keys) */
 } infer_attention_step;
 
 /* `count` layers over `tokens` tokens in one call, what infer_layer_attention_input, infer_write_kv,
@@ -2152,9 +2191,9 @@ void infer_layers_few(const infer_layer *layers, const int64_t *kv_layers, int64
         infer_write_kv(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, pool, step->slots, tokens,
                        kv_width, num_slots, step->kv_bf16);
         infer_paged_attention(qkv, qkv_width, pool, step->block_tables, step->table_stride, step->rows,
-                              step->seq_of_query, step->context_lens, attended, step->queries, step->num_heads,
-                              step->num_kv_heads, step->head_dim, step->block_size, step->num_blocks,
-                              step->max_context, step->scale, step->kv_bf16);
+                              step->seq_of_query, step->context_lens, step->own_keys, attended, step->queries,
+                              step->num_heads, step->num_kv_heads, step->head_dim, step->block_size,
+                              step->num_blocks, step->max_context, step->scale, step->kv_bf16);
         infer_layer_feed_forward(&layers[l], tokens, attended, residual, delta);
     }
     free(attended);
@@ -2203,13 +2242,14 @@ typedef struct {
 /* One draft step of the head over `tokens` pairs (token embedding, the target feature before it), what the drafter
  * did in about twenty calls from Python: x = fc([norm_e(embeds), norm_f(features)]), the head's layer over x
  * (infer_layers_few, one layer: its K/V into the head's pool `kv`), then for each of `seqs` sequences the row
- * last_rows[s] only: predicted[s] = norm(x + layer's output), its draft logits, guesses[s] their argmax (the first of
- * equal maxima) and confidence[s] its softmax probability. */
+ * last_rows[s] only: predicted[s] = norm(x + layer's output), its draft logits, and guesses[s * width ..] their
+ * `width` largest (in descending order, the first of equal ones first) with their softmax probabilities in
+ * confidence[s * width ..]. */
 void infer_draft_head_step(const infer_draft_head *head, const infer_layer *layer, int64_t tokens,
                            const float *embeds, const float *features, const int64_t *positions,
                            const float *cos_table, const float *sin_table, void *kv,
                            const infer_attention_step *step, const int64_t *last_rows, int64_t seqs,
-                           float *predicted, int64_t *guesses, float *confidence) {
+                           float *predicted, int64_t width, int64_t *guesses, float *confidence) {
     const int64_t hidden = head->hidden, vocab = head->vocab;
     float *pairs = malloc(sizeof(float) * tokens * 2 * hidden);
     float *x = malloc(sizeof(float) * tokens * hidden), *delta = malloc(sizeof(float) * tokens * hidden);
@@ -2230,15 +2270,24 @@ void infer_draft_head_step(const infer_draft_head *head, const infer_layer *laye
     layer_linear(head->out, head->out_kind, head->out_scales, head->out_groups, NULL, 0, predicted, seqs, hidden,
                  NULL, logits, vocab);
     for (int64_t s = 0; s < seqs; s++) {
-        float *row = logits + s * vocab, best = row[0];
-        int64_t choice = 0;
-        for (int64_t v = 1; v < vocab; v++)
-            if (row[v] > best) {
-                best = row[v];
-                choice = v;
+        float *row = logits + s * vocab, *top = confidence + s * width;
+        int64_t *choice = guesses + s * width;
+        for (int64_t w = 0; w < width; w++) {
+            top[w] = -INFINITY;
+            choice[w] = 0;
+        }
+        for (int64_t v = 0; v < vocab; v++) {  /* insertion into the `width` largest so far */
+            if (!(row[v] > top[width - 1])) continue;
+            int64_t at = width - 1;
+            for (; at > 0 && row[v] > top[at - 1]; at--) {
+                top[at] = top[at - 1];
+                choice[at] = choice[at - 1];
             }
-        guesses[s] = choice;
-        confidence[s] = 1.0f / exp_shifted_sum(row, vocab, best);
+            top[at] = row[v];
+            choice[at] = v;
+        }
+        const float best = top[0], total = exp_shifted_sum(row, vocab, best);
+        for (int64_t w = 0; w < width; w++) top[w] = expf(top[w] - best) / total;
     }
     free(logits);
     free(delta);

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from infer.drafter import Drafter, DrafterContext
+from infer.drafter import Drafter, DrafterContext, tree_depths
 from infer.sampling_params import SamplingParams
 from infer.sequence import Sequence, SequenceStatus
 from infer.testing.suite import ConformanceSuite
@@ -177,6 +177,10 @@ class DrafterConformance(ConformanceSuite):
         assert len(proposals) == len(sequences), f"{len(proposals)} proposal lists for {len(sequences)} sequences"
         for seq, tokens in zip(sequences, proposals):
             assert len(tokens) <= k, f"{len(tokens)} tokens proposed for {seq.seq_id} with k={k}"
+            parents = getattr(tokens, "parents", None)
+            if parents is not None:  # a DraftTree: a parent per draft, in a caterpillar's shape
+                assert len(parents) == len(tokens), f"{len(parents)} parents for {len(tokens)} drafts"
+                tree_depths(parents)
             for token in tokens:
                 assert isinstance(token, int), f"proposed {token!r} ({type(token).__name__}), not an int token id"
                 assert 0 <= token < self.vocab_size, f"proposed token {token} outside the vocabulary"

@@ -100,6 +100,7 @@ class CpuBackend(AttentionBackend):
 
     config_model = CpuAttentionConfig
     fused_cpu_attention = True
+    draft_trees = True
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -147,11 +148,14 @@ class CpuBackend(AttentionBackend):
         if threshold is None or metadata.max_query_len < threshold:
             return CpuMetadata(**fields, plan=KernelAttentionPlan.every_token(metadata))
         every = KernelAttentionPlan.every_token(metadata)
+        # sequences with a draft tree's leaves stay on the kernel, the one reader of own_keys
+        trees = set() if metadata.own_keys is None else set(every.seq_of_query[metadata.own_keys >= 0].tolist())
         prefills, chunks, kernel_rows, start = [], [], [], 0
         for index, (query_len, context) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
-            if query_len >= threshold and self.prefill_kernel == "infer":
+            flash = query_len >= threshold and index not in trees
+            if flash and self.prefill_kernel == "infer":
                 chunks.append((start, query_len, context, index))
-            elif query_len >= threshold:
+            elif flash:
                 block_ids = metadata.block_tables[index, : -(-context // self.block_size)].long()
                 mask = None
                 if context > query_len:  # bottom-right causal: query i sees positions <= context - query_len + i
@@ -161,11 +165,7 @@ class CpuBackend(AttentionBackend):
             else:
                 kernel_rows.extend(range(start, start + query_len))
             start += query_len
-        plan = None
-        if kernel_rows:
-            rows = torch.tensor(kernel_rows, dtype=torch.int64)
-            plan = KernelAttentionPlan(rows, every.seq_of_query[rows].contiguous(),
-                                       every.context_lens[rows].contiguous(), len(kernel_rows), every.max_context)
+        plan = every.of_rows(kernel_rows) if kernel_rows else None
         return CpuMetadata(**fields, plan=plan, prefills=prefills, flash=FlashChunks.of(chunks) if chunks else None)
 
     def forward(

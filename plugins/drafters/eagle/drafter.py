@@ -1,10 +1,19 @@
-"""``drafter: eagle``: a one-layer head drafts from the target's own features (EAGLE, Li et al., 2024), as a chain.
+"""``drafter: eagle``: a one-layer head drafts from the target's own features (EAGLE, Li et al., 2024), as a chain or
+as a dynamic tree along it (EAGLE-2, Li et al., 2024).
 
 The head reads pairs (f_t, x_{t+1}) of a target feature and the token it chose (see ``head`` beside this module).
 After every target step the drafter keeps the features of the tokens the target committed (``observe``); ``propose``
 then runs the head over the pairs it has not seen, whose last output guesses the next token, and feeds each guess
 back with its own predicted feature for the following ones. The head's KV lives in a one-layer pool of the target's
 block geometry, addressed through the sequences' own block tables.
+
+Trees (``tree_width`` > 1, greedy requests, an attention backend that attends them): each head run along the chain
+offers its ``tree_width`` likeliest guesses; the likeliest continues the chain (the tree's spine), the others are
+leaves beside it, and of all of them the ``tree_budget`` with the largest path probability under the head (the
+product of the guesses' probabilities from the root) are verified, EAGLE-2's reranking. The chain grows while its
+next guess could enter that set. Verifying a few more rows costs a decode step little where the GEMV streams the
+weights once for them (``tree_budget: auto`` measures how many), and on the shipped head's chat answers the head's
+second and third guesses at the first depth were right 13% and 9% of the time, its first 39%.
 
 Guesses never count as computed: after verification the head re-runs the accepted tokens with the target's true
 features. Prefix-cache hits: the head cannot compute KV for positions the target did not compute for this sequence
@@ -21,11 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from infer.attention import AttentionMetadata
+from infer.calibration import RowsCalibration
 from infer.cpu_kernels import FusedDraftHead, KernelAttentionPlan, KernelAttentionStep
-from infer.drafter import Drafter, DrafterConfig, DrafterContext
+from infer.drafter import Drafter, DrafterConfig, DrafterContext, DraftTree
 from infer.execution import FusedStackPath
 from infer.kv_pool import kv_bytes_per_token
 from infer.plugins.drafters.eagle.head import EagleHead, draft_head_weight, load_head, random_head
@@ -38,11 +50,22 @@ class EagleDrafterConfig(DrafterConfig):
     name: str = "eagle"
     head: str = Field("auto", description='Trained head: "auto" (the one shipped for the target model), a path to a '
                                           '.safetensors head or its folder, or "random" (untrained, for tests).')
-    min_confidence: float = Field(0.8, ge=0.0, le=1.0, description="End a sequence's chain after a guess whose "
-                                                                    "probability under the head is below this "
-                                                                    "(0: always draft num_speculative_tokens). "
+    min_confidence: float = Field(0.8, ge=0.0, le=1.0, description="Chains: end a sequence's chain after a guess "
+                                                                    "whose probability under the head is below "
+                                                                    "this (0: always draft num_speculative_tokens). "
                                                                     "Doubtful guesses are mostly rejected, and "
                                                                     "each costs a draft step and a verified token.")
+    tree_width: int = Field(3, ge=1, le=8, description="Guesses each head run offers a greedy request: the "
+                                                        "likeliest continues the chain, the others are leaves beside "
+                                                        "it, and the tree_budget likeliest by path probability are "
+                                                        "verified (EAGLE-2's dynamic tree). 1: chains "
+                                                        "ended by min_confidence (sampled and structured-output "
+                                                        "requests always get chains, and so does every request where "
+                                                        "the attention backend does not attend draft trees).")
+    tree_budget: int | Literal["auto"] = Field(
+        "auto", description="Trees: the most drafts a tree verifies (at most num_speculative_tokens). auto: one "
+                            "fewer than the query rows of a sequence the target computes for about one decode "
+                            "step's time on this CPU (measured once and cached: infer.calibration.calibrate_rows).")
     head_quantization: str = Field("auto", description='Weight packing of the head\'s layer, fc and draft-vocabulary '
                                                        'output (any model.quantization), or "target" (the target\'s '
                                                        'packing). "auto": int8_per_row where the target\'s '
@@ -109,8 +132,43 @@ class FeatureLog:
         return used
 
 
+@dataclass(slots=True)
+class TreeGrowth:
+    """One sequence's dynamic draft tree while its chain grows: every guess so far as (path probability, depth, rank
+    among its run's guesses, token); rank 0 continues the chain (the spine). ``budget``: drafts verified."""
+
+    budget: int
+    spine_probability: float = 1.0
+    guesses: list[tuple[float, int, int, int]] = field(default_factory=list)
+
+    def add(self, tokens: list[int], probabilities: list[float]) -> bool:
+        """One head run's guesses after the spine's end, likeliest first; whether the chain should grow past its new
+        end: whether the next run's likeliest guess would be among the ``budget`` likeliest, were the head as sure of
+        it as of this run's (on the shipped head's chat answers this ran 1.73 head runs a pass at a budget of 3,
+        where growing while any guess after the end could still enter ran 2.42, for the same tokens a pass)."""
+        depth = 1 + sum(rank == 0 for _, _, rank, _ in self.guesses)
+        for rank, (token, probability) in enumerate(zip(tokens, probabilities)):
+            self.guesses.append((self.spine_probability * probability, depth, rank, token))
+        self.spine_probability *= probabilities[0]
+        chosen = self._chosen()
+        return len(chosen) < self.budget or self.spine_probability * probabilities[0] > chosen[-1][0]
+
+    def _chosen(self) -> list[tuple[float, int, int, int]]:
+        # the likeliest first; of equal ones the shallower, and the spine's: a guess never outranks its parent
+        return sorted(self.guesses, key=lambda guess: (-guess[0], guess[1], guess[2]))[: self.budget]
+
+    def tree(self) -> DraftTree:
+        """The ``budget`` likeliest guesses as a ``DraftTree``: the chosen spine, then each leaf beside the spine's
+        guess at its depth."""
+        chosen = self._chosen()
+        spine = sorted((depth, token) for _, depth, rank, token in chosen if rank == 0)
+        leaves = sorted((depth, rank, token) for _, depth, rank, token in chosen if rank > 0)
+        return DraftTree([token for _, token in spine] + [token for _, _, token in leaves],
+                         [index - 1 for index in range(len(spine))] + [depth - 2 for depth, _, _ in leaves])
+
+
 class EagleDrafter(Drafter):
-    """Chain drafting with an EAGLE head over the target's features."""
+    """Chain or tree drafting with an EAGLE head over the target's features."""
 
     config_model = EagleDrafterConfig
     needs_target = True
@@ -133,8 +191,28 @@ class EagleDrafter(Drafter):
         self._vocab_ids = self.head.vocab_ids.tolist()  # a draft-vocabulary index -> its target token id
         self._fused_head = self._build_fused_head()
         self._fused_head_accepted: bool | None = None  # the executor's verdict on the head's layer (asked once)
+        # drafts a tree holds (None: chains only), and the measurement behind an auto budget
+        self.rows: RowsCalibration | None = None
+        self.tree_budget = self._tree_budget(context)
         self.kv_cache: torch.Tensor | None = None
         self._logs: dict[str, FeatureLog] = {}
+
+    def _tree_budget(self, context: DrafterContext) -> int | None:
+        """``tree_budget`` resolved: None where trees are off (``tree_width`` 1, or a backend that does not attend
+        them), else the drafts a tree holds."""
+        config = self.config
+        if config.tree_width <= 1 or not self.attention.draft_trees:
+            return None
+        if config.tree_budget != "auto":
+            return min(config.tree_budget, config.num_speculative_tokens)
+        self.rows = context.free_verify_rows()
+        return max(1, min(config.num_speculative_tokens, self.rows.free_rows - 1))
+
+    def describe(self) -> str:
+        if self.tree_budget is None:
+            return f"eagle chains of up to {self.config.num_speculative_tokens} drafts"
+        measured = "" if self.rows is None else f": {self.rows.describe()}"
+        return f"eagle trees of up to {self.tree_budget} drafts, {self.config.tree_width} guesses a run{measured}"
 
     def _load_head(self, context: DrafterContext) -> EagleHead:
         choice = self.config.head
@@ -177,19 +255,35 @@ class EagleDrafter(Drafter):
     # -- drafting ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, sequences, k):
-        drafts: list[list[int]] = [[] for _ in sequences]
+        chains: list[list[int]] = [[] for _ in sequences]
+        trees = [TreeGrowth(min(k, self.tree_budget)) if self._grows_tree(seq) else None for seq in sequences]
+        width = self.config.tree_width if any(trees) else 1
         limits = [self._max_drafts(seq, k) for seq in sequences]
         active = [i for i, limit in enumerate(limits) if limit > 0]
-        features, doubtful = self._first_pass(sequences, active, drafts) if active else (None, [])
-        for step in range(1, k):
-            for i in doubtful:  # a doubtful guess ends its chain
-                limits[i] = len(drafts[i])
-            keep = [j for j, i in enumerate(active) if len(drafts[i]) < limits[i]]
-            if not keep:
+        features = None
+        for step in range(k):
+            if not active:
                 break
-            active = [active[j] for j in keep]
-            features, doubtful = self._chain_step(sequences, active, features[keep], drafts, step)
-        return drafts
+            if step == 0:
+                features, guesses, probabilities = self._first_pass(sequences, active, width)
+            else:
+                features, guesses, probabilities = self._chain_step(sequences, active, features, chains, step, width)
+            keep = []
+            for j, i in enumerate(active):
+                chains[i].append(guesses[j][0])
+                if trees[i] is not None:
+                    grows = trees[i].add(guesses[j], probabilities[j])
+                else:  # a doubtful guess ends its chain
+                    grows = self.config.min_confidence <= 0.0 or probabilities[j][0] >= self.config.min_confidence
+                if grows and len(chains[i]) < limits[i]:
+                    keep.append(j)
+            active, features = [active[j] for j in keep], features[keep]
+        return [chain if tree is None or not chain else tree.tree() for chain, tree in zip(chains, trees)]
+
+    def _grows_tree(self, seq) -> bool:
+        """Whether ``seq`` gets a tree: ``tree_width`` > 1, a greedy request without a grammar (the engine verifies
+        only their trees), and an attention backend that attends draft trees."""
+        return self.tree_budget is not None and seq.params.greedy and seq.matcher is None
 
     def _max_drafts(self, seq, k: int) -> int:
         """Drafts this sequence can get: the head needs the features of every pair up to its last committed token,
@@ -201,9 +295,8 @@ class EagleDrafter(Drafter):
         capacity = len(seq.block_table) * self.block_size
         return max(0, min(k, capacity - last_pair))
 
-    def _first_pass(self, sequences, active, drafts) -> tuple[torch.Tensor, list[int]]:
-        """The pairs each sequence has not run yet (at least its last one); appends the first guess and returns
-        what ``_run`` does."""
+    def _first_pass(self, sequences, active, width: int) -> tuple[torch.Tensor, list[list[int]], list[list[float]]]:
+        """The pairs each sequence has not run yet (at least its last one); returns what ``_run`` does."""
         starts, tokens, features = [], [], []
         for i in active:
             seq = sequences[i]
@@ -212,18 +305,19 @@ class EagleDrafter(Drafter):
             starts.append(start)
             tokens.append(seq.token_ids[start + 1: last_pair + 2])
             features.append(log.take(last_pair + 1))
-        return self._run(sequences, active, starts, tokens, torch.cat(features), drafts)
+        return self._run(sequences, active, starts, tokens, torch.cat(features), width)
 
-    def _chain_step(self, sequences, active, features: torch.Tensor, drafts,
-                    step: int) -> tuple[torch.Tensor, list[int]]:
-        """Feed each active sequence its latest guess with the feature predicted for it."""
+    def _chain_step(self, sequences, active, features: torch.Tensor, chains, step: int,
+                    width: int) -> tuple[torch.Tensor, list[list[int]], list[list[float]]]:
+        """Feed each active sequence the latest guess of its chain with the feature predicted for it."""
         starts = [sequences[i].num_tokens - 2 + step for i in active]
-        return self._run(sequences, active, starts, [[drafts[i][-1]] for i in active], features, drafts)
+        return self._run(sequences, active, starts, [[chains[i][-1]] for i in active], features, width)
 
-    def _run(self, sequences, active, starts, tokens, features, drafts) -> tuple[torch.Tensor, list[int]]:
-        """Run the head, append each active sequence's guess; returns the predicted features of the guesses,
-        ``[len(active), hidden]``, and the sequences (indices into ``sequences``) whose guess fell below
-        ``min_confidence``."""
+    def _run(self, sequences, active, starts, tokens, features,
+             width: int) -> tuple[torch.Tensor, list[list[int]], list[list[float]]]:
+        """Run the head; for each active sequence, the feature it predicts for its guess (``[len(active), hidden]``)
+        and its ``width`` likeliest guesses (target token ids, likeliest first) with their probabilities under the
+        head."""
         seqs = [sequences[i] for i in active]
         lengths = [len(t) for t in tokens]
         metadata = AttentionMetadata.build([seq.block_table for seq in seqs], starts, lengths, self.block_size,
@@ -232,38 +326,30 @@ class EagleDrafter(Drafter):
         embeds = self.target.embed_tokens(input_ids)
         last_rows = list(itertools.accumulate(lengths, initial=-1))[1:]  # each sequence's last pair
         run = self._run_fused if self._takes_fused_head(metadata, embeds.dtype) else self._run_layers
-        last, choice, confidence = run(metadata, embeds, features, last_rows)
-        guesses = [self._vocab_ids[index] for index in choice.tolist()]
-        for i, guess in zip(active, guesses):
-            drafts[i].append(guess)
-        if self.config.min_confidence <= 0.0:
-            return last, []
-        return last, [i for i, p in zip(active, confidence) if p < self.config.min_confidence]
+        last, choices, probabilities = run(metadata, embeds, features, last_rows, width)
+        vocab_ids = self._vocab_ids
+        return last, [[vocab_ids[index] for index in row] for row in choices.tolist()], probabilities.tolist()
 
-    def _run_fused(self, metadata, embeds, features, last_rows) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
-        """The head as one C call: the last rows' predicted features, their guesses (draft-vocabulary indices) and
-        the head's probability of each."""
+    def _run_fused(self, metadata, embeds, features, last_rows,
+                   width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head as one C call: the last rows' predicted features, their ``width`` likeliest guesses
+        (draft-vocabulary indices, ``[rows, width]``) and the head's probability of each."""
         self.executor.counts[FusedStackPath.name] += 1
         rotary = self.target.rotary
         plan = KernelAttentionStep(KernelAttentionPlan.every_token(metadata), metadata.block_tables,
                                    metadata.slot_mapping, self.attention.num_heads, self.attention.scale)
-        last, choice, probability = self._fused_head.run(embeds, features, metadata.positions, rotary.cos, rotary.sin,
-                                                         self.kv_cache, plan, last_rows)
-        return last, choice, probability.tolist()
+        return self._fused_head.run(embeds, features, metadata.positions, rotary.cos, rotary.sin, self.kv_cache, plan,
+                                    last_rows, width)
 
-    def _run_layers(self, metadata, embeds, features,
-                    last_rows) -> tuple[torch.Tensor, torch.Tensor, list[float] | None]:
-        """``_run_fused``'s results through the executor's path for the head's layer and the modules around it (the
-        probabilities only where ``min_confidence`` reads them)."""
+    def _run_layers(self, metadata, embeds, features, last_rows,
+                    width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``_run_fused``'s results through the executor's path for the head's layer and the modules around it."""
         step = self.executor.step(self.target.rotary, self.attention.prepare(metadata), self.kv_cache, self.attention,
                                   embeds.dtype)
         predicted = self.head(embeds, features, step)
         last = predicted.index_select(0, torch.tensor(last_rows, dtype=torch.int64, device=self.device))
-        logits = self.draft_logits(last)
-        confidence = None
-        if self.config.min_confidence > 0.0:
-            confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
-        return last, logits.argmax(dim=-1), confidence
+        probabilities, choices = torch.softmax(self.draft_logits(last).float(), dim=-1).topk(width, dim=-1)
+        return last, choices, probabilities
 
     def _build_fused_head(self) -> FusedDraftHead | None:
         """The head as one C call (``FusedDraftHead``) where its layer and projections run on the CPU kernels'
