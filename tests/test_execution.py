@@ -391,8 +391,9 @@ def test_free_rows_is_the_most_rows_within_the_margin_of_one():
 def test_eagle_trees_hold_one_draft_fewer_than_the_rows_a_decode_step_verifies(tiny_model_dir, tmp_path,
                                                                                 monkeypatch):
     """``tree_budget: auto`` takes the measured free rows (a fake measurement: 5 rows within 5% of one) less the
-    root's row, capped by ``num_speculative_tokens``; the measurement is cached and read back, ``infer run`` names
-    it, and a number or ``tree_width: 1`` (chains) measures nothing."""
+    root's row, capped by ``num_speculative_tokens``, and shares them among the sequences drafting in a step; the
+    measurement is cached and read back, ``infer run`` names it, and a number or ``tree_width: 1`` (chains) measures
+    nothing."""
     from infer import calibration
 
     monkeypatch.setattr(calibration, "calibration_path", lambda digest: tmp_path / f"{digest}.json")
@@ -401,11 +402,15 @@ def test_eagle_trees_hold_one_draft_fewer_than_the_rows_a_decode_step_verifies(t
     monkeypatch.setattr(calibration, "measure_rows", lambda *args, **kwargs: measured.append(1) or fake)
     eagle = ["drafter.name=eagle", "drafter.head=random"]
     llm = _auto_llm(tiny_model_dir, *eagle, "drafter.num_speculative_tokens=6")
-    assert llm.engine.drafter.tree_budget == 4 and measured == [1]
-    assert "eagle trees of up to 4 drafts, 3 guesses a run: 5 rows of a sequence" in llm.engine.describe_execution()
+    drafter = llm.engine.drafter
+    assert drafter.tree_budget == 4 and measured == [1]
+    assert "eagle trees of up to 4 drafts, 3 guesses a run" in llm.engine.describe_execution()
+    # the 5 rows are shared by the sequences drafting in a step, one each for its own token
+    assert [drafter.drafts_each(sequences, 6) for sequences in (1, 2, 3)] == [4, 1, 0]
     assert _auto_llm(tiny_model_dir, *eagle).engine.drafter.tree_budget == 4 and measured == [1]  # cached; k = 4
     assert _auto_llm(tiny_model_dir, *eagle, "drafter.num_speculative_tokens=2").engine.drafter.tree_budget == 2
-    assert _auto_llm(tiny_model_dir, *eagle, "drafter.tree_budget=3").engine.drafter.tree_budget == 3
+    fixed = _auto_llm(tiny_model_dir, *eagle, "drafter.tree_budget=3").engine.drafter
+    assert fixed.tree_budget == 3 and fixed.drafts_each(3, 4) == 3
     chains = _auto_llm(tiny_model_dir, *eagle, "drafter.tree_width=1").engine
     assert chains.drafter.tree_budget is None and "eagle chains of up to 4" in chains.describe_execution()
     assert measured == [1]

@@ -71,6 +71,7 @@ def test_drafting_leaves_constrained_greedy_outputs_unchanged(guide, drafter, nu
     settings = {"drafter__name": drafter, "drafter__max_batch_size": 64}
     if drafter == "eagle":
         settings["drafter__min_confidence"] = 0.0  # full chains: more drafts for the grammar to refuse
+        settings["drafter__tree_budget"] = 4  # drafts at every batch size (auto shares measured rows among them)
     llm = engine(guide__name=guide, **settings)
     before = llm.engine.stats.num_draft_tokens
     outputs = llm.generate([r.messages for r in requests],
