@@ -222,6 +222,25 @@ def test_a_draft_trees_accepted_leaf_leaves_the_output_unchanged(tiny_model_dir)
     assert llm.engine.stats.mean_accepted_per_pass > 2.2
 
 
+def test_a_draft_trees_logprobs_are_those_of_the_rows_on_its_accepted_path(tiny_model_dir):
+    """Each committed token's logprobs come from the row that chose it, a leaf's included: those without drafts,
+    to the rounding of a matrix product over several rows instead of one."""
+    prompts = mixed_prompts()[:3]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    expected = make_llm(tiny_model_dir).generate(prompts, params)
+    llm = make_llm(tiny_model_dir)
+    llm.engine.speculation.drafter = OracleTreeDrafter(
+        {tuple(prompt): output.token_ids for prompt, output in zip(prompts, expected)}, llm.engine.model.vocab_size)
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.stats.mean_accepted_per_pass > 2.2
+    for got, want in zip(outputs, expected):
+        assert got.token_ids == want.token_ids
+        for mine, theirs in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+            assert mine["token_id"] == theirs["token_id"]
+            assert [token for token, _ in mine["top"]] == [token for token, _ in theirs["top"]]
+            assert mine["logprob"] == pytest.approx(theirs["logprob"], abs=1e-4)
+
+
 def test_a_tree_is_cut_to_its_spine_where_it_cannot_be_verified(tiny_model_dir):
     """Sampled requests, and every request on a backend without ``draft_trees`` (sdpa), get the tree's spine only:
     the output stays the target's."""
