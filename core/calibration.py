@@ -169,6 +169,14 @@ def calibrate(model, attention, executor, quantization: str, device: torch.devic
     return calibration
 
 
+def forward_pass(model, attention, executor, kv_cache: torch.Tensor, dtype: torch.dtype, input_ids: torch.Tensor,
+                 metadata, indices: torch.Tensor) -> None:
+    """One timed pass as ``ModelRunner.forward`` makes it, over the scratch pool ``kv_cache``: the layers on the
+    executor's path, then the logits of the rows at ``indices``."""
+    step = executor.step(model.rotary, attention.prepare(metadata), kv_cache, attention, dtype)
+    model.compute_logits(model(input_ids, step).index_select(0, indices))
+
+
 @torch.inference_mode()
 def measure(model, attention, executor, device: torch.device, dtype: torch.dtype,
             candidates: tuple[int, ...] = CANDIDATES, repeats: int = REPEATS) -> dict[int, tuple[float, float]]:
@@ -180,12 +188,6 @@ def measure(model, attention, executor, device: torch.device, dtype: torch.dtype
     blocks_per_seq = -(-(CONTEXT_TOKENS + 1) // block_size)
     largest = max(candidates)
     scratch = attention.allocate_kv_cache(model.num_layers, 1 + largest * blocks_per_seq)
-
-    def forward(input_ids: torch.Tensor, metadata: AttentionMetadata, indices: torch.Tensor) -> None:
-        """One pass as ``ModelRunner.forward`` makes it: the layers, then the logits of every row."""
-        step = executor.step(model.rotary, attention.prepare(metadata), scratch, attention, dtype)
-        model.compute_logits(model(input_ids, step).index_select(0, indices))
-
     tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(largest)]
     restore = executor.fused_max_tokens
 
@@ -199,7 +201,7 @@ def measure(model, attention, executor, device: torch.device, dtype: torch.dtype
             for limit in (tokens, 0):
                 executor.set_fused_max_tokens(model, limit)
                 began = time.perf_counter()
-                forward(input_ids, metadata, indices)
+                forward_pass(model, attention, executor, scratch, dtype, input_ids, metadata, indices)
                 if repeat:  # the first round warms up
                     best[limit] = min(best[limit], (time.perf_counter() - began) * 1e3)
         return best[tokens], best[0]
@@ -396,8 +398,7 @@ def measure_rows(model, attention, executor, device: torch.device, dtype: torch.
         for repeat in range(repeats + 1):
             for rows, (metadata, input_ids, indices) in steps.items():
                 began = time.perf_counter()
-                step = executor.step(model.rotary, attention.prepare(metadata), scratch, attention, dtype)
-                model.compute_logits(model(input_ids, step).index_select(0, indices))
+                forward_pass(model, attention, executor, scratch, dtype, input_ids, metadata, indices)
                 if repeat:  # the first round warms up
                     best[rows] = min(best[rows], (time.perf_counter() - began) * 1e3)
     finally:

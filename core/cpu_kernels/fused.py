@@ -104,9 +104,9 @@ class FusedStack:
 class FusedDraftHead:
     """An EAGLE draft head's step over a few pairs in one C call (``infer_draft_head_step``): the norms of the token
     embeddings and target features, the fc over both, the head's decoder layer with its attention, the final norm of
-    each sequence's last row, the draft-vocabulary logits, their largest few and their softmax probabilities. A chain step
-    was otherwise about twenty calls from Python around ~0.3 ms of C (README, "On an Intel Xeon with AMX, a seventh
-    time")."""
+    each sequence's last row, the draft-vocabulary logits, their largest few and their softmax probabilities. A chain
+    step was otherwise about twenty calls from Python around ~0.3 ms of C (README, "On an Intel Xeon with AMX, a
+    seventh time")."""
 
     def __init__(self, kernels: CpuKernels, layer: FusedLayer, norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                  eps: float, fc: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],

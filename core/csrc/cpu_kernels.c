@@ -1370,9 +1370,9 @@ static inline __attribute__((always_inline)) void prefetch_chunk(const void *kv,
 static void paged_attention_run(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
                                 int64_t table_stride, const int64_t *rows, int64_t row_base,
                                 const int64_t *seq_of_query, const int64_t *context_lens, const int64_t *own_keys,
-                                float *out,
-                                int64_t queries, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                int64_t block_size, int64_t num_blocks, float scale, int64_t kv_bf16) {
+                                float *out, int64_t queries, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale,
+                                int64_t kv_bf16) {
     const int64_t per_kv = num_heads / num_kv_heads;
     const int64_t slot_width = num_kv_heads * head_dim;
     const int64_t pool_slots = num_blocks * block_size;
@@ -1576,9 +1576,8 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
 void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
                            int64_t table_stride, const int64_t *rows, const int64_t *seq_of_query,
                            const int64_t *context_lens, const int64_t *own_keys, float *out, int64_t queries,
-                           int64_t num_heads,
-                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
-                           int64_t max_context, float scale, int64_t kv_bf16) {
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           int64_t num_blocks, int64_t max_context, float scale, int64_t kv_bf16) {
     (void)max_context;
     const int64_t entry = head_dim + 2;
     for (int64_t first = 0, last = 0; first < queries; first = last) {
@@ -1589,8 +1588,7 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
         }
         paged_attention_run(q, q_stride, kv, block_tables, table_stride, rows ? rows + first : NULL, first,
                             seq_of_query + first, context_lens + first, own_keys ? own_keys + first : NULL, out,
-                            last - first, num_heads, num_kv_heads,
-                            head_dim, block_size, num_blocks, scale, kv_bf16);
+                            last - first, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, kv_bf16);
     }
 }
 
