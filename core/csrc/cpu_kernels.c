@@ -129,6 +129,10 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 enum { KIND_F16 = 0, KIND_I8 = 1, KIND_BF16 = 2 };
 
 /* The float value of an IEEE half (bits h). */
+/* Elements of a row-wise op (norm, SiLU, a GEMM input's rounding) from which its rows are split over the threads:
+ * a large decode step's 64 x 576 rows were one thread's while the other waited. */
+#define PARALLEL_ELEMENTS 16384
+
 static inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
@@ -803,14 +807,18 @@ void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, 
 #endif
     const int64_t kind = infer_tile_kind();
     const int64_t padded = kind == 2 ? (rows + 31) / 32 * 32 : rows;  /* AMX loads whole 16-row tiles of x */
-    uint16_t *xb = malloc(sizeof(uint16_t) * padded * k);
-    memset(xb + rows * k, 0, sizeof(uint16_t) * (padded - rows) * k);
-#pragma omp parallel for schedule(static) if (rows * k >= 65536)
-    for (int64_t m = 0; m < rows; m++) {
-        if (x_bf16)
-            memcpy(xb + m * k, (const uint16_t *)x + m * k, sizeof(uint16_t) * k);
-        else
-            floats_to_bf16((const float *)x + m * k, xb + m * k, k);
+    /* bf16 rows are read in place unless AMX needs them padded */
+    uint16_t *copy = x_bf16 && padded == rows ? NULL : malloc(sizeof(uint16_t) * padded * k);
+    const uint16_t *xb = copy ? copy : (const uint16_t *)x;
+    if (copy) {
+        memset(copy + rows * k, 0, sizeof(uint16_t) * (padded - rows) * k);
+#pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_ELEMENTS)
+        for (int64_t m = 0; m < rows; m++) {
+            if (x_bf16)
+                memcpy(copy + m * k, (const uint16_t *)x + m * k, sizeof(uint16_t) * k);
+            else
+                floats_to_bf16((const float *)x + m * k, copy + m * k, k);
+        }
     }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (kind == 2) tiles_amx(xb, rows, padded, k, w, bias, y, (int)y_bf16, n_out);
@@ -819,7 +827,7 @@ void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, 
     if (kind == 1) tiles_avx512(xb, 0, rows, k, w, bias, y, (int)y_bf16, n_out);
 #endif
     if (kind == 0) tiles_portable(xb, rows, k, w, bias, y, (int)y_bf16, n_out);
-    free(xb);
+    free(copy);
 }
 
 /* The most rows of x one pass of the GEMV takes (PASS_ROWS): beyond them it streams the weights again. */
@@ -836,12 +844,18 @@ int64_t infer_simd_width(void) {
 #endif
 }
 
-/* A projection of a layer, its weights stored as `kind`. */
+/* Whether layer_linear multiplies `rows` rows on `tiles` with bf16 dot products, which round its input to bf16: then
+ * the step rounds it where it makes it (the norm's or the SiLU's store), not in a copy. */
+static inline int tiles_take_bf16(const uint16_t *tiles, int64_t tiles_fma, int64_t rows) {
+    return tiles && !tiles_fma && rows > PASS_ROWS;
+}
+
+/* A projection of a layer, its weights stored as `kind` (`x` float32, or bf16 where tiles_take_bf16). */
 static void layer_linear(const void *w, int64_t kind, const float *scales, int64_t groups, const uint16_t *tiles,
-                         int64_t tiles_fma, const float *x, int64_t rows, int64_t k, const float *bias, float *y,
-                         int64_t n_out) {
+                         int64_t tiles_fma, const void *x, int x_bf16, int64_t rows, int64_t k, const float *bias,
+                         float *y, int64_t n_out) {
     if (tiles && rows > PASS_ROWS)
-        infer_linear_tiles(x, 0, rows, k, tiles, bias, y, 0, n_out, tiles_fma);
+        infer_linear_tiles(x, x_bf16, rows, k, tiles, bias, y, 0, n_out, tiles_fma);
     else if (kind == KIND_I8)
         infer_linear_i8(x, rows, k, w, scales, groups, bias, y, n_out);
     else if (kind == KIND_BF16)
@@ -857,7 +871,7 @@ static void layer_linear(const void *w, int64_t kind, const float *scales, int64
 static inline __attribute__((always_inline)) void add_rms_norm(float *residual, const void *delta, int delta_bf16,
                                                                void *out, const float *weight, int64_t rows,
                                                                int64_t dim, float eps, const int bf16_out) {
-#pragma omp parallel for if (rows * dim >= 65536)
+#pragma omp parallel for if (rows * dim >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         float *x = residual + r * dim;
         if (delta && delta_bf16) {  /* a bf16 GEMM's output, widened as it is added */
@@ -908,19 +922,26 @@ void infer_add_rms_norm_mixed(float *residual, const void *delta, int64_t delta_
 
 /* ---- SiLU(gate) * up ----------------------------------------------------------------------------------------- */
 
-/* gate_up: rows x (2 * width), gate first; out: rows x width. */
-void infer_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width) {
-#pragma omp parallel for if (rows * width >= 65536)
+/* gate_up: rows x (2 * width), gate first; out: rows x width, as floats or, with `bf16_out`, each value rounded to
+ * bfloat16 as it is stored (the next bf16 GEMM's input; the same values as rounding the float result). */
+static inline __attribute__((always_inline)) void silu_mul(const float *gate_up, void *out, int64_t rows,
+                                                           int64_t width, const int bf16_out) {
+#pragma omp parallel for if (rows * width >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * width, *up = gate + width;
-        float *y = out + r * width;
+        float *y = (float *)out + r * width;
+        uint16_t *yb = (uint16_t *)out + r * width;
         int64_t i = 0;
 #ifdef __AVX512F__
         for (; i + 16 <= width; i += 16) {
             const __m512 g = _mm512_loadu_ps(gate + i);
             const __m512 one = _mm512_set1_ps(1.0f);
             const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_loadu_ps(up + i)));
+            const __m512 value = _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_loadu_ps(up + i));
+            if (bf16_out)
+                _mm256_storeu_si256((__m256i *)(yb + i), bf16x16_from(value));
+            else
+                _mm512_storeu_ps(y + i, value);
         }
 #endif
 #ifdef __AVX2__
@@ -928,16 +949,33 @@ void infer_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t widt
         for (; i + 8 <= width; i += 8) {
             __m256 g = _mm256_loadu_ps(gate + i);
             __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
-            _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+            const __m256 value = _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i));
+            if (bf16_out) {
+                float values[8];
+                _mm256_storeu_ps(values, value);
+                floats_to_bf16(values, yb + i, 8);
+            } else {
+                _mm256_storeu_ps(y + i, value);
+            }
         }
 #endif
-        for (; i < width; i++) y[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        for (; i < width; i++) {
+            const float value = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+            if (bf16_out)
+                yb[i] = float_to_bf16(value);
+            else
+                y[i] = value;
+        }
     }
+}
+
+void infer_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width) {
+    silu_mul(gate_up, out, rows, width, 0);
 }
 
 /* infer_silu_mul over bfloat16 rows (a bf16 GEMM's output) into bfloat16 (the next one's input), computed in float. */
 void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width) {
-#pragma omp parallel for if (rows * width >= 65536)
+#pragma omp parallel for if (rows * width >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + r * 2 * width, *up = gate + width;
         uint16_t *y = out + r * width;
@@ -987,7 +1025,7 @@ static inline void rotate_row(float *row, const float *c, const float *s, int64_
 
 void infer_rope(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
                 int64_t tokens, int64_t row_stride, int64_t num_heads, int64_t head_dim) {
-#pragma omp parallel for if (tokens >= 64)
+#pragma omp parallel for if (tokens >= 16)
     for (int64_t t = 0; t < tokens; t++)
         rotate_row(qkv + t * row_stride, cos_table + positions[t] * head_dim, sin_table + positions[t] * head_dim,
                    num_heads, head_dim);
@@ -997,7 +1035,7 @@ void infer_rope(float *qkv, const int64_t *positions, const float *cos_table, co
  * widened, the first num_heads heads of each row rotated; one pass, each row rotated while it is in L1. */
 void infer_rope_widen(const uint16_t *qkv, float *out, const int64_t *positions, const float *cos_table,
                       const float *sin_table, int64_t tokens, int64_t width, int64_t num_heads, int64_t head_dim) {
-#pragma omp parallel for if (tokens >= 64)
+#pragma omp parallel for if (tokens >= 16)
     for (int64_t t = 0; t < tokens; t++) {
         bf16_to_floats(qkv + t * width, out + t * width, width);
         rotate_row(out + t * width, cos_table + positions[t] * head_dim, sin_table + positions[t] * head_dim,
@@ -1010,6 +1048,7 @@ void infer_rope_widen(const uint16_t *qkv, float *out, const int64_t *positions,
  * slots are padding and skipped. */
 void infer_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, void *kv,
                     const int64_t *slots, int64_t tokens, int64_t width, int64_t num_slots, int64_t kv_bf16) {
+#pragma omp parallel for if (tokens * width >= PARALLEL_ELEMENTS / 2)
     for (int64_t t = 0; t < tokens; t++) {
         if (slots[t] < 0) continue;
         if (kv_bf16) {
@@ -2150,10 +2189,11 @@ typedef struct {
 void infer_layer_attention_input(const infer_layer *layer, int64_t tokens, float *residual, const float *delta,
                                  const int64_t *positions, const float *cos_table, const float *sin_table,
                                  float *qkv) {
-    float *normed = malloc(sizeof(float) * tokens * layer->hidden);
-    infer_add_rms_norm(residual, delta, normed, layer->input_norm, tokens, layer->hidden, layer->eps);
+    const int bf16 = tiles_take_bf16(layer->qkv_tiles, layer->tiles_fma, tokens);
+    void *normed = malloc((bf16 ? sizeof(uint16_t) : sizeof(float)) * tokens * layer->hidden);
+    infer_add_rms_norm_mixed(residual, delta, 0, normed, bf16, layer->input_norm, tokens, layer->hidden, layer->eps);
     layer_linear(layer->qkv, layer->qkv_kind, layer->qkv_scales, layer->qkv_groups, layer->qkv_tiles,
-                 layer->tiles_fma, normed, tokens, layer->hidden, layer->qkv_bias, qkv, layer->qkv_width);
+                 layer->tiles_fma, normed, bf16, tokens, layer->hidden, layer->qkv_bias, qkv, layer->qkv_width);
     infer_rope(qkv, positions, cos_table, sin_table, tokens, layer->qkv_width, layer->rotated_heads,
                layer->head_dim);
     free(normed);
@@ -2165,18 +2205,25 @@ void infer_layer_attention_input(const infer_layer *layer, int64_t tokens, float
 void infer_layer_feed_forward(const infer_layer *layer, int64_t tokens, const float *attended, float *residual,
                               float *delta) {
     const int64_t hidden = layer->hidden, intermediate = layer->intermediate;
-    float *projected = malloc(sizeof(float) * tokens * hidden), *normed = malloc(sizeof(float) * tokens * hidden);
+    const int normed_bf16 = tiles_take_bf16(layer->gate_up_tiles, layer->tiles_fma, tokens);
+    const int activated_bf16 = tiles_take_bf16(layer->down_tiles, layer->tiles_fma, tokens);
+    float *projected = malloc(sizeof(float) * tokens * hidden);
+    void *normed = malloc((normed_bf16 ? sizeof(uint16_t) : sizeof(float)) * tokens * hidden);
     float *gate_up = malloc(sizeof(float) * tokens * 2 * intermediate);
-    float *activated = malloc(sizeof(float) * tokens * intermediate);
+    void *activated = malloc((activated_bf16 ? sizeof(uint16_t) : sizeof(float)) * tokens * intermediate);
     layer_linear(layer->o, layer->o_kind, layer->o_scales, layer->o_groups, layer->o_tiles, layer->tiles_fma,
-                 attended, tokens, layer->q_width, layer->o_bias, projected, hidden);
-    infer_add_rms_norm(residual, projected, normed, layer->post_norm, tokens, hidden, layer->eps);
+                 attended, 0, tokens, layer->q_width, layer->o_bias, projected, hidden);
+    infer_add_rms_norm_mixed(residual, projected, 0, normed, normed_bf16, layer->post_norm, tokens, hidden,
+                             layer->eps);
     layer_linear(layer->gate_up, layer->gate_up_kind, layer->gate_up_scales, layer->gate_up_groups,
-                 layer->gate_up_tiles, layer->tiles_fma, normed, tokens, hidden, layer->gate_up_bias, gate_up,
-                 2 * intermediate);
-    infer_silu_mul(gate_up, activated, tokens, intermediate);
+                 layer->gate_up_tiles, layer->tiles_fma, normed, normed_bf16, tokens, hidden, layer->gate_up_bias,
+                 gate_up, 2 * intermediate);
+    if (activated_bf16)
+        silu_mul(gate_up, activated, tokens, intermediate, 1);
+    else
+        silu_mul(gate_up, activated, tokens, intermediate, 0);
     layer_linear(layer->down, layer->down_kind, layer->down_scales, layer->down_groups, layer->down_tiles,
-                 layer->tiles_fma, activated, tokens, intermediate, layer->down_bias, delta, hidden);
+                 layer->tiles_fma, activated, activated_bf16, tokens, intermediate, layer->down_bias, delta, hidden);
     free(activated);
     free(gate_up);
     free(normed);
@@ -2286,14 +2333,14 @@ void infer_draft_head_step(const infer_draft_head *head, const infer_layer *laye
         add_rms_norm((float *)features + t * hidden, NULL, 0, pairs + t * 2 * hidden + hidden, head->feature_norm, 1,
                      hidden, head->eps, 0);
     }
-    layer_linear(head->fc, head->fc_kind, head->fc_scales, head->fc_groups, NULL, 0, pairs, tokens, 2 * hidden,
+    layer_linear(head->fc, head->fc_kind, head->fc_scales, head->fc_groups, NULL, 0, pairs, 0, tokens, 2 * hidden,
                  head->fc_bias, x, hidden);
     const int64_t own_layer = 0;
     infer_layers_few(layer, &own_layer, 1, tokens, x, delta, positions, cos_table, sin_table, kv, 0, step);
     for (int64_t s = 0; s < seqs; s++)
         add_rms_norm(x + last_rows[s] * hidden, delta + last_rows[s] * hidden, 0, predicted + s * hidden,
                      head->norm, 1, hidden, head->eps, 0);
-    layer_linear(head->out, head->out_kind, head->out_scales, head->out_groups, NULL, 0, predicted, seqs, hidden,
+    layer_linear(head->out, head->out_kind, head->out_scales, head->out_groups, NULL, 0, predicted, 0, seqs, hidden,
                  NULL, logits, vocab);
     for (int64_t s = 0; s < seqs; s++) {
         float *row = logits + s * vocab, *top = confidence + s * width;
