@@ -631,6 +631,13 @@ static void tiles_amx(const uint16_t *xb, int64_t rows, int64_t padded, int64_t 
 }
 #endif
 
+#if defined(__AVX512F__)
+/* Lines of the next block's weights a pass asks for per 32 columns of k (tiles_avx512's `ahead`). */
+static inline int64_t ahead_lines_per_tile(int64_t ahead_bytes, int64_t k) {
+    return (ahead_bytes / 64 + k / 32 - 1) / (k / 32);
+}
+#endif
+
 #if defined(__AVX512BF16__)
 /* Rows of x one pass of the AVX512-BF16 kernel takes: 2 accumulators each (the block's two 16-column halves), 24
  * of the 32 registers, plus the two weight vectors; x's pairs are broadcast from memory. */
@@ -642,11 +649,15 @@ static void tiles_amx(const uint16_t *xb, int64_t rows, int64_t padded, int64_t 
  * stored (store_block). */
 static inline __attribute__((always_inline)) void block_dot_bf16(const uint16_t *xb, int64_t k, const uint16_t *wb,
                                                                  const float *bias, void *y, int64_t at,
-                                                                 int64_t n_out, int y_bf16, const int count) {
+                                                                 int64_t n_out, int y_bf16, const char *ahead,
+                                                                 int64_t ahead_bytes, const int count) {
     __m512 acc[DOT_ROWS][2];
     for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t ahead_step = ahead_lines_per_tile(ahead_bytes, k);
     for (int64_t t = 0; t < k / 32; t++) {
         const uint16_t *tile = wb + t * 1024;
+        for (int64_t line = t * ahead_step; line < (t + 1) * ahead_step && line * 64 < ahead_bytes; line++)
+            _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
         for (int p = 0; p < 16; p++) {
             _mm_prefetch((const char *)(tile + 1024 + p * 32), _MM_HINT_T0);  /* the next 32 columns of k */
             _mm_prefetch((const char *)(tile + 1536 + p * 32), _MM_HINT_T0);
@@ -667,9 +678,9 @@ static inline __attribute__((always_inline)) void block_dot_bf16(const uint16_t 
 /* Up to DOT_ROWS rows of xb over one block (block_dot_bf16 with a constant count per copy, so its sums stay in
  * registers). */
 static void pass_dot_bf16(const uint16_t *xb, int64_t k, const uint16_t *wb, const float *bias, void *y, int64_t at,
-                          int64_t n_out, int y_bf16, int count) {
+                          int64_t n_out, int y_bf16, const char *ahead, int64_t ahead_bytes, int count) {
     switch (count) {
-#define DOT_CASE(c) case c: block_dot_bf16(xb, k, wb, bias, y, at, n_out, y_bf16, c); break;
+#define DOT_CASE(c) case c: block_dot_bf16(xb, k, wb, bias, y, at, n_out, y_bf16, ahead, ahead_bytes, c); break;
         DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4) DOT_CASE(5) DOT_CASE(6)
         DOT_CASE(7) DOT_CASE(8) DOT_CASE(9) DOT_CASE(10) DOT_CASE(11) DOT_CASE(12)
 #undef DOT_CASE
@@ -688,11 +699,15 @@ static void pass_dot_bf16(const uint16_t *xb, int64_t k, const uint16_t *wb, con
  * no AMX: 1.6x, level with MKL's float32 GEMM), and float32 products of the exact bf16 weights. */
 static inline __attribute__((always_inline)) void block_fma_bf16(const float *x, int64_t k, const uint16_t *wb,
                                                                  const float *bias, void *y, int64_t at,
-                                                                 int64_t n_out, int y_bf16, const int count) {
+                                                                 int64_t n_out, int y_bf16, const char *ahead,
+                                                                 int64_t ahead_bytes, const int count) {
     __m512 acc[FMA_ROWS][2];
     for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t ahead_step = ahead_lines_per_tile(ahead_bytes, k);
     for (int64_t t = 0; t < k / 32; t++) {
         const uint16_t *tile = wb + t * 1024;
+        for (int64_t line = t * ahead_step; line < (t + 1) * ahead_step && line * 64 < ahead_bytes; line++)
+            _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
         for (int p = 0; p < 16; p++) {
             _mm_prefetch((const char *)(tile + 1024 + p * 32), _MM_HINT_T0);
             _mm_prefetch((const char *)(tile + 1536 + p * 32), _MM_HINT_T0);
@@ -712,9 +727,9 @@ static inline __attribute__((always_inline)) void block_fma_bf16(const float *x,
 
 /* Up to FMA_ROWS rows of x over one block (block_fma_bf16, a constant count per copy). */
 static void pass_fma_bf16(const float *x, int64_t k, const uint16_t *wb, const float *bias, void *y, int64_t at,
-                          int64_t n_out, int y_bf16, int count) {
+                          int64_t n_out, int y_bf16, const char *ahead, int64_t ahead_bytes, int count) {
     switch (count) {
-#define FMA_CASE(c) case c: block_fma_bf16(x, k, wb, bias, y, at, n_out, y_bf16, c); break;
+#define FMA_CASE(c) case c: block_fma_bf16(x, k, wb, bias, y, at, n_out, y_bf16, ahead, ahead_bytes, c); break;
         FMA_CASE(1) FMA_CASE(2) FMA_CASE(3) FMA_CASE(4) FMA_CASE(5) FMA_CASE(6) FMA_CASE(7) FMA_CASE(8)
 #undef FMA_CASE
     }
@@ -739,16 +754,25 @@ static void tiles_avx512(const void *x, int fma, int64_t rows, int64_t k, const 
         for (int64_t b = 0; b < blocks; b++) {
             const uint16_t *wb = w + b * (k / 32) * 1024;
             const float *own_bias = bias ? bias + b * 32 : NULL;
-            for (int64_t m = chunk; m < chunk_end; m += pass) {
+            /* the next block's weights (this thread's next, but at the end of its share) come from memory: its
+             * passes ask for a slice of them each, into L2, while this block's are read from there */
+            const int64_t block_bytes = (k / 32) * 2048, passes = (chunk_end - chunk + pass - 1) / pass;
+            const int64_t slice = (block_bytes / passes + 63) / 64 * 64;
+            const char *next = b + 1 < blocks ? (const char *)(wb + (k / 32) * 1024) : NULL;
+            for (int64_t m = chunk, i = 0; m < chunk_end; m += pass, i++) {
                 const int count = (int)(chunk_end - m < pass ? chunk_end - m : pass);
                 const int64_t at = m * n_out + b * 32;
+                const int64_t from = i * slice, bytes = next && from < block_bytes ?
+                                                        (block_bytes - from < slice ? block_bytes - from : slice) : 0;
+                const char *ahead = next ? next + from : NULL;
 #if defined(__AVX512BF16__)
                 if (!fma) {
-                    pass_dot_bf16((const uint16_t *)x + m * k, k, wb, own_bias, y, at, n_out, y_bf16, count);
+                    pass_dot_bf16((const uint16_t *)x + m * k, k, wb, own_bias, y, at, n_out, y_bf16, ahead, bytes,
+                                  count);
                     continue;
                 }
 #endif
-                pass_fma_bf16((const float *)x + m * k, k, wb, own_bias, y, at, n_out, y_bf16, count);
+                pass_fma_bf16((const float *)x + m * k, k, wb, own_bias, y, at, n_out, y_bf16, ahead, bytes, count);
             }
         }
     }
