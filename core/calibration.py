@@ -9,8 +9,11 @@ cache, its cores' share of memory bandwidth) and on the model's shapes, so
 the model on the fused path and with every matrix product on the GEMM, alternately, ``REPEATS`` times each, the
 fastest kept (other processes on a shared machine can only make a pass slower, and alternating spreads them over
 both). The first size where the fused path lost is measured a second time (``confirm_first_loss``: one slow
-spell can cap the threshold otherwise). The threshold is the largest step size up to which the fused path was never
-slower.
+spell on a shared machine makes a size lose that wins on a second look). The threshold is the step size up to which
+the fused path saves the most time over the measured sizes (``threshold``): a near-tie at one size does not cap it
+where the fused path wins above that size, as the rule before (the largest size up to which it never lost) did. On
+a Zen 4 EPYC the fused path lost at 8 tokens by 0.2 ms of 15 and won by 4.4-4.8 ms at 16-128: that rule ran every
+step of more than 4 tokens op by op.
 
 The result is cached per signature (the CPU's name and the vector flags that matter, torch's threads and version,
 the model's shapes, weight packing and dtype, the kernels' build) under the cache dir,
@@ -109,13 +112,14 @@ def calibration_path(digest: str) -> Path:
 
 
 def threshold(times_ms: dict[int, tuple[float, float]]) -> int:
-    """The largest step size up to which the fused path was never slower than the GEMM (0: not even at 1)."""
-    best = 0
+    """The step size up to which the fused path saves the most time, summed over the measured sizes up to it (GEMM
+    minus fused, milliseconds); a tie goes to the larger size, and 0 where it saves nothing at any."""
+    best, most, saved = 0, 0.0, 0.0
     for tokens in sorted(times_ms):
         fused, gemm = times_ms[tokens]
-        if fused > gemm:
-            break
-        best = tokens
+        saved += gemm - fused
+        if saved > 0 and saved >= most:
+            best, most = tokens, saved
     return best
 
 
@@ -217,7 +221,7 @@ def measure(model, attention, executor, device: torch.device, dtype: torch.dtype
 def confirm_first_loss(times: dict[int, tuple[float, float]],
                        time_size: Callable[[int], tuple[float, float]]) -> dict[int, tuple[float, float]]:
     """``times`` with the first step size where the fused path lost measured again (``time_size``), each path's
-    faster time kept, until a loss stands or none is left: the first loss caps the threshold, and a slow spell on a
+    faster time kept, until a loss stands or none is left: a loss costs the threshold its savings, and a slow spell on a
     shared machine (other processes only ever slow a pass) can make one size lose that wins on a second look. On the
     Intel Xeon with AMX a calibration had the fused path lose at 64 tokens, 48.1 vs 44.9 ms, and win at 128; measured
     again, 30.0 vs 36.8 ms (README, CPU performance)."""
