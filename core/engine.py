@@ -272,6 +272,7 @@ class Engine:
         how = (" (float32 FMAs)" if getattr(self.attention, "prefill_fma", False)
                else " (AMX tiles)" if getattr(self.attention, "prefill_tiles", False) else "")
         chosen += f", bf16 prefill on {prefill}'s flash attention{how}" if prefill else ""
+        chosen += ", bf16 decode on the dot products" if getattr(self.attention, "decode_dots", False) else ""
         parallel = "" if self.tensor_parallel is None else f"; {self.tensor_parallel.describe()}"
         fused = (self.calibration.describe() if self.calibration is not None
                  else f"fused up to {self.executor.fused_max_tokens} tokens")

@@ -167,7 +167,8 @@ class FusedStackPath(FusedLayersPath):
             stack = self._stacks[key] = FusedStack(step.ops.kernels, [layer.fused for layer in layers],
                                                    [layer.self_attn.layer_index for layer in layers])
         rotary, attention = step.ops.rotary, step.attention
-        plan = KernelAttentionStep.from_metadata(step.metadata, attention.num_heads, attention.scale)
+        plan = KernelAttentionStep.from_metadata(step.metadata, attention.num_heads, attention.scale,
+                                                 getattr(attention, "decode_dots", False))
         delta = stack.run(hidden, step.positions, rotary.cos, rotary.sin, step.kv_cache, plan)
         return delta, hidden
 
@@ -324,7 +325,8 @@ def build_attention(registry, config, model: LlamaForCausalLM, device: torch.dev
     ``model``'s heads (a tensor-parallel rank's: its own), and its name. A backend's ``prefill_dtype`` and
     ``kv_dtype`` left to ``auto`` (the ``cpu`` backend's) resolve here: bfloat16 with bf16 weights (whose large steps
     run at bf16 precision), else float32; its ``prefill_arithmetic`` to float32 where the projections' large steps
-    run on float32 FMAs (``float_gemms``: ``Executor.float_gemms``), else bf16."""
+    run on float32 FMAs (``float_gemms``: ``Executor.float_gemms``), else bf16; its ``decode_arithmetic`` to bf16
+    with bf16 weights whose prefill arithmetic is bf16, else float32."""
     configured = config.attention
     name = choose_attention(configured.name, device, dtype, kernels)
     settings = configured if name == configured.name else registry.config_model("attention", name)()
@@ -333,6 +335,9 @@ def build_attention(registry, config, model: LlamaForCausalLM, device: torch.dev
             settings = settings.model_copy(update={key: "bfloat16" if quantization == "bf16" else "float32"})
     if getattr(settings, "prefill_arithmetic", None) == "auto":
         settings = settings.model_copy(update={"prefill_arithmetic": "float32" if float_gemms else "bf16"})
+    if getattr(settings, "decode_arithmetic", None) == "auto":
+        bf16 = quantization == "bf16" and settings.prefill_arithmetic == "bf16"
+        settings = settings.model_copy(update={"decode_arithmetic": "bf16" if bf16 else "float32"})
     backend = registry.load("attention", name)(
         num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         block_size=config.cache.block_size, dtype=dtype, device=device, config=settings)

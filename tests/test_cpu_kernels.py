@@ -147,6 +147,42 @@ def reference_attention(q, keys, values, scale):
     return torch.einsum("hn,hnd->hd", weights, values)
 
 
+def close_to_reference(out, q, keys, values, scale, dots: bool) -> None:
+    """``out`` (one query's heads) against ``reference_attention``: float32 arithmetic within float32 rounding; the
+    dot products against the query rounded to bf16, within the probabilities' bf16 rounding (a misplaced column or
+    key is off by the values' size, ~1)."""
+    if dots:
+        q = q.bfloat16().float()
+    tolerance = 1e-2 if dots else 1e-5
+    torch.testing.assert_close(out.double(), reference_attention(q, keys, values, scale), atol=tolerance,
+                               rtol=tolerance)
+
+
+def test_decode_attention_on_bf16_dot_products(kernels):
+    """``dots``: the queries and the probabilities rounded to bf16 and multiplied on AVX512-BF16's dot products over
+    a bf16 pool, for key counts odd and even, on both sides of the 64-key chunks and the 4-key score groups: each
+    query within the roundings of softmax attention, and not the float32 arithmetic's bits (the other path ran)."""
+    dots_or_skip(kernels, True)
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    lengths = [1, 2, 3, 5, 63, 64, 65, 127, 130, 301]
+    tables, blocks = [], 1
+    for length in lengths:
+        count = math.ceil(length / block_size)
+        tables.append(list(range(blocks, blocks + count))[::-1])
+        blocks += count
+    width = max(len(table) for table in tables)
+    block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32)
+    kv_cache = randn(2, blocks, block_size, num_kv_heads, head_dim, seed=31, scale=2.0).bfloat16()
+    q = randn(len(lengths), num_heads, head_dim, seed=32)
+    plan = KernelAttentionPlan(None, torch.arange(len(lengths)), torch.tensor(lengths), len(lengths), max(lengths))
+    out = kernels.paged_attention(q, kv_cache, block_tables, plan, 0.125, torch.empty(q.shape), True)
+    widened = kernels.paged_attention(q, kv_cache, block_tables, plan, 0.125, torch.empty(q.shape))
+    for index, (length, table) in enumerate(zip(lengths, tables)):
+        keys, values = (kv_cache[half, table].flatten(0, 1)[:length].float() for half in (0, 1))
+        close_to_reference(out[index], q[index], keys, values, 0.125, True)
+    assert not torch.equal(out[1:], widened[1:])  # (one key: both give its value row)
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 72), (6, 1, 12), (2, 2, 128)])
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_paged_attention_matches_softmax_over_each_context(kernels, num_heads, num_kv_heads, head_dim, block_size):
@@ -185,11 +221,22 @@ def test_paged_attention_fills_only_the_planned_rows(kernels):
                                    rtol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_gives_a_query_the_same_bits_alone_or_beside_others(kernels, kv_dtype):
+def dots_or_skip(kernels, dots: bool) -> None:
+    if dots and not kernels.flash:
+        pytest.skip("the decode attention's bf16 dot products are built only where the CPU has avx512_bf16, which "
+                    "this one lacks")
+
+
+# (pool dtype, dots): float32 arithmetic over either pool, the dot products over a bf16 one
+ARITHMETIC = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+
+
+@pytest.mark.parametrize(("kv_dtype", "dots"), ARITHMETIC)
+def test_paged_attention_gives_a_query_the_same_bits_alone_or_beside_others(kernels, kv_dtype, dots):
     """A query's result depends on its own context only: verification rows of one sequence (which share work items),
     queries of other sequences, and contexts across several of the kernel's key chunks give each row exactly what it
     gets as the only query of its step, so a verified draft equals the decode row it stands for."""
+    dots_or_skip(kernels, dots)
     num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
     kv_cache = randn(2, 48, block_size, num_kv_heads, head_dim, seed=11).to(kv_dtype)
     block_tables = torch.tensor([list(range(24))[::-1], list(range(24, 48))], dtype=torch.int32)
@@ -197,16 +244,15 @@ def test_paged_attention_gives_a_query_the_same_bits_alone_or_beside_others(kern
     seqs, lengths = [0, 0, 0, 0, 0, 1], [296, 297, 298, 299, 300, 129]
     q = randn(len(seqs), num_heads, head_dim, seed=12)
     together = KernelAttentionPlan(None, torch.tensor(seqs), torch.tensor(lengths), len(seqs), max(lengths))
-    out = kernels.paged_attention(q, kv_cache, block_tables, together, 0.125, torch.empty(q.shape))
+    out = kernels.paged_attention(q, kv_cache, block_tables, together, 0.125, torch.empty(q.shape), dots)
     for row, (seq, length) in enumerate(zip(seqs, lengths)):
         alone = KernelAttentionPlan(None, torch.tensor([seq]), torch.tensor([length]), 1, length)
         single = kernels.paged_attention(q[row: row + 1].contiguous(), kv_cache, block_tables, alone, 0.125,
-                                         torch.empty(1, num_heads, head_dim))
+                                         torch.empty(1, num_heads, head_dim), dots)
         assert torch.equal(out[row], single[0])
         table = block_tables[seq].long()
         keys, values = (kv_cache[half, table].flatten(0, 1)[:length].float() for half in (0, 1))
-        torch.testing.assert_close(out[row].double(), reference_attention(q[row], keys, values, 0.125), atol=1e-5,
-                                   rtol=1e-5)
+        close_to_reference(out[row], q[row], keys, values, 0.125, dots)
 
 
 def test_paged_attention_over_a_long_chunk_matches_each_query_alone(kernels):
@@ -232,12 +278,13 @@ def test_paged_attention_over_a_long_chunk_matches_each_query_alone(kernels):
                                    rtol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_dtype", "dots"), ARITHMETIC)
 @pytest.mark.parametrize("root", [60, 126, 300])
-def test_a_draft_trees_leaf_gets_the_bits_of_its_key_at_its_own_position(kernels, kv_dtype, root):
+def test_a_draft_trees_leaf_gets_the_bits_of_its_key_at_its_own_position(kernels, kv_dtype, dots, root):
     """A draft tree's leaf reads its own K/V from the slot it was written to (past the spine) in place of its
     position's: exactly what a query at that position computes when the leaf's K/V sit there, bit for bit, beside the
     spine's rows and another sequence's (roots on both sides of the kernel's 64-key chunks)."""
+    dots_or_skip(kernels, dots)
     num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
     kv_cache = randn(2, 64, block_size, num_kv_heads, head_dim, seed=21).to(kv_dtype)
     block_tables = torch.tensor([list(range(1, 32))[::-1], list(range(32, 63))], dtype=torch.int32)
@@ -250,7 +297,7 @@ def test_a_draft_trees_leaf_gets_the_bits_of_its_key_at_its_own_position(kernels
     q = randn(len(seqs), num_heads, head_dim, seed=22)
     plan = KernelAttentionPlan(None, torch.tensor(seqs), torch.tensor(lengths), len(seqs), max(lengths),
                                torch.tensor(own))
-    out = kernels.paged_attention(q, kv_cache, block_tables, plan, 0.125, torch.empty(q.shape))
+    out = kernels.paged_attention(q, kv_cache, block_tables, plan, 0.125, torch.empty(q.shape), dots)
     slots = [int(block_tables[0, t // block_size]) * block_size + t % block_size for t in range(root + 8)]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
     for row in range(len(seqs)):
@@ -259,12 +306,11 @@ def test_a_draft_trees_leaf_gets_the_bits_of_its_key_at_its_own_position(kernels
             moved.view(2, -1, num_kv_heads, head_dim)[:, slots[lengths[row] - 1]] = flat[:, slots[own[row]]]
         alone = KernelAttentionPlan(None, torch.tensor([seqs[row]]), torch.tensor([lengths[row]]), 1, lengths[row])
         single = kernels.paged_attention(q[row: row + 1].contiguous(), moved, block_tables, alone, 0.125,
-                                         torch.empty(1, num_heads, head_dim))
+                                         torch.empty(1, num_heads, head_dim), dots)
         assert torch.equal(out[row], single[0]), row
         keys, values = (moved[half, block_tables[seqs[row]].long()].flatten(0, 1)[: lengths[row]].float()
                         for half in (0, 1))
-        torch.testing.assert_close(out[row].double(), reference_attention(q[row], keys, values, 0.125), atol=1e-5,
-                                   rtol=1e-5)
+        close_to_reference(out[row], q[row], keys, values, 0.125, dots)
 
 
 def test_build_is_cached_per_source_and_reused(tmp_path, monkeypatch):

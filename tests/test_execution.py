@@ -318,6 +318,7 @@ def test_auto_large_gemm_takes_float32_where_it_was_measured_faster_at_every_siz
     assert projections and all(module.tile_fma and module.packed is None for module in projections)
     assert all(layer.fused.struct.tiles_fma for layer in engine.model.layers)
     assert engine.attention.config.prefill_arithmetic == "float32"  # infer's flash attention on FMAs too
+    assert engine.attention.config.decode_arithmetic == "float32" and not engine.attention.decode_dots  # and decode
     assert "large GEMMs float32 (measured now; bf16 vs float32 64 rows 2.00 vs 1.00 ms, 512 rows 10.00 vs 6.00 " \
            "ms)" in engine.describe_execution()
     outputs = llm.generate(["a b c d e f g h i j k l m n o p"] * 2, SamplingParams(max_tokens=6, temperature=0.0))
@@ -330,11 +331,17 @@ def test_auto_large_gemm_takes_float32_where_it_was_measured_faster_at_every_siz
     fake[512] = (10.0, 9.5)  # faster, but not by GEMM_MARGIN
     kept = _auto_llm(tiny_model_dir, *bf16, "execution.recalibrate=true").engine
     assert kept.executor.gemm.name == "bf16" and kept.attention.config.prefill_arithmetic == "bf16"
+    # decode and verification on the dot products where the build has them for the pool's heads
+    dots = cpu_kernels.load(True).flash and kept.attention.head_dim == 64
+    assert kept.attention.config.decode_arithmetic == "bf16" and kept.attention.decode_dots == dots
+    assert ("bf16 decode on the dot products" in kept.describe_execution()) == dots
     assert measured == [1, 1]
     configured = _auto_llm(tiny_model_dir, *bf16, "execution.large_gemm=float32").engine
     assert configured.executor.gemm.name == "float32" and configured.executor.float_gemms and measured == [1, 1]
     assert "large GEMMs float32 (configured)" in configured.describe_execution()
-    assert _auto_llm(tiny_model_dir).engine.executor.gemm is None  # fp16 weights: no such choice
+    fp16 = _auto_llm(tiny_model_dir).engine
+    assert fp16.executor.gemm is None  # fp16 weights: no such choice
+    assert fp16.attention.config.decode_arithmetic == "float32" and not fp16.attention.decode_dots
 
 
 @needs_kernels

@@ -36,7 +36,7 @@ _SIGNATURES = {
     "infer_rope_widen": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_write_kv": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_paged_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER,
-                              _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT],
+                              _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT, _INT],
     "infer_layers_few": [_POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
                          _INT, _POINTER],
     "infer_draft_head_step": [_POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
@@ -88,7 +88,7 @@ class AttentionStepStruct(ctypes.Structure):
     _fields_ += [(name, _POINTER) for name in ("slots", "rows", "seq_of_query", "context_lens")]
     _fields_ += [(name, _INT) for name in ("queries", "max_context", "num_heads", "num_kv_heads", "head_dim",
                                            "block_size", "num_blocks")]
-    _fields_ += [("scale", _FLOAT), ("kv_bf16", _INT), ("own_keys", _POINTER)]
+    _fields_ += [("scale", _FLOAT), ("kv_bf16", _INT), ("own_keys", _POINTER), ("dots", _INT)]
 
 
 @dataclass(slots=True)
@@ -290,10 +290,13 @@ class CpuKernels:
                        k.shape[0], k.shape[1] * k.shape[2], num_slots, kv_cache.dtype == torch.bfloat16)
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        plan: KernelAttentionPlan, scale: float, out: torch.Tensor) -> torch.Tensor:
+                        plan: KernelAttentionPlan, scale: float, out: torch.Tensor, dots: bool = False) -> torch.Tensor:
         """The rows of ``q`` ``[T, heads, head_dim]`` (rows may be strided) that ``plan`` names attend to their
         contexts, read through ``block_tables`` (int32) from one layer's pool; results land in the same rows of
-        ``out`` ``[T, heads, head_dim]`` (contiguous), which is returned."""
+        ``out`` ``[T, heads, head_dim]`` (contiguous), which is returned. ``dots`` (a bf16 pool, head size 64,
+        ``self.flash``'s AVX512-BF16 build; ignored elsewhere): the queries and the probabilities rounded to bf16
+        and multiplied on the dot products, scores and sums float32 (the flash attention's precision); else
+        float32 queries and probabilities over the widened K/V."""
         check_rows(q)
         check_pool(kv_cache)
         check_block_tables(block_tables)
@@ -305,7 +308,7 @@ class CpuKernels:
                               plan.context_lens.data_ptr(), address(plan.own_keys), out.data_ptr(), plan.num_queries,
                               num_heads,
                               num_kv_heads, head_dim, block_size, num_blocks, plan.max_context, scale,
-                              kv_cache.dtype == torch.bfloat16)
+                              kv_cache.dtype == torch.bfloat16, dots)
         return out
 
     def flash_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

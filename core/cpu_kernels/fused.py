@@ -164,22 +164,25 @@ class FusedDraftHead:
 @dataclass(slots=True)
 class KernelAttentionStep:
     """A step's attention as the kernels run it inside ``FusedStack``: every token is a query of
-    ``plan``, its K/V written at ``slots`` (int64, negative: skipped), contexts read through ``block_tables``."""
+    ``plan``, its K/V written at ``slots`` (int64, negative: skipped), contexts read through ``block_tables``;
+    ``dots``: on the dot products over a bf16 pool (``CpuKernels.paged_attention``'s ``dots``)."""
 
     plan: KernelAttentionPlan
     block_tables: torch.Tensor
     slots: torch.Tensor
     num_heads: int
     scale: float
+    dots: bool = False
 
     @classmethod
-    def from_metadata(cls, metadata: AttentionMetadata, num_heads: int, scale: float) -> KernelAttentionStep:
+    def from_metadata(cls, metadata: AttentionMetadata, num_heads: int, scale: float,
+                      dots: bool = False) -> KernelAttentionStep:
         """The step's attention from the core metadata every backend receives (the model's shapes beside it); the
         every-token plan the ``cpu`` backend's ``prepare`` already put beside it is taken as it is."""
         plan = getattr(metadata, "plan", None)
         if plan is None or plan.rows is not None:  # none, or only some tokens'
             plan = KernelAttentionPlan.every_token(metadata)
-        return cls(plan, metadata.block_tables, metadata.slot_mapping, num_heads, scale)
+        return cls(plan, metadata.block_tables, metadata.slot_mapping, num_heads, scale, dots)
 
     def struct(self, kv_cache: torch.Tensor) -> AttentionStepStruct:
         """The C side's view of this step over the pools ``kv_cache`` (``[..., num_blocks, block_size, kv_heads,
@@ -190,7 +193,7 @@ class KernelAttentionStep:
             self.block_tables.data_ptr(), self.block_tables.stride(0), self.slots.data_ptr(), address(plan.rows),
             plan.seq_of_query.data_ptr(), plan.context_lens.data_ptr(), plan.num_queries, plan.max_context,
             self.num_heads, num_kv_heads, head_dim, block_size, num_blocks, self.scale,
-            kv_cache.dtype == torch.bfloat16, address(plan.own_keys))
+            kv_cache.dtype == torch.bfloat16, address(plan.own_keys), self.dots)
 
     def check(self) -> None:
         check_block_tables(self.block_tables)

@@ -1369,7 +1369,7 @@ static void score_bf16_heads(const float *const *queries, int64_t heads, const u
 /* A buffer of at least `bytes` for this thread, kept from call to call in one of SCRATCH_SLOTS slots (its contents
  * are not). The attention runs per layer, many times a step; a fresh malloc of tens of KB can come back as
  * untouched pages, a fault each. */
-#define SCRATCH_SLOTS 8
+#define SCRATCH_SLOTS 9
 static void *scratch(int slot, size_t bytes) {
     static __thread void *buffers[SCRATCH_SLOTS];
     static __thread size_t sizes[SCRATCH_SLOTS];
@@ -1413,6 +1413,132 @@ static inline __attribute__((always_inline)) void prefetch_chunk(const void *kv,
 /* Consecutive queries of one sequence (a verification's rows, a chunk's) that share a work item's key rows. */
 #define DECODE_GROUP 16
 
+#if defined(__AVX512BF16__)
+/* score_bf16_block on AVX512-BF16's dot products: the queries rounded to bf16 once (`dots` of
+ * infer_paged_attention), each key row's 64 bf16 multiplied as it is in the pool, two VDPBF16PS a query head where
+ * the float32 path widens four registers and runs four FMAs. */
+static inline __attribute__((always_inline)) void score_dots_block(const float *const *queries,
+                                                                   const uint16_t *const *keys, int64_t n,
+                                                                   float scale, float *const *scores, float *best,
+                                                                   const int count) {
+    __m512bh qb[3][2];
+    __m128 top[3];
+    for (int h = 0; h < count; h++) {
+        for (int i = 0; i < 2; i++)
+            qb[h][i] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(queries[h] + 32 * i + 16),
+                                           _mm512_loadu_ps(queries[h] + 32 * i));
+        top[h] = _mm_set1_ps(-INFINITY);
+    }
+    const __m128 factor = _mm_set1_ps(scale);
+    for (int64_t j = 0; j < n; j += 4) {
+        __m512 acc[3][4];
+        for (int r = 0; r < 4; r++) {
+            const uint16_t *key = keys[j + r < n ? j + r : n - 1];
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(key), k1 = (__m512bh)_mm512_loadu_si512(key + 32);
+            for (int h = 0; h < count; h++)
+                acc[h][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qb[h][0], k0), qb[h][1], k1);
+        }
+        for (int h = 0; h < count; h++) {
+            const __m128 four = _mm_mul_ps(sum4x16(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), factor);
+            if (j + 4 <= n) {
+                _mm_storeu_ps(scores[h] + j, four);
+                top[h] = _mm_max_ps(top[h], four);
+            } else {
+                float last[4];
+                _mm_storeu_ps(last, four);
+                for (int64_t r = 0; r < n - j; r++) {
+                    scores[h][j + r] = last[r];
+                    top[h] = _mm_max_ps(top[h], _mm_set1_ps(last[r]));
+                }
+            }
+        }
+    }
+    for (int h = 0; h < count; h++) {
+        const __m128 pairs = _mm_max_ps(top[h], _mm_movehl_ps(top[h], top[h]));
+        best[h] = _mm_cvtss_f32(_mm_max_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+    }
+}
+
+static void score_dots_heads(const float *const *queries, int64_t heads, const uint16_t *const *keys, int64_t n,
+                             float scale, float *const *scores, float *best) {
+    for (int64_t h = 0; h < heads; h += 3) {
+        switch (heads - h < 3 ? heads - h : 3) {
+            case 1: score_dots_block(queries + h, keys, n, scale, scores + h, best + h, 1); break;
+            case 2: score_dots_block(queries + h, keys, n, scale, scores + h, best + h, 2); break;
+            default: score_dots_block(queries + h, keys, n, scale, scores + h, best + h, 3); break;
+        }
+    }
+}
+
+/* weigh_heads_block on the dot products, for a bf16 pool's 64-wide value rows: results[h] = sum_j probs[h][j] *
+ * values[j] with the probabilities rounded to bf16 (probs: pairs of consecutive keys, n even, a missing last key's
+ * probability 0). Two value rows' words interleaved (VPUNPCKLWD/HWD) are the pairs VDPBF16PS multiplies with a
+ * head's two probabilities broadcast: each sum register then holds 16 of the 64 columns out of order, which one
+ * permute a 16 puts back on the store. */
+static inline __attribute__((always_inline)) void weigh_dots_block(const uint32_t *const *probs,
+                                                                   const void *const *rows, ptrdiff_t offset,
+                                                                   int64_t n, float *const *results,
+                                                                   const int count) {
+    __m512 acc[WEIGH_HEADS][4];
+    for (int h = 0; h < count; h++)
+        for (int i = 0; i < 4; i++) acc[h][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 2) {
+        const uint16_t *first = (const uint16_t *)rows[j] + offset;
+        const uint16_t *second = (const uint16_t *)rows[j + 1 < n ? j + 1 : j] + offset;
+        const __m512i a0 = _mm512_loadu_si512(first), a1 = _mm512_loadu_si512(first + 32);
+        const __m512i b0 = _mm512_loadu_si512(second), b1 = _mm512_loadu_si512(second + 32);
+        const __m512bh v[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, b0), (__m512bh)_mm512_unpackhi_epi16(a0, b0),
+                               (__m512bh)_mm512_unpacklo_epi16(a1, b1), (__m512bh)_mm512_unpackhi_epi16(a1, b1)};
+        for (int h = 0; h < count; h++) {
+            const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)probs[h][j / 2]);
+            for (int i = 0; i < 4; i++) acc[h][i] = _mm512_dpbf16_ps(acc[h][i], pair, v[i]);
+        }
+    }
+    /* register 2i + 0 holds columns 32i + {0-3, 8-11, 16-19, 24-27}, 2i + 1 the 4-7s (per 128-bit lane) */
+    const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int h = 0; h < count; h++)
+        for (int i = 0; i < 2; i++) {
+            _mm512_storeu_ps(results[h] + 32 * i, _mm512_permutex2var_ps(acc[h][2 * i], low, acc[h][2 * i + 1]));
+            _mm512_storeu_ps(results[h] + 32 * i + 16,
+                             _mm512_permutex2var_ps(acc[h][2 * i], high, acc[h][2 * i + 1]));
+        }
+}
+
+/* A mask of the first `left` of 16 lanes (none when left <= 0). */
+static inline __mmask16 first_lanes(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+/* weigh_heads for a bf16 pool's 64-wide rows on the dot products: each head's float probabilities (n <=
+ * DECODE_CHUNK of them, zero past its own keys) rounded to bf16 pairs in `pairs` (this thread's, DECODE_CHUNK / 2
+ * words a head of a pass, the word past an odd n's last key zero), then weigh_dots_block over WEIGH_HEADS heads at
+ * a time. */
+static void weigh_dots(float *const *weights, int64_t heads, const void *const *rows, ptrdiff_t offset, int64_t n,
+                       uint32_t *pairs, float *const *results) {
+    const uint32_t *rounded[WEIGH_HEADS];
+    for (int64_t h = 0; h < heads; h += WEIGH_HEADS) {
+        const int count = heads - h < WEIGH_HEADS ? (int)(heads - h) : WEIGH_HEADS;
+        for (int i = 0; i < count; i++) {
+            uint32_t *own = pairs + i * (DECODE_CHUNK / 2);
+            const float *w = weights[h + i];
+            for (int64_t at = 0; at < n; at += 32) {
+                const __m512 low = _mm512_maskz_loadu_ps(first_lanes(n - at), w + at);
+                const __m512 high = _mm512_maskz_loadu_ps(first_lanes(n - at - 16), w + at + 16);
+                _mm512_storeu_si512(own + at / 2, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+            }
+            rounded[i] = own;
+        }
+        switch (count) {
+#define DOTS_CASE(k) case k: weigh_dots_block(rounded, rows, offset, n, results + h, k); break;
+            DOTS_CASE(1) DOTS_CASE(2) DOTS_CASE(3) DOTS_CASE(4) DOTS_CASE(5)
+            default: weigh_dots_block(rounded, rows, offset, n, results + h, WEIGH_HEADS);
+#undef DOTS_CASE
+        }
+    }
+}
+#endif
+
 /* Query i (of `queries`) is token row r = rows[i] (r = i when rows is NULL; r = row_base + i in a run of
  * paged_attention_run): its heads at q + r * q_stride, its result at out + r * num_heads * head_dim. It attends to the
  * first context_lens[i] tokens of sequence seq_of_query[i], read through that sequence's block table row
@@ -1426,7 +1552,10 @@ static inline __attribute__((always_inline)) void prefetch_chunk(const void *kv,
  * rows once for the whole group (AVX-512 reads a bf16 pool's 64-wide rows in place and widens them in registers;
  * elsewhere a bf16 pool's rows are widened into a per-thread float buffer), then every query head of the group that
  * sees the chunk scores them, takes their softmax against the chunk's own maximum and weighs the value rows; the
- * chunks' partial results are then merged per query head in chunk order. Against the kernel before (one item per
+ * chunks' partial results are then merged per query head in chunk order. With `dots` (a bf16 pool of 64-wide heads
+ * in an AVX512-BF16 build; ignored elsewhere) the queries and the probabilities are rounded to bf16 and multiplied
+ * on VDPBF16PS (score_dots_block, weigh_dots), scores, maxima and sums float32: the flash attention's precision, at
+ * half the instructions of widening the K/V for float32 FMAs. Against the kernel before (one item per
  * query and KV head over its whole context, keys copied to floats per query), on 2 cores of an AMX Xeon, bf16 pool:
  * batch 1 at 300 keys 35.5 -> 14.7 us a call, two queries of it 65.3 -> 19.9, batch 64 at ~650 keys 2,568 -> 1,335
  * us (README, session 23). */
@@ -1435,7 +1564,7 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
                                 const int64_t *seq_of_query, const int64_t *context_lens, const int64_t *own_keys,
                                 float *out, int64_t queries, int64_t num_heads, int64_t num_kv_heads,
                                 int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale,
-                                int64_t kv_bf16) {
+                                int64_t kv_bf16, int64_t dots) {
     const int64_t per_kv = num_heads / num_kv_heads;
     const int64_t slot_width = num_kv_heads * head_dim;
     const int64_t pool_slots = num_blocks * block_size;
@@ -1485,6 +1614,11 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
 #else
     const int direct = 0;
 #endif
+#if defined(__AVX512BF16__)
+    dots = dots && direct;
+#else
+    dots = 0;  /* the float32 arithmetic is all this build has */
+#endif
 #pragma omp parallel if (parallel)
     {
         const float *keys[DECODE_CHUNK];
@@ -1497,6 +1631,9 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
         int64_t *head_keys = scratch(6, sizeof(int64_t) * group_heads);  /* the keys of the chunk each sees */
         float *head_best = scratch(7, sizeof(float) * group_heads);
         float *converted = scratch(2, sizeof(float) * 2 * DECODE_CHUNK * head_dim);  /* a bf16 pool's keys, values */
+#if defined(__AVX512BF16__)
+        uint32_t *pairs = scratch(8, sizeof(uint32_t) * WEIGH_HEADS * DECODE_CHUNK / 2);  /* dots' probabilities */
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < chunks * split + leaves; item++) {
             int64_t c, first_query, end_query, first_kv_head = 0, kv_heads = num_kv_heads, own = -1;
@@ -1575,6 +1712,13 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
                     }
                 }
                 for (int64_t a = 0; a < heads; a += per_kv) {
+#if defined(__AVX512BF16__)
+                    if (dots) {
+                        score_dots_heads(head_queries + a, per_kv, raw, head_keys[a], scale, head_weights + a,
+                                         head_best + a);
+                        continue;
+                    }
+#endif
 #ifdef __AVX512F__
                     if (direct) {
                         score_bf16_heads(head_queries + a, per_kv, raw, head_keys[a], scale, head_weights + a,
@@ -1592,6 +1736,13 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
                     own[head_dim + 1] = exp_shifted_sum(weights, head_keys[a], head_best[a]);
                     for (int64_t j = head_keys[a]; j < end - start; j++) weights[j] = 0.0f;
                 }
+#if defined(__AVX512BF16__)
+                if (dots) {
+                    weigh_dots(head_weights, heads, (const void *const *)raw, value_offset, end - start, pairs,
+                               head_results);
+                    continue;
+                }
+#endif
                 weigh_heads(head_weights, heads, direct ? (const void *const *)raw : (const void *const *)keys, direct,
                             value_offset, end - start, head_dim, head_results);
             }
@@ -1640,7 +1791,7 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
                            int64_t table_stride, const int64_t *rows, const int64_t *seq_of_query,
                            const int64_t *context_lens, const int64_t *own_keys, float *out, int64_t queries,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           int64_t num_blocks, int64_t max_context, float scale, int64_t kv_bf16) {
+                           int64_t num_blocks, int64_t max_context, float scale, int64_t kv_bf16, int64_t dots) {
     (void)max_context;
     const int64_t entry = head_dim + 2;
     for (int64_t first = 0, last = 0; first < queries; first = last) {
@@ -1651,7 +1802,8 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
         }
         paged_attention_run(q, q_stride, kv, block_tables, table_stride, rows ? rows + first : NULL, first,
                             seq_of_query + first, context_lens + first, own_keys ? own_keys + first : NULL, out,
-                            last - first, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, kv_bf16);
+                            last - first, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, kv_bf16,
+                            dots);
     }
 }
 
@@ -2265,6 +2417,7 @@ typedef struct {
     float scale;
     int64_t kv_bf16;  /* the pool holds bfloat16 */
     const int64_t *own_keys;  /* NULL, or a draft tree's leaves' own K/V (infer_paged_attention's own_keys) */
+    int64_t dots;  /* a bf16 pool's queries on AVX512-BF16's dot products (infer_paged_attention's dots) */
 } infer_attention_step;
 
 /* `count` layers over `tokens` tokens in one call, what infer_layer_attention_input, infer_write_kv,
@@ -2290,7 +2443,7 @@ void infer_layers_few(const infer_layer *layers, const int64_t *kv_layers, int64
         infer_paged_attention(qkv, qkv_width, pool, step->block_tables, step->table_stride, step->rows,
                               step->seq_of_query, step->context_lens, step->own_keys, attended, step->queries,
                               step->num_heads, step->num_kv_heads, step->head_dim, step->block_size,
-                              step->num_blocks, step->max_context, step->scale, step->kv_bf16);
+                              step->num_blocks, step->max_context, step->scale, step->kv_bf16, step->dots);
         infer_layer_feed_forward(&layers[l], tokens, attended, residual, delta);
     }
     free(attended);

@@ -65,6 +65,12 @@ class CpuAttentionConfig(AttentionConfig):
                             "probabilities rounded to bf16) or float32 FMAs over the bf16 K/V (Q and the "
                             "probabilities float32; faster where the CPU's float32 rate beats its bf16 dot "
                             "products). auto: what execution.large_gemm chose for the projections.")
+    decode_arithmetic: Literal["auto", "bf16", "float32"] = Field(
+        "auto", description="Decode and verification queries over a bfloat16 pool (head size 64, kernels with "
+                            "AVX512-BF16): bf16 dot products (the queries and the probabilities rounded to bf16, "
+                            "scores and sums float32, as the flash attention) or float32 (the K/V widened, queries "
+                            "and probabilities float32). auto: bf16 where prefill_arithmetic resolves to bf16 "
+                            "(the projections' large steps are bf16 arithmetic), else float32.")
     kv_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="The pool's dtype: bfloat16 halves its bytes (twice the tokens in a budget, half the "
                             "bytes each decode step reads; K/V rounded to bf16 once, queries and sums float32), "
@@ -122,6 +128,9 @@ class CpuBackend(AttentionBackend):
         self.prefill_tiles = self.prefill_kernel == "infer" and not self.prefill_fma and self._flash_on_tiles
         if self.config.kv_dtype == "bfloat16":
             self.kv_dtype = torch.bfloat16
+        # decode and verification on the dot products (auto, where the engine has not resolved it, counts as float32)
+        self.decode_dots = (self.config.decode_arithmetic == "bf16" and self.kv_dtype == torch.bfloat16 and
+                            self.kernels.flash and self.head_dim == 64)
 
     def check_supported(self) -> None:
         if self.device.type != "cpu" or self.dtype != torch.float32:
@@ -183,7 +192,8 @@ class CpuBackend(AttentionBackend):
         self.kernels.write_kv(kv_cache, k, v, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)
         if metadata.plan is not None:
-            self.kernels.paged_attention(q, kv_cache, metadata.block_tables, metadata.plan, self.scale, out)
+            self.kernels.paged_attention(q, kv_cache, metadata.block_tables, metadata.plan, self.scale, out,
+                                         self.decode_dots)
         if metadata.flash is not None:
             self.kernels.flash_attention(q, kv_cache, metadata.block_tables, metadata.flash, self.scale, out,
                                          self.prefill_fma)
