@@ -1407,6 +1407,27 @@ static inline __attribute__((always_inline)) void prefetch_chunk(const void *kv,
     }
 }
 
+/* A work item of paged_attention_run: keys start..end-1 (chunk c of its sequence) of KV heads first_kv_head onwards
+ * (kv_heads of them) for queries first_query..end_query-1 (a group), or for one leaf whose own K/V sit at token
+ * own (-1: none). */
+typedef struct {
+    int64_t c, first_query, end_query, first_kv_head, kv_heads, own, start, end;
+} decode_item;
+
+/* The first of `items` items that member `member` of a team of `team` takes: runs of about equal cost, by the
+ * items' cumulative costs cost_before[0..items]. */
+static int64_t run_start(const int64_t *cost_before, int64_t items, int64_t member, int64_t team) {
+    if (member >= team) return items;
+    const int64_t target = cost_before[items] * member / team;
+    int64_t low = 0, high = items;  /* the first item whose cost_before reaches the target */
+    while (low < high) {
+        const int64_t middle = (low + high) / 2;
+        if (cost_before[middle] < target) low = middle + 1;
+        else high = middle;
+    }
+    return low;
+}
+
 /* Keys per work item of infer_paged_attention. A constant, so that a query's result never depends on the other
  * queries of its step (a verified draft row equals the decode row it replaces, bit for bit). */
 #define DECODE_CHUNK 64
@@ -1619,6 +1640,41 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
 #else
     dots = 0;  /* the float32 arithmetic is all this build has */
 #endif
+    /* the items: a group's chunk (its KV heads, or one of them), then the leaves' own chunks. Each thread takes a
+     * contiguous run of them of about equal cost and asks for its next item's K/V lines while the current one
+     * computes, a KV head's share before each of the current one's KV heads (the blocks of a busy engine's pool
+     * are scattered, and a run of requests at once stalls the loads behind it) */
+    const int64_t total_items = chunks * split + leaves;
+    decode_item *items = malloc(sizeof(decode_item) * (total_items > 0 ? total_items : 1));
+    int64_t *cost_before = malloc(sizeof(int64_t) * (total_items + 1));
+    cost_before[0] = 0;
+    for (int64_t item = 0; item < total_items; item++) {
+        decode_item *it = &items[item];
+        it->first_kv_head = 0;
+        it->kv_heads = num_kv_heads;
+        it->own = -1;
+        if (item < chunks * split) {
+            const int64_t chunk = item / split, g = group_of_chunk[chunk];
+            it->c = chunk - chunk_first[g];
+            it->first_query = group_first[g];
+            it->end_query = group_first[g + 1];
+            it->kv_heads = num_kv_heads / split;
+            it->first_kv_head = item % split * it->kv_heads;
+        } else {  /* a leaf's own chunk, every KV head */
+            it->first_query = leaf_query[item - chunks * split];
+            it->end_query = it->first_query + 1;
+            it->c = (context_lens[it->first_query] - 1) / DECODE_CHUNK;
+            it->own = own_keys[it->first_query];
+        }
+        it->start = it->c * DECODE_CHUNK;
+        it->end = it->start;
+        for (int64_t i = it->first_query; i < it->end_query; i++)
+            if (context_lens[i] > it->end) it->end = context_lens[i];
+        if (it->end > it->start + DECODE_CHUNK) it->end = it->start + DECODE_CHUNK;
+        cost_before[item + 1] = cost_before[item] +
+                                ((it->end - it->start) * (it->end_query - it->first_query) + 8) * it->kv_heads;
+    }
+    const size_t element = kv_bf16 ? 2 : 4;
 #pragma omp parallel if (parallel)
     {
         const float *keys[DECODE_CHUNK];
@@ -1634,31 +1690,34 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
 #if defined(__AVX512BF16__)
         uint32_t *pairs = scratch(8, sizeof(uint32_t) * WEIGH_HEADS * DECODE_CHUNK / 2);  /* dots' probabilities */
 #endif
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < chunks * split + leaves; item++) {
-            int64_t c, first_query, end_query, first_kv_head = 0, kv_heads = num_kv_heads, own = -1;
-            if (item < chunks * split) {
-                const int64_t chunk = item / split, g = group_of_chunk[chunk];
-                c = chunk - chunk_first[g];
-                first_query = group_first[g];
-                end_query = group_first[g + 1];
-                kv_heads = num_kv_heads / split;
-                first_kv_head = item % split * kv_heads;
-            } else {  /* a leaf's own chunk, every KV head */
-                first_query = leaf_query[item - chunks * split];
-                end_query = first_query + 1;
-                c = (context_lens[first_query] - 1) / DECODE_CHUNK;
-                own = own_keys[first_query];
-            }
-            const int64_t start = c * DECODE_CHUNK;
-            int64_t end = start;
-            for (int64_t i = first_query; i < end_query; i++)
-                if (context_lens[i] > end) end = context_lens[i];
-            if (end > start + DECODE_CHUNK) end = start + DECODE_CHUNK;
+#ifdef _OPENMP
+        const int64_t team = omp_get_num_threads(), member = omp_get_thread_num();
+#else
+        const int64_t team = 1, member = 0;
+#endif
+        const int64_t first_item = run_start(cost_before, total_items, member, team);
+        const int64_t end_item = run_start(cost_before, total_items, member + 1, team);
+        if (first_item < end_item) {
+            const decode_item *it = &items[first_item];
+            prefetch_chunk(kv, block_tables + seq_of_query[it->first_query] * table_stride, it->start, it->end,
+                           it->first_kv_head, it->kv_heads, head_dim, block_size, slot_width, pool_slots, element);
+        }
+        for (int64_t item = first_item; item < end_item; item++) {
+            const decode_item *it = &items[item], *next = item + 1 < end_item ? &items[item + 1] : NULL;
+            const int64_t c = it->c, first_query = it->first_query, end_query = it->end_query;
+            const int64_t first_kv_head = it->first_kv_head, kv_heads = it->kv_heads, own = it->own;
+            const int64_t start = it->start, end = it->end;
             const int32_t *table = block_tables + seq_of_query[first_query] * table_stride;
-            prefetch_chunk(kv, table, start, end, first_kv_head, kv_heads, head_dim, block_size, slot_width,
-                           pool_slots, kv_bf16 ? 2 : 4);
             for (int64_t kvh = first_kv_head; kvh < first_kv_head + kv_heads; kvh++) {
+                if (next) {  /* the next item's KV heads, a share before each of this one's */
+                    const int64_t share = kvh - first_kv_head;
+                    const int64_t from = share * next->kv_heads / kv_heads;
+                    const int64_t to = (share + 1) * next->kv_heads / kv_heads;
+                    if (to > from)
+                        prefetch_chunk(kv, block_tables + seq_of_query[next->first_query] * table_stride,
+                                       next->start, next->end, next->first_kv_head + from, to - from, head_dim,
+                                       block_size, slot_width, pool_slots, element);
+                }
                 /* the chunk's key rows of this KV head: a bf16 pool's 64-wide rows as they are where AVX-512 reads
                  * them so (each widened in registers, once for all the query heads it serves), else as floats (a
                  * bf16 pool's widened into this thread's buffer) */
@@ -1747,6 +1806,7 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
                             value_offset, end - start, head_dim, head_results);
             }
         }
+#pragma omp barrier
         /* merge each query head's chunks, in order */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < queries; i++) {
@@ -1775,6 +1835,8 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
             }
         }
     }
+    free(cost_before);
+    free(items);
     free(leaf_query);
     free(group_of_chunk);
     free(partial_at);
