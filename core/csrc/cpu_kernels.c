@@ -2324,7 +2324,7 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
             float *scores = malloc(sizeof(float) * max_rows * FLASH_KEYS);
             float *acc = malloc(sizeof(float) * max_rows * head_dim);
             float *best = malloc(sizeof(float) * max_rows), *total = malloc(sizeof(float) * max_rows);
-            float *rescale = malloc(sizeof(float) * max_rows);
+            float *rescale = malloc(sizeof(float) * max_rows), *top = malloc(sizeof(float) * max_rows);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < items_at[count]; item++) {
                 const flash_item it = flash_item_at(item, items_at, query_lens, contexts, num_kv_heads);
@@ -2347,23 +2347,35 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
                 for (int64_t k0 = 0; k0 <= last; k0 += FLASH_KEYS) {
                     const uint16_t *key_tile = own_keys + k0 * head_dim, *value_tile = own_values + k0 * head_dim;
                     flash_score_rows((int)fma, qb, qf, head_dim, key_tile, scores, rows);
-                    const __m512 factor = _mm512_set1_ps(scale);
-                    for (int64_t r = 0; r < rows; r++) {  /* the online softmax: keys past the row's position masked */
+                    const __m512 factor = _mm512_set1_ps(scale), none = _mm512_set1_ps(-INFINITY);
+                    /* the online softmax, keys past the row's position masked: each row's scaled scores and new
+                     * maximum, then every row's rescale 16 rows a vector (a scalar expf a row had been a sixth of
+                     * the softmax), then the probabilities and their sums */
+                    for (int64_t r = 0; r < rows; r++) {
                         const int64_t seen = offset + r / per_kv - k0 + 1;
-                        const __mmask16 m0 = seen >= 16 ? 0xFFFF : (__mmask16)((1u << (seen > 0 ? seen : 0)) - 1);
-                        const __mmask16 m1 = seen >= 32   ? 0xFFFF
-                                             : seen <= 16 ? 0
-                                                          : (__mmask16)((1u << (seen - 16)) - 1);
+                        const __mmask16 m0 = first_lanes(seen), m1 = first_lanes(seen - 16);
                         const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(scores + r * FLASH_KEYS), factor);
                         const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(scores + r * FLASH_KEYS + 16), factor);
-                        const float top = fmaxf(best[r], fmaxf(_mm512_mask_reduce_max_ps(m0, s0),
-                                                               _mm512_mask_reduce_max_ps(m1, s1)));
-                        const __m512 shift = _mm512_set1_ps(top);
-                        const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, shift)));
-                        const __m512 p1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, shift)));
-                        rescale[r] = expf(best[r] - top);  /* 0 on the first tile (best -inf) */
+                        _mm512_storeu_ps(scores + r * FLASH_KEYS, s0);
+                        _mm512_storeu_ps(scores + r * FLASH_KEYS + 16, s1);
+                        top[r] = fmaxf(best[r], _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(none, m0, s0),
+                                                                                    _mm512_mask_mov_ps(none, m1, s1))));
+                    }
+                    for (int64_t r = 0; r < rows; r += 16) {  /* 0 on the first tile (best -inf) */
+                        const __mmask16 m = first_lanes(rows - r);
+                        _mm512_mask_storeu_ps(rescale + r, m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, best + r),
+                                                                                  _mm512_maskz_loadu_ps(m, top + r))));
+                    }
+                    for (int64_t r = 0; r < rows; r++) {
+                        const int64_t seen = offset + r / per_kv - k0 + 1;
+                        const __mmask16 m0 = first_lanes(seen), m1 = first_lanes(seen - 16);
+                        const __m512 shift = _mm512_set1_ps(top[r]);
+                        const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(
+                            _mm512_loadu_ps(scores + r * FLASH_KEYS), shift)));
+                        const __m512 p1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(
+                            _mm512_loadu_ps(scores + r * FLASH_KEYS + 16), shift)));
                         total[r] = total[r] * rescale[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-                        best[r] = top;
+                        best[r] = top[r];
                         if (fma) {  /* the probabilities replace the row's scores, float32 */
                             _mm512_storeu_ps(scores + r * FLASH_KEYS, p0);
                             _mm512_storeu_ps(scores + r * FLASH_KEYS + 16, p1);
@@ -2381,6 +2393,7 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
                     for (int64_t d = 0; d < head_dim; d++) result[d] = acc[r * head_dim + d] * inverse;
                 }
             }
+            free(top);
             free(rescale);
             free(total);
             free(best);
