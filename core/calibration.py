@@ -332,6 +332,10 @@ ROW_CANDIDATES = (1, 2, 3, 4, 5, 6, 7, 8)
 ROW_CONTEXT = 128
 # A step of more rows is "about one decode step" while it costs at most this many times one row's.
 ROW_MARGIN = 1.05
+# Passes per row count, the fastest kept: the counts' differences are a few percent, so one count's quiet spell
+# must not stand alone (on the Zen 4 EPYC 7 passes once had one row at 7.66 ms and three at 8.07, 1.05x: two free
+# rows; three calibrations after it had one row at 8.88-9.34 and four at 1.00-1.03x of it: four).
+ROW_REPEATS = 2 * REPEATS
 
 
 @dataclass(slots=True)
@@ -384,7 +388,7 @@ def calibrate_rows(model, attention, executor, quantization: str, device: torch.
 
 @torch.inference_mode()
 def measure_rows(model, attention, executor, device: torch.device, dtype: torch.dtype,
-                 candidates: tuple[int, ...] = ROW_CANDIDATES, repeats: int = REPEATS) -> dict[int, float]:
+                 candidates: tuple[int, ...] = ROW_CANDIDATES, repeats: int = ROW_REPEATS) -> dict[int, float]:
     """Per row count, the fastest of ``repeats`` forward passes (the layers on the executor's own path, then the
     logits of every row) of one sequence computing that many tokens after ``ROW_CONTEXT`` cached ones, the counts
     alternating (ms)."""
