@@ -38,6 +38,9 @@ MODES = {
     # bf16's large steps each way (``execution.large_gemm``; ``bf16`` above takes what auto measured faster)
     "bf16_dot": ["model.dtype=float32", "model.quantization=bf16", "execution.large_gemm=bf16"],
     "bf16_fma": ["model.dtype=float32", "model.quantization=bf16", "execution.large_gemm=float32"],
+    # bf16 with the decode attention's float32 arithmetic (``bf16`` above: its dot products where auto takes them)
+    "bf16_f32_decode": ["model.dtype=float32", "model.quantization=bf16", "attention.name=cpu",
+                        "attention.decode_arithmetic=float32"],
     "int8": ["model.dtype=float32", "model.quantization=int8"],
     "int8_per_row": ["model.dtype=float32", "model.quantization=int8_per_row"],
     "w8a8": ["model.dtype=float32", "model.quantization=w8a8"],
