@@ -1307,6 +1307,29 @@ static inline __attribute__((always_inline)) __m128 sum4x16(__m512 a, __m512 b, 
     return _mm512_castps512_ps128(_mm512_add_ps(halves, _mm512_shuffle_f32x4(halves, halves, 0xB1)));
 }
 
+/* Keys j..j+3's scores `four` into scores (those below n: the last pass repeats a key) and into the running
+ * maxima `top`. */
+static inline __attribute__((always_inline)) void keep_scores(__m128 four, float *scores, int64_t j, int64_t n,
+                                                              __m128 *top) {
+    if (j + 4 <= n) {
+        _mm_storeu_ps(scores + j, four);
+        *top = _mm_max_ps(*top, four);
+        return;
+    }
+    float last[4];
+    _mm_storeu_ps(last, four);
+    for (int64_t r = 0; r < n - j; r++) {
+        scores[j + r] = last[r];
+        *top = _mm_max_ps(*top, _mm_set1_ps(last[r]));
+    }
+}
+
+/* The largest of four lanes. */
+static inline __attribute__((always_inline)) float max4(__m128 four) {
+    const __m128 pairs = _mm_max_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_max_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+}
+
 /* A bf16 pool's 64-wide rows, straight from the pool: scores[h][j] = scale * queries[h] . keys[j] for `count` (1 to
  * 3, a constant once inlined) query heads and j < n, each key widened once for all of them, four keys a pass;
  * best[h] their maxima. The last pass repeats key n - 1 where fewer than four are left (a key's score never depends
@@ -1332,37 +1355,13 @@ static inline __attribute__((always_inline)) void score_bf16_block(const float *
                 acc[h][r] = _mm512_fmadd_ps(qv[h][3], k3, _mm512_fmadd_ps(qv[h][2], k2, _mm512_fmadd_ps(
                     qv[h][1], k1, _mm512_mul_ps(qv[h][0], k0))));
         }
-        for (int h = 0; h < count; h++) {
-            const __m128 four = _mm_mul_ps(sum4x16(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), factor);
-            if (j + 4 <= n) {
-                _mm_storeu_ps(scores[h] + j, four);
-                top[h] = _mm_max_ps(top[h], four);
-            } else {
-                float last[4];
-                _mm_storeu_ps(last, four);
-                for (int64_t r = 0; r < n - j; r++) {
-                    scores[h][j + r] = last[r];
-                    top[h] = _mm_max_ps(top[h], _mm_set1_ps(last[r]));
-                }
-            }
-        }
+        for (int h = 0; h < count; h++)
+            keep_scores(_mm_mul_ps(sum4x16(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), factor), scores[h], j, n,
+                        &top[h]);
     }
-    for (int h = 0; h < count; h++) {
-        const __m128 pairs = _mm_max_ps(top[h], _mm_movehl_ps(top[h], top[h]));
-        best[h] = _mm_cvtss_f32(_mm_max_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
-    }
+    for (int h = 0; h < count; h++) best[h] = max4(top[h]);
 }
 
-static void score_bf16_heads(const float *const *queries, int64_t heads, const uint16_t *const *keys, int64_t n,
-                             float scale, float *const *scores, float *best) {
-    for (int64_t h = 0; h < heads; h += 3) {
-        switch (heads - h < 3 ? heads - h : 3) {
-            case 1: score_bf16_block(queries + h, keys, n, scale, scores + h, best + h, 1); break;
-            case 2: score_bf16_block(queries + h, keys, n, scale, scores + h, best + h, 2); break;
-            default: score_bf16_block(queries + h, keys, n, scale, scores + h, best + h, 3); break;
-        }
-    }
-}
 
 #endif
 
@@ -1459,36 +1458,11 @@ static inline __attribute__((always_inline)) void score_dots_block(const float *
             for (int h = 0; h < count; h++)
                 acc[h][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qb[h][0], k0), qb[h][1], k1);
         }
-        for (int h = 0; h < count; h++) {
-            const __m128 four = _mm_mul_ps(sum4x16(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), factor);
-            if (j + 4 <= n) {
-                _mm_storeu_ps(scores[h] + j, four);
-                top[h] = _mm_max_ps(top[h], four);
-            } else {
-                float last[4];
-                _mm_storeu_ps(last, four);
-                for (int64_t r = 0; r < n - j; r++) {
-                    scores[h][j + r] = last[r];
-                    top[h] = _mm_max_ps(top[h], _mm_set1_ps(last[r]));
-                }
-            }
-        }
+        for (int h = 0; h < count; h++)
+            keep_scores(_mm_mul_ps(sum4x16(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), factor), scores[h], j, n,
+                        &top[h]);
     }
-    for (int h = 0; h < count; h++) {
-        const __m128 pairs = _mm_max_ps(top[h], _mm_movehl_ps(top[h], top[h]));
-        best[h] = _mm_cvtss_f32(_mm_max_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
-    }
-}
-
-static void score_dots_heads(const float *const *queries, int64_t heads, const uint16_t *const *keys, int64_t n,
-                             float scale, float *const *scores, float *best) {
-    for (int64_t h = 0; h < heads; h += 3) {
-        switch (heads - h < 3 ? heads - h : 3) {
-            case 1: score_dots_block(queries + h, keys, n, scale, scores + h, best + h, 1); break;
-            case 2: score_dots_block(queries + h, keys, n, scale, scores + h, best + h, 2); break;
-            default: score_dots_block(queries + h, keys, n, scale, scores + h, best + h, 3); break;
-        }
-    }
+    for (int h = 0; h < count; h++) best[h] = max4(top[h]);
 }
 
 /* weigh_heads_block on the dot products, for a bf16 pool's 64-wide value rows: results[h] = sum_j probs[h][j] *
@@ -1556,6 +1530,29 @@ static void weigh_dots(float *const *weights, int64_t heads, const void *const *
             default: weigh_dots_block(rounded, rows, offset, n, results + h, WEIGH_HEADS);
 #undef DOTS_CASE
         }
+    }
+}
+#endif
+
+#ifdef __AVX512F__
+/* score_bf16_block's heads three at a time, or with `dots` (AVX512-BF16 builds) score_dots_block's. */
+static void score_heads(const float *const *queries, int64_t heads, const uint16_t *const *keys, int64_t n,
+                        float scale, float *const *scores, float *best, int dots) {
+    (void)dots;
+    for (int64_t h = 0; h < heads; h += 3) {
+        const int count = heads - h < 3 ? (int)(heads - h) : 3;
+#define SCORE_CASE(block, k) \
+    case k: block(queries + h, keys, n, scale, scores + h, best + h, k); break;
+#if defined(__AVX512BF16__)
+        if (dots) {
+            switch (count) { SCORE_CASE(score_dots_block, 1) SCORE_CASE(score_dots_block, 2)
+                             default: score_dots_block(queries + h, keys, n, scale, scores + h, best + h, 3); }
+            continue;
+        }
+#endif
+        switch (count) { SCORE_CASE(score_bf16_block, 1) SCORE_CASE(score_bf16_block, 2)
+                         default: score_bf16_block(queries + h, keys, n, scale, scores + h, best + h, 3); }
+#undef SCORE_CASE
     }
 }
 #endif
@@ -1771,17 +1768,10 @@ static void paged_attention_run(const float *q, int64_t q_stride, const void *kv
                     }
                 }
                 for (int64_t a = 0; a < heads; a += per_kv) {
-#if defined(__AVX512BF16__)
-                    if (dots) {
-                        score_dots_heads(head_queries + a, per_kv, raw, head_keys[a], scale, head_weights + a,
-                                         head_best + a);
-                        continue;
-                    }
-#endif
 #ifdef __AVX512F__
                     if (direct) {
-                        score_bf16_heads(head_queries + a, per_kv, raw, head_keys[a], scale, head_weights + a,
-                                         head_best + a);
+                        score_heads(head_queries + a, per_kv, raw, head_keys[a], scale, head_weights + a,
+                                    head_best + a, (int)dots);
                         continue;
                     }
 #endif
