@@ -128,11 +128,11 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * with float scales. */
 enum { KIND_F16 = 0, KIND_I8 = 1, KIND_BF16 = 2 };
 
-/* The float value of an IEEE half (bits h). */
 /* Elements of a row-wise op (norm, SiLU, a GEMM input's rounding) from which its rows are split over the threads:
  * a large decode step's 64 x 576 rows were one thread's while the other waited. */
 #define PARALLEL_ELEMENTS 16384
 
+/* The float value of an IEEE half (bits h). */
 static inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
@@ -632,9 +632,13 @@ static void tiles_amx(const uint16_t *xb, int64_t rows, int64_t padded, int64_t 
 #endif
 
 #if defined(__AVX512F__)
-/* Lines of the next block's weights a pass asks for per 32 columns of k (tiles_avx512's `ahead`). */
-static inline int64_t ahead_lines_per_tile(int64_t ahead_bytes, int64_t k) {
-    return (ahead_bytes / 64 + k / 32 - 1) / (k / 32);
+/* The share of k-tile t (of k / 32) of a pass's slice of the next block's weights (tiles_avx512's `ahead`,
+ * ahead_bytes of it): its lines requested into L2, spread evenly over the pass. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const char *ahead, int64_t ahead_bytes, int64_t k,
+                                                                 int64_t t) {
+    const int64_t step = (ahead_bytes / 64 + k / 32 - 1) / (k / 32);
+    for (int64_t line = t * step; line < (t + 1) * step && line * 64 < ahead_bytes; line++)
+        _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
 }
 #endif
 
@@ -653,11 +657,9 @@ static inline __attribute__((always_inline)) void block_dot_bf16(const uint16_t 
                                                                  int64_t ahead_bytes, const int count) {
     __m512 acc[DOT_ROWS][2];
     for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const int64_t ahead_step = ahead_lines_per_tile(ahead_bytes, k);
     for (int64_t t = 0; t < k / 32; t++) {
         const uint16_t *tile = wb + t * 1024;
-        for (int64_t line = t * ahead_step; line < (t + 1) * ahead_step && line * 64 < ahead_bytes; line++)
-            _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+        prefetch_ahead(ahead, ahead_bytes, k, t);
         for (int p = 0; p < 16; p++) {
             _mm_prefetch((const char *)(tile + 1024 + p * 32), _MM_HINT_T0);  /* the next 32 columns of k */
             _mm_prefetch((const char *)(tile + 1536 + p * 32), _MM_HINT_T0);
@@ -703,11 +705,9 @@ static inline __attribute__((always_inline)) void block_fma_bf16(const float *x,
                                                                  int64_t ahead_bytes, const int count) {
     __m512 acc[FMA_ROWS][2];
     for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const int64_t ahead_step = ahead_lines_per_tile(ahead_bytes, k);
     for (int64_t t = 0; t < k / 32; t++) {
         const uint16_t *tile = wb + t * 1024;
-        for (int64_t line = t * ahead_step; line < (t + 1) * ahead_step && line * 64 < ahead_bytes; line++)
-            _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+        prefetch_ahead(ahead, ahead_bytes, k, t);
         for (int p = 0; p < 16; p++) {
             _mm_prefetch((const char *)(tile + 1024 + p * 32), _MM_HINT_T0);
             _mm_prefetch((const char *)(tile + 1536 + p * 32), _MM_HINT_T0);
@@ -1362,7 +1362,6 @@ static inline __attribute__((always_inline)) void score_bf16_block(const float *
     for (int h = 0; h < count; h++) best[h] = max4(top[h]);
 }
 
-
 #endif
 
 /* A buffer of at least `bytes` for this thread, kept from call to call in one of SCRATCH_SLOTS slots (its contents
@@ -1466,8 +1465,8 @@ static inline __attribute__((always_inline)) void score_dots_block(const float *
 }
 
 /* weigh_heads_block on the dot products, for a bf16 pool's 64-wide value rows: results[h] = sum_j probs[h][j] *
- * values[j] with the probabilities rounded to bf16 (probs: pairs of consecutive keys, n even, a missing last key's
- * probability 0). Two value rows' words interleaved (VPUNPCKLWD/HWD) are the pairs VDPBF16PS multiplies with a
+ * values[j] with the probabilities rounded to bf16 (probs: pairs of consecutive keys; past an odd n's last key, a
+ * probability 0 beside its row read again). Two value rows' words interleaved (VPUNPCKLWD/HWD) are the pairs VDPBF16PS multiplies with a
  * head's two probabilities broadcast: each sum register then holds 16 of the 64 columns out of order, which one
  * permute a 16 puts back on the store. */
 static inline __attribute__((always_inline)) void weigh_dots_block(const uint32_t *const *probs,
