@@ -36,7 +36,7 @@ import torch
 
 from infer import LLM, SamplingParams, cpu_kernels
 from infer.host import cpu_flags
-from infer.quantization import bf16_gemm_available, bf16_gemm_weight, bf16_linear, int8_weights
+from infer.model.quantization import bf16_gemm_available, bf16_gemm_weight, bf16_linear, int8_weights
 from step_profile import drain  # beside this script: abort and release every request of an engine
 
 # (out_features, in_features) of one SmolLM2-135M layer's projections: QKV, output, gate/up, down.

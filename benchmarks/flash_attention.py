@@ -14,9 +14,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from infer import cpu_kernels
+from infer.kernels import cpu as cpu_kernels
 from infer.attention import gather_blocks
-from infer.cpu_kernels import FlashChunks
+from infer.kernels.cpu import FlashChunks
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the default model's layout
 CASES = {"4 x 512 fresh": ([512] * 4, [512] * 4), "512 after 512 cached": ([512], [1024]),

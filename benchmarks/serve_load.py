@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from infer.metrics import percentile
+from infer.engine.metrics import percentile
 from infer.prompts import BUILTIN_PROMPTS
 
 

@@ -19,7 +19,7 @@ import time
 from infer.bench.runner import run_workload
 from infer.bench.workloads import build_workload
 from infer.config import load_config
-from infer.engine import Engine
+from infer.engine.engine import Engine
 from infer.simulate.engine import SimulatedEngine, simulate_workload
 
 PREFIX_WORKLOAD = {"name": "shared-prefix", "groups": 4, "questions": 16, "system_len": 600, "question_len": 30,

@@ -25,8 +25,8 @@ from collections import defaultdict
 import torch
 
 from infer import LLM, SamplingParams
-from infer.cpu_kernels import FusedLayer, FusedStack
-from infer.quantization import PackedLinear
+from infer.kernels.cpu import FusedLayer, FusedStack
+from infer.model.quantization import PackedLinear
 
 PARTS = ["scheduling", "metadata", "layers, one call", "projections", "fused dense", "attention", "output head",
          "sampling", "other"]

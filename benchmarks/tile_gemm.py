@@ -2,7 +2,7 @@
 oneDNN's prepacked bf16 GEMM on the default model's projection shapes, hot weights, ms per call (best of three runs
 of ``--repeats`` calls): float32 rows in and out (how the fused stack and the output head call it) and bf16 in and
 out (large steps' rows between the GEMMs). The README's session 12 (AMX) and session 13 (AVX512-BF16) sections
-quote it; ``TILE_MAX_ROWS`` in ``infer.quantization`` follows from where oneDNN wins.
+quote it; ``TILE_MAX_ROWS`` in ``infer.model.quantization`` follows from where oneDNN wins.
 
     OMP_NUM_THREADS=2 python benchmarks/tile_gemm.py
     python benchmarks/tile_gemm.py --rows 17 64 --repeats 50
@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from infer import cpu_kernels
-from infer.quantization import bf16_gemm_available, bf16_gemm_weight, bf16_linear
+from infer.kernels import cpu as cpu_kernels
+from infer.model.quantization import bf16_gemm_available, bf16_gemm_weight, bf16_linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 class AttentionConfig(BaseModel):
     """Config section ``attention``. Plugins subclass it to add their own keys. ``name: auto`` (the default) lets the
-    engine pick: ``cpu`` for float32 on a CPU with infer's kernels, else ``sdpa`` (``infer.execution``)."""
+    engine pick: ``cpu`` for float32 on a CPU with infer's kernels, else ``sdpa`` (``infer.execution.paths``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = "auto"

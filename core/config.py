@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 SHIPPED_CONFIGS = "infer.configs"
 DEFAULT_PLUGINS = {"allocator": "paged", "prefix_cache": "none", "scheduler": "fcfs", "attention": "auto",
                    "drafter": "none", "guide": "none"}
-# Kinds whose name may be "auto": the engine picks the plugin for the device and dtype (``infer.execution``), and the
+# Kinds whose name may be "auto": the engine picks the plugin for the device and dtype (``infer.execution.paths``), and the
 # section takes no keys but the name (name a plugin to set its keys).
 AUTO_SELECTED = {"attention": AttentionConfig}
 CORE_MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -87,7 +87,7 @@ class ModelConfig(BaseModel):
 
 
 class ExecutionConfig(BaseModel):
-    """Section ``execution``: how a step runs through the model (``infer.execution``)."""
+    """Section ``execution``: how a step runs through the model (``infer.execution.paths``)."""
 
     model_config = CORE_MODEL_CONFIG
     paths: list[Literal["fused-stack", "fused-layers", "torch"]] = Field(
@@ -98,7 +98,7 @@ class ExecutionConfig(BaseModel):
     fused_max_tokens: int | Literal["auto"] = Field(
         "auto", description="Steps of at most this many tokens may take the fused paths and the GEMV (0: never). "
                             "auto: where the GEMV stops being faster than the GEMM on this machine and model, "
-                            "measured once (a few seconds) and cached per CPU (infer.calibration).")
+                            "measured once (a few seconds) and cached per CPU (infer.execution.calibration).")
     recalibrate: bool = Field(False, description="With fused_max_tokens or large_gemm auto: measure again instead of "
                                                  "reading the cached calibration.")
     large_gemm: Literal["auto", "bf16", "float32"] = Field(
@@ -184,7 +184,7 @@ class ServerConfig(BaseModel):
 
 
 class ParallelConfig(BaseModel):
-    """Section ``parallel``: the model sharded over several processes (``infer.parallel``)."""
+    """Section ``parallel``: the model sharded over several processes (``infer.distributed``)."""
 
     model_config = CORE_MODEL_CONFIG
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks the model is sharded over (column-parallel QKV "

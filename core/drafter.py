@@ -13,9 +13,9 @@ if TYPE_CHECKING:
     from torch import nn
 
     from infer.attention import AttentionBackend
-    from infer.calibration import RowsCalibration
-    from infer.execution import Executor, ForwardStep
-    from infer.runner import StepOutput
+    from infer.execution.calibration import RowsCalibration
+    from infer.execution.paths import Executor, ForwardStep
+    from infer.execution.runner import StepOutput
     from infer.sequence import Sequence
 
 
@@ -126,7 +126,7 @@ class DrafterContext:
     device: "torch.device"
     block_size: int
     seed: int
-    quantization: str  # the target's weight packing (``infer.quantization``): "none", "fp16", "int8", ...
+    quantization: str  # the target's weight packing (``infer.model.quantization``): "none", "fp16", "int8", ...
     attention: "AttentionBackend"
     executor: "Executor"
     recalibrate: bool = False  # ``execution.recalibrate``: measure again rather than read cached calibrations
@@ -134,8 +134,8 @@ class DrafterContext:
     def free_verify_rows(self) -> RowsCalibration:
         """How many query rows of one sequence the target computes for about a decode step's time on this machine
         (a verification of drafts is one row per draft plus one): measured once per machine and model, cached
-        (``infer.calibration.calibrate_rows``)."""
-        from infer.calibration import calibrate_rows
+        (``infer.execution.calibration.calibrate_rows``)."""
+        from infer.execution.calibration import calibrate_rows
 
         return calibrate_rows(self.target, self.attention, self.executor, self.quantization, self.device,
                               self.dtype, self.recalibrate)
@@ -147,9 +147,9 @@ class DrafterContext:
                                     config=self.attention.config)
 
     def quantize(self, module: "nn.Module", mode: str | None = None) -> "nn.Module":
-        """Pack ``module``'s linear layers as the target's are, or as ``mode`` (an ``infer.quantization`` mode) says
+        """Pack ``module``'s linear layers as the target's are, or as ``mode`` (an ``infer.model.quantization`` mode) says
         (in place; returns it). A model's output-head weight stays beside its packed copy, as the target's does."""
-        from infer.quantization import quantize_linears
+        from infer.model.quantization import quantize_linears
 
         head = getattr(module, "lm_head", None)
         shared = frozenset({id(head.weight)}) if head is not None else frozenset()
@@ -157,7 +157,7 @@ class DrafterContext:
 
     def projection(self, weight: "torch.Tensor", mode: str | None = None) -> "nn.Module":
         """``x @ weight.T`` as a module packed as the target's weights are, or as ``mode`` says."""
-        from infer.quantization import projection
+        from infer.model.quantization import projection
 
         return projection(weight, mode or self.quantization)
 

@@ -66,7 +66,7 @@ def engine_started(engine):
 @hookspec
 def step_finished(engine, step_stats):
     """Observer: one engine step finished. ``step_stats`` holds the step's counts and timing (see
-    ``infer.engine.StepStats``). Keep it cheap: it runs every step."""
+    ``infer.engine.engine.StepStats``). Keep it cheap: it runs every step."""
 
 
 @hookspec

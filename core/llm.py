@@ -28,7 +28,7 @@ class LLM:
 
     def __init__(self, config="baseline", dotlist: SequenceABC[str] = (), registry=None, **overrides):
         from infer.config import load_config
-        from infer.engine import Engine
+        from infer.engine.engine import Engine
 
         self.config = load_config(config, [*dotlist, *overrides_from_kwargs(overrides)], registry=registry)
         self.engine = Engine(self.config, registry=registry)
@@ -51,7 +51,7 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """One output per prompt, in order. A prompt the engine refuses (too long, empty) gets an output with
         ``finish_reason == "error"`` and ``error`` set; the other prompts still run."""
-        from infer.engine import RequestError
+        from infer.engine.engine import RequestError
 
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)

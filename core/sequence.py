@@ -56,7 +56,7 @@ class Sequence:
     stop_reason: str | int | None = None
     # Where the matched stop string begins in the output text (set with stop_reason).
     stop_index: int | None = None
-    # The output's text, decoded incrementally (``infer.detokenizer.Detokenizer``; created on first use).
+    # The output's text, decoded incrementally (``infer.engine.detokenizer.Detokenizer``; created on first use).
     detokenizer: object | None = None
     # Timing (seconds, time.perf_counter()).
     first_scheduled_time: float | None = None  # the start of the first step that computed any of its tokens

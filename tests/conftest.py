@@ -17,7 +17,7 @@ if shutil.which("nvidia-smi") is None:
 def engines_end_idle(monkeypatch):
     """Record every Engine built during the test; afterwards each must hold no block outside the prefix cache."""
     try:
-        from infer.engine import Engine
+        from infer.engine.engine import Engine
     except ImportError:  # pragma: no cover - engine not importable: nothing to check
         yield
         return

@@ -63,7 +63,7 @@ def tiny_overrides(model_dir):
 
 
 def tiny_engine(overrides):
-    from infer.engine import Engine
+    from infer.engine.engine import Engine
 
     return Engine(load_config("baseline", overrides))
 

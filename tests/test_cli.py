@@ -192,7 +192,7 @@ def test_run_routes_its_arguments_to_run_command(runner, monkeypatch, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     calls = []
-    monkeypatch.setitem(sys.modules, "infer.run", types.SimpleNamespace(run_command=lambda *args: calls.append(args)))
+    monkeypatch.setitem(sys.modules, "infer.cli.run", types.SimpleNamespace(run_command=lambda *args: calls.append(args)))
     result = runner.invoke(main, ["run", "baseline", "model.seed=1", "--prompts", str(prompts),
                                   "--output", str(tmp_path / "out.jsonl"), "--explain"])
     assert result.exit_code == 0, result.output
@@ -214,7 +214,7 @@ def test_config_error_raised_inside_a_command_exits_with_code_2(runner, monkeypa
     def failing_run_command(*args):
         raise ConfigError(["model.path: no such model (got 'x')"])
 
-    monkeypatch.setitem(sys.modules, "infer.run", types.SimpleNamespace(run_command=failing_run_command))
+    monkeypatch.setitem(sys.modules, "infer.cli.run", types.SimpleNamespace(run_command=failing_run_command))
     result = runner.invoke(main, ["run", "baseline"])
     assert (result.exit_code, result.output) == (
         2, "Error: invalid config (1 problem):\n  model.path: no such model (got 'x')\n")

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infer import cpu_kernels
-from infer.cpu_kernels import KernelAttentionPlan, KernelBuildError, builder
+from infer.kernels import cpu as cpu_kernels
+from infer.kernels.cpu import KernelAttentionPlan, KernelBuildError, builder
 from infer.model import RotaryEmbedding, apply_rotary, default_inverse_frequencies
 
 # Widths on both sides of the 8-float vectors and the 64-float register tiles, and odd ones for the tail loops.
@@ -328,7 +328,7 @@ def test_missing_compiler_fails_on_true_and_falls_back_on_auto(monkeypatch, capl
     builder._warn_unavailable.cache_clear()
     with pytest.raises(KernelBuildError, match="no C compiler found"):
         cpu_kernels.load(True)
-    with caplog.at_level(logging.WARNING, logger="infer.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="infer.kernels.cpu"):
         assert cpu_kernels.load("auto") is None
     assert "using torch ops" in caplog.text and "no C compiler found" in caplog.text
     assert cpu_kernels.load(False) is None
@@ -472,7 +472,7 @@ def test_fused_layer_multiplies_large_steps_on_the_tiles(kernels):
     """A fused layer with tiles beside its bf16 GEMV weights: steps of up to one GEMV pass give exactly the GEMV's
     result, larger ones the tiles' (activations rounded to bf16, within bf16 of the float32 GEMV; with the tiles'
     float32 FMAs, where built, the GEMV's float32 products up to the sums' order)."""
-    from infer.cpu_kernels import FusedLayer
+    from infer.kernels.cpu import FusedLayer
 
     hidden, intermediate, head_dim = 64, 128, 16
     shapes = [(hidden + 2 * 32, hidden), (hidden, hidden), (2 * intermediate, hidden), (hidden, intermediate)]
@@ -524,7 +524,7 @@ def test_linear_refuses_int8_weights_without_their_scales(kernels):
 def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes_per_weight):
     """The kernels' copy (fp16 or bf16, or int8 with its scales) takes up to ``gemv_rows`` rows, the GEMM (fbgemm's,
     bf16: oneDNN's) the rest."""
-    from infer.quantization import PackedLinear
+    from infer.model.quantization import PackedLinear
 
     gemv_rows = 8
     linear = torch.nn.Linear(576, 960, bias=True)
@@ -570,7 +570,7 @@ def test_an_unwritable_cache_folder_is_a_build_error(tmp_path):
 
 
 def test_fused_stack_refuses_layers_of_different_shapes():
-    from infer.cpu_kernels import FusedLayer, FusedStack
+    from infer.kernels.cpu import FusedLayer, FusedStack
 
     kernels = cpu_kernels.load(True)
 
@@ -686,7 +686,7 @@ def test_flash_attention_on_amx_tiles_matches_its_avx512_bf16_dot_products(kerne
     64: S^T = K Q^T and O^T = V^T P^T, a token per lane); the same chunks on the AVX512-BF16 build's dot products
     (AMX kept out) give the same results within bf16's rounding of the probabilities, fresh prompts and cached
     prefixes, partial tiles of tokens and keys, grouped heads, float32 and bf16 pools. Runs where the CPU has AMX."""
-    from infer.cpu_kernels import FlashChunks
+    from infer.kernels.cpu import FlashChunks
 
     if not kernels.flash_amx:
         pytest.skip("this CPU (or this OS) gives no AMX tiles to infer's flash attention")

@@ -162,7 +162,7 @@ def test_metrics_are_reported(llm):
 
 
 def test_pool_too_small_for_max_model_len_refuses_to_start(tiny_model_dir):
-    from infer.kv_pool import KVPoolTooSmallError
+    from infer.execution.kv_pool import KVPoolTooSmallError
 
     with pytest.raises(KVPoolTooSmallError, match="Largest max_model_len that fits: 64"):
         LLM("baseline", model__path=tiny_model_dir, model__max_model_len=256, cache__num_blocks=5)
@@ -171,7 +171,7 @@ def test_pool_too_small_for_max_model_len_refuses_to_start(tiny_model_dir):
 def test_a_block_id_outside_the_pool_is_refused_naming_the_plugins(tiny_model_dir, monkeypatch):
     """infer's C kernels trust the block tables (an out-of-pool id read or wrote outside the pool and crashed the
     process): the runner refuses such a step first, naming the plugins that hand blocks out."""
-    from infer.runner import BlockTableError
+    from infer.execution.runner import BlockTableError
 
     llm = LLM("baseline", model__path=tiny_model_dir, model__dtype="float32", model__max_model_len=256,
               cache__num_blocks=64)
@@ -228,7 +228,7 @@ def test_stop_strings_count_only_in_text_after_min_tokens_streamed_and_whole_ali
     """A stop string wholly in the first ``min_tokens`` tokens' text, or beginning there and ending after it, never
     cuts the output (the first cut it before); one wholly after them cuts it at its first such occurrence. The
     streamed text equals the whole text in each case."""
-    from infer.detokenizer import Detokenizer
+    from infer.engine.detokenizer import Detokenizer
 
     min_tokens = 6
     free = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]

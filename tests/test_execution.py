@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from infer import LLM, SamplingParams, cpu_kernels
-from infer.execution import Executor, choose_attention
-from infer.loader import load_model
-from infer.quantization import PackedLinear, quantize_model
+from infer.execution.paths import Executor, choose_attention
+from infer.model.loader import load_model
+from infer.model.quantization import PackedLinear, quantize_model
 
 CORE = Path(__file__).resolve().parents[1] / "core"
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
@@ -80,7 +80,7 @@ def core_import_graph() -> dict[str, set[str]]:
 
 def test_no_import_circle_among_core_modules():
     graph = core_import_graph()
-    assert {"infer.execution", "infer.model.llama", "infer.cpu_kernels.fused", "infer.loader"} <= set(graph)
+    assert {"infer.execution.paths", "infer.model.llama", "infer.kernels.cpu.fused", "infer.model.loader"} <= set(graph)
     visiting, done, circles = [], set(), []
 
     def visit(module: str) -> None:
@@ -102,9 +102,9 @@ def test_no_import_circle_among_core_modules():
 
 def test_the_model_and_the_kernels_know_nothing_of_the_execution_layer_or_the_loader():
     graph = core_import_graph()
-    for module in ("infer.model.llama", "infer.model.ops", "infer.cpu_kernels.fused", "infer.cpu_kernels.builder"):
-        assert not graph[module] & {"infer.execution", "infer.loader", "infer.engine"}, module
-    assert "infer.cpu_kernels" not in graph["infer.attention"]
+    for module in ("infer.model.llama", "infer.model.ops", "infer.kernels.cpu.fused", "infer.kernels.cpu.builder"):
+        assert not graph[module] & {"infer.execution.paths", "infer.model.loader", "infer.engine.engine"}, module
+    assert "infer.kernels.cpu" not in graph["infer.attention"]
 
 
 def test_sdpa_has_no_reference_to_the_c_kernels():
@@ -125,7 +125,7 @@ def test_auto_attention_is_cpu_for_float32_on_a_cpu_with_the_kernels_and_sdpa_el
 
 
 def test_the_last_path_must_accept_every_step():
-    from infer.execution import FusedLayersPath
+    from infer.execution.paths import FusedLayersPath
 
     with pytest.raises(ValueError, match="last execution path must be torch"):
         Executor([FusedLayersPath(8)])
@@ -190,9 +190,9 @@ def test_infer_run_explain_prints_the_choices_and_their_count(tiny_model_dir, tm
     assert "execution paths " in result.output and "forward passes: " in result.output
 
 
-# -- execution.fused_max_tokens: auto (infer.calibration) -----------------------------------------------------------
+# -- execution.fused_max_tokens: auto (infer.execution.calibration) -----------------------------------------------------------
 def test_the_threshold_is_the_step_up_to_which_the_fused_path_saves_the_most():
-    from infer.calibration import threshold
+    from infer.execution.calibration import threshold
 
     assert threshold({1: (1.0, 2.0), 2: (1.0, 2.0), 4: (3.0, 2.0), 8: (1.0, 9.0)}) == 8  # a later win makes up
     assert threshold({1: (1.0, 2.0), 2: (1.0, 2.0), 4: (5.0, 2.0), 8: (1.0, 2.0)}) == 2  # ... or does not
@@ -207,7 +207,7 @@ def test_the_threshold_is_the_step_up_to_which_the_fused_path_saves_the_most():
 def test_the_first_loss_is_measured_again_before_it_caps_the_threshold():
     """A slow spell over one size's passes (the fused path losing at 4 tokens, winning at 8) is measured again and
     each path's faster time kept; a loss that stands ends the re-measuring, later losses are not measured again."""
-    from infer.calibration import confirm_first_loss, threshold
+    from infer.execution.calibration import confirm_first_loss, threshold
 
     first = {1: (1.0, 2.0), 4: (5.0, 3.0), 8: (2.0, 4.0), 16: (6.0, 5.0), 32: (9.0, 5.0)}
     again = {4: (2.5, 3.5), 16: (7.0, 5.5)}
@@ -393,7 +393,7 @@ def test_a_real_calibration_times_both_paths_at_every_size(tiny_model_dir, tmp_p
 
 
 def test_free_rows_is_the_most_rows_within_the_margin_of_one():
-    from infer.calibration import free_rows
+    from infer.execution.calibration import free_rows
 
     assert free_rows({1: 10.0, 2: 9.8, 3: 10.4, 4: 10.45, 5: 11.0, 8: 10.0}) == 4  # 5 rows cost 1.1x: the end
     assert free_rows({1: 10.0, 2: 12.0, 3: 10.0}) == 1

@@ -12,10 +12,10 @@ import pytest
 import torch
 import transformers
 
-from infer import cpu_kernels, loader, quantization
+from infer.kernels import cpu as cpu_kernels, loader, quantization
 from infer.attention import AttentionMetadata
-from infer.execution import PATH_NAMES, Executor
-from infer.loader import PackagedGguf, load_model, resolve_dtype, resolve_model_path
+from infer.execution.paths import PATH_NAMES, Executor
+from infer.model.loader import PackagedGguf, load_model, resolve_dtype, resolve_model_path
 from infer.model import LlamaForCausalLM, rope_parameters
 from infer.plugins.attention.cpu import CpuBackend
 from infer.plugins.attention.sdpa import SdpaBackend
@@ -276,7 +276,7 @@ def test_fused_paths_give_the_op_by_op_kernels_logits(name, mode):
     """Steps of a few tokens through ``fused-layers`` (two C calls per layer) and through ``fused-stack`` (one call
     for all layers, attention included) run the same kernels as the op-by-op path, so the logits are identical; and
     all stay near torch's ops over the same fp16 weights. Each path is chosen by naming it to the executor."""
-    from infer.quantization import quantize_model
+    from infer.model.quantization import quantize_model
 
     hf_model = random_hf_model(name)
     first, second = random_tokens(16, seed=4), random_tokens(14, seed=5)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from infer import LLM, SamplingParams, quantization
-from infer.loader import load_model
+from infer.model.loader import load_model
 from infer.model import Linear
-from infer.quantization import (
+from infer.model.quantization import (
     PackedLinear,
     dequantize_int8,
     fbgemm_available,
@@ -73,7 +73,7 @@ def test_tile_fma_multiplies_float32_rows_by_the_bf16_weights_beyond_the_gemv(bi
     """``tile_fma``: every input the GEMV does not take, whatever its rows, is float32 rows times the bf16 weights'
     values (the tiles' FMAs: float64's product up to the sums' order); the GEMV's rows are unchanged; oneDNN's copy is
     dropped and its bytes with it, and comes back when the kernels are undone."""
-    from infer import cpu_kernels
+    from infer.kernels import cpu as cpu_kernels
 
     if cpu_kernels.compiler() is None:
         pytest.skip("the CPU kernels need a C compiler")

@@ -124,7 +124,7 @@ def test_matches_naive_softmax_oracle(scenario, num_heads, num_kv_heads, block_s
 
 
 def infer_flash_or_skip() -> None:
-    from infer import cpu_kernels
+    from infer.kernels import cpu as cpu_kernels
 
     if not cpu_kernels.load(True).flash:
         pytest.skip("infer's flash attention is built only where the CPU has avx512_bf16, which this one lacks")

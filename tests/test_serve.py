@@ -81,7 +81,7 @@ def wait_until_idle(server, timeout_s: float = 10.0) -> dict:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from infer.loader import hf_model_dir
+    from infer.model.loader import hf_model_dir
 
     return AutoTokenizer.from_pretrained(hf_model_dir(MODEL))
 
@@ -90,7 +90,7 @@ def stream_token_by_token(tokenizer, token_ids: list[int], stop: list[str]) -> s
     """Feed ``token_ids`` one per step through ``RequestProgress`` the way the engine produces them (finishing at the
     first stop string, whose text is cut); returns the concatenated stream."""
     from infer import SamplingParams
-    from infer.detokenizer import Detokenizer
+    from infer.engine.detokenizer import Detokenizer
     from infer.serve.updates import RequestProgress
 
     detokenizer = Detokenizer(tokenizer)  # the sequence's own, as the engine keeps it
@@ -395,7 +395,7 @@ def test_metrics_equal_an_offline_runs_summary_and_speak_vllms_names_too(tiny_mo
     """The same requests, one after another, through the server and through ``LLM`` (what ``infer run``
     summarizes): every engine counter ``/metrics`` exports equals the summary's."""
     from infer import LLM, SamplingParams
-    from infer.metrics import ENGINE_COUNTERS, summarize
+    from infer.engine.metrics import ENGINE_COUNTERS, summarize
 
     overrides = tiny_overrides(tiny_model_dir, "prefix_cache.name=radix", "server.metrics_vllm_names=true")
     prompts = [[1] + list(range(100, 140)) + [200 + index] for index in range(4)]  # a shared 41-token prefix

@@ -75,7 +75,7 @@ def test_draft_acceptance_follows_the_configured_rate():
 
 def test_refusals_and_limits_are_the_real_engines():
     engine = simulated()
-    from infer.engine import RequestError
+    from infer.engine.engine import RequestError
 
     with pytest.raises(RequestError, match="max_model_len"):
         engine.add_request(list(range(1, 600)), load_params(max_tokens=4))
@@ -88,7 +88,7 @@ def test_refusals_and_limits_are_the_real_engines():
 def test_scheduling_decisions_equal_a_real_runs(scheduler, prefix_cache):
     """Requests all sent at once: the schedule does not depend on time, so the simulated run makes the real run's
     decisions: the same steps, prefix hits and preemptions (a pool small enough to preempt)."""
-    from infer.engine import Engine
+    from infer.engine.engine import Engine
 
     overrides = ["model.dtype=float32", f"scheduler.name={scheduler}", f"prefix_cache.name={prefix_cache}",
                  "cache.num_blocks=24", "cache.block_size=8", "scheduler.max_num_seqs=6"]

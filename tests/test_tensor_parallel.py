@@ -1,4 +1,4 @@
-"""Tensor parallelism (``infer.parallel``) on gloo over loopback: the shard plans, the step's wire format, greedy
+"""Tensor parallelism (``infer.distributed``) on gloo over loopback: the shard plans, the step's wire format, greedy
 float32 output equal to HF transformers with the model split over two ranks (chunked prefill, preemption, a
 prefix-cache hit and ngram drafting in one run), a rank started as a separate command (a second "host"), and a rank
 killed mid-run (a clear error, no hang, the other ranks gone)."""
@@ -17,7 +17,7 @@ import torch
 
 from infer import LLM, SamplingParams
 from infer.host import free_port
-from infer.parallel import TensorParallelError, pack_step, plan_shards, unpack_step
+from infer.distributed import TensorParallelError, pack_step, plan_shards, unpack_step
 from infer.sequence import Sequence
 
 from test_engine_oracle import CHATS, MAX_TOKENS, MODEL, SYSTEM, conversations, hf_greedy

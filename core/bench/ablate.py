@@ -216,7 +216,7 @@ def run_combination(ablation: Ablation, combination: dict[str, Any]) -> dict[str
         engine = SimulatedEngine(config)
         summary = simulate_workload(engine, build_workload(options.pop("name"), engine.tokenizer, **options))
         return {**summary, "device": "simulated", "dtype": config.model.dtype, "quantization": engine.quantization}
-    from infer.engine import Engine
+    from infer.engine.engine import Engine
 
     engine = Engine(config)
     workload = build_workload(options.pop("name"), engine.tokenizer, **options)

@@ -103,7 +103,7 @@ def bench(config: str, overrides: tuple[str, ...], workload_name: str, baseline:
     )
     from infer.bench.runner import run_workload, tokenize_workload
     from infer.config import load_config
-    from infer.engine import Engine
+    from infer.engine.engine import Engine
 
     resolved = load_config(config, list(overrides))
     if "vllm" in baseline:

@@ -20,7 +20,7 @@ from infer.bench.runner import TokenizedRequest
 def run_hf_baseline(model_path: str, dtype: torch.dtype, device: torch.device, requests: list[TokenizedRequest],
                     batch_size: int, eos_token_ids: set[int], show_progress: bool = False) -> dict:
     """Load the HF model for ``model_path`` and time static-batch ``generate`` over ``requests``; returns a summary
-    comparable with ``infer.metrics.summarize``'s throughput fields."""
+    comparable with ``infer.engine.metrics.summarize``'s throughput fields."""
     from infer.testing.models import load_hf_reference
     from tqdm import tqdm
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from infer.bench.ablate import Ablation, CombinationResult
-from infer.metrics import format_summary
+from infer.engine.metrics import format_summary
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from infer.bench.workloads import Workload
-from infer.engine import RequestError
-from infer.metrics import summarize
+from infer.engine.engine import RequestError
+from infer.engine.metrics import summarize
 from infer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from infer.sampling_params import SamplingParams
 

@@ -69,7 +69,7 @@ def request_spec(model_dir: Path, dtype: str, config, requests: list[TokenizedRe
 
 
 def summarize_result(result: dict, requests: list[TokenizedRequest], dtype: str) -> dict:
-    """The worker's result as a summary comparable with ``infer.metrics.summarize``'s throughput fields."""
+    """The worker's result as a summary comparable with ``infer.engine.metrics.summarize``'s throughput fields."""
     wall = result["wall_time_s"]
     output_tokens = sum(len(tokens) for tokens in result["output_token_ids"])
     prompt_tokens = sum(len(request.prompt_token_ids) for request in requests)
@@ -85,7 +85,7 @@ def summarize_result(result: dict, requests: list[TokenizedRequest], dtype: str)
 def run_vllm_baseline(python: str, model_path: str, dtype: str, config, requests: list[TokenizedRequest],
                       num_threads: int, batch_size: int | None = None, timeout_s: float = 3600.0) -> dict:
     """Time vLLM's ``generate`` over ``requests`` in ``python``; returns ``summarize_result``'s summary."""
-    from infer.loader import hf_model_dir
+    from infer.model.loader import hf_model_dir
 
     if any(request.params.max_tokens is None for request in requests):
         raise VllmBaselineError("vLLM's baseline needs every request's max_tokens (a prompts line's is null)")

@@ -4,7 +4,7 @@ Tokens arrive flattened (``[T]``, no batch dimension, no padding); the attention
 to which sequence from the step's ``AttentionMetadata``. Projections are fused (Q/K/V in one matmul, gate/up in
 another) because on small models the number of kernel launches, not FLOPs, bounds a decode step.
 
-Every layer reads one per-step object, ``infer.execution.ForwardStep`` (positions, attention metadata, the pool, the
+Every layer reads one per-step object, ``infer.execution.paths.ForwardStep`` (positions, attention metadata, the pool, the
 backend, the small ops): ``layer(hidden, residual, step)``. Which way a step runs through the layers (op by op here,
 or infer's fused CPU kernels) is chosen once per step by the execution layer, never by the layers.
 """
@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infer.cpu_kernels import FusedLayer
+from infer.kernels.cpu import FusedLayer
 from infer.model.hf_weights import load_hf_state_dict
 from infer.model.layers import Embedding, Linear, RMSNorm, silu_and_mul
 from infer.model.rotary import RotaryEmbedding, rope_inverse_frequencies
 
 if TYPE_CHECKING:
-    from infer.cpu_kernels import CpuKernels
-    from infer.execution import ForwardStep
-    from infer.parallel import TensorParallelGroup
+    from infer.kernels.cpu import CpuKernels
+    from infer.execution.paths import ForwardStep
+    from infer.distributed import TensorParallelGroup
 
 
 class Attention(nn.Module):
@@ -42,7 +42,7 @@ class Attention(nn.Module):
         qkv_bias, output_bias = _attention_biases(config)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, dtype=dtype)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=output_bias, dtype=dtype)
-        # Sharded by ``infer.parallel.shard_model``: this rank's heads only, and the output projection's partial
+        # Sharded by ``infer.model.sharding.shard_model``: this rank's heads only, and the output projection's partial
         # sums added over the ranks.
         self.tensor_parallel: TensorParallelGroup | None = None
 
@@ -164,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         inverse_frequencies, scaling = rope_inverse_frequencies(config, self.head_dim)
         self.rotary = RotaryEmbedding(inverse_frequencies, self.max_positions, torch.device(device), scaling)
-        # Sharded (``infer.parallel.shard_model``): the layers hold this rank's heads and ``lm_head`` its slice of
+        # Sharded (``infer.model.sharding.shard_model``): the layers hold this rank's heads and ``lm_head`` its slice of
         # the vocabulary, whose logits rank 0 gathers.
         self.tensor_parallel: TensorParallelGroup | None = None
 
@@ -197,11 +197,11 @@ class LlamaForCausalLM(nn.Module):
         return step.ops.norm(self.norm, delta, residual)[0]
 
     def use_cpu_kernels(self, kernels: CpuKernels | None, gemv_rows: int = 0, tile_fma: bool = False) -> None:
-        """Prepare the weights for ``kernels`` (``infer.cpu_kernels``; None: torch's ops only): each layer's
+        """Prepare the weights for ``kernels`` (``infer.kernels.cpu``; None: torch's ops only): each layer's
         ``FusedLayer`` where its projections are packed (fp16 or int8), and the GEMV for inputs of up to
         ``gemv_rows`` rows (with int8 the output head's too); ``tile_fma``: bf16 weights' larger inputs on the tile
         kernel's float32 FMAs (``PackedLinear``). Call it once the weights are final: the kernels read copies of them
-        and their addresses. The execution layer calls it (``infer.execution.Executor``)."""
+        and their addresses. The execution layer calls it (``infer.execution.paths.Executor``)."""
         for layer in self.layers:
             layer.use_cpu_kernels(kernels, gemv_rows, tile_fma)
         # int8 modes, and bf16 (its tiles beat oneDNN from a dozen rows); fp16: fbgemm as fast on the head

@@ -10,13 +10,13 @@ from infer.model.layers import RMSNorm, silu_and_mul
 from infer.model.rotary import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
-    from infer.cpu_kernels import CpuKernels
+    from infer.kernels.cpu import CpuKernels
 
 
 class StepOps:
     """The small ops of one forward pass (RMSNorm with the residual add before it, RoPE, SiLU-and-multiply): torch's
     ops, or infer's CPU kernels (float32 on a CPU), which do each in one pass. The execution layer builds one per
-    step (``infer.execution``); the layers call it instead of the torch functions.
+    step (``infer.execution.paths``); the layers call it instead of the torch functions.
 
     ``gemm_dtype`` bfloat16 (the execution layer's choice for a large step over bf16 weights with the kernels): the
     norms before a projection write bf16 rows and SiLU-and-multiply runs bf16 to bf16, so the bf16 GEMMs take their

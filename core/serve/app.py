@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from infer.config import ServerConfig
-from infer.engine import RequestError
+from infer.engine.engine import RequestError
 from infer.sampling_params import SamplingParamsError
 from infer.serve.delivery import EventStreamResponse, respond_when_done, stream_events
 from infer.serve.engine_loop import EngineLoop, EngineStopped, ServerBusy

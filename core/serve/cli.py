@@ -63,7 +63,7 @@ def serve_command(config: str, overrides: list[str], host: str | None = None, po
     import uvicorn
 
     from infer.config import load_config
-    from infer.engine import Engine
+    from infer.engine.engine import Engine
     from infer.serve.app import create_app
     from infer.serve.engine_loop import EngineLoop
 

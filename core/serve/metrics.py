@@ -1,6 +1,6 @@
 """``GET /metrics``: Prometheus's text format, written by ``prometheus-client``.
 
-The engine's counters are the ones ``infer.metrics.ENGINE_COUNTERS`` declares (what ``infer run`` and ``infer bench``
+The engine's counters are the ones ``infer.engine.metrics.ENGINE_COUNTERS`` declares (what ``infer run`` and ``infer bench``
 summarize), read from the snapshot of ``EngineStats`` the engine thread publishes after each step; its gauges come
 from the same snapshot. Request latencies (queue time, TTFT, TPOT, end to end) are observed on the event loop as
 requests finish, from the engine's own timestamps. All of it is touched only by the event loop, so no lock is needed.
@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from infer.metrics import ENGINE_COUNTERS
+from infer.engine.metrics import ENGINE_COUNTERS
 from infer.outputs import RequestMetrics
 from infer.serve.engine_loop import EngineSnapshot
 

@@ -1,6 +1,6 @@
 """What the engine thread tells the event loop about one request after each step, and how it works that out.
 
-Text comes from the sequence's own detokenizer (``Engine.sequence_text``, ``infer.detokenizer``), the one that
+Text comes from the sequence's own detokenizer (``Engine.sequence_text``, ``infer.engine.detokenizer``), the one that
 the engine's stop-string checks and its final text (``Engine.output_text``) read, so streamed text adds up to
 exactly the text a non-streamed request returns. A delta only releases text that can no longer change: the
 detokenizer holds back an incomplete UTF-8 character until its last byte comes, and the last
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from infer.engine import request_metrics
+from infer.engine.engine import request_metrics
 from infer.outputs import RequestMetrics
 
 

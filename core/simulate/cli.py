@@ -38,7 +38,7 @@ def simulate(config: str, overrides: tuple[str, ...], workload_name: str, fit: b
     (simulate.cost: measured or roofline); print what infer bench prints, in simulated time."""
     from infer.bench.report import environment, write_json
     from infer.config import load_config
-    from infer.metrics import format_summary
+    from infer.engine.metrics import format_summary
     from infer.simulate.cost import CostModelError, build_cost_model
     from infer.simulate.engine import SimulatedEngine, simulate_workload
 
@@ -63,7 +63,7 @@ def simulate(config: str, overrides: tuple[str, ...], workload_name: str, fit: b
               "workload": {"name": workload_name, "options": workload.options}, "simulated": summary}
     if real:
         from infer.bench.runner import run_workload
-        from infer.engine import Engine
+        from infer.engine.engine import Engine
 
         click.echo("running the same workload for real ...", err=True)
         measured = run_workload(Engine(resolved), workload, show_progress=not no_progress).summary
@@ -98,7 +98,7 @@ def fit_cost_model(config, show_progress: bool = True, workloads: list[tuple[str
     from infer.bench.runner import run_workload
     from infer.bench.workloads import build_workload
     from infer.config import InferConfig
-    from infer.engine import Engine
+    from infer.engine.engine import Engine
     from infer.simulate.cost import default_cost_file, fit_measured
 
     # A step's cost depends on its shape, not on the plugins: the workloads run without a prefix cache and again

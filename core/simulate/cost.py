@@ -326,7 +326,7 @@ def load_geometry(name: str | None, model_path: str) -> Geometry:
     """A shipped geometry (``llama-3-70b``), a HF ``config.json`` (or a folder holding one), or, for None, the
     config of ``model.path``."""
     if name is None:
-        from infer.loader import hf_model_dir
+        from infer.model.loader import hf_model_dir
 
         path = hf_model_dir(model_path) / "config.json"
         return Geometry.from_hf_config(json.loads(path.read_text()), model_path)

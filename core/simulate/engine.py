@@ -24,10 +24,10 @@ import time
 from typing import Any
 
 from infer.drafter import Drafter
-from infer.engine import Engine
+from infer.engine.engine import Engine
 from infer.guide import TokenizerInfo
-from infer.kv_pool import plan_kv_pool
-from infer.runner import ModelRunner, StepOutput
+from infer.execution.kv_pool import plan_kv_pool
+from infer.execution.runner import ModelRunner, StepOutput
 from infer.scheduler import StepPlan
 from infer.sequence import Sequence
 from infer.simulate.cost import CostModel, build_cost_model
@@ -39,7 +39,7 @@ DRAFT_TOKEN_INDEX = 0  # the placeholder drafts are the first pool token; sample
 def _tokenizer(path: str) -> tuple[Any, list[int]]:
     """``model.path``'s tokenizer and EOS ids, loaded once per process (an ablation builds an engine per
     combination)."""
-    from infer.loader import load_tokenizer
+    from infer.model.loader import load_tokenizer
 
     return load_tokenizer(path)[:2]
 

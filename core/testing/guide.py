@@ -55,7 +55,7 @@ INVALID = {
 def default_tokenizer_info() -> TokenizerInfo:
     from transformers import AutoTokenizer
 
-    from infer.loader import DEFAULT_MODEL, hf_model_dir
+    from infer.model.loader import DEFAULT_MODEL, hf_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(hf_model_dir(DEFAULT_MODEL))
     return TokenizerInfo(tokenizer, len(tokenizer), (STOP_TOKEN,))

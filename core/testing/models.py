@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from infer.loader import DEFAULT_MODEL, hf_model_dir
+from infer.model.loader import DEFAULT_MODEL, hf_model_dir
 
 
 def load_hf_reference(path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:

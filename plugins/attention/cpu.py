@@ -1,4 +1,4 @@
-"""``cpu``: paged attention in infer's C kernels (``infer.cpu_kernels``), float32 on a CPU.
+"""``cpu``: paged attention in infer's C kernels (``infer.kernels.cpu``), float32 on a CPU.
 
 Every query token, decode, verification or prefill chunk alike, attends straight from the pool through its
 sequence's block table: no gather, no padding, one (query, KV head) pair per work item with the query heads of a KV
@@ -24,7 +24,7 @@ probabilities unrounded: 512 fresh tokens 2.1-2.2 ms a layer against the dot pro
 
 Decode and verification queries are exactly the kernels', over the standard pool layout, so it declares
 ``fused_cpu_attention``: the execution layer may then run a step of a few tokens through all layers in one C call,
-attention included, instead of calling ``forward`` per layer (``infer.execution``; a step that small computes its
+attention included, instead of calling ``forward`` per layer (``infer.execution.paths``; a step that small computes its
 attention on the kernel whatever ``prefill_dtype`` says). Over a bf16 pool, ``decode_arithmetic: bf16`` (what
 ``auto`` resolves to where the prefill arithmetic is bf16) multiplies them on AVX512-BF16's dot products, the queries
 and probabilities rounded to bf16 as the flash attention rounds them: on a Zen 4 EPYC the chat mix's decode attention
@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from infer import cpu_kernels
+from infer.kernels import cpu as cpu_kernels
 from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata, BackendUnavailableError, gather_blocks
 from infer.host import cpu_flags
-from infer.cpu_kernels import FlashChunks, KernelAttentionPlan
+from infer.kernels.cpu import FlashChunks, KernelAttentionPlan
 
 
 class CpuAttentionConfig(AttentionConfig):

@@ -26,8 +26,8 @@ from pydantic import Field
 
 from infer.attention import AttentionMetadata
 from infer.drafter import Drafter, DrafterConfig, DrafterContext, SampledDrafts
-from infer.kv_pool import kv_bytes_per_token
-from infer.sampler import apply_filters, sample_row
+from infer.execution.kv_pool import kv_bytes_per_token
+from infer.engine.sampler import apply_filters, sample_row
 
 # Keeps the drafter's random draw at a position independent of the target's (the same seed keys both).
 _DRAFT_SALT = 0x2545F4914F6CDD1D
@@ -104,7 +104,7 @@ class ModelDrafter(Drafter):
         if self.config.path is None:
             layers = self.config.layers or max(1, context.target.num_layers // 2)
             return TargetLayers(context.target, layers), context.attention, context.executor
-        from infer.loader import load_model
+        from infer.model.loader import load_model
 
         loaded = load_model(self.config.path, context.dtype, context.device)
         if loaded.tokenizer.get_vocab() != context.tokenizer.get_vocab():

@@ -35,13 +35,13 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from infer.attention import AttentionMetadata
-from infer.calibration import RowsCalibration
-from infer.cpu_kernels import FusedDraftHead, KernelAttentionPlan, KernelAttentionStep
+from infer.execution.calibration import RowsCalibration
+from infer.kernels.cpu import FusedDraftHead, KernelAttentionPlan, KernelAttentionStep
 from infer.drafter import Drafter, DrafterConfig, DrafterContext, DraftTree
-from infer.execution import FusedStackPath
-from infer.kv_pool import kv_bytes_per_token
+from infer.execution.paths import FusedStackPath
+from infer.execution.kv_pool import kv_bytes_per_token
 from infer.plugins.drafters.eagle.head import EagleHead, draft_head_weight, load_head, random_head
-from infer.quantization import KERNEL_MODES, QUANTIZATIONS, PackedLinear
+from infer.model.quantization import KERNEL_MODES, QUANTIZATIONS, PackedLinear
 
 SHIPPED_HEADS = "heads"  # package data of this plugin: heads/<model name>/head.safetensors and its README card
 
@@ -65,7 +65,7 @@ class EagleDrafterConfig(DrafterConfig):
     tree_budget: int | Literal["auto"] = Field(
         "auto", description="Trees: the most drafts a tree verifies (at most num_speculative_tokens). auto: the "
                             "query rows the target computes for about one decode step's time on this CPU (measured "
-                            "once and cached: infer.calibration.calibrate_rows), shared by the sequences drafting "
+                            "once and cached: infer.execution.calibration.calibrate_rows), shared by the sequences drafting "
                             "in a step, one row each for its own token: as many drafts a sequence as fit, none "
                             "where none do (chains are capped alike).")
     head_quantization: str = Field("auto", description='Weight packing of the head\'s layer, fc and draft-vocabulary '

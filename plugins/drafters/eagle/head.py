@@ -59,7 +59,7 @@ class EagleHead(nn.Module):
 
     def forward(self, embeds, features, step) -> torch.Tensor:
         """Paged inference: predicted features ``[T, hidden]``, writing the layer's K/V into ``step.kv_cache`` (the
-        head's own one-layer pool); ``step`` from the target's executor (``infer.execution.ForwardStep``)."""
+        head's own one-layer pool); ``step`` from the target's executor (``infer.execution.paths.ForwardStep``)."""
         hidden, residual = step.run_layers([self.layer], self.combine(embeds, features, step.ops))
         return step.ops.norm(self.norm, hidden, residual)[0]
 

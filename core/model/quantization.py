@@ -12,7 +12,7 @@ fbgemm, which ships inside torch's x86 builds, multiplies float32 activations by
   model. What ``auto`` picks on a CPU with native bf16: on the Intel AMX machine the GEMM at 64 rows measured 5-6x
   fbgemm's fp16 and 12x at 512 (README, "CPU performance").
 - ``int8``: weight-only int8, one scale per 32 consecutive weights of a row (``int8_weights``), activations stay
-  float32. Steps of a few tokens read the int8 weights through infer's CPU kernels (``infer.cpu_kernels``: 9/16 of
+  float32. Steps of a few tokens read the int8 weights through infer's CPU kernels (``infer.kernels.cpu``: 9/16 of
   fp16's bytes with the scales, and bytes are the decode step's bound); larger steps run fbgemm's fp16 GEMM over
   the same weights dequantized, which the scales make exact in fp16, so both paths multiply by identical weights.
   Memory: the fp16 copy plus the int8 one. One scale per row instead measured 16.7% agreement with float32's
@@ -35,7 +35,7 @@ import warnings
 import torch
 from torch import nn
 
-from infer.cpu_kernels.packing import can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, unpack_tiles
+from infer.kernels.cpu.packing import can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, unpack_tiles
 from infer.model import Linear
 
 QUANTIZATIONS = ("none", "fp16", "bf16", "int8", "int8_per_row", "w8a8")
@@ -175,7 +175,7 @@ class PackedLinear(nn.Module):
         take ``kernels.linear_tiles`` over a third copy in ``pack_tiles``' layout (README, CPU performance).
         ``tile_fma`` (bf16 with tiles, kernels with ``tile_fma``): every input of more rows than one GEMV pass takes
         the tiles with float32 FMAs (float32 inputs, not rounded), whatever its rows, and oneDNN's copy is dropped:
-        for CPUs where that beats the bf16 dot products and oneDNN (``infer.calibration.choose_gemm``). Applied when
+        for CPUs where that beats the bf16 dot products and oneDNN (``infer.execution.calibration.choose_gemm``). Applied when
         the kernels are first set. ``kernels`` None undoes it."""
         self.gemv_rows = gemv_rows if kernels is not None else 0
         if self.mode not in KERNEL_MODES or (kernels is None) == (self.kernels is None):

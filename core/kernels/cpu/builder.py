@@ -24,10 +24,10 @@ from importlib import resources
 from collections.abc import Sequence
 from pathlib import Path
 
-from infer.cpu_kernels.abi import CpuKernels
+from infer.kernels.cpu.abi import CpuKernels
 from infer.host import cache_dir, cpu_signature
 
-logger = logging.getLogger("infer.cpu_kernels")
+logger = logging.getLogger("infer.kernels.cpu")
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
@@ -37,7 +37,7 @@ class KernelBuildError(RuntimeError):
 
 
 def source() -> str:
-    return resources.files("infer").joinpath("csrc", "cpu_kernels.c").read_text()
+    return resources.files("infer.kernels.cpu").joinpath("csrc", "cpu_kernels.c").read_text()
 
 
 def compiler() -> str | None:

@@ -10,7 +10,7 @@ import time
 
 import click
 
-from infer.metrics import format_summary, summarize
+from infer.engine.metrics import format_summary, summarize
 from infer.prompts import builtin_items, read_jsonl
 
 
@@ -46,7 +46,7 @@ def run_command(config, overrides, prompts_path=None, output_path=None, explain:
 @contextlib.contextmanager
 def _execution_log(enabled: bool):
     """While generating: every forward pass's path and the reasons earlier paths refused it on stderr
-    (``infer.execution``'s debug log)."""
+    (``infer.execution.paths``'s debug log)."""
     if not enabled:
         yield
         return

@@ -26,7 +26,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("infer.serve.cli:serve", "Serve an OpenAI-compatible HTTP API (--data-parallel-size N: N replicas "
                                        "behind a router)."),
     "router": ("infer.serve.cli:router_command", "Route OpenAI API requests over running infer serve replicas."),
-    "tp-worker": ("infer.parallel:tp_worker_command", "Run a tensor-parallel rank for an engine on another host."),
+    "tp-worker": ("infer.cli.tp_worker:tp_worker_command", "Run a tensor-parallel rank for an engine on another host."),
 }
 CONFIG_HELP = "CONFIG is a YAML file or a shipped config name (baseline); OVERRIDES are key=value (scheduler.name=lpm)."
 
@@ -130,7 +130,7 @@ def main(verbose: bool) -> None:
 def run_cli(config: str, overrides: tuple[str, ...], prompts: Path | None, output: Path | None,
             explain: bool) -> None:
     """Generate completions offline for a batch of prompts."""
-    from infer.run import run_command
+    from infer.cli.run import run_command
 
     run_command(config, list(overrides), prompts, output, explain)
 

@@ -1,5 +1,5 @@
 """Weights laid out for the CPU kernels' GEMV: blocks of four output rows, each one sequential stream, in fp16, bf16
-or int8 (with per-group scales beside them). ``infer.quantization`` packs its linears with these."""
+or int8 (with per-group scales beside them). ``infer.model.quantization`` packs its linears with these."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The runner builds one ``ForwardStep`` per step (the attention metadata its backe
 the small ops) and the layers read only that object: ``layer(hidden, residual, step)``. ``Executor.run_layers``
 asks its execution paths in order whether they accept the step and runs the first that does:
 
-- ``fused-stack``: all layers in one C call, attention included (``infer.cpu_kernels.FusedStack``). Needs the CPU
+- ``fused-stack``: all layers in one C call, attention included (``infer.kernels.cpu.FusedStack``). Needs the CPU
   kernels (float32 on a CPU), packed projections (``model.quantization`` fp16 or int8), at most ``fused_max_tokens``
   tokens, and a backend that declares ``fused_cpu_attention`` (its attention is infer's C paged attention over the
   standard pool, so the stack may compute it itself).
@@ -16,7 +16,7 @@ asks its execution paths in order whether they accept the step and runs the firs
 Why a few tokens go to C: at one to eight tokens a layer is ~15 small ops around four memory-bound matrix products,
 and calling them one by one from Python costs about a third of the step; from about twelve tokens fbgemm's GEMM is
 as fast (README, "CPU performance"; ``benchmarks/cpu_kernels.py --only steps``). The choice of every forward pass
-and the reasons the earlier paths refused it are logged at debug level on ``infer.execution``
+and the reasons the earlier paths refused it are logged at debug level on ``infer.execution.paths``
 (``infer run --explain`` shows them and a count per path).
 
 ``choose_attention`` resolves ``attention.name: auto`` the same way: ``cpu`` (infer's C kernels) for float32 on a
@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from infer.attention import AttentionBackend, AttentionMetadata
-from infer.calibration import CANDIDATES as CALIBRATION_CANDIDATES
-from infer.calibration import DEFAULT_FUSED_MAX_TOKENS, Calibration, GemmChoice, calibrate, choose_gemm
-from infer.cpu_kernels import FusedStack, KernelAttentionStep
+from infer.execution.calibration import CANDIDATES as CALIBRATION_CANDIDATES
+from infer.execution.calibration import DEFAULT_FUSED_MAX_TOKENS, Calibration, GemmChoice, calibrate, choose_gemm
+from infer.kernels.cpu import FusedStack, KernelAttentionStep
 from infer.host import reuse_freed_memory
 from infer.model.ops import StepOps
 
 if TYPE_CHECKING:
-    from infer.cpu_kernels import CpuKernels
+    from infer.kernels.cpu import CpuKernels
     from infer.model import DecoderLayer, LlamaForCausalLM
     from infer.model.rotary import RotaryEmbedding
 
@@ -223,7 +223,7 @@ class Executor:
     def set_fused_max_tokens(self, model: LlamaForCausalLM, max_tokens: int) -> None:
         """Let steps of up to ``max_tokens`` tokens take the fused paths and ``model``'s GEMV (weights already
         prepared by ``for_model``)."""
-        from infer.quantization import PackedLinear
+        from infer.model.quantization import PackedLinear
 
         self.fused_max_tokens = max_tokens
         for path in self.paths:
@@ -279,7 +279,7 @@ class Executor:
 def _all_bf16_gemms(model: LlamaForCausalLM) -> bool:
     """Whether every projection of ``model``'s layers is packed as bf16 (``model.quantization: bf16``) and none is
     sharded (whose all-reduce would then sum bf16 rows)."""
-    from infer.quantization import PackedLinear
+    from infer.model.quantization import PackedLinear
 
     projections = [module for layer in model.layers
                    for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
@@ -301,7 +301,7 @@ def build_executor(model: LlamaForCausalLM, config, device: torch.device, dtype:
     """How steps run through ``model`` for ``config`` (an ``InferConfig``): with infer's CPU kernels for float32 on
     a CPU (loaded once; ``model.cpu_kernels``), else torch's ops; bf16 weights' large steps on what
     ``execution.large_gemm`` chose (``executor.gemm``). Every tensor-parallel rank builds its own."""
-    from infer import cpu_kernels
+    from infer.kernels import cpu as cpu_kernels
 
     model_config, execution = config.model, config.execution
     if model_config.compile:
@@ -361,7 +361,7 @@ def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.d
                       shard=None) -> ModelStack:
     """``model`` sharded (``shard``: a tensor-parallel rank's ``shard(model)``), packed for ``model.quantization``,
     with its executor and attention backend: what the engine and every tensor-parallel rank build alike."""
-    from infer.quantization import quantize_model, resolve_quantization
+    from infer.model.quantization import quantize_model, resolve_quantization
 
     reuses_freed_memory = device.type == "cpu" and config.execution.reuse_freed_memory and reuse_freed_memory()
     quantization = resolve_quantization(config.model.quantization, config.model.dtype, dtype, device)

@@ -64,10 +64,10 @@ class LoadedModel:
 def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     """Map a config dtype name to a torch dtype (the activations' and the KV cache's). ``auto``: float32 on an x86
     CPU, whose weights ``model.quantization: auto`` then packs in the 16-bit format it multiplies fastest (bf16 with
-    AVX512-BF16/AMX, else fp16; ``infer.quantization``); bfloat16 on CUDA with bf16 support and on other CPUs with
+    AVX512-BF16/AMX, else fp16; ``infer.model.quantization``); bfloat16 on CUDA with bf16 support and on other CPUs with
     native bf16 (ARM BF16); else float32."""
     if name == "auto":
-        from infer.quantization import fbgemm_available
+        from infer.model.quantization import fbgemm_available
 
         device = torch.device(device)
         if device.type == "cpu" and fbgemm_available():

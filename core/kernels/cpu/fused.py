@@ -1,6 +1,6 @@
 """Decoder layers over a few tokens as C calls: ``FusedLayer`` (a layer's dense parts, two calls around the attention
 backend's) and ``FusedStack`` (consecutive layers, attention included, in one call). The execution layer
-(``infer.execution``) chooses when a step runs through them."""
+(``infer.execution.paths``) chooses when a step runs through them."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.cpu_kernels.abi import (WEIGHT_KINDS, AttentionStepStruct, CpuKernels, DraftHeadStruct, KernelAttentionPlan,
+from infer.kernels.cpu.abi import (WEIGHT_KINDS, AttentionStepStruct, CpuKernels, DraftHeadStruct, KernelAttentionPlan,
                                    LayerStruct, address, check_block_tables, check_flat, check_packed, check_pool,
                                    check_slots, scale_groups)
-from infer.cpu_kernels.packing import packed_shape, tiles_shape
+from infer.kernels.cpu.packing import packed_shape, tiles_shape
 
 if TYPE_CHECKING:
     from infer.attention import AttentionMetadata

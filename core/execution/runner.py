@@ -1,5 +1,5 @@
 """The model runner: turns a step plan into flattened batch metadata and one ``ForwardStep``, runs the model through
-the execution layer (``infer.execution``), returns the logits rows needed."""
+the execution layer (``infer.execution.paths``), returns the logits rows needed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from infer.attention import AttentionBackend, AttentionMetadata
 from infer.drafter import tree_depths
-from infer.execution import Executor
+from infer.execution.paths import Executor
 from infer.sequence import Sequence
 
 
@@ -71,7 +71,7 @@ class ModelRunner:
         self.block_size = attention.block_size
         self.num_blocks = num_blocks
         self.block_sources = block_sources
-        # Rank 0 of a sharded model (``infer.parallel.TensorParallel``): each step's plan goes to the other ranks
+        # Rank 0 of a sharded model (``infer.engine.tensor_parallel.TensorParallel``): each step's plan goes to the other ranks
         # first, which run the same forward pass.
         self.tensor_parallel = tensor_parallel
 

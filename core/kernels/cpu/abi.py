@@ -2,8 +2,8 @@
 Python wrapper per kernel that checks the layout of every tensor the C side will read.
 
 The kernels work on float32 CPU tensors: RMSNorm with its residual add, RoPE, SiLU-and-multiply, the KV write,
-paged attention read straight from the pool, and a streaming GEMV over weights packed by ``infer.cpu_kernels.packing``
-(fp16, bf16, or int8 with a scale per group of weights). ``infer.cpu_kernels.fused`` chains them into whole layers.
+paged attention read straight from the pool, and a streaming GEMV over weights packed by ``infer.kernels.cpu.packing``
+(fp16, bf16, or int8 with a scale per group of weights). ``infer.kernels.cpu.fused`` chains them into whole layers.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.cpu_kernels.packing import packed_shape, tiles_shape
+from infer.kernels.cpu.packing import packed_shape, tiles_shape
 
 if TYPE_CHECKING:
     from infer.attention import AttentionMetadata
@@ -161,7 +161,7 @@ class CpuKernels:
         """``x @ weight.T + bias`` for a few rows ``x`` ``[rows, k]`` (float32, contiguous) and weights packed by
         ``pack_weights``: fp16 or bf16 (``scales`` None), or int8 times ``scales`` (one per group of consecutive
         weights of a row, packed by ``pack_scales``); float32 ``[rows, n]``, accumulated in float32. Streams the
-        weights once whatever the rows, so it beats a GEMM only at a few rows (``infer.execution`` sets how
+        weights once whatever the rows, so it beats a GEMM only at a few rows (``infer.execution.paths`` sets how
         many)."""
         check_flat(x)
         check_packed(packed, scales)

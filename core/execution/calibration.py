@@ -276,7 +276,7 @@ def choose_gemm(setting: str, model, kernels, recalibrate: bool = False) -> Gemm
         return GemmChoice("bf16", reason="no float32 tile kernel in this build")
     if setting != "auto":
         return GemmChoice(setting)
-    from infer.cpu_kernels import can_pack_tiles
+    from infer.kernels.cpu import can_pack_tiles
 
     shape = (model.config.hidden_size, model.config.intermediate_size)
     if not can_pack_tiles(2 * shape[1], shape[0]):
@@ -303,8 +303,8 @@ def measure_gemm(hidden: int, intermediate: int, kernels, rows: tuple[int, ...] 
     to bf16 and packed for the tiles) with bf16 arithmetic as a ``PackedLinear`` runs it there (the tiles with float32
     rows up to ``TILE_MAX_ROWS``, oneDNN's GEMM with bf16 rows beyond) and on the tiles' float32 FMAs, alternately
     (ms)."""
-    from infer.cpu_kernels import pack_tiles
-    from infer.quantization import TILE_MAX_ROWS, bf16_gemm_weight, bf16_linear
+    from infer.kernels.cpu import pack_tiles
+    from infer.model.quantization import TILE_MAX_ROWS, bf16_gemm_weight, bf16_linear
 
     weight = (torch.randn(2 * intermediate, hidden) * 0.02).bfloat16()
     tiles, packed = pack_tiles(weight), bf16_gemm_weight(weight.float())

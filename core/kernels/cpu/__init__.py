@@ -9,17 +9,17 @@ performance", and ``benchmarks/cpu_kernels.py``).
 
 - ``builder``: compile once per machine into the cache directory, ``load(mode)``.
 - ``abi``: the C signatures and ``CpuKernels``, one checked wrapper per kernel.
-- ``packing``: the GEMV's weight layout, shared with ``infer.quantization``.
+- ``packing``: the GEMV's weight layout, shared with ``infer.model.quantization``.
 - ``fused``: ``FusedLayer`` and ``FusedStack``, whole layers over a few tokens; ``FusedDraftHead``, an EAGLE head's
   draft step.
 
-Which step runs on which of them is decided in one place, ``infer.execution``.
+Which step runs on which of them is decided in one place, ``infer.execution.paths``.
 """
 
-from infer.cpu_kernels.abi import CpuKernels, FlashChunks, KernelAttentionPlan
-from infer.cpu_kernels.builder import KernelBuildError, build, compiler, load, load_built, source
-from infer.cpu_kernels.fused import FusedDraftHead, FusedLayer, FusedStack, KernelAttentionStep
-from infer.cpu_kernels.packing import (can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, packed_shape,
+from infer.kernels.cpu.abi import CpuKernels, FlashChunks, KernelAttentionPlan
+from infer.kernels.cpu.builder import KernelBuildError, build, compiler, load, load_built, source
+from infer.kernels.cpu.fused import FusedDraftHead, FusedLayer, FusedStack, KernelAttentionStep
+from infer.kernels.cpu.packing import (can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, packed_shape,
                                        tiles_shape, unpack_tiles)
 
 __all__ = ["CpuKernels", "FlashChunks", "FusedDraftHead", "FusedLayer", "FusedStack", "KernelAttentionPlan",

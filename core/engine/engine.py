@@ -14,22 +14,22 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from infer.detokenizer import Detokenizer
+from infer.engine.detokenizer import Detokenizer
 from infer.drafter import Drafter, DrafterContext
-from infer.execution import build_model_stack
+from infer.execution.paths import build_model_stack
 from infer.guide import GuideError, TokenizerInfo, constrain_logits
 from infer.kv_cache_manager import KVCacheManager
-from infer.kv_pool import free_device_memory, kv_bytes_per_token, plan_kv_pool
-from infer.memory import measure_peak_bytes
-from infer.parallel import TensorParallel
+from infer.execution.kv_pool import free_device_memory, kv_bytes_per_token, plan_kv_pool
+from infer.execution.memory import measure_peak_bytes
+from infer.engine.tensor_parallel import TensorParallel
 from infer.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from infer.runner import ModelRunner, StepOutput
-from infer.quantization import model_weight_bytes
-from infer.sampler import Sampler, SampleRequest
+from infer.execution.runner import ModelRunner, StepOutput
+from infer.model.quantization import model_weight_bytes
+from infer.engine.sampler import Sampler, SampleRequest
 from infer.sampling_params import SamplingParams
 from infer.scheduler import SchedulerView, StepPlan, StepShape
 from infer.sequence import Sequence, SequenceQueues, SequenceStatus
-from infer.spec_decode import SpeculativeDecoder
+from infer.engine.spec_decode import SpeculativeDecoder
 
 logger = logging.getLogger("infer")
 
@@ -62,7 +62,7 @@ class StepStats:
 @dataclass(slots=True)
 class EngineStats:
     """Totals since start: what ``infer run``'s and ``infer bench``'s summaries and the server's ``/metrics`` report
-    (``infer.metrics.ENGINE_COUNTERS`` names the exported ones)."""
+    (``infer.engine.metrics.ENGINE_COUNTERS`` names the exported ones)."""
 
     num_steps: int = 0
     num_requests_finished: int = 0
@@ -138,7 +138,7 @@ class Engine:
     """Loads the model and the configured plugins, sizes the KV pool, and runs steps."""
 
     def __init__(self, config, registry=None):
-        from infer.loader import load_model, resolve_dtype
+        from infer.model.loader import load_model, resolve_dtype
         from infer.registry import get_registry
 
         self.config = config
@@ -147,7 +147,7 @@ class Engine:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         torch.manual_seed(config.model.seed)
         self._rng = random.Random(config.model.seed)
-        # Sharded over ranks (``infer.parallel``): the others start loading their shards while this one loads.
+        # Sharded over ranks (``infer.distributed``): the others start loading their shards while this one loads.
         self.tensor_parallel = self._launch_tensor_parallel() if config.parallel.tensor_parallel_size > 1 else None
         try:
             self._build(config, load_model(config.model.path, self.dtype, self.device))
@@ -199,7 +199,7 @@ class Engine:
         """Start the other ranks, once the drafter and the model's heads are known to allow the split."""
         from transformers import AutoConfig
 
-        from infer.loader import hf_model_dir
+        from infer.model.loader import hf_model_dir
 
         size = self.config.parallel.tensor_parallel_size
         if not self._plugin("drafter").works_with_tensor_parallel:

@@ -1,0 +1,65 @@
+"""Sharding a model's weights for tensor parallelism: a rank keeps its plan's heads, MLP columns and vocabulary."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from infer.distributed import ShardPlan, TensorParallelGroup
+from infer.model.layers import Linear
+
+if TYPE_CHECKING:
+    from infer.model.llama import LlamaForCausalLM
+
+
+@torch.no_grad()
+def shard_model(model: LlamaForCausalLM, plan: ShardPlan, group: TensorParallelGroup) -> LlamaForCausalLM:
+    """Keep ``plan``'s share of ``model``'s weights (in place, before quantization): each layer's heads and MLP
+    columns, the output head's vocabulary rows (untied from the embedding, which stays whole)."""
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_rows, kv_rows = _head_rows(plan.q_heads, attn.head_dim), _head_rows(plan.kv_heads, attn.head_dim)
+        attn.qkv_proj = _take_rows(attn.qkv_proj, torch.cat(
+            [q_rows, attn.q_size + kv_rows, attn.q_size + attn.kv_size + kv_rows]))
+        attn.o_proj = _take_columns(attn.o_proj, q_rows, keep_bias=plan.rank == 0)
+        attn.num_heads, attn.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
+        attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        columns = torch.arange(plan.intermediate.start, plan.intermediate.stop)
+        width = mlp.gate_up_proj.out_features // 2
+        mlp.gate_up_proj = _take_rows(mlp.gate_up_proj, torch.cat([columns, width + columns]))
+        mlp.down_proj = _take_columns(mlp.down_proj, columns, keep_bias=plan.rank == 0)
+        attn.tensor_parallel = mlp.tensor_parallel = group
+    model.lm_head = _take_rows(model.lm_head, torch.arange(plan.vocab.start, plan.vocab.stop))
+    model.tie_word_embeddings = False
+    model.num_heads, model.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
+    model.tensor_parallel = group
+    return model
+
+
+def _head_rows(heads: range, head_dim: int) -> torch.Tensor:
+    return torch.arange(heads.start * head_dim, heads.stop * head_dim)
+
+
+def _take_rows(linear: torch.nn.Linear, rows: torch.Tensor) -> torch.nn.Linear:
+    """A linear layer computing only output features ``rows`` of ``linear`` (a column-parallel shard)."""
+    weight = linear.weight
+    with torch.device(weight.device):
+        shard = Linear(linear.in_features, len(rows), bias=linear.bias is not None, dtype=weight.dtype)
+    shard.weight.copy_(weight.index_select(0, rows.to(weight.device)))
+    if linear.bias is not None:
+        shard.bias.copy_(linear.bias.index_select(0, rows.to(weight.device)))
+    return shard
+
+
+def _take_columns(linear: torch.nn.Linear, columns: torch.Tensor, keep_bias: bool) -> torch.nn.Linear:
+    """A linear layer over input features ``columns`` of ``linear`` (a row-parallel shard: its outputs are partial
+    sums; the bias is added on one rank only)."""
+    weight = linear.weight
+    bias = linear.bias is not None and keep_bias
+    with torch.device(weight.device):
+        shard = Linear(len(columns), linear.out_features, bias=bias, dtype=weight.dtype)
+    shard.weight.copy_(weight.index_select(1, columns.to(weight.device)))
+    if bias:
+        shard.bias.copy_(linear.bias)
+    return shard
