@@ -9,8 +9,10 @@ metadata, sampling, accepting tokens, stop checks, counters. Each case: ``batch`
 greedy, float32 by default, prefilled, 3 warm-up decode steps, then ``--steps`` counted decode steps (every sequence
 decoding in each; garbage collection paused so that no finalizer lands in a step); averages per step. Distinct
 functions: the Python functions called at least once in the counted steps. Only the calling thread is profiled.
-Each checkout runs in its own process, imported from its three source folders; prints a table, then each checkout's
-top functions outside the forward pass by calls per step.
+Third-party plugins stay unloaded unless ``INFER_PLUGINS`` names them (default ``none`` here: an installed
+``step_finished`` observer would add its calls, and the plan's shape, to every step). Each checkout runs in its own
+process, imported from its three source folders; prints a table, then each checkout's top functions outside the
+forward pass by calls per step.
 
     OMP_NUM_THREADS=2 python benchmarks/step_calls.py --checkout before=/tmp/before --checkout after=.
     python benchmarks/step_calls.py --checkout after=. drafter.name=ngram     # any config override
@@ -22,6 +24,7 @@ import argparse
 import gc
 import inspect
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -154,7 +157,8 @@ def main() -> None:
     for label, root in checkouts:
         command = [sys.executable, __file__, "--worker", root, "--steps", str(args.steps), "--top", str(args.top),
                    "--batches", *map(str, args.batches), "--", *args.overrides]
-        run = subprocess.run(command, capture_output=True, text=True)
+        environment = {**os.environ, "INFER_PLUGINS": os.environ.get("INFER_PLUGINS") or "none"}
+        run = subprocess.run(command, capture_output=True, text=True, env=environment)
         if run.returncode:
             print(f"{label} ({root}) failed:\n{run.stderr[-3000:]}", file=sys.stderr)
             continue
