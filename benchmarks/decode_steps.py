@@ -20,7 +20,7 @@ import time
 import torch
 
 from infer import LLM, SamplingParams
-from step_profile import drain  # beside this script: abort and release every request of an engine
+from drain import drain  # beside this script: abort and release every request of an engine
 
 
 def decode_ms(llm: LLM, batch: int, steps: int, repeats: int) -> tuple[list[float], float]:

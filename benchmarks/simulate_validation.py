@@ -20,7 +20,8 @@ from infer.bench.runner import run_workload
 from infer.bench.workloads import build_workload
 from infer.config import load_config
 from infer.engine.engine import Engine
-from infer.simulate.engine import SimulatedEngine, simulate_workload
+from infer.bench.runner import simulate_workload
+from infer.simulate.engine import SimulatedEngine
 
 PREFIX_WORKLOAD = {"name": "shared-prefix", "groups": 4, "questions": 16, "system_len": 600, "question_len": 30,
                    "output_len": 32}  # configs/ablations/prefix.yaml

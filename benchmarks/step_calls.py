@@ -30,6 +30,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from drain import drain  # beside this script: the public engine API only
+
 from step_overhead import mount  # beside this script; imports nothing of infer
 
 
@@ -78,16 +80,6 @@ def c_name(function) -> str:
         bound = getattr(function, "__self__", None)
         owner = type(bound).__module__ if bound is not None else "?"
     return f"{owner}.{getattr(function, '__qualname__', repr(function))}"
-
-
-def drain(engine) -> None:
-    """Abort and release every request (``step_profile.drain``, which imports modules that not every checkout has)."""
-    for request_id in list(engine.requests):
-        engine.abort(request_id)
-    while engine.has_unfinished():
-        engine.step()
-    for request_id in list(engine.requests):
-        engine.release_request(request_id)
 
 
 def measure(overrides: list[str], batches: list[int], steps: int, top: int) -> dict[str, dict]:

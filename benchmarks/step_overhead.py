@@ -1,5 +1,5 @@
-"""Per-step Python overhead: a decode step's wall time outside the model's forward pass, at batch 1 and 64, for two
-checkouts side by side (the before/after measurement of a change to the step's bookkeeping).
+"""Per-step Python overhead: a decode step's wall time outside the model's forward pass, and the whole step's, at
+batch 1 and 64, for two checkouts side by side (the before/after measurement of a change to the step's bookkeeping).
 
 The forward pass is ``ModelRunner.forward`` (embedding, layers, output head: what every tensor-parallel rank runs);
 everything else in ``Engine.step`` is overhead here: scheduling, batch metadata, sampling, accepting tokens, stop
@@ -40,10 +40,10 @@ def mount(root: Path) -> None:
         spec.loader.exec_module(module)
 
 
-def measure(overrides: list[str], batches: list[int], steps: int) -> dict[str, list[float]]:
-    """Per-step overheads (ms) of ``steps`` decode steps at each batch size."""
+def measure(overrides: list[str], batches: list[int], steps: int) -> dict[str, dict[str, list[float]]]:
+    """Per-step overheads and whole steps (ms) of ``steps`` decode steps at each batch size."""
     from infer import LLM, SamplingParams
-    from step_profile import drain  # beside this script (imported after ``mount``: it imports infer)
+    from drain import drain  # beside this script (imported after ``mount``: it imports infer)
 
     llm = LLM("baseline", overrides)
     engine = llm.engine
@@ -68,13 +68,15 @@ def measure(overrides: list[str], batches: list[int], steps: int) -> dict[str, l
             engine.step()
         for _ in range(3):
             engine.step()
-        overheads = []
+        overheads, totals = [], []
         for _ in range(steps):
             inside[0] = 0.0
             began = time.perf_counter()
             engine.step()
-            overheads.append((time.perf_counter() - began - inside[0]) * 1e3)
-        results[str(batch)] = overheads
+            total = time.perf_counter() - began
+            overheads.append((total - inside[0]) * 1e3)
+            totals.append(total * 1e3)
+        results[str(batch)] = {"overhead": overheads, "step": totals}
         drain(engine)
     return results
 
@@ -94,21 +96,24 @@ def main() -> None:
         print(json.dumps(measure(args.overrides, args.batches, args.steps)))
         return
     checkouts = [item.split("=", 1) for item in args.checkout] or [["this", str(Path(__file__).parents[1])]]
-    samples: dict[tuple[str, str], list[float]] = {}
+    samples: dict[tuple[str, str, str], list[float]] = {}
     for _ in range(args.repeats):
         for label, root in checkouts:
             command = [sys.executable, __file__, "--worker", root, "--steps", str(args.steps), "--batches",
                        *map(str, args.batches), "--", *args.overrides]
             result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
-            for batch, values in result.items():
-                samples.setdefault((label, batch), []).extend(values)
-    print(f"| checkout | {' | '.join(f'batch {b}: overhead ms/step (median, p90)' for b in args.batches)} |")
-    print(f"|---|{'---|' * len(args.batches)}")
+            for batch, kinds in result.items():
+                for kind, values in kinds.items():
+                    samples.setdefault((label, batch, kind), []).extend(values)
+    heads = [f"batch {b}: {kind} ms (median, p90)" for b in args.batches for kind in ("overhead", "step")]
+    print(f"| checkout | {' | '.join(heads)} |")
+    print(f"|---|{'---|' * len(heads)}")
     for label, _ in checkouts:
         cells = []
         for batch in map(str, args.batches):
-            values = sorted(samples[(label, batch)])
-            cells.append(f"{statistics.median(values):.2f} ({values[int(len(values) * 0.9)]:.2f})")
+            for kind in ("overhead", "step"):
+                values = sorted(samples[(label, batch, kind)])
+                cells.append(f"{statistics.median(values):.2f} ({values[int(len(values) * 0.9)]:.2f})")
         print(f"| {label} | {' | '.join(cells)} |")
 
 

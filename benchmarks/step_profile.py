@@ -27,6 +27,7 @@ import torch
 from infer import LLM, SamplingParams
 from infer.kernels.cpu import FusedLayer, FusedStack
 from infer.model.quantization import PackedLinear
+from drain import drain  # beside this script
 
 PARTS = ["scheduling", "metadata", "layers, one call", "projections", "fused dense", "attention", "output head",
          "sampling", "other"]
@@ -129,15 +130,6 @@ def prefill_case(llm: LLM, timers: Timers, batch: int, length: int, repeats: int
             parts[part] += value
         drain(engine)
     return totals / repeats, {part: value / repeats for part, value in parts.items()}
-
-
-def drain(engine) -> None:
-    for request_id in list(engine.requests):
-        engine.abort(request_id)
-    while engine.has_unfinished():
-        engine.step()
-    for request_id in list(engine.requests):
-        engine.release_request(request_id)
 
 
 def row(label: str, total: float, parts: dict, tokens: int) -> str:

@@ -44,9 +44,9 @@ def decode_case(overrides: list[str], batch: int, tokens: int) -> dict:
             engine.add_request(prompt, SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True))
         while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in [*engine.waiting, *engine.running]):
             engine.step()
-        parallel = engine.tensor_parallel
-        comm_before = parallel.comm_time_s if parallel else 0.0
-        reduces_before = parallel.group.num_all_reduces if parallel else 0
+        parallel = engine.ranks
+        comm_before = parallel.comm_time_s
+        reduces_before = parallel.group.num_all_reduces if parallel.sharded else 0
         steps_before, busy_before = engine.stats.num_steps, engine.stats.busy_time_s
         start = time.perf_counter()
         while engine.has_unfinished():
@@ -54,10 +54,10 @@ def decode_case(overrides: list[str], batch: int, tokens: int) -> dict:
         wall = time.perf_counter() - start
         steps = engine.stats.num_steps - steps_before
         busy = engine.stats.busy_time_s - busy_before
-        comm = (parallel.comm_time_s - comm_before) if parallel else 0.0
+        comm = (parallel.comm_time_s - comm_before) if parallel.sharded else 0.0
         return {"batch": batch, "steps": steps, "step_ms": 1000 * wall / steps, "tok_per_s": batch * steps / wall,
                 "comm_share": comm / busy if busy else 0.0,
-                "all_reduces_per_step": ((parallel.group.num_all_reduces - reduces_before) / steps) if parallel
+                "all_reduces_per_step": ((parallel.group.num_all_reduces - reduces_before) / steps) if parallel.sharded
                 else 0.0,
                 "execution": engine.describe_execution(), "num_layers": engine.model.num_layers,
                 "hidden": engine.model.hidden_size}

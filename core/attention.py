@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -13,10 +13,23 @@ from pydantic import BaseModel, ConfigDict
 
 class AttentionConfig(BaseModel):
     """Config section ``attention``. Plugins subclass it to add their own keys. ``name: auto`` (the default) lets the
-    engine pick: ``cpu`` for float32 on a CPU with infer's kernels, else ``sdpa`` (``infer.execution.paths``)."""
+    engine pick: the registered backend whose ``auto_priority`` is highest where the model runs (the built-ins:
+    ``cpu`` for float32 on a CPU with infer's kernels, else ``sdpa``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionEnvironment:
+    """What the engine knows, before it builds the attention backend, of where and how the model runs: what
+    ``AttentionBackend.auto_priority`` and ``resolve_config`` decide from."""
+
+    device: torch.device
+    dtype: torch.dtype  # the activations' dtype
+    quantization: str = "none"  # the weights' packing (``model.quantization`` resolved): "none", "fp16", "bf16", ...
+    cpu_kernels: bool = False  # infer's C kernels are built and run this model's small ops (``infer.kernels.cpu``)
+    float_gemms: bool = False  # bf16 weights' large steps multiply on float32 FMAs (``execution.large_gemm``)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -119,14 +132,23 @@ class AttentionBackend(ABC):
     """
 
     config_model: ClassVar[type[AttentionConfig]] = AttentionConfig
-    # True only for a backend whose attention is exactly infer's C paged attention over this pool layout (the
-    # built-in ``cpu``): the execution layer may then compute it inside a fused stack of layers (one C call for all
-    # layers of a step of a few tokens) instead of calling ``forward``. Every other backend keeps False and always
-    # sees ``forward``.
-    fused_cpu_attention: ClassVar[bool] = False
     # True for a backend that attends draft trees' leaves as ``AttentionMetadata.own_keys`` says; the engine drafts
     # chains only (a tree's spine) for every other.
     draft_trees: ClassVar[bool] = False
+
+    @classmethod
+    def auto_priority(cls, environment: AttentionEnvironment) -> int | None:
+        """How strongly ``attention.name: auto`` wants this backend in ``environment``: the registered backend with
+        the highest number is built (ties: the first name in order); None (the default) means never by ``auto``.
+        The built-ins: ``sdpa`` 1 everywhere, ``cpu`` 2 for float32 on a CPU with infer's kernels. Called before any
+        backend is built, so it must not raise."""
+        return None
+
+    @classmethod
+    def resolve_config(cls, config: AttentionConfig, environment: AttentionEnvironment) -> AttentionConfig:
+        """``config`` with this backend's ``auto`` settings resolved for ``environment`` (a new model: configs are
+        frozen). Called once before the backend is built; the default returns ``config`` unchanged."""
+        return config
 
     def __init__(
         self,
@@ -156,6 +178,10 @@ class AttentionBackend(ABC):
     def kv_cache_shape(self, num_layers: int, num_blocks: int) -> tuple[int, ...]:
         return (num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
+    def kv_bytes_per_token(self, num_layers: int) -> int:
+        """Bytes one token's K and V take in a pool of ``num_layers`` layers of this backend's heads."""
+        return 2 * num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.kv_dtype).bits // 8
+
     def allocate_kv_cache(self, num_layers: int, num_blocks: int) -> torch.Tensor:
         """A zeroed pool for ``num_layers`` layers of ``num_blocks`` blocks, in ``kv_dtype`` on the device."""
         return torch.zeros(self.kv_cache_shape(num_layers, num_blocks), dtype=self.kv_dtype, device=self.device)
@@ -163,6 +189,20 @@ class AttentionBackend(ABC):
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         """Called once per step before the layers run; backends may precompute per-step data here."""
         return metadata
+
+    def fused_attention(self, metadata: AttentionMetadata) -> Any:
+        """This step's attention as infer's CPU kernels compute it inside a fused stack of layers (an
+        ``infer.kernels.cpu.KernelAttentionStep``), or None, the default: this backend keeps attention to itself and
+        every layer calls ``forward``. Return one only when this backend's attention is exactly the kernels' paged
+        attention over the standard pool layout (the built-in ``cpu``'s is): the execution layer may then run a step
+        of a few tokens through all layers in one C call, attention included, without calling ``forward``.
+        ``metadata`` is what ``prepare`` returned; called at most once per step."""
+        return None
+
+    def describe(self) -> str:
+        """How this backend attends beyond its name, for ``infer run``'s summary of the execution (empty: nothing
+        worth saying)."""
+        return ""
 
     @abstractmethod
     def forward(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence as Sequence_
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
@@ -12,10 +13,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from infer.attention import AttentionBackend
-    from infer.execution.calibration import RowsCalibration
-    from infer.execution.paths import Executor, ForwardStep
-    from infer.execution.runner import StepOutput
+    from infer.attention import AttentionBackend, AttentionMetadata
+    from infer.outputs import StepOutput
     from infer.sequence import Sequence
 
 
@@ -85,6 +84,49 @@ def tree_depths(parents: list[int]) -> list[int]:
     return [index + 1 if index < spine else parent + 2 for index, parent in enumerate(parents)]
 
 
+@dataclass(slots=True)
+class RowsCalibration:
+    """How many query rows of one sequence a step computes for about the price of one (a verification of drafts):
+    ``free_rows``, the most rows whose step, and every smaller one's, measured at most ``ROW_MARGIN`` times a
+    one-row step (``infer.execution.calibration``); the milliseconds per row count it came from."""
+
+    free_rows: int
+    signature: str
+    times_ms: dict[int, float] = field(default_factory=dict)
+    cached: bool = False
+
+    def describe(self) -> str:
+        where = "cached" if self.cached else "measured now"
+        one = self.times_ms.get(1)
+        cells = ", ".join(f"{rows}: {ms / one:.2f}x" for rows, ms in sorted(self.times_ms.items())) if one else ""
+        return f"{self.free_rows} rows of a sequence for one decode step's time ({where}; {cells})"
+
+
+class LayerExecutor(Protocol):
+    """How layers run on the target's kernels and execution paths, as far as a drafter may use it (the execution
+    layer's executor is one; a drafter receives it as ``DrafterContext.executor`` and never builds one)."""
+
+    kernels: Any  # the ``infer.kernels.cpu.CpuKernels`` the target's steps run on, or None (torch's ops)
+    fused_max_tokens: int  # steps of up to this many tokens may run their layers in one C call
+
+    def step(self, rotary: Any, metadata: "AttentionMetadata", kv_cache: "torch.Tensor",
+             attention: "AttentionBackend", dtype: "torch.dtype") -> Any:
+        """The per-step object layers take (an ``infer.model.step.ForwardStep``) for ``metadata`` (already through
+        ``attention.prepare``) over ``kv_cache``."""
+
+    def prepare(self, module: "nn.Module") -> None:
+        """Prepare a decoder layer or a packed projection outside a model (a draft head's) for these kernels."""
+
+    def fuses(self, layers: Sequence_[Any], step: Any) -> bool:
+        """Whether this executor runs ``layers`` for ``step`` in one C call, attention included."""
+
+    def count_fused(self) -> None:
+        """Count a forward pass a drafter ran in one C call itself (a fused draft head) among the fused ones."""
+
+    def for_another(self, model: "nn.Module") -> "LayerExecutor":
+        """An executor with these kernels and paths for another model (a draft model), its weights prepared."""
+
+
 class TargetModel(Protocol):
     """What a drafter may use of the target model (``infer.model.LlamaForCausalLM`` is one): its shapes, its
     embedding, its decoder layers, its final norm and output head."""
@@ -95,13 +137,13 @@ class TargetModel(Protocol):
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rotary: Any  # the rotary embedding a ``ForwardStep`` is built with
+    rotary: Any  # the rotary embedding a step (``LayerExecutor.step``) is built with
     layers: Any  # the decoder layers, in order
     embed_tokens: "nn.Module"  # token ids [tokens] -> embeddings [tokens, hidden]
     norm: "nn.Module"
     lm_head: "nn.Module"  # ``lm_head.weight`` is float32 [vocab, hidden] even when the head is packed
 
-    def run_layers(self, hidden: "torch.Tensor", layers, step: "ForwardStep") -> "torch.Tensor":
+    def run_layers(self, hidden: "torch.Tensor", layers, step: Any) -> "torch.Tensor":
         """``layers`` over ``hidden`` [tokens, hidden], then the final norm."""
 
     def compute_logits(self, hidden: "torch.Tensor") -> "torch.Tensor":
@@ -114,9 +156,9 @@ class DrafterContext:
 
     ``target`` runs the target's parts; ``attention`` is the target's attention backend (a drafter layer with the
     target's shapes can use it as is) and ``executor`` runs layers on the target's kernels and execution paths
-    (``executor.step(rotary, attention.prepare(metadata), kv_cache, attention, dtype)`` gives the ``ForwardStep``
-    that layers take). Hidden states: a drafter that declares ``needs_hidden_states`` gets the target's final hidden
-    state of every token in ``observe``.
+    (``executor.step(rotary, attention.prepare(metadata), kv_cache, attention, dtype)`` gives the per-step object
+    layers take). Hidden states: a drafter that declares ``needs_hidden_states`` gets the target's final hidden
+    state of every token in ``observe``. The callables are the engine's, bound to this target.
     """
 
     target: TargetModel
@@ -126,40 +168,26 @@ class DrafterContext:
     device: "torch.device"
     block_size: int
     seed: int
-    quantization: str  # the target's weight packing (``infer.model.quantization``): "none", "fp16", "int8", ...
+    quantization: str  # the target's weight packing (``model.quantization`` resolved): "none", "fp16", "int8", ...
     attention: "AttentionBackend"
-    executor: "Executor"
-    recalibrate: bool = False  # ``execution.recalibrate``: measure again rather than read cached calibrations
-
-    def free_verify_rows(self) -> RowsCalibration:
-        """How many query rows of one sequence the target computes for about a decode step's time on this machine
-        (a verification of drafts is one row per draft plus one): measured once per machine and model, cached
-        (``infer.execution.calibration.calibrate_rows``)."""
-        from infer.execution.calibration import calibrate_rows
-
-        return calibrate_rows(self.target, self.attention, self.executor, self.quantization, self.device,
-                              self.dtype, self.recalibrate)
+    executor: LayerExecutor
+    # () -> RowsCalibration: how many query rows of one sequence the target computes for about a decode step's time
+    # on this machine (a verification of drafts is one row per draft plus one), measured once per machine and model
+    # and cached.
+    free_verify_rows: Callable[[], RowsCalibration]
+    # (module, mode=None) -> module: ``module``'s linear layers packed as the target's are, or as ``mode`` (a
+    # ``model.quantization`` value) says, in place; a model's output-head weight stays beside its packed copy.
+    quantize: Callable[..., "nn.Module"]
+    # (weight, mode=None) -> module: ``x @ weight.T`` as a module packed as the target's weights are, or as ``mode``.
+    projection: Callable[..., "nn.Module"]
+    # (path) -> (model, tokenizer): another model of the target's dtype and device, loaded as the target was.
+    load_model: Callable[[str], tuple[Any, Any]]
 
     def build_attention(self, num_heads: int, num_kv_heads: int, head_dim: int) -> "AttentionBackend":
         """An attention backend of the target's kind and block size for layers of other shapes (a draft model)."""
         return type(self.attention)(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                     block_size=self.block_size, dtype=self.dtype, device=self.device,
                                     config=self.attention.config)
-
-    def quantize(self, module: "nn.Module", mode: str | None = None) -> "nn.Module":
-        """Pack ``module``'s linear layers as the target's are, or as ``mode`` (an ``infer.model.quantization`` mode) says
-        (in place; returns it). A model's output-head weight stays beside its packed copy, as the target's does."""
-        from infer.model.quantization import quantize_linears
-
-        head = getattr(module, "lm_head", None)
-        shared = frozenset({id(head.weight)}) if head is not None else frozenset()
-        return quantize_linears(module, mode or self.quantization, shared)
-
-    def projection(self, weight: "torch.Tensor", mode: str | None = None) -> "nn.Module":
-        """``x @ weight.T`` as a module packed as the target's weights are, or as ``mode`` says."""
-        from infer.model.quantization import projection
-
-        return projection(weight, mode or self.quantization)
 
 
 class Drafter(ABC):

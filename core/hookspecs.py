@@ -11,6 +11,20 @@ callback: ``register(name, target, config=None, description="")`` where ``target
 the component's config section (default: the class's ``config_model``). The class must subclass the kind's contract:
 ``infer.allocator.Allocator``, ``infer.prefix_cache.PrefixCache``, ``infer.scheduler.Scheduler``,
 ``infer.attention.AttentionBackend``, ``infer.drafter.Drafter`` or ``infer.guide.Guide``.
+
+Plugin API version: declare the version of these hooks and contracts your package is written to, as
+``INFER_PLUGIN_API = 2`` in the entry-point module or in a package above it (``my_dist/__init__.py``); a package that
+declares none is version 1. ``infer.PLUGIN_API_VERSION`` is the newest version this infer loads: it refuses a plugin
+that declares a newer one, in one line saying to upgrade infer, and ``infer plugins`` shows each plugin's version.
+Version 2 changed two contracts; code written to version 1 keeps working, with a ``DeprecationWarning``, until
+version 3 drops it:
+
+- a drafter is built as ``cls(config, context)`` (an ``infer.drafter.DrafterContext``): declare
+  ``__init__(self, config=None, context=None)`` and call ``super().__init__(config, context)``. A drafter whose
+  ``__init__`` takes only ``config`` is built as ``cls(config)``.
+- the observer hooks ``engine_started``, ``step_finished`` and ``request_finished`` receive records (``stats``,
+  ``config``, ``step_stats``, ``output``) instead of the engine; an implementation that names ``engine`` still gets
+  it. An implementation that names an argument its hook does not pass is refused when it is loaded.
 """
 
 from __future__ import annotations
@@ -58,17 +72,22 @@ def register_commands(cli):
 
 
 @hookspec
-def engine_started(engine):
-    """Observer: the engine has loaded the model and sized the KV pool. ``engine.stats`` and ``engine.config`` are
-    available."""
+def engine_started(stats, config, engine):
+    """Observer: the engine has loaded the model and sized the KV pool. ``stats`` is the engine's running totals
+    (``infer.outputs.EngineStats``, updated in place as it runs) and ``config`` the resolved ``InferConfig``.
+
+    ``engine`` (the whole engine) is deprecated: observers receive records, not the engine. An implementation that
+    still names it gets it, with a ``DeprecationWarning`` when it is registered; plugin API version 3 drops it."""
 
 
 @hookspec
-def step_finished(engine, step_stats):
-    """Observer: one engine step finished. ``step_stats`` holds the step's counts and timing (see
-    ``infer.engine.engine.StepStats``). Keep it cheap: it runs every step."""
+def step_finished(step_stats, engine):
+    """Observer: one engine step finished. ``step_stats`` holds the step's counts and timing
+    (``infer.outputs.StepStats``). Keep it cheap: it runs every step. ``engine`` is deprecated (see
+    ``engine_started``)."""
 
 
 @hookspec
-def request_finished(engine, output):
-    """Observer: a request finished (``output`` is the ``infer.outputs.RequestOutput`` returned to the caller)."""
+def request_finished(output, engine):
+    """Observer: a request finished (``output`` is the ``infer.outputs.RequestOutput`` returned to the caller).
+    ``engine`` is deprecated (see ``engine_started``)."""

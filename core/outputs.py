@@ -1,8 +1,17 @@
-"""What the engine hands back for a request."""
+"""What the engine hands back: a request's output, the step and engine statistics observers receive, and one step's
+model output (``StepOutput``) that a drafter observes."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from infer.scheduler import StepShape
+
+if TYPE_CHECKING:
+    from infer.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -84,3 +93,85 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason if self.outputs else "error"
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One step's counts and timing (the ``step_finished`` hook receives it)."""
+
+    num_seqs: int = 0
+    num_batched_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0  # one per decoding sequence plus its drafts (``shape``'s)
+    num_draft_tokens: int = 0  # drafts proposed in this step, for the next one to verify
+    num_preempted: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    duration_s: float = 0.0
+    shape: StepShape = field(default_factory=StepShape)  # what the step computed (``infer.scheduler.StepShape``)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Totals since start: what ``infer run``'s and ``infer bench``'s summaries and the server's ``/metrics`` report
+    (``infer.engine.metrics.ENGINE_COUNTERS`` names the exported ones)."""
+
+    num_steps: int = 0
+    num_requests_finished: int = 0
+    num_requests_aborted: int = 0  # finished by an abort (a client gone, the server shutting down)
+    sequences_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> sequences
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_prefill_tokens_computed: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    peak_blocks_used: int = 0
+    peak_running: int = 0
+    num_verify_passes: int = 0
+    num_accepted_tokens: int = 0
+    num_draft_tokens: int = 0
+    busy_time_s: float = 0.0
+    # Time-weighted sums for KV utilization: token slots holding real tokens / slots reserved by running sequences.
+    weighted_used_slots: float = 0.0
+    weighted_reserved_slots: float = 0.0
+    weighted_running: float = 0.0
+
+    @property
+    def kv_utilization(self) -> float:
+        return self.weighted_used_slots / self.weighted_reserved_slots if self.weighted_reserved_slots else 0.0
+
+    @property
+    def mean_running(self) -> float:
+        return self.weighted_running / self.busy_time_s if self.busy_time_s else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    @property
+    def mean_accepted_per_pass(self) -> float:
+        """Tokens committed per verify pass (bonus token included)."""
+        return self.num_accepted_tokens / self.num_verify_passes if self.num_verify_passes else 0.0
+
+
+@dataclass(slots=True)
+class BatchRows:
+    """Which logits rows belong to which sequence: ``seq``'s rows are ``start .. start + count - 1`` and predict the
+    tokens at positions ``first_position .. first_position + count - 1``."""
+
+    seq: Sequence
+    start: int
+    count: int
+    first_position: int
+
+
+@dataclass(slots=True)
+class StepOutput:
+    logits: torch.Tensor  # [num_rows, vocab] float32
+    rows: list[BatchRows]
+    # When a drafter needs them: the final hidden state of every token of the step, [num_tokens, hidden], and where
+    # each scheduled sequence's tokens sit in it (``token_rows``; there ``first_position`` is the position of the
+    # span's first token itself, not of a predicted one).
+    hidden_states: torch.Tensor | None = None
+    token_rows: list[BatchRows] | None = None

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer import LLM, SamplingParams, cpu_kernels
+from infer import LLM, SamplingParams
+from infer.kernels import cpu as cpu_kernels
 
 MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 24

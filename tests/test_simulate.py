@@ -179,7 +179,7 @@ def test_cli_simulates_on_a_roofline_and_explains_a_missing_fit(tmp_path):
 # (the default suite ran 17 min in a clean-clone .ci/run there)
 @pytest.mark.slow
 def test_fit_on_real_steps_then_simulate_with_it(tmp_path):
-    from infer.simulate.cli import fit_cost_model
+    from infer.cli.simulate import fit_cost_model
 
     config = load_config("baseline", ["model.max_model_len=512", f"simulate.cost_file={tmp_path / 'fit.json'}"])
     cost = fit_cost_model(config, show_progress=False, workloads=[

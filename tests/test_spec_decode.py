@@ -266,7 +266,7 @@ def test_an_accepted_leaf_moves_its_kv_and_its_hidden_state_to_its_position():
     slot to its position's, and ``after_step`` puts its hidden state in the row a drafter reads for that position."""
     from types import SimpleNamespace
 
-    from infer.execution.runner import BatchRows, StepOutput
+    from infer.outputs import BatchRows, StepOutput
     from infer.sequence import Sequence
     from infer.engine.spec_decode import SpeculativeDecoder
 
@@ -574,7 +574,7 @@ def test_self_written_prompts_continue_the_user_turn_and_keep_distinct_finished_
 
 def test_feature_recorder_keeps_each_position_once_and_overwrites_after_preemption():
     from infer.plugins.drafters.eagle.training import FeatureRecorder
-    from infer.execution.runner import BatchRows, StepOutput
+    from infer.outputs import BatchRows, StepOutput
     from infer.sequence import Sequence
 
     seq = Sequence(seq_id="r/0", prompt_token_ids=[1, 2, 3, 4], params=SamplingParams(max_tokens=4))

@@ -89,7 +89,7 @@ def test_two_ranks_match_hf_greedy_with_chunked_prefill_preemption_prefix_hits_a
         assert [list(o.outputs[0].token_ids) for o in outputs] == references
         assert stats.num_preemptions > 0 and stats.num_cached_prompt_tokens > 0 and stats.num_draft_tokens > 0
         assert llm.engine.executor.counts["fused-stack"] == llm.engine.executor.counts["fused-layers"] == 0
-        parallel = llm.engine.tensor_parallel
+        parallel = llm.engine.ranks
         assert parallel.group.num_all_reduces == 2 * llm.engine.model.num_layers * parallel_forwards(llm.engine)
         assert len(llm.engine.pool_plan.rank_bytes_per_token) == 2
         processes = list(parallel.processes.values())
@@ -118,7 +118,7 @@ def test_a_rank_started_as_its_own_command_joins_over_loopback(tmp_path, hf_mode
     try:
         chats = conversations(CHATS[:2])
         with LLM("baseline", dotlist=[*overrides, "parallel.local_ranks=1"]) as llm:
-            assert llm.engine.tensor_parallel.processes == {}
+            assert llm.engine.ranks.processes == {}
             outputs = llm.generate(chats, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
         assert worker.wait(timeout=60) == 0, log.read_text()[-2000:]
     finally:
@@ -130,7 +130,7 @@ def test_a_rank_started_as_its_own_command_joins_over_loopback(tmp_path, hf_mode
 def test_a_rank_killed_mid_run_fails_the_engine_clearly_and_the_others_exit():
     llm = LLM("baseline", parallel__tensor_parallel_size=3, cache__num_blocks=64, **BASE)
     engine = llm.engine
-    processes = engine.tensor_parallel.processes
+    processes = engine.ranks.processes
     engine.add_request("Once upon a time", SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
     for _ in range(5):
         engine.step()

@@ -211,7 +211,8 @@ def run_combination(ablation: Ablation, combination: dict[str, Any]) -> dict[str
     options = ablation.workload_options(combination)
     config = load_config(ablation.base_config, ablation.config_overrides(combination))
     if ablation.mode == "simulate":
-        from infer.simulate.engine import SimulatedEngine, simulate_workload
+        from infer.bench.runner import simulate_workload
+        from infer.simulate.engine import SimulatedEngine
 
         engine = SimulatedEngine(config)
         summary = simulate_workload(engine, build_workload(options.pop("name"), engine.tokenizer, **options))

@@ -19,9 +19,9 @@ from infer.registry import KINDS, PluginError, PluginSpec, Registry, get_registr
 
 # Commands whose modules other parts of infer provide, imported on use: name -> ("module:command", short help).
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("infer.bench.cli:bench", "Measure throughput and latency of a config on a workload."),
-    "ablate": ("infer.bench.cli:ablate", "Benchmark one config per plugin choice and compare them."),
-    "simulate": ("infer.simulate.cli:simulate", "Run a config's scheduling and caching over a workload on a cost "
+    "bench": ("infer.cli.bench:bench", "Measure throughput and latency of a config on a workload."),
+    "ablate": ("infer.cli.bench:ablate", "Benchmark one config per plugin choice and compare them."),
+    "simulate": ("infer.cli.simulate:simulate", "Run a config's scheduling and caching over a workload on a cost "
                                                 "model (no model forward)."),
     "serve": ("infer.serve.cli:serve", "Serve an OpenAI-compatible HTTP API (--data-parallel-size N: N replicas "
                                        "behind a router)."),
@@ -160,7 +160,8 @@ def config_cli(config: str | None, overrides: tuple[str, ...], print_config: boo
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.pass_context
 def plugins_cli(ctx: click.Context, as_json: bool) -> None:
-    """List the implementations of each plugin kind and the distribution that provides each."""
+    """List the implementations of each plugin kind, the distribution that provides each and the plugin API version
+    it is written to."""
     if ctx.invoked_subcommand is not None:
         return
     registry = get_registry()
@@ -183,7 +184,7 @@ def plugins_listing(registry: Registry) -> dict[str, Any]:
     """Every registration and every plugin module that failed to load, as JSON-compatible data."""
     plugins = [
         {"kind": spec.kind, "name": spec.name, "distribution": spec.distribution, "version": spec.version,
-         "description": spec.description, "target": _path_of(spec.target)}
+         "plugin_api": spec.plugin_api, "description": spec.description, "target": _path_of(spec.target)}
         for kind in KINDS for spec in registry.specs(kind)
     ]
     failed = [{"plugin": b.plugin, "distribution": b.distribution, "version": b.version, "error": b.error}
@@ -192,15 +193,16 @@ def plugins_listing(registry: Registry) -> dict[str, Any]:
 
 
 def format_plugins(registry: Registry) -> str:
-    """The ``infer plugins`` table: each kind, then one aligned row per implementation."""
+    """The ``infer plugins`` table: each kind, then one aligned row per implementation (its name, its distribution,
+    the plugin API version it declares, its description)."""
     specs = [spec for kind in KINDS for spec in registry.specs(kind)]
     name_width = max((len(spec.name) for spec in specs), default=0)
     provider_width = max((len(_provider(spec)) for spec in specs), default=0)
     lines = []
     for kind in KINDS:
         lines.append(kind)
-        lines.extend(f"  {spec.name:<{name_width}}  {_provider(spec):<{provider_width}}  {spec.description}".rstrip()
-                     for spec in registry.specs(kind))
+        lines.extend(f"  {spec.name:<{name_width}}  {_provider(spec):<{provider_width}}  API {spec.plugin_api}  "
+                     f"{spec.description}".rstrip() for spec in registry.specs(kind))
         if not registry.names(kind):
             lines.append("  (none)")
     if registry.broken:

@@ -19,13 +19,14 @@ from infer.drafter import Drafter, DrafterContext
 from infer.execution.paths import build_model_stack
 from infer.guide import GuideError, TokenizerInfo, constrain_logits
 from infer.kv_cache_manager import KVCacheManager
-from infer.execution.kv_pool import free_device_memory, kv_bytes_per_token, plan_kv_pool
+from infer.execution.kv_pool import free_device_memory, plan_kv_pool
 from infer.execution.memory import measure_peak_bytes
-from infer.engine.tensor_parallel import TensorParallel
-from infer.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from infer.execution.runner import ModelRunner, StepOutput
+from infer.engine.tensor_parallel import SingleProcess, TensorParallel
+from infer.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepOutput, StepStats
+from infer.execution.runner import ModelRunner
 from infer.model.quantization import model_weight_bytes
 from infer.engine.sampler import Sampler, SampleRequest
+from infer.plugin_api import build_drafter
 from infer.sampling_params import SamplingParams
 from infer.scheduler import SchedulerView, StepPlan, StepShape
 from infer.sequence import Sequence, SequenceQueues, SequenceStatus
@@ -40,66 +41,6 @@ class RequestError(ValueError):
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
-
-
-@dataclass(slots=True)
-class StepStats:
-    """One step's counts and timing (the ``step_finished`` hook receives it)."""
-
-    num_seqs: int = 0
-    num_batched_tokens: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0  # one per decoding sequence plus its drafts (``shape``'s)
-    num_draft_tokens: int = 0  # drafts proposed in this step, for the next one to verify
-    num_preempted: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_used: int = 0
-    duration_s: float = 0.0
-    shape: StepShape = field(default_factory=StepShape)  # what the step computed (``infer.scheduler.StepShape``)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Totals since start: what ``infer run``'s and ``infer bench``'s summaries and the server's ``/metrics`` report
-    (``infer.engine.metrics.ENGINE_COUNTERS`` names the exported ones)."""
-
-    num_steps: int = 0
-    num_requests_finished: int = 0
-    num_requests_aborted: int = 0  # finished by an abort (a client gone, the server shutting down)
-    sequences_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> sequences
-    num_prompt_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
-    num_prefill_tokens_computed: int = 0
-    num_output_tokens: int = 0
-    num_preemptions: int = 0
-    peak_blocks_used: int = 0
-    peak_running: int = 0
-    num_verify_passes: int = 0
-    num_accepted_tokens: int = 0
-    num_draft_tokens: int = 0
-    busy_time_s: float = 0.0
-    # Time-weighted sums for KV utilization: token slots holding real tokens / slots reserved by running sequences.
-    weighted_used_slots: float = 0.0
-    weighted_reserved_slots: float = 0.0
-    weighted_running: float = 0.0
-
-    @property
-    def kv_utilization(self) -> float:
-        return self.weighted_used_slots / self.weighted_reserved_slots if self.weighted_reserved_slots else 0.0
-
-    @property
-    def mean_running(self) -> float:
-        return self.weighted_running / self.busy_time_s if self.busy_time_s else 0.0
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
-
-    @property
-    def mean_accepted_per_pass(self) -> float:
-        """Tokens committed per verify pass (bonus token included)."""
-        return self.num_accepted_tokens / self.num_verify_passes if self.num_verify_passes else 0.0
 
 
 def request_metrics(request: Request) -> RequestMetrics:
@@ -148,18 +89,18 @@ class Engine:
         torch.manual_seed(config.model.seed)
         self._rng = random.Random(config.model.seed)
         # Sharded over ranks (``infer.distributed``): the others start loading their shards while this one loads.
-        self.tensor_parallel = self._launch_tensor_parallel() if config.parallel.tensor_parallel_size > 1 else None
+        self.ranks = self._launch_tensor_parallel() if config.parallel.tensor_parallel_size > 1 else SingleProcess()
         try:
             self._build(config, load_model(config.model.path, self.dtype, self.device))
         except BaseException:
             self.close()
             raise
         logger.info(self.pool_plan.describe())
-        self.registry.hook.engine_started(engine=self)
+        self.registry.hook.engine_started(stats=self.stats, config=self.config, engine=self)
 
     def _build(self, config, loaded) -> None:
         stack = build_model_stack(self.registry, config, loaded.model, self.device, self.dtype,
-                                  shard=None if self.tensor_parallel is None else self.tensor_parallel.shard)
+                                  shard=self.ranks.shard if self.ranks.sharded else None)
         self.model, self.quantization, self.executor = stack.model, stack.quantization, stack.executor
         self.attention_name, self.attention = stack.attention_name, stack.attention
         self.calibration = stack.calibration
@@ -171,15 +112,13 @@ class Engine:
         self.model_name = loaded.name
         self.max_model_len = config.model.max_model_len
         self._check_max_model_len(loaded)
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.connect()
+        self.ranks.connect()
         # Before sizing the pool: a drafter with its own KV takes its share of the budget.
-        drafter = self._plugin("drafter")(config.drafter, self.drafter_context())
+        drafter = build_drafter(self._plugin("drafter"), config.drafter, self.drafter_context())
         self.pool_plan = self._size_pool(drafter)
         self.executor.counts.clear()  # the pool-sizing pass above is no step
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.group.reset_counters()
-            self.tensor_parallel.send_pool(self.pool_plan.num_blocks)
+        self.ranks.reset_counters()
+        self.ranks.send_pool(self.pool_plan.num_blocks)
         self.kv_cache = self.attention.allocate_kv_cache(self.model.num_layers, self.pool_plan.num_blocks)
         if drafter.kv_bytes_per_token():
             drafter.allocate_kv_cache(self.pool_plan.num_blocks)
@@ -190,8 +129,8 @@ class Engine:
                               jump_forward=config.guide.jump_forward and config.guide.name != "none")
         self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device, self.executor,
                                   self.pool_plan.num_blocks, f"allocator {config.allocator.name!r} or prefix cache "
-                                                             f"{config.prefix_cache.name!r}", self.tensor_parallel)
-        if self.attention.draft_trees and self.tensor_parallel is None:  # other ranks' pools would not follow a move
+                                                             f"{config.prefix_cache.name!r}", self.ranks)
+        if self.attention.draft_trees and not self.ranks.sharded:  # other ranks' pools would not follow a move
             self.speculation.move_kv = self.runner.move_kv
         self.sampler = Sampler()
 
@@ -211,20 +150,41 @@ class Engine:
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (idempotent; nothing to do in one process). Steps fail after."""
-        parallel = getattr(self, "tensor_parallel", None)
-        if parallel is not None:
-            parallel.close()
+        ranks = getattr(self, "ranks", None)
+        if ranks is not None:
+            ranks.close()
 
     # -- construction ------------------------------------------------------------------------------------------
     def _plugin(self, kind: str):
         return self.registry.load(kind, getattr(self.config, kind).name)
 
     def drafter_context(self) -> DrafterContext:
-        """What a drafter may use of this engine (``infer.drafter.DrafterContext``)."""
-        return DrafterContext(target=self.model, model_name=self.model_name, tokenizer=self.tokenizer,
-                              dtype=self.dtype, device=self.device, block_size=self.attention.block_size,
-                              seed=self.config.model.seed, quantization=self.quantization, attention=self.attention,
-                              executor=self.executor, recalibrate=self.config.execution.recalibrate)
+        """What a drafter may use of this engine (``infer.drafter.DrafterContext``): its parts and callables bound
+        to this target."""
+        from infer.execution.calibration import calibrate_rows
+        from infer.model.loader import load_model
+        from infer.model.quantization import projection, quantize_linears
+
+        model, attention, executor, quantization = self.model, self.attention, self.executor, self.quantization
+        recalibrate = self.config.execution.recalibrate
+
+        def quantize(module, mode=None):
+            head = getattr(module, "lm_head", None)
+            shared = frozenset({id(head.weight)}) if head is not None else frozenset()
+            return quantize_linears(module, mode or quantization, shared)
+
+        def load(path):
+            loaded = load_model(path, self.dtype, self.device)
+            return loaded.model, loaded.tokenizer
+
+        return DrafterContext(
+            target=model, model_name=self.model_name, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
+            block_size=attention.block_size, seed=self.config.model.seed, quantization=quantization,
+            attention=attention, executor=executor,
+            free_verify_rows=lambda: calibrate_rows(model, attention, executor, quantization, self.device,
+                                                    self.dtype, recalibrate),
+            quantize=quantize, projection=lambda weight, mode=None: projection(weight, mode or quantization),
+            load_model=load)
 
     def _init_scheduling(self, num_blocks: int, drafter: Drafter, jump_forward: bool = False) -> None:
         """The allocator, prefix cache and scheduler plugins over a pool of ``num_blocks``, the queues, the counters
@@ -268,12 +228,9 @@ class Engine:
         dtypes = f"{name(self.dtype)}{weights}{kv}"
         paths = " > ".join(path.name for path in self.executor.paths)
         chosen = f"{self.attention_name} (auto)" if self.config.attention.name == "auto" else self.attention_name
-        prefill = getattr(self.attention, "prefill_kernel", None)  # the cpu backend's bf16 prefill chunks
-        how = (" (float32 FMAs)" if getattr(self.attention, "prefill_fma", False)
-               else " (AMX tiles)" if getattr(self.attention, "prefill_tiles", False) else "")
-        chosen += f", bf16 prefill on {prefill}'s flash attention{how}" if prefill else ""
-        chosen += ", bf16 decode on the dot products" if getattr(self.attention, "decode_dots", False) else ""
-        parallel = "" if self.tensor_parallel is None else f"; {self.tensor_parallel.describe()}"
+        how = self.attention.describe()
+        chosen += f", {how}" if how else ""
+        parallel = f"; {self.ranks.describe()}" if self.ranks.sharded else ""
         fused = (self.calibration.describe() if self.calibration is not None
                  else f"fused up to {self.executor.fused_max_tokens} tokens")
         gemm = "" if self.executor.gemm is None else f"; {self.executor.gemm.describe()}"
@@ -294,14 +251,8 @@ class Engine:
         table addresses them all) over its own KV heads, and the budget covers the ranks on this host: their KV bytes
         per token, weights and activations (rank 0's times the ranks, an estimate) together."""
         cache, model = self.config.cache, self.model
-        if self.tensor_parallel is None:
-            rank_bytes = [kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
-                                             self.attention.kv_dtype)]
-            local_ranks = 1
-        else:
-            rank_bytes = self.tensor_parallel.kv_bytes_per_token(model.num_layers, model.head_dim,
-                                                                 self.attention.kv_dtype)
-            local_ranks = self.tensor_parallel.local_ranks
+        rank_bytes = self.ranks.kv_bytes_per_token(self.attention, model.num_layers)
+        local_ranks = self.ranks.local_ranks
         bytes_per_token = sum(rank_bytes[:local_ranks]) + drafter.kv_bytes_per_token()
         weight_bytes = model_weight_bytes(model) * local_ranks
         activation_bytes = 0 if cache.num_blocks is not None else self._profile_activations() * local_ranks
@@ -309,7 +260,7 @@ class Engine:
             budget_bytes=cache.budget_bytes(free_device_memory(self.device) + weight_bytes),
             weight_bytes=weight_bytes, activation_bytes=activation_bytes, bytes_per_token=bytes_per_token,
             block_size=cache.block_size, max_model_len=self.max_model_len, num_blocks_override=cache.num_blocks,
-            rank_bytes_per_token=tuple(rank_bytes) if self.tensor_parallel is not None else ())
+            rank_bytes_per_token=tuple(rank_bytes) if self.ranks.sharded else ())
 
     def _profile_activations(self) -> int:
         """Peak memory of one worst-case step (a full token budget split over max_num_seqs sequences, plus their
@@ -321,10 +272,9 @@ class Engine:
         lengths = [n for n in lengths if n > 0]
         num_blocks = sum(-(-n // block_size) for n in lengths) + 1
         scratch = self.attention.allocate_kv_cache(self.model.num_layers, num_blocks)
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.send_pool(num_blocks)
+        self.ranks.send_pool(num_blocks)
         runner = ModelRunner(self.model, self.attention, scratch, self.device, self.executor,
-                             tensor_parallel=self.tensor_parallel)
+                             ranks=self.ranks)
         seqs, next_block = [], 1
         for i, n in enumerate(lengths):
             seq = Sequence(seq_id=f"profile-{i}", prompt_token_ids=[0] * n, params=SamplingParams())
@@ -639,7 +589,7 @@ class Engine:
             self.stats.num_requests_finished += 1
             self.stats.num_requests_aborted += request.aborted
             self.kv.release_fork_pin(request.seqs[0])
-            self.registry.hook.request_finished(engine=self, output=self._request_output(request))
+            self.registry.hook.request_finished(output=self._request_output(request), engine=self)
 
     def _refuse_unschedulable(self) -> list[Request]:
         """Nothing runs and nothing could be admitted: fail the head request rather than spin forever."""
@@ -674,7 +624,7 @@ class Engine:
                              num_preempted=len(plan.preempted), num_running=len(self.running),
                              num_waiting=len(self.waiting), kv_blocks_used=used_blocks, duration_s=duration,
                              shape=shape)
-            self.registry.hook.step_finished(engine=self, step_stats=step)
+            self.registry.hook.step_finished(step_stats=step, engine=self)
 
     # -- outputs -----------------------------------------------------------------------------------------------
     def _request_output(self, request: Request) -> RequestOutput:

@@ -29,11 +29,12 @@ import torch
 
 from infer.drafter import Drafter, DrafterConfig, spine_length, tree_depths
 from infer.kv_cache_manager import KVCacheManager
-from infer.engine.sampler import SampleRequest, apply_filters, position_generator, sample_row
+from infer.engine.sampler import SampleRequest
+from infer.sampling import apply_filters, position_generator, sample_row
 from infer.sequence import Sequence
 
 if TYPE_CHECKING:
-    from infer.execution.runner import BatchRows, StepOutput
+    from infer.outputs import BatchRows, StepOutput
 
 # Keeps the acceptance draw independent of the token draw at the same (seed, position).
 _ACCEPT_SALT = 0x5DEECE66D

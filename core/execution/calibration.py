@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from infer.drafter import RowsCalibration
+
 logger = logging.getLogger("infer.execution")
 
 CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -336,24 +338,6 @@ ROW_MARGIN = 1.05
 # must not stand alone (on the Zen 4 EPYC 7 passes once had one row at 7.66 ms and three at 8.07, 1.05x: two free
 # rows; three calibrations after it had one row at 8.88-9.34 and four at 1.00-1.03x of it: four).
 ROW_REPEATS = 2 * REPEATS
-
-
-@dataclass(slots=True)
-class RowsCalibration:
-    """How many query rows of one sequence a step computes for about the price of one (a verification of drafts):
-    ``free_rows``, the most rows whose step, and every smaller one's, measured at most ``ROW_MARGIN`` times a
-    one-row step; the milliseconds per row count it came from."""
-
-    free_rows: int
-    signature: str
-    times_ms: dict[int, float] = field(default_factory=dict)
-    cached: bool = False
-
-    def describe(self) -> str:
-        where = "cached" if self.cached else "measured now"
-        one = self.times_ms.get(1)
-        cells = ", ".join(f"{rows}: {ms / one:.2f}x" for rows, ms in sorted(self.times_ms.items())) if one else ""
-        return f"{self.free_rows} rows of a sequence for one decode step's time ({where}; {cells})"
 
 
 def free_rows(times_ms: dict[int, float], margin: float = ROW_MARGIN) -> int:

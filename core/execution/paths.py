@@ -1,13 +1,13 @@
 """The execution layer: how one forward pass runs through the model's layers, decided in this one place.
 
-The runner builds one ``ForwardStep`` per step (the attention metadata its backend prepared, the pool, the backend,
+The runner builds one ``ExecutionStep`` per step (what the model's ``infer.model.step.ExecutionStep`` protocol asks) (the attention metadata its backend prepared, the pool, the backend,
 the small ops) and the layers read only that object: ``layer(hidden, residual, step)``. ``Executor.run_layers``
 asks its execution paths in order whether they accept the step and runs the first that does:
 
 - ``fused-stack``: all layers in one C call, attention included (``infer.kernels.cpu.FusedStack``). Needs the CPU
   kernels (float32 on a CPU), packed projections (``model.quantization`` fp16 or int8), at most ``fused_max_tokens``
-  tokens, and a backend that declares ``fused_cpu_attention`` (its attention is infer's C paged attention over the
-  standard pool, so the stack may compute it itself).
+  tokens, and a backend whose ``fused_attention`` describes the step's attention as the kernels compute it (its
+  attention is infer's C paged attention over the standard pool, so the stack may compute it itself).
 - ``fused-layers``: each layer's dense parts as two C calls around the backend's own ``forward`` (``FusedLayer``):
   the same conditions but the backend's.
 - ``torch``: layer by layer, op by op (``DecoderLayer.forward``); the small ops are the CPU kernels' where they run,
@@ -19,8 +19,8 @@ as fast (README, "CPU performance"; ``benchmarks/cpu_kernels.py --only steps``).
 and the reasons the earlier paths refused it are logged at debug level on ``infer.execution.paths``
 (``infer run --explain`` shows them and a count per path).
 
-``choose_attention`` resolves ``attention.name: auto`` the same way: ``cpu`` (infer's C kernels) for float32 on a
-CPU where they build, ``sdpa`` everywhere else.
+``choose_attention`` resolves ``attention.name: auto``: the registered backend whose ``auto_priority`` is highest
+where the model runs (``cpu``, infer's C kernels, for float32 on a CPU where they build; ``sdpa`` everywhere else).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from infer.attention import AttentionBackend, AttentionMetadata
+from infer.attention import AttentionBackend, AttentionEnvironment, AttentionMetadata
 from infer.execution.calibration import CANDIDATES as CALIBRATION_CANDIDATES
 from infer.execution.calibration import DEFAULT_FUSED_MAX_TOKENS, Calibration, GemmChoice, calibrate, choose_gemm
 from infer.kernels.cpu import FusedStack, KernelAttentionStep
@@ -49,17 +49,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger("infer.execution")
 
 PATH_NAMES = ("fused-stack", "fused-layers", "torch")
+_UNASKED = object()
 
 
 @dataclass(slots=True, eq=False)
-class ForwardStep:
-    """What every layer of one forward pass reads, passed explicitly (no global context)."""
+class ExecutionStep:
+    """What every layer of one forward pass reads (``infer.model.step.ExecutionStep``), passed explicitly (no global
+    context)."""
 
     metadata: AttentionMetadata  # what the backend's ``prepare`` returned
     kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     attention: AttentionBackend
     ops: StepOps
     executor: Executor
+    _fused_attention: object = _UNASKED  # the backend's ``fused_attention(metadata)``, asked once per step
 
     @property
     def positions(self) -> torch.Tensor:  # [T] int64
@@ -68,6 +71,13 @@ class ForwardStep:
     @property
     def num_tokens(self) -> int:
         return self.metadata.num_tokens
+
+    @property
+    def fused_attention(self) -> KernelAttentionStep | None:
+        """The step's attention as the CPU kernels compute it inside a fused stack, or None (the backend keeps it)."""
+        if self._fused_attention is _UNASKED:
+            self._fused_attention = self.attention.fused_attention(self.metadata)
+        return self._fused_attention
 
     def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The backend's attention for one layer: writes this step's K/V into the layer's pool, then attends."""
@@ -85,12 +95,12 @@ class ExecutionPath(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def refusal(self, layers: Sequence[DecoderLayer], step: ForwardStep) -> str | None:
+    def refusal(self, layers: Sequence[DecoderLayer], step: ExecutionStep) -> str | None:
         """Why this path cannot run ``step`` through ``layers``; None when it can."""
 
     @abstractmethod
     def run(self, layers: Sequence[DecoderLayer], hidden: torch.Tensor,
-            step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
+            step: ExecutionStep) -> tuple[torch.Tensor, torch.Tensor]:
         """``layers`` over embeddings ``hidden`` ``[T, hidden]``: the last layer's output and the residual stream."""
 
 
@@ -146,7 +156,7 @@ class FusedLayersPath(ExecutionPath):
 
 class FusedStackPath(FusedLayersPath):
     """Steps of up to ``max_tokens`` tokens: all layers in one C call, attention included (``FusedStack``), with a
-    backend that declares ``fused_cpu_attention``."""
+    backend whose ``fused_attention`` describes the step's attention."""
 
     name = "fused-stack"
 
@@ -156,7 +166,7 @@ class FusedStackPath(FusedLayersPath):
 
     def refusal(self, layers, step) -> str | None:
         reason = super().refusal(layers, step)
-        if reason is None and not type(step.attention).fused_cpu_attention:
+        if reason is None and step.fused_attention is None:
             reason = f"attention backend {type(step.attention).__name__} keeps attention to itself"
         return reason
 
@@ -166,10 +176,8 @@ class FusedStackPath(FusedLayersPath):
         if stack is None:
             stack = self._stacks[key] = FusedStack(step.ops.kernels, [layer.fused for layer in layers],
                                                    [layer.self_attn.layer_index for layer in layers])
-        rotary, attention = step.ops.rotary, step.attention
-        plan = KernelAttentionStep.from_metadata(step.metadata, attention.num_heads, attention.scale,
-                                                 getattr(attention, "decode_dots", False))
-        delta = stack.run(hidden, step.positions, rotary.cos, rotary.sin, step.kv_cache, plan)
+        rotary = step.ops.rotary
+        delta = stack.run(hidden, step.positions, rotary.cos, rotary.sin, step.kv_cache, step.fused_attention)
         return delta, hidden
 
 
@@ -240,16 +248,24 @@ class Executor:
             module.use_cpu_kernels(self.kernels, self.fused_max_tokens, self.float_gemms)
 
     def step(self, rotary: RotaryEmbedding, metadata: AttentionMetadata, kv_cache: torch.Tensor,
-             attention: AttentionBackend, dtype: torch.dtype) -> ForwardStep:
+             attention: AttentionBackend, dtype: torch.dtype) -> ExecutionStep:
         """The per-step object for ``metadata`` (already through ``attention.prepare``); the small ops run on the
         kernels for float32 on a CPU."""
         usable = self.kernels is not None and dtype == torch.float32 and metadata.positions.device.type == "cpu"
         large = self.bf16_gemm_inputs and metadata.num_tokens > self.fused_max_tokens
         ops = StepOps(rotary, metadata.positions, dtype, self.kernels if usable else None,
                       torch.bfloat16 if large else None)
-        return ForwardStep(metadata, kv_cache, attention, ops, self)
+        return ExecutionStep(metadata, kv_cache, attention, ops, self)
 
-    def choose(self, layers: Sequence[DecoderLayer], step: ForwardStep) -> ExecutionPath:
+    def fuses(self, layers: Sequence[DecoderLayer], step: ExecutionStep) -> bool:
+        """Whether ``step`` runs ``layers`` in one C call, attention included (the fused-stack path)."""
+        return self.choose(layers, step).name == FusedStackPath.name
+
+    def count_fused(self) -> None:
+        """Count a forward pass run in one C call outside the paths (a fused draft head) as the fused stack's."""
+        self.counts[FusedStackPath.name] += 1
+
+    def choose(self, layers: Sequence[DecoderLayer], step: ExecutionStep) -> ExecutionPath:
         """The first path that accepts ``step``; logs the choice and why the earlier ones refused."""
         refusals = []
         for path in self.paths:
@@ -264,7 +280,7 @@ class Executor:
         raise AssertionError("the torch path accepts every step")
 
     def run_layers(self, layers: Sequence[DecoderLayer], hidden: torch.Tensor,
-                   step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
+                   step: ExecutionStep) -> tuple[torch.Tensor, torch.Tensor]:
         path = self.choose(layers, step)
         self.counts[path.name] += 1
         return path.run(layers, hidden, step)
@@ -288,12 +304,25 @@ def _all_bf16_gemms(model: LlamaForCausalLM) -> bool:
         isinstance(module, PackedLinear) and module.mode == "bf16" for module in projections)
 
 
-def choose_attention(name: str, device: torch.device, dtype: torch.dtype, kernels: CpuKernels | None) -> str:
-    """The attention backend ``attention.name`` selects: ``auto`` is ``cpu`` (infer's C paged attention, which the
-    fused path can run inside its one call) for float32 on a CPU with the kernels built, else ``sdpa``."""
+def choose_attention(name: str, registry, environment: AttentionEnvironment) -> str:
+    """The attention backend ``attention.name`` selects: ``auto`` is the registered backend whose ``auto_priority``
+    is highest in ``environment`` (ties: the first name in order; a backend whose class cannot be imported is left
+    out)."""
     if name != "auto":
         return name
-    return "cpu" if device.type == "cpu" and dtype == torch.float32 and kernels is not None else "sdpa"
+    best, best_priority = None, None
+    for candidate in registry.names("attention"):
+        try:
+            priority = registry.load("attention", candidate).auto_priority(environment)
+        except Exception as error:  # a broken third-party backend must not stop auto from choosing another
+            logger.debug("attention backend %s left out of auto: %s", candidate, error)
+            continue
+        if priority is not None and (best_priority is None or priority > best_priority):
+            best, best_priority = candidate, priority
+    if best is None:
+        raise ValueError("attention.name=auto found no registered attention backend that runs here; name one "
+                         "(infer plugins lists them)")
+    return best
 
 
 def build_executor(model: LlamaForCausalLM, config, device: torch.device, dtype: torch.dtype,
@@ -318,29 +347,19 @@ def build_executor(model: LlamaForCausalLM, config, device: torch.device, dtype:
     return Executor.for_model(model, kernels, execution.paths, max_tokens, gemm)
 
 
-def build_attention(registry, config, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
-                    kernels: CpuKernels | None, quantization: str = "none",
-                    float_gemms: bool = False) -> tuple[str, AttentionBackend]:
+def build_attention(registry, config, model: LlamaForCausalLM, environment: AttentionEnvironment,
+                    ) -> tuple[str, AttentionBackend]:
     """The attention backend ``config.attention`` selects (``auto`` resolved by ``choose_attention``) over
-    ``model``'s heads (a tensor-parallel rank's: its own), and its name. A backend's ``prefill_dtype`` and
-    ``kv_dtype`` left to ``auto`` (the ``cpu`` backend's) resolve here: bfloat16 with bf16 weights (whose large steps
-    run at bf16 precision), else float32; its ``prefill_arithmetic`` to float32 where the projections' large steps
-    run on float32 FMAs (``float_gemms``: ``Executor.float_gemms``), else bf16; its ``decode_arithmetic`` to bf16
-    with bf16 weights whose prefill arithmetic is bf16, else float32."""
+    ``model``'s heads (a tensor-parallel rank's: its own), its ``auto`` settings resolved for ``environment`` by the
+    backend itself (``AttentionBackend.resolve_config``), and its name."""
     configured = config.attention
-    name = choose_attention(configured.name, device, dtype, kernels)
+    name = choose_attention(configured.name, registry, environment)
+    backend_class = registry.load("attention", name)
     settings = configured if name == configured.name else registry.config_model("attention", name)()
-    for key in ("prefill_dtype", "kv_dtype"):  # the cpu backend's
-        if getattr(settings, key, None) == "auto":
-            settings = settings.model_copy(update={key: "bfloat16" if quantization == "bf16" else "float32"})
-    if getattr(settings, "prefill_arithmetic", None) == "auto":
-        settings = settings.model_copy(update={"prefill_arithmetic": "float32" if float_gemms else "bf16"})
-    if getattr(settings, "decode_arithmetic", None) == "auto":
-        bf16 = quantization == "bf16" and settings.prefill_arithmetic == "bf16"
-        settings = settings.model_copy(update={"decode_arithmetic": "bf16" if bf16 else "float32"})
-    backend = registry.load("attention", name)(
+    settings = backend_class.resolve_config(settings, environment)
+    backend = backend_class(
         num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-        block_size=config.cache.block_size, dtype=dtype, device=device, config=settings)
+        block_size=config.cache.block_size, dtype=environment.dtype, device=environment.device, config=settings)
     return name, backend
 
 
@@ -367,8 +386,9 @@ def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.d
     quantization = resolve_quantization(config.model.quantization, config.model.dtype, dtype, device)
     model = quantize_model(model if shard is None else shard(model), quantization)
     executor = build_executor(model, config, device, dtype, quantization)
-    name, attention = build_attention(registry, config, model, device, dtype, executor.kernels, quantization,
-                                      executor.float_gemms)
+    environment = AttentionEnvironment(device, dtype, quantization, executor.kernels is not None,
+                                       executor.float_gemms)
+    name, attention = build_attention(registry, config, model, environment)
     calibration = None
     if config.execution.fused_max_tokens == "auto" and executor.kernels is not None:
         if shard is None:

@@ -3,36 +3,14 @@ the execution layer (``infer.execution.paths``), returns the logits rows needed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
 from infer.attention import AttentionBackend, AttentionMetadata
 from infer.drafter import tree_depths
 from infer.execution.paths import Executor
+from infer.outputs import BatchRows, StepOutput
 from infer.sequence import Sequence
-
-
-@dataclass(slots=True)
-class BatchRows:
-    """Which logits rows belong to which sequence: ``seq``'s rows are ``start .. start + count - 1`` and predict the
-    tokens at positions ``first_position .. first_position + count - 1``."""
-
-    seq: Sequence
-    start: int
-    count: int
-    first_position: int
-
-
-@dataclass(slots=True)
-class StepOutput:
-    logits: torch.Tensor  # [num_rows, vocab] float32
-    rows: list[BatchRows]
-    # When a drafter needs them: the final hidden state of every token of the step, [num_tokens, hidden], and where
-    # each scheduled sequence's tokens sit in it (``token_rows``; there ``first_position`` is the position of the
-    # span's first token itself, not of a predicted one).
-    hidden_states: torch.Tensor | None = None
-    token_rows: list[BatchRows] | None = None
 
 
 def step_tokens(seq: Sequence, num_new_tokens: int) -> list[int]:
@@ -46,6 +24,16 @@ def step_tokens(seq: Sequence, num_new_tokens: int) -> list[int]:
         return seq.token_ids[start:end]
     tokens = [seq.token_at(p) for p in range(start, committed)]
     return tokens + seq.draft_token_ids[: end - committed]
+
+
+class _OneRank:
+    """The ranks of a runner built without any (a tensor-parallel rank's own, a drafter's): nothing to send."""
+
+    sharded = False
+
+    @staticmethod
+    def send_step(scheduled, input_ids, indices) -> None:
+        """No other rank runs the step."""
 
 
 class BlockTableError(RuntimeError):
@@ -62,7 +50,7 @@ class ModelRunner:
 
     def __init__(self, model, attention: AttentionBackend, kv_cache: torch.Tensor, device: torch.device,
                  executor: Executor | None = None, num_blocks: int | None = None,
-                 block_sources: str = "the allocator or the prefix cache", tensor_parallel=None):
+                 block_sources: str = "the allocator or the prefix cache", ranks=None):
         self.model = model
         self.attention = attention
         self.kv_cache = kv_cache
@@ -71,9 +59,9 @@ class ModelRunner:
         self.block_size = attention.block_size
         self.num_blocks = num_blocks
         self.block_sources = block_sources
-        # Rank 0 of a sharded model (``infer.engine.tensor_parallel.TensorParallel``): each step's plan goes to the other ranks
-        # first, which run the same forward pass.
-        self.tensor_parallel = tensor_parallel
+        # The engine's ranks (``infer.engine.tensor_parallel``: ``SingleProcess`` or, sharded, ``TensorParallel``):
+        # each step's plan goes to the other ranks first, which run the same forward pass.
+        self.ranks = ranks if ranks is not None else _OneRank
 
     def build_metadata(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
         input_ids: list[int] = []
@@ -127,14 +115,13 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Sequence, int]], want_hidden: bool = False) -> StepOutput:
         input_ids, metadata = self.build_metadata(scheduled)
         indices, rows = self.logits_rows(scheduled)
-        if self.tensor_parallel is None:
+        self.ranks.send_step(scheduled, input_ids, indices)
+        try:
             hidden, logits = self.forward(input_ids, metadata, indices)
-        else:
-            self.tensor_parallel.send_step(scheduled, input_ids, indices)
-            try:
-                hidden, logits = self.forward(input_ids, metadata, indices)
-            except RuntimeError as error:  # a collective failed: a rank is gone
-                raise self.tensor_parallel.failure(error) from error
+        except RuntimeError as error:  # sharded: a collective failed, a rank is gone
+            if not self.ranks.sharded:
+                raise
+            raise self.ranks.failure(error) from error
         if not want_hidden:
             return StepOutput(logits=logits.float(), rows=rows)
         return StepOutput(logits=logits.float(), rows=rows, hidden_states=hidden,

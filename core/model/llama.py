@@ -4,7 +4,7 @@ Tokens arrive flattened (``[T]``, no batch dimension, no padding); the attention
 to which sequence from the step's ``AttentionMetadata``. Projections are fused (Q/K/V in one matmul, gate/up in
 another) because on small models the number of kernel launches, not FLOPs, bounds a decode step.
 
-Every layer reads one per-step object, ``infer.execution.paths.ForwardStep`` (positions, attention metadata, the pool, the
+Every layer reads one per-step object, ``infer.model.step.ForwardStep`` (positions, attention metadata, the pool, the
 backend, the small ops): ``layer(hidden, residual, step)``. Which way a step runs through the layers (op by op here,
 or infer's fused CPU kernels) is chosen once per step by the execution layer, never by the layers.
 """
@@ -24,7 +24,7 @@ from infer.model.rotary import RotaryEmbedding, rope_inverse_frequencies
 
 if TYPE_CHECKING:
     from infer.kernels.cpu import CpuKernels
-    from infer.execution.paths import ForwardStep
+    from infer.model.step import ForwardStep
     from infer.distributed import TensorParallelGroup
 
 

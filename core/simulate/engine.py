@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import functools
 import random
-import time
 from typing import Any
 
 from infer.drafter import Drafter
 from infer.engine.engine import Engine
 from infer.guide import TokenizerInfo
 from infer.execution.kv_pool import plan_kv_pool
-from infer.execution.runner import ModelRunner, StepOutput
+from infer.execution.runner import ModelRunner
+from infer.outputs import StepOutput
 from infer.scheduler import StepPlan
 from infer.sequence import Sequence
 from infer.simulate.cost import CostModel, build_cost_model
@@ -140,23 +140,3 @@ class SimulatedEngine(Engine):
 
     def output_text(self, seq: Sequence) -> str:
         return super().output_text(seq) if seq.params.stop else ""
-
-
-def simulate_workload(engine, workload, show_progress: bool = False) -> dict:
-    """``run_workload`` on a ``SimulatedEngine``; the summary gains the simulator's own speed."""
-    import gc
-
-    from infer.bench.runner import run_workload
-
-    # The workload's requests live for the whole run: kept out of the collector's full passes, which would otherwise
-    # walk every one of them again and again.
-    gc.collect()
-    gc.freeze()
-    start = time.perf_counter()
-    try:
-        summary = run_workload(engine, workload, show_progress=show_progress).summary
-    finally:
-        gc.unfreeze()
-    wall = time.perf_counter() - start
-    return {**summary, "simulator_wall_s": wall, "simulated_requests_per_wall_s": summary["requests"] / wall,
-            "simulated_steps_per_wall_s": engine.stats.num_steps / wall}

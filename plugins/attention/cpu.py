@@ -42,9 +42,10 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from infer.kernels import cpu as cpu_kernels
-from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata, BackendUnavailableError, gather_blocks
+from infer.attention import (AttentionBackend, AttentionConfig, AttentionEnvironment, AttentionMetadata,
+                             BackendUnavailableError, gather_blocks)
 from infer.host import cpu_flags
-from infer.kernels.cpu import FlashChunks, KernelAttentionPlan
+from infer.kernels.cpu import FlashChunks, KernelAttentionPlan, KernelAttentionStep
 
 
 class CpuAttentionConfig(AttentionConfig):
@@ -108,8 +109,29 @@ class CpuBackend(AttentionBackend):
     """KV write and paged attention through the CPU kernels."""
 
     config_model = CpuAttentionConfig
-    fused_cpu_attention = True
     draft_trees = True
+
+    @classmethod
+    def auto_priority(cls, environment: AttentionEnvironment) -> int | None:
+        """Above ``sdpa`` for float32 on a CPU where infer's kernels run the model's small ops."""
+        usable = environment.device.type == "cpu" and environment.dtype == torch.float32 and environment.cpu_kernels
+        return 2 if usable else None
+
+    @classmethod
+    def resolve_config(cls, config: CpuAttentionConfig, environment: AttentionEnvironment) -> CpuAttentionConfig:
+        """``prefill_dtype`` and ``kv_dtype`` auto: bfloat16 with bf16 weights (whose large steps run at bf16
+        precision), else float32; ``prefill_arithmetic`` auto: float32 where the projections' large steps run on
+        float32 FMAs (``environment.float_gemms``), else bf16; ``decode_arithmetic`` auto: bf16 with bf16 weights
+        whose prefill arithmetic is bf16, else float32."""
+        bf16_weights = environment.quantization == "bf16"
+        update = {key: "bfloat16" if bf16_weights else "float32"
+                  for key in ("prefill_dtype", "kv_dtype") if getattr(config, key) == "auto"}
+        if config.prefill_arithmetic == "auto":
+            update["prefill_arithmetic"] = "float32" if environment.float_gemms else "bf16"
+        prefill_arithmetic = update.get("prefill_arithmetic", config.prefill_arithmetic)
+        if config.decode_arithmetic == "auto":
+            update["decode_arithmetic"] = "bf16" if bf16_weights and prefill_arithmetic == "bf16" else "float32"
+        return config.model_copy(update=update) if update else config
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -179,6 +201,23 @@ class CpuBackend(AttentionBackend):
             start += query_len
         plan = every.of_rows(kernel_rows) if kernel_rows else None
         return CpuMetadata(**fields, plan=plan, prefills=prefills, flash=FlashChunks.of(chunks) if chunks else None)
+
+    def fused_attention(self, metadata: AttentionMetadata) -> KernelAttentionStep:
+        """Every query of the step on the kernel, as the fused stack computes it (decode and verification are
+        exactly this backend's; a step small enough for the stack attends on the kernel whatever
+        ``prefill_dtype`` says)."""
+        plan = metadata.plan if isinstance(metadata, CpuMetadata) else None
+        return KernelAttentionStep.from_metadata(metadata, self.num_heads, self.scale, self.decode_dots, plan)
+
+    def describe(self) -> str:
+        """The bf16 prefill's flash attention and the decode arithmetic, where they are not float32's kernel."""
+        parts = []
+        if self.prefill_kernel:
+            how = " (float32 FMAs)" if self.prefill_fma else " (AMX tiles)" if self.prefill_tiles else ""
+            parts.append(f"bf16 prefill on {self.prefill_kernel}'s flash attention{how}")
+        if self.decode_dots:
+            parts.append("bf16 decode on the dot products")
+        return ", ".join(parts)
 
     def forward(
         self,

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata, gather_blocks, write_kv
+from infer.attention import (AttentionBackend, AttentionConfig, AttentionEnvironment, AttentionMetadata, gather_blocks,
+                             write_kv)
 
 # Queries up to this long are padded into the shared call; the padding wasted per sequence stays below this bound.
 MAX_PADDED_QUERY_LEN = 16
@@ -134,6 +135,11 @@ class SdpaBackend(AttentionBackend):
     """Paged attention in plain torch: the reference other backends are checked against."""
 
     config_model = SdpaConfig
+
+    @classmethod
+    def auto_priority(cls, environment: AttentionEnvironment) -> int | None:
+        """Runs on any device and dtype: ``auto``'s choice wherever no backend ranks higher."""
+        return 1
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

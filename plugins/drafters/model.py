@@ -26,8 +26,7 @@ from pydantic import Field
 
 from infer.attention import AttentionMetadata
 from infer.drafter import Drafter, DrafterConfig, DrafterContext, SampledDrafts
-from infer.execution.kv_pool import kv_bytes_per_token
-from infer.engine.sampler import apply_filters, sample_row
+from infer.sampling import apply_filters, sample_row
 
 # Keeps the drafter's random draw at a position independent of the target's (the same seed keys both).
 _DRAFT_SALT = 0x2545F4914F6CDD1D
@@ -104,21 +103,18 @@ class ModelDrafter(Drafter):
         if self.config.path is None:
             layers = self.config.layers or max(1, context.target.num_layers // 2)
             return TargetLayers(context.target, layers), context.attention, context.executor
-        from infer.model.loader import load_model
-
-        loaded = load_model(self.config.path, context.dtype, context.device)
-        if loaded.tokenizer.get_vocab() != context.tokenizer.get_vocab():
+        model, tokenizer = context.load_model(self.config.path)
+        if tokenizer.get_vocab() != context.tokenizer.get_vocab():
             raise ValueError(f"drafter.path={self.config.path!r} does not use the target's tokenizer; a draft model "
                              f"must share it token for token")
-        draft = context.quantize(loaded.model)
+        draft = context.quantize(model)
         executor = context.executor.for_another(draft)  # the target's kernels and paths, if it runs on them
         attention = context.build_attention(draft.num_heads, draft.num_kv_heads, draft.head_dim)
         return draft, attention, executor
 
     # -- the draft pool ------------------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.draft.num_layers, self.draft.num_kv_heads, self.draft.head_dim,
-                                  self.attention.kv_dtype)
+        return self.attention.kv_bytes_per_token(self.draft.num_layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = self.attention.allocate_kv_cache(self.draft.num_layers, num_blocks)

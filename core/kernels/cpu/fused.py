@@ -74,7 +74,7 @@ class FusedLayer:
 class FusedStack:
     """Consecutive decoder layers (``FusedLayer`` each) over a few tokens in one C call, attention included (infer's
     paged attention over the standard pool layout: the execution layer runs it only with a backend that declares
-    ``fused_cpu_attention``). A step of a few tokens is otherwise ~5 calls from Python per layer, and that glue
+    ``fused_attention``). A step of a few tokens is otherwise ~5 calls from Python per layer, and that glue
     measured about a fifth of a decode step at batch 1 (README, CPU performance)."""
 
     def __init__(self, kernels: CpuKernels, layers: list[FusedLayer], kv_layers: list[int]):
@@ -175,11 +175,10 @@ class KernelAttentionStep:
     dots: bool = False
 
     @classmethod
-    def from_metadata(cls, metadata: AttentionMetadata, num_heads: int, scale: float,
-                      dots: bool = False) -> KernelAttentionStep:
-        """The step's attention from the core metadata every backend receives (the model's shapes beside it); the
-        every-token plan the ``cpu`` backend's ``prepare`` already put beside it is taken as it is."""
-        plan = getattr(metadata, "plan", None)
+    def from_metadata(cls, metadata: AttentionMetadata, num_heads: int, scale: float, dots: bool = False,
+                      plan: KernelAttentionPlan | None = None) -> KernelAttentionStep:
+        """The step's attention from the core metadata every backend receives (the model's shapes beside it);
+        ``plan``: the step's every-token plan where the caller already built one (built here otherwise)."""
         if plan is None or plan.rows is not None:  # none, or only some tokens'
             plan = KernelAttentionPlan.every_token(metadata)
         return cls(plan, metadata.block_tables, metadata.slot_mapping, num_heads, scale, dots)

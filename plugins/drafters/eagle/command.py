@@ -5,37 +5,12 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import click
 
-
-@dataclass(slots=True)
-class TrainEagleOptions:
-    """Everything that shapes a training run (the card records it)."""
-
-    num_prompts: int = 960
-    self_prompts: int = 2000
-    max_tokens: int = 192
-    generation_batch: int = 128
-    draft_vocab_size: int = 8192
-    unroll_steps: int = 3
-    eval_drafts: int = 4
-    epochs: int = 3
-    max_minutes: float = 12.0
-    tokens_per_batch: int = 1024
-    learning_rate: float = 1e-3
-    feature_noise: float = 0.05
-    ce_weight: float = 1.0
-    held_out_fraction: float = 0.05
-    eval_every: int = 25
-    patience: int = 4
-    seed: int = 0
-
-
-def _options_from(values: dict) -> TrainEagleOptions:
-    return TrainEagleOptions(**{name: value for name, value in values.items() if value is not None})
+from infer.plugins.drafters.eagle.options import TrainEagleOptions, options_from
 
 
 @click.command("train-eagle")
@@ -66,7 +41,7 @@ def train_eagle_command(config: str, overrides: tuple[str, ...], out: Path, prom
     """Train an EAGLE draft head for CONFIG's model on its own answers, and write it to --out."""
     from infer.plugins.drafters.eagle.training import train_eagle
 
-    options = _options_from(values)
+    options = options_from(values)
     report = train_eagle(config, list(overrides), out, prompts_path, options, data_path)
     click.echo(f"\nwrote {out / 'head.safetensors'}", err=True)
     click.echo(json.dumps(asdict(report), indent=2), err=True)

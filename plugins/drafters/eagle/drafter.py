@@ -35,11 +35,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from infer.attention import AttentionMetadata
-from infer.execution.calibration import RowsCalibration
+from infer.drafter import Drafter, DrafterConfig, DrafterContext, DraftTree, RowsCalibration
 from infer.kernels.cpu import FusedDraftHead, KernelAttentionPlan, KernelAttentionStep
-from infer.drafter import Drafter, DrafterConfig, DrafterContext, DraftTree
-from infer.execution.paths import FusedStackPath
-from infer.execution.kv_pool import kv_bytes_per_token
 from infer.plugins.drafters.eagle.head import EagleHead, draft_head_weight, load_head, random_head
 from infer.model.quantization import KERNEL_MODES, QUANTIZATIONS, PackedLinear
 
@@ -245,7 +242,7 @@ class EagleDrafter(Drafter):
 
     # -- the head's pool -----------------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(1, self.target.num_kv_heads, self.target.head_dim, self.attention.kv_dtype)
+        return self.attention.kv_bytes_per_token(1)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = self.attention.allocate_kv_cache(1, num_blocks)
@@ -349,7 +346,7 @@ class EagleDrafter(Drafter):
                    width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The head as one C call: the last rows' predicted features, their ``width`` likeliest guesses
         (draft-vocabulary indices, ``[rows, width]``) and the head's probability of each."""
-        self.executor.counts[FusedStackPath.name] += 1
+        self.executor.count_fused()
         rotary = self.target.rotary
         plan = KernelAttentionStep(KernelAttentionPlan.every_token(metadata), metadata.block_tables,
                                    metadata.slot_mapping, self.attention.num_heads, self.attention.scale)
@@ -394,7 +391,7 @@ class EagleDrafter(Drafter):
         if self._fused_head_accepted is None:
             step = self.executor.step(self.target.rotary, self.attention.prepare(metadata), self.kv_cache,
                                       self.attention, dtype)
-            self._fused_head_accepted = self.executor.choose([self.head.layer], step).name == FusedStackPath.name
+            self._fused_head_accepted = self.executor.fuses([self.head.layer], step)
         return self._fused_head_accepted
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------

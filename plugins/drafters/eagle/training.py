@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from infer.drafter import Drafter
 from infer.plugins.drafters.eagle import head as head_api
-from infer.plugins.drafters.eagle.command import TrainEagleOptions
+from infer.plugins.drafters.eagle.options import TrainEagleOptions
 
 TOPICS = [
     "volcanoes", "the stock market", "photosynthesis", "chess openings", "the French Revolution", "black holes",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from infer.bench.cli import command_line, config_and_workload, workload_from_flags
+from infer.cli.bench import command_line, config_and_workload, workload_from_flags
 from infer.cli import CONFIG_HELP
 
 # The real runs a measured cost model is fitted on: decode at many batch sizes, long prefills, chunked prefill beside
@@ -40,7 +40,8 @@ def simulate(config: str, overrides: tuple[str, ...], workload_name: str, fit: b
     from infer.config import load_config
     from infer.engine.metrics import format_summary
     from infer.simulate.cost import CostModelError, build_cost_model
-    from infer.simulate.engine import SimulatedEngine, simulate_workload
+    from infer.bench.runner import simulate_workload
+    from infer.simulate.engine import SimulatedEngine
 
     resolved = load_config(config, list(overrides))
     if fit:
