@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 from infer.hookspecs import hookimpl
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "hookimpl", "__version__"]
+__all__ = ["LLM", "PLUGIN_API_VERSION", "SamplingParams", "hookimpl", "__version__"]
 
 if TYPE_CHECKING:
     from infer.llm import LLM
+    from infer.plugin_api import PLUGIN_API_VERSION
     from infer.sampling_params import SamplingParams
 
 
@@ -26,4 +27,8 @@ def __getattr__(name: str):
         from infer.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "PLUGIN_API_VERSION":
+        from infer.plugin_api import PLUGIN_API_VERSION
+
+        return PLUGIN_API_VERSION
     raise AttributeError(f"module 'infer' has no attribute {name!r}")

@@ -5,6 +5,10 @@ way). Each module implements registration hooks from ``infer.hookspecs``; every 
 recorded as a ``PluginSpec`` attributed to the module's distribution. Classes given as ``"module:Class"`` strings are
 imported only when a config selects them, so listing plugins never imports torch.
 
+Registering a module checks it against the plugin API (``infer.plugin_api`` says what each version changed): the
+version it declares (refused when newer than ``PLUGIN_API_VERSION``) and the arguments its hooks take (refused when
+its hook does not pass one; a ``DeprecationWarning`` for an observer that still takes ``engine``).
+
 Environment:
     ``INFER_PLUGINS``: ``all`` (default), ``none`` or a comma list of distribution names; third-party distributions
     outside it are not loaded (infer's own always are).
@@ -23,6 +27,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -36,6 +41,14 @@ if TYPE_CHECKING:
 PROJECT = "infer"
 ENTRY_POINT_GROUP = "infer.plugins"
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+# The plugin API version this infer implements, and the module attribute a plugin package declares the version it is
+# written to with (in its entry-point module or a package above it; none declared: version 1).
+PLUGIN_API_VERSION = 2
+API_DECLARATION = "INFER_PLUGIN_API"
+# What observer hooks still pass to implementations written to plugin API 1, and the version that drops version 1's
+# forms (this argument, and drafters built from a config alone).
+DEPRECATED_HOOK_ARGUMENT = "engine"
+OLD_FORMS_DROPPED_IN = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +111,8 @@ LOCAL = Distribution("local", "0")
 @dataclass(frozen=True, slots=True)
 class PluginSpec:
     """One registration: ``target`` is the class or its ``"module:Class"`` path; ``config`` the section model (a
-    class, a ``"module:Class"`` path, or None for the class's own ``config_model``)."""
+    class, a ``"module:Class"`` path, or None for the class's own ``config_model``); ``plugin_api`` the plugin API
+    version the registering module declares (``infer.plugin_api``)."""
 
     kind: str
     name: str
@@ -107,6 +121,7 @@ class PluginSpec:
     description: str
     distribution: str
     version: str
+    plugin_api: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +209,7 @@ class Registry:
         for item in plugins:
             plugin, distribution = item if isinstance(item, tuple) else (item, LOCAL)
             plugin_name = f"{distribution.name}:{getattr(plugin, '__name__', type(plugin).__name__)}"
-            register_plugin(plugin_manager, plugin_name, plugin)
+            register_plugin(plugin_manager, plugin_name, plugin, distribution)
             distributions[plugin_name] = distribution
         return cls(plugin_manager, distributions)
 
@@ -211,7 +226,7 @@ class Registry:
                 continue
             plugin_name = f"{distribution.name}:{entry_point.name}"
             try:
-                register_plugin(plugin_manager, plugin_name, entry_point.load())
+                register_plugin(plugin_manager, plugin_name, entry_point.load(), distribution)
             except Exception as error:  # a third-party module can fail in any way; it must not take infer down
                 broken.append(_warn_broken(plugin_name, distribution, error))
                 continue
@@ -266,10 +281,10 @@ class Registry:
             self._commands = self._collect_commands()
         return self._commands
 
-    def _register_callback(self, kind: str, distribution: Distribution) -> Callable[..., None]:
+    def _register_callback(self, kind: str, distribution: Distribution, api_version: int) -> Callable[..., None]:
         def register(name: str, target: type | str, config: type[BaseModel] | str | None = None,
                      description: str = "") -> None:
-            self._add(_make_spec(kind, name, target, config, description, distribution))
+            self._add(_make_spec(kind, name, target, config, description, distribution, api_version))
 
         return register
 
@@ -286,7 +301,8 @@ class Registry:
         caller = getattr(self._plugin_manager.hook, KIND_INFO[kind].hook)
         for impl in self._ordered(caller.get_hookimpls()):
             distribution = self._distributions[impl.plugin_name]
-            self._run_hookimpl(impl, distribution, register=self._register_callback(kind, distribution))
+            register = self._register_callback(kind, distribution, declared_api_version(impl.plugin))
+            self._run_hookimpl(impl, distribution, register=register)
 
     def _collect_commands(self) -> dict[str, PluginCommand]:
         import click
@@ -348,8 +364,8 @@ class Registry:
         return target
 
 
-def _make_spec(kind: str, name: Any, target: Any, config: Any, description: Any,
-               distribution: Distribution) -> PluginSpec:
+def _make_spec(kind: str, name: Any, target: Any, config: Any, description: Any, distribution: Distribution,
+               api_version: int) -> PluginSpec:
     where = f"{kind} registered by {distribution}"
     if not isinstance(name, str) or not NAME_PATTERN.match(normalize_name(name)):
         raise PluginError(f"{where}: invalid name {name!r} (expected {NAME_PATTERN.pattern} after lower-casing)")
@@ -358,7 +374,7 @@ def _make_spec(kind: str, name: Any, target: Any, config: Any, description: Any,
     if not (config is None or isinstance(config, (str, type))):
         raise PluginError(f'{where} as "{name}": config must be a model class or "module:Class", got {config!r}')
     return PluginSpec(kind, normalize_name(name), target, config, str(description), distribution.name,
-                      distribution.version)
+                      distribution.version, api_version)
 
 
 def new_plugin_manager() -> pluggy.PluginManager:
@@ -371,15 +387,88 @@ def new_plugin_manager() -> pluggy.PluginManager:
     return plugin_manager
 
 
-def register_plugin(plugin_manager: pluggy.PluginManager, plugin_name: str, plugin: object) -> None:
-    """Register one plugin and check its hooks at once, so a misspelt hook name is blamed on this plugin."""
+def register_plugin(plugin_manager: pluggy.PluginManager, plugin_name: str, plugin: object,
+                    distribution: Distribution = LOCAL) -> None:
+    """Register one plugin and check it at once, so that a plugin API newer than infer's, a hook argument infer
+    does not pass or a misspelt hook name is blamed on this plugin, in one line (``PluginError``). An observer that
+    takes ``engine`` is registered with a ``DeprecationWarning``."""
+    where = f"plugin {plugin_name} ({distribution})"
+    _check_api_version(declared_api_version(plugin), where, distribution)
+    hooks = _implemented_hooks(plugin_manager, plugin, plugin_name)
+    _check_hook_arguments(hooks, where)
     try:
         plugin_manager.register(plugin, name=plugin_name)
         plugin_manager.check_pending()
     except (ValueError, pluggy.PluginValidationError) as error:
         if plugin_manager.is_registered(plugin):
             plugin_manager.unregister(plugin)
-        raise PluginError(f"plugin {plugin_name}: {error}") from error
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]  # pluggy's span several
+        raise PluginError(f"plugin {plugin_name}: {'; '.join(lines)}") from error
+    _warn_deprecated_hook_arguments(hooks, where)
+
+
+def declared_api_version(plugin: object) -> Any:
+    """What ``plugin`` declares as ``INFER_PLUGIN_API``: its own attribute, else that of the nearest package above the
+    module it comes from; 1 when none does."""
+    value = getattr(plugin, API_DECLARATION, None)
+    module_name = plugin.__name__ if isinstance(plugin, ModuleType) else getattr(plugin, "__module__", "")
+    while value is None and module_name:
+        value = getattr(sys.modules.get(module_name), API_DECLARATION, None)
+        module_name = module_name.rpartition(".")[0]
+    return 1 if value is None else value
+
+
+def _check_api_version(value: Any, where: str, distribution: Distribution) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PluginError(f"{where} declares {API_DECLARATION} = {value!r}: the plugin API version it is written to "
+                          f"is an int from 1 to {PLUGIN_API_VERSION}")
+    if value > PLUGIN_API_VERSION:
+        raise PluginError(f"{where} is written to plugin API {value} ({API_DECLARATION} = {value}) but this infer "
+                          f"supports plugin API {PLUGIN_API_VERSION} at most: upgrade infer, or install a release of "
+                          f"{distribution.name} written to plugin API {PLUGIN_API_VERSION}")
+
+
+def _implemented_hooks(plugin_manager: pluggy.PluginManager, plugin: object,
+                       plugin_name: str) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    """(hook, the arguments the plugin's implementation takes, the arguments infer passes) for each of infer's hooks
+    the plugin implements, found as pluggy finds them."""
+    hooks = []
+    for attribute in dir(plugin):
+        options = plugin_manager.parse_hookimpl_opts(plugin, attribute)
+        if options is None:
+            continue
+        hook = options.get("specname") or attribute
+        caller = getattr(plugin_manager.hook, hook, None)
+        if caller is not None and caller.spec is not None:  # an unknown hook is check_pending's to name
+            implementation = pluggy.HookImpl(plugin, plugin_name, getattr(plugin, attribute), options)
+            hooks.append((hook, tuple(implementation.argnames), tuple(caller.spec.argnames)))
+    return hooks
+
+
+def _check_hook_arguments(hooks: Sequence[tuple[str, Sequence[str], Sequence[str]]], where: str) -> None:
+    for hook, arguments, passed in hooks:
+        unknown = [argument for argument in arguments if argument not in passed]
+        if unknown:
+            current = [argument for argument in passed if argument != DEPRECATED_HOOK_ARGUMENT]
+            raise PluginError(f"{where}: its {hook}({', '.join(arguments)}) takes {', '.join(unknown)}, which "
+                              f"{hook} does not pass; {hook} passes {', '.join(current) or 'nothing'} (see "
+                              "infer.hookspecs)")
+
+
+def _warn_deprecated_hook_arguments(hooks: Sequence[tuple[str, Sequence[str], Sequence[str]]], where: str) -> None:
+    """One warning naming every hook that takes ``engine`` and the records to take instead."""
+    deprecated = [(hook, passed) for hook, arguments, passed in hooks if DEPRECATED_HOOK_ARGUMENT in arguments]
+    if not deprecated:
+        return
+    records = ", ".join(f"{hook}({', '.join(a for a in passed if a != DEPRECATED_HOOK_ARGUMENT)})"
+                        for hook, passed in deprecated)
+    warnings.warn(
+        f"{where}: observer hooks that take {DEPRECATED_HOOK_ARGUMENT} (plugin API 1's form): "
+        f"{', '.join(hook for hook, _ in deprecated)}; take the records instead: {records}; plugin API "
+        f"{OLD_FORMS_DROPPED_IN} no longer passes {DEPRECATED_HOOK_ARGUMENT}",
+        DeprecationWarning,
+        stacklevel=4,
+    )
 
 
 def _distribution_of(entry_point: Any) -> Distribution:

@@ -153,7 +153,7 @@ def test_plugins_lists_each_kind_with_provider_and_description(runner):
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0] == "allocator"
-    assert lines[1] == "  paged  infer-fake 1.0  stand-in allocator"
+    assert lines[1] == "  paged  infer-fake 1.0  API 1  stand-in allocator"
     assert {"prefix_cache", "scheduler", "attention", "drafter", "guide"} <= set(lines)
 
 
@@ -165,6 +165,7 @@ def test_plugins_json_lists_every_registration(runner):
         ("drafter", "none"), ("guide", "none"),
     }
     assert listing["plugins"][0]["target"] == f"{__name__}:AllocatorStub"
+    assert listing["plugins"][0]["plugin_api"] == 1
     assert listing["failed"] == []
 
 

@@ -37,6 +37,7 @@ import pytest
 import torch
 
 from infer.drafter import Drafter, DrafterContext, tree_depths
+from infer.plugin_api import build_drafter
 from infer.sampling_params import SamplingParams
 from infer.sequence import Sequence, SequenceStatus
 from infer.testing.suite import ConformanceSuite
@@ -163,7 +164,7 @@ class DrafterConformance(ConformanceSuite):
         config = self.implementation_config(name, num_speculative_tokens=self.num_speculative_tokens)
 
         def factory() -> Drafter:
-            return with_kv_cache(implementation(config, context))
+            return with_kv_cache(build_drafter(implementation, config, context))
 
         factory.name = name  # the engine_factory runs the same implementation
         return factory

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from infer import hookimpl
 
+INFER_PLUGIN_API = 2
+
 
 @hookimpl
 def register_drafters(register):
