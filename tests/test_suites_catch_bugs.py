@@ -1,6 +1,7 @@
 """Each conformance suite fails on a deliberately broken implementation: a suite that passes everything proves
-nothing. The broken classes are one-line bugs in real built-ins; each runs through its suite in an inner pytest
-session (pytester, in process), and the test asserts which suite tests failed and why.
+nothing. The broken classes are one-line bugs in real built-ins, or in a plausible third-party plugin (a buddy
+allocator) whose correct version is shown to pass; each runs through its suite in an inner pytest session (pytester,
+in process), and the test asserts which suite tests failed and why.
 
 The ``expected_failures`` hook is pinned here too: it turns a known bug into a strict xfail, fails the run when the
 bug is gone, and rejects names that match no test.
@@ -13,6 +14,7 @@ import re
 import pytest
 from hypothesis import Phase, settings
 
+from infer.allocator import RefcountingAllocator
 from infer.plugins.allocators.paged import PagedAllocator
 from infer.plugins.attention.sdpa import SdpaBackend
 from infer.plugins.drafters.ngram import NgramDrafter
@@ -31,10 +33,15 @@ pytest_plugins = ["pytester"]
 # while its fixture is up, and importing these again (torch.distributed's operator library) fails.
 default_tokenizer_info()
 
-# Finding the bug is what is pinned here: shrinking it to a minimal example would only cost time, and a fixed
-# generation order keeps the run the same every time.
-WITHOUT_SHRINKING = settings(ConformanceSuite.hypothesis_settings, phases=[Phase.generate], database=None,
-                             derandomize=True)
+
+def without_shrinking(suite: type[ConformanceSuite]) -> settings:
+    """``suite``'s own run length, without shrinking: finding the bug is what is pinned here, a minimal example would
+    only cost time, and a fixed generation order keeps the run the same every time."""
+    return settings(suite.hypothesis_settings, phases=[Phase.generate], database=None, derandomize=True)
+
+
+WITHOUT_SHRINKING = without_shrinking(ConformanceSuite)
+ALLOCATOR_WITHOUT_SHRINKING = without_shrinking(AllocatorConformance)
 
 
 # -- broken implementations ------------------------------------------------------------------------------------------
@@ -59,6 +66,72 @@ class RepeatingAllocator(PagedAllocator):
         if blocks:
             self.last_block = blocks[-1]
         return blocks
+
+
+class BuddyAllocator(RefcountingAllocator):
+    """A binary buddy allocator, as a third-party plugin would write one.
+
+    Free blocks are kept as aligned runs of 2**order blocks. ``allocate(n)`` takes one run per power of two in ``n``,
+    splitting the smallest larger run when none has the size (the upper halves stay free); a released block merges
+    with its buddy, the other half of the aligned run of twice its size, as long as that buddy is a free run of the
+    same order. Block ids are the addresses: the pool 1 .. num_blocks-1 starts as the largest aligned runs that tile
+    it, and the null block 0 is never free, so nothing merges with it.
+    """
+
+    def __init__(self, num_blocks, block_size, max_model_len, config=None):
+        super().__init__(num_blocks, block_size, max_model_len, config)
+        self.free_runs: dict[int, int] = {}  # first block of a free run -> its order
+        start = 1
+        while start < num_blocks:
+            order = 0
+            while start % (2 << order) == 0 and start + (2 << order) <= num_blocks:
+                order += 1
+            self.free_runs[start] = order
+            start += 1 << order
+
+    @property
+    def num_free(self):
+        return sum(1 << order for order in self.free_runs.values())
+
+    def _take_free(self, n):
+        blocks = []
+        while len(blocks) < n:
+            start, order = self.take_run((n - len(blocks)).bit_length() - 1)
+            blocks.extend(range(start, start + (1 << order)))
+        return blocks
+
+    def take_run(self, order):
+        """Remove a free run of ``order`` and return (first block, order); when every free run is smaller, the
+        largest one (so ``n`` free blocks always serve ``allocate(n)``: this allocator never refuses for
+        fragmentation)."""
+        runs = sorted((run_order, start) for start, run_order in self.free_runs.items())
+        run_order, start = next(((o, s) for o, s in runs if o >= order), runs[-1])
+        del self.free_runs[start]
+        while run_order > order:
+            run_order -= 1
+            self.free_runs[start + (1 << run_order)] = run_order
+        return start, run_order
+
+    def _put_free(self, block):
+        start, order = block, 0
+        while (buddy := self.mergeable_buddy(start, order)) is not None:
+            del self.free_runs[buddy]
+            start, order = min(start, buddy), order + 1
+        self.free_runs[start] = order
+
+    def mergeable_buddy(self, start, order):
+        """The first block of the free buddy of the run of ``order`` at ``start``, or None when it is not free."""
+        buddy = start ^ (1 << order)
+        return buddy if self.free_runs.get(buddy) == order else None
+
+
+class WrongOrderMergingBuddyAllocator(BuddyAllocator):
+    """Merges with any free run that starts at the buddy's address, whatever its order: a smaller run there is only
+    the head of a buddy whose other blocks are still held, and the merged run claims them as free."""
+
+    def mergeable_buddy(self, start, order):
+        buddy = start ^ (1 << order)
+        return buddy if buddy in self.free_runs else None  # the bug: the buddy's order is not compared
 
 
 class LockIgnoringPrefixCache(HashPrefixCache):
@@ -162,7 +235,7 @@ class ForgetfulGuide(XGrammarGuide):
 
 # -- the suites, pointed at them (not collected here: the names do not start with Test) -------------------------------
 class LeakyAllocatorSuite(AllocatorConformance):
-    hypothesis_settings = WITHOUT_SHRINKING
+    hypothesis_settings = ALLOCATOR_WITHOUT_SHRINKING
 
     @pytest.fixture
     def allocator_factory(self):
@@ -170,11 +243,27 @@ class LeakyAllocatorSuite(AllocatorConformance):
 
 
 class RepeatingAllocatorSuite(AllocatorConformance):
-    hypothesis_settings = WITHOUT_SHRINKING
+    hypothesis_settings = ALLOCATOR_WITHOUT_SHRINKING
 
     @pytest.fixture
     def allocator_factory(self):
         return lambda: RepeatingAllocator(self.num_blocks, self.block_size, self.max_model_len)
+
+
+class BuddyAllocatorSuite(AllocatorConformance):
+    hypothesis_settings = ALLOCATOR_WITHOUT_SHRINKING
+
+    @pytest.fixture
+    def allocator_factory(self):
+        return lambda: BuddyAllocator(self.num_blocks, self.block_size, self.max_model_len)
+
+
+class WrongOrderMergingBuddyAllocatorSuite(AllocatorConformance):
+    hypothesis_settings = ALLOCATOR_WITHOUT_SHRINKING
+
+    @pytest.fixture
+    def allocator_factory(self):
+        return lambda: WrongOrderMergingBuddyAllocator(self.num_blocks, self.block_size, self.max_model_len)
 
 
 class LeakyAllocatorWithExampleDatabaseSuite(AllocatorConformance):
@@ -312,6 +401,17 @@ def test_allocator_suite_catches_a_block_handed_out_twice(pytester):
     result = run_suite(pytester, RepeatingAllocatorSuite)
     assert_failed(result, {"test_state_machine", "test_blocks_held_at_once_are_distinct"},
                   "block * handed out again while still held")
+
+
+def test_allocator_suite_passes_a_buddy_allocator(pytester):
+    # The same run as the one below catches the wrong-order merge: the buddy design itself conforms.
+    result = run_suite(pytester, BuddyAllocatorSuite)
+    assert result.ret == pytest.ExitCode.OK and "skipped" not in result.parseoutcomes(), result.stdout.str()
+
+
+def test_allocator_suite_catches_a_buddy_merge_with_a_run_of_another_order(pytester):
+    result = run_suite(pytester, WrongOrderMergingBuddyAllocatorSuite)
+    assert_failed(result, {"test_state_machine"}, "*num_free (*) + held (*) != capacity (18)")
 
 
 def test_prefix_cache_suite_catches_eviction_of_a_locked_entry(pytester):
