@@ -361,6 +361,13 @@ class Registry:
                 f'{spec.kind} "{spec.name}" from {spec.distribution} {spec.version}: {target!r} is not a subclass '
                 f"of {base.__module__}.{base.__qualname__}"
             )
+        if getattr(target, "fused_cpu_attention", False) and target.fused_attention is base.fused_attention:
+            warnings.warn(
+                f'{spec.kind} "{spec.name}" from {spec.distribution} {spec.version}: declares fused_cpu_attention '
+                f"(plugin API 1), which the fused CPU path no longer reads: it asks fused_attention(metadata) "
+                f"(infer.attention.AttentionBackend), so this backend's forward runs in every layer; return an "
+                f"infer.kernels.cpu.KernelAttentionStep from fused_attention to join the fused path",
+                DeprecationWarning, stacklevel=2)
         return target
 
 

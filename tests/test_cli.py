@@ -251,7 +251,7 @@ def test_help_imports_neither_torch_nor_lazy_command_modules():
         "import infer.cli\n"
         "result = CliRunner().invoke(infer.cli.main, ['--help'])\n"
         "assert result.exit_code == 0, result.output\n"
-        "print(sorted(name for name in ('torch', 'infer.config', 'infer.bench.cli') if name in sys.modules))\n"
+        "print(sorted(name for name in ('torch', 'infer.config', 'infer.cli.bench') if name in sys.modules))\n"
     )
     completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert completed.stdout == "[]\n"

@@ -259,3 +259,26 @@ def test_an_installed_plugin_with_such_a_hook_is_not_loaded_and_says_why(monkeyp
     with pytest.warns(PluginWarning):
         registry = Registry.from_entry_points()
     assert [broken.error for broken in registry.broken] == [f"PluginError: {MISNAMED}"]
+
+
+def test_an_attention_backend_declaring_version_1s_fused_cpu_attention_is_warned_about_on_load():
+    import torch
+
+    from infer.attention import AttentionBackend
+
+    class OldFused(AttentionBackend):
+        fused_cpu_attention = True
+
+        def forward(self, layer, q, k, v, kv_cache, metadata):
+            raise NotImplementedError
+
+    class Plugin:
+        @hookimpl
+        def register_attention_backends(self, register):
+            register("old-fused", OldFused)
+
+    registry = Registry.from_plugins([(Plugin(), OLD)])
+    with pytest.warns(DeprecationWarning, match="declares fused_cpu_attention .*fused_attention"):
+        assert registry.load("attention", "old-fused") is OldFused
+    backend = OldFused(num_heads=2, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32, device="cpu")
+    assert backend.fused_attention(None) is None  # its forward runs in every layer: still correct

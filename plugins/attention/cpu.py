@@ -22,10 +22,10 @@ infer's runs on bf16 products or, with ``prefill_arithmetic: float32`` (what ``a
 projections' large GEMMs chose float32 FMAs, ``execution.large_gemm``), on float32 FMAs over the bf16 K/V, Q and the
 probabilities unrounded: 512 fresh tokens 2.1-2.2 ms a layer against the dot products' 2.9-3.1 there.
 
-Decode and verification queries are exactly the kernels', over the standard pool layout, so it declares
-``fused_cpu_attention``: the execution layer may then run a step of a few tokens through all layers in one C call,
-attention included, instead of calling ``forward`` per layer (``infer.execution.paths``; a step that small computes its
-attention on the kernel whatever ``prefill_dtype`` says). Over a bf16 pool, ``decode_arithmetic: bf16`` (what
+Decode and verification queries are exactly the kernels', over the standard pool layout, so its
+``fused_attention`` describes every step's attention as the kernels compute it: the execution layer may then run a
+step of a few tokens through all layers in one C call, attention included, instead of calling ``forward`` per layer
+(``infer.execution.paths``; a step that small computes its attention on the kernel whatever ``prefill_dtype`` says). Over a bf16 pool, ``decode_arithmetic: bf16`` (what
 ``auto`` resolves to where the prefill arithmetic is bf16) multiplies them on AVX512-BF16's dot products, the queries
 and probabilities rounded to bf16 as the flash attention rounds them: on a Zen 4 EPYC the chat mix's decode attention
 took 0.91x the time of the float32 arithmetic over the same pool.
