@@ -20,7 +20,7 @@ import warnings
 from importlib.metadata import PackageNotFoundError, packages_distributions, version
 from typing import TYPE_CHECKING, Any
 
-from infer.registry import OLD_FORMS_DROPPED_IN, PLUGIN_API_VERSION, PluginError
+from infer.registry import OLD_FORMS_DROPPED_IN, PLUGIN_API_VERSION, PluginDeprecationWarning, PluginError
 
 if TYPE_CHECKING:
     from infer.drafter import Drafter, DrafterConfig, DrafterContext
@@ -43,7 +43,7 @@ def build_drafter(cls: type[Drafter], config: DrafterConfig | None, context: Dra
             f"drafter {label}: __init__ takes only a config, the form of plugin API 1; drafters are built as "
             f"cls(config, context): declare {DRAFTER_FORM}. It is built as cls(config) until plugin API "
             f"{OLD_FORMS_DROPPED_IN}, which drops the old form",
-            DeprecationWarning,
+            PluginDeprecationWarning,
             stacklevel=2,
         )
         return cls(config)

@@ -94,6 +94,14 @@ class PluginWarning(UserWarning):
     """A plugin module could not be loaded; it fails only if a config selects what it would have registered."""
 
 
+class PluginDeprecationWarning(DeprecationWarning):
+    """A plugin uses a form of the plugin API that a later version drops (the message names the new form). Shown
+    by default, unlike other ``DeprecationWarning``s: it is addressed to whoever runs infer with the plugin."""
+
+
+warnings.filterwarnings("default", category=PluginDeprecationWarning)
+
+
 @dataclass(frozen=True, slots=True)
 class Distribution:
     """The installed package that provides a plugin."""
@@ -367,7 +375,7 @@ class Registry:
                 f"(plugin API 1), which the fused CPU path no longer reads: it asks fused_attention(metadata) "
                 f"(infer.attention.AttentionBackend), so this backend's forward runs in every layer; return an "
                 f"infer.kernels.cpu.KernelAttentionStep from fused_attention to join the fused path",
-                DeprecationWarning, stacklevel=2)
+                PluginDeprecationWarning, stacklevel=2)
         return target
 
 
@@ -473,7 +481,7 @@ def _warn_deprecated_hook_arguments(hooks: Sequence[tuple[str, Sequence[str], Se
         f"{where}: observer hooks that take {DEPRECATED_HOOK_ARGUMENT} (plugin API 1's form): "
         f"{', '.join(hook for hook, _ in deprecated)}; take the records instead: {records}; plugin API "
         f"{OLD_FORMS_DROPPED_IN} no longer passes {DEPRECATED_HOOK_ARGUMENT}",
-        DeprecationWarning,
+        PluginDeprecationWarning,
         stacklevel=4,
     )
 

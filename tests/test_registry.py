@@ -188,12 +188,12 @@ def test_lifecycle_hooks_reach_every_observer():
 
     class Observer:
         @hookimpl
-        def engine_started(self, engine):
-            seen.append(engine)
+        def engine_started(self, stats, config):
+            seen.append((stats, config))
 
     registry = Registry.from_plugins([Observer()])
-    registry.hook.engine_started(engine="the engine")
-    assert seen == ["the engine"]
+    registry.hook.engine_started(stats="the stats", config="the config", engine="the engine")
+    assert seen == [("the stats", "the config")]
 
 
 def test_plugin_commands_are_collected_once_and_attributed():
