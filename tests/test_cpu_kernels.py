@@ -337,7 +337,7 @@ def test_missing_compiler_fails_on_true_and_falls_back_on_auto(monkeypatch, capl
 
 
 def test_compiler_errors_are_reported(monkeypatch, tmp_path):
-    monkeypatch.setattr(builder, "source", lambda: "this is not C;")
+    monkeypatch.setattr(builder, "sources", lambda: {"cpu_kernels.c": "this is not C;"})
     with pytest.raises(KernelBuildError, match="failed to compile"):
         cpu_kernels.build(tmp_path)
 

@@ -1,6 +1,6 @@
-"""infer's CPU kernels (``csrc/cpu_kernels.c``): the small float32 ops of a step fused, paged attention that reads
-K/V straight from the pool, a streaming GEMV over packed fp16/bf16/int8 weights, and steps of a few tokens with all
-layers in one call.
+"""infer's CPU kernels (C in ``csrc/``: a file per operation, their interface in ``csrc/cpu_kernels.h``): the small
+float32 ops of a step fused, paged attention that reads K/V straight from the pool, a streaming GEMV over packed
+fp16/bf16/int8 weights, and steps of a few tokens with all layers in one call.
 
 In eager PyTorch a decode step at batch 1 is mostly dispatch: RMSNorm alone is about ten kernels, RoPE five,
 SiLU-and-multiply three, and attention gathers every K/V block before it reads it. These kernels do each in one

@@ -1,8 +1,10 @@
-"""Building infer's CPU kernels (``csrc/cpu_kernels.c``) once per machine and loading them.
+"""Building infer's CPU kernels (the C files of ``csrc/``) once per machine and loading them.
 
-They are C, compiled with the system's C compiler (``gcc -O3 -march=native -fopenmp``) into the cache directory,
-keyed by source, flags, compiler and CPU, and called through ctypes; OpenMP there is torch's own runtime, so both
-share one thread pool.
+They are C: one file per operation (``gemv.c``, ``paged_attention.c``, ...), the vector helpers of each instruction
+set in ``isa_*.h``, and the library's interface, every struct and function ``abi`` binds, in ``cpu_kernels.h``.
+One call of the system's C compiler (``gcc -O3 -march=native -fopenmp``) builds all of them into one library in the
+cache directory, keyed by every source and header, the flags, the compiler and the CPU; it is called through
+ctypes, and OpenMP there is torch's own runtime, so both share one thread pool.
 
 ``load(mode)`` gives the kernels or None: ``False`` never builds; ``"auto"`` builds when a compiler is found and
 otherwise warns once (callers then run torch's ops); ``True`` raises when they cannot be built. (Booleans, not
@@ -36,8 +38,16 @@ class KernelBuildError(RuntimeError):
     """The C kernels could not be compiled or loaded here; the message says why."""
 
 
+def sources() -> dict[str, str]:
+    """Every C source and header of the kernels, by file name (sorted): what one build compiles and its key covers."""
+    folder = resources.files("infer.kernels.cpu").joinpath("csrc")
+    return {entry.name: entry.read_text() for entry in sorted(folder.iterdir(), key=lambda entry: entry.name)
+            if entry.name.endswith((".c", ".h"))}
+
+
 def source() -> str:
-    return resources.files("infer.kernels.cpu").joinpath("csrc", "cpu_kernels.c").read_text()
+    """The kernels' sources as one text, each file after a ``/* ==== name ==== */`` line."""
+    return "".join(f"/* ==== {name} ==== */\n{text}" for name, text in sources().items())
 
 
 def compiler() -> str | None:
@@ -57,20 +67,23 @@ def build(directory: Path, extra_flags: Sequence[str] = ()) -> Path:
     cc = compiler()
     if cc is None:
         raise KernelBuildError("no C compiler found (set $CC, or install gcc)")
-    text = source()
+    files = sources()
     flags = [*FLAGS, *extra_flags]
-    key = hashlib.sha256("\n".join([text, *flags, cc, cpu_signature()]).encode()).hexdigest()[:16]
-    target = directory / f"cpu_kernels-{key}.so"
+    digest = hashlib.sha256()
+    for name, text in files.items():  # each file's name and length too: no two sets of files hash alike
+        digest.update(f"{name}\0{len(text)}\0{text}\0".encode())
+    digest.update("\n".join([*flags, cc, cpu_signature()]).encode())
+    target = directory / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory) as staging:
-            source_path = Path(staging) / "cpu_kernels.c"
-            source_path.write_text(text)
+            for name, text in files.items():  # the headers beside the .c files, which include them by name
+                (Path(staging) / name).write_text(text)
+            units = [str(Path(staging) / name) for name in files if name.endswith(".c")]
             built = Path(staging) / target.name
-            result = subprocess.run([cc, *flags, "-o", str(built), str(source_path), "-lm"], capture_output=True,
-                                    text=True)
+            result = subprocess.run([cc, *flags, "-o", str(built), *units, "-lm"], capture_output=True, text=True)
             if result.returncode != 0:
                 raise KernelBuildError(f"{cc} failed to compile the CPU kernels:\n{result.stderr.strip()}")
             os.replace(built, target)  # atomic: concurrent builders each publish a complete file

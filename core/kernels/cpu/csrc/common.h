@@ -1,0 +1,155 @@
+/* What every kernel file shares: the C library, the library's interface (cpu_kernels.h), the vector helpers of
+ * the instruction sets this build targets (isa_*.h), half and bf16 conversions, the dot product, exp over a row,
+ * and when row-wise work is split over the threads. Each .c file includes this first.
+ *
+ * Nothing here is part of the library's interface: the few functions one file defines for the others are hidden
+ * (INFER_HIDDEN), the helpers static inline, so that the hot loops of every file that uses them inline them. */
+#ifndef INFER_COMMON_H
+#define INFER_COMMON_H
+
+#define _DEFAULT_SOURCE /* syscall() under -std=c11, for AMX's permission request */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* A function one file defines for the others: kept out of the library's exported symbols. */
+#define INFER_HIDDEN __attribute__((visibility("hidden")))
+
+#include "cpu_kernels.h"
+#include "isa_avx2.h"
+#include "isa_avx512.h"
+#include "isa_amx.h"
+
+/* Elements of a row-wise op (norm, SiLU, a GEMM input's rounding) from which its rows are split over the threads:
+ * a large decode step's 64 x 576 rows were one thread's while the other waited. */
+#define PARALLEL_ELEMENTS 16384
+
+/* Rows of x one pass of the GEMV (gemv.c) takes at most: with AVX-512's 32 registers, 8 (16 accumulators, 2 weight
+ * vectors, x); with AVX2's 16, 3 (12 accumulators, 4 weight vectors; x is an FMA memory operand). A fused layer
+ * (fused.c) sends steps of more rows to the tile GEMM where it has the weights so. */
+#if INFER_AVX512
+#define PASS_ROWS 8
+#else
+#define PASS_ROWS 3
+#endif
+
+/* ---- half and bf16 ---------------------------------------------------------------------------------------------- */
+
+/* The float value of an IEEE half (bits h). */
+static inline float half_to_float(uint16_t h) {
+#if INFER_F16C
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    uint32_t bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000 | (mantissa << 13);
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else {  /* zero or subnormal: mantissa * 2^-24 */
+        float value = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -value : value;
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+#endif
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* A float rounded to the nearest bfloat16 (ties to even; the inputs here are finite). */
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* n floats rounded to bfloat16 (ties to even). */
+static inline void floats_to_bf16(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+#if INFER_AVX512
+    for (; i + 16 <= n; i += 16) _mm256_storeu_si256((__m256i *)(dst + i), bf16x16_from(_mm512_loadu_ps(src + i)));
+#endif
+    for (; i < n; i++) dst[i] = float_to_bf16(src[i]);
+}
+
+/* n bfloat16 values as floats (exact). */
+static inline __attribute__((always_inline)) void bf16_to_floats(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#if INFER_AVX512
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, bf16x16_load(src + i));
+#endif
+#if INFER_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, bf16x8_load(src + i));
+#endif
+    for (; i < n; i++) dst[i] = bf16_to_float(src[i]);
+}
+
+/* ---- reductions ------------------------------------------------------------------------------------------------- */
+
+/* The dot product of n floats: AVX-512's 16 lanes, then AVX2's 8, then one at a time, each part summed apart. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float total = 0.0f;
+#if INFER_AVX512
+    __m512 wide = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) wide = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), wide);
+    total = _mm512_reduce_add_ps(wide);
+#endif
+#if INFER_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    total += hsum8(acc);
+#endif
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* y[i] = exp(x[i] - shift) in place, returns the sum of y (a softmax's numerators and denominator). */
+static inline float exp_shifted_sum(float *x, int64_t n, float shift) {
+    int64_t i = 0;
+    float total = 0.0f;
+#if INFER_AVX512
+    __m512 wide = _mm512_setzero_ps();
+    const __m512 wide_shift = _mm512_set1_ps(shift);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 y = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), wide_shift));
+        _mm512_storeu_ps(x + i, y);
+        wide = _mm512_add_ps(wide, y);
+    }
+    total = _mm512_reduce_add_ps(wide);
+#endif
+#if INFER_AVX2
+    __m256 acc = _mm256_setzero_ps(), s = _mm256_set1_ps(shift);
+    for (; i + 8 <= n; i += 8) {
+        __m256 y = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s));
+        _mm256_storeu_ps(x + i, y);
+        acc = _mm256_add_ps(acc, y);
+    }
+    total += hsum8(acc);
+#endif
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - shift);
+        total += x[i];
+    }
+    return total;
+}
+
+/* ---- shared between operations ---------------------------------------------------------------------------------- */
+
+/* infer_silu_mul into float32 rows or, with `bf16_out`, bf16 ones (rowwise.c): a fused layer's activation, the
+ * next bf16 GEMM's input where that rounds it anyway. */
+INFER_HIDDEN void silu_mul_rows(const float *gate_up, void *out, int64_t rows, int64_t width, int bf16_out);
+
+#endif

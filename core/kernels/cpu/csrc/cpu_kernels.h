@@ -1,0 +1,221 @@
+/* infer's CPU kernels: the library's interface, every struct and function the Python side binds through ctypes
+ * (infer.kernels.cpu.abi mirrors the structs field by field; tests/test_kernel_abi.py holds the two to each other).
+ *
+ * The small float32 ops of a step fused into one pass each, linear layers over packed fp16 / bf16 / int8 weights
+ * for a few rows, a bf16 GEMM on AMX tiles or AVX512-BF16, a layer's dense parts for a few tokens in two calls,
+ * whole stacks of layers and an EAGLE head's draft step in one, paged attention that reads K/V straight from the
+ * pool through the block tables (no gather), and flash attention for prefill chunks.
+ *
+ * Built once per machine by infer.kernels.cpu.builder (gcc -O3 -march=native -fopenmp, every .c file of this folder
+ * into one library). Every pointer is to float32 / int64 / int32 / fp16 / bf16 memory owned by torch tensors; the
+ * Python side checks shapes, dtypes and contiguity. OpenMP here is torch's own runtime (libgomp is already loaded
+ * when this library is), so both share one thread pool. */
+#ifndef INFER_CPU_KERNELS_H
+#define INFER_CPU_KERNELS_H
+
+#include <stdint.h>
+
+/* How a packed weight is stored (the *_kind fields; abi.WEIGHT_KINDS): IEEE half, bfloat16 (a float's upper half:
+ * converting is a shift, exact), or int8 with float scales. */
+enum { KIND_F16 = 0, KIND_I8 = 1, KIND_BF16 = 2 };
+
+/* ---- what this build runs --------------------------------------------------------------------------------------- */
+
+/* The SIMD the kernels were built with: 512 (AVX-512), 256 (AVX2 with F16C and FMA) or 0 (portable C). */
+int64_t infer_simd_width(void);
+
+/* The most rows of x one pass of the GEMV takes: beyond them it streams the weights again. */
+int64_t infer_pass_rows(void);
+
+/* How this build multiplies `infer_linear_tiles`: 2 on AMX tiles (built with AMX and allowed by the OS), 1 with
+ * AVX512-BF16's dot products, 0 in plain C. */
+int64_t infer_tile_kind(void);
+
+/* 2 when this build's infer_flash_attention multiplies on AMX tiles (its bf16 mode; float32 FMAs stay AVX-512), 1
+ * when on AVX512-BF16's dot products, 0 when it has none (prefill chunks then stay on torch's). */
+int64_t infer_flash_kind(void);
+
+/* ---- linear layers (gemv.c, gemm_tiles.c) ----------------------------------------------------------------------- */
+
+/* y[m, n] = w[n, :] . x[m, :] + bias[n] (no bias when NULL) for `rows` rows of x (k floats each), y [rows, n_out],
+ * with w [n_out, k] packed by `infer.kernels.cpu.pack_weights` in blocks of four output rows,
+ * [n_out / 4][k / 8][4][8] (n_out % 4 == 0, k % 8 == 0): fp16 weights. Meant for the few rows of a decode or
+ * verification step, which stream every weight from memory once. */
+void infer_linear_f16(const float *x, int64_t rows, int64_t k, const uint16_t *w, const float *bias, float *y,
+                      int64_t n_out);
+
+/* infer_linear_f16 over bfloat16 weights: the bf16 model's own weights, float32 activations and sums. */
+void infer_linear_bf16(const float *x, int64_t rows, int64_t k, const uint16_t *w, const float *bias, float *y,
+                       int64_t n_out);
+
+/* infer_linear_f16 over int8 weights with `groups` float scales per row, packed by `infer.kernels.cpu.pack_scales`
+ * ([n_out / 4][groups][4]; a group is k / groups consecutive weights of a row, a multiple of 8): a bit over half of
+ * fp16's bytes. */
+void infer_linear_i8(const float *x, int64_t rows, int64_t k, const int8_t *w, const float *scales, int64_t groups,
+                     const float *bias, float *y, int64_t n_out);
+
+/* y [rows, n_out] = x [rows, k] . w^T (+ bias) with bf16 weights laid out by `infer.kernels.cpu.pack_tiles` for
+ * AMX's TDPBF16PS: per block of 32 output columns and per 32 columns of k, two 1 KB B tiles (16 output columns
+ * each), row p holding the pairs (w[n][2p], w[n][2p + 1]) of the tile's 16 n: [n_out / 32][k / 32][2][16][16][2]
+ * (n_out % 32 == 0, k % 32 == 0). x is float32, or bf16 when `x_bf16`, rounded to bf16; products accumulate in
+ * float32; y is float32, or bf16 (rounded once) when `y_bf16`. With `fma` (AVX-512 builds) x is not rounded: float32
+ * FMAs over the widened weights instead. */
+void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, const uint16_t *w,
+                        const float *bias, void *y, int64_t y_bf16, int64_t n_out, int64_t fma);
+
+/* ---- row-wise ops (rowwise.c) ----------------------------------------------------------------------------------- */
+
+/* For each of `rows` rows of `dim` floats: if delta (NULL: none), residual += delta (in place); then
+ * out = residual * rsqrt(mean(residual^2) + eps) * weight. */
+void infer_add_rms_norm(float *residual, const float *delta, float *out, const float *weight, int64_t rows,
+                        int64_t dim, float eps);
+
+/* infer_add_rms_norm for any of the large steps' dtypes: delta float32 or bfloat16 (`delta_bf16`: a bf16 GEMM's
+ * output, added without a float32 copy), the normed rows float32 or rounded to bfloat16 (`out_bf16`: the next
+ * GEMM's input). */
+void infer_add_rms_norm_mixed(float *residual, const void *delta, int64_t delta_bf16, void *out, int64_t out_bf16,
+                              const float *weight, int64_t rows, int64_t dim, float eps);
+
+/* gate_up: rows x (2 * width), gate first; out: rows x width = silu(gate) * up. */
+void infer_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width);
+
+/* infer_silu_mul over bfloat16 rows (a bf16 GEMM's output) into bfloat16 (the next one's input), computed in
+ * float. */
+void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width);
+
+/* qkv: tokens x row_stride floats, Q heads then K heads (head_dim each) first. Rotates those num_heads heads of
+ * every token in place at positions[t], HF's half-split layout (pairs i, i + head_dim / 2), with cos / signed-sin
+ * tables ([max_positions, head_dim], sin's first half negated): x * cos + swap_halves(x) * sin. */
+void infer_rope(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
+                int64_t tokens, int64_t row_stride, int64_t num_heads, int64_t head_dim);
+
+/* infer_rope over a bf16 GEMM's output: out (tokens x width, float32, contiguous) = qkv (bfloat16, the same shape)
+ * widened, the first num_heads heads of each row rotated. */
+void infer_rope_widen(const uint16_t *qkv, float *out, const int64_t *positions, const float *cos_table,
+                      const float *sin_table, int64_t tokens, int64_t width, int64_t num_heads, int64_t head_dim);
+
+/* Token t's K (width floats at k + t * k_stride) and V (at v + t * v_stride) into the layer's pool
+ * kv (2 x num_slots x width; float32, or bfloat16 rounded to nearest when kv_bf16) at slot slots[t]; negative
+ * slots are padding and skipped. */
+void infer_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, void *kv,
+                    const int64_t *slots, int64_t tokens, int64_t width, int64_t num_slots, int64_t kv_bf16);
+
+/* ---- attention (paged_attention*.c, flash_attention*.c) --------------------------------------------------------- */
+
+/* Query i (of `queries`) is token row r = rows[i] (r = i when rows is NULL): its heads at q + r * q_stride, its
+ * result at out + r * num_heads * head_dim. It attends to the first context_lens[i] tokens of sequence
+ * seq_of_query[i], read through that sequence's block table row (block_tables + seq * table_stride) from the
+ * layer's pool kv (2 x num_blocks x block_size x num_kv_heads x head_dim; float32, or bfloat16 when kv_bf16). With
+ * own_keys (NULL: none) and own_keys[i] >= 0, the last of those tokens, its own position, is read from the
+ * sequence's token own_keys[i] instead: a leaf of a draft tree, which stands beside the spine's draft at that
+ * position while its K/V were written past the spine. With `dots` (a bf16 pool of 64-wide heads in an AVX512-BF16
+ * build; ignored elsewhere) the queries and the probabilities are rounded to bf16 and multiplied on VDPBF16PS,
+ * scores, maxima and sums float32 (the flash attention's precision). max_context is not read. */
+void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
+                           int64_t table_stride, const int64_t *rows, const int64_t *seq_of_query,
+                           const int64_t *context_lens, const int64_t *own_keys, float *out, int64_t queries,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           int64_t num_blocks, int64_t max_context, float scale, int64_t kv_bf16, int64_t dots);
+
+/* Causal attention for `count` prefill chunks: chunk i is token rows starts[i] .. starts[i] + query_lens[i] - 1 of
+ * q [T, num_heads, head_dim] (float32, rows q_stride apart), positions contexts[i] - query_lens[i] onwards of the
+ * sequence whose block table row is tables[i]; each row attends to its own position and every one before, read
+ * from the layer's pool kv (float32, or bfloat16 when kv_bf16) into out [T, num_heads, head_dim] (float32). The
+ * precision of torch's bf16 flash attention: Q, K, V and the probabilities rounded to bf16, the scores, the softmax
+ * and the sums float32; with `fma`, float32 FMAs over the widened K/V instead, Q and the probabilities kept float32.
+ * head_dim must be a multiple of 64, and the build must have it (infer_flash_kind() > 0; else this aborts). */
+void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
+                           int64_t table_stride, const int64_t *starts, const int64_t *query_lens,
+                           const int64_t *contexts, const int64_t *tables, int64_t count, float *out,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           int64_t num_blocks, float scale, int64_t kv_bf16, int64_t fma);
+
+/* ---- a few tokens through layers, attention included (fused.c) -------------------------------------------------- */
+
+/* One layer's projections packed by pack_weights (fp16, bf16, or int8 with scales from pack_scales; see
+ * infer_linear_f16 and infer_linear_i8) with their optional float32 biases, its two RMSNorm weights and its
+ * shapes (abi.LayerStruct). */
+typedef struct {
+    const void *qkv, *o, *gate_up, *down;  /* stored as their *_kind says */
+    const float *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    const float *input_norm, *post_norm;
+    float eps;
+    int64_t hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim;
+    int64_t qkv_groups, o_groups, gate_up_groups, down_groups;  /* int8: scales per row */
+    int64_t qkv_kind, o_kind, gate_up_kind, down_kind;  /* KIND_F16, KIND_I8 or KIND_BF16 */
+    /* bf16 only, optional (NULL: none): the same weights laid out by pack_tiles for the tile GEMM (AMX or
+     * AVX512-BF16), which takes steps of more rows than one pass of the GEMV */
+    const uint16_t *qkv_tiles, *o_tiles, *gate_up_tiles, *down_tiles;
+    int64_t tiles_fma;  /* the tiles multiply float32 rows with FMAs (infer_linear_tiles' fma) */
+} infer_layer;
+
+/* One step's attention as infer_paged_attention runs it (see there), with the slots its tokens' K/V go to
+ * (abi.AttentionStepStruct). */
+typedef struct {
+    const int32_t *block_tables;
+    int64_t table_stride;
+    const int64_t *slots, *rows, *seq_of_query, *context_lens;
+    int64_t queries, max_context, num_heads, num_kv_heads, head_dim, block_size, num_blocks;
+    float scale;
+    int64_t kv_bf16;  /* the pool holds bfloat16 */
+    const int64_t *own_keys;  /* NULL, or a draft tree's leaves' own K/V (infer_paged_attention's own_keys) */
+    int64_t dots;  /* a bf16 pool's queries on AVX512-BF16's dot products (infer_paged_attention's dots) */
+} infer_attention_step;
+
+/* An EAGLE draft head (plugins/drafters/eagle): RMSNorm weights, its fc [hidden, 2 * hidden] and its
+ * draft-vocabulary output [vocab, hidden], packed as their *_kind says (int8: *_groups scales a row;
+ * abi.DraftHeadStruct). */
+typedef struct {
+    const float *embed_norm, *feature_norm, *norm;
+    float eps;
+    const void *fc;
+    const float *fc_scales, *fc_bias;
+    int64_t fc_groups, fc_kind;
+    const void *out;
+    const float *out_scales;
+    int64_t out_groups, out_kind, vocab, hidden;
+} infer_draft_head;
+
+/* The layer's first half up to attention for `tokens` tokens: residual += delta (none for the first layer),
+ * RMSNorm, the QKV projection into qkv [tokens, qkv_width], RoPE on its Q and K heads at `positions`. */
+void infer_layer_attention_input(const infer_layer *layer, int64_t tokens, float *residual, const float *delta,
+                                 const int64_t *positions, const float *cos_table, const float *sin_table,
+                                 float *qkv);
+
+/* The layer's second half from attention's output [tokens, q_width]: the output projection, residual += it,
+ * RMSNorm, gate/up projection, SiLU-and-multiply, down projection into delta [tokens, hidden] (the next norm adds
+ * it). */
+void infer_layer_feed_forward(const infer_layer *layer, int64_t tokens, const float *attended, float *residual,
+                              float *delta);
+
+/* `count` layers over `tokens` tokens in one call, what infer_layer_attention_input, infer_write_kv,
+ * infer_paged_attention and infer_layer_feed_forward do one by one from Python: layer l reads and writes the pool
+ * at kv + kv_layers[l] * kv_layer_stride (elements of the pool's dtype). `residual` [tokens, hidden] holds the
+ * embeddings on entry (the first layer adds nothing) and the residual stream on return; `delta` [tokens, hidden]
+ * receives the last layer's output (the final norm adds the two). All layers share the hidden size and the
+ * attention shapes. */
+void infer_layers_few(const infer_layer *layers, const int64_t *kv_layers, int64_t count, int64_t tokens,
+                      float *residual, float *delta, const int64_t *positions, const float *cos_table,
+                      const float *sin_table, void *kv, int64_t kv_layer_stride, const infer_attention_step *step);
+
+/* One draft step of the head over `tokens` pairs (token embedding, the target feature before it), what the drafter
+ * did in about twenty calls from Python: x = fc([norm_e(embeds), norm_f(features)]), the head's layer over x
+ * (infer_layers_few, one layer: its K/V into the head's pool `kv`), then for each of `seqs` sequences the row
+ * last_rows[s] only: predicted[s] = norm(x + layer's output), its draft logits, and guesses[s * width ..] their
+ * `width` largest (in descending order, the first of equal ones first) with their softmax probabilities in
+ * confidence[s * width ..]. */
+void infer_draft_head_step(const infer_draft_head *head, const infer_layer *layer, int64_t tokens,
+                           const float *embeds, const float *features, const int64_t *positions,
+                           const float *cos_table, const float *sin_table, void *kv,
+                           const infer_attention_step *step, const int64_t *last_rows, int64_t seqs,
+                           float *predicted, int64_t width, int64_t *guesses, float *confidence);
+
+/* ---- token bitmasks, structured output (bitmask.c) -------------------------------------------------------------- */
+
+/* Bitmask row i (words int32 per row; token t allowed when bit t % 32 of word t / 32 is set) masks logits row
+ * rows[i] (vocab floats, row_stride apart): forbidden tokens become -inf. */
+void infer_apply_bitmask(float *logits, int64_t row_stride, const int32_t *bitmask, int64_t words,
+                         const int64_t *rows, int64_t num_rows, int64_t vocab);
+
+#endif

@@ -1,0 +1,209 @@
+/* Flash attention's bf16 products on AMX tiles (flash_attention.h; head_dim 64), transposed: 16 query tokens of one
+ * head are the 16 lanes of every register. S^T = K Q^T (keys as A rows, Q^T as the B tile), so each register of
+ * scores is one key for the 16 tokens and the softmax's maxima, sums and rescaling are lane-wise (no reductions
+ * across a register); O^T += V^T P^T, the results' 64 dims x 16 tokens held in four tiles (2, 3, 6, 7) through the
+ * whole item. A lane's maximum moves only when a tile's exceeds it by more than FLASH_SLACK (then the held results
+ * are rescaled once), so the probabilities stay below e^FLASH_SLACK before the final division: the same sums as
+ * rescaling at every tile, far fewer rescalings. */
+#include "flash_attention.h"
+
+#if INFER_AVX512_BF16 && FLASH_AMX
+#define FLASH_SLACK 8.0f
+enum { HEAD_DIM = 64 };
+
+/* Key j into the AMX layouts: keys as rows of head_dim bf16, values transposed per tile of 32 keys (head_dim rows
+ * of 32 keys, the A operand of V^T P^T). `key`/`value` NULL: zeros (padding past the context). */
+static inline void flash_pack_key_amx(const void *key, const void *value, int kv_bf16, int64_t j, int64_t head_dim,
+                                      uint16_t *packed_keys, uint16_t *packed_values) {
+    uint16_t *kt = packed_keys + j * head_dim;
+    uint16_t *vt = packed_values + (j / FLASH_KEYS) * FLASH_KEYS * head_dim + j % FLASH_KEYS;
+    if (key && kv_bf16) {  /* a bf16 pool's row as it is */
+        memcpy(kt, key, sizeof(uint16_t) * head_dim);
+        for (int64_t d = 0; d < head_dim; d++) vt[d * FLASH_KEYS] = ((const uint16_t *)value)[d];
+        return;
+    }
+    for (int64_t d = 0; d < head_dim; d++) {
+        kt[d] = key ? float_to_bf16(((const float *)key)[d]) : 0;
+        vt[d * FLASH_KEYS] = key ? float_to_bf16(((const float *)value)[d]) : 0;
+    }
+}
+
+void flash_pack_amx(const flash_call *call, int64_t i, int64_t kvh, int64_t keys, uint16_t *packed_keys,
+                    uint16_t *packed_values) {
+    const size_t values = flash_values(call);
+    for (int64_t j = 0; j < keys; j++) {
+        const char *key = flash_key_row(call, i, kvh, j);
+        flash_pack_key_amx(key, key ? key + values : NULL, (int)call->kv_bf16, j, call->head_dim, packed_keys,
+                           packed_values);
+    }
+}
+
+/* Tiles 0 and 1 = S^T of 32 keys (rows of 64 bf16, from `keys`) and the 16 tokens of q_t (Q^T, 32 dim pairs). */
+static inline __attribute__((always_inline)) void flash_scores_amx(const uint32_t (*q_t)[16], const uint16_t *keys) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int d = 0; d < 64; d += 32) {
+        _tile_loadd(4, q_t[d / 2], 64);
+        _tile_loadd(5, keys + d, 128);
+        _tile_dpbf16ps(0, 5, 4);
+        _tile_loadd(5, keys + 16 * 64 + d, 128);
+        _tile_dpbf16ps(1, 5, 4);
+    }
+}
+
+/* Q^T as B tiles (q_t: per dim pair, the 16 tokens' pairs) from `tokens` (<= 16) query rows q_stride floats apart,
+ * rounded to bf16; lanes past `tokens` zero queries, whose results are never read. */
+static inline __attribute__((always_inline)) void transpose_queries(const float *q, int64_t q_stride, int64_t tokens,
+                                                                    uint32_t (*q_t)[16]) {
+    uint32_t q_rows[16][HEAD_DIM / 2];  /* Q in bf16, a token per row (its dim pairs as 32-bit words) */
+    for (int64_t t = 0; t < 16; t++) {
+        for (int d = 0; d < HEAD_DIM; d += 32) {
+            const __m512 low = t < tokens ? _mm512_loadu_ps(q + t * q_stride + d) : _mm512_setzero_ps();
+            const __m512 high = t < tokens ? _mm512_loadu_ps(q + t * q_stride + d + 16) : _mm512_setzero_ps();
+            _mm512_storeu_si512(&q_rows[t][d / 2], (__m512i)_mm512_cvtne2ps_pbh(high, low));
+        }
+    }
+    const __m512i token_rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                                                   1, 0), _mm512_set1_epi32(HEAD_DIM / 2));
+    for (int p = 0; p < HEAD_DIM / 2; p++)
+        _mm512_storeu_si512(q_t[p], _mm512_i32gather_epi32(token_rows, &q_rows[0][p], 4));
+}
+
+/* The tile's scores scaled, in place: key k0 + j is seen by the tokens at or after its position (offset: token 0's;
+ * masked to -inf for the others). Returns each token's maximum over the tile. Unrolled, so that the four chains of
+ * maxima stay in registers. */
+static inline __attribute__((always_inline)) __m512 scale_scores(float (*scores)[16], int64_t k0, int64_t offset,
+                                                                 __m512 factor) {
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    __m512 tops[4] = {minus_inf, minus_inf, minus_inf, minus_inf};
+#pragma GCC unroll 32
+    for (int j = 0; j < FLASH_KEYS; j++) {
+        const int64_t ahead = k0 + j - offset;
+        const __mmask16 seen = ahead <= 0 ? 0xFFFF : ahead >= 16 ? 0 : (__mmask16)(0xFFFFu << ahead);
+        const __m512 scaled = _mm512_mask_mul_ps(minus_inf, seen, _mm512_loadu_ps(scores[j]), factor);
+        _mm512_storeu_ps(scores[j], scaled);
+        tops[j % 4] = _mm512_max_ps(tops[j % 4], scaled);
+    }
+    return _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
+}
+
+/* The result tiles (2, 3, 6, 7: O^T's 64 dims) through `results`, each token's lane times rescale. */
+static inline __attribute__((always_inline)) void rescale_result_tiles(float (*results)[16], __m512 rescale) {
+    _tile_stored(2, &results[0][0], 64);
+    _tile_stored(3, &results[16][0], 64);
+    _tile_stored(6, &results[32][0], 64);
+    _tile_stored(7, &results[48][0], 64);
+    for (int d = 0; d < HEAD_DIM; d++)
+        _mm512_storeu_ps(results[d], _mm512_mul_ps(_mm512_loadu_ps(results[d]), rescale));
+    _tile_loadd(2, &results[0][0], 64);
+    _tile_loadd(3, &results[16][0], 64);
+    _tile_loadd(6, &results[32][0], 64);
+    _tile_loadd(7, &results[48][0], 64);
+}
+
+/* P^T as a B tile (probs: per key pair, the 16 tokens' pairs) = exp(scores - held), rounded to bf16; returns their
+ * sums per token. Unrolled, so that the four chains of sums stay in registers. */
+static inline __attribute__((always_inline)) __m512 tile_probs(float (*scores)[16], __m512 held,
+                                                               uint16_t (*probs)[16][2]) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+#pragma GCC unroll 16
+    for (int j = 0; j < FLASH_KEYS; j += 2) {
+        const __m512 p0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores[j]), held));
+        const __m512 p1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores[j + 1]), held));
+        sums[j / 2 % 4] = _mm512_add_ps(sums[j / 2 % 4], _mm512_add_ps(p0, p1));
+        const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        _mm512_storeu_si512(&probs[j / 2][0][0], pair);
+    }
+    return _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3]));
+}
+
+/* O^T += V^T P^T for one tile of 32 keys: `values` this tile's V^T (a dim per row, 32 keys), P^T from probs. */
+static inline __attribute__((always_inline)) void weigh_tile(const uint16_t (*probs)[16][2], const uint16_t *values) {
+    _tile_loadd(4, &probs[0][0][0], 64);
+    _tile_loadd(5, values, FLASH_KEYS * 2);
+    _tile_dpbf16ps(2, 5, 4);
+    _tile_loadd(5, values + 16 * FLASH_KEYS, FLASH_KEYS * 2);
+    _tile_dpbf16ps(3, 5, 4);
+    _tile_loadd(5, values + 32 * FLASH_KEYS, FLASH_KEYS * 2);
+    _tile_dpbf16ps(6, 5, 4);
+    _tile_loadd(5, values + 48 * FLASH_KEYS, FLASH_KEYS * 2);
+    _tile_dpbf16ps(7, 5, 4);
+}
+
+/* O^T (tiles 2, 3, 6, 7) back to a row per token, divided by the token's sum (total), into out (rows out_stride
+ * floats apart). */
+static inline __attribute__((always_inline)) void store_tokens(__m512 total, int64_t tokens, float *out,
+                                                               int64_t out_stride) {
+    float results[HEAD_DIM][16];
+    _tile_stored(2, &results[0][0], 64);
+    _tile_stored(3, &results[16][0], 64);
+    _tile_stored(6, &results[32][0], 64);
+    _tile_stored(7, &results[48][0], 64);
+    float inverse[16];
+    _mm512_storeu_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
+    const __m512i dim_rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1,
+                                                                 0), _mm512_set1_epi32(16));
+    for (int64_t t = 0; t < tokens; t++) {
+        const __m512 factor_t = _mm512_set1_ps(inverse[t]);
+        for (int d = 0; d < HEAD_DIM; d += 16)
+            _mm512_storeu_ps(out + t * out_stride + d,
+                             _mm512_mul_ps(_mm512_i32gather_ps(dim_rows, &results[d][t], 4), factor_t));
+    }
+}
+
+/* One work item: `tokens` (<= 16) query rows of one head, q_stride floats apart, positions offset onwards, against
+ * the keys and values packed by flash_pack_key_amx, into out (rows out_stride floats apart). The caller has loaded
+ * the tile configuration (every tile 16 rows of 64 bytes). Each tile's scores are computed on the tile unit while
+ * the previous tile's softmax runs on the vector units. */
+static void flash_item_amx(const float *q, int64_t q_stride, int64_t tokens, int64_t offset, const uint16_t *keys,
+                           const uint16_t *values, float scale, float *out, int64_t out_stride) {
+    uint32_t q_t[HEAD_DIM / 2][16];         /* Q^T as B tiles: per dim pair, the 16 tokens' pairs */
+    float scores[FLASH_KEYS][16];           /* S^T: a key per row, a token per lane */
+    uint16_t probs[FLASH_KEYS / 2][16][2];  /* P^T as a B tile: per key pair, the 16 tokens' pairs */
+    float results[HEAD_DIM][16];            /* O^T, while the held results are rescaled */
+    transpose_queries(q, q_stride, tokens, q_t);
+    const __m512 factor = _mm512_set1_ps(scale);
+    __m512 held = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();  /* per token: its sums' maximum */
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(6);
+    _tile_zero(7);
+    const int64_t last = offset + tokens - 1;
+    flash_scores_amx(q_t, keys);
+    for (int64_t k0 = 0; k0 <= last; k0 += FLASH_KEYS) {
+        _tile_stored(0, &scores[0][0], 64);
+        _tile_stored(1, &scores[16][0], 64);
+        if (k0 + FLASH_KEYS <= last) flash_scores_amx(q_t, keys + (k0 + FLASH_KEYS) * HEAD_DIM);
+        const __m512 top = scale_scores(scores, k0, offset, factor);
+        const __mmask16 moved = _mm512_cmp_ps_mask(top, _mm512_add_ps(held, _mm512_set1_ps(FLASH_SLACK)),
+                                                   _CMP_GT_OQ);
+        if (moved) {  /* those tokens' sums rescaled to their new maxima (none held yet on the first tile) */
+            const __m512 target = _mm512_mask_mov_ps(held, moved, top);
+            const __m512 rescale = exp16(_mm512_sub_ps(held, target));
+            total = _mm512_mul_ps(total, rescale);
+            if (k0 > 0) rescale_result_tiles(results, rescale);
+            held = target;
+        }
+        total = _mm512_add_ps(total, tile_probs(scores, held, probs));
+        weigh_tile(probs, values + k0 * HEAD_DIM);
+    }
+    store_tokens(total, tokens, out, out_stride);
+}
+
+void flash_items_amx(const flash_call *call) {
+    const int64_t per_kv = call->num_heads / call->num_kv_heads, head_dim = call->head_dim;
+    load_full_tiles();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < call->items_at[call->count]; item++) {
+        const flash_item it = flash_item_at(item, call->items_at, call->query_lens, call->contexts, call->num_heads);
+        const int64_t at = call->packed_at[it.chunk] + it.head / per_kv * it.keys * head_dim;
+        const int64_t row = call->starts[it.chunk] + it.first;
+        flash_item_amx(call->q + row * call->q_stride + it.head * head_dim, call->q_stride, it.tokens, it.offset,
+                       call->packed_keys + at, call->packed_values + at, call->scale,
+                       call->out + (row * call->num_heads + it.head) * head_dim, call->num_heads * head_dim);
+    }
+    _tile_release();
+}
+#endif

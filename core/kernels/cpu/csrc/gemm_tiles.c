@@ -1,0 +1,336 @@
+/* The bf16 GEMM over weights laid out by pack_tiles (infer_linear_tiles): on AMX tiles, with AVX512-BF16's dot
+ * products, with float32 FMAs over the widened weights, or in plain C (the reference the tests hold the others to).
+ *
+ * x is rounded to bf16 into a buffer (padded to 32 rows for AMX). Each thread takes blocks of 32 output columns and
+ * runs every block of rows of x over it: a block's weights (32 k bf16s per column) come from memory once and stay in
+ * L2 for the next rows. On AMX (when the OS allows it) 2 x 2 tiles of results per pass; else with AVX512-BF16
+ * (VDPBF16PS reads each B tile row as one register: the same layout) DOT_ROWS rows per pass. With `fma` (AVX-512
+ * builds) x stays float32 and the products are float32 FMAs over the widened weights instead (block_fma_bf16), for
+ * CPUs where those outrun the bf16 dot products. Rows of x go in chunks of TILE_CHUNK_ROWS, which stay in L2 while
+ * every block of weights passes over them (a 2048-row prefill over all rows at once read x from L3 on AMX: 1016 vs
+ * 596 ms for four 512-token prompts). */
+#include "common.h"
+
+#define TILE_CHUNK_ROWS 256
+
+/* Stores a 16 x 16 float tile of results (`stride` floats apart) at rows m, columns n of y: the rows below
+ * `rows`, plus bias, as float32 or bf16. */
+static void store_tile(const float *tile, int64_t stride, int64_t m, int64_t rows, int64_t n, const float *bias,
+                       void *y, int64_t n_out, int y_bf16) {
+#if INFER_AVX512
+    const __m512 add = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < 16 && m + r < rows; r++)
+        store16(_mm512_add_ps(_mm512_loadu_ps(tile + r * stride), add), y, (m + r) * n_out + n, y_bf16);
+#else
+    for (int64_t r = 0; r < 16 && m + r < rows; r++) {
+        float out[16];
+        for (int c = 0; c < 16; c++) out[c] = tile[r * stride + c] + (bias ? bias[n + c] : 0.0f);
+        if (y_bf16)
+            floats_to_bf16(out, (uint16_t *)y + (m + r) * n_out + n, 16);
+        else
+            memcpy((float *)y + (m + r) * n_out + n, out, sizeof out);
+    }
+#endif
+}
+
+/* ---- AMX -------------------------------------------------------------------------------------------------------- */
+
+#if INFER_AMX
+/* Over xb (bf16, `padded` rows): each thread takes blocks of 32 output columns, 2 x 2 tiles of results per pass. */
+static void tiles_amx(const uint16_t *xb, int64_t rows, int64_t padded, int64_t k, const uint16_t *w,
+                      const float *bias, void *y, int y_bf16, int64_t n_out) {
+    const int64_t k_tiles = k / 32, blocks = n_out / 32;
+#pragma omp parallel
+    {
+        load_full_tiles();
+        float results[4][16][16];
+        for (int64_t chunk = 0; chunk < padded; chunk += TILE_CHUNK_ROWS) {
+            const int64_t chunk_end = chunk + TILE_CHUNK_ROWS < padded ? chunk + TILE_CHUNK_ROWS : padded;
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                const uint16_t *wb = w + b * k_tiles * 1024;
+                const int64_t n = b * 32;
+                for (int64_t m = chunk; m < chunk_end; m += 32) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    const uint16_t *x0 = xb + m * k, *x1 = x0 + 16 * k;
+                    for (int64_t t = 0; t < k_tiles; t++) {
+                        _tile_loadd(4, x0 + t * 32, k * 2);
+                        _tile_loadd(5, x1 + t * 32, k * 2);
+                        _tile_loadd(6, wb + t * 1024, 64);
+                        _tile_loadd(7, wb + t * 1024 + 512, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                    const int direct = !bias && !y_bf16;
+                    if (direct && m + 32 <= rows) {  /* whole tiles straight into y */
+                        float *out = (float *)y + m * n_out + n;
+                        _tile_stored(0, out, n_out * 4);
+                        _tile_stored(1, out + 16, n_out * 4);
+                        _tile_stored(2, out + 16 * n_out, n_out * 4);
+                        _tile_stored(3, out + 16 * n_out + 16, n_out * 4);
+                        continue;
+                    }
+                    _tile_stored(0, results[0], 64);
+                    _tile_stored(1, results[1], 64);
+                    _tile_stored(2, results[2], 64);
+                    _tile_stored(3, results[3], 64);
+                    for (int q = 0; q < 4; q++)
+                        store_tile(&results[q][0][0], 16, m + (q / 2) * 16, rows, n + (q % 2) * 16, bias, y, n_out,
+                                   y_bf16);
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+#endif
+
+/* ---- AVX-512: AVX512-BF16's dot products, or float32 FMAs ------------------------------------------------------- */
+
+#if INFER_AVX512
+/* Rows 0..count-1 of one block's sums (its two halves of 16 columns) plus the bias (NULL: none) into y, rows of n_out
+ * from element `at`: the tile kernels' last step, where the bias is first read (held through their loops it pushed
+ * the weights out of registers). */
+static inline __attribute__((always_inline)) void store_block(__m512 (*acc)[2], int count, const float *bias,
+                                                              void *y, int64_t at, int64_t n_out, int y_bf16) {
+    const __m512 add0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 add1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < count; r++) {
+        store16(_mm512_add_ps(acc[r][0], add0), y, at + r * n_out, y_bf16);
+        store16(_mm512_add_ps(acc[r][1], add1), y, at + r * n_out + 16, y_bf16);
+    }
+}
+
+/* The share of k-tile t (of k / 32) of a pass's slice of the next block's weights (tiles_avx512's `ahead`,
+ * ahead_bytes of it): its lines requested into L2, spread evenly over the pass. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const char *ahead, int64_t ahead_bytes, int64_t k,
+                                                                 int64_t t) {
+    const int64_t step = (ahead_bytes / 64 + k / 32 - 1) / (k / 32);
+    for (int64_t line = t * step; line < (t + 1) * step && line * 64 < ahead_bytes; line++)
+        _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+}
+#endif
+
+#if INFER_AVX512_BF16
+/* Rows of x one pass of the AVX512-BF16 kernel takes: 2 accumulators each (the block's two 16-column halves), 24
+ * of the 32 registers, plus the two weight vectors; x's pairs are broadcast from memory. */
+#define DOT_ROWS 12
+
+/* Rows 0..count-1 of y (rows of n_out from element `at`; float32 or bf16) = rows of xb (bf16, k each) times one
+ * block of 32 output columns in pack_tiles' layout (+ bias from column n): per pair p of k, one register of each
+ * half's 16 (w[n][2p], w[n][2p + 1]) pairs, the very layout VDPBF16PS reads. The sums stay in registers until
+ * stored (store_block). */
+static inline __attribute__((always_inline)) void block_dot_bf16(const uint16_t *xb, int64_t k, const uint16_t *wb,
+                                                                 const float *bias, void *y, int64_t at,
+                                                                 int64_t n_out, int y_bf16, const char *ahead,
+                                                                 int64_t ahead_bytes, const int count) {
+    __m512 acc[DOT_ROWS][2];
+    for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < k / 32; t++) {
+        const uint16_t *tile = wb + t * 1024;
+        prefetch_ahead(ahead, ahead_bytes, k, t);
+        for (int p = 0; p < 16; p++) {
+            _mm_prefetch((const char *)(tile + 1024 + p * 32), _MM_HINT_T0);  /* the next 32 columns of k */
+            _mm_prefetch((const char *)(tile + 1536 + p * 32), _MM_HINT_T0);
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + p * 32);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(tile + 512 + p * 32);
+            for (int r = 0; r < count; r++) {
+                int32_t pair;
+                memcpy(&pair, xb + r * k + t * 32 + 2 * p, sizeof pair);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+            }
+        }
+    }
+    store_block(acc, count, bias, y, at, n_out, y_bf16);
+}
+
+/* Up to DOT_ROWS rows of xb over one block (block_dot_bf16 with a constant count per copy, so its sums stay in
+ * registers). */
+static void pass_dot_bf16(const uint16_t *xb, int64_t k, const uint16_t *wb, const float *bias, void *y, int64_t at,
+                          int64_t n_out, int y_bf16, const char *ahead, int64_t ahead_bytes, int count) {
+    switch (count) {
+#define DOT_CASE(c) case c: block_dot_bf16(xb, k, wb, bias, y, at, n_out, y_bf16, ahead, ahead_bytes, c); break;
+        DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4) DOT_CASE(5) DOT_CASE(6)
+        DOT_CASE(7) DOT_CASE(8) DOT_CASE(9) DOT_CASE(10) DOT_CASE(11) DOT_CASE(12)
+#undef DOT_CASE
+    }
+}
+#endif
+
+#if INFER_AVX512
+/* Rows of x one pass of the FMA kernel takes: 2 accumulators each, 16 of the 32 registers, plus the four widened
+ * weight vectors and the broadcasts (12 rows made gcc spill). */
+#define FMA_ROWS 8
+
+/* block_dot_bf16's product with float32 FMAs (any AVX-512 build): rows of x (float32, not rounded to bf16) times
+ * the block's bf16 weights, widened in registers (widen_pairs). Two FMAs per pair where VDPBF16PS takes one, at the
+ * CPU's float32 rate: faster where that rate is more than half the dot products' (an Intel Xeon with AVX512-BF16 and
+ * no AMX: 1.6x, level with MKL's float32 GEMM), and float32 products of the exact bf16 weights. */
+static inline __attribute__((always_inline)) void block_fma_bf16(const float *x, int64_t k, const uint16_t *wb,
+                                                                 const float *bias, void *y, int64_t at,
+                                                                 int64_t n_out, int y_bf16, const char *ahead,
+                                                                 int64_t ahead_bytes, const int count) {
+    __m512 acc[FMA_ROWS][2];
+    for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < k / 32; t++) {
+        const uint16_t *tile = wb + t * 1024;
+        prefetch_ahead(ahead, ahead_bytes, k, t);
+        for (int p = 0; p < 16; p++) {
+            _mm_prefetch((const char *)(tile + 1024 + p * 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(tile + 1536 + p * 32), _MM_HINT_T0);
+            __m512 even0, odd0, even1, odd1;
+            widen_pairs(_mm512_loadu_si512(tile + p * 32), &even0, &odd0);
+            widen_pairs(_mm512_loadu_si512(tile + 512 + p * 32), &even1, &odd1);
+            for (int r = 0; r < count; r++) {
+                const __m512 xe = _mm512_set1_ps(x[r * k + t * 32 + 2 * p]);
+                const __m512 xo = _mm512_set1_ps(x[r * k + t * 32 + 2 * p + 1]);
+                acc[r][0] = _mm512_fmadd_ps(xo, odd0, _mm512_fmadd_ps(xe, even0, acc[r][0]));
+                acc[r][1] = _mm512_fmadd_ps(xo, odd1, _mm512_fmadd_ps(xe, even1, acc[r][1]));
+            }
+        }
+    }
+    store_block(acc, count, bias, y, at, n_out, y_bf16);
+}
+
+/* Up to FMA_ROWS rows of x over one block (block_fma_bf16, a constant count per copy). */
+static void pass_fma_bf16(const float *x, int64_t k, const uint16_t *wb, const float *bias, void *y, int64_t at,
+                          int64_t n_out, int y_bf16, const char *ahead, int64_t ahead_bytes, int count) {
+    switch (count) {
+#define FMA_CASE(c) case c: block_fma_bf16(x, k, wb, bias, y, at, n_out, y_bf16, ahead, ahead_bytes, c); break;
+        FMA_CASE(1) FMA_CASE(2) FMA_CASE(3) FMA_CASE(4) FMA_CASE(5) FMA_CASE(6) FMA_CASE(7) FMA_CASE(8)
+#undef FMA_CASE
+    }
+}
+
+/* The product with AVX-512 instead of AMX: VDPBF16PS over xb (bf16 rows; AVX512-BF16 builds), or with `fma` the
+ * float32 FMAs over x (float32 rows). Each thread takes blocks of 32 output columns and runs the chunk's rows over
+ * each, a pass of rows at a time; the block's weights stay in L2 (L1 for small k) for the next rows. */
+static void tiles_avx512(const void *x, int fma, int64_t rows, int64_t k, const uint16_t *w, const float *bias,
+                         void *y, int y_bf16, int64_t n_out) {
+#if INFER_AVX512_BF16
+    const int64_t pass = fma ? FMA_ROWS : DOT_ROWS;
+#else
+    const int64_t pass = FMA_ROWS;  /* the FMAs are all this build has */
+    (void)fma;
+#endif
+    const int64_t blocks = n_out / 32;
+#pragma omp parallel
+    for (int64_t chunk = 0; chunk < rows; chunk += TILE_CHUNK_ROWS) {
+        const int64_t chunk_end = chunk + TILE_CHUNK_ROWS < rows ? chunk + TILE_CHUNK_ROWS : rows;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint16_t *wb = w + b * (k / 32) * 1024;
+            const float *own_bias = bias ? bias + b * 32 : NULL;
+            /* the next block's weights (this thread's next, but at the end of its share) come from memory: its
+             * passes ask for a slice of them each, into L2, while this block's are read from there */
+            const int64_t block_bytes = (k / 32) * 2048, passes = (chunk_end - chunk + pass - 1) / pass;
+            const int64_t slice = (block_bytes / passes + 63) / 64 * 64;
+            const char *next = b + 1 < blocks ? (const char *)(wb + (k / 32) * 1024) : NULL;
+            for (int64_t m = chunk, i = 0; m < chunk_end; m += pass, i++) {
+                const int count = (int)(chunk_end - m < pass ? chunk_end - m : pass);
+                const int64_t at = m * n_out + b * 32;
+                const int64_t from = i * slice, bytes = next && from < block_bytes ?
+                                                        (block_bytes - from < slice ? block_bytes - from : slice) : 0;
+                const char *ahead = next ? next + from : NULL;
+#if INFER_AVX512_BF16
+                if (!fma) {
+                    pass_dot_bf16((const uint16_t *)x + m * k, k, wb, own_bias, y, at, n_out, y_bf16, ahead, bytes,
+                                  count);
+                    continue;
+                }
+#endif
+                pass_fma_bf16((const float *)x + m * k, k, wb, own_bias, y, at, n_out, y_bf16, ahead, bytes, count);
+            }
+        }
+    }
+}
+#endif
+
+/* ---- plain C ---------------------------------------------------------------------------------------------------- */
+
+/* The same arithmetic in plain C: the reference the tests hold the other two to. */
+static void tiles_portable(const uint16_t *xb, int64_t rows, int64_t k, const uint16_t *w, const float *bias,
+                           void *y, int y_bf16, int64_t n_out) {
+    const int64_t k_tiles = k / 32, blocks = n_out / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t m = 0; m < rows; m += 16) {
+            for (int half = 0; half < 2; half++) {
+                float tile[16][16] = {{0}};
+                const uint16_t *wt = w + b * k_tiles * 1024 + half * 512;
+                for (int64_t t = 0; t < k_tiles; t++)
+                    for (int r = 0; r < 16 && m + r < rows; r++)
+                        for (int p = 0; p < 16; p++) {
+                            const float x0 = bf16_to_float(xb[(m + r) * k + t * 32 + 2 * p]);
+                            const float x1 = bf16_to_float(xb[(m + r) * k + t * 32 + 2 * p + 1]);
+                            for (int c = 0; c < 16; c++) {
+                                const uint16_t *pair = wt + t * 1024 + p * 32 + c * 2;
+                                tile[r][c] += x0 * bf16_to_float(pair[0]) + x1 * bf16_to_float(pair[1]);
+                            }
+                        }
+                store_tile(&tile[0][0], 16, m, rows, b * 32 + half * 16, bias, y, n_out, y_bf16);
+            }
+        }
+    }
+}
+
+/* ---- the entry -------------------------------------------------------------------------------------------------- */
+
+int64_t infer_tile_kind(void) {
+    if (amx_available()) return 2;
+#if INFER_AVX512_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* x's rows as the bf16 products read them: NULL where bf16 rows can be read in place (not padded for AMX), else a
+ * buffer of `padded` rows (free it), x copied or rounded to bf16 and the padding zero. */
+static uint16_t *rows_as_bf16(const void *x, int64_t x_bf16, int64_t rows, int64_t padded, int64_t k) {
+    uint16_t *copy = x_bf16 && padded == rows ? NULL : malloc(sizeof(uint16_t) * padded * k);
+    if (!copy) return NULL;
+    memset(copy + rows * k, 0, sizeof(uint16_t) * (padded - rows) * k);
+#pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_ELEMENTS)
+    for (int64_t m = 0; m < rows; m++) {
+        if (x_bf16)
+            memcpy(copy + m * k, (const uint16_t *)x + m * k, sizeof(uint16_t) * k);
+        else
+            floats_to_bf16((const float *)x + m * k, copy + m * k, k);
+    }
+    return copy;
+}
+
+void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, const uint16_t *w,
+                        const float *bias, void *y, int64_t y_bf16, int64_t n_out, int64_t fma) {
+#if INFER_AVX512
+    if (fma) {  /* float32 rows as they are (bf16 ones widened, exactly) */
+        float *widened = x_bf16 ? malloc(sizeof(float) * rows * k) : NULL;
+        if (widened) bf16_to_floats((const uint16_t *)x, widened, rows * k);
+        tiles_avx512(widened ? widened : x, 1, rows, k, w, bias, y, (int)y_bf16, n_out);
+        free(widened);
+        return;
+    }
+#else
+    (void)fma;
+#endif
+    const int64_t kind = infer_tile_kind();
+    const int64_t padded = kind == 2 ? (rows + 31) / 32 * 32 : rows;  /* AMX loads whole 16-row tiles of x */
+    uint16_t *copy = rows_as_bf16(x, x_bf16, rows, padded, k);
+    const uint16_t *xb = copy ? copy : (const uint16_t *)x;
+#if INFER_AMX
+    if (kind == 2) tiles_amx(xb, rows, padded, k, w, bias, y, (int)y_bf16, n_out);
+#endif
+#if INFER_AVX512_BF16
+    if (kind == 1) tiles_avx512(xb, 0, rows, k, w, bias, y, (int)y_bf16, n_out);
+#endif
+    if (kind == 0) tiles_portable(xb, rows, k, w, bias, y, (int)y_bf16, n_out);
+    free(copy);
+}

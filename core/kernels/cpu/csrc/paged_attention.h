@@ -1,0 +1,86 @@
+/* Paged attention's parts (infer_paged_attention): the plan of one run of queries, its work items and how the
+ * threads share them (paged_attention_plan.c), the run itself (paged_attention.c), and the AVX-512 kernels that
+ * read a bf16 pool's 64-wide rows in place (paged_attention_avx512.c).
+ *
+ * Split decoding: the work items are (group, chunk of DECODE_CHUNK keys, its KV heads or one of them), where a group
+ * is up to DECODE_GROUP consecutive queries of one sequence. An item lists its key rows once for the whole group,
+ * then every query head of the group that sees the chunk scores them, takes their softmax against the chunk's own
+ * maximum and weighs the value rows into a partial result; the chunks' partial results are then merged per query
+ * head in chunk order. */
+#ifndef INFER_PAGED_ATTENTION_H
+#define INFER_PAGED_ATTENTION_H
+
+#include "common.h"
+
+/* Keys per work item. A constant, so that a query's result never depends on the other queries of its step (a
+ * verified draft row equals the decode row it replaces, bit for bit). */
+#define DECODE_CHUNK 64
+/* Consecutive queries of one sequence (a verification's rows, a chunk's) that share a work item's key rows. */
+#define DECODE_GROUP 16
+/* Query heads of one pass of the AVX-512 kernels' value weighing (paged_attention_avx512.c). */
+#define WEIGH_HEADS 6
+
+/* One run of infer_paged_attention's queries: its arguments (cpu_kernels.h), query i being token row rows[i], or
+ * row_base + i when rows is NULL. */
+typedef struct {
+    const float *q;
+    int64_t q_stride;
+    const void *kv;
+    const int32_t *block_tables;
+    int64_t table_stride;
+    const int64_t *rows;
+    int64_t row_base;
+    const int64_t *seq_of_query, *context_lens, *own_keys;
+    float *out;
+    int64_t queries, num_heads, num_kv_heads, head_dim, block_size, num_blocks;
+    float scale;
+    int64_t kv_bf16, dots;
+} decode_call;
+
+/* A work item: keys start..end-1 (chunk c of its sequence) of KV heads first_kv_head onwards (kv_heads of them) for
+ * queries first_query..end_query-1 (a group), or for one leaf whose own K/V sit at token own (-1: none). */
+typedef struct {
+    int64_t c, first_query, end_query, first_kv_head, kv_heads, own, start, end;
+} decode_item;
+
+/* A run's work items and where its partial results go. Partial result (query i, head h, chunk c) is entry
+ * partial_at[i] + h * (query i's chunks) + c; an entry is head_dim sums, the chunk's maximum and its exp sum. */
+typedef struct {
+    decode_item *items;
+    int64_t *cost_before;  /* the items' cumulative costs, total_items + 1 of them */
+    int64_t total_items;
+    int64_t *partial_at;
+    int64_t partials;  /* entries in all */
+    int parallel;  /* whether the run is worth the threads */
+} decode_plan;
+
+/* paged_attention_plan.c: the plan of a run (free it with free_decode_plan), and the first item that member
+ * `member` of a team of `team` threads takes (runs of about equal cost). */
+INFER_HIDDEN decode_plan make_decode_plan(const decode_call *call);
+INFER_HIDDEN void free_decode_plan(decode_plan *plan);
+INFER_HIDDEN int64_t run_start(const int64_t *cost_before, int64_t items, int64_t member, int64_t team);
+
+/* paged_attention.c: every item of the plan, then the merge, into the call's out rows. */
+INFER_HIDDEN void run_decode_plan(const decode_call *call, const decode_plan *plan);
+
+#if INFER_AVX512
+/* paged_attention_avx512.c, over a bf16 pool's 64-wide rows read in place (keys[j], values at rows[j] + offset):
+ * scores[h][j] = scale * queries[h] . keys[j] for `heads` query heads and j < n, best[h] their maxima, float32
+ * FMAs over the widened keys or with `dots` (AVX512-BF16 builds) the queries rounded to bf16 on the dot products;
+ * and results[h] = sum_j weights[h][j] * values[j] for WEIGH_HEADS heads or fewer (`count`), over float32 or bf16
+ * (`bf16`) rows, 64 columns. */
+INFER_HIDDEN void score_heads(const float *const *queries, int64_t heads, const uint16_t *const *keys, int64_t n,
+                              float scale, float *const *scores, float *best, int dots);
+INFER_HIDDEN void weigh_pass(float *const *weights, const void *const *rows, ptrdiff_t offset, int64_t n,
+                             float *const *results, int count, int bf16);
+#endif
+
+#if INFER_AVX512_BF16
+/* paged_attention_avx512.c: results[h] = sum_j weights[h][j] * values[j] for `heads` heads over a bf16 pool's
+ * 64-wide value rows on the dot products, the probabilities (n <= DECODE_CHUNK a head, zero past its own keys)
+ * rounded to bf16 pairs in `pairs` (this thread's, WEIGH_HEADS * DECODE_CHUNK / 2 words). */
+INFER_HIDDEN void weigh_dots(float *const *weights, int64_t heads, const void *const *rows, ptrdiff_t offset,
+                             int64_t n, uint32_t *pairs, float *const *results);
+#endif
+
+#endif
