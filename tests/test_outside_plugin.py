@@ -1,6 +1,6 @@
 """A plugin package written to plugin API 1 and frozen since (``tests/outside_plugin``) keeps working: each of its
 plugins passes its kind's conformance suite, and an engine with all of them selected at once gives the built-ins'
-output, with the DeprecationWarnings that version 1's forms earn and nothing else.
+output, with the PluginDeprecationWarnings that version 1's forms earn and nothing else.
 
 The package is installed (``.ci/run``: ``pip install -e tests/outside_plugin --no-deps``) rather than registered
 from here: loading it through its entry points is what a user's infer does, and the conformance suites find
@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from infer import SamplingParams
-from infer.registry import PluginWarning, Registry, get_registry
+from infer.registry import PluginDeprecationWarning, PluginWarning, Registry, get_registry
 from infer.testing import (
     AllocatorConformance,
     AttentionConformance,
@@ -105,7 +105,7 @@ def test_an_engine_with_every_outside_plugin_gives_the_builtins_output():
     assert outputs == expected
     assert not registry.broken and not any(issubclass(w.category, PluginWarning) for w in caught)
     deprecations = sorted(str(w.message) for w in caught if "plugin API" in str(w.message))
-    assert [w.category for w in caught if "plugin API" in str(w.message)] == [DeprecationWarning] * 2
+    assert [w.category for w in caught if "plugin API" in str(w.message)] == [PluginDeprecationWarning] * 2
     assert deprecations[0].startswith('drafter "outside-repeat" (infer_outside_plugin.drafter:RepeatDrafter from '
                                       f'{DISTRIBUTION} 0.1.0): __init__ takes only a config')
     assert deprecations[1].startswith(f"plugin {DISTRIBUTION}:infer_outside_plugin.observer ({DISTRIBUTION} 0.1.0): "
