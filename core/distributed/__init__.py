@@ -25,7 +25,8 @@ the engine raises ``TensorParallelError`` naming it, stops the others, and refus
 
 from infer.distributed.group import TensorParallelError, TensorParallelGroup, backend_name
 from infer.distributed.shards import ShardPlan, model_shard_plans, plan_shards
+from infer.distributed.single import SingleProcess
 from infer.distributed.wire import HEADER_SIZE, POOL, STEP, STOP, Channel, pack_step, unpack_step
 
-__all__ = ["HEADER_SIZE", "POOL", "STEP", "STOP", "Channel", "ShardPlan", "TensorParallelError",
+__all__ = ["HEADER_SIZE", "POOL", "STEP", "STOP", "Channel", "ShardPlan", "SingleProcess", "TensorParallelError",
            "TensorParallelGroup", "backend_name", "model_shard_plans", "pack_step", "plan_shards", "unpack_step"]

@@ -21,7 +21,8 @@ from infer.guide import GuideError, TokenizerInfo, constrain_logits
 from infer.kv_cache_manager import KVCacheManager
 from infer.execution.kv_pool import free_device_memory, plan_kv_pool
 from infer.execution.memory import measure_peak_bytes
-from infer.engine.tensor_parallel import SingleProcess, TensorParallel
+from infer.distributed import SingleProcess
+from infer.engine.tensor_parallel import TensorParallel
 from infer.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepOutput, StepStats
 from infer.execution.runner import ModelRunner
 from infer.model.quantization import model_weight_bytes

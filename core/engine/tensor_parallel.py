@@ -60,47 +60,9 @@ def master_address(config, need_port: bool) -> tuple[str, int]:
     return addr, port
 
 
-class SingleProcess:
-    """The engine's ranks when the model is not sharded: this process alone. It answers what ``TensorParallel``
-    answers, so the engine and the runner treat one process and several alike (no ``is None`` tests in a step)."""
-
-    sharded = False
-    world_size = local_ranks = 1
-    comm_time_s = 0.0
-
-    def shard(self, model: LlamaForCausalLM) -> LlamaForCausalLM:
-        return model
-
-    def connect(self) -> None:
-        """Nothing to meet."""
-
-    def reset_counters(self) -> None:
-        """No collectives to count."""
-
-    def send_pool(self, num_blocks: int) -> None:
-        """No other rank holds a pool."""
-
-    def send_step(self, scheduled: list[tuple[Sequence, int]], input_ids: torch.Tensor, indices: list[int]) -> None:
-        """No other rank runs the step."""
-
-    def failure(self, error: BaseException) -> BaseException:
-        """A failed forward pass is this process's own error."""
-        return error
-
-    def kv_bytes_per_token(self, attention: AttentionBackend, num_layers: int) -> list[int]:
-        """This one rank's KV bytes per token: ``num_layers`` layers of ``attention``'s heads."""
-        return [attention.kv_bytes_per_token(num_layers)]
-
-    def describe(self) -> str:
-        return ""
-
-    def close(self) -> None:
-        """Nothing to stop."""
-
-
 class TensorParallel:
     """Rank 0's side: starts the local ranks, meets the others, sends each step's plan, and stops them.
-    ``SingleProcess`` answers the same for an engine in one process.
+    ``infer.distributed.SingleProcess`` answers the same for an engine in one process.
 
     ``launch`` first (the other ranks load their shards while rank 0 loads its own), then ``shard`` rank 0's
     model, then ``connect``; ``close`` stops every rank (idempotent)."""
@@ -230,8 +192,8 @@ class TensorParallel:
         return [per_head * len(plan.kv_heads) for plan in self.plans]
 
     def describe(self) -> str:
-        return (f"tensor parallel {self.world_size} ranks ({backend_name(self.device)}, {self.local_ranks} on this host, "
-                f"{self.threads} threads each; sharded layers take the torch path)")
+        return (f"tensor parallel {self.world_size} ranks ({backend_name(self.device)}, {self.local_ranks} on this "
+                f"host, {self.threads} threads each; sharded layers take the torch path)")
 
     def close(self) -> None:
         """Stop every rank: a STOP message when the group works, then join (kill after 10 s) the local ones."""

@@ -43,10 +43,6 @@ class KVPoolPlan:
                 f"max concurrency at max_model_len={self.max_model_len}: {self.max_concurrency:.1f}{ranks}")
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-
-
 def free_device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

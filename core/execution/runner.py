@@ -8,6 +8,7 @@ import torch
 
 from infer.attention import AttentionBackend, AttentionMetadata
 from infer.drafter import tree_depths
+from infer.distributed import SingleProcess
 from infer.execution.paths import Executor
 from infer.outputs import BatchRows, StepOutput
 from infer.sequence import Sequence
@@ -24,16 +25,6 @@ def step_tokens(seq: Sequence, num_new_tokens: int) -> list[int]:
         return seq.token_ids[start:end]
     tokens = [seq.token_at(p) for p in range(start, committed)]
     return tokens + seq.draft_token_ids[: end - committed]
-
-
-class _OneRank:
-    """The ranks of a runner built without any (a tensor-parallel rank's own, a drafter's): nothing to send."""
-
-    sharded = False
-
-    @staticmethod
-    def send_step(scheduled, input_ids, indices) -> None:
-        """No other rank runs the step."""
 
 
 class BlockTableError(RuntimeError):
@@ -59,9 +50,9 @@ class ModelRunner:
         self.block_size = attention.block_size
         self.num_blocks = num_blocks
         self.block_sources = block_sources
-        # The engine's ranks (``infer.engine.tensor_parallel``: ``SingleProcess`` or, sharded, ``TensorParallel``):
+        # The engine's ranks (``infer.distributed.SingleProcess``, or rank 0's ``TensorParallel`` of a sharded model):
         # each step's plan goes to the other ranks first, which run the same forward pass.
-        self.ranks = ranks if ranks is not None else _OneRank
+        self.ranks = ranks if ranks is not None else SingleProcess()
 
     def build_metadata(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
         input_ids: list[int] = []
