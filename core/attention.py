@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -30,6 +31,33 @@ class AttentionEnvironment:
     quantization: str = "none"  # the weights' packing (``model.quantization`` resolved): "none", "fp16", "bf16", ...
     cpu_kernels: bool = False  # infer's C kernels are built and run this model's small ops (``infer.kernels.cpu``)
     float_gemms: bool = False  # bf16 weights' large steps multiply on float32 FMAs (``execution.large_gemm``)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """What one layer's attention needs beyond causal attention over the heads' shape, as the model declares it
+    (``infer.model.architecture``). The default is a Llama layer's: every earlier token, scale ``head_dim ** -0.5``.
+
+    ``window``: sliding-window attention; the query at position ``p`` sees the keys at positions ``p - window + 1``
+    to ``p`` (``window`` tokens, itself included: transformers' mask ``kv_idx > q_idx - window``). ``scale``: the
+    softmax scale (None: ``head_dim ** -0.5``). ``sinks``: a learned logit per head joins each row's softmax
+    denominator and takes probability without adding a value."""
+
+    window: int | None = None
+    scale: float | None = None
+    sinks: bool = False
+
+    def __post_init__(self):
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"a sliding window must hold at least one token, got {self.window}")
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """The ``AttentionBackend.layer_features`` this layer asks of a backend."""
+        return frozenset(name for name, asked in (("window", self.window is not None), ("sinks", self.sinks)) if asked)
+
+
+FULL_ATTENTION = LayerAttention()
 
 
 class BackendUnavailableError(RuntimeError):
@@ -135,6 +163,9 @@ class AttentionBackend(ABC):
     # True for a backend that attends draft trees' leaves as ``AttentionMetadata.own_keys`` says; the engine drafts
     # chains only (a tree's spine) for every other.
     draft_trees: ClassVar[bool] = False
+    # What a backend implements of ``LayerAttention`` beyond full causal attention: "window", "sinks". A model whose
+    # layers need more is refused when the backend is built (``set_layers``), naming what is missing.
+    layer_features: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def auto_priority(cls, environment: AttentionEnvironment) -> int | None:
@@ -170,7 +201,32 @@ class AttentionBackend(ABC):
         self.config = config or self.config_model()
         self.scale = head_dim**-0.5
         self.kv_dtype = dtype  # the pool's dtype; a backend may store K/V narrower (``cpu``: bfloat16)
+        self.layers: tuple[LayerAttention, ...] = ()  # per pool layer (``set_layers``); () : every layer full
         self.check_supported()
+
+    def set_layers(self, layers: Sequence[LayerAttention]) -> None:
+        """Declare what each layer of the pool needs (``layers[i]`` for ``kv_cache[i]``), once, before any step.
+        Raises ``BackendUnavailableError`` naming the features this backend lacks. A scale shared by every layer
+        becomes ``self.scale``; layers of different scales need a backend that reads ``layer_scale``."""
+        layers = tuple(layers)
+        missing = sorted(set().union(*(layer.needs for layer in layers)) - self.layer_features)
+        if missing:
+            raise BackendUnavailableError(
+                f"attention backend {type(self).__name__} does not implement {' and '.join(missing)} attention, "
+                f"which this model's layers need; choose a backend that does (infer plugins lists them)")
+        scales = {layer.scale for layer in layers}
+        if len(scales) == 1 and None not in scales:
+            self.scale = scales.pop()
+        self.layers = layers
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (None: it sees every earlier token)."""
+        return self.layers[layer].window if self.layers else None
+
+    def layer_scale(self, layer: int) -> float:
+        """Layer ``layer``'s softmax scale."""
+        scale = self.layers[layer].scale if self.layers else None
+        return self.scale if scale is None else scale
 
     def check_supported(self) -> None:
         """Raise ``BackendUnavailableError`` with a clear message when this backend cannot run with these settings."""
