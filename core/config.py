@@ -51,10 +51,14 @@ class ModelConfig(BaseModel):
     """Section ``model``: which weights to run, and how."""
 
     model_config = CORE_MODEL_CONFIG
-    path: str = "smollm2-135m-instruct"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    path: str = Field("smollm2-135m-instruct", description="The default model's alias, a Hugging Face folder (config "
+                      "and safetensors), or a .gguf file.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="The activations' and the KV cache's dtype. auto: float32 on an x86 CPU, its weights "
+        "packed by quantization auto in the 16-bit format that CPU multiplies fastest; bfloat16 on CUDA with bf16 and "
+        "on CPUs with native bf16 (ARM); else float32. An explicit bfloat16 computes in bf16 throughout (torch's ops).")
     max_model_len: int = Field(2048, ge=2, description="Longest prompt + output a request may reach, in tokens.")
-    seed: int = 0
+    seed: int = Field(0, description="Seeds the samplers of requests that set no seed (reproducible runs).")
     device: str = Field("auto", description='"auto": cuda when available, else cpu.')
     quantization: Literal["auto", "none", "fp16", "bf16", "int8", "int8_per_row", "w8a8"] = Field(
         "auto", description='Weights packed for CPU matmuls: "fp16" (half the bytes, near float32 results), "bf16" '
@@ -159,18 +163,21 @@ class PluginsConfig(BaseModel):
     """Section ``plugins``: ``load`` lists the third-party distributions to load (None = all; infer's always load)."""
 
     model_config = CORE_MODEL_CONFIG
-    load: list[str] | None = None
+    load: list[str] | None = Field(None, description='Third-party plugin distributions to load, as $INFER_PLUGINS=a,b '
+                                   '(null: all; ["none"]: built-ins only).')
 
 
 class ServerConfig(BaseModel):
     """Section ``server``: the OpenAI-compatible HTTP server."""
 
     model_config = CORE_MODEL_CONFIG
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = None
+    host: str = Field("127.0.0.1", description="Address infer serve binds (loopback by default).")
+    port: int = Field(8000, ge=0, le=65535, description="Port infer serve binds.")
+    api_key: str | None = Field(None, description="Bearer token the /v1 routes require (and /metrics, unless "
+                                "metrics_public); $INFER_API_KEY and --api-key take precedence.")
     max_waiting: int = Field(256, ge=1, description="Requests queued beyond this are refused with 429 and Retry-After.")
-    shutdown_timeout_s: float = Field(30.0, ge=0)
+    shutdown_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM: in-flight requests may finish for three "
+                                      "quarters of this, the rest are aborted, and the server exits within it.")
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Request bodies larger than this are refused with "
                                                                  "413 before they are read.")
     allowed_hosts: list[str] | None = Field(

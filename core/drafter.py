@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence as Sequence_
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     import torch
@@ -23,9 +23,9 @@ class DrafterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = "none"
-    num_speculative_tokens: int = 4
-    # Drafting switches itself off while more sequences than this are running (verification stops being cheap).
-    max_batch_size: int = 8
+    num_speculative_tokens: int = Field(4, description="k: drafts proposed per sequence and step.")
+    max_batch_size: int = Field(8, description="Drafting switches itself off while more sequences than this are "
+                                "running (verification stops being cheap).")
 
 
 class SampledDrafts(list):
