@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from infer.kernels.cpu import abi, builder
+from infer.kernels.cpu import abi, blocks, builder
 
 HEADER = "cpu_kernels.h"
 # The C struct (a typedef in the header) each ctypes Structure of abi.py mirrors.
@@ -82,7 +82,7 @@ def c_layout(tmp_path_factory) -> dict[str, int]:
         for field, _ in fields:
             lines.append(f'printf("{struct}.{field} %zu\\n", offsetof({struct}, {field}));')
             lines.append(f'printf("{struct}.{field}:size %zu\\n", sizeof((({struct} *)0)->{field}));')
-    for kind in ("KIND_F16", "KIND_I8", "KIND_BF16"):
+    for kind in ("KIND_F16", "KIND_I8", "KIND_BF16", *(f"KIND_{name.upper()}" for name in blocks.BLOCK_KINDS)):
         lines.append(f'printf("{kind} %d\\n", (int){kind});')
     program = folder / "layout.c"
     program.write_text("#include <stddef.h>\n#include <stdio.h>\n#include \"cpu_kernels.h\"\n\nint main(void) {\n    "
@@ -117,6 +117,7 @@ def test_weight_kinds_match_the_header(c_layout):
     assert abi.WEIGHT_KINDS == {kind: c_layout[f"KIND_{name}"] for kind, name in
                                 zip(abi.WEIGHT_KINDS, ("F16", "I8", "BF16"))}
     assert [c_layout[f"KIND_{name}"] for name in ("F16", "I8", "BF16")] == [0, 1, 2]
+    assert blocks.BLOCK_KINDS == {name: c_layout[f"KIND_{name.upper()}"] for name in blocks.BLOCK_KINDS}
 
 
 class _Function:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infer.kernels.cpu.blocks import BLOCK_KINDS, RECORD_BYTES, BlockWeight
 from infer.kernels.cpu.packing import packed_shape, tiles_shape
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ _SIGNATURES = {
     "infer_linear_f16": [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT],
     "infer_linear_bf16": [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT],
     "infer_linear_i8": [_POINTER, _INT, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT],
+    "infer_linear_blocks": [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT],
     "infer_layer_attention_input": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER],
     "infer_layer_feed_forward": [_POINTER, _INT, _POINTER, _POINTER, _POINTER],
     "infer_add_rms_norm_mixed": [_POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT, _FLOAT],
@@ -139,12 +141,14 @@ class CpuKernels:
             function.restype = None
             setattr(self, "_" + name.removeprefix("infer_"), function)
         simd_width, pass_rows, tile_kind = library.infer_simd_width, library.infer_pass_rows, library.infer_tile_kind
-        flash_kind = library.infer_flash_kind
-        for query in (simd_width, pass_rows, tile_kind, flash_kind):
+        flash_kind, block_pass_rows = library.infer_flash_kind, library.infer_block_pass_rows
+        for query in (simd_width, pass_rows, tile_kind, flash_kind, block_pass_rows):
             query.argtypes, query.restype = [], _INT
         self.simd = SIMD_NAMES[simd_width()]
         # The GEMV streams the weights once per this many rows of x.
         self.pass_rows = pass_rows()
+        # The block GEMV (``linear_blocks``) keeps this many rows of x in registers over a group of weights.
+        self.block_pass_rows = block_pass_rows()
         # How ``linear_tiles`` multiplies: "AMX tiles" (the build has AMX and the OS lets this process use it),
         # "AVX512-BF16" (its dot products), or None (plain C, the slow reference).
         self.tiles = TILE_KINDS[tile_kind()]
@@ -175,6 +179,26 @@ class CpuKernels:
         else:
             self._linear_i8(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), scales.data_ptr(),
                             scales.shape[1], bias_pointer, out.data_ptr(), out_features)
+        return out
+
+    def linear_blocks(self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for rows ``x`` ``[rows, k]`` (float32, contiguous) and a weight kept as GGUF's
+        blocks (``infer.kernels.cpu.blocks``): each row of ``x`` quantized per 32 columns to int8 (llama.cpp's
+        ``Q8_1`` activations), integer dot products per block, float32 sums; float32 ``[rows, n]``. The weights are
+        read from memory once whatever the rows."""
+        check_flat(x)
+        data = weight.data
+        if data.dtype != torch.uint8 or data.dim() != 3 or not data.is_contiguous() or \
+                data.shape[2] != RECORD_BYTES[weight.kind] or data.shape[0] * 4 < weight.out_features:
+            raise ValueError(f"linear_blocks needs a {weight.kind} weight packed by pack_blocks, got "
+                             f"{data.dtype} {tuple(data.shape)}")
+        if x.shape[1] != weight.in_features or (bias is not None and (bias.dtype != torch.float32 or
+                                                                      bias.shape != (weight.out_features,))):
+            raise ValueError(f"linear_blocks: x {tuple(x.shape)} and bias do not fit weights "
+                             f"[{weight.out_features}, {weight.in_features}]")
+        out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)
+        self._linear_blocks(x.data_ptr(), x.shape[0], weight.in_features, data.data_ptr(), BLOCK_KINDS[weight.kind],
+                            address(bias), out.data_ptr(), weight.out_features)
         return out
 
     def linear_tiles(self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None,

@@ -16,8 +16,9 @@
 #include <stdint.h>
 
 /* How a packed weight is stored (the *_kind fields; abi.WEIGHT_KINDS): IEEE half, bfloat16 (a float's upper half:
- * converting is a shift, exact), or int8 with float scales. */
-enum { KIND_F16 = 0, KIND_I8 = 1, KIND_BF16 = 2 };
+ * converting is a shift, exact), or int8 with float scales; or GGUF's blocks of 32 (abi.BLOCK_KINDS), repacked as
+ * gemv_blocks.c describes. */
+enum { KIND_F16 = 0, KIND_I8 = 1, KIND_BF16 = 2, KIND_Q4_0 = 3, KIND_Q4_1 = 4, KIND_Q8_0 = 5 };
 
 /* ---- what this build runs --------------------------------------------------------------------------------------- */
 
@@ -62,6 +63,16 @@ void infer_linear_i8(const float *x, int64_t rows, int64_t k, const int8_t *w, c
  * FMAs over the widened weights instead. */
 void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, const uint16_t *w,
                         const float *bias, void *y, int64_t y_bf16, int64_t n_out, int64_t fma);
+
+/* y [rows, n_out] = x [rows, k] . w^T (+ bias) for weights kept as GGUF's blocks of 32 (`kind`: KIND_Q4_0, KIND_Q4_1
+ * or KIND_Q8_0), repacked by `infer.kernels.cpu.blocks.pack_blocks` into groups of four output rows (any n_out; the
+ * last group padded), k % 32 == 0: x quantized per block of 32 to int8, integer dot products, float32 sums. Each
+ * group's weights are read from memory once whatever the rows. */
+void infer_linear_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind, const float *bias,
+                         float *y, int64_t n_out);
+
+/* The most rows of x one pass of infer_linear_blocks takes over a group of weights while in registers. */
+int64_t infer_block_pass_rows(void);
 
 /* ---- row-wise ops (rowwise.c) ----------------------------------------------------------------------------------- */
 
