@@ -24,7 +24,8 @@ from infer.attention import AttentionConfig
 from infer.drafter import DrafterConfig
 from infer.guide import GuideConfig
 from infer.prefix_cache import PrefixCacheConfig
-from infer.registry import KIND_INFO, KINDS, PluginError, Registry, get_registry, import_object, normalize_name
+from infer.registry import (KIND_INFO, SECTION_KINDS, PluginError, Registry, get_registry, import_object,
+                            normalize_name)
 from infer.scheduler import SchedulerConfig
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ class ModelConfig(BaseModel):
     model_config = CORE_MODEL_CONFIG
     path: str = Field("smollm2-135m-instruct", description="The default model's alias, a Hugging Face folder (config "
                       "and safetensors), or a .gguf file.")
+    architecture: str = Field("auto", description="The model family that runs the checkpoint (a registered model "
+                                                  'plugin; infer plugins lists them). "auto": the one that serves '
+                                                  "the checkpoint's model_type.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="The activations' and the KV cache's dtype. auto: float32 on an x86 CPU, its weights "
         "packed by quantization auto in the 16-bit format that CPU multiplies fastest; bfloat16 on CUDA with bf16 and "
@@ -318,10 +322,10 @@ class InferConfig(BaseModel):
     @classmethod
     def _select_plugin_models(cls, data: Any) -> Any:
         # Direct construction (InferConfig(scheduler={...})) validates plugin sections by the selected plugin too.
-        if not isinstance(data, Mapping) or not any(isinstance(data.get(kind), Mapping) for kind in KINDS):
+        if not isinstance(data, Mapping) or not any(isinstance(data.get(kind), Mapping) for kind in SECTION_KINDS):
             return data
         registry = get_registry(_plugins_load(data))
-        return {key: _validate_section(key, value, registry) if key in KINDS and isinstance(value, Mapping)
+        return {key: _validate_section(key, value, registry) if key in SECTION_KINDS and isinstance(value, Mapping)
                 else value for key, value in data.items()}
 
     def to_dict(self) -> dict[str, Any]:
@@ -371,7 +375,7 @@ def config_json_schema(registry: Registry | None = None) -> dict[str, Any]:
     registry = registry or get_registry()
     fields: dict[str, Any] = {}
     for name, field in InferConfig.model_fields.items():
-        if name in KINDS:
+        if name in SECTION_KINDS:
             fields[name] = (_section_union(name, registry), Field(default={"name": DEFAULT_PLUGINS[name]}))
         else:
             fields[name] = (field.annotation, field)
@@ -409,7 +413,7 @@ def _parse_size(text: str) -> int:
 
 
 def _validate_section(name: str, value: Any, registry: Registry) -> BaseModel:
-    if name in KINDS:
+    if name in SECTION_KINDS:
         return _plugin_section(name, value, registry)
     return _core_section(name, value)
 
@@ -566,7 +570,7 @@ def _override_problem(item: str) -> str | None:
 
 
 def _drop_switched_keys(base: DictConfig, override_config: DictConfig, registry: Registry) -> None:
-    for kind in KINDS:
+    for kind in SECTION_KINDS:
         new_name = _section_name(override_config, kind)
         section = base.get(kind)
         if new_name is None or not isinstance(section, DictConfig):

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from infer.attention import AttentionBackend, AttentionMetadata
+    from infer.attention import AttentionBackend, AttentionMetadata, LayerAttention
     from infer.outputs import StepOutput
     from infer.sequence import Sequence
 
@@ -128,7 +128,7 @@ class LayerExecutor(Protocol):
 
 
 class TargetModel(Protocol):
-    """What a drafter may use of the target model (``infer.model.LlamaForCausalLM`` is one): its shapes, its
+    """What a drafter may use of the target model (``infer.model.CausalLM`` is one): its shapes, its
     embedding, its decoder layers, its final norm and output head."""
 
     config: Any  # the HF config (hidden_size, intermediate_size, rms_norm_eps, ...)
@@ -183,11 +183,17 @@ class DrafterContext:
     # (path) -> (model, tokenizer): another model of the target's dtype and device, loaded as the target was.
     load_model: Callable[[str], tuple[Any, Any]]
 
-    def build_attention(self, num_heads: int, num_kv_heads: int, head_dim: int) -> "AttentionBackend":
-        """An attention backend of the target's kind and block size for layers of other shapes (a draft model)."""
-        return type(self.attention)(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                    block_size=self.block_size, dtype=self.dtype, device=self.device,
-                                    config=self.attention.config)
+    def build_attention(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                        layers: Sequence_[LayerAttention] = ()) -> "AttentionBackend":
+        """An attention backend of the target's kind and block size for layers of other shapes (a draft model),
+        told what each of its layers needs (``layers``, one per pool layer: a draft model's ``layer_attention``;
+        empty: full attention in every layer)."""
+        backend = type(self.attention)(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                       block_size=self.block_size, dtype=self.dtype, device=self.device,
+                                       config=self.attention.config)
+        if layers:
+            backend.set_layers(layers)
+        return backend
 
 
 class Drafter(ABC):

@@ -10,7 +10,9 @@ callback: ``register(name, target, config=None, description="")`` where ``target
 ``"module:Class"`` string (imported only when a config selects it) and ``config`` is an optional pydantic model for
 the component's config section (default: the class's ``config_model``). The class must subclass the kind's contract:
 ``infer.allocator.Allocator``, ``infer.prefix_cache.PrefixCache``, ``infer.scheduler.Scheduler``,
-``infer.attention.AttentionBackend``, ``infer.drafter.Drafter`` or ``infer.guide.Guide``.
+``infer.attention.AttentionBackend``, ``infer.drafter.Drafter``, ``infer.guide.Guide`` or, for a model family,
+``infer.model.ModelArchitecture`` (which has no config section: the loader picks the family that serves a
+checkpoint's ``model_type``; ``model.architecture`` names one explicitly).
 
 Plugin API version: declare the version of these hooks and contracts your package is written to, as
 ``INFER_PLUGIN_API = 2`` in the entry-point module or in a package above it (``my_dist/__init__.py``); a package that
@@ -64,6 +66,13 @@ def register_drafters(register):
 @hookspec
 def register_guides(register):
     """Register constrained-decoding guides (config section ``guide``; contract ``infer.guide.Guide``)."""
+
+
+@hookspec
+def register_models(register):
+    """Register model families (contract ``infer.model.ModelArchitecture``; no config section: the loader picks the
+    family whose ``model_types``/``architectures`` match a checkpoint's config, a third party's before infer's own,
+    or the one ``model.architecture`` names)."""
 
 
 @hookspec

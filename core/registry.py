@@ -60,7 +60,7 @@ class KindInfo:
 
     hook: str
     contract: str
-    config_base: str
+    config_base: str | None  # None: the kind has no config section (``model``)
 
 
 KIND_INFO: dict[str, KindInfo] = {
@@ -74,8 +74,11 @@ KIND_INFO: dict[str, KindInfo] = {
     ),
     "drafter": KindInfo("register_drafters", "infer.drafter:Drafter", "infer.drafter:DrafterConfig"),
     "guide": KindInfo("register_guides", "infer.guide:Guide", "infer.guide:GuideConfig"),
+    "model": KindInfo("register_models", "infer.model.architecture:ModelArchitecture", None),
 }
 KINDS: tuple[str, ...] = tuple(KIND_INFO)
+# The kinds a config section selects by name (``scheduler.name: lpm``); a model family is picked by the checkpoint.
+SECTION_KINDS: tuple[str, ...] = tuple(kind for kind, info in KIND_INFO.items() if info.config_base is not None)
 
 
 class PluginError(ValueError):
@@ -277,6 +280,8 @@ class Registry:
         """The pydantic model for ``name``'s config section: its registered ``config`` or its class's
         ``config_model``; always a subclass of the kind's base config (e.g. ``infer.scheduler.SchedulerConfig``)."""
         spec = self.spec(kind, name)
+        if KIND_INFO[kind].config_base is None:
+            raise PluginError(f"{kind} plugins have no config section")
         if spec.config is None:
             model = self.load(kind, name).config_model
         else:

@@ -17,7 +17,8 @@ from infer.model import loader, quantization
 from infer.attention import AttentionMetadata
 from infer.execution.paths import PATH_NAMES, Executor
 from infer.model.loader import PackagedGguf, load_model, resolve_dtype, resolve_model_path
-from infer.model import LlamaForCausalLM, rope_parameters
+from infer.model import CausalLM, rope_parameters
+from infer.plugins.models.llama import LlamaArchitecture
 from infer.plugins.attention.cpu import CpuBackend
 from infer.plugins.attention.sdpa import SdpaBackend
 from infer.testing.models import load_hf_reference, make_tiny_model_dir, tiny_llama_config
@@ -86,7 +87,7 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
 class PagedPool:
     """The runner's job in miniature: shuffled pool blocks, per-sequence block tables, one model call per step."""
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int = 4, num_blocks: int = 64, seed: int = 0,
+    def __init__(self, model: CausalLM, block_size: int = 4, num_blocks: int = 64, seed: int = 0,
                  kernels: bool = False, paths: tuple[str, ...] = PATH_NAMES):
         """With ``kernels``, the model runs on infer's CPU kernels (on the execution ``paths`` named, in order) and
         attention on the ``cpu`` backend; else torch's ops and ``sdpa``."""
@@ -142,7 +143,7 @@ KERNELS = pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kerne
 @pytest.mark.parametrize("name", HF_MODELS)
 def test_full_prefill_logits_match_hf(name, kernels):
     hf_model = random_hf_model(name)
-    model = LlamaForCausalLM.from_hf(hf_model)
+    model = LlamaArchitecture.from_hf(hf_model)
     tokens = random_tokens(40, seed=1)
     logits = PagedPool(model, kernels=kernels).step({"only": tokens})["only"]
     torch.testing.assert_close(logits, hf_logits(hf_model, tokens), atol=1e-4, rtol=1e-4)
@@ -153,7 +154,7 @@ def test_full_prefill_logits_match_hf(name, kernels):
 def test_chunked_prefill_and_decode_through_pool_match_full_forward(name, kernels):
     """Cached attention equals full attention: two sequences share every step, one in chunks, one mostly decoding."""
     hf_model = random_hf_model(name)
-    pool = PagedPool(LlamaForCausalLM.from_hf(hf_model), block_size=4, kernels=kernels)
+    pool = PagedPool(LlamaArchitecture.from_hf(hf_model), block_size=4, kernels=kernels)
     first, second = random_tokens(30, seed=2), random_tokens(27, seed=3)
     steps = [{"first": first[:9], "second": second[:21]}, {"first": first[9:25], "second": second[21:22]}]
     steps += [{"first": [first[index]], "second": [second[index - 3]]} for index in range(25, 30)]
@@ -169,28 +170,30 @@ def test_rope_parameters_read_old_and_new_config_styles():
     old = SimpleNamespace(rope_theta=500000.0, rope_scaling={"type": "llama3", "factor": 8.0})
     new = SimpleNamespace(rope_parameters={"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0})
     plain = SimpleNamespace()
-    assert rope_parameters(old) == {"rope_theta": 500000.0, "rope_type": "llama3", "type": "llama3", "factor": 8.0}
-    assert rope_parameters(new) == {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0}
-    assert rope_parameters(plain) == {"rope_theta": 10000.0, "rope_type": "default"}
+    full = {"partial_rotary_factor": 1.0}
+    assert rope_parameters(old) == {"rope_theta": 500000.0, "rope_type": "llama3", "type": "llama3", "factor": 8.0,
+                                    **full}
+    assert rope_parameters(new) == {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, **full}
+    assert rope_parameters(plain) == {"rope_theta": 10000.0, "rope_type": "default", **full}
 
 
 def test_unsupported_rope_type_is_refused():
     config = tiny_llama_config(vocab_size=SMALL_VOCAB, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
-        LlamaForCausalLM(config)
+        LlamaArchitecture.build(config)
 
 
 def test_load_hf_state_dict_names_missing_and_unexpected_tensors():
     state = random_hf_model("llama_gqa").state_dict()
     del state["model.layers.1.mlp.up_proj.weight"]
     state["model.layers.9.self_attn.q_proj.weight"] = torch.zeros(1)
-    model = LlamaForCausalLM(tiny_llama_config(vocab_size=SMALL_VOCAB))
+    model = LlamaArchitecture.build(tiny_llama_config(vocab_size=SMALL_VOCAB))
     with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\].*layers.9"):
         model.load_hf_state_dict(state)
 
 
 def test_model_exposes_its_shapes():
-    model = LlamaForCausalLM(tiny_llama_config(vocab_size=SMALL_VOCAB, head_dim=32))
+    model = LlamaArchitecture.build(tiny_llama_config(vocab_size=SMALL_VOCAB, head_dim=32))
     shapes = (model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size)
     assert shapes == (2, 4, 2, 32, SMALL_VOCAB)
     assert model.hidden_size == 64
@@ -288,7 +291,7 @@ def test_fused_paths_give_the_op_by_op_kernels_logits(name, mode):
     logits, counts = {}, {}
     for label, kernels, paths in (("torch", False, ("torch",)), ("kernels", True, ("torch",)),
                                   ("layers", True, ("fused-layers", "torch")), ("stack", True, PATH_NAMES)):
-        pool = PagedPool(quantize_model(LlamaForCausalLM.from_hf(hf_model), mode), kernels=kernels, paths=paths)
+        pool = PagedPool(quantize_model(LlamaArchitecture.from_hf(hf_model), mode), kernels=kernels, paths=paths)
         logits[label] = torch.cat([out for new_tokens in steps for out in pool.step(new_tokens).values()])
         counts[label] = dict(pool.executor.counts)
     # every step but the prefill (11 tokens > fused_max_tokens 8) takes the first fused path named

@@ -92,7 +92,8 @@ class Engine:
         # Sharded over ranks (``infer.distributed``): the others start loading their shards while this one loads.
         self.ranks = self._launch_tensor_parallel() if config.parallel.tensor_parallel_size > 1 else SingleProcess()
         try:
-            self._build(config, load_model(config.model.path, self.dtype, self.device))
+            self._build(config, load_model(config.model.path, self.dtype, self.device,
+                                           architecture=config.model.architecture, registry=self.registry))
         except BaseException:
             self.close()
             raise
@@ -175,7 +176,7 @@ class Engine:
             return quantize_linears(module, mode or quantization, shared)
 
         def load(path):
-            loaded = load_model(path, self.dtype, self.device)
+            loaded = load_model(path, self.dtype, self.device, registry=self.registry)
             return loaded.model, loaded.tokenizer
 
         return DrafterContext(

@@ -21,7 +21,7 @@ from infer.model.sharding import shard_model
 if TYPE_CHECKING:
     from infer.attention import AttentionBackend
     from infer.execution.runner import ModelRunner
-    from infer.model.llama import LlamaForCausalLM
+    from infer.model.decoder import CausalLM
     from infer.sequence import Sequence
 
 logger = logging.getLogger("infer.parallel")
@@ -113,7 +113,7 @@ class TensorParallel:
                     parallel.threads)
         return parallel
 
-    def shard(self, model: LlamaForCausalLM) -> LlamaForCausalLM:
+    def shard(self, model: CausalLM) -> CausalLM:
         """Rank 0's shard of ``model``."""
         for plan in self.plans:
             logger.info("tensor parallel %s", plan.describe())
@@ -269,9 +269,10 @@ def _build_rank(config, rank: int) -> ModelRunner:
         torch.cuda.set_device(device)
     dtype = resolve_dtype(config.model.dtype, device)
     torch.manual_seed(config.model.seed)
-    loaded = load_model(config.model.path, dtype, device)
+    registry = get_registry(config.plugins.load)
+    loaded = load_model(config.model.path, dtype, device, architecture=config.model.architecture, registry=registry)
     plan = model_shard_plans(loaded.hf_config, config.parallel.tensor_parallel_size)[rank]
-    stack = build_model_stack(get_registry(config.plugins.load), config, loaded.model, device, dtype,
+    stack = build_model_stack(registry, config, loaded.model, device, dtype,
                               shard=lambda model: shard_model(model, plan, TensorParallelGroup(plan)))
     return ModelRunner(stack.model, stack.attention, torch.empty(0, dtype=dtype, device=device), device,
                        stack.executor)

@@ -1,7 +1,7 @@
 """The execution layer: how one forward pass runs through the model's layers, decided in this one place.
 
-The runner builds one ``ExecutionStep`` per step (what the model's ``infer.model.step.ExecutionStep`` protocol asks) (the attention metadata its backend prepared, the pool, the backend,
-the small ops) and the layers read only that object: ``layer(hidden, residual, step)``. ``Executor.run_layers``
+The runner builds one ``ExecutionStep`` per step (what the model's ``infer.model.step.ForwardStep`` protocol asks:
+the attention metadata its backend prepared, the pool, the backend, the small ops) and the layers read only that object: ``layer(hidden, residual, step)``. ``Executor.run_layers``
 asks its execution paths in order whether they accept the step and runs the first that does:
 
 - ``fused-stack``: all layers in one C call, attention included (``infer.kernels.cpu.FusedStack``). Needs the CPU
@@ -43,7 +43,7 @@ from infer.model.ops import StepOps
 
 if TYPE_CHECKING:
     from infer.kernels.cpu import CpuKernels
-    from infer.model import DecoderLayer, LlamaForCausalLM
+    from infer.model import DecoderLayer, CausalLM
     from infer.model.rotary import RotaryEmbedding
 
 logger = logging.getLogger("infer.execution")
@@ -136,6 +136,8 @@ class FusedLayersPath(ExecutionPath):
         if layers and layers[0].self_attn.tensor_parallel is not None:
             return "tensor-parallel layers (an all-reduce follows the output and the down projection)"
         if not layers or any(layer.fused is None for layer in layers):
+            if layers and not all(layer.kernel_shaped for layer in layers):
+                return "layers the fused C layer does not compute (GeGLU, output norms, a second or partial RoPE)"
             return "projections not packed for the kernels (model.quantization fp16 or int8, shapes the GEMV takes)"
         return None
 
@@ -203,7 +205,7 @@ class Executor:
         return self.gemm is not None and self.gemm.name == "float32"
 
     @classmethod
-    def for_model(cls, model: LlamaForCausalLM, kernels: CpuKernels | None,
+    def for_model(cls, model: CausalLM, kernels: CpuKernels | None,
                   paths: Sequence[str] = PATH_NAMES, fused_max_tokens: int = 8,
                   gemm: GemmChoice | None = None) -> Executor:
         """The executor for ``model``: with ``kernels``, its weights prepared for them and the fused paths named in
@@ -222,13 +224,13 @@ class Executor:
         return cls([*chosen, TorchPath()], kernels, fused_max_tokens, _all_bf16_gemms(model) and not float_gemms,
                    gemm)
 
-    def for_another(self, model: LlamaForCausalLM) -> Executor:
+    def for_another(self, model: CausalLM) -> Executor:
         """An executor with these kernels and paths for another model (a draft model), its weights prepared (on the
         tiles' float32 FMAs where this one's are)."""
         return Executor.for_model(model, self.kernels, [path.name for path in self.paths], self.fused_max_tokens,
                                   self.gemm)
 
-    def set_fused_max_tokens(self, model: LlamaForCausalLM, max_tokens: int) -> None:
+    def set_fused_max_tokens(self, model: CausalLM, max_tokens: int) -> None:
         """Let steps of up to ``max_tokens`` tokens take the fused paths and ``model``'s GEMV (weights already
         prepared by ``for_model``)."""
         from infer.model.quantization import PackedLinear
@@ -292,7 +294,7 @@ class Executor:
         return f"execution paths {order}; forward passes: {counts}"
 
 
-def _all_bf16_gemms(model: LlamaForCausalLM) -> bool:
+def _all_bf16_gemms(model: CausalLM) -> bool:
     """Whether every projection of ``model``'s layers is packed as bf16 (``model.quantization: bf16``) and none is
     sharded (whose all-reduce would then sum bf16 rows)."""
     from infer.model.quantization import PackedLinear
@@ -325,7 +327,7 @@ def choose_attention(name: str, registry, environment: AttentionEnvironment) -> 
     return best
 
 
-def build_executor(model: LlamaForCausalLM, config, device: torch.device, dtype: torch.dtype,
+def build_executor(model: CausalLM, config, device: torch.device, dtype: torch.dtype,
                    quantization: str = "none") -> Executor:
     """How steps run through ``model`` for ``config`` (an ``InferConfig``): with infer's CPU kernels for float32 on
     a CPU (loaded once; ``model.cpu_kernels``), else torch's ops; bf16 weights' large steps on what
@@ -347,7 +349,7 @@ def build_executor(model: LlamaForCausalLM, config, device: torch.device, dtype:
     return Executor.for_model(model, kernels, execution.paths, max_tokens, gemm)
 
 
-def build_attention(registry, config, model: LlamaForCausalLM, environment: AttentionEnvironment,
+def build_attention(registry, config, model: CausalLM, environment: AttentionEnvironment,
                     ) -> tuple[str, AttentionBackend]:
     """The attention backend ``config.attention`` selects (``auto`` resolved by ``choose_attention``) over
     ``model``'s heads (a tensor-parallel rank's: its own), its ``auto`` settings resolved for ``environment`` by the
@@ -360,6 +362,7 @@ def build_attention(registry, config, model: LlamaForCausalLM, environment: Atte
     backend = backend_class(
         num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         block_size=config.cache.block_size, dtype=environment.dtype, device=environment.device, config=settings)
+    backend.set_layers(model.layer_attention)
     return name, backend
 
 
@@ -367,7 +370,7 @@ def build_attention(registry, config, model: LlamaForCausalLM, environment: Atte
 class ModelStack:
     """A loaded model made ready to run steps: its weights packed, its executor and its attention backend."""
 
-    model: LlamaForCausalLM
+    model: CausalLM
     quantization: str
     executor: Executor
     attention_name: str
@@ -376,7 +379,7 @@ class ModelStack:
     reuses_freed_memory: bool = False  # ``execution.reuse_freed_memory`` applied (``infer.host.reuse_freed_memory``)
 
 
-def build_model_stack(registry, config, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
+def build_model_stack(registry, config, model: CausalLM, device: torch.device, dtype: torch.dtype,
                       shard=None) -> ModelStack:
     """``model`` sharded (``shard``: a tensor-parallel rank's ``shard(model)``), packed for ``model.quantization``,
     with its executor and attention backend: what the engine and every tensor-parallel rank build alike."""

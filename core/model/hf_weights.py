@@ -1,14 +1,16 @@
-"""HF checkpoint names and our fused layout: which HF tensors fill each of our parameters, and the load."""
+"""HF checkpoint names and infer's decoder: ``WeightMap`` (which HF tensors fill each of our parameters, and how they
+are converted; every model family's is one, ``infer.model.architecture.ModelArchitecture``) and the load."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-# HF projections that our fused projections concatenate, in order (rows of the fused weight).
-FUSED_PROJECTIONS = {
+# Our fused parameters and the HF tensors they concatenate, in order (rows of the fused weight).
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
@@ -16,16 +18,47 @@ FUSED_PROJECTIONS = {
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+class WeightMap:
+    """A checkpoint's tensor names against our parameters' (Llama's by default: separate q/k/v and gate/up tensors
+    concatenated into our fused projections)."""
+
+    # Our parameters that concatenate several HF tensors (a checkpoint that already fuses them maps one to one).
+    fused_projections: ClassVar[Mapping[str, tuple[str, ...]]] = FUSED_PROJECTIONS
+    # Our module names within a layer whose HF name differs (``"post_attention_layernorm": "pre_feedforward_..."``).
+    renamed: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    def hf_names(cls, name: str) -> list[str]:
+        """The HF tensor names whose concatenation fills our parameter ``name``."""
+        if name.startswith("lm_head."):
+            return [name]
+        for ours, theirs in cls.renamed.items():
+            if f".{ours}." in name:
+                name = name.replace(f".{ours}.", f".{theirs}.")
+                break
+        for fused, parts in cls.fused_projections.items():
+            if f".{fused}." in name:
+                return [f"model.{name.replace(fused, part)}" for part in parts]
+        return [f"model.{name}"]
+
+    @classmethod
+    def convert_weight(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor as our parameter ``name`` holds it (after concatenation); the default keeps it."""
+        return tensor
+
+
 @torch.no_grad()
-def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy HF-named weights into ``model``'s parameters (fusing Q/K/V and gate/up), converting dtype and device.
-    Raises ``ValueError`` naming any missing or unexpected tensors."""
+def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
+                       weight_map: type[WeightMap] = WeightMap) -> None:
+    """Copy HF-named weights into ``model``'s parameters as ``weight_map`` says (concatenating what our layout fuses),
+    converting dtype and device. Raises ``ValueError`` naming any missing or unexpected tensors."""
     used: set[str] = set()
     missing: list[str] = []
     for name, parameter in model.named_parameters():
-        sources = hf_names(name)
+        sources = weight_map.hf_names(name)
         if all(source in state_dict for source in sources):
-            parameter.copy_(torch.cat([state_dict[source] for source in sources]))
+            tensor = torch.cat([state_dict[source] for source in sources])
+            parameter.copy_(weight_map.convert_weight(name, tensor))
             used.update(sources)
         else:
             missing.extend(source for source in sources if source not in state_dict)
@@ -33,16 +66,6 @@ def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor])
     unexpected = [name for name in state_dict if name not in used and not _is_ignorable(name, tied)]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit the model config: missing {missing}, unexpected {unexpected}")
-
-
-def hf_names(name: str) -> list[str]:
-    """The HF tensor names whose concatenation fills our parameter ``name``."""
-    if name.startswith("lm_head."):
-        return [name]
-    for fused, parts in FUSED_PROJECTIONS.items():
-        if f".{fused}." in name:
-            return [f"model.{name.replace(fused, part)}" for part in parts]
-    return [f"model.{name}"]
 
 
 def _is_ignorable(hf_name: str, tied: bool) -> bool:

@@ -1,5 +1,5 @@
-"""The layer kinds of a Llama-family decoder in plain torch: uninitialized linear and embedding layers, RMSNorm,
-and SwiGLU's activation."""
+"""The layer kinds of infer's decoder in plain torch: uninitialized linear and embedding layers, RMSNorm, and the
+gated activations (SwiGLU's, GeGLU's)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` ``[..., 2 * width]``, gate first (SwiGLU's activation, in torch)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` for ``gate_up`` ``[..., 2 * width]``, gate first: ``silu`` (SwiGLU) or ``gelu_tanh``
+    (GeGLU with tanh-approximated GELU, Gemma's)."""
+    if activation == "silu":
+        return silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

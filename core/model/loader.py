@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -23,12 +22,11 @@ from typing import Any
 import torch
 
 from infer.host import cache_dir, cpu_flags
-from infer.model import LlamaForCausalLM
+from infer.model import CausalLM, ModelArchitecture
+from infer.model.architecture import UnsupportedModelError
 
-logger = logging.getLogger("infer")
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # CPU feature flags (x86 /proc/cpuinfo "flags", aarch64 "Features") that mean native bfloat16 matmuls.
@@ -54,7 +52,7 @@ ALIASES = {
 class LoadedModel:
     """What ``load_model`` returns: our model (eval, on device, in dtype) and what the engine needs around it."""
 
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: Any  # a transformers tokenizer, chat template included
     hf_config: Any  # the transformers config
     eos_token_ids: list[int]
@@ -195,8 +193,11 @@ def load_model(
     device: torch.device | str = "cpu",
     *,
     max_positions: int | None = None,
+    architecture: str = "auto",
+    registry: Any = None,
 ) -> LoadedModel:
-    """Load a model path (alias, HF folder or GGUF file) into our ``LlamaForCausalLM`` with its tokenizer.
+    """Load a model path (alias, HF folder or GGUF file) into infer's ``CausalLM``, built by the model family that
+    serves it (``choose_architecture``), with its tokenizer.
 
     ``max_positions`` bounds the RoPE tables (default: the config's ``max_position_embeddings``).
     """
@@ -206,16 +207,42 @@ def load_model(
     dtype = resolve_dtype(dtype, device) if isinstance(dtype, str) else dtype
     model_dir = hf_model_dir(path)
     hf_config = AutoConfig.from_pretrained(model_dir)
-    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model {path!r} is a {hf_config.model_type!r} model; infer runs {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    _warn_if_sliding_window(path, hf_config)
+    family = choose_architecture(hf_config, architecture, registry, path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = LlamaForCausalLM(hf_config, dtype=dtype, device=device, max_positions=max_positions)
+    model = family.build(hf_config, dtype=dtype, device=device, max_positions=max_positions)
     model.load_hf_state_dict(read_safetensors(model_dir))
     name = path.lower() if path.lower() in ALIASES else Path(path).name
     return LoadedModel(model.eval(), tokenizer, hf_config, eos_token_ids(model_dir, hf_config, tokenizer), name)
+
+
+def choose_architecture(hf_config: Any, name: str = "auto", registry: Any = None,
+                        path: str = "") -> type[ModelArchitecture]:
+    """The model family (a registered ``model`` plugin) that runs ``hf_config``: the one ``name`` names, else the
+    one whose ``model_types``/``architectures`` match, a third party's before infer's own. Raises
+    ``UnsupportedModelError`` in one line naming the families installed when none serves it."""
+    from infer.registry import PROJECT, get_registry
+
+    registry = registry or get_registry()
+    if name != "auto":
+        return registry.load("model", name)
+    serving = [spec for spec in registry.specs("model") if registry.load("model", spec.name).serves(hf_config)]
+    own = [spec for spec in serving if spec.distribution == PROJECT]
+    others = [spec for spec in serving if spec.distribution != PROJECT]
+    if len(others) > 1:
+        raise UnsupportedModelError(
+            f"model types {hf_config.model_type!r}: served by several model plugins "
+            f"({', '.join(f'{spec.name} from {spec.distribution}' for spec in others)}); choose one with "
+            f"model.architecture")
+    chosen = others or own
+    if not chosen:
+        families = ", ".join(
+            f"{spec.name} ({', '.join(registry.load('model', spec.name).model_types)})"
+            for spec in registry.specs("model"))
+        where = f"model {path!r}" if path else "the model"
+        raise UnsupportedModelError(
+            f"{where} is a {getattr(hf_config, 'model_type', None)!r} model, which no installed model plugin "
+            f"serves; installed: {families}")
+    return registry.load("model", chosen[0].name)
 
 
 def load_tokenizer(path: str) -> tuple[Any, list[int], Any]:
@@ -226,18 +253,6 @@ def load_tokenizer(path: str) -> tuple[Any, list[int], Any]:
     hf_config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return tokenizer, eos_token_ids(model_dir, hf_config, tokenizer), hf_config
-
-
-def _warn_if_sliding_window(path: str, hf_config: Any) -> None:
-    window = getattr(hf_config, "sliding_window", None)
-    # Qwen2 configs carry a window they do not use unless use_sliding_window is set.
-    if window and getattr(hf_config, "use_sliding_window", True):
-        logger.warning(
-            "model %r declares sliding-window attention (%d tokens); infer attends over the full context, so "
-            "outputs differ from the reference once a sequence is longer than the window",
-            path,
-            window,
-        )
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

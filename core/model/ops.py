@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.model.layers import RMSNorm, silu_and_mul
+from infer.model.layers import RMSNorm, gated_activation, silu_and_mul
 from infer.model.rotary import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
@@ -34,10 +34,19 @@ class StepOps:
         if kernels is None:
             self.cos, self.sin = rotary(positions, dtype)
 
-    def rotate(self, qkv: torch.Tensor, num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, qkv: torch.Tensor, num_heads: int, head_dim: int,
+               rotary: RotaryEmbedding | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(qkv, heads)``: the QKV projection's output ``[T, width]`` in float32 (widened where this step narrows
         GEMM inputs), and its first ``num_heads`` heads rotated, ``[T, num_heads, head_dim]`` (with the
-        kernels: rotated in place, a view of the returned ``qkv``; a bf16 output widened and rotated in one pass)."""
+        kernels: rotated in place, a view of the returned ``qkv``; a bf16 output widened and rotated in one pass).
+        ``rotary``: a layer's own table instead of the step's; a table narrower than the heads (partial rotary) and
+        another table than the step's rotate in torch."""
+        if rotary is not None or self.rotary.rotary_dim != head_dim:
+            rotary = rotary or self.rotary
+            qkv = qkv.float() if self.gemm_dtype is not None and qkv.dtype == self.gemm_dtype else qkv
+            cos, sin = rotary(self.positions, qkv.dtype)
+            heads = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+            return qkv, apply_rotary(heads, cos, sin)
         if self.gemm_dtype is not None and qkv.dtype == self.gemm_dtype:  # set only with the kernels
             qkv = self.kernels.rope_widened(qkv, self.positions, self.rotary.cos, self.rotary.sin, num_heads,
                                             head_dim)
@@ -71,3 +80,30 @@ class StepOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` ``[T, 2 * width]``, gate first."""
         return silu_and_mul(gate_up) if self.kernels is None else self.kernels.silu_mul(gate_up)
+
+    def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """``act(gate) * up`` for ``gate_up`` ``[T, 2 * width]`` (``infer.model.layers.gated_activation``); SwiGLU
+        on the kernels where they run."""
+        if activation == "silu":
+            return self.silu_mul(gate_up)
+        if self.gemm_dtype is not None and gate_up.dtype == self.gemm_dtype:
+            return gated_activation(gate_up.float(), activation).to(self.gemm_dtype)
+        return gated_activation(gate_up, activation)
+
+    def head_norms(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int,
+                   num_kv_heads: int) -> torch.Tensor:
+        """``qkv`` ``[T, width]`` with each of its first ``num_heads`` heads normed by ``q_norm`` and each of the
+        next ``num_kv_heads`` by ``k_norm`` (RMSNorm over the head), values unchanged: Qwen3's and Gemma 3's q/k
+        norms, before RoPE. Float32 out where this step narrows GEMM outputs."""
+        if self.gemm_dtype is not None and qkv.dtype == self.gemm_dtype:
+            qkv = qkv.float()
+        tokens, head_dim = qkv.shape[0], q_norm.weight.shape[0]
+        q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+        q = qkv[:, :q_end].reshape(tokens * num_heads, head_dim)
+        k = qkv[:, q_end:k_end].reshape(tokens * num_kv_heads, head_dim)
+        if self.kernels is None:
+            q, k = q_norm(q), k_norm(k)
+        else:
+            q = self.kernels.rms_norm(q.contiguous(), q_norm.weight, q_norm.eps, torch.float32)
+            k = self.kernels.rms_norm(k.contiguous(), k_norm.weight, k_norm.eps, torch.float32)
+        return torch.cat((q.view(tokens, q_end), k.view(tokens, k_end - q_end), qkv[:, k_end:]), dim=1)

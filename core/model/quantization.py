@@ -283,7 +283,7 @@ def projection(weight: torch.Tensor, mode: str) -> nn.Module:
 
 
 def quantize_model(model: nn.Module, mode: str) -> nn.Module:
-    """Pack a ``LlamaForCausalLM``'s projections and output head. The embedding table stays float32, and so does the
+    """Pack a ``CausalLM``'s projections and output head. The embedding table stays float32, and so does the
     output head's weight beside its packed copy: drafters slice rows of it (with tied embeddings it is the table)."""
     return quantize_linears(model, mode, shared=frozenset({id(model.lm_head.weight)}))
 

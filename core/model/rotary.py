@@ -3,45 +3,62 @@ transformers knows (through its ``ROPE_INIT_FUNCTIONS``), and the precomputed co
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 
-def rope_parameters(config: Any) -> dict:
-    """The RoPE settings of a HF config as one dict with ``rope_theta`` and ``rope_type`` always present.
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict:
+    """The RoPE settings of a HF config as one dict with ``rope_theta``, ``rope_type`` and ``partial_rotary_factor``
+    always present; ``layer_type`` picks a per-layer-type entry (Gemma 3: ``sliding_attention``,
+    ``full_attention``).
 
-    transformers 5 stores ``config.rope_parameters = {"rope_theta": ..., "rope_type": ...}``; older versions store
-    ``config.rope_theta`` plus an optional ``config.rope_scaling`` (whose type key is ``rope_type`` or ``type``).
+    transformers 5 stores ``config.rope_parameters = {"rope_theta": ..., "rope_type": ...}`` (or one such dict per
+    layer type); older versions store ``config.rope_theta`` plus an optional ``config.rope_scaling`` (whose type key
+    is ``rope_type`` or ``type``).
     """
     parameters = dict(getattr(config, "rope_parameters", None) or {})
-    parameters.update(getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None and isinstance(parameters.get(layer_type), Mapping):
+        parameters = dict(parameters[layer_type])
+    else:
+        parameters.update(getattr(config, "rope_scaling", None) or {})
     parameters.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    parameters.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
     parameters["rope_type"] = parameters.get("rope_type") or parameters.get("type") or "default"
     return parameters
 
 
-def default_inverse_frequencies(theta: float, head_dim: int) -> torch.Tensor:
-    """Unscaled per-pair rotation speeds ``[head_dim // 2]`` (float32), exactly as transformers computes them."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def default_inverse_frequencies(theta: float, dim: int) -> torch.Tensor:
+    """Unscaled per-pair rotation speeds ``[dim // 2]`` (float32) for ``dim`` rotated features, exactly as
+    transformers computes them."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
-def rope_inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Per-pair rotation speeds ``[head_dim // 2]`` (float32) and the factor cos/sin are scaled by (1.0 but for
-    ``yarn`` and ``longrope``), for the rope type of a HF config. Scaled types come from transformers'
-    ``ROPE_INIT_FUNCTIONS`` (``linear``, ``llama3``, ``yarn``, ``longrope``, ...), computed on the CPU like the
-    reference; ``dynamic`` rescales with the sequence length at run time, which precomputed tables cannot do."""
-    parameters = rope_parameters(config)
+def rope_inverse_frequencies(config: Any, head_dim: int, *, max_positions: int | None = None,
+                             layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Per-pair rotation speeds ``[rotary_dim // 2]`` (float32; ``rotary_dim`` is ``head_dim`` times the config's
+    ``partial_rotary_factor``) and the factor cos/sin are scaled by (1.0 but for ``yarn`` and ``longrope``), for the
+    rope type of a HF config (of ``layer_type``'s entry where the config has one per layer type). Scaled types come
+    from transformers' ``ROPE_INIT_FUNCTIONS`` (``linear``, ``llama3``, ``yarn``, ``longrope``, ...), computed on the
+    CPU like the reference. ``longrope`` takes its long factors when ``max_positions`` exceeds the original context
+    and its short ones otherwise: one choice for the whole run, so one request's length never changes another's
+    rotation. ``dynamic`` rescales with the sequence length at run time, which precomputed tables cannot do."""
+    parameters = rope_parameters(config, layer_type)
     rope_type = parameters["rope_type"]
     if rope_type == "default":
-        return default_inverse_frequencies(parameters["rope_theta"], head_dim), 1.0
+        dim = int(head_dim * parameters["partial_rotary_factor"])
+        return default_inverse_frequencies(parameters["rope_theta"], dim), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     supported = sorted({"default", *ROPE_INIT_FUNCTIONS} - {"dynamic"})
     if rope_type not in supported:
         raise ValueError(f"unsupported rope_type {rope_type!r} in the model config; supported: {', '.join(supported)}")
-    inverse, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    options: dict[str, Any] = {} if layer_type is None else {"layer_type": layer_type}
+    if rope_type == "longrope":
+        options["seq_len"] = max_positions
+    inverse, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **options)
     return inverse.float(), float(scaling)
 
 
@@ -54,6 +71,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, inverse_frequencies: torch.Tensor, max_positions: int, device: torch.device,
                  scaling: float = 1.0):
         super().__init__()
+        self.rotary_dim = 2 * inverse_frequencies.numel()
         # Computed on the CPU whatever the device, so every device rotates by bit-identical angles.
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inverse_frequencies)
         sin = angles.sin()
@@ -65,12 +83,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for each token, ``[T, 1, head_dim]`` each (broadcast over heads), in ``dtype``."""
+        """cos and signed sin for each token, ``[T, 1, rotary_dim]`` each (broadcast over heads), in ``dtype``."""
         return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[..., heads, head_dim]`` by ``RotaryEmbedding``'s tables (HF's half-split layout: pairs are
-    (i, i + head_dim/2)): ``x * cos + swap_halves(x) * [-sin, sin]``, three kernels."""
+    (i, i + rotary_dim/2)): ``x * cos + swap_halves(x) * [-sin, sin]``, three kernels. Tables narrower than
+    ``head_dim`` rotate the first ``rotary_dim`` features and pass the rest (partial rotary)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim != x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
     return torch.addcmul(x * cos, swapped, sin)

@@ -10,11 +10,11 @@ from infer.distributed import ShardPlan, TensorParallelGroup
 from infer.model.layers import Linear
 
 if TYPE_CHECKING:
-    from infer.model.llama import LlamaForCausalLM
+    from infer.model.decoder import CausalLM
 
 
 @torch.no_grad()
-def shard_model(model: LlamaForCausalLM, plan: ShardPlan, group: TensorParallelGroup) -> LlamaForCausalLM:
+def shard_model(model: CausalLM, plan: ShardPlan, group: TensorParallelGroup) -> CausalLM:
     """Keep ``plan``'s share of ``model``'s weights (in place, before quantization): each layer's heads and MLP
     columns, the output head's vocabulary rows (untied from the embedding, which stays whole)."""
     for layer in model.layers:

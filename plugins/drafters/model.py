@@ -60,7 +60,7 @@ class TargetLayers:
     @torch.inference_mode()
     def __call__(self, input_ids, step) -> torch.Tensor:
         target = self.target
-        return target.run_layers(target.embed_tokens(input_ids), target.layers[: self.num_layers], step)
+        return target.run_layers(target.embed(input_ids), target.layers[: self.num_layers], step)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(hidden)
@@ -109,7 +109,8 @@ class ModelDrafter(Drafter):
                              f"must share it token for token")
         draft = context.quantize(model)
         executor = context.executor.for_another(draft)  # the target's kernels and paths, if it runs on them
-        attention = context.build_attention(draft.num_heads, draft.num_kv_heads, draft.head_dim)
+        attention = context.build_attention(draft.num_heads, draft.num_kv_heads, draft.head_dim,
+                                            draft.layer_attention)
         return draft, attention, executor
 
     # -- the draft pool ------------------------------------------------------------------------------------------

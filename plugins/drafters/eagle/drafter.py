@@ -335,7 +335,7 @@ class EagleDrafter(Drafter):
         metadata = AttentionMetadata.build([seq.block_table for seq in seqs], starts, lengths, self.block_size,
                                            self.device)
         input_ids = torch.tensor([t for row in tokens for t in row], dtype=torch.int64, device=self.device)
-        embeds = self.target.embed_tokens(input_ids)
+        embeds = self.target.embed(input_ids)
         last_rows = list(itertools.accumulate(lengths, initial=-1))[1:]  # each sequence's last pair
         run = self._run_fused if self._takes_fused_head(metadata, embeds.dtype) else self._run_layers
         last, choices, probabilities = run(metadata, embeds, features, last_rows, width)

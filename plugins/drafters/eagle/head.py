@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from infer.model import DecoderLayer, RMSNorm
+from infer.attention import FULL_ATTENTION
+from infer.model import DecoderLayer, ModelArchitecture, RMSNorm
 
 FORMAT = "infer-eagle-head-2"
 
@@ -38,12 +39,11 @@ class EagleHead(nn.Module):
                  device: torch.device | str = "cpu"):
         super().__init__()
         hidden = config.hidden_size
-        head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
         with torch.device(device):
             self.embed_norm = RMSNorm(hidden, config.rms_norm_eps, dtype)
             self.feature_norm = RMSNorm(hidden, config.rms_norm_eps, dtype)
             self.fc = nn.Linear(2 * hidden, hidden, bias=True, dtype=dtype)
-            self.layer = DecoderLayer(config, 0, head_dim, dtype)
+            self.layer = DecoderLayer(head_layer_spec(config), 0, dtype)
             self.norm = RMSNorm(hidden, config.rms_norm_eps, dtype)
         self.register_buffer("vocab_ids", vocab_ids.to(device=device, dtype=torch.int64))
 
@@ -62,6 +62,14 @@ class EagleHead(nn.Module):
         head's own one-layer pool); ``step`` from the target's executor (``infer.execution.paths.ForwardStep``)."""
         hidden, residual = step.run_layers([self.layer], self.combine(embeds, features, step.ops))
         return step.ops.norm(self.norm, hidden, residual)[0]
+
+
+def head_layer_spec(config):
+    """The head's decoder layer for a target of HF config ``config``: a Llama layer of the target's shapes (full
+    attention, SwiGLU, the target's first RoPE table, which the head's steps rotate by)."""
+    spec = ModelArchitecture.decoder_spec(config)
+    return spec.replace(num_layers=1, layer_attention=(FULL_ATTENTION,), layer_rotary=(0,), rotary=spec.rotary[:1],
+                        activation="silu", head_norms=False, output_norms=False)
 
 
 def draft_head_weight(target, vocab_ids: torch.Tensor) -> torch.Tensor:

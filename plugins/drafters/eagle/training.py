@@ -305,7 +305,7 @@ def unrolled_forward(head, target, batch: Batch, steps: int, noise: float) -> li
     layer, attention = head.layer, head.layer.self_attn
     size, length = batch.next_tokens.shape
     with torch.no_grad():
-        embeds = target.embed_tokens(batch.next_tokens).float()
+        embeds = target.embed(batch.next_tokens).float()
     cos, sin = target.rotary(torch.arange(length), torch.float32)
     features = batch.features + noise * torch.randn_like(batch.features) if noise else batch.features
     keys, values, outputs = [], [], []

@@ -1,4 +1,6 @@
-"""The Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral) in plain torch, reading K/V through an attention backend.
+"""infer's decoder in plain torch, reading K/V through an attention backend: one ``CausalLM`` that every model
+family configures through its ``DecoderSpec`` (``infer.model.architecture``): Llama, Mistral, Qwen2, Qwen3, Gemma 3,
+Phi-3.
 
 Tokens arrive flattened (``[T]``, no batch dimension, no padding); the attention backend knows which tokens belong
 to which sequence from the step's ``AttentionMetadata``. Projections are fused (Q/K/V in one matmul, gate/up in
@@ -18,30 +20,38 @@ import torch
 from torch import nn
 
 from infer.kernels.cpu import FusedLayer
-from infer.model.hf_weights import load_hf_state_dict
-from infer.model.layers import Embedding, Linear, RMSNorm, silu_and_mul
-from infer.model.rotary import RotaryEmbedding, rope_inverse_frequencies
+from infer.model.hf_weights import WeightMap, load_hf_state_dict
+from infer.model.layers import Embedding, Linear, RMSNorm, gated_activation
+from infer.model.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from infer.kernels.cpu import CpuKernels
-    from infer.model.step import ForwardStep
     from infer.distributed import TensorParallelGroup
+    from infer.kernels.cpu import CpuKernels
+    from infer.model.spec import DecoderSpec
+    from infer.model.step import ForwardStep
 
 
 class Attention(nn.Module):
-    """Self-attention of one layer: fused QKV projection, RoPE, the backend's paged attention, output projection."""
+    """Self-attention of one layer: fused QKV projection, the q/k head norms where the family has them, RoPE, the
+    backend's paged attention, output projection."""
 
-    def __init__(self, config: Any, layer_index: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, spec: DecoderSpec, layer_index: int, dtype: torch.dtype,
+                 rotary: RotaryEmbedding | None = None):
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = head_dim
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = head_dim = spec.head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        qkv_bias, output_bias = _attention_biases(config)
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, dtype=dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=output_bias, dtype=dtype)
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.output_bias, dtype=dtype)
+        self.q_norm = RMSNorm(head_dim, spec.rms_norm_eps, dtype) if spec.head_norms else None
+        self.k_norm = RMSNorm(head_dim, spec.rms_norm_eps, dtype) if spec.head_norms else None
+        # This layer's RoPE table when it is not the step's (``StepOps.rotary``); a plain attribute, not a
+        # submodule: the model owns its tables.
+        self.__dict__["rotary"] = rotary
+        self.rotary_dim = spec.rotary[spec.layer_rotary[layer_index]].rotary_dim
         # Sharded by ``infer.model.sharding.shard_model``: this rank's heads only, and the output projection's partial
         # sums added over the ranks.
         self.tensor_parallel: TensorParallelGroup | None = None
@@ -49,7 +59,10 @@ class Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, step: ForwardStep) -> torch.Tensor:  # hidden: [T, hidden]
         num_tokens = hidden.shape[0]
         # Q and K heads rotate together: one set of kernels for both (a bf16 output widened on the way).
-        qkv, heads = step.ops.rotate(self.qkv_proj(hidden), self.num_heads + self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        if self.q_norm is not None:
+            qkv = step.ops.head_norms(qkv, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
+        qkv, heads = step.ops.rotate(qkv, self.num_heads + self.num_kv_heads, self.head_dim, self.rotary)
         q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         attended = step.attend(self.layer_index, q, k, v).reshape(num_tokens, self.q_size)
@@ -59,38 +72,49 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward with the gate and up projections fused into one matmul."""
+    """Gated feed-forward (SwiGLU, or GeGLU with ``activation`` gelu_tanh) with the gate and up projections fused
+    into one matmul."""
 
-    def __init__(self, config: Any, dtype: torch.dtype):
+    def __init__(self, spec: DecoderSpec, dtype: torch.dtype):
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} in the model config; supported: silu")
-        bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias, dtype=dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype)
+        bias = spec.mlp_bias
+        self.activation = spec.activation
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=bias, dtype=dtype)
         self.tensor_parallel: TensorParallelGroup | None = None  # as ``Attention``'s
 
     def forward(self, x: torch.Tensor, step: ForwardStep | None = None) -> torch.Tensor:
         """``x`` ``[..., hidden]``; without a step (training an EAGLE head: batched, with autograd) in torch's ops."""
         gate_up = self.gate_up_proj(x)
-        out = self.down_proj(silu_and_mul(gate_up) if step is None else step.ops.silu_mul(gate_up))
+        if step is None:
+            activated = gated_activation(gate_up, self.activation)
+        else:
+            activated = step.ops.gated_activation(gate_up, self.activation)
+        out = self.down_proj(activated)
         return out if self.tensor_parallel is None else self.tensor_parallel.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with ``output_norms`` (Gemma 3)
+    ``x + norm(attn(norm(x)))``, then ``x + norm(mlp(norm(x)))``.
 
     The residual stream travels beside each layer's output (vLLM's layout): a layer returns ``(delta, residual)``
     and the next norm adds them, so the add and the norm are one kernel with the CPU kernels' ``StepOps``. The first
     layer takes ``residual=None``; after the last, ``step.ops.norm(final_norm, delta, residual)`` finishes.
+    ``post_attention_layernorm`` is the norm before the MLP (the Llama name); ``attn_output_norm`` and
+    ``mlp_output_norm`` are the output norms (``ModelArchitecture.renamed`` maps them to a family's names).
     """
 
-    def __init__(self, config: Any, layer_index: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, spec: DecoderSpec, layer_index: int, dtype: torch.dtype,
+                 rotary: RotaryEmbedding | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, layer_index, head_dim, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        hidden, eps = spec.hidden_size, spec.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps, dtype)
+        self.self_attn = Attention(spec, layer_index, dtype, rotary)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+        self.mlp = MLP(spec, dtype)
+        self.attn_output_norm = RMSNorm(hidden, eps, dtype) if spec.output_norms else None
+        self.mlp_output_norm = RMSNorm(hidden, eps, dtype) if spec.output_norms else None
         # The layer's dense parts as CPU kernel calls over packed copies of its weights (``use_cpu_kernels``); the
         # execution layer runs steps of a few tokens through it.
         self.fused: FusedLayer | None = None
@@ -98,13 +122,27 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
         normed, residual = step.ops.norm(self.input_layernorm, hidden, residual, gemm_input=True)
-        return self.feed_forward(self.self_attn(normed, step), residual, step)
+        attended = self.self_attn(normed, step)
+        if self.attn_output_norm is not None:
+            attended = step.ops.norm(self.attn_output_norm, attended)[0]
+        return self.feed_forward(attended, residual, step)
 
     def feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor,
                      step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
         """The dense second half: the residual add, norm, MLP (what ``model.compile`` compiles)."""
         normed, residual = step.ops.norm(self.post_attention_layernorm, hidden, residual, gemm_input=True)
-        return self.mlp(normed, step), residual
+        out = self.mlp(normed, step)
+        if self.mlp_output_norm is not None:
+            out = step.ops.norm(self.mlp_output_norm, out)[0]
+        return out, residual
+
+    @property
+    def kernel_shaped(self) -> bool:
+        """Whether the CPU kernels' fused layer computes this layer: a Llama-shaped layer (SwiGLU, no output norms,
+        its RoPE table the step's and rotating whole heads; q/k head norms the kernels apply)."""
+        attn = self.self_attn
+        return (self.mlp.activation == "silu" and self.attn_output_norm is None and attn.rotary is None
+                and attn.rotary_dim == attn.head_dim)
 
     def use_cpu_kernels(self, kernels: CpuKernels | None, gemv_rows: int = 0, tile_fma: bool = False) -> None:
         """Let the packed projections compute inputs of up to ``gemv_rows`` rows with the kernels' GEMV (see
@@ -120,75 +158,88 @@ class DecoderLayer(nn.Module):
         if kernels is None or any(weight is None for weight in weights) or attn.tensor_parallel is not None:
             self.fused = None
             return
+        if not self.kernel_shaped or (attn.q_norm is not None and not FusedLayer.head_norms_supported()):
+            self.fused = None
+            return
         norms = (self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach())
+        extra = {} if attn.q_norm is None else {
+            "head_norms": (attn.q_norm.weight.detach().float().contiguous(),
+                           attn.k_norm.weight.detach().float().contiguous())}
         self.fused = FusedLayer(kernels, weights, [projection.kernel_scales for projection in projections],
                                 [projection.bias for projection in projections], norms, self.input_layernorm.eps,
                                 attn.q_size, attn.num_heads + attn.num_kv_heads, attn.head_dim,
                                 [projection.tile_weight for projection in projections],
-                                any(projection.tile_fma for projection in projections))
+                                any(projection.tile_fma for projection in projections), **extra)
 
 
-class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM over flattened, paged batches.
+class CausalLM(nn.Module):
+    """A decoder-only causal LM over flattened, paged batches, as ``spec`` configures it.
 
-    Built from a HF ``LlamaConfig``-like config (``Qwen2Config`` and ``MistralConfig`` work too). The constructor
-    allocates uninitialized weights on ``device`` in ``dtype``; fill them with ``load_hf_state_dict``.
+    Build one with ``ModelArchitecture.build`` (a family's plugin, from a HF config) or from a spec directly. The
+    constructor allocates uninitialized weights on ``device`` in ``dtype``; fill them with ``load_hf_state_dict``,
+    which reads checkpoint names through ``weight_map`` (the family's ``ModelArchitecture``).
     """
 
     def __init__(
         self,
-        config: Any,
+        spec: DecoderSpec,
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        max_positions: int | None = None,
+        weight_map: type[WeightMap] = WeightMap,
+        hf_config: Any = None,
     ):
         super().__init__()
-        self.config = config
-        self.hidden_size = config.hidden_size
-        self.vocab_size = config.vocab_size
-        self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.max_positions = max_positions or config.max_position_embeddings
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.spec = spec
+        self.weight_map = weight_map
+        self.config = hf_config  # the HF config it was built from, when it was
+        self.hidden_size = spec.hidden_size
+        self.vocab_size = spec.vocab_size
+        self.num_layers = spec.num_layers
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.max_positions = spec.max_positions
+        self.tie_word_embeddings = spec.tie_word_embeddings
+        device = torch.device(device)
+        # Table 0 is every step's (``StepOps.rotary``); a layer on another keeps a reference to its own.
+        self.rotary_tables = nn.ModuleList(
+            RotaryEmbedding(table.inverse_frequencies, spec.max_positions, device, table.scaling)
+            for table in spec.rotary)
+        self.rotary = self.rotary_tables[0]
         with torch.device(device):
-            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+            self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
             self.layers = nn.ModuleList(
-                DecoderLayer(config, index, self.head_dim, dtype) for index in range(self.num_layers)
-            )
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+                DecoderLayer(spec, index, dtype,
+                             None if spec.layer_rotary[index] == 0 else self.rotary_tables[spec.layer_rotary[index]])
+                for index in range(self.num_layers))
+            self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inverse_frequencies, scaling = rope_inverse_frequencies(config, self.head_dim)
-        self.rotary = RotaryEmbedding(inverse_frequencies, self.max_positions, torch.device(device), scaling)
         # Sharded (``infer.model.sharding.shard_model``): the layers hold this rank's heads and ``lm_head`` its slice of
         # the vocabulary, whose logits rank 0 gathers.
         self.tensor_parallel: TensorParallelGroup | None = None
 
-    @classmethod
-    def from_hf(
-        cls,
-        hf_model_or_config: Any,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> LlamaForCausalLM:
-        """Build from a HF config (weights uninitialized) or from a HF model (its weights copied), in eval mode."""
-        if isinstance(hf_model_or_config, nn.Module):
-            model = cls(hf_model_or_config.config, dtype=dtype, device=device)
-            model.load_hf_state_dict(hf_model_or_config.state_dict())
-        else:
-            model = cls(hf_model_or_config, dtype=dtype, device=device)
-        return model.eval()
+    @property
+    def layer_attention(self):
+        """Each layer's ``infer.attention.LayerAttention`` (what its pool layer asks of the attention backend)."""
+        return self.spec.layer_attention
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, hidden]``, times the family's ``embedding_scale`` (rounded to the weights' dtype
+        first, as transformers does)."""
+        embeds = self.embed_tokens(input_ids)
+        scale = self.spec.embedding_scale
+        if scale is None:
+            return embeds
+        return embeds * torch.tensor(scale, dtype=torch.float32).to(embeds.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: ForwardStep) -> torch.Tensor:
         """Run the decoder over one step's flattened tokens ``input_ids`` ``[T]`` (int64), writing their K/V into
         ``step.kv_cache``; returns the hidden states after the final norm, ``[T, hidden]``."""
-        return self.run_layers(self.embed_tokens(input_ids), self.layers, step)
+        return self.run_layers(self.embed(input_ids), self.layers, step)
 
     def run_layers(self, hidden: torch.Tensor, layers: Sequence[DecoderLayer], step: ForwardStep) -> torch.Tensor:
         """``layers`` (this model's, in order) over embeddings ``hidden`` ``[T, hidden]`` the way the step's
@@ -223,14 +274,5 @@ class LlamaForCausalLM(nn.Module):
 
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ..., ``lm_head.weight``) into the fused
-        layout (``infer.model.hf_weights``)."""
-        load_hf_state_dict(self, state_dict)
-
-
-def _attention_biases(config: Any) -> tuple[bool, bool]:
-    """Whether the Q/K/V projection and the output projection carry biases."""
-    if getattr(config, "model_type", None) == "qwen2":
-        # Qwen2 configs have no attention_bias field: Q/K/V always carry a bias, the output projection never.
-        return True, False
-    bias = bool(getattr(config, "attention_bias", False))
-    return bias, bias
+        layout, as the family's weight-name map says (``infer.model.hf_weights``)."""
+        load_hf_state_dict(self, state_dict, self.weight_map)
