@@ -33,12 +33,12 @@ import time
 from pathlib import Path
 
 import torch
+from drain import drain  # beside this script: abort and release every request of an engine
 
 from infer import LLM, SamplingParams
-from infer.kernels import cpu as cpu_kernels
 from infer.host import cpu_flags
+from infer.kernels import cpu as cpu_kernels
 from infer.model.quantization import bf16_gemm_available, bf16_gemm_weight, bf16_linear, int8_weights
-from drain import drain  # beside this script: abort and release every request of an engine
 
 # (out_features, in_features) of one SmolLM2-135M layer's projections: QKV, output, gate/up, down.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]

@@ -21,9 +21,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from infer.bench.workloads import build_workload
+from infer.engine.metrics import percentile
 from infer.host import cpu_signature
 from infer.model.loader import load_tokenizer
-from infer.engine.metrics import percentile
 from infer.serve.process import ServerProcess
 
 SERVERS = [

@@ -18,9 +18,9 @@ import statistics
 import time
 
 import torch
+from drain import drain  # beside this script: abort and release every request of an engine
 
 from infer import LLM, SamplingParams
-from drain import drain  # beside this script: abort and release every request of an engine
 
 
 def decode_ms(llm: LLM, batch: int, steps: int, repeats: int) -> tuple[list[float], float]:

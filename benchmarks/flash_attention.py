@@ -14,8 +14,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from infer.kernels import cpu as cpu_kernels
 from infer.attention import gather_blocks
+from infer.kernels import cpu as cpu_kernels
 from infer.kernels.cpu import FlashChunks
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the default model's layout

@@ -16,11 +16,10 @@ import argparse
 import json
 import time
 
-from infer.bench.runner import run_workload
+from infer.bench.runner import run_workload, simulate_workload
 from infer.bench.workloads import build_workload
 from infer.config import load_config
 from infer.engine.engine import Engine
-from infer.bench.runner import simulate_workload
 from infer.simulate.engine import SimulatedEngine
 
 PREFIX_WORKLOAD = {"name": "shared-prefix", "groups": 4, "questions": 16, "system_len": 600, "question_len": 30,

@@ -31,7 +31,6 @@ from collections import Counter
 from pathlib import Path
 
 from drain import drain  # beside this script: the public engine API only
-
 from step_overhead import mount  # beside this script; imports nothing of infer
 
 

@@ -42,8 +42,9 @@ def mount(root: Path) -> None:
 
 def measure(overrides: list[str], batches: list[int], steps: int) -> dict[str, dict[str, list[float]]]:
     """Per-step overheads and whole steps (ms) of ``steps`` decode steps at each batch size."""
-    from infer import LLM, SamplingParams
     from drain import drain  # beside this script (imported after ``mount``: it imports infer)
+
+    from infer import LLM, SamplingParams
 
     llm = LLM("baseline", overrides)
     engine = llm.engine

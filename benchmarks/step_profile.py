@@ -23,11 +23,11 @@ import time
 from collections import defaultdict
 
 import torch
+from drain import drain  # beside this script
 
 from infer import LLM, SamplingParams
 from infer.kernels.cpu import FusedLayer, FusedStack
 from infer.model.quantization import PackedLinear
-from drain import drain  # beside this script
 
 PARTS = ["scheduling", "metadata", "layers, one call", "projections", "fused dense", "attention", "output head",
          "sampling", "other"]

@@ -40,7 +40,7 @@ def decode_case(overrides: list[str], batch: int, tokens: int) -> dict:
     with LLM("baseline", dotlist=[*overrides, "model.max_model_len=512", f"scheduler.max_num_seqs={batch}"]) as llm:
         engine = llm.engine
         prompt = [1] + list(range(1000, 1031))  # 32 tokens
-        for index in range(batch):
+        for _ in range(batch):
             engine.add_request(prompt, SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True))
         while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in [*engine.waiting, *engine.running]):
             engine.step()

@@ -46,7 +46,7 @@ def main() -> None:
     for rows in args.rows:
         for dtype in (torch.float32, torch.bfloat16):
             cells = []
-            for name, (n, k) in SHAPES.items():
+            for n, k in SHAPES.values():
                 weight = torch.randn(n, k).to(torch.bfloat16)
                 tiles, packed = cpu_kernels.pack_tiles(weight), bf16_gemm_weight(weight.float())
                 x = torch.randn(rows, k).to(dtype)

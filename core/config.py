@@ -2,8 +2,9 @@
 
 OmegaConf only merges, parses overrides and resolves interpolation; pydantic is the one schema. Each plugin section
 (``allocator``, ``prefix_cache``, ``scheduler``, ``attention``, ``drafter``, ``guide``) is validated by the model its
-selected plugin registered, so ``load_config(...).scheduler`` is an instance of that plugin's model. Every problem is reported
-at once in a ``ConfigError``, one line each: ``scheduler.max_num_seq: unknown key; did you mean "max_num_seqs"?``.
+selected plugin registered, so ``load_config(...).scheduler`` is an instance of that plugin's model. Every problem is
+reported at once in a ``ConfigError``, one line each:
+``scheduler.max_num_seq: unknown key; did you mean "max_num_seqs"?``.
 """
 
 from __future__ import annotations
@@ -16,16 +17,25 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import (BaseModel, ByteSize, ConfigDict, Field, SerializeAsAny, TypeAdapter, ValidationError,
-                      create_model, field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    TypeAdapter,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from infer.allocator import AllocatorConfig
 from infer.attention import AttentionConfig
 from infer.drafter import DrafterConfig
 from infer.guide import GuideConfig
 from infer.prefix_cache import PrefixCacheConfig
-from infer.registry import (KIND_INFO, SECTION_KINDS, PluginError, Registry, get_registry, import_object,
-                            normalize_name)
+from infer.registry import KIND_INFO, SECTION_KINDS, PluginError, Registry, get_registry, import_object, normalize_name
 from infer.scheduler import SchedulerConfig
 
 if TYPE_CHECKING:
@@ -34,8 +44,8 @@ if TYPE_CHECKING:
 SHIPPED_CONFIGS = "infer.configs"
 DEFAULT_PLUGINS = {"allocator": "paged", "prefix_cache": "none", "scheduler": "fcfs", "attention": "auto",
                    "drafter": "none", "guide": "none"}
-# Kinds whose name may be "auto": the engine picks the plugin for the device and dtype (``infer.execution.paths``), and the
-# section takes no keys but the name (name a plugin to set its keys).
+# Kinds whose name may be "auto": the engine picks the plugin for the device and dtype (``infer.execution.paths``), and
+# the section takes no keys but the name (name a plugin to set its keys).
 AUTO_SELECTED = {"attention": AttentionConfig}
 CORE_MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -634,4 +644,5 @@ def _section_union(kind: str, registry: Registry) -> Any:
             continue  # a broken plugin cannot describe its section
         if model not in models:
             models.append(model)
-    return Union[tuple(models)] if models else import_object(KIND_INFO[kind].config_base)
+    # Union[...] over a tuple built at run time: the X | Y form has no spelling for it.
+    return Union[tuple(models)] if models else import_object(KIND_INFO[kind].config_base)  # noqa: UP007

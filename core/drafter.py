@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence as Sequence_
+from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -37,7 +38,7 @@ class SampledDrafts(list):
     deterministic guess): the engine samples the target's token at each position and accepts while it agrees.
     """
 
-    def __init__(self, token_ids: list[int], probs: "torch.Tensor"):
+    def __init__(self, token_ids: list[int], probs: torch.Tensor):
         super().__init__(token_ids)
         self.probs = probs
 
@@ -109,12 +110,12 @@ class LayerExecutor(Protocol):
     kernels: Any  # the ``infer.kernels.cpu.CpuKernels`` the target's steps run on, or None (torch's ops)
     fused_max_tokens: int  # steps of up to this many tokens may run their layers in one C call
 
-    def step(self, rotary: Any, metadata: "AttentionMetadata", kv_cache: "torch.Tensor",
-             attention: "AttentionBackend", dtype: "torch.dtype") -> Any:
+    def step(self, rotary: Any, metadata: AttentionMetadata, kv_cache: torch.Tensor,
+             attention: AttentionBackend, dtype: torch.dtype) -> Any:
         """The per-step object layers take (an ``infer.model.step.ForwardStep``) for ``metadata`` (already through
         ``attention.prepare``) over ``kv_cache``."""
 
-    def prepare(self, module: "nn.Module") -> None:
+    def prepare(self, module: nn.Module) -> None:
         """Prepare a decoder layer or a packed projection outside a model (a draft head's) for these kernels."""
 
     def fuses(self, layers: Sequence_[Any], step: Any) -> bool:
@@ -123,7 +124,7 @@ class LayerExecutor(Protocol):
     def count_fused(self) -> None:
         """Count a forward pass a drafter ran in one C call itself (a fused draft head) among the fused ones."""
 
-    def for_another(self, model: "nn.Module") -> "LayerExecutor":
+    def for_another(self, model: nn.Module) -> LayerExecutor:
         """An executor with these kernels and paths for another model (a draft model), its weights prepared."""
 
 
@@ -139,14 +140,14 @@ class TargetModel(Protocol):
     head_dim: int
     rotary: Any  # the rotary embedding a step (``LayerExecutor.step``) is built with
     layers: Any  # the decoder layers, in order
-    embed_tokens: "nn.Module"  # token ids [tokens] -> embeddings [tokens, hidden]
-    norm: "nn.Module"
-    lm_head: "nn.Module"  # ``lm_head.weight`` is float32 [vocab, hidden] even when the head is packed
+    embed_tokens: nn.Module  # token ids [tokens] -> embeddings [tokens, hidden]
+    norm: nn.Module
+    lm_head: nn.Module  # ``lm_head.weight`` is float32 [vocab, hidden] even when the head is packed
 
-    def run_layers(self, hidden: "torch.Tensor", layers, step: Any) -> "torch.Tensor":
+    def run_layers(self, hidden: torch.Tensor, layers, step: Any) -> torch.Tensor:
         """``layers`` over ``hidden`` [tokens, hidden], then the final norm."""
 
-    def compute_logits(self, hidden: "torch.Tensor") -> "torch.Tensor":
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output-head logits of final hidden states."""
 
 
@@ -164,12 +165,12 @@ class DrafterContext:
     target: TargetModel
     model_name: str
     tokenizer: Any
-    dtype: "torch.dtype"
-    device: "torch.device"
+    dtype: torch.dtype
+    device: torch.device
     block_size: int
     seed: int
     quantization: str  # the target's weight packing (``model.quantization`` resolved): "none", "fp16", "int8", ...
-    attention: "AttentionBackend"
+    attention: AttentionBackend
     executor: LayerExecutor
     # () -> RowsCalibration: how many query rows of one sequence the target computes for about a decode step's time
     # on this machine (a verification of drafts is one row per draft plus one), measured once per machine and model
@@ -177,14 +178,14 @@ class DrafterContext:
     free_verify_rows: Callable[[], RowsCalibration]
     # (module, mode=None) -> module: ``module``'s linear layers packed as the target's are, or as ``mode`` (a
     # ``model.quantization`` value) says, in place; a model's output-head weight stays beside its packed copy.
-    quantize: Callable[..., "nn.Module"]
+    quantize: Callable[..., nn.Module]
     # (weight, mode=None) -> module: ``x @ weight.T`` as a module packed as the target's weights are, or as ``mode``.
-    projection: Callable[..., "nn.Module"]
+    projection: Callable[..., nn.Module]
     # (path) -> (model, tokenizer): another model of the target's dtype and device, loaded as the target was.
     load_model: Callable[[str], tuple[Any, Any]]
 
     def build_attention(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                        layers: Sequence_[LayerAttention] = ()) -> "AttentionBackend":
+                        layers: Sequence_[LayerAttention] = ()) -> AttentionBackend:
         """An attention backend of the target's kind and block size for layers of other shapes (a draft model),
         told what each of its layers needs (``layers``, one per pool layer: a draft model's ``layer_attention``;
         empty: full attention in every layer)."""
@@ -228,11 +229,11 @@ class Drafter(ABC):
         self.context = context
 
     @abstractmethod
-    def propose(self, sequences: list["Sequence"], k: int) -> list[list[int]]:
+    def propose(self, sequences: list[Sequence], k: int) -> list[list[int]]:
         """At most ``k`` draft token ids for each sequence (an empty list: no guess); ``SampledDrafts`` for guesses
         drawn at random."""
 
-    def observe(self, output: "StepOutput") -> None:
+    def observe(self, output: StepOutput) -> None:
         """Called after every target step, once its tokens are accepted. When ``needs_hidden_states`` is set,
         ``output.hidden_states[row.start + j]`` is the target's final hidden state at position
         ``row.first_position + j`` of ``row.seq``, for each ``row`` in ``output.token_rows``; rows past the sequence's
@@ -251,8 +252,8 @@ class Drafter(ABC):
         """Allocate the drafter's KV pool: ``num_blocks`` blocks of the target's block size (called once, when
         ``kv_bytes_per_token`` is not 0)."""
 
-    def rollback(self, seq: "Sequence", num_tokens: int) -> None:
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """The sequence's committed length is now ``num_tokens``; forget draft-side state past it."""
 
-    def release(self, seq: "Sequence") -> None:
+    def release(self, seq: Sequence) -> None:
         """The sequence left the running set; drop any state kept for it."""

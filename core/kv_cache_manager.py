@@ -6,7 +6,6 @@ from infer.allocator import Allocator
 from infer.prefix_cache import Match, PrefixCache
 from infer.sequence import Sequence
 
-
 EVICTION_BATCH_DIVISOR = 256
 
 

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field, fields
 
 from infer.guide import Constraint, GuideError
 
-
 # OpenAI's bound: higher temperatures flatten the distribution into noise; a request asking for one is refused.
 MAX_TEMPERATURE = 2.0
 # Temperatures below this sample greedily (vLLM's bound): dividing logits by a denormal one overflows them to inf,
@@ -105,7 +104,7 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
-    def from_dict(cls, data: dict) -> "SamplingParams":
+    def from_dict(cls, data: dict) -> SamplingParams:
         """Build from a plain dict (a JSONL line, an API body); unknown keys are an error naming them."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)

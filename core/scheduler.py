@@ -46,7 +46,7 @@ class StepShape:
     decode_context_blocks: int = 0  # distinct KV blocks the decode rows read (a shared prefix's once)
 
     @classmethod
-    def of(cls, scheduled: list[tuple[Sequence, int]]) -> "StepShape":
+    def of(cls, scheduled: list[tuple[Sequence, int]]) -> StepShape:
         """The shape of ``scheduled`` (pairs of a plan, before the step runs)."""
         prefill = decode = rows = decode_context = pairs = 0
         blocks: set[int] = set()

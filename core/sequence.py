@@ -68,7 +68,7 @@ class Sequence:
     num_verify_passes: int = 0
     num_accepted_tokens: int = 0
     # Set for n > 1 followers: they wait until this sequence has computed the shared prompt.
-    fork_of: "Sequence | None" = None
+    fork_of: Sequence | None = None
     # Structured output: this sample's position in its constraint's grammar (``infer.guide.Matcher``).
     matcher: object | None = None
 

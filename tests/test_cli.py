@@ -193,7 +193,8 @@ def test_run_routes_its_arguments_to_run_command(runner, monkeypatch, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     calls = []
-    monkeypatch.setitem(sys.modules, "infer.cli.run", types.SimpleNamespace(run_command=lambda *args: calls.append(args)))
+    fake_run = types.SimpleNamespace(run_command=lambda *args: calls.append(args))
+    monkeypatch.setitem(sys.modules, "infer.cli.run", fake_run)
     result = runner.invoke(main, ["run", "baseline", "model.seed=1", "--prompts", str(prompts),
                                   "--output", str(tmp_path / "out.jsonl"), "--explain"])
     assert result.exit_code == 0, result.output

@@ -17,11 +17,11 @@ import torch
 
 from infer import LLM, SamplingParams, hookimpl
 from infer.attention import AttentionBackend, AttentionEnvironment
-from infer.kernels import cpu as cpu_kernels
-from infer.registry import get_registry
 from infer.execution.paths import Executor, choose_attention
+from infer.kernels import cpu as cpu_kernels
 from infer.model.loader import load_model
 from infer.model.quantization import PackedLinear, quantize_model
+from infer.registry import get_registry
 
 CORE = Path(__file__).resolve().parents[1] / "core"
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
@@ -199,7 +199,7 @@ def test_infer_run_explain_prints_the_choices_and_their_count(tiny_model_dir, tm
     assert "execution paths " in result.output and "forward passes: " in result.output
 
 
-# -- execution.fused_max_tokens: auto (infer.execution.calibration) -----------------------------------------------------------
+# -- execution.fused_max_tokens: auto (infer.execution.calibration) ---------------------------------------------------
 def test_the_threshold_is_the_step_up_to_which_the_fused_path_saves_the_most():
     from infer.execution.calibration import threshold
 

@@ -12,15 +12,14 @@ import pytest
 import torch
 import transformers
 
-from infer.kernels import cpu as cpu_kernels
-from infer.model import loader, quantization
 from infer.attention import AttentionMetadata
 from infer.execution.paths import PATH_NAMES, Executor
+from infer.kernels import cpu as cpu_kernels
+from infer.model import CausalLM, loader, quantization, rope_parameters
 from infer.model.loader import PackagedGguf, load_model, resolve_dtype, resolve_model_path
-from infer.model import CausalLM, rope_parameters
-from infer.plugins.models.llama import LlamaArchitecture
 from infer.plugins.attention.cpu import CpuBackend
 from infer.plugins.attention.sdpa import SdpaBackend
+from infer.plugins.models.llama import LlamaArchitecture
 from infer.testing.models import load_hf_reference, make_tiny_model_dir, tiny_llama_config
 
 SMALL_VOCAB = 256

@@ -89,8 +89,9 @@ def greedy_outputs(llm) -> list[list[int]]:
 
 
 def test_an_engine_with_every_outside_plugin_gives_the_builtins_output():
-    from infer import LLM
     from infer_outside_plugin.observer import SEEN
+
+    from infer import LLM
 
     builtins = LLM("baseline", SETTINGS, registry=Registry.from_entry_points(allowed=frozenset()))
     expected = greedy_outputs(builtins)

@@ -75,7 +75,8 @@ def test_eviction_under_a_tiny_pool_keeps_outputs_and_conserves_blocks(tiny_mode
     groups = [list(range(1000 + 100 * g, 1048 + 100 * g)) for g in range(8)]
     prompts = [groups[i % 8] + [i + 1, i + 2] for i in range(24)]
     reference = _llm(tiny_model_dir, "none", cache__num_blocks=256).generate(prompts, GREEDY)
-    # 24 usable blocks: fewer than the 8 groups' prefixes (3 blocks each) plus the running requests need, so entries get evicted.
+    # 24 usable blocks: fewer than the 8 groups' prefixes (3 blocks each) plus the running requests need, so entries
+    # get evicted.
     small = _llm(tiny_model_dir, cache, model__max_model_len=128, cache__num_blocks=25)
     outputs = small.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]

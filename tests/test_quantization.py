@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from infer import LLM, SamplingParams
-from infer.model import quantization
+from infer.model import Linear, quantization
 from infer.model.loader import load_model
-from infer.model import Linear
 from infer.model.quantization import (
     PackedLinear,
     dequantize_int8,

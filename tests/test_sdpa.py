@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import infer.plugins.attention as attention_plugins
 from infer.attention import AttentionMetadata, write_kv
 from infer.plugins.attention import sdpa as sdpa_plugin
-import infer.plugins.attention as attention_plugins
 from infer.plugins.attention.cpu import CpuBackend
 from infer.plugins.attention.sdpa import MAX_PADDED_QUERY_LEN, SdpaBackend
 

@@ -194,7 +194,7 @@ def test_completion_logprobs_cover_every_token(client):
                                       logprobs=2)
     logprobs = whole.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == whole.usage.completion_tokens
-    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+    for logprob, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
         assert len(top) == 2 and logprob <= 0
         assert logprob == pytest.approx(max(top.values()))  # greedy picks the most likely token
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)

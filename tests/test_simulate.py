@@ -16,8 +16,14 @@ from infer.bench.workloads import WorkloadError, build_workload
 from infer.cli import main
 from infer.config import load_config
 from infer.scheduler import FEATURE_NAMES, StepShape
-from infer.simulate.cost import (CostModelError, MeasuredCost, RooflineCost, fit_measured, load_accelerator,
-                                 load_geometry)
+from infer.simulate.cost import (
+    CostModelError,
+    MeasuredCost,
+    RooflineCost,
+    fit_measured,
+    load_accelerator,
+    load_geometry,
+)
 from infer.simulate.engine import SimulatedEngine
 
 # A cost model with round numbers: 10 ms a step, 1 ms a prefill token, 2 ms a decode token.

@@ -16,12 +16,12 @@ import torch
 
 from infer import LLM, SamplingParams
 from infer.drafter import Drafter, DraftTree
-from infer.testing.models import make_tiny_model_dir
-from infer.registry import get_registry
-from infer.engine.spec_decode import verify_sampled_drafts
 from infer.engine.sampler import SampleRequest
+from infer.engine.spec_decode import verify_sampled_drafts
+from infer.registry import get_registry
 from infer.testing import DrafterConformance
 from infer.testing.drafter import with_kv_cache
+from infer.testing.models import make_tiny_model_dir
 
 MAX_TOKENS = 32
 
@@ -266,9 +266,9 @@ def test_an_accepted_leaf_moves_its_kv_and_its_hidden_state_to_its_position():
     slot to its position's, and ``after_step`` puts its hidden state in the row a drafter reads for that position."""
     from types import SimpleNamespace
 
+    from infer.engine.spec_decode import SpeculativeDecoder
     from infer.outputs import BatchRows, StepOutput
     from infer.sequence import Sequence
-    from infer.engine.spec_decode import SpeculativeDecoder
 
     observed, moves = [], []
     drafter = SimpleNamespace(observe=observed.append, propose=lambda sequences, k: [], kv_bytes_per_token=lambda: 0)
@@ -573,8 +573,8 @@ def test_self_written_prompts_continue_the_user_turn_and_keep_distinct_finished_
 
 
 def test_feature_recorder_keeps_each_position_once_and_overwrites_after_preemption():
-    from infer.plugins.drafters.eagle.training import FeatureRecorder
     from infer.outputs import BatchRows, StepOutput
+    from infer.plugins.drafters.eagle.training import FeatureRecorder
     from infer.sequence import Sequence
 
     seq = Sequence(seq_id="r/0", prompt_token_ids=[1, 2, 3, 4], params=SamplingParams(max_tokens=4))

@@ -18,12 +18,18 @@ from infer.allocator import RefcountingAllocator
 from infer.plugins.allocators.paged import PagedAllocator
 from infer.plugins.attention.sdpa import SdpaBackend
 from infer.plugins.drafters.ngram import NgramDrafter
+from infer.plugins.guides.xgrammar_guide import XGrammarGuide, XGrammarMatcher
 from infer.plugins.prefix_cache.hash import HashPrefixCache
 from infer.plugins.schedulers.fcfs import FCFSScheduler
 from infer.plugins.schedulers.priority import PriorityScheduler
-from infer.plugins.guides.xgrammar_guide import XGrammarGuide, XGrammarMatcher
-from infer.testing import (AllocatorConformance, AttentionConformance, DrafterConformance, GuideConformance,
-                           PrefixCacheConformance, SchedulerConformance)
+from infer.testing import (
+    AllocatorConformance,
+    AttentionConformance,
+    DrafterConformance,
+    GuideConformance,
+    PrefixCacheConformance,
+    SchedulerConformance,
+)
 from infer.testing.guide import default_tokenizer_info
 from infer.testing.suite import ConformanceSuite
 

@@ -14,14 +14,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engine_oracle import (
+    CHATS,
+    MAX_TOKENS,
+    MODEL,
+    SYSTEM,
+    conversations,
+    hf_greedy,
+    hf_model,  # noqa: F401 (the module's fixture)
+)
 
 from infer import LLM, SamplingParams
-from infer.host import free_port
 from infer.distributed import TensorParallelError, pack_step, plan_shards, unpack_step
+from infer.host import free_port
 from infer.sequence import Sequence
-
-from test_engine_oracle import CHATS, MAX_TOKENS, MODEL, SYSTEM, conversations, hf_greedy
-from test_engine_oracle import hf_model  # noqa: F401 (the module's fixture)
 
 BASE = {"model__path": MODEL, "model__dtype": "float32", "model__max_model_len": 512}
 

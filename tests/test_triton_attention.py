@@ -20,8 +20,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from infer.attention import AttentionMetadata, BackendUnavailableError, write_kv  # noqa: E402
 import infer.plugins.attention as attention_plugins  # noqa: E402
+from infer.attention import AttentionMetadata, BackendUnavailableError, write_kv  # noqa: E402
 from infer.plugins.attention.triton_backend import TritonAttentionConfig, TritonBackend  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

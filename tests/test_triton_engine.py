@@ -1,4 +1,4 @@
-"""The engine's greedy outputs with ``attention: triton`` (CPU interpreter on a machine without CUDA) equal ``sdpa``'s."""
+"""The engine's greedy outputs with ``attention: triton`` (the CPU interpreter without CUDA) equal ``sdpa``'s."""
 
 from __future__ import annotations
 

@@ -21,8 +21,9 @@ def run_hf_baseline(model_path: str, dtype: torch.dtype, device: torch.device, r
                     batch_size: int, eos_token_ids: set[int], show_progress: bool = False) -> dict:
     """Load the HF model for ``model_path`` and time static-batch ``generate`` over ``requests``; returns a summary
     comparable with ``infer.engine.metrics.summarize``'s throughput fields."""
-    from infer.testing.models import load_hf_reference
     from tqdm import tqdm
+
+    from infer.testing.models import load_hf_reference
 
     if any(request.params.max_tokens is None for request in requests):
         raise ValueError("the HF baseline runs each batch to a fixed length: give every request a max_tokens "

@@ -176,7 +176,8 @@ def check_cli(ctx: click.Context, pytest_args: tuple[str, ...]) -> None:
     try:
         import pytest
     except ImportError as error:
-        raise click.ClickException(f"plugins check needs the testing extra (pip install 'infer[testing]'): {error}")
+        raise click.ClickException(
+            f"plugins check needs the testing extra (pip install 'infer[testing]'): {error}") from error
     ctx.exit(int(pytest.main(["--pyargs", "infer.testing.test_registered", *pytest_args])))
 
 

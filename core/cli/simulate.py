@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from infer.cli.bench import command_line, config_and_workload, workload_from_flags
 from infer.cli import CONFIG_HELP
+from infer.cli.bench import command_line, config_and_workload, workload_from_flags
 
 # The real runs a measured cost model is fitted on: decode at many batch sizes, long prefills, chunked prefill beside
 # decodes, prefix hits. Their seeds differ from the workloads' defaults, so a validation run is out of sample.
@@ -37,10 +37,10 @@ def simulate(config: str, overrides: tuple[str, ...], workload_name: str, fit: b
     """Run CONFIG's scheduler, allocator and prefix cache over a workload with the model replaced by a cost model
     (simulate.cost: measured or roofline); print what infer bench prints, in simulated time."""
     from infer.bench.report import environment, write_json
+    from infer.bench.runner import simulate_workload
     from infer.config import load_config
     from infer.engine.metrics import format_summary
     from infer.simulate.cost import CostModelError, build_cost_model
-    from infer.bench.runner import simulate_workload
     from infer.simulate.engine import SimulatedEngine
 
     resolved = load_config(config, list(overrides))

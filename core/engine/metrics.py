@@ -162,7 +162,8 @@ def format_summary(summary: dict) -> str:
         ("KV utilization (time-avg)", f"{summary['kv_utilization']:.1%}"),
         ("running seqs peak / mean", f"{summary['peak_running']} / {summary['mean_running']:.1f}"),
         ("preemptions", str(summary["preemptions"])),
-        ("spec tokens per verify pass", f"{summary['spec_accepted_per_pass']:.2f}" if summary["spec_accepted_per_pass"] else "-"),
+        ("spec tokens per verify pass",
+         f"{summary['spec_accepted_per_pass']:.2f}" if summary["spec_accepted_per_pass"] else "-"),
     ]
     if summary.get("tensor_parallel_size"):
         rows.append(("tensor parallel ranks", f"{summary['tensor_parallel_size']} (KV B/token per rank: "

@@ -14,6 +14,7 @@ import torch
 from infer.sampling import MASK, apply_filters, sample_row
 from infer.sampling_params import SamplingParams
 
+
 @dataclass(slots=True)
 class SampleRequest:
     """One logits row to sample from: the params, the absolute position of the token being chosen, the seed, and

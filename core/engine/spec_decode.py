@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer.drafter import Drafter, DrafterConfig, spine_length, tree_depths
-from infer.kv_cache_manager import KVCacheManager
 from infer.engine.sampler import SampleRequest
+from infer.kv_cache_manager import KVCacheManager
 from infer.sampling import apply_filters, position_generator, sample_row
 from infer.sequence import Sequence
 

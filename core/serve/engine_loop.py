@@ -16,8 +16,8 @@ import threading
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-from infer.engine.engine import EngineStats, RequestError
 from infer.distributed import TensorParallelError
+from infer.engine.engine import EngineStats, RequestError
 from infer.sampling_params import SamplingParams
 from infer.serve.updates import RequestProgress, RequestUpdate
 

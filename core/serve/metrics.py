@@ -1,9 +1,10 @@
 """``GET /metrics``: Prometheus's text format, written by ``prometheus-client``.
 
-The engine's counters are the ones ``infer.engine.metrics.ENGINE_COUNTERS`` declares (what ``infer run`` and ``infer bench``
-summarize), read from the snapshot of ``EngineStats`` the engine thread publishes after each step; its gauges come
-from the same snapshot. Request latencies (queue time, TTFT, TPOT, end to end) are observed on the event loop as
-requests finish, from the engine's own timestamps. All of it is touched only by the event loop, so no lock is needed.
+The engine's counters are the ones ``infer.engine.metrics.ENGINE_COUNTERS`` declares (what ``infer run`` and
+``infer bench`` summarize), read from the snapshot of ``EngineStats`` the engine thread publishes after each step; its
+gauges come from the same snapshot. Request latencies (queue time, TTFT, TPOT, end to end) are observed on the event
+loop as requests finish, from the engine's own timestamps. All of it is touched only by the event loop, so no lock is
+needed.
 With ``server.metrics_vllm_names`` every series is also exported under the name a vLLM dashboard looks for
 (``vllm:num_requests_running``, ``vllm:time_to_first_token_seconds``, ...).
 """

@@ -10,10 +10,22 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from infer.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
-                                  ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, ChatTopLogprob,
-                                  CompletionChoice, CompletionLogprobs, CompletionResponse, PromptTokensDetails,
-                                  UsageInfo)
+from infer.serve.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptTokensDetails,
+    UsageInfo,
+)
 from infer.serve.updates import RequestUpdate, SampleDelta, TokenLogprob, Usage
 
 

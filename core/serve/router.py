@@ -387,9 +387,9 @@ def aggregate_metrics(texts: list[str]) -> str:
     """Replicas' ``/metrics`` texts as one: every sample summed over the replicas by name and labels (counters,
     gauges, histogram buckets, sums and counts), ratio gauges recomputed. Prometheus text format."""
     from prometheus_client.exposition import generate_latest
+    from prometheus_client.metrics_core import Metric
     from prometheus_client.parser import text_string_to_metric_families
     from prometheus_client.registry import CollectorRegistry
-    from prometheus_client.metrics_core import Metric
 
     from infer.serve.metrics import Collected
 

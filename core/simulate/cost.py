@@ -93,7 +93,7 @@ class MeasuredCost(CostModel):
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: Path) -> "MeasuredCost":
+    def load(cls, path: Path) -> MeasuredCost:
         if not path.is_file():
             raise CostModelError(f"no measured cost model at {path}; make one with `infer simulate CONFIG --fit` "
                                  f"(it runs real steps on this machine), or set simulate.cost=roofline")
@@ -222,7 +222,7 @@ class Geometry:
         return self.num_layers * self.params_per_layer + self.vocab_size * self.hidden_size
 
     @classmethod
-    def from_hf_config(cls, data: dict[str, Any], name: str) -> "Geometry":
+    def from_hf_config(cls, data: dict[str, Any], name: str) -> Geometry:
         heads = data["num_attention_heads"]
         return cls(name=name, num_layers=data["num_hidden_layers"], hidden_size=data["hidden_size"],
                    intermediate_size=data["intermediate_size"], num_heads=heads,

@@ -24,9 +24,9 @@ from typing import Any
 
 from infer.drafter import Drafter
 from infer.engine.engine import Engine
-from infer.guide import TokenizerInfo
 from infer.execution.kv_pool import plan_kv_pool
 from infer.execution.runner import ModelRunner
+from infer.guide import TokenizerInfo
 from infer.outputs import StepOutput
 from infer.scheduler import StepPlan
 from infer.sequence import Sequence

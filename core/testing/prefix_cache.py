@@ -15,7 +15,6 @@ A plugin author's whole test file::
 from __future__ import annotations
 
 import dataclasses
-
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field

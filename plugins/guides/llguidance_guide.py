@@ -8,8 +8,17 @@ import json
 
 from pydantic import Field
 
-from infer.guide import Constraint, Guide, GuideConfig, GuideError, Matcher, TokenizerInfo, choice_regex, \
-    close_objects, require_library
+from infer.guide import (
+    Constraint,
+    Guide,
+    GuideConfig,
+    GuideError,
+    Matcher,
+    TokenizerInfo,
+    choice_regex,
+    close_objects,
+    require_library,
+)
 
 
 class LLGuidanceConfig(GuideConfig):

@@ -8,8 +8,16 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from infer.guide import Constraint, Guide, GuideConfig, GuideError, Matcher, TokenizerInfo, choice_regex, \
-    require_library
+from infer.guide import (
+    Constraint,
+    Guide,
+    GuideConfig,
+    GuideError,
+    Matcher,
+    TokenizerInfo,
+    choice_regex,
+    require_library,
+)
 
 
 class XGrammarConfig(GuideConfig):

@@ -2,13 +2,14 @@
 
 from collections import deque
 
+from infer_example_plugin.sjf import SJFScheduler
+
 from infer.kv_cache_manager import KVCacheManager
 from infer.plugins.allocators.paged import PagedAllocator
 from infer.plugins.prefix_cache.none import NoPrefixCache
 from infer.sampling_params import SamplingParams
 from infer.scheduler import SchedulerView
 from infer.sequence import Sequence
-from infer_example_plugin.sjf import SJFScheduler
 
 
 def test_shortest_prompt_is_admitted_first_and_ties_keep_arrival_order():

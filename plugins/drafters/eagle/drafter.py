@@ -28,17 +28,16 @@ import importlib.resources
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 from typing import Literal
 
+import torch
 from pydantic import Field, field_validator
 
 from infer.attention import AttentionMetadata
 from infer.drafter import Drafter, DrafterConfig, DrafterContext, DraftTree, RowsCalibration
 from infer.kernels.cpu import FusedDraftHead, KernelAttentionPlan, KernelAttentionStep
-from infer.plugins.drafters.eagle.head import EagleHead, draft_head_weight, load_head, random_head
 from infer.model.quantization import KERNEL_MODES, QUANTIZATIONS, PackedLinear
+from infer.plugins.drafters.eagle.head import EagleHead, draft_head_weight, load_head, random_head
 
 SHIPPED_HEADS = "heads"  # package data of this plugin: heads/<model name>/head.safetensors and its README card
 
@@ -62,9 +61,9 @@ class EagleDrafterConfig(DrafterConfig):
     tree_budget: int | Literal["auto"] = Field(
         "auto", description="Trees: the most drafts a tree verifies (at most num_speculative_tokens). auto: the "
                             "query rows the target computes for about one decode step's time on this CPU (measured "
-                            "once and cached: infer.execution.calibration.calibrate_rows), shared by the sequences drafting "
-                            "in a step, one row each for its own token: as many drafts a sequence as fit, none "
-                            "where none do (chains are capped alike).")
+                            "once and cached: infer.execution.calibration.calibrate_rows), shared by the sequences "
+                            "drafting in a step, one row each for its own token: as many drafts a sequence as fit, "
+                            "none where none do (chains are capped alike).")
     head_quantization: str = Field("auto", description='Weight packing of the head\'s layer, fc and draft-vocabulary '
                                                        'output (any model.quantization), or "target" (the target\'s '
                                                        'packing). "auto": int8_per_row where the target\'s '
