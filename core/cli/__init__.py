@@ -19,8 +19,8 @@ from infer.registry import KINDS, PluginError, PluginSpec, Registry, get_registr
 
 # Commands whose modules other parts of infer provide, imported on use: name -> ("module:command", short help).
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("infer.cli.bench:bench", "Measure throughput and latency of a config on a workload."),
-    "ablate": ("infer.cli.bench:ablate", "Benchmark one config per plugin choice and compare them."),
+    "bench": ("infer.cli.bench:bench", "Measure throughput and latency of a config on a workload, beside HF or vLLM."),
+    "ablate": ("infer.cli.bench:ablate", "Run a grid of configs (an ablation file) and compare them."),
     "simulate": ("infer.cli.simulate:simulate", "Run a config's scheduling and caching over a workload on a cost "
                                                 "model (no model forward)."),
     "serve": ("infer.serve.cli:serve", "Serve an OpenAI-compatible HTTP API (--data-parallel-size N: N replicas "
@@ -115,8 +115,8 @@ def _describe(error: Exception) -> str:
 @click.option("-v", "--verbose", is_flag=True, help="Show full tracebacks for errors.")
 @click.version_option(__version__, prog_name="infer")
 def main(verbose: bool) -> None:
-    """infer: an LLM inference engine with swappable allocators, prefix caches, schedulers, attention backends and
-    drafters."""
+    """infer: an LLM inference engine, a small core with swappable plugins (allocators, prefix caches, schedulers,
+    attention backends, drafters, guides) chosen by name in a YAML config."""
 
 
 @main.command("run", epilog=CONFIG_HELP)

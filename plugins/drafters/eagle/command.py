@@ -12,6 +12,9 @@ import click
 
 from infer.plugins.drafters.eagle.options import TrainEagleOptions, options_from
 
+# The defaults the flags' help shows (a slots dataclass's class attributes are its slot descriptors, not the values).
+DEFAULTS = TrainEagleOptions()
+
 
 @click.command("train-eagle")
 @click.argument("config")
@@ -20,19 +23,19 @@ from infer.plugins.drafters.eagle.options import TrainEagleOptions, options_from
               help="Folder for head.safetensors and its README card.")
 @click.option("--prompts", "prompts_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="JSONL prompt set (as for infer run); default: the built-in set.")
-@click.option("--num-prompts", type=int, help=f"Prompts to answer (default {TrainEagleOptions.num_prompts}).")
+@click.option("--num-prompts", type=int, help=f"Prompts to answer (default {DEFAULTS.num_prompts}).")
 @click.option("--self-prompts", type=int, help="Requests the target writes itself and then answers, on top of "
-                                              f"--num-prompts (default {TrainEagleOptions.self_prompts}).")
-@click.option("--max-tokens", type=int, help=f"Answer length (default {TrainEagleOptions.max_tokens}).")
+                                              f"--num-prompts (default {DEFAULTS.self_prompts}).")
+@click.option("--max-tokens", type=int, help=f"Answer length (default {DEFAULTS.max_tokens}).")
 @click.option("--generation-batch", type=int, help="Sequences generated at once "
-                                                   f"(default {TrainEagleOptions.generation_batch}).")
-@click.option("--draft-vocab-size", type=int, help=f"Draft vocabulary (default {TrainEagleOptions.draft_vocab_size}).")
-@click.option("--unroll-steps", type=int, help=f"Unrolled steps (default {TrainEagleOptions.unroll_steps}).")
-@click.option("--epochs", type=int, help=f"Passes over the data (default {TrainEagleOptions.epochs}).")
-@click.option("--max-minutes", type=float, help=f"Training time limit (default {TrainEagleOptions.max_minutes}).")
+                                                   f"(default {DEFAULTS.generation_batch}).")
+@click.option("--draft-vocab-size", type=int, help=f"Draft vocabulary (default {DEFAULTS.draft_vocab_size}).")
+@click.option("--unroll-steps", type=int, help=f"Unrolled steps (default {DEFAULTS.unroll_steps}).")
+@click.option("--epochs", type=int, help=f"Passes over the data (default {DEFAULTS.epochs}).")
+@click.option("--max-minutes", type=float, help=f"Training time limit (default {DEFAULTS.max_minutes}).")
 @click.option("--patience", type=int, help="Stop after this many held-out evaluations without a gain "
-                                          f"(default {TrainEagleOptions.patience}).")
-@click.option("--learning-rate", type=float, help=f"Peak learning rate (default {TrainEagleOptions.learning_rate}).")
+                                          f"(default {DEFAULTS.patience}).")
+@click.option("--learning-rate", type=float, help=f"Peak learning rate (default {DEFAULTS.learning_rate}).")
 @click.option("--seed", type=int, help="Seed for prompt order, split and training (default 0).")
 @click.option("--data", "data_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Generated answers and features: read from this file when it exists, else saved to it.")
