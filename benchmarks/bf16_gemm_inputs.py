@@ -1,6 +1,6 @@
 """Large steps over bf16 weights with and without bf16 rows between the GEMMs (``Executor.bf16_gemm_inputs``, on by
 default with ``model.quantization: bf16``): decode steps at batch 64 of one engine, the switch flipped between
-alternating runs of 10 steps, ms per step (README, "On an Intel Xeon with AMX"). Needs a CPU where ``auto`` picks
+alternating runs of 10 steps, ms per step (docs/performance.md). Needs a CPU where ``auto`` picks
 bf16 weights, or ``model.quantization=bf16``.
 
     python benchmarks/bf16_gemm_inputs.py

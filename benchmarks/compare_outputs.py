@@ -1,5 +1,5 @@
 """Whether two ``infer run --output`` files hold the same completions, token for token: the before/after check of a
-change that must not alter greedy output (README, "Testing"). Exits 1 listing the prompts that differ.
+change that must not alter greedy output (docs/testing.md). Exits 1 listing the prompts that differ.
 
     infer run configs/baseline.yaml --output after.jsonl          # on this checkout
     PYTHONPATH=/path/to/before/site infer run configs/baseline.yaml --output before.jsonl

@@ -1,5 +1,4 @@
-"""infer's CPU kernels against fbgemm, side by side in one process (the numbers in the README's CPU performance
-section, behind ``execution.fused_max_tokens``' default of 8):
+"""infer's CPU kernels against fbgemm, side by side in one process (behind ``execution.fused_max_tokens``):
 
 1. ``gemv``: the 30 layers' projections of SmolLM2-135M (fresh random weights, so every call streams from memory,
    as in a real step) at 1-8 rows: fbgemm's fp16 GEMM, the kernels' GEMV over packed fp16 weights and over int8

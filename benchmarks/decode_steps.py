@@ -1,5 +1,5 @@
 """Decode step time at several batch sizes on one config, and one prefill step: the before/after measurement of a
-change to how a step runs (README, "CPU performance"). Uses only the public engine API, so the same script times
+change to how a step runs (docs/performance.md). Uses only the public engine API, so the same script times
 two checkouts.
 
 Each batch size: requests with distinct prompts, every prefill finished, 3 warm-up decode steps, then the median of

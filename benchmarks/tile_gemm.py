@@ -1,8 +1,8 @@
 """infer's bf16 tile GEMM (``CpuKernels.linear_tiles``: AMX's tiles or AVX512-BF16's dot products) against
 oneDNN's prepacked bf16 GEMM on the default model's projection shapes, hot weights, ms per call (best of three runs
 of ``--repeats`` calls): float32 rows in and out (how the fused stack and the output head call it) and bf16 in and
-out (large steps' rows between the GEMMs). The README's session 12 (AMX) and session 13 (AVX512-BF16) sections
-quote it; ``TILE_MAX_ROWS`` in ``infer.model.quantization`` follows from where oneDNN wins.
+out (large steps' rows between the GEMMs). ``TILE_MAX_ROWS`` in ``infer.model.quantization`` follows from where
+oneDNN wins.
 
     OMP_NUM_THREADS=2 python benchmarks/tile_gemm.py
     python benchmarks/tile_gemm.py --rows 17 64 --repeats 50

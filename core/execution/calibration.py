@@ -10,10 +10,8 @@ the model on the fused path and with every matrix product on the GEMM, alternate
 fastest kept (other processes on a shared machine can only make a pass slower, and alternating spreads them over
 both). The first size where the fused path lost is measured a second time (``confirm_first_loss``: one slow
 spell on a shared machine makes a size lose that wins on a second look). The threshold is the step size up to which
-the fused path saves the most time over the measured sizes (``threshold``): a near-tie at one size does not cap it
-where the fused path wins above that size, as the rule before (the largest size up to which it never lost) did. On
-a Zen 4 EPYC the fused path lost at 8 tokens by 0.2 ms of 15 and won by 4.4-4.8 ms at 16-128: that rule ran every
-step of more than 4 tokens op by op.
+the fused path saves the most time over the measured sizes (``threshold``), so a near-tie at one size does not cap it
+where the fused path wins above that size.
 
 The result is cached per signature (the CPU's name and the vector flags that matter, torch's threads and version,
 the model's shapes, weight packing and dtype, the kernels' build) under the cache dir,
@@ -23,15 +21,14 @@ what was chosen.
 A second, smaller measurement, ``choose_gemm`` (``execution.large_gemm: auto``), decides how bf16 weights' steps
 of more rows than the GEMV takes multiply: with bf16 arithmetic (infer's tile kernel on AMX tiles or AVX512-BF16
 dot products up to ``TILE_MAX_ROWS`` rows, oneDNN's GEMM beyond, inputs rounded to bf16) or on the same tiles with
-float32 FMAs over the widened bf16 weights (float32 inputs). On AMX the bf16 arithmetic wins by far; on an Intel Xeon
-with AVX512-BF16 and no AMX the FMAs ran 1.6x its dot products (README, CPU performance). Cached the same way,
+float32 FMAs over the widened bf16 weights (float32 inputs): CPUs whose bf16 dot products are slow (an Intel Xeon
+with AVX512-BF16 and no AMX) take the FMAs; figures in docs/performance.md. Cached the same way,
 ``calibration/gemm-<signature>.json``.
 
 A third, ``calibrate_rows``, asked for by a drafter that verifies trees (``eagle``'s ``tree_budget: auto``): how many
 query rows of one sequence a step computes for about the time of one (within ``ROW_MARGIN``), at a context of
 ``ROW_CONTEXT`` tokens. The GEMV streams the weights once for several rows, so extra verification rows are nearly free
-until its arithmetic catches up with the memory: on an AMD EPYC (Zen 4, 2 cores) 4 rows measured 1.02-1.08x one row
-and 8 rows 1.6-1.7x. Cached as ``calibration/rows-<signature>.json``.
+until its arithmetic catches up with the memory. Cached as ``calibration/rows-<signature>.json``.
 """
 
 from __future__ import annotations
@@ -224,9 +221,7 @@ def confirm_first_loss(times: dict[int, tuple[float, float]],
                        time_size: Callable[[int], tuple[float, float]]) -> dict[int, tuple[float, float]]:
     """``times`` with the first step size where the fused path lost measured again (``time_size``), each path's
     faster time kept, until a loss stands or none is left: a loss costs the threshold its savings, and a slow spell on a
-    shared machine (other processes only ever slow a pass) can make one size lose that wins on a second look. On the
-    Intel Xeon with AMX a calibration had the fused path lose at 64 tokens, 48.1 vs 44.9 ms, and win at 128; measured
-    again, 30.0 vs 36.8 ms (README, CPU performance)."""
+    shared machine (other processes only ever slow a pass) can make one size lose that wins on a second look."""
     times = dict(times)
     for tokens in sorted(times):
         fused, gemm = times[tokens]

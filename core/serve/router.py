@@ -2,10 +2,10 @@
 
 ``infer serve CONFIG --data-parallel-size N`` starts N replicas (each its own process on a free loopback port, with
 its share of the cores) and this router on the configured address; ``infer router --replica URL ...`` fronts
-replicas started elsewhere. Built on FastAPI and httpx (the server's own stack) rather than adopting
-``sglang-router``, which was evaluated against ``infer serve`` (README, "Data parallelism"): it rewrites request
-bodies with SGLang's fields (every request to an unmodified infer was a 400), drops infer's own fields from chat
-requests without a word, and its circuit breaker counts clients' 400s as replica failures.
+replicas started elsewhere. Built on FastAPI and httpx (the server's own stack) rather than on ``sglang-router``
+(docs/serving.md): that one rewrites request bodies with SGLang's fields (which an unmodified infer refuses with
+400), drops infer's own fields from chat requests without a word, and its circuit breaker counts clients' 400s as
+replica failures.
 
 - **Routing** (``router.policy``): ``round_robin``; ``prefix_affinity``, SGLang's cache-aware rule over the router's
   own record of what it sent where: the prompt's text in blocks of ``block_chars`` characters, chained hashes (a

@@ -23,8 +23,8 @@ from typing import Any
 from infer.scheduler import FEATURE_NAMES, StepShape
 
 COST_FILE_VERSION = 2  # 2: the distinct decode context blocks feature
-# Roofline assumptions (stated in the README): the share of peak a tuned engine reaches, its per-step host overhead
-# (scheduling, launches; CUDA graphs in decode), one all-reduce's latency, and the memory kept for activations.
+# Roofline assumptions (stated in docs/research.md): the share of peak a tuned engine reaches, its per-step host
+# overhead (scheduling, launches; CUDA graphs in decode), one all-reduce's latency, and the memory kept for activations.
 FLOPS_EFFICIENCY = 0.6
 BANDWIDTH_EFFICIENCY = 0.8
 STEP_OVERHEAD_S = 2e-3
