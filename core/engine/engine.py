@@ -92,7 +92,9 @@ class Engine:
         # Sharded over ranks (``infer.distributed``): the others start loading their shards while this one loads.
         self.ranks = self._launch_tensor_parallel() if config.parallel.tensor_parallel_size > 1 else SingleProcess()
         try:
+            # RoPE tables for max_model_len positions (LongRoPE chooses its factors from it, once for every request).
             self._build(config, load_model(config.model.path, self.dtype, self.device,
+                                           max_positions=config.model.max_model_len,
                                            architecture=config.model.architecture, registry=self.registry))
         except BaseException:
             self.close()

@@ -270,7 +270,8 @@ def _build_rank(config, rank: int) -> ModelRunner:
     dtype = resolve_dtype(config.model.dtype, device)
     torch.manual_seed(config.model.seed)
     registry = get_registry(config.plugins.load)
-    loaded = load_model(config.model.path, dtype, device, architecture=config.model.architecture, registry=registry)
+    loaded = load_model(config.model.path, dtype, device, max_positions=config.model.max_model_len,
+                        architecture=config.model.architecture, registry=registry)
     plan = model_shard_plans(loaded.hf_config, config.parallel.tensor_parallel_size)[rank]
     stack = build_model_stack(registry, config, loaded.model, device, dtype,
                               shard=lambda model: shard_model(model, plan, TensorParallelGroup(plan)))

@@ -24,6 +24,7 @@ SUITE_MODULES = {
     "AttentionConformance": "infer.testing.attention",
     "DrafterConformance": "infer.testing.drafter",
     "GuideConformance": "infer.testing.guide",
+    "ModelConformance": "infer.testing.model",
 }
 
 try:
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from infer.testing.attention import AttentionConformance
     from infer.testing.drafter import DrafterConformance
     from infer.testing.guide import GuideConformance
+    from infer.testing.model import ModelConformance
     from infer.testing.prefix_cache import PrefixCacheConformance
     from infer.testing.scheduler import SchedulerConformance
 
