@@ -132,3 +132,20 @@ def assert_planted_bug_fails(suite_class, tmp_path, architecture, plant=None) ->
         plant()
     planted = suite.logit_errors(suite.load(model_dir, architecture), hf_model)
     assert correct < suite.tolerance < planted, (correct, planted)
+
+
+def test_a_model_no_family_serves_is_refused_in_one_line(tmp_path):
+    import transformers
+    from click.testing import CliRunner
+
+    from infer.cli import main
+    from infer.testing.model import save_tiny_model
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=49152, bos_token_id=1, eos_token_id=2)
+    model_dir = save_tiny_model("GPT2LMHeadModel", config, tmp_path)
+    result = CliRunner().invoke(main, ["run", "baseline", f"model.path={model_dir}"])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    error = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1 and "'gpt2' model, which no installed model plugin serves" in error[0]
+    assert "qwen3 (qwen3)" in error[0] and "llama (llama, mistral, qwen2)" in error[0]

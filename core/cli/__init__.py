@@ -96,11 +96,19 @@ def _import_command(name: str, path: str) -> click.Command:
         raise click.ClickException(f'"infer {name}" is not available in this installation: {error}') from error
 
 
+# Errors that say what the user asked for cannot run, by module: a config problem, a model no installed family
+# serves (or uses what its family lacks), an attention backend that cannot run the model here, a pool too small.
+USER_ERRORS = {"infer.config": "ConfigError", "infer.model.architecture": "UnsupportedModelError",
+               "infer.attention": "BackendUnavailableError", "infer.execution.kv_pool": "KVPoolTooSmallError"}
+
+
 def _is_user_error(error: Exception) -> bool:
-    # A ConfigError can only exist once infer.config is imported; importing it here would import torch.
-    config_module = sys.modules.get("infer.config")
-    is_config_error = config_module is not None and isinstance(error, config_module.ConfigError)
-    return is_config_error or isinstance(error, PluginError)
+    # Each class can only exist once its module is imported; importing them here would import torch.
+    for module_name, class_name in USER_ERRORS.items():
+        module = sys.modules.get(module_name)
+        if module is not None and isinstance(error, getattr(module, class_name)):
+            return True
+    return isinstance(error, PluginError)
 
 
 def _describe(error: Exception) -> str:
