@@ -70,7 +70,7 @@ class LayerStruct(ctypes.Structure):
                                                                "gate_up_groups", "down_groups", "qkv_kind",
                                                                "o_kind", "gate_up_kind", "down_kind")]
     _fields_ += [(name, _POINTER) for name in ("qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")]
-    _fields_ += [("tiles_fma", _INT)]
+    _fields_ += [("tiles_fma", _INT), ("q_norm", _POINTER), ("k_norm", _POINTER)]
 
 
 class DraftHeadStruct(ctypes.Structure):

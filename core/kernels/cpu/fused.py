@@ -28,24 +28,28 @@ class FusedLayer:
     def __init__(self, kernels: CpuKernels, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
                  biases: list[torch.Tensor | None], norms: tuple[torch.Tensor, torch.Tensor], eps: float,
                  q_width: int, rotated_heads: int, head_dim: int, tiles: list[torch.Tensor | None] | None = None,
-                 tiles_fma: bool = False):
+                 tiles_fma: bool = False, head_norms: tuple[torch.Tensor, torch.Tensor] | None = None):
         """``weights``/``scales``/``biases``: packed by ``pack_weights`` (fp16, bf16, or int8 with scales packed by
         ``pack_scales``, else None), and float32 (or None) for the QKV, output, gate/up and down projections, in
         that order; ``norms``: the input and post-attention RMSNorm weights; ``tiles``: bf16 weights may also come
         packed by ``pack_tiles`` (or None), which steps of more rows than one GEMV pass (``pass_rows``) multiply
-        on (``kernels.tiles``: AMX tiles or AVX512-BF16; ``tiles_fma``: float32 FMAs, ``linear_tiles``' ``fma``)."""
+        on (``kernels.tiles``: AMX tiles or AVX512-BF16; ``tiles_fma``: float32 FMAs, ``linear_tiles``' ``fma``);
+        ``head_norms``: Qwen3's (and Gemma 3's) per-head RMSNorm weights ``(q_norm, k_norm)``, float32
+        ``[head_dim]`` each, applied to every Q head and every K head before RoPE (None: a Llama layer, none)."""
         tiles = tiles or [None] * 4
+        head_norms = _check_head_norms(head_norms, head_dim)
         for weight, scale, tile in zip(weights, scales, tiles):
             check_packed(weight, scale)
             if tile is not None and (tile.dtype != torch.bfloat16 or tiles_shape(tile) != packed_shape(weight)):
                 raise ValueError("a projection's tiles must be its bf16 weight packed by pack_tiles")
-        self._keep = [*weights, *scales, *biases, *norms, *tiles]
+        self._keep = [*weights, *scales, *biases, *norms, *tiles, *head_norms]
         (qkv_width, _), (hidden, _), _, (_, intermediate) = (packed_shape(weight) for weight in weights)
         groups = [scale_groups(scale) for scale in scales]
         kinds = [WEIGHT_KINDS[weight.dtype] for weight in weights]
         self.struct = LayerStruct(*(address(tensor) for tensor in (*weights, *scales, *biases, *norms)), eps,
                                    hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim, *groups, *kinds,
-                                   *(address(tile) for tile in tiles), tiles_fma)
+                                   *(address(tile) for tile in tiles), tiles_fma,
+                                   *(address(norm) for norm in head_norms))
         self.hidden = hidden
         self.qkv_width = qkv_width
         self._attention_input = kernels._layer_attention_input
@@ -54,7 +58,8 @@ class FusedLayer:
     def attention_input(self, residual: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
                         cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """For ``T`` tokens: ``residual += delta`` (``[T, hidden]`` each, in place; no add when None), RMSNorm, QKV
-        projection, RoPE at ``positions`` with ``RotaryEmbedding``'s tables: returns the rotated ``[T, qkv_width]``."""
+        projection, each Q and K head's RMSNorm (with ``head_norms``), RoPE at ``positions`` with
+        ``RotaryEmbedding``'s tables: returns the rotated ``[T, qkv_width]``."""
         tokens = residual.shape[0]
         qkv = torch.empty((tokens, self.qkv_width), dtype=torch.float32)
         self._attention_input(ctypes.byref(self.struct), tokens, residual.data_ptr(), address(delta),
@@ -69,6 +74,21 @@ class FusedLayer:
         self._feed_forward(ctypes.byref(self.struct), tokens, attended.data_ptr(), residual.data_ptr(),
                            delta.data_ptr())
         return delta
+
+
+def _check_head_norms(head_norms: tuple[torch.Tensor, torch.Tensor] | None,
+                     head_dim: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(q_norm, k_norm)`` as the C side reads them (``(None, None)``: none), or ValueError saying what is wrong."""
+    if head_norms is None:
+        return None, None
+    if len(head_norms) != 2:
+        raise ValueError(f"head_norms must be (q_norm, k_norm), got {len(head_norms)} tensors")
+    for name, norm in zip(("q_norm", "k_norm"), head_norms):
+        if norm.dtype != torch.float32 or norm.device.type != "cpu" or norm.shape != (head_dim,) or \
+                not norm.is_contiguous():
+            raise ValueError(f"head_norms' {name} must be a contiguous float32 CPU tensor [head_dim] = [{head_dim}], "
+                             f"got {norm.dtype} {tuple(norm.shape)} on {norm.device}")
+    return head_norms[0], head_norms[1]
 
 
 class FusedStack:

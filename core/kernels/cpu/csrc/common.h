@@ -152,4 +152,11 @@ static inline float exp_shifted_sum(float *x, int64_t n, float shift) {
  * next bf16 GEMM's input where that rounds it anyway. */
 INFER_HIDDEN void silu_mul_rows(const float *gate_up, void *out, int64_t rows, int64_t width, int bf16_out);
 
+/* infer_rope with each of the num_heads heads RMSNormed over head_dim before its rotation (rowwise.c): the first
+ * q_heads by q_norm, the rest by k_norm (both [head_dim], float32), eps as the layer norms'. Qwen3's and Gemma 3's
+ * per-head q/k norms, in a fused layer's attention input. */
+INFER_HIDDEN void rope_head_norms(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
+                                  int64_t tokens, int64_t row_stride, int64_t q_heads, int64_t num_heads,
+                                  int64_t head_dim, const float *q_norm, const float *k_norm, float eps);
+
 #endif

@@ -159,6 +159,9 @@ typedef struct {
      * AVX512-BF16), which takes steps of more rows than one pass of the GEMV */
     const uint16_t *qkv_tiles, *o_tiles, *gate_up_tiles, *down_tiles;
     int64_t tiles_fma;  /* the tiles multiply float32 rows with FMAs (infer_linear_tiles' fma) */
+    /* Qwen3's and Gemma 3's per-head RMSNorm weights [head_dim], for every Q head and every K head; both or neither
+     * (NULL: the Llama layer, none) */
+    const float *q_norm, *k_norm;
 } infer_layer;
 
 /* One step's attention as infer_paged_attention runs it (see there), with the slots its tokens' K/V go to
@@ -189,7 +192,8 @@ typedef struct {
 } infer_draft_head;
 
 /* The layer's first half up to attention for `tokens` tokens: residual += delta (none for the first layer),
- * RMSNorm, the QKV projection into qkv [tokens, qkv_width], RoPE on its Q and K heads at `positions`. */
+ * RMSNorm, the QKV projection into qkv [tokens, qkv_width], each Q and K head's RMSNorm where the layer has q_norm
+ * and k_norm (over head_dim, eps the layer's), RoPE on its Q and K heads at `positions`. */
 void infer_layer_attention_input(const infer_layer *layer, int64_t tokens, float *residual, const float *delta,
                                  const int64_t *positions, const float *cos_table, const float *sin_table,
                                  float *qkv);

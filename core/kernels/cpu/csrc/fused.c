@@ -35,8 +35,13 @@ void infer_layer_attention_input(const infer_layer *layer, int64_t tokens, float
     infer_add_rms_norm_mixed(residual, delta, 0, normed, bf16, layer->input_norm, tokens, layer->hidden, layer->eps);
     layer_linear(layer->qkv, layer->qkv_kind, layer->qkv_scales, layer->qkv_groups, layer->qkv_tiles,
                  layer->tiles_fma, normed, bf16, tokens, layer->hidden, layer->qkv_bias, qkv, layer->qkv_width);
-    infer_rope(qkv, positions, cos_table, sin_table, tokens, layer->qkv_width, layer->rotated_heads,
-               layer->head_dim);
+    if (layer->q_norm)
+        rope_head_norms(qkv, positions, cos_table, sin_table, tokens, layer->qkv_width,
+                        layer->q_width / layer->head_dim, layer->rotated_heads, layer->head_dim, layer->q_norm,
+                        layer->k_norm, layer->eps);
+    else
+        infer_rope(qkv, positions, cos_table, sin_table, tokens, layer->qkv_width, layer->rotated_heads,
+                   layer->head_dim);
     free(normed);
 }
 

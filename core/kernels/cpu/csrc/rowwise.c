@@ -172,6 +172,35 @@ void infer_rope(float *qkv, const int64_t *positions, const float *cos_table, co
                    num_heads, head_dim);
 }
 
+/* One head RMSNormed, w * (x * rsqrt(mean(x^2) + eps)), then rotated as rotate_row rotates it, while it is in L1:
+ * the sum of squares reads the head, the loop that rotates it scales it first. */
+static inline void norm_rotate_head(float *restrict x, const float *restrict w, const float *restrict c,
+                                    const float *restrict s, int64_t head_dim, float eps) {
+    const int64_t half = head_dim / 2;
+    const float scale = 1.0f / sqrtf(dot(x, x, head_dim) / (float)head_dim + eps);
+    for (int64_t i = 0; i < half; i++) {
+        float a = w[i] * (x[i] * scale), b = w[i + half] * (x[i + half] * scale);
+        x[i] = a * c[i] + b * s[i];
+        x[i + half] = b * c[i + half] + a * s[i + half];
+    }
+}
+
+/* rotate_row with each head normed first: the first q_heads by q_norm, the rest by k_norm. */
+static inline void norm_rotate_row(float *row, const float *c, const float *s, int64_t q_heads, int64_t num_heads,
+                                   int64_t head_dim, const float *q_norm, const float *k_norm, float eps) {
+    for (int64_t h = 0; h < num_heads; h++)
+        norm_rotate_head(row + h * head_dim, h < q_heads ? q_norm : k_norm, c, s, head_dim, eps);
+}
+
+void rope_head_norms(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
+                     int64_t tokens, int64_t row_stride, int64_t q_heads, int64_t num_heads, int64_t head_dim,
+                     const float *q_norm, const float *k_norm, float eps) {
+#pragma omp parallel for if (tokens >= 16)
+    for (int64_t t = 0; t < tokens; t++)
+        norm_rotate_row(qkv + t * row_stride, cos_table + positions[t] * head_dim,
+                        sin_table + positions[t] * head_dim, q_heads, num_heads, head_dim, q_norm, k_norm, eps);
+}
+
 /* One pass: each row widened, then rotated while it is in L1. */
 void infer_rope_widen(const uint16_t *qkv, float *out, const int64_t *positions, const float *cos_table,
                       const float *sin_table, int64_t tokens, int64_t width, int64_t num_heads, int64_t head_dim) {
