@@ -11,6 +11,12 @@ Cascade attention (FlashInfer's name for it): when short-query sequences begin w
 system prompt held once by the prefix cache), their queries attend to those blocks in one call that reads each block
 once, the rest of each context is attended in the padded call, and the two partial softmaxes are merged exactly
 through their log-sum-exps. Without it, 64 sequences on one 600-token prompt gather and read it 64 times per layer.
+
+Sliding-window layers (``LayerAttention.window``) get a plan of their own per window, built in ``prepare`` beside
+the full layers' one: each sequence's gather starts at the block that holds its first query's first visible key
+(blocks wholly before the window are not gathered) and the masks are banded. Cascade attention is off for them (a
+shared prefix lies mostly outside a long context's window, and the window's mask would have to reach into the
+prefix call); their short-query sequences take the plain padded call.
 """
 
 from __future__ import annotations
@@ -107,34 +113,41 @@ class PaddedGroup:
     shared: SharedPrefixes | None = None
     bias: torch.Tensor | None = None  # the mask as 0 / -inf, set when there are shared prefixes
     num_keys: int | None = None  # with no mask: the context length every row attends to
+    first_key: int = 0  # with no mask: the first gathered key every row attends to (a sliding window's)
 
 
 @dataclass(slots=True)
 class SequenceChunk:
-    """One long query (a prefill chunk) attended on its own."""
+    """One long query (a prefill chunk) attended on its own; under a sliding ``window``, over the keys from
+    ``first_key`` (a block's first position: the block of the first query's first visible key) on."""
 
     token_start: int
     token_end: int
     seq_len: int
-    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
-    # [L, seq_len] bottom-right causal for the SDPA call (not float32); None when nothing is cached (plain causal)
-    # or when the chunk takes the explicit tiled path (float32).
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size) - first_key // block_size] int64
+    # [L, seq_len - first_key] bottom-right causal (and banded, with a window) for the SDPA call (not float32); None
+    # when it would be plain causal or when the chunk takes the explicit tiled path (float32).
     mask: torch.Tensor | None
+    first_key: int = 0
+    window: int | None = None
 
 
 @dataclass(slots=True)
 class SdpaMetadata(AttentionMetadata):
-    """``AttentionMetadata`` plus the per-step attention plan."""
+    """``AttentionMetadata`` plus the per-step attention plan: ``padded`` and ``chunks`` for full-attention layers,
+    ``window_plans[w]`` the same pair for the layers of sliding window ``w``."""
 
     padded: PaddedGroup | None = None
     chunks: list[SequenceChunk] = field(default_factory=list)
     slots_valid: bool = False  # no slot is padding (-1): the KV write skips its per-layer check
+    window_plans: dict[int, tuple[PaddedGroup | None, list[SequenceChunk]]] = field(default_factory=dict)
 
 
 class SdpaBackend(AttentionBackend):
     """Paged attention in plain torch: the reference other backends are checked against."""
 
     config_model = SdpaConfig
+    layer_features = frozenset({"window"})
 
     @classmethod
     def auto_priority(cls, environment: AttentionEnvironment) -> int | None:
@@ -168,11 +181,19 @@ class SdpaBackend(AttentionBackend):
         token_starts = [0, *itertools.accumulate(query_lens)]
         short = [i for i, length in enumerate(query_lens) if length <= MAX_PADDED_QUERY_LEN]
         long = [i for i, length in enumerate(query_lens) if length > MAX_PADDED_QUERY_LEN]
+
+        def plan(window: int | None) -> tuple[PaddedGroup | None, list[SequenceChunk]]:
+            return (self._padded_group(metadata, short, window) if short else None,
+                    [self._chunk(metadata, index, token_starts[index], window) for index in long])
+
+        padded, chunks = plan(None)
         return SdpaMetadata(
             **{item.name: getattr(metadata, item.name) for item in dataclasses.fields(AttentionMetadata)},
-            padded=self._padded_group(metadata, short) if short else None,
-            chunks=[self._chunk(metadata, index, token_starts[index]) for index in long],
+            padded=padded,
+            chunks=chunks,
             slots_valid=bool((metadata.slot_mapping >= 0).all()),
+            window_plans={window: plan(window) for window in sorted({layer.window for layer in self.layers
+                                                                     if layer.window})},
         )
 
     def forward(
@@ -188,39 +209,42 @@ class SdpaBackend(AttentionBackend):
         if not isinstance(metadata, SdpaMetadata):
             metadata = self.prepare(metadata)
         write_kv(kv_cache, k, v, metadata.slot_mapping, metadata.slots_valid)
-        group = metadata.padded
-        if group is not None and group.query_index is None and not metadata.chunks:
-            return self._attend_padded(q.view(-1, group.query_len, *q.shape[1:]), kv_cache, group)
+        window, scale = self.layer_window(layer), self.layer_scale(layer)
+        group, chunks = metadata.window_plans[window] if window else (metadata.padded, metadata.chunks)
+        if group is not None and group.query_index is None and not chunks:
+            return self._attend_padded(q.view(-1, group.query_len, *q.shape[1:]), kv_cache, group, scale)
         out = torch.zeros_like(q)
         if group is not None:
-            result = self._attend_padded(q[group.query_index], kv_cache, group)
+            result = self._attend_padded(q[group.query_index], kv_cache, group, scale)
             out.index_copy_(0, group.output_index, result[group.output_rows])
-        for chunk in metadata.chunks:
-            out[chunk.token_start : chunk.token_end] = self._attend_chunk(q, kv_cache, chunk)
+        for chunk in chunks:
+            out[chunk.token_start : chunk.token_end] = self._attend_chunk(q, kv_cache, chunk, scale)
         return out
 
-    def _attend_padded(self, q: torch.Tensor, kv_cache: torch.Tensor, group: PaddedGroup) -> torch.Tensor:
+    def _attend_padded(self, q: torch.Tensor, kv_cache: torch.Tensor, group: PaddedGroup,
+                       scale: float) -> torch.Tensor:
         """q ``[G, L, heads, head_dim]`` -> ``[G * L, heads, head_dim]``."""
         num_seqs, query_len = q.shape[:2]
         per_kv_head = self.num_heads // self.num_kv_heads
         keys, values = (
-            tensor.view(num_seqs, -1, self.num_kv_heads, self.head_dim)[:, : group.num_keys].transpose(1, 2)
+            tensor.view(num_seqs, -1, self.num_kv_heads, self.head_dim)[:, group.first_key : group.num_keys]
+            .transpose(1, 2)
             for tensor in self._gather(kv_cache, group.block_ids, q.dtype, "padded")
         )  # [G, kv_heads, S, D]
         folded = q.view(num_seqs, query_len, self.num_kv_heads, per_kv_head, self.head_dim)
         folded = folded.permute(0, 2, 3, 1, 4).reshape(num_seqs, self.num_kv_heads, -1, self.head_dim)
         if group.shared is not None:
-            out = self._attend_cascade(folded, keys, values, kv_cache, group)
+            out = self._attend_cascade(folded, keys, values, kv_cache, group, scale)
         else:
-            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=group.mask, scale=self.scale)
+            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=group.mask, scale=scale)
         out = out.view(num_seqs, self.num_kv_heads, per_kv_head, query_len, self.head_dim).permute(0, 3, 1, 2, 4)
         return out.reshape(num_seqs * query_len, self.num_heads, self.head_dim)
 
     def _attend_cascade(self, folded: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_cache: torch.Tensor,
-                        group: PaddedGroup) -> torch.Tensor:
+                        group: PaddedGroup, scale: float) -> torch.Tensor:
         """Folded queries ``[G, kv_heads, R, D]`` over each row's own blocks, merged with its shared prefix's part."""
         shared, kv_heads, head_dim = group.shared, self.num_kv_heads, self.head_dim
-        out, lse = attend_with_lse(folded, keys, values, self.scale, group.bias)  # [G, kv, R, D], [G, kv, R]
+        out, lse = attend_with_lse(folded, keys, values, scale, group.bias)  # [G, kv, R, D], [G, kv, R]
         queries = folded.index_select(0, shared.member_rows)  # [N * M, kv, R, D]
         slots, rows = queries.shape[0] // shared.num_groups, queries.shape[2]
         queries = queries.view(shared.num_groups, slots, kv_heads, rows, head_dim).transpose(1, 2)
@@ -229,7 +253,7 @@ class SdpaBackend(AttentionBackend):
             for tensor in self._gather(kv_cache, shared.block_ids, folded.dtype, "shared")
         )
         prefix_out, prefix_lse = attend_with_lse(queries.reshape(shared.num_groups, kv_heads, -1, head_dim),
-                                                 prefix_keys, prefix_values, self.scale, shared.key_bias)
+                                                 prefix_keys, prefix_values, scale, shared.key_bias)
         # Back to one row per slot: [N * M, kv, R, D] and [N * M, kv, R].
         groups = shared.num_groups
         prefix_out = prefix_out.view(groups, kv_heads, slots, rows, head_dim).transpose(1, 2)
@@ -241,33 +265,48 @@ class SdpaBackend(AttentionBackend):
             merged = merged.index_select(0, shared.real_slots)
         return out.index_copy_(0, shared.rows, merged)
 
-    def _attend_chunk(self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: SequenceChunk) -> torch.Tensor:
-        """One sequence's queries ``[L, heads, head_dim]`` against its whole context."""
+    def _attend_chunk(self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: SequenceChunk,
+                      scale: float) -> torch.Tensor:
+        """One sequence's queries ``[L, heads, head_dim]`` against its context (its window's part of it)."""
         per_kv_head = self.num_heads // self.num_kv_heads
-        keys, values = (tensor[: chunk.seq_len].transpose(0, 1)  # [kv_heads, S, D]
+        keys, values = (tensor[: chunk.seq_len - chunk.first_key].transpose(0, 1)  # [kv_heads, S, D]
                         for tensor in self._gather(kv_cache, chunk.block_ids, q.dtype, "chunk"))
         queries = q[chunk.token_start : chunk.token_end]
         if self.dtype != torch.float32:
             keys, values = (tensor.repeat_interleave(per_kv_head, dim=0) for tensor in (keys, values))
             out = F.scaled_dot_product_attention(queries.transpose(0, 1), keys, values, attn_mask=chunk.mask,
-                                                 is_causal=chunk.mask is None, scale=self.scale)
+                                                 is_causal=chunk.mask is None, scale=scale)
             return out.transpose(0, 1)
         # Query heads sharing a KV head side by side, [kv_heads, per_kv_head, L, D]: no copy of K/V per query head.
         query_len = queries.shape[0]
-        queries = (queries * self.scale).view(query_len, self.num_kv_heads, per_kv_head, -1).permute(1, 2, 0, 3)
+        queries = (queries * scale).view(query_len, self.num_kv_heads, per_kv_head, -1).permute(1, 2, 0, 3)
         tiles = []
         for start in range(0, query_len, CAUSAL_TILE):
             end = min(start + CAUSAL_TILE, query_len)
-            rows, visible = end - start, chunk.seq_len - query_len + end  # keys up to the tile's last row
+            # keys (of those gathered) up to the tile's last row, from its first row's window's first
+            rows, visible = end - start, chunk.seq_len - chunk.first_key - query_len + end
+            first = max(0, visible - rows - chunk.window + 1) if chunk.window else 0
             tile = queries[:, :, start:end].reshape(self.num_kv_heads, per_kv_head * rows, -1)
-            scores = torch.bmm(tile, keys[:, :visible].transpose(1, 2)).view(self.num_kv_heads, per_kv_head, rows, -1)
-            scores[..., visible - rows :].add_(self.causal_tile[:rows, :rows])  # the tile's own keys: causal
+            scores = torch.bmm(tile, keys[:, first:visible].transpose(1, 2))
+            scores = scores.view(self.num_kv_heads, per_kv_head, rows, -1)
+            if chunk.window:
+                scores.add_(self._band(rows, visible - first, chunk.window))
+            else:
+                scores[..., visible - rows :].add_(self.causal_tile[:rows, :rows])  # the tile's own keys: causal
             weights = torch.softmax(scores, dim=-1).view(self.num_kv_heads, per_kv_head * rows, -1)
-            tiles.append(torch.bmm(weights, values[:, :visible]).view(self.num_kv_heads, per_kv_head, rows, -1))
+            tiles.append(torch.bmm(weights, values[:, first:visible]).view(self.num_kv_heads, per_kv_head, rows, -1))
         out = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=2)  # [kv_heads, per_kv_head, L, D]
         return out.permute(2, 0, 1, 3).reshape(query_len, self.num_heads, -1)
 
-    def _padded_group(self, metadata: AttentionMetadata, seq_indices: list[int]) -> PaddedGroup:
+    def _band(self, rows: int, keys: int, window: int) -> torch.Tensor:
+        """``[rows, keys]`` 0 / -inf: row ``r`` sees keys ``keys - rows + r - window + 1 .. keys - rows + r`` (the
+        last ``rows`` keys are the rows' own positions)."""
+        ahead = torch.arange(keys, device=self.device) - torch.arange(keys - rows, keys, device=self.device)[:, None]
+        visible = (ahead <= 0) & (ahead > -window)
+        return torch.zeros(visible.shape, device=self.device).masked_fill_(~visible, float("-inf"))
+
+    def _padded_group(self, metadata: AttentionMetadata, seq_indices: list[int],
+                      window: int | None = None) -> PaddedGroup:
         device = metadata.positions.device
         query_lens_cpu = [metadata.query_lens_cpu[i] for i in seq_indices]
         query_len = max(query_lens_cpu)
@@ -275,13 +314,18 @@ class SdpaBackend(AttentionBackend):
         offsets = torch.arange(query_len, device=device)
         is_real = offsets < torch.tensor(query_lens_cpu, device=device)[:, None]  # [G, L]
         tables = metadata.block_tables[index]
-        shared_groups = self._shared_prefixes(metadata, seq_indices, tables)
+        shared_groups = [] if window else self._shared_prefixes(metadata, seq_indices, tables)
         shared = SharedPrefixes.build(shared_groups, tables, self.block_size) if shared_groups else None
+        skipped = None
         if shared is not None:  # each row's part of the padded call starts after its shared blocks
             skipped = [0] * len(seq_indices)
             for depth, rows in shared_groups:
                 for row in rows:
                     skipped[row] = depth
+        elif window:  # each row's gather starts at the block of its first query's first visible key
+            skipped = [max(0, metadata.seq_lens_cpu[i] - metadata.query_lens_cpu[i] - window + 1) // self.block_size
+                       for i in seq_indices]
+        if skipped is not None and any(skipped):
             own_lens = [metadata.seq_lens_cpu[i] - skip * self.block_size for i, skip in zip(seq_indices, skipped)]
             num_blocks = -(-max(own_lens) // self.block_size)
             skip = torch.tensor(skipped, device=device)
@@ -296,9 +340,10 @@ class SdpaBackend(AttentionBackend):
         if shared is None and query_len == 1 and len({metadata.seq_lens_cpu[i] for i in seq_indices}) == 1:
             # Decodes at one length (always so at batch 1): a mask-free call over exactly their keys, measured
             # ~20% faster per layer than the masked one.
-            group.num_keys = metadata.seq_lens_cpu[seq_indices[0]]
+            group.num_keys = metadata.seq_lens_cpu[seq_indices[0]] - (skipped[0] * self.block_size if skipped else 0)
+            group.first_key = max(0, group.num_keys - window) if window else 0
         else:
-            mask = self._padded_mask(seq_lens, is_real, num_blocks * self.block_size)
+            mask = self._padded_mask(seq_lens, is_real, num_blocks * self.block_size, window)
             if shared is None:
                 group.mask = mask
             else:  # the cascade's explicit call takes it as an additive bias
@@ -322,26 +367,37 @@ class SdpaBackend(AttentionBackend):
         groups = shared_block_prefixes(tables.tolist(), limits)
         return [(depth, rows) for depth, rows in groups if depth >= min_blocks]
 
-    def _padded_mask(self, seq_lens: torch.Tensor, is_real: torch.Tensor, num_keys: int) -> torch.Tensor:
-        """Bottom-right causal mask ``[G, 1, heads_per_kv_head * L, num_keys]`` in the folded query layout."""
+    def _padded_mask(self, seq_lens: torch.Tensor, is_real: torch.Tensor, num_keys: int,
+                     window: int | None = None) -> torch.Tensor:
+        """Bottom-right causal mask ``[G, 1, heads_per_kv_head * L, num_keys]`` in the folded query layout, banded
+        to the last ``window`` positions with a sliding window."""
         query_lens = is_real.sum(dim=1)
         offsets = torch.arange(is_real.shape[1], device=is_real.device)
         # Padding slots see only position 0, so no row is fully masked (SDPA would return NaN there).
         query_positions = ((seq_lens.long() - query_lens)[:, None] + offsets) * is_real  # [G, L]
-        mask = torch.arange(num_keys, device=is_real.device) <= query_positions[:, :, None]  # [G, L, S]
+        key_positions = torch.arange(num_keys, device=is_real.device)
+        mask = key_positions <= query_positions[:, :, None]  # [G, L, S]
+        if window:
+            mask &= key_positions > query_positions[:, :, None] - window
         per_kv_head = self.num_heads // self.num_kv_heads
         return mask[:, None].expand(-1, per_kv_head, -1, -1).reshape(mask.shape[0], 1, -1, num_keys)
 
-    def _chunk(self, metadata: AttentionMetadata, seq_index: int, token_start: int) -> SequenceChunk:
+    def _chunk(self, metadata: AttentionMetadata, seq_index: int, token_start: int,
+               window: int | None = None) -> SequenceChunk:
         device = metadata.positions.device
         seq_len = metadata.seq_lens_cpu[seq_index]
         query_len = metadata.query_lens_cpu[seq_index]
-        block_ids = metadata.block_tables[seq_index, : -(-seq_len // self.block_size)].long()
+        first_block = max(0, seq_len - query_len - window + 1) // self.block_size if window else 0
+        first_key = first_block * self.block_size
+        block_ids = metadata.block_tables[seq_index, first_block : -(-seq_len // self.block_size)].long()
         mask = None
-        if self.dtype != torch.float32 and query_len < seq_len:
-            query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
-            mask = torch.arange(seq_len, device=device) <= query_positions[:, None]
-        return SequenceChunk(token_start, token_start + query_len, seq_len, block_ids, mask)
+        if self.dtype != torch.float32 and (query_len < seq_len - first_key or (window or seq_len) < query_len):
+            query_positions = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+            key_positions = torch.arange(first_key, seq_len, device=device)
+            mask = key_positions <= query_positions
+            if window:
+                mask &= key_positions > query_positions - window
+        return SequenceChunk(token_start, token_start + query_len, seq_len, block_ids, mask, first_key, window)
 
 
 def shared_block_prefixes(tables: list[list[int]], limits: list[int]) -> list[tuple[int, list[int]]]:
