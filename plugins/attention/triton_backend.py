@@ -16,7 +16,7 @@ from pydantic import Field
 from infer.attention import AttentionBackend, AttentionConfig, AttentionMetadata, BackendUnavailableError
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32)
+SUPPORTED_BLOCK_SIZES = (1, 4, 8, 16, 32)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Programs a decode launch should reach before splitting the KV axis stops paying: two per SM keeps every SM busy
 # while one waits on memory. Without a GPU (interpreter) the number only decides when tests see the split path.
@@ -43,9 +43,13 @@ class TritonBackend(AttentionBackend):
     ``tl.dot`` accepts, holding one token's group of query heads) plus KV splitting when there are too few sequences
     to fill the GPU. A separate hand-tuned decode kernel is not written: without a GPU to measure it on, it could not
     be shown to help.
+
+    Sliding-window layers run the same kernel with the layer's window: each program starts at its first query's
+    first visible position, and the KV splits divide the window's range instead of the context.
     """
 
     config_model = TritonAttentionConfig
+    layer_features = frozenset({"window"})
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -102,16 +106,19 @@ class TritonBackend(AttentionBackend):
         """Write this step's K/V into the pool, then attend (see ``AttentionBackend.forward``)."""
         self.kernels.store_kv(kv_cache, k, v, metadata.slot_mapping)
         block_m = self.rows_per_program(metadata)
+        window = self.layer_window(layer)
         return self.kernels.paged_attention(
             q,
             kv_cache,
             metadata.query_start_loc,
             metadata.seq_lens,
             metadata.block_tables,
-            scale=self.scale,
+            scale=self.layer_scale(layer),
             max_seq_len=metadata.max_seq_len,
             block_m=block_m,
-            num_splits=self.num_kv_splits(metadata, block_m),
+            num_splits=self.num_kv_splits(metadata, block_m, window),
+            window=window,
+            max_query_len=metadata.max_query_len,
         )
 
     def rows_per_program(self, metadata: AttentionMetadata) -> int:
@@ -121,19 +128,23 @@ class TritonBackend(AttentionBackend):
         wanted = _next_power_of_2(metadata.max_query_len * self.queries_per_kv)
         return max(_next_power_of_2(self.queries_per_kv), min(max(wanted, 16), 64))
 
-    def num_kv_splits(self, metadata: AttentionMetadata, block_m: int) -> int:
+    def num_kv_splits(self, metadata: AttentionMetadata, block_m: int, window: int | None = None) -> int:
         """How many programs share each sequence's KV range (a power of two; 1 = no split).
 
         Only when every sequence fits one query tile (decodes, short verification) and the batch alone launches
-        fewer programs than the GPU wants; never below ``min_tokens_per_split`` positions per program.
+        fewer programs than the GPU wants; never below ``min_tokens_per_split`` positions per program (of the
+        context, or of the ``window + query_len - 1`` positions a sliding window's tile reads).
         """
         if metadata.max_query_len > block_m // self.queries_per_kv:
             return 1
         programs = metadata.num_seqs * self.num_kv_heads
+        span = metadata.max_seq_len
+        if window:
+            span = min(span, window + metadata.max_query_len - 1)
         splits = min(
             self.config.max_kv_splits,
             self.target_programs // programs,
-            metadata.max_seq_len // self.config.min_tokens_per_split,
+            span // self.config.min_tokens_per_split,
         )
         return _previous_power_of_2(max(splits, 1))
 

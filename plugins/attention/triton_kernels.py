@@ -10,6 +10,10 @@ it, so GQA reads each K/V tile once per group: its ``BLOCK_M = BLOCK_Q * QUERIES
 (token, head-in-group) pairs. It walks the sequence's KV positions in tiles of ``TILE_N`` through the block table with
 an online softmax. With ``NUM_SPLITS > 1`` the KV axis is cut into that many ranges handled by separate programs
 (flash-decoding) and a second kernel merges their partial results.
+
+Sliding windows (``HAS_WINDOW``, ``window`` positions): a row sees only its own position and the ``window - 1``
+before it, and a program's walk starts at its first row's first visible position, so the blocks wholly before the
+window are never loaded; the splits divide that shorter range.
 """
 
 from __future__ import annotations
@@ -114,6 +118,7 @@ def paged_attention_kernel(
     cache_stride_slot,
     cache_stride_head,
     block_table_stride,
+    window,
     QUERIES_PER_KV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -122,6 +127,7 @@ def paged_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_IN_FLOAT32: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Attention of one query tile x one KV-head group over one KV range (see the module docstring)."""
     tile_index = tl.program_id(0)
@@ -149,9 +155,13 @@ def paged_attention_kernel(
         other=0.0,
     )
 
-    # The tile's last query sees everything before it; this split owns [kv_start, kv_end) of that.
+    # The tile's last query sees everything before it, its first nothing before its window; this split owns
+    # [kv_start, kv_end) of that.
     visible_end = context_len + tl.minimum(first_query + BLOCK_Q, query_len)
-    kv_start = split * tokens_per_split
+    visible_start = 0
+    if HAS_WINDOW:
+        visible_start = tl.maximum(context_len + first_query - window + 1, 0)
+    kv_start = visible_start + split * tokens_per_split
     kv_end = tl.minimum(visible_end, kv_start + tokens_per_split)
 
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -170,6 +180,8 @@ def paged_attention_kernel(
 
         scores = matmul(query, key, DOT_IN_FLOAT32) * scale_log2  # [BLOCK_M, TILE_N]
         visible = (positions[None, :] <= query_position[:, None]) & in_range[None, :]
+        if HAS_WINDOW:
+            visible = visible & (positions[None, :] > query_position[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
 
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -215,8 +227,8 @@ def merge_splits_kernel(
 ):
     """One program per (token, head): rescale each split's partial softmax to the common max and normalise.
 
-    Split 0 always holds position 0, which every query sees, so the common max is finite; splits that saw nothing
-    carry max -inf and weigh exactly 0.
+    Some split holds each query's own position, which it sees, so the common max is finite; splits that saw nothing
+    (past the query, or before its window) carry max -inf and weigh exactly 0.
     """
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -274,8 +286,12 @@ def paged_attention(
     max_seq_len: int,
     block_m: int,
     num_splits: int,
+    window: int | None = None,
+    max_query_len: int = 1,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    """Causal paged attention for a varlen batch; ``num_splits`` (a power of two) > 1 splits the KV axis."""
+    """Causal paged attention for a varlen batch; ``num_splits`` (a power of two) > 1 splits the KV axis (each
+    sequence's range, up to ``max_seq_len`` positions, or with a sliding ``window`` up to ``window + max_query_len -
+    1``)."""
     query = _last_dim_contiguous(query)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     num_tokens, num_heads, head_dim = query.shape
@@ -288,7 +304,8 @@ def paged_attention(
         partial_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
         partial_sum = torch.empty_like(partial_max)
         partial_output = torch.empty((*partial_max.shape, head_dim), dtype=torch.float32, device=query.device)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, num_splits), TILE_N) * TILE_N
+    span = min(max_seq_len, window + max_query_len - 1) if window else max_seq_len
+    tokens_per_split = triton.cdiv(triton.cdiv(span, num_splits), TILE_N) * TILE_N
     grid = (num_tokens // block_q + num_seqs, key_cache.shape[2], num_splits)
     paged_attention_kernel[grid](
         query,
@@ -313,6 +330,7 @@ def paged_attention(
         key_cache.stride(1),
         key_cache.stride(2),
         block_tables.stride(0),
+        window or 0,
         QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
@@ -321,6 +339,7 @@ def paged_attention(
         TILE_N=TILE_N,
         NUM_SPLITS=num_splits,
         DOT_IN_FLOAT32=INTERPRETED and query.dtype == torch.bfloat16,
+        HAS_WINDOW=bool(window),
     )
     if num_splits > 1:
         merge_splits_kernel[(num_tokens, num_heads)](
