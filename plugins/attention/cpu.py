@@ -29,11 +29,17 @@ step of a few tokens through all layers in one C call, attention included, inste
 ``auto`` resolves to where the prefill arithmetic is bf16) multiplies them on AVX512-BF16's dot products, the queries
 and probabilities rounded to bf16 as the flash attention rounds them: on a Zen 4 EPYC the chat mix's decode attention
 took 0.91x the time of the float32 arithmetic over the same pool.
+
+Sliding-window layers (``LayerAttention.window``) are attended by the same kernels with the layer's window: the
+decode kernel starts each query at the chunk of keys that holds its window's first, infer's flash attention packs
+and reads a chunk's keys from its first row's window on, and torch's gathers the blocks from there with a banded
+mask. The fused stack takes a window per pool layer. Blocks wholly before a window are never read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,7 +49,7 @@ from pydantic import Field
 
 from infer.kernels import cpu as cpu_kernels
 from infer.attention import (AttentionBackend, AttentionConfig, AttentionEnvironment, AttentionMetadata,
-                             BackendUnavailableError, gather_blocks)
+                             BackendUnavailableError, LayerAttention, gather_blocks)
 from infer.host import cpu_flags
 from infer.kernels.cpu import FlashChunks, KernelAttentionPlan, KernelAttentionStep
 
@@ -85,24 +91,46 @@ class CpuAttentionConfig(AttentionConfig):
 @dataclass(slots=True)
 class PrefillQuery:
     """One sequence's query rows ``start:end`` attended by flash attention over its first ``context`` tokens, read
-    from the pool's ``block_ids``; ``mask`` (additive, bf16) where the context holds more than the query rows."""
+    from the pool's ``block_ids`` (from block ``first_block``: those a sliding window reaches); ``mask`` (additive,
+    bf16, ``[rows, keys gathered]``) where a row does not see every gathered key up to its own position."""
 
     start: int
     end: int
     context: int
-    block_ids: torch.Tensor  # int64, the sequence's first ceil(context / block_size) blocks
+    block_ids: torch.Tensor  # int64, the sequence's blocks first_block .. ceil(context / block_size) - 1
     mask: torch.Tensor | None
+    first_block: int = 0
+
+    @classmethod
+    def of(cls, metadata: AttentionMetadata, index: int, start: int, block_size: int,
+           window: int | None) -> PrefillQuery:
+        """Sequence ``index``'s query rows, from token row ``start``, under a sliding ``window`` (None: full)."""
+        query_len, context = metadata.query_lens_cpu[index], metadata.seq_lens_cpu[index]
+        first_key = max(0, context - query_len - window + 1) if window else 0  # the first row's window
+        first_block = first_key // block_size
+        block_ids = metadata.block_tables[index, first_block: -(-context // block_size)].long()
+        keys = context - first_block * block_size
+        positions = torch.arange(context - query_len, context)[:, None]
+        key_positions = torch.arange(first_block * block_size, context)[None, :]
+        allowed = key_positions <= positions  # bottom-right causal
+        if window:
+            allowed &= key_positions > positions - window
+        mask = None
+        if keys > query_len or (window or keys) < keys:  # anything but plain causal over exactly the query rows
+            mask = torch.zeros(query_len, keys, dtype=torch.bfloat16).masked_fill(~allowed, float("-inf"))
+        return cls(start, start + query_len, context, block_ids, mask, first_block)
 
 
 @dataclass(slots=True)
 class CpuMetadata(AttentionMetadata):
     """``AttentionMetadata`` plus the kernel's plan (which row attends to how many tokens of which sequence; None
     when no row is the kernel's) and the sequences flash attention takes instead: infer's (``flash``) or torch's
-    (``prefills``)."""
+    (``prefills``; ``window_prefills[w]``: the same for the layers of sliding window ``w``)."""
 
     plan: KernelAttentionPlan | None = None
     prefills: list[PrefillQuery] = field(default_factory=list)
     flash: FlashChunks | None = None
+    window_prefills: dict[int, list[PrefillQuery]] = field(default_factory=dict)
 
 
 class CpuBackend(AttentionBackend):
@@ -110,6 +138,7 @@ class CpuBackend(AttentionBackend):
 
     config_model = CpuAttentionConfig
     draft_trees = True
+    layer_features = frozenset({"window"})
 
     @classmethod
     def auto_priority(cls, environment: AttentionEnvironment) -> int | None:
@@ -156,6 +185,16 @@ class CpuBackend(AttentionBackend):
         # decode and verification on the dot products (auto, where the engine has not resolved it, counts as float32)
         self.decode_dots = (self.config.decode_arithmetic == "bf16" and self.kv_dtype == torch.bfloat16 and
                             self.kernels.flash and self.head_dim == 64)
+        # each pool layer's sliding window for the fused stack (0: none); None while no layer has one
+        self.windows: torch.Tensor | None = None
+        self.one_scale = True  # every layer's softmax scale is self.scale, the one the fused stack takes
+
+    def set_layers(self, layers: Sequence[LayerAttention]) -> None:
+        """``AttentionBackend.set_layers``, and the windows and scale the fused stack reads."""
+        super().set_layers(layers)
+        windows = [self.layer_window(layer) or 0 for layer in range(len(self.layers))]
+        self.windows = torch.tensor(windows, dtype=torch.int64) if any(windows) else None
+        self.one_scale = all(self.layer_scale(layer) == self.scale for layer in range(len(self.layers)))
 
     def check_supported(self) -> None:
         if self.device.type != "cpu" or self.dtype != torch.float32:
@@ -184,30 +223,34 @@ class CpuBackend(AttentionBackend):
         every = KernelAttentionPlan.every_token(metadata)
         # sequences with a draft tree's leaves stay on the kernel, the one reader of own_keys
         trees = set() if metadata.own_keys is None else set(every.seq_of_query[metadata.own_keys >= 0].tolist())
-        prefills, chunks, kernel_rows, start = [], [], [], 0
+        windows = sorted({layer.window for layer in self.layers if layer.window})
+        prefills, window_prefills = [], {window: [] for window in windows}
+        chunks, kernel_rows, start = [], [], 0
         for index, (query_len, context) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
             flash = query_len >= threshold and index not in trees
             if flash and self.prefill_kernel == "infer":
                 chunks.append((start, query_len, context, index))
             elif flash:
-                block_ids = metadata.block_tables[index, : -(-context // self.block_size)].long()
-                mask = None
-                if context > query_len:  # bottom-right causal: query i sees positions <= context - query_len + i
-                    allowed = torch.ones(query_len, context, dtype=torch.bool).tril(context - query_len)
-                    mask = torch.zeros(query_len, context, dtype=torch.bfloat16).masked_fill(~allowed, float("-inf"))
-                prefills.append(PrefillQuery(start, start + query_len, context, block_ids, mask))
+                prefills.append(PrefillQuery.of(metadata, index, start, self.block_size, None))
+                for window, queries in window_prefills.items():
+                    queries.append(PrefillQuery.of(metadata, index, start, self.block_size, window))
             else:
                 kernel_rows.extend(range(start, start + query_len))
             start += query_len
         plan = every.of_rows(kernel_rows) if kernel_rows else None
-        return CpuMetadata(**fields, plan=plan, prefills=prefills, flash=FlashChunks.of(chunks) if chunks else None)
+        return CpuMetadata(**fields, plan=plan, prefills=prefills, flash=FlashChunks.of(chunks) if chunks else None,
+                           window_prefills=window_prefills if prefills else {})
 
-    def fused_attention(self, metadata: AttentionMetadata) -> KernelAttentionStep:
+    def fused_attention(self, metadata: AttentionMetadata) -> KernelAttentionStep | None:
         """Every query of the step on the kernel, as the fused stack computes it (decode and verification are
         exactly this backend's; a step small enough for the stack attends on the kernel whatever
-        ``prefill_dtype`` says)."""
+        ``prefill_dtype`` says), each layer with its sliding window. None where the layers' softmax scales differ:
+        the stack takes one scale."""
+        if not self.one_scale:
+            return None
         plan = metadata.plan if isinstance(metadata, CpuMetadata) else None
-        return KernelAttentionStep.from_metadata(metadata, self.num_heads, self.scale, self.decode_dots, plan)
+        return KernelAttentionStep.from_metadata(metadata, self.num_heads, self.scale, self.decode_dots, plan,
+                                                 self.windows)
 
     def describe(self) -> str:
         """The bf16 prefill's flash attention and the decode arithmetic, where they are not float32's kernel."""
@@ -233,23 +276,25 @@ class CpuBackend(AttentionBackend):
             metadata = self.prepare(metadata)
         self.kernels.write_kv(kv_cache, k, v, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)
+        window, scale = self.layer_window(layer), self.layer_scale(layer)
         if metadata.plan is not None:
-            self.kernels.paged_attention(q, kv_cache, metadata.block_tables, metadata.plan, self.scale, out,
-                                         self.decode_dots)
+            self.kernels.paged_attention(q, kv_cache, metadata.block_tables, metadata.plan, scale, out,
+                                         self.decode_dots, window)
         if metadata.flash is not None:
-            self.kernels.flash_attention(q, kv_cache, metadata.block_tables, metadata.flash, self.scale, out,
-                                         self.prefill_fma)
-        for prefill in metadata.prefills:
-            out[prefill.start:prefill.end] = self._flash(q[prefill.start:prefill.end], kv_cache, prefill)
+            self.kernels.flash_attention(q, kv_cache, metadata.block_tables, metadata.flash, scale, out,
+                                         self.prefill_fma, window)
+        prefills = metadata.window_prefills[window] if window and metadata.prefills else metadata.prefills
+        for prefill in prefills:
+            out[prefill.start:prefill.end] = self._flash(q[prefill.start:prefill.end], kv_cache, prefill, scale)
         return out
 
-    def _flash(self, q: torch.Tensor, kv_cache: torch.Tensor, prefill: PrefillQuery) -> torch.Tensor:
+    def _flash(self, q: torch.Tensor, kv_cache: torch.Tensor, prefill: PrefillQuery, scale: float) -> torch.Tensor:
         """One sequence's query rows ``[n, heads, head_dim]`` by torch's flash attention in bf16 over its context
         (a bf16 pool is read as it is, a float32 one rounded)."""
         # [1, heads, tokens, head_dim]: with three dimensions torch takes its math path (13x slower here)
-        keys, values = (side[: prefill.context].transpose(0, 1)[None]
+        keys, values = (side[: prefill.context - prefill.first_block * self.block_size].transpose(0, 1)[None]
                         for side in gather_blocks(kv_cache, prefill.block_ids, torch.bfloat16))
         attended = F.scaled_dot_product_attention(q.to(torch.bfloat16).transpose(0, 1)[None], keys, values,
                                                   attn_mask=prefill.mask, is_causal=prefill.mask is None,
-                                                  scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+                                                  scale=scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return attended[0].transpose(0, 1).float()

@@ -38,7 +38,7 @@ _SIGNATURES = {
     "infer_rope_widen": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_write_kv": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_paged_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER,
-                              _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT, _INT],
+                              _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT, _INT, _INT],
     "infer_layers_few": [_POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
                          _INT, _POINTER],
     "infer_draft_head_step": [_POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
@@ -46,7 +46,7 @@ _SIGNATURES = {
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
     "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
     "infer_flash_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT,
-                              _POINTER, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT, _INT],
+                              _POINTER, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT, _INT, _INT],
 }
 
 
@@ -90,7 +90,7 @@ class AttentionStepStruct(ctypes.Structure):
     _fields_ += [(name, _POINTER) for name in ("slots", "rows", "seq_of_query", "context_lens")]
     _fields_ += [(name, _INT) for name in ("queries", "max_context", "num_heads", "num_kv_heads", "head_dim",
                                            "block_size", "num_blocks")]
-    _fields_ += [("scale", _FLOAT), ("kv_bf16", _INT), ("own_keys", _POINTER), ("dots", _INT)]
+    _fields_ += [("scale", _FLOAT), ("kv_bf16", _INT), ("own_keys", _POINTER), ("dots", _INT), ("windows", _POINTER)]
 
 
 @dataclass(slots=True)
@@ -314,13 +314,15 @@ class CpuKernels:
                        k.shape[0], k.shape[1] * k.shape[2], num_slots, kv_cache.dtype == torch.bfloat16)
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        plan: KernelAttentionPlan, scale: float, out: torch.Tensor, dots: bool = False) -> torch.Tensor:
+                        plan: KernelAttentionPlan, scale: float, out: torch.Tensor, dots: bool = False,
+                        window: int | None = None) -> torch.Tensor:
         """The rows of ``q`` ``[T, heads, head_dim]`` (rows may be strided) that ``plan`` names attend to their
         contexts, read through ``block_tables`` (int32) from one layer's pool; results land in the same rows of
         ``out`` ``[T, heads, head_dim]`` (contiguous), which is returned. ``dots`` (a bf16 pool, head size 64,
         ``self.flash``'s AVX512-BF16 build; ignored elsewhere): the queries and the probabilities rounded to bf16
         and multiplied on the dot products, scores and sums float32 (the flash attention's precision); else
-        float32 queries and probabilities over the widened K/V."""
+        float32 queries and probabilities over the widened K/V. ``window``: a sliding window, each query sees the
+        last ``window`` tokens of its context (blocks wholly before them are not read); None: all of them."""
         check_rows(q)
         check_pool(kv_cache)
         check_block_tables(block_tables)
@@ -332,11 +334,12 @@ class CpuKernels:
                               plan.context_lens.data_ptr(), address(plan.own_keys), out.data_ptr(), plan.num_queries,
                               num_heads,
                               num_kv_heads, head_dim, block_size, num_blocks, plan.max_context, scale,
-                              kv_cache.dtype == torch.bfloat16, dots)
+                              kv_cache.dtype == torch.bfloat16, dots, window_arg(window))
         return out
 
     def flash_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        chunks: FlashChunks, scale: float, out: torch.Tensor, fma: bool = False) -> torch.Tensor:
+                        chunks: FlashChunks, scale: float, out: torch.Tensor, fma: bool = False,
+                        window: int | None = None) -> torch.Tensor:
         """Causal attention for the prefill chunks ``chunks`` names (rows of ``q`` ``[T, heads, head_dim]``, rows
         may be strided) over their contexts in one layer's pool, at the precision of torch's bf16 flash attention
         (Q, K, V and the probabilities rounded to bf16, scores and sums float32); results land in the same rows of
@@ -344,7 +347,8 @@ class CpuKernels:
         is a multiple of 64. The bf16 products run on AMX tiles where ``self.flash_amx`` and the head size is 64,
         else on AVX512-BF16's dot products. ``fma``: float32 FMAs over the widened K/V instead, Q and the
         probabilities not rounded (faster where the CPU's float32 rate beats its bf16 dot products, as
-        ``linear_tiles``' ``fma``)."""
+        ``linear_tiles``' ``fma``). ``window``: a sliding window, each row sees its own position and the
+        ``window - 1`` before it (keys before the window of a chunk's first row are not read); None: every one."""
         check_rows(q)
         check_pool(kv_cache)
         check_block_tables(block_tables)
@@ -359,7 +363,7 @@ class CpuKernels:
                               block_tables.stride(0), chunks.starts.data_ptr(), chunks.query_lens.data_ptr(),
                               chunks.contexts.data_ptr(), chunks.tables.data_ptr(), chunks.count, out.data_ptr(),
                               num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-                              kv_cache.dtype == torch.bfloat16, fma)
+                              kv_cache.dtype == torch.bfloat16, fma, window_arg(window))
         return out
 
 
@@ -388,6 +392,13 @@ class FlashChunks:
 def address(tensor: torch.Tensor | None) -> int | None:
     """Where ``tensor``'s data starts, for a C struct field (None: NULL)."""
     return None if tensor is None else tensor.data_ptr()
+
+
+def window_arg(window: int | None) -> int:
+    """A sliding window as the C side takes it: its length, 0 for none."""
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window holds at least one token, got {window}")
+    return window or 0
 
 
 def scale_groups(scales: torch.Tensor | None) -> int:

@@ -185,7 +185,9 @@ class FusedDraftHead:
 class KernelAttentionStep:
     """A step's attention as the kernels run it inside ``FusedStack``: every token is a query of
     ``plan``, its K/V written at ``slots`` (int64, negative: skipped), contexts read through ``block_tables``;
-    ``dots``: on the dot products over a bf16 pool (``CpuKernels.paged_attention``'s ``dots``)."""
+    ``dots``: on the dot products over a bf16 pool (``CpuKernels.paged_attention``'s ``dots``); ``windows``: each
+    pool layer's sliding window (int64, contiguous, 0: none; ``CpuKernels.paged_attention``'s ``window``), or None
+    when no layer has one."""
 
     plan: KernelAttentionPlan
     block_tables: torch.Tensor
@@ -193,15 +195,17 @@ class KernelAttentionStep:
     num_heads: int
     scale: float
     dots: bool = False
+    windows: torch.Tensor | None = None
 
     @classmethod
     def from_metadata(cls, metadata: AttentionMetadata, num_heads: int, scale: float, dots: bool = False,
-                      plan: KernelAttentionPlan | None = None) -> KernelAttentionStep:
+                      plan: KernelAttentionPlan | None = None,
+                      windows: torch.Tensor | None = None) -> KernelAttentionStep:
         """The step's attention from the core metadata every backend receives (the model's shapes beside it);
         ``plan``: the step's every-token plan where the caller already built one (built here otherwise)."""
         if plan is None or plan.rows is not None:  # none, or only some tokens'
             plan = KernelAttentionPlan.every_token(metadata)
-        return cls(plan, metadata.block_tables, metadata.slot_mapping, num_heads, scale, dots)
+        return cls(plan, metadata.block_tables, metadata.slot_mapping, num_heads, scale, dots, windows)
 
     def struct(self, kv_cache: torch.Tensor) -> AttentionStepStruct:
         """The C side's view of this step over the pools ``kv_cache`` (``[..., num_blocks, block_size, kv_heads,
@@ -212,8 +216,10 @@ class KernelAttentionStep:
             self.block_tables.data_ptr(), self.block_tables.stride(0), self.slots.data_ptr(), address(plan.rows),
             plan.seq_of_query.data_ptr(), plan.context_lens.data_ptr(), plan.num_queries, plan.max_context,
             self.num_heads, num_kv_heads, head_dim, block_size, num_blocks, self.scale,
-            kv_cache.dtype == torch.bfloat16, address(plan.own_keys), self.dots)
+            kv_cache.dtype == torch.bfloat16, address(plan.own_keys), self.dots, address(self.windows))
 
     def check(self) -> None:
         check_block_tables(self.block_tables)
         check_slots(self.slots)
+        if self.windows is not None and (self.windows.dtype != torch.int64 or not self.windows.is_contiguous()):
+            raise ValueError("a fused step's windows are contiguous int64, one per pool layer")

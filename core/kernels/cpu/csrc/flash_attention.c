@@ -240,17 +240,27 @@ static void load_queries(const flash_call *call, const flash_rows *buf, const fl
     memset(buf->acc, 0, sizeof(float) * rows * head_dim);
 }
 
-/* The online softmax over the tile of keys k0 onwards, keys past a row's position masked (offset: row 0's
- * position): each row's scaled scores and new maximum, then every row's rescale 16 rows a vector (a scalar expf a
- * row costs a sixth of the softmax), then the probabilities (in place of the scores with fma, else rounded to bf16
- * into probs) and their sums. */
+/* Lanes `lane` onwards of the tile's 32 keys (two registers) that a row sees: up to its position (`seen` keys from
+ * the tile's first), and with a window from its first key (`hidden` keys of the tile before it). */
+static inline __attribute__((always_inline)) void row_lanes(int64_t seen, int64_t hidden, __mmask16 *m0,
+                                                            __mmask16 *m1) {
+    *m0 = first_lanes(seen) & (__mmask16)~first_lanes(hidden);
+    *m1 = first_lanes(seen - 16) & (__mmask16)~first_lanes(hidden - 16);
+}
+
+/* The online softmax over the tile of keys k0 onwards, keys past a row's position and before its window (`window`
+ * > 0) masked (offset: row 0's position): each row's scaled scores and new maximum, then every row's rescale 16 rows
+ * a vector (a scalar expf a row costs a sixth of the softmax; 0 for a row that has seen no key yet, before its
+ * window), then the probabilities (in place of the scores with fma, else rounded to bf16 into probs) and their
+ * sums. */
 static void softmax_tile(const flash_rows *buf, int64_t rows, int64_t per_kv, int64_t offset, int64_t k0,
-                         float scale, int fma) {
+                         float scale, int fma, int64_t window) {
     float *scores = buf->scores, *best = buf->best, *top = buf->top, *rescale = buf->rescale, *total = buf->total;
     const __m512 factor = _mm512_set1_ps(scale), none = _mm512_set1_ps(-INFINITY);
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t seen = offset + r / per_kv - k0 + 1;
-        const __mmask16 m0 = first_lanes(seen), m1 = first_lanes(seen - 16);
+        const int64_t seen = offset + r / per_kv - k0 + 1, hidden = window ? seen - window : 0;
+        __mmask16 m0, m1;
+        row_lanes(seen, hidden, &m0, &m1);
         const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(scores + r * FLASH_KEYS), factor);
         const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(scores + r * FLASH_KEYS + 16), factor);
         _mm512_storeu_ps(scores + r * FLASH_KEYS, s0);
@@ -260,12 +270,15 @@ static void softmax_tile(const flash_rows *buf, int64_t rows, int64_t per_kv, in
     }
     for (int64_t r = 0; r < rows; r += 16) {  /* 0 on the first tile (best -inf) */
         const __mmask16 m = first_lanes(rows - r);
-        _mm512_mask_storeu_ps(rescale + r, m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, best + r),
-                                                                  _mm512_maskz_loadu_ps(m, top + r))));
+        const __m512 high = _mm512_maskz_loadu_ps(m, top + r);
+        const __mmask16 seen = _mm512_cmp_ps_mask(high, none, _CMP_NEQ_OQ);  /* not (-inf) - (-inf) */
+        _mm512_mask_storeu_ps(rescale + r, m, _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(
+            _mm512_maskz_loadu_ps(m, best + r), high))));
     }
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t seen = offset + r / per_kv - k0 + 1;
-        const __mmask16 m0 = first_lanes(seen), m1 = first_lanes(seen - 16);
+        const int64_t seen = offset + r / per_kv - k0 + 1, hidden = window ? seen - window : 0;
+        __mmask16 m0, m1;
+        row_lanes(seen, hidden, &m0, &m1);
         const __m512 shift = _mm512_set1_ps(top[r]);
         const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(
             _mm512_loadu_ps(scores + r * FLASH_KEYS), shift)));
@@ -283,19 +296,20 @@ static void softmax_tile(const flash_rows *buf, int64_t rows, int64_t per_kv, in
     }
 }
 
-/* One work item on the dot products (or the FMAs): its rows' online softmax over every tile of keys up to the last
- * row's position (keys beyond it are never seen), then each row's result divided by its sum into out. */
+/* One work item on the dot products (or the FMAs): its rows' online softmax over every tile of keys from the first
+ * row's first (0, or its window's) up to the last row's position (keys beyond it are never seen), then each row's
+ * result divided by its sum into out. */
 static void flash_item_dots(const flash_call *call, const flash_rows *buf, int64_t item) {
     const int64_t per_kv = call->num_heads / call->num_kv_heads, head_dim = call->head_dim;
-    const flash_item it = flash_item_at(item, call->items_at, call->query_lens, call->contexts, call->num_kv_heads);
+    const flash_item it = flash_item_at(call, item, call->num_kv_heads);
     const int64_t rows = it.tokens * per_kv;
-    const int64_t at = call->packed_at[it.chunk] + it.head * it.keys * head_dim;
+    const int64_t at = call->packed_at[it.chunk] + it.head * it.keys * head_dim - it.base * head_dim;
     load_queries(call, buf, &it, rows);
     const int64_t last = it.offset + it.tokens - 1;  /* the last row's position */
-    for (int64_t k0 = 0; k0 <= last; k0 += FLASH_KEYS) {
+    for (int64_t k0 = it.from; k0 <= last; k0 += FLASH_KEYS) {
         flash_score_rows((int)call->fma, buf->qb, buf->qf, head_dim, call->packed_keys + at + k0 * head_dim,
                          buf->scores, rows);
-        softmax_tile(buf, rows, per_kv, it.offset, k0, call->scale, (int)call->fma);
+        softmax_tile(buf, rows, per_kv, it.offset, k0, call->scale, (int)call->fma, call->window);
         flash_weigh_rows((int)call->fma, buf->probs, buf->scores, call->packed_values + at + k0 * head_dim, head_dim,
                          buf->rescale, buf->acc, rows);
     }
@@ -337,12 +351,12 @@ static void flash_pack_key(const void *key, const void *value, int kv_bf16, int6
     }
 }
 
-/* Chunk i's K/V of KV head kvh packed for the dot products (`keys` rows, the padding zero). */
-static void flash_pack(const flash_call *call, int64_t i, int64_t kvh, int64_t keys, uint16_t *packed_keys,
-                       uint16_t *packed_values) {
+/* Chunk i's K/V of KV head kvh packed for the dot products (`keys` rows from key `base`, the padding zero). */
+static void flash_pack(const flash_call *call, int64_t i, int64_t kvh, int64_t base, int64_t keys,
+                       uint16_t *packed_keys, uint16_t *packed_values) {
     const size_t values = flash_values(call);
     for (int64_t j = 0; j < keys; j++) {
-        const char *key = flash_key_row(call, i, kvh, j);
+        const char *key = flash_key_row(call, i, kvh, base + j);
         flash_pack_key(key, key ? key + values : NULL, (int)call->kv_bf16, j, call->head_dim, packed_keys,
                        packed_values);
     }
@@ -354,15 +368,15 @@ static void pack_chunks(const flash_call *call) {
 #pragma omp for schedule(dynamic, 1) collapse(2)
     for (int64_t i = 0; i < call->count; i++) {
         for (int64_t kvh = 0; kvh < call->num_kv_heads; kvh++) {
-            const int64_t keys = (call->contexts[i] + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS;
+            const int64_t base = flash_first_key(call, i), keys = flash_packed_keys(call, i, base);
             const int64_t at = call->packed_at[i] + kvh * keys * call->head_dim;
 #if FLASH_AMX
             if (call->amx) {
-                flash_pack_amx(call, i, kvh, keys, call->packed_keys + at, call->packed_values + at);
+                flash_pack_amx(call, i, kvh, base, keys, call->packed_keys + at, call->packed_values + at);
                 continue;
             }
 #endif
-            flash_pack(call, i, kvh, keys, call->packed_keys + at, call->packed_values + at);
+            flash_pack(call, i, kvh, base, keys, call->packed_keys + at, call->packed_values + at);
         }
     }
 }
@@ -375,7 +389,7 @@ static void plan_chunks(flash_call *call) {
     call->items_at = malloc(sizeof(int64_t) * (call->count + 1));
     call->packed_at[0] = call->items_at[0] = 0;
     for (int64_t i = 0; i < call->count; i++) {
-        const int64_t keys = (call->contexts[i] + FLASH_KEYS - 1) / FLASH_KEYS * FLASH_KEYS;
+        const int64_t keys = flash_packed_keys(call, i, flash_first_key(call, i));
         call->packed_at[i + 1] = call->packed_at[i] + keys * call->num_kv_heads * call->head_dim;
         call->items_at[i + 1] = call->items_at[i] + (call->query_lens[i] + FLASH_TOKENS - 1) / FLASH_TOKENS *
                                                     item_heads;
@@ -389,10 +403,10 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
                            int64_t table_stride, const int64_t *starts, const int64_t *query_lens,
                            const int64_t *contexts, const int64_t *tables, int64_t count, float *out,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           int64_t num_blocks, float scale, int64_t kv_bf16, int64_t fma) {
+                           int64_t num_blocks, float scale, int64_t kv_bf16, int64_t fma, int64_t window) {
 #if INFER_AVX512_BF16
     flash_call call = {q, q_stride, kv, block_tables, table_stride, starts, query_lens, contexts, tables, count, out,
-                       num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, kv_bf16, fma,
+                       num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, kv_bf16, fma, window,
                        !fma && head_dim == 64 && amx_available(), NULL, NULL, NULL, NULL};
     plan_chunks(&call);
 #pragma omp parallel
@@ -412,7 +426,7 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
 #else
     (void)q; (void)q_stride; (void)kv; (void)block_tables; (void)table_stride; (void)starts; (void)query_lens;
     (void)contexts; (void)tables; (void)count; (void)out; (void)num_heads; (void)num_kv_heads; (void)head_dim;
-    (void)block_size; (void)num_blocks; (void)scale; (void)kv_bf16; (void)fma;
+    (void)block_size; (void)num_blocks; (void)scale; (void)kv_bf16; (void)fma; (void)window;
     abort();  /* the Python side asks infer_flash_kind first */
 #endif
 }

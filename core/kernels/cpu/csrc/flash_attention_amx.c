@@ -28,11 +28,11 @@ static inline void flash_pack_key_amx(const void *key, const void *value, int kv
     }
 }
 
-void flash_pack_amx(const flash_call *call, int64_t i, int64_t kvh, int64_t keys, uint16_t *packed_keys,
-                    uint16_t *packed_values) {
+void flash_pack_amx(const flash_call *call, int64_t i, int64_t kvh, int64_t base, int64_t keys,
+                    uint16_t *packed_keys, uint16_t *packed_values) {
     const size_t values = flash_values(call);
     for (int64_t j = 0; j < keys; j++) {
-        const char *key = flash_key_row(call, i, kvh, j);
+        const char *key = flash_key_row(call, i, kvh, base + j);
         flash_pack_key_amx(key, key ? key + values : NULL, (int)call->kv_bf16, j, call->head_dim, packed_keys,
                            packed_values);
     }
@@ -69,17 +69,18 @@ static inline __attribute__((always_inline)) void transpose_queries(const float 
         _mm512_storeu_si512(q_t[p], _mm512_i32gather_epi32(token_rows, &q_rows[0][p], 4));
 }
 
-/* The tile's scores scaled, in place: key k0 + j is seen by the tokens at or after its position (offset: token 0's;
- * masked to -inf for the others). Returns each token's maximum over the tile. Unrolled, so that the four chains of
- * maxima stay in registers. */
+/* The tile's scores scaled, in place: key k0 + j is seen by the tokens at or after its position (offset: token 0's)
+ * and, with a window (> 0), less than `window` positions after it; masked to -inf for the others. Returns each
+ * token's maximum over the tile. Unrolled, so that the four chains of maxima stay in registers. */
 static inline __attribute__((always_inline)) __m512 scale_scores(float (*scores)[16], int64_t k0, int64_t offset,
-                                                                 __m512 factor) {
+                                                                 int64_t window, __m512 factor) {
     const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
     __m512 tops[4] = {minus_inf, minus_inf, minus_inf, minus_inf};
 #pragma GCC unroll 32
     for (int j = 0; j < FLASH_KEYS; j++) {
-        const int64_t ahead = k0 + j - offset;
-        const __mmask16 seen = ahead <= 0 ? 0xFFFF : ahead >= 16 ? 0 : (__mmask16)(0xFFFFu << ahead);
+        const int64_t ahead = k0 + j - offset, behind = ahead + window - 1;  /* the last token that sees it */
+        __mmask16 seen = ahead <= 0 ? 0xFFFF : ahead >= 16 ? 0 : (__mmask16)(0xFFFFu << ahead);
+        if (window) seen &= behind >= 15 ? 0xFFFF : behind < 0 ? 0 : (__mmask16)(0xFFFFu >> (15 - behind));
         const __m512 scaled = _mm512_mask_mul_ps(minus_inf, seen, _mm512_loadu_ps(scores[j]), factor);
         _mm512_storeu_ps(scores[j], scaled);
         tops[j % 4] = _mm512_max_ps(tops[j % 4], scaled);
@@ -154,11 +155,14 @@ static inline __attribute__((always_inline)) void store_tokens(__m512 total, int
 }
 
 /* One work item: `tokens` (<= 16) query rows of one head, q_stride floats apart, positions offset onwards, against
- * the keys and values packed by flash_pack_key_amx, into out (rows out_stride floats apart). The caller has loaded
- * the tile configuration (every tile 16 rows of 64 bytes). Each tile's scores are computed on the tile unit while
- * the previous tile's softmax runs on the vector units. */
-static void flash_item_amx(const float *q, int64_t q_stride, int64_t tokens, int64_t offset, const uint16_t *keys,
-                           const uint16_t *values, float scale, float *out, int64_t out_stride) {
+ * the keys and values packed by flash_pack_key_amx from key `from` (a tile's first: the first any row sees) on,
+ * with a sliding `window` (0: none), into out (rows out_stride floats apart). The caller has loaded the tile
+ * configuration (every tile 16 rows of 64 bytes). Each tile's scores are computed on the tile unit while the
+ * previous tile's softmax runs on the vector units. A token that has seen no key yet (before its window) holds
+ * -inf, and its probabilities are taken against 0 instead (all zero, not (-inf) - (-inf)). */
+static void flash_item_amx(const float *q, int64_t q_stride, int64_t tokens, int64_t offset, int64_t from,
+                           int64_t window, const uint16_t *keys, const uint16_t *values, float scale, float *out,
+                           int64_t out_stride) {
     uint32_t q_t[HEAD_DIM / 2][16];         /* Q^T as B tiles: per dim pair, the 16 tokens' pairs */
     float scores[FLASH_KEYS][16];           /* S^T: a key per row, a token per lane */
     uint16_t probs[FLASH_KEYS / 2][16][2];  /* P^T as a B tile: per key pair, the 16 tokens' pairs */
@@ -172,22 +176,25 @@ static void flash_item_amx(const float *q, int64_t q_stride, int64_t tokens, int
     _tile_zero(7);
     const int64_t last = offset + tokens - 1;
     flash_scores_amx(q_t, keys);
-    for (int64_t k0 = 0; k0 <= last; k0 += FLASH_KEYS) {
+    for (int64_t k0 = from; k0 <= last; k0 += FLASH_KEYS) {
         _tile_stored(0, &scores[0][0], 64);
         _tile_stored(1, &scores[16][0], 64);
-        if (k0 + FLASH_KEYS <= last) flash_scores_amx(q_t, keys + (k0 + FLASH_KEYS) * HEAD_DIM);
-        const __m512 top = scale_scores(scores, k0, offset, factor);
+        if (k0 + FLASH_KEYS <= last) flash_scores_amx(q_t, keys + (k0 - from + FLASH_KEYS) * HEAD_DIM);
+        const __m512 top = scale_scores(scores, k0, offset, window, factor);
         const __mmask16 moved = _mm512_cmp_ps_mask(top, _mm512_add_ps(held, _mm512_set1_ps(FLASH_SLACK)),
                                                    _CMP_GT_OQ);
         if (moved) {  /* those tokens' sums rescaled to their new maxima (none held yet on the first tile) */
             const __m512 target = _mm512_mask_mov_ps(held, moved, top);
-            const __m512 rescale = exp16(_mm512_sub_ps(held, target));
+            __m512 rescale = exp16(_mm512_sub_ps(held, target));
+            if (window) rescale = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), moved, rescale);  /* not -inf - -inf */
             total = _mm512_mul_ps(total, rescale);
-            if (k0 > 0) rescale_result_tiles(results, rescale);
+            if (k0 > from) rescale_result_tiles(results, rescale);
             held = target;
         }
-        total = _mm512_add_ps(total, tile_probs(scores, held, probs));
-        weigh_tile(probs, values + k0 * HEAD_DIM);
+        const __m512 shift = window ? _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(held, _mm512_set1_ps(-INFINITY),
+                                                                             _CMP_NEQ_OQ), held) : held;
+        total = _mm512_add_ps(total, tile_probs(scores, shift, probs));
+        weigh_tile(probs, values + (k0 - from) * HEAD_DIM);
     }
     store_tokens(total, tokens, out, out_stride);
 }
@@ -197,11 +204,11 @@ void flash_items_amx(const flash_call *call) {
     load_full_tiles();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < call->items_at[call->count]; item++) {
-        const flash_item it = flash_item_at(item, call->items_at, call->query_lens, call->contexts, call->num_heads);
-        const int64_t at = call->packed_at[it.chunk] + it.head / per_kv * it.keys * head_dim;
+        const flash_item it = flash_item_at(call, item, call->num_heads);
+        const int64_t at = call->packed_at[it.chunk] + (it.head / per_kv * it.keys + it.from - it.base) * head_dim;
         const int64_t row = call->starts[it.chunk] + it.first;
         flash_item_amx(call->q + row * call->q_stride + it.head * head_dim, call->q_stride, it.tokens, it.offset,
-                       call->packed_keys + at, call->packed_values + at, call->scale,
+                       it.from, call->window, call->packed_keys + at, call->packed_values + at, call->scale,
                        call->out + (row * call->num_heads + it.head) * head_dim, call->num_heads * head_dim);
     }
     _tile_release();

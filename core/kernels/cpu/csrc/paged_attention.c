@@ -13,7 +13,7 @@
 /* A buffer of at least `bytes` for this thread, kept from call to call in one of SCRATCH_SLOTS slots (its contents
  * are not). The attention runs per layer, many times a step; a fresh malloc of tens of KB can come back as
  * untouched pages, a fault each. */
-#define SCRATCH_SLOTS 9
+#define SCRATCH_SLOTS 10
 static void *scratch(int slot, size_t bytes) {
     static __thread void *buffers[SCRATCH_SLOTS];
     static __thread size_t sizes[SCRATCH_SLOTS];
@@ -206,7 +206,8 @@ static inline __attribute__((always_inline)) void prefetch_item(const decode_cal
 
 /* A thread's buffers for its items: the chunk's key rows of one KV head (as floats, or as the pool's bf16 rows on
  * the direct path), and per query head of a group (DECODE_GROUP * per_kv at most) its query, scores (then
- * probabilities), keys seen, maximum and partial result. */
+ * probabilities), keys seen (from its first), the item's keys before its first (a window's), maximum and partial
+ * result. */
 typedef struct {
     const float *keys[DECODE_CHUNK];
     const uint16_t *raw[DECODE_CHUNK];  /* the direct path's rows (AVX-512 builds) */
@@ -215,6 +216,7 @@ typedef struct {
     float **results;  /* per head: its partial result */
     const float **queries;
     int64_t *seen;  /* per head: the keys of the chunk it sees */
+    int64_t *skip;  /* per head: the item's keys before those it sees (before its window) */
     float *best;
     float *converted;  /* a bf16 pool's keys, then values, widened (not on the direct path) */
     uint32_t *pairs;  /* dots' probabilities (AVX512-BF16 builds) */
@@ -227,6 +229,7 @@ static inline void workspace_buffers(decode_workspace *ws, const decode_call *ca
     ws->results = scratch(4, sizeof(float *) * group_heads);
     ws->queries = scratch(5, sizeof(float *) * group_heads);
     ws->seen = scratch(6, sizeof(int64_t) * group_heads);
+    ws->skip = scratch(9, sizeof(int64_t) * group_heads);
     ws->best = scratch(7, sizeof(float) * group_heads);
     ws->converted = scratch(2, sizeof(float) * 2 * DECODE_CHUNK * call->head_dim);
 #if INFER_AVX512_BF16
@@ -275,8 +278,8 @@ static inline __attribute__((always_inline)) ptrdiff_t list_rows(decode_workspac
 }
 
 /* Every query head of the item's group that sees its chunk, for KV head kvh (a query's heads side by side): its
- * query, keys seen, scores row and partial result. A leaf's own chunk is its own item, not its group's. Returns the
- * heads. */
+ * query, keys seen and skipped, scores row and partial result. A leaf's own chunk is its own item, not its group's.
+ * Returns the heads. */
 static inline __attribute__((always_inline)) int64_t list_heads(decode_workspace *ws, const decode_call *call,
                                                                 const decode_plan *plan, const decode_item *it,
                                                                 int64_t kvh, float *partial) {
@@ -284,45 +287,54 @@ static inline __attribute__((always_inline)) int64_t list_heads(decode_workspace
     const int64_t *context_lens = call->context_lens, *own_keys = call->own_keys;
     int64_t heads = 0;
     for (int64_t i = it->first_query; i < it->end_query; i++) {
-        const int64_t n = (context_lens[i] < it->end ? context_lens[i] : it->end) - it->start;
+        const int64_t first = first_key(call, i), from = first > it->start ? first : it->start;
+        const int64_t n = (context_lens[i] < it->end ? context_lens[i] : it->end) - from;
         const int leaf_later = it->own < 0 && own_keys && own_keys[i] >= 0 &&
                                c >= (context_lens[i] - 1) / DECODE_CHUNK;
         if (n <= 0 || leaf_later) continue;
         const int64_t row = call->rows ? call->rows[i] : call->row_base + i;
-        const int64_t count = (context_lens[i] + DECODE_CHUNK - 1) / DECODE_CHUNK;
+        const int64_t count = query_chunks(call, i), at = c - first / DECODE_CHUNK;
         for (int64_t h = kvh * per_kv; h < (kvh + 1) * per_kv; h++, heads++) {
             ws->queries[heads] = call->q + row * call->q_stride + h * head_dim;
             ws->seen[heads] = n;
+            ws->skip[heads] = from - it->start;
             ws->weights[heads] = ws->scores + heads * DECODE_CHUNK;
-            ws->results[heads] = partial + (plan->partial_at[i] + h * count + c) * (head_dim + 2);
+            ws->results[heads] = partial + (plan->partial_at[i] + h * count + at) * (head_dim + 2);
         }
     }
     return heads;
 }
 
-/* The heads' scores and maxima, then their probabilities against the chunk's own maximum and their sums into the
- * partial results (zero past a head's own keys, so that all weigh the chunk's `keys` value rows together). */
+/* The heads' scores of the keys each sees and their maxima, then their probabilities against the chunk's own
+ * maximum and their sums into the partial results (zero before and past a head's own keys, so that all weigh the
+ * chunk's `keys` value rows together). A query's heads see the same keys. */
 static inline __attribute__((always_inline)) void score_chunk(decode_workspace *ws, const decode_call *call,
                                                               int64_t heads, int64_t keys, int direct, int dots) {
     const int64_t per_kv = call->num_heads / call->num_kv_heads, head_dim = call->head_dim;
     (void)direct;  /* both read in AVX-512 builds only */
     (void)dots;
     for (int64_t a = 0; a < heads; a += per_kv) {
+        const int64_t skip = ws->skip[a];
 #if INFER_AVX512
         if (direct) {
-            score_heads(ws->queries + a, per_kv, ws->raw, ws->seen[a], call->scale, ws->weights + a, ws->best + a,
+            float *scores[per_kv];
+            for (int64_t b = 0; b < per_kv; b++) scores[b] = ws->weights[a + b] + skip;
+            score_heads(ws->queries + a, per_kv, ws->raw + skip, ws->seen[a], call->scale, scores, ws->best + a,
                         dots);
             continue;
         }
 #endif
         for (int64_t b = a; b < a + per_kv; b++)
-            ws->best[b] = score_keys(ws->queries[b], ws->keys, ws->seen[b], head_dim, call->scale, ws->weights[b]);
+            ws->best[b] = score_keys(ws->queries[b], ws->keys + skip, ws->seen[b], head_dim, call->scale,
+                                     ws->weights[b] + skip);
     }
     for (int64_t a = 0; a < heads; a++) {
         float *own = ws->results[a], *weights = ws->weights[a];
+        const int64_t skip = ws->skip[a], end = skip + ws->seen[a];
         own[head_dim] = ws->best[a];
-        own[head_dim + 1] = exp_shifted_sum(weights, ws->seen[a], ws->best[a]);
-        for (int64_t j = ws->seen[a]; j < keys; j++) weights[j] = 0.0f;
+        own[head_dim + 1] = exp_shifted_sum(weights + skip, ws->seen[a], ws->best[a]);
+        for (int64_t j = 0; j < skip; j++) weights[j] = 0.0f;
+        for (int64_t j = end; j < keys; j++) weights[j] = 0.0f;
     }
 }
 
@@ -380,7 +392,7 @@ static inline void run_items(const decode_call *call, const decode_plan *plan, f
 static inline void merge_query(const decode_call *call, const decode_plan *plan, const float *partial, int64_t i) {
     const int64_t head_dim = call->head_dim, num_heads = call->num_heads, entry = head_dim + 2;
     const int64_t row = call->rows ? call->rows[i] : call->row_base + i;
-    const int64_t count = (call->context_lens[i] + DECODE_CHUNK - 1) / DECODE_CHUNK;
+    const int64_t count = query_chunks(call, i);
     for (int64_t h = 0; h < num_heads; h++) {
         const float *own = partial + (plan->partial_at[i] + h * count) * entry;
         float *restrict result = call->out + (row * num_heads + h) * head_dim;

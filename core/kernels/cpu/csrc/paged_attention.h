@@ -6,7 +6,12 @@
  * is up to DECODE_GROUP consecutive queries of one sequence. An item lists its key rows once for the whole group,
  * then every query head of the group that sees the chunk scores them, takes their softmax against the chunk's own
  * maximum and weighs the value rows into a partial result; the chunks' partial results are then merged per query
- * head in chunk order. */
+ * head in chunk order.
+ *
+ * Sliding windows (`window` > 0): query i sees only its context's last `window` tokens, so its chunks start at the
+ * one that holds its first key (first_key), and an item's rows start at its queries' earliest first key: blocks
+ * wholly before every window are never read. A query scores its own keys only (those before its first key weigh
+ * zero), so its result is the same alone or beside others. */
 #ifndef INFER_PAGED_ATTENTION_H
 #define INFER_PAGED_ATTENTION_H
 
@@ -35,16 +40,31 @@ typedef struct {
     int64_t queries, num_heads, num_kv_heads, head_dim, block_size, num_blocks;
     float scale;
     int64_t kv_bf16, dots;
+    int64_t window;  /* 0: every earlier token */
 } decode_call;
 
-/* A work item: keys start..end-1 (chunk c of its sequence) of KV heads first_kv_head onwards (kv_heads of them) for
+static inline int64_t chunks_of(int64_t context) { return (context + DECODE_CHUNK - 1) / DECODE_CHUNK; }
+
+/* The first of its context's tokens query i sees: the window's first, or 0. */
+static inline int64_t first_key(const decode_call *call, int64_t i) {
+    const int64_t first = call->window ? call->context_lens[i] - call->window : 0;
+    return first > 0 ? first : 0;
+}
+
+/* Query i's chunks: first_key's (its first) to its context's last. */
+static inline int64_t query_chunks(const decode_call *call, int64_t i) {
+    return chunks_of(call->context_lens[i]) - first_key(call, i) / DECODE_CHUNK;
+}
+
+/* A work item: keys start..end-1 (of chunk c of its sequence) of KV heads first_kv_head onwards (kv_heads of them) for
  * queries first_query..end_query-1 (a group), or for one leaf whose own K/V sit at token own (-1: none). */
 typedef struct {
     int64_t c, first_query, end_query, first_kv_head, kv_heads, own, start, end;
 } decode_item;
 
 /* A run's work items and where its partial results go. Partial result (query i, head h, chunk c) is entry
- * partial_at[i] + h * (query i's chunks) + c; an entry is head_dim sums, the chunk's maximum and its exp sum. */
+ * partial_at[i] + h * query_chunks(i) + c - first_key(i) / DECODE_CHUNK; an entry is head_dim sums, the chunk's
+ * maximum and its exp sum. */
 typedef struct {
     decode_item *items;
     int64_t *cost_before;  /* the items' cumulative costs, total_items + 1 of them */
