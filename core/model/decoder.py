@@ -158,7 +158,7 @@ class DecoderLayer(nn.Module):
         if kernels is None or any(weight is None for weight in weights) or attn.tensor_parallel is not None:
             self.fused = None
             return
-        if not self.kernel_shaped or (attn.q_norm is not None and not FusedLayer.head_norms_supported()):
+        if not self.kernel_shaped:
             self.fused = None
             return
         norms = (self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach())

@@ -1,0 +1,62 @@
+"""Save random-weight models of the shapes CPU users run (Qwen3 0.6B and 1.7B, Gemma 3 1B) as HF folders, for
+``infer bench`` against vLLM's CPU backend on the same folder: with fixed output lengths (``ignore_eos``) throughput
+does not depend on the weights' values. The tokenizer is SmolLM2's (its ids lie inside every family's vocabulary).
+
+    python benchmarks/random_models.py qwen3-0.6b ~/models/qwen3-0.6b-random
+    infer bench baseline model.path=~/models/qwen3-0.6b-random --baseline vllm --num-requests 64
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+# The published configs' geometry (hidden, MLP width, layers, heads, KV heads, head_dim, vocabulary, RoPE).
+SHAPES = {
+    "qwen3-0.6b": ("Qwen3ForCausalLM", dict(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
+    "qwen3-1.7b": ("Qwen3ForCausalLM", dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
+    "gemma3-1b": ("Gemma3ForCausalLM", dict(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, vocab_size=262144, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        sliding_window=512, query_pre_attn_scalar=256, tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})),
+}
+
+
+def save_random_model(shape: str, destination: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
+    import transformers
+
+    from infer.model.loader import DEFAULT_MODEL, hf_model_dir
+
+    class_name, fields = SHAPES[shape]
+    model_class = getattr(transformers, class_name)
+    config = model_class.config_class(**fields, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = model_class(config).to(dtype)
+    model.save_pretrained(destination)
+    transformers.AutoTokenizer.from_pretrained(hf_model_dir(DEFAULT_MODEL)).save_pretrained(destination)
+    return destination
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("destination", type=Path)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    args = parser.parse_args()
+    path = save_random_model(args.shape, args.destination.expanduser(), getattr(torch, args.dtype))
+    print(f"saved {args.shape} ({args.dtype}) to {path}")
+
+
+if __name__ == "__main__":
+    main()
