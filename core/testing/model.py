@@ -111,12 +111,13 @@ class ModelConformance(ConformanceSuite):
     """The suite for a model family (plugin kind ``model``). Set ``impl_name`` (the registered family),
     ``hf_model_class`` (the transformers class that is the oracle) and ``config_fields`` (the tiny config's fields
     beyond ``TINY_FIELDS``; give a ``sliding_window`` to exercise windows). ``tolerance``: the largest absolute
-    float32 logit difference accepted."""
+    float32 logit difference accepted (``packed_tolerance``: with 16-bit packed weights)."""
 
     kind = "model"
     hf_model_class: ClassVar[str]
     config_fields: ClassVar[dict[str, Any]] = {}
     tolerance: ClassVar[float] = 1e-3
+    packed_tolerance: ClassVar[float] = 0.5  # fp16/bf16 weights: the rounding of 16-bit weights, not a wrong layer
     max_tokens: ClassVar[int] = 16
     backends: ClassVar[tuple[str, ...]] = ("sdpa", "cpu")
 
@@ -170,7 +171,7 @@ class ModelConformance(ConformanceSuite):
     def logit_errors(self, model, hf_model, backend: str = "sdpa", kernels: bool = False) -> float:
         """The largest logit difference against HF over a mixed batch: each prompt prefilled in two chunks (the
         second alongside the others' decode steps), then decoded token by token past the window."""
-        runner = PagedRunner(model, backend, kernels=kernels)
+        runner = self.last_runner = PagedRunner(model, backend, kernels=kernels)
         prompts = {f"p{index}": random_prompt(length, seed=index)
                    for index, length in enumerate(self.prompt_lengths())}
         decode = {name: random_prompt(self.max_tokens, seed=100 + index) for index, name in enumerate(prompts)}
@@ -244,6 +245,22 @@ class ModelConformance(ConformanceSuite):
         for backend in self.available_backends():
             error = self.logit_errors(model, hf_model, backend, kernels=backend == "cpu")
             assert error < self.tolerance, f"{backend}: logits differ from HF by {error}"
+
+    def test_packed_weights_on_the_kernels_stay_close_to_hf(self, model_dir, hf_model):
+        """fp16 and bf16 weights through infer's CPU kernels (the fused one-call paths where the family's layers
+        are what the C layer computes): logits within the rounding of 16-bit weights."""
+        from infer.kernels import cpu as cpu_kernels
+        from infer.model.quantization import quantize_model
+
+        if cpu_kernels.load("auto") is None:
+            pytest.skip("infer's CPU kernels do not build here")
+        for mode in ("fp16", "bf16"):
+            model = quantize_model(self.load(model_dir), mode)
+            error = self.logit_errors(model, hf_model, "cpu", kernels=True)
+            assert error < self.packed_tolerance, f"{mode}: logits differ from HF by {error}"
+            counts = self.last_runner.executor.counts
+            if all(layer.kernel_shaped for layer in model.layers):
+                assert counts["fused-stack"] > 0, self.last_runner.executor.describe()
 
     def test_greedy_mixed_batch_matches_hf(self, model_dir, hf_model):
         prompts = [random_prompt(length, seed=length) for length in self.prompt_lengths()]
