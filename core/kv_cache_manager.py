@@ -34,6 +34,8 @@ class KVCacheManager:
 
     def cached_prefix_len(self, seq: Sequence) -> int:
         """Tokens of waiting ``seq`` an admission now would not compute (cache hit or shared fork prefix)."""
+        if seq.needs_prompt_logits:
+            return 0
         cached = self.prefix_cache.peek(seq.token_ids, seq.params.cache_salt)
         return max(cached, self._fork_prefix(seq)[1])
 
@@ -50,7 +52,8 @@ class KVCacheManager:
         failure ``seq`` is left exactly as it was.
         """
         assert not seq.block_table, f"sequence {seq.seq_id} is admitted while holding blocks"
-        if not self._share_fork_prefix(seq):
+        # Prompt logprobs need the logits of every prompt position: no cached prefix for a sequence that owes them.
+        if not seq.needs_prompt_logits and not self._share_fork_prefix(seq):
             match = self.prefix_cache.match(seq.token_ids, seq.params.cache_salt)
             self.prefix_cache.lock(match)
             self.allocator.retain(list(match.blocks))

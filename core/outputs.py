@@ -81,6 +81,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    # With ``SamplingParams.prompt_logprobs``: one entry per prompt token (None for the first, which nothing
+    # predicts), each ``{"token_id", "logprob", "top": [(token_id, logprob), ...]}`` as ``CompletionOutput.logprobs``.
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def text(self) -> str:
@@ -175,3 +178,7 @@ class StepOutput:
     # span's first token itself, not of a predicted one).
     hidden_states: torch.Tensor | None = None
     token_rows: list[BatchRows] | None = None
+    # Requests with ``prompt_logprobs``: logits of prompt positions [num_prompt_rows, vocab] float32, and whose they
+    # are (``first_position``: the prompt token the first row predicts).
+    prompt_logits: torch.Tensor | None = None
+    prompt_rows: list[BatchRows] = field(default_factory=list)

@@ -1,4 +1,5 @@
-"""Prompt sources for ``infer run``: the built-in set and JSONL files."""
+"""Prompt sources for ``infer run`` (the built-in set and JSONL files), and ``ChatPrompt``: chat messages with the
+tools a chat template renders for them."""
 
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ class PromptItem:
     params: SamplingParams
     display: str
     id: object = None  # the line's own "id", echoed in the output line (None: numbered by position)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Chat messages (``{"role", "content"}``, an assistant's ``tool_calls``, ``tool`` results) and the tools the
+    model may call, as OpenAI's ``tools`` entries; both go through the model's chat template (``tools=``)."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
 
 
 class PromptFileError(ValueError):

@@ -21,6 +21,14 @@ def position_generator(seed: int, position: int, device: torch.device) -> torch.
     return generator
 
 
+def add_logit_bias(logits: torch.Tensor, logit_bias: dict[int, float]) -> None:
+    """Add a request's ``logit_bias`` to its rows of logits ``[rows, vocab]``, in place (OpenAI's semantics: before
+    any filter, so +100 all but forces a token and -100 bans it)."""
+    token_ids = torch.tensor(list(logit_bias), dtype=torch.int64, device=logits.device)
+    bias = torch.tensor(list(logit_bias.values()), dtype=logits.dtype, device=logits.device)
+    logits[:, token_ids] += bias
+
+
 def apply_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p on one row of float32 logits; returns probabilities."""
     logits = logits / params.temperature

@@ -64,6 +64,8 @@ class Sequence:
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    # With ``params.prompt_logprobs``: prompt tokens 1, 2, ...'s logprobs as computed so far (prefill chunks add them).
+    prompt_logprobs: list[dict] = field(default_factory=list)
     # Speculative decoding statistics.
     num_verify_passes: int = 0
     num_accepted_tokens: int = 0
@@ -97,6 +99,13 @@ class Sequence:
     def is_prefill(self) -> bool:
         """True while some prompt token is not computed (the step's logits would not be sampled from)."""
         return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether prompt logprobs are still owed: then every prompt position must be computed (no cached prefix
+        may skip one). The request's first sample computes them; its other samples share its prompt."""
+        return (self.params.prompt_logprobs is not None and self.fork_of is None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def is_finished(self) -> bool:

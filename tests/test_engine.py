@@ -81,10 +81,11 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(llm, temperature):
     assert SamplingParams(temperature=1e-5).greedy is False
 
 
-@pytest.mark.parametrize(("field", "value"), [("max_tokens", 0), ("max_tokens", -3), ("top_p", 0.0), ("top_p", 1.5),
+@pytest.mark.parametrize(("field", "value"), [("max_tokens", -3), ("top_k", -2), ("top_p", 0.0), ("top_p", 1.5),
                                               ("temperature", -1.0), ("temperature", 2.5),
                                               ("temperature", float("nan")),
-                                              ("min_p", 2.0), ("n", 0)])
+                                              ("min_p", 2.0), ("n", 0), ("prompt_logprobs", 21),
+                                              ("logit_bias", {5: 101}), ("logit_bias", {-1: 1.0})])
 def test_bad_sampling_values_name_the_field(field, value):
     with pytest.raises(SamplingParamsError) as error:
         SamplingParams(**{field: value})

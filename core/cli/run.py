@@ -68,6 +68,10 @@ def _output_line(index, item, output) -> dict:
             "token_ids": output.token_ids, "finish_reason": output.finish_reason, "metrics": output.metrics.to_dict()}
     if output.error:
         line["error"] = output.error
+    if output.outputs and output.outputs[0].logprobs is not None:
+        line["logprobs"] = output.outputs[0].logprobs
+    if output.prompt_logprobs is not None:
+        line["prompt_logprobs"] = output.prompt_logprobs
     if len(output.outputs) > 1:
         line["samples"] = [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
                            for c in output.outputs]

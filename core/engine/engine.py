@@ -28,6 +28,8 @@ from infer.execution.runner import ModelRunner
 from infer.model.quantization import model_weight_bytes
 from infer.engine.sampler import Sampler, SampleRequest
 from infer.plugin_api import build_drafter
+from infer.prompts import ChatPrompt
+from infer.sampling import add_logit_bias
 from infer.sampling_params import SamplingParams
 from infer.scheduler import SchedulerView, StepPlan, StepShape
 from infer.sequence import Sequence, SequenceQueues, SequenceStatus
@@ -292,13 +294,17 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        """A prompt is a string, a list of token ids, or a list of chat messages (``{"role", "content"}``). Text too
+        """A prompt is a string, a list of token ids, or chat messages (a list of ``{"role", "content"}``, or a
+        ``ChatPrompt`` with tools for the template). Text too
         long to fit ``max_model_len`` whatever its tokens is refused before it is tokenized."""
         if isinstance(prompt, str):
             self._check_text_length(prompt)
             return prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            prompt = ChatPrompt(prompt)
+        if isinstance(prompt, ChatPrompt):
+            text = self.tokenizer.apply_chat_template(prompt.messages, tools=prompt.tools, add_generation_prompt=True,
+                                                      tokenize=False)
             self._check_text_length(text)
             return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:  # (bool is not int here)
@@ -315,6 +321,7 @@ class Engine:
         text, token_ids = self.tokenize(prompt)
         self._validate_prompt(request_id, token_ids)
         params = self._fit_max_tokens(request_id, params, len(token_ids))
+        self._check_logit_bias(request_id, params)
         compiled = self.compile_constraint(params, request_id)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
         arrival_time = arrival_time if arrival_time is not None else self.clock()
@@ -366,6 +373,12 @@ class Engine:
         vocab = self.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise RequestError(f"request {request_id}: token ids must be in [0, {vocab})", "prompt")
+
+    def _check_logit_bias(self, request_id: str, params: SamplingParams) -> None:
+        outside = [token for token in params.logit_bias if token >= self.vocab_size]
+        if outside:
+            raise RequestError(f"request {request_id}: logit_bias names token {outside[0]}, outside the vocabulary "
+                               f"(ids 0..{self.vocab_size - 1})", "logit_bias")
 
     def _fit_max_tokens(self, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """``max_tokens`` None becomes the room left in the context; a number past it is refused (OpenAI's policy:
@@ -470,6 +483,7 @@ class Engine:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.stats.num_prefill_tokens_computed += min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += num_new
+        self._record_prompt_logprobs(output)
         tokens, logprobs = self._sample(output)
         now = self.clock()
         speculating = self.speculation.active
@@ -489,21 +503,54 @@ class Engine:
         requests = [SampleRequest(row.seq.params, row.first_position + j, row.seq.seed,
                                   self._banned_tokens(row.seq, row.first_position + j))
                     for row in output.rows for j in range(row.count)]
-        logits = self._constrained_logits(output)
+        logits = self._constrained_logits(output, self._biased_logits(output))
         tokens = self.sampler.sample(logits, requests)
         if self.speculation.active:
             self.speculation.verify_sampled(logits, output.rows, requests, tokens)
         return tokens, self.sampler.logprobs(output.logits, tokens, [r.params.logprobs for r in requests])
 
-    def _constrained_logits(self, output: StepOutput) -> torch.Tensor:
-        """The step's logits with structured-output rows masked by their grammar (``infer.guide``); in place unless
-        a constrained row asks for logprobs, which come from the raw logits."""
-        rows = [row for row in output.rows if row.seq.matcher is not None]
+    @staticmethod
+    def _biased_logits(output: StepOutput) -> torch.Tensor:
+        """The step's logits with each request's ``logit_bias`` added to its rows (a copy: logprobs come from the
+        raw logits); every row a sampled or verified token comes from sees it, drafts' included."""
+        rows = [row for row in output.rows if row.seq.params.logit_bias]
         if not rows:
             return output.logits
-        keep_raw = any(row.seq.params.logprobs is not None for row in rows)
-        return constrain_logits(output.logits, [(row.seq.matcher, row.start, row.seq.draft_token_ids[:row.count - 1])
-                                                for row in rows], copy=keep_raw, kernels=self.executor.kernels)
+        logits = output.logits.clone()
+        for row in rows:
+            add_logit_bias(logits[row.start:row.start + row.count], row.seq.params.logit_bias)
+        return logits
+
+    def _constrained_logits(self, output: StepOutput, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (the step's, maybe biased) with structured-output rows masked by their grammar
+        (``infer.guide``); in place unless they are the raw logits and a constrained row asks for logprobs, which
+        come from the raw logits."""
+        rows = [row for row in output.rows if row.seq.matcher is not None]
+        if not rows:
+            return logits
+        keep_raw = logits is output.logits and any(row.seq.params.logprobs is not None for row in rows)
+        return constrain_logits(logits, [(row.seq.matcher, row.start, row.seq.draft_token_ids[:row.count - 1])
+                                         for row in rows], copy=keep_raw, kernels=self.executor.kernels)
+
+    def _record_prompt_logprobs(self, output: StepOutput) -> None:
+        """Prompt logprobs of the prompt positions this step computed, for the requests that asked for them; a
+        position computed again (after a preemption) keeps its first entry."""
+        if not output.prompt_rows:
+            return
+        log_probs = torch.log_softmax(output.prompt_logits, dim=-1)
+        for row in output.prompt_rows:
+            seq = row.seq
+            num_top = seq.params.prompt_logprobs
+            for j in range(row.count):
+                position = row.first_position + j
+                if position != len(seq.prompt_logprobs) + 1:
+                    continue
+                token = seq.prompt_token_ids[position]
+                entry = {"token_id": token, "logprob": float(log_probs[row.start + j, token]), "top": []}
+                if num_top:
+                    values, indices = torch.topk(log_probs[row.start + j], num_top)
+                    entry["top"] = [(int(i), float(v)) for v, i in zip(values, indices)]
+                seq.prompt_logprobs.append(entry)
 
     def _banned_tokens(self, seq: Sequence, position: int) -> tuple[int, ...]:
         if position - seq.num_prompt_tokens >= seq.params.min_tokens:
@@ -513,6 +560,9 @@ class Engine:
     def _commit(self, seq: Sequence, sampled: list[int], logprobs: list, now: float, speculating: bool) -> None:
         """Commit the tokens of ``seq``'s logits rows: with drafts, those ``SpeculativeDecoder.accept`` keeps
         (``speculating``: ``self.speculation.active``, read once per step)."""
+        if seq.params.max_tokens == 0:  # the prompt is computed (scored); nothing is generated
+            self._finish(seq, "length")
+            return
         if seq.draft_token_ids:
             sampled, rows = self.speculation.accept(seq, sampled)
             logprobs = [logprobs[row] for row in rows]
@@ -633,8 +683,11 @@ class Engine:
     # -- outputs -----------------------------------------------------------------------------------------------
     def _request_output(self, request: Request) -> RequestOutput:
         completions = [self._completion(seq) for seq in request.seqs]
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None:
+            prompt_logprobs = [None, *request.seqs[0].prompt_logprobs]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, request_metrics(request))
+                             request.finished, request_metrics(request), prompt_logprobs=prompt_logprobs)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         return CompletionOutput(index=seq.sample_index, text=self.output_text(seq), token_ids=list(seq.output_token_ids),

@@ -102,21 +102,43 @@ class ModelRunner:
             offset += num_new
         return indices, rows
 
+    @staticmethod
+    def prompt_logits_rows(scheduled: list[tuple[Sequence, int]]) -> tuple[list[int], list[BatchRows]]:
+        """Flat token indices of the prompt positions whose logits score the next prompt token, for sequences that
+        still owe prompt logprobs (``Sequence.needs_prompt_logits``); each row at position q predicts token q + 1."""
+        indices: list[int] = []
+        rows: list[BatchRows] = []
+        offset = 0
+        for seq, num_new in scheduled:
+            if seq.needs_prompt_logits:
+                first = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
+                end = min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens - 1)
+                if end > first:
+                    rows.append(BatchRows(seq, len(indices), end - first, first + 1))
+                    indices.extend(range(offset + first - seq.num_computed_tokens, offset + end - seq.num_computed_tokens))
+            offset += num_new
+        return indices, rows
+
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], want_hidden: bool = False) -> StepOutput:
         input_ids, metadata = self.build_metadata(scheduled)
         indices, rows = self.logits_rows(scheduled)
-        self.ranks.send_step(scheduled, input_ids, indices)
+        prompt_indices, prompt_rows = self.prompt_logits_rows(scheduled)
+        self.ranks.send_step(scheduled, input_ids, indices + prompt_indices)
         try:
-            hidden, logits = self.forward(input_ids, metadata, indices)
+            hidden, logits = self.forward(input_ids, metadata, indices + prompt_indices)
         except RuntimeError as error:  # sharded: a collective failed, a rank is gone
             if not self.ranks.sharded:
                 raise
             raise self.ranks.failure(error) from error
-        if not want_hidden:
-            return StepOutput(logits=logits.float(), rows=rows)
-        return StepOutput(logits=logits.float(), rows=rows, hidden_states=hidden,
-                          token_rows=self.token_rows(scheduled))
+        logits = logits.float()
+        prompt_logits = None
+        if prompt_rows:
+            logits, prompt_logits = logits[:len(indices)], logits[len(indices):]
+        output = StepOutput(logits=logits, rows=rows, prompt_logits=prompt_logits, prompt_rows=prompt_rows)
+        if want_hidden:
+            output.hidden_states, output.token_rows = hidden, self.token_rows(scheduled)
+        return output
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, metadata: AttentionMetadata,
