@@ -74,14 +74,19 @@ class ModelConfig(BaseModel):
     max_model_len: int = Field(2048, ge=2, description="Longest prompt + output a request may reach, in tokens.")
     seed: int = Field(0, description="Seeds the samplers of requests that set no seed (reproducible runs).")
     device: str = Field("auto", description='"auto": cuda when available, else cpu.')
-    quantization: Literal["auto", "none", "fp16", "bf16", "int8", "int8_per_row", "w8a8"] = Field(
+    quantization: Literal["auto", "none", "fp16", "bf16", "int8", "int8_per_row", "w8a8", "q4", "q8", "q4_0", "q4_1",
+                          "q8_0", "gguf"] = Field(
         "auto", description='Weights packed for CPU matmuls: "fp16" (half the bytes, near float32 results), "bf16" '
                             '(a bf16 model\'s weights: the GEMV in float32 for a few tokens, oneDNN\'s bf16 GEMM on '
                             'AMX/AVX512-BF16 for more), "int8" '
                             '(weight-only int8, a scale per 32 weights: decode steps read about a quarter of '
                             'float32\'s bytes through the CPU kernels; some greedy tokens differ), "int8_per_row" '
                             '(one scale per row: faster at batch 1, further from float32), "w8a8" (fbgemm\'s int8 '
-                            'weights and per-call int8 activations; this small model\'s answers change), "none". '
+                            'weights and per-call int8 activations; this small model\'s answers change), "q4_0", '
+                            '"q4_1", "q8_0" (GGUF\'s blocks of 32 with fp16 scales, 4.5 / 5 / 8.5 bits a weight, on '
+                            'the CPU kernels\' block GEMV with int8 activations, as llama.cpp), "q4" and "q8" (q4_1 '
+                            'and q8_0), "gguf" (a GGUF model.path\'s own Q4_0/Q4_1/Q8_0 tensors kept as they are, '
+                            'other projections as q8_0), "none". '
                             '"auto": with dtype auto on an x86 CPU, bf16 where it multiplies bf16 natively, else '
                             'fp16; none elsewhere.')
     cpu_kernels: Literal["auto"] | bool = Field(
@@ -202,6 +207,10 @@ class ServerConfig(BaseModel):
                                                     "the key by default).")
     metrics_vllm_names: bool = Field(False, description="/metrics also under vLLM's names (vllm:num_requests_running, "
                                                         "vllm:time_to_first_token_seconds, ...) for its dashboards.")
+    tool_parser: str = Field("auto", description="Reads the model's tool calls in chat completions (tool_choice "
+                                                 "auto): a registered tool_parser (infer plugins lists them: hermes, "
+                                                 "llama3_json), auto (the one whose format the chat template "
+                                                 "uses), or none (calls stay content).")
 
 
 class ParallelConfig(BaseModel):

@@ -12,7 +12,8 @@ the component's config section (default: the class's ``config_model``). The clas
 ``infer.allocator.Allocator``, ``infer.prefix_cache.PrefixCache``, ``infer.scheduler.Scheduler``,
 ``infer.attention.AttentionBackend``, ``infer.drafter.Drafter``, ``infer.guide.Guide`` or, for a model family,
 ``infer.model.ModelArchitecture`` (which has no config section: the loader picks the family that serves a
-checkpoint's ``model_type``; ``model.architecture`` names one explicitly).
+checkpoint's ``model_type``; ``model.architecture`` names one explicitly) or, for a tool-call parser,
+``infer.tool_parser.ToolParser`` (no config section either: ``server.tool_parser`` names one, or ``auto``).
 
 Plugin API version: declare the version of these hooks and contracts your package is written to, as
 ``INFER_PLUGIN_API = 2`` in the entry-point module or in a package above it (``my_dist/__init__.py``); a package that
@@ -73,6 +74,13 @@ def register_models(register):
     """Register model families (contract ``infer.model.ModelArchitecture``; no config section: the loader picks the
     family whose ``model_types``/``architectures`` match a checkpoint's config, a third party's before infer's own,
     or the one ``model.architecture`` names)."""
+
+
+@hookspec
+def register_tool_parsers(register):
+    """Register tool-call parsers (contract ``infer.tool_parser.ToolParser``; no config section: the server takes
+    the one ``server.tool_parser`` names, or with ``auto`` the first, by ``auto_priority``, whose ``detects`` accepts
+    the model's chat template)."""
 
 
 @hookspec

@@ -75,6 +75,7 @@ KIND_INFO: dict[str, KindInfo] = {
     "drafter": KindInfo("register_drafters", "infer.drafter:Drafter", "infer.drafter:DrafterConfig"),
     "guide": KindInfo("register_guides", "infer.guide:Guide", "infer.guide:GuideConfig"),
     "model": KindInfo("register_models", "infer.model.architecture:ModelArchitecture", None),
+    "tool_parser": KindInfo("register_tool_parsers", "infer.tool_parser:ToolParser", None),
 }
 KINDS: tuple[str, ...] = tuple(KIND_INFO)
 # The kinds a config section selects by name (``scheduler.name: lpm``); a model family is picked by the checkpoint.

@@ -254,7 +254,8 @@ def test_get_registry_is_cached_per_load_and_environment(monkeypatch):
 # Built-in entry points are named infer.<kind, plural>[.<package>]: one per plugin package, whose __init__ registers
 # every implementation in it.
 ENTRY_POINT_KINDS = {"allocators": "allocator", "prefix_cache": "prefix_cache", "schedulers": "scheduler",
-                     "attention": "attention", "drafters": "drafter", "guides": "guide", "models": "model"}
+                     "attention": "attention", "drafters": "drafter", "guides": "guide", "models": "model",
+                     "tool_parsers": "tool_parser"}
 
 
 def test_builtin_entry_points_are_plugin_packages_that_register_their_kind():

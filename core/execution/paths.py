@@ -382,12 +382,14 @@ class ModelStack:
 def build_model_stack(registry, config, model: CausalLM, device: torch.device, dtype: torch.dtype,
                       shard=None) -> ModelStack:
     """``model`` sharded (``shard``: a tensor-parallel rank's ``shard(model)``), packed for ``model.quantization``,
+    from infer.model.loader import resolve_model_path
     with its executor and attention backend: what the engine and every tensor-parallel rank build alike."""
     from infer.model.quantization import quantize_model, resolve_quantization
 
     reuses_freed_memory = device.type == "cpu" and config.execution.reuse_freed_memory and reuse_freed_memory()
     quantization = resolve_quantization(config.model.quantization, config.model.dtype, dtype, device)
-    model = quantize_model(model if shard is None else shard(model), quantization)
+    gguf = resolve_model_path(config.model.path) if quantization == "gguf" else None  # its blocks are kept
+    model = quantize_model(model if shard is None else shard(model), quantization, gguf)
     executor = build_executor(model, config, device, dtype, quantization)
     environment = AttentionEnvironment(device, dtype, quantization, executor.kernels is not None,
                                        executor.float_gemms)

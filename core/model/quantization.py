@@ -23,6 +23,13 @@ fbgemm, which ships inside torch's x86 builds, multiplies float32 activations by
   per tensor (fbgemm's ``quantized.linear_dynamic``). A quarter of the bytes; relative error about 2e-2, so this
   135M model's greedy answers change from the first tokens (``benchmarks/quantization.py`` counts them).
 
+- ``q4_0``, ``q4_1``, ``q8_0``: GGUF's blocks of 32 weights, each block with an fp16 scale (``q4_1``: and a
+  minimum): 4.5, 5 and 8.5 bits a weight. Every step multiplies through infer's block GEMV (``infer.kernels.cpu``:
+  activations quantized per block to int8, integer dot products, as llama.cpp). ``q4`` and ``q8`` quantize a float
+  checkpoint so (``q4``: ``q4_1``, whose minimum keeps closer to float32's answers; ``q8``: ``q8_0``), as
+  llama.cpp's quantizers do; ``gguf`` keeps a GGUF file's own ``Q4_0``/``Q4_1``/``Q8_0`` tensors as they are
+  (``infer.model.gguf_blocks``), no float copy kept, and packs its other projections as ``q8_0`` with a warning.
+
 On an AVX2 CPU fp16 runs this model's projections about 3x faster than float32 at one row and 1.4x at 64; w8a8
 about 1.2x faster than fp16; torch's own bfloat16 and weight-only int8/int4 kernels were slower than fp16 there (the
 table: ``benchmarks/README.md``, "Weight packing").
@@ -31,14 +38,20 @@ table: ``benchmarks/README.md``, "Weight packing").
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from infer.kernels.cpu.blocks import BlockWeight, dequantize_blocks, quantize_blocks
 from infer.kernels.cpu.packing import can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, unpack_tiles
 from infer.model import Linear
 
-QUANTIZATIONS = ("none", "fp16", "bf16", "int8", "int8_per_row", "w8a8")
+QUANTIZATIONS = ("none", "fp16", "bf16", "int8", "int8_per_row", "w8a8", "q4_0", "q4_1", "q8_0", "gguf")
+# GGUF's block kinds (``PackedLinear`` modes, run on the block GEMV), and the config's short names for two of them.
+BLOCK_MODES = ("q4_0", "q4_1", "q8_0")
+BLOCK_ALIASES = {"q4": "q4_1", "q8": "q8_0"}
 # Weights per int8 scale in mode int8 (int8_per_row: a whole row).
 INT8_GROUP = 32
 KERNEL_MODES = ("fp16", "bf16", "int8", "int8_per_row")
@@ -73,8 +86,10 @@ def resolve_quantization(name: str, dtype_setting: str, dtype: torch.dtype, devi
         return "bf16" if bf16_gemm_available() else "fp16"
     if name == "none":
         return name
+    name = BLOCK_ALIASES.get(name, name)
     if name not in QUANTIZATIONS:
-        raise ValueError(f"unknown model.quantization {name!r}; choose one of auto, {', '.join(QUANTIZATIONS)}")
+        raise ValueError(f"unknown model.quantization {name!r}; choose one of auto, "
+                         f"{', '.join([*QUANTIZATIONS, *BLOCK_ALIASES])}")
     if device.type != "cpu" or not fbgemm_available():
         raise ValueError(f"model.quantization={name} needs a CPU build of torch with fbgemm (x86); this run is on "
                          f"{device.type} with engines {torch.backends.quantized.supported_engines}")
@@ -116,7 +131,8 @@ class PackedLinear(nn.Module):
     so code that slices the head's rows still can; otherwise the float32 copy is dropped.
     """
 
-    def __init__(self, linear: nn.Linear, mode: str, keep_weight: bool = False):
+    def __init__(self, linear: nn.Linear, mode: str, keep_weight: bool = False, blocks: BlockWeight | None = None):
+        """``blocks`` (block modes): the weight already as blocks (a GGUF file's), else ``linear``'s is quantized."""
         super().__init__()
         self.mode = mode
         self.in_features = linear.in_features
@@ -124,7 +140,12 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach().float()
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.scales: torch.Tensor | None = None  # int8 modes: [n, groups]
-        if mode == "fp16":
+        self.blocks: BlockWeight | None = None  # block modes
+        if mode in BLOCK_MODES:
+            self.blocks = blocks if blocks is not None else quantize_blocks(weight, mode)
+            self.packed = None
+            self.nbytes = self.blocks.nbytes
+        elif mode == "fp16":
             self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
             self.nbytes = weight.numel() * 2
         elif mode == "bf16":
@@ -164,6 +185,10 @@ class PackedLinear(nn.Module):
         # bf16 with tiles where float32 FMAs outrun the bf16 dot products (``use_cpu_kernels``' ``tile_fma``): every
         # input the GEMV does not take multiplies on the tiles with float32 FMAs; oneDNN's copy (``packed``) is dropped.
         self.tile_fma = False
+        if self.blocks is not None:  # the block GEMV is these weights' only fast path, whatever the step
+            from infer.kernels.cpu.builder import load
+
+            self.kernels = load("auto")
 
     def use_cpu_kernels(self, kernels, gemv_rows: int = 0, tile_fma: bool = False) -> None:
         """Compute inputs of up to ``gemv_rows`` rows (decode at small batches, verification: the execution layer's
@@ -178,6 +203,8 @@ class PackedLinear(nn.Module):
         for CPUs where that beats the bf16 dot products and oneDNN (``infer.execution.calibration.choose_gemm``). Applied when
         the kernels are first set. ``kernels`` None undoes it."""
         self.gemv_rows = gemv_rows if kernels is not None else 0
+        if self.blocks is not None:  # on the block GEMV from construction (``kernels`` None: still)
+            return
         if self.mode not in KERNEL_MODES or (kernels is None) == (self.kernels is None):
             return
         group = 8 if self.scales is None else self.in_features // self.scales.shape[1]
@@ -221,7 +248,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the engine's tokens are already flat
         rows = flat.shape[0]
-        if self.kernels is not None and rows <= self.gemv_rows and \
+        if self.blocks is not None:
+            out = self.block_linear(flat)
+        elif self.kernels is not None and rows <= self.gemv_rows and \
                 (self.tile_weight is None or rows <= self.kernels.pass_rows):
             out = self.kernels.linear(flat.float(), self.kernel_weight, self.kernel_scales, self.bias).to(x.dtype)
         elif self.tile_weight is not None and (self.tile_fma or rows <= TILE_MAX_ROWS):  # float32 or bf16 rows
@@ -237,6 +266,14 @@ class PackedLinear(nn.Module):
             # reduce_range: 7-bit activations, so AVX2's 16-bit pairwise sums cannot saturate.
             out = torch.ops.quantized.linear_dynamic(flat.float(), self.packed, True)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def block_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """Block modes: ``x @ weight.T + bias`` on the block GEMV, or (no C compiler here) over the dequantized
+        weights, slowly."""
+        rows = x.float().contiguous()
+        if self.kernels is not None:
+            return self.kernels.linear_blocks(rows, self.blocks, self.bias)
+        return torch.nn.functional.linear(rows, dequantize_blocks(self.blocks), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
@@ -261,16 +298,21 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_linears(module: nn.Module, mode: str, shared: frozenset[int] = frozenset()) -> nn.Module:
+def quantize_linears(module: nn.Module, mode: str, shared: frozenset[int] = frozenset(),
+                     blocks: Mapping[str, BlockWeight] | None = None, prefix: str = "") -> nn.Module:
     """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear`` (in place; returns ``module``).
-    Weights whose ``id`` is in ``shared`` are kept on the packed module (see ``PackedLinear``)."""
+    Weights whose ``id`` is in ``shared`` are kept on the packed module (see ``PackedLinear``). ``blocks``: weights
+    already as blocks by module name under ``module`` (``layers.0.self_attn.qkv_proj``), each packed in its kind."""
     if mode == "none":
         return module
     for name, child in list(module.named_children()):
+        full_name = prefix + name
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child, mode, keep_weight=id(child.weight) in shared))
+            given = (blocks or {}).get(full_name)
+            setattr(module, name, PackedLinear(child, given.kind if given is not None else mode,
+                                               keep_weight=id(child.weight) in shared, blocks=given))
         else:
-            quantize_linears(child, mode, shared)
+            quantize_linears(child, mode, shared, blocks, full_name + ".")
     return module
 
 
@@ -282,10 +324,22 @@ def projection(weight: torch.Tensor, mode: str) -> nn.Module:
     return linear if mode == "none" else PackedLinear(linear, mode)
 
 
-def quantize_model(model: nn.Module, mode: str) -> nn.Module:
+def quantize_model(model: nn.Module, mode: str, gguf: Path | None = None) -> nn.Module:
     """Pack a ``CausalLM``'s projections and output head. The embedding table stays float32, and so does the
-    output head's weight beside its packed copy: drafters slice rows of it (with tied embeddings it is the table)."""
-    return quantize_linears(model, mode, shared=frozenset({id(model.lm_head.weight)}))
+    output head's weight beside its packed copy: drafters slice rows of it (with tied embeddings it is the table).
+    Mode ``gguf`` keeps the blocks of the GGUF file ``gguf`` (the model's own: ``model.path`` resolved), packing the
+    projections the file stores otherwise as ``q8_0``."""
+    shared = frozenset({id(model.lm_head.weight)})
+    if mode != "gguf":
+        return quantize_linears(model, mode, shared)
+    from infer.model.gguf_blocks import read_projections, warn_dequantized
+
+    if gguf is None or gguf.suffix != ".gguf":
+        raise ValueError(f"model.quantization=gguf keeps a GGUF file's blocks; model.path is {gguf} (set "
+                         f"model.quantization to q4 or q8 to quantize a float checkpoint)")
+    blocks, others = read_projections(gguf, model)
+    warn_dequantized(gguf, others, "q8_0")
+    return quantize_linears(model, "q8_0", shared, blocks)
 
 
 def model_weight_bytes(model: nn.Module) -> int:

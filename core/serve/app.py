@@ -25,12 +25,15 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from infer.config import ServerConfig
 from infer.engine.engine import RequestError
 from infer.sampling_params import SamplingParamsError
+from infer.serve.batched import BatchedStream
 from infer.serve.delivery import EventStreamResponse, respond_when_done, stream_events
 from infer.serve.engine_loop import EngineLoop, EngineStopped, ServerBusy
 from infer.serve.errors import ApiError, error_response, install_error_handlers
 from infer.serve.metrics import CONTENT_TYPE, ServerMetrics
 from infer.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from infer.serve.responses import ChatFormat, CompletionFormat, ResponseMeta
+from infer.serve.tools import ToolReading, select_tool_parser
+from infer.tool_parser import ToolParser
 
 # Seconds a refused client is told to wait; a step takes milliseconds, a queue this long drains in about that.
 RETRY_AFTER_S = 1
@@ -44,6 +47,8 @@ class ServerState:
     api_key: str | None = None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     started: int = field(default_factory=lambda: int(time.time()))
+    # Reads the model's tool calls for tool_choice auto (``server.tool_parser``); None: such requests get content.
+    tool_parser: ToolParser | None = None
 
     @property
     def model_name(self) -> str:
@@ -180,7 +185,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    return await _generate(request, body, ChatFormat, "chatcmpl")
+    choice = body.effective_tool_choice
+    parser = server_state(request).tool_parser if choice == "auto" else None
+    tools = ToolReading(parser, forced=body.forces_a_call, parallel=body.parallel_tool_calls)
+    return await _generate(request, body, lambda meta: ChatFormat(meta, tools), "chatcmpl")
 
 
 async def _generate(request: Request, body, format_class, id_prefix: str) -> Response:
@@ -194,14 +202,16 @@ async def _generate(request: Request, body, format_class, id_prefix: str) -> Res
         params = dataclasses.replace(params, tenant=tenant_of_api_key(request))
     if params.constraint is not None:
         await _compile_constraint(state, params, body.api_field)
-    stream = await _submit(state, f"{id_prefix}-{uuid.uuid4().hex}", body.engine_prompt(), params, body.api_field)
-    meta = ResponseMeta(stream.request_id, int(time.time()), state.model_name, params.n, params.logprobs is not None)
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    stream = await _submit_all(state, request_id, body.engine_prompts(), params, body)
+    meta = ResponseMeta(request_id, int(time.time()), state.model_name, stream.num_samples, body.returns_logprobs,
+                        samples_per_prompt=params.n, choices_per_prompt=body.n)
     if body.stream:
         response = EventStreamResponse(stream_events(stream, format_class(meta), body.include_usage, state.metrics),
                                        stream)
     else:
         response = await respond_when_done(request, stream, format_class(meta), state.metrics)
-    response.headers["x-request-id"] = stream.request_id  # the id the engine's log and its aborts use
+    response.headers["x-request-id"] = request_id  # the id (a batch's prompts: id-0, id-1, ...) the engine's log uses
     return response
 
 
@@ -223,9 +233,26 @@ async def _compile_constraint(state: ServerState, params, api_field) -> None:
         raise ApiError(400, str(error), param=api_field(error.field)) from error
 
 
-async def _submit(state: ServerState, request_id: str, prompt, params, api_field):
+async def _submit_all(state: ServerState, request_id: str, prompts: list, params, body):
+    """One engine request per prompt; a batch's streams merged into one (``BatchedStream``). A prompt refused
+    aborts the ones submitted before it."""
+    echo = body.echoes_prompt
+    if len(prompts) == 1:
+        return await _submit(state, request_id, prompts[0], params, body.api_field, echo)
+    streams = []
     try:
-        return await state.engine_loop.submit(request_id, prompt, params)
+        for index, prompt in enumerate(prompts):
+            streams.append(await _submit(state, f"{request_id}-{index}", prompt, params, body.api_field, echo))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return BatchedStream(request_id, streams)
+
+
+async def _submit(state: ServerState, request_id: str, prompt, params, api_field, echo: bool = False):
+    try:
+        return await state.engine_loop.submit(request_id, prompt, params, echo)
     except ServerBusy as error:
         state.metrics.observe_rejected("queue_full")
         raise ApiError(429, f"the server is busy: {error}; retry later", "rate_limit_error",
@@ -249,7 +276,11 @@ def create_app(engine_loop: EngineLoop, api_key: str | None = None, settings: Se
         await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="infer", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.server = ServerState(engine_loop, api_key, ServerMetrics(settings.metrics_vllm_names))
+    engine = engine_loop.engine
+    tool_parser = select_tool_parser(engine.registry, settings.tool_parser,
+                                     getattr(engine.tokenizer, "chat_template", None))
+    app.state.server = ServerState(engine_loop, api_key, ServerMetrics(settings.metrics_vllm_names),
+                                   tool_parser=tool_parser)
     install_error_handlers(app)
     app.include_router(router)
     # Each middleware added wraps the ones before: the last added runs first.

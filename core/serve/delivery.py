@@ -54,11 +54,13 @@ async def stream_events(stream: RequestStream, response_format, include_usage: b
             yield event(ApiError(500, update.error, "server_error").body)
             break
         for sample in update.samples:  # one choice per chunk, as OpenAI streams n > 1: clients read choices[0]
-            yield event(response_format.chunk([sample]))
+            for chunk in response_format.chunks([sample]):
+                yield event(chunk)
             if sample.finish_reason:
                 finish_reasons.append(sample.finish_reason)
         if update.finished:
-            metrics.observe_finished(update.metrics, finish_reasons)
+            for request_metrics in update.metrics:
+                metrics.observe_finished(request_metrics, finish_reasons)
             if include_usage:
                 yield event(response_format.usage_chunk(update.usage))
             break
@@ -83,7 +85,8 @@ async def respond_when_done(request: Request, stream: RequestStream, response_fo
     update = collector.last
     if update.error is not None:
         raise ApiError(500, update.error, "server_error")
-    metrics.observe_finished(update.metrics, [sample.finish_reason for sample in collector.samples])
+    for request_metrics in update.metrics:
+        metrics.observe_finished(request_metrics, [sample.finish_reason for sample in collector.samples])
     return JSONResponse(response_format.response(collector.samples, update.usage).model_dump())
 
 

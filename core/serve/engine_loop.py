@@ -87,6 +87,7 @@ class _Submit:
     prompt: object
     params: SamplingParams
     accepted: asyncio.Future
+    echo: bool = False
 
 
 @dataclass(slots=True)
@@ -141,8 +142,9 @@ class EngineLoop:
     def num_waiting(self) -> int:
         return self._num_submitting + self.snapshot.num_requests_waiting
 
-    async def submit(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
-        """Queue a request. Raises ``ServerBusy`` when too many wait, ``RequestError`` when the engine refuses it."""
+    async def submit(self, request_id: str, prompt, params: SamplingParams, echo: bool = False) -> RequestStream:
+        """Queue a request. Raises ``ServerBusy`` when too many wait, ``RequestError`` when the engine refuses it.
+        ``echo``: each sample's first update carries the prompt (``RequestProgress``)."""
         if not self.alive:
             raise EngineStopped("the engine is not running; see the server log")
         if self.num_waiting >= self.max_waiting:
@@ -150,7 +152,7 @@ class EngineLoop:
         stream = RequestStream(request_id, params.n, self)
         accepted = self._event_loop.create_future()
         self._num_submitting += 1
-        self._commands.put(_Submit(stream, prompt, params, accepted))
+        self._commands.put(_Submit(stream, prompt, params, accepted, echo))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -225,7 +227,8 @@ class EngineLoop:
             logger.warning("request %s: could not prepare the prompt: %s", request_id, error)
             refusal = RequestError(f"could not prepare the prompt: {error}", "prompt")
             return [partial(_settle, command.accepted, refusal)]
-        self._tracked[request_id] = _Tracked(command.stream, RequestProgress(command.params.n, self._token_text))
+        self._tracked[request_id] = _Tracked(command.stream, RequestProgress(command.params.n, self._token_text,
+                                                                               command.echo))
         return [partial(_settle, command.accepted, None)]
 
     def _step(self) -> list:

@@ -26,7 +26,20 @@ import httpx
 MALFORMED_VALUES = [None, "", "x" * 5000, -1, 0, 2**63, -(2**63), 1e308, -1e308, 0.5, True, [], {}, [1, "a"],
                     {"a": 1}, "NaN"]
 FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed", "stream",
-          "logprobs", "min_tokens", "ignore_eos", "stream_options", "model", "user", "presence_penalty"]
+          "logprobs", "min_tokens", "ignore_eos", "stream_options", "model", "user", "presence_penalty", "echo",
+          "best_of", "logit_bias", "suffix"]
+# Chat bodies' tool fields, each with values of the wrong shape, a schema the guide cannot compile, or names that
+# do not match.
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+MALFORMED_TOOL_FIELDS = {
+    "tools": [[{"type": "function"}], [{"type": "function", "function": {"name": ""}}], [TOOL, TOOL], [1],
+              [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "f"],
+    "tool_choice": ["always", {"type": "function"}, {"type": "function", "function": {"name": "g"}}, 1],
+    "logit_bias": [{"x": 1}, {"1": 1000}, {"-5": 1}, {"99999999999999999999": 1}, {"1": "a"}, [1]],
+    "messages": [[{"role": "tool", "content": "r"}], [{"role": "assistant", "tool_calls": [{"id": "1"}]}],
+                 [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]],
+}
 
 
 @dataclass
@@ -100,9 +113,17 @@ def _disconnect(url: str, headers: dict, report: StressReport, index: int) -> No
 
 
 def _malformed(client: httpx.Client, report: StressReport, rng: random.Random) -> None:
-    """One hostile body: a field with a wrong type or an extreme value, invalid JSON, a huge or unknown field."""
-    kind = rng.randrange(5)
-    if kind == 0:
+    """One hostile body: a field with a wrong type or an extreme value, invalid JSON, a huge or unknown field, a
+    malformed tool, tool choice, logit bias or tool turn in a chat."""
+    kind = rng.randrange(6)
+    path = "/v1/completions"
+    if kind == 5:
+        path = "/v1/chat/completions"
+        name = rng.choice(sorted(MALFORMED_TOOL_FIELDS))
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": [TOOL],
+                "tool_choice": "required", name: rng.choice(MALFORMED_TOOL_FIELDS[name])}
+        content = json.dumps(body).encode()
+    elif kind == 0:
         content = b'{"prompt": "hi", "max_tokens": ' + bytes(rng.choice([b"", b"}", b"[", b"1e999"]))
     elif kind == 1:
         content = json.dumps({"prompt": "hi", rng.choice(["echo", "best_of", "maxtokens", "tools"]): 1}).encode()
@@ -114,7 +135,7 @@ def _malformed(client: httpx.Client, report: StressReport, rng: random.Random) -
         body = {"prompt": "hi", "max_tokens": 4, rng.choice(FIELDS): rng.choice(MALFORMED_VALUES)}
         content = json.dumps(body).encode()
     try:
-        response = client.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
+        response = client.post(path, content=content, headers={"Content-Type": "application/json"})
     except httpx.TransportError:
         report.count(599)
         return

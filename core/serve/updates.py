@@ -18,21 +18,25 @@ from infer.outputs import RequestMetrics
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """A generated token's text and log-probability, with the ``top`` alternatives as (text, logprob) pairs."""
+    """A token's text and log-probability, with the ``top`` alternatives as (text, logprob) pairs; a prompt's first
+    token has neither (None): nothing predicts it."""
 
     token: str
-    logprob: float
-    top: list[tuple[str, float]]
+    logprob: float | None
+    top: list[tuple[str, float]] | None
 
 
 @dataclass(slots=True)
 class SampleDelta:
-    """New output of one of the request's ``n`` samples since the last update."""
+    """New output of one of the request's ``n`` samples since the last update. A request that echoes its prompt
+    (completions' ``echo``) gets the prompt's text, and its tokens' logprobs, in each sample's first delta."""
 
     index: int
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
+    echo_text: str = ""
+    echo_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +48,12 @@ class Usage:
 
 @dataclass(slots=True)
 class RequestUpdate:
-    """One step's news for one request. The last update carries ``usage`` and ``metrics`` (or ``error``)."""
+    """One step's news for one request. The last update carries ``usage`` and ``metrics`` (or ``error``): one
+    ``RequestMetrics`` per engine request behind it (a batched completions prompt is several)."""
 
     samples: list[SampleDelta] = field(default_factory=list)
     usage: Usage | None = None
-    metrics: RequestMetrics | None = None
+    metrics: list[RequestMetrics] = field(default_factory=list)
     error: str | None = None
 
     @property
@@ -63,15 +68,20 @@ class SampleProgress:
     num_chars_sent: int = 0
     num_logprobs_sent: int = 0
     finish_sent: bool = False
+    echo_sent: bool = False
 
 
 class RequestProgress:
-    """Per-request bookkeeping in the engine thread; ``advance`` returns the news since the last call."""
+    """Per-request bookkeeping in the engine thread; ``advance`` returns the news since the last call. ``echo``: each
+    sample's first delta carries the prompt (a sample's first news comes once the prompt is computed, so its prompt
+    logprobs are all there)."""
 
-    def __init__(self, num_samples: int, token_text):
+    def __init__(self, num_samples: int, token_text, echo: bool = False):
         self.samples = [SampleProgress() for _ in range(num_samples)]
         # token_text(token_id) -> str, memoized by the engine loop across requests.
         self.token_text = token_text
+        self.echo = echo
+        self._echo: tuple[str, list[TokenLogprob]] | None = None
 
     def advance(self, engine, request) -> RequestUpdate | None:
         """``request`` is the engine's ``Request``; returns None when nothing new is there to send."""
@@ -79,7 +89,18 @@ class RequestProgress:
                   if (delta := self._sample_delta(engine, seq, progress)) is not None]
         if not request.finished:
             return RequestUpdate(deltas) if deltas else None
-        return RequestUpdate(deltas, usage=self._usage(request), metrics=request_metrics(request))
+        return RequestUpdate(deltas, usage=self._usage(request), metrics=[request_metrics(request)])
+
+    def _prompt_echo(self, engine, request) -> tuple[str, list[TokenLogprob]]:
+        if self._echo is None:
+            text = request.prompt if request.prompt is not None else engine.tokenizer.decode(request.prompt_token_ids)
+            logprobs = []
+            if request.params.prompt_logprobs is not None:
+                first = request.prompt_token_ids[0]
+                logprobs = [TokenLogprob(self.token_text(first), None, None),
+                            *(self._token_logprob(entry) for entry in request.seqs[0].prompt_logprobs)]
+            self._echo = (text, logprobs)
+        return self._echo
 
     def _sample_delta(self, engine, seq, progress: SampleProgress) -> SampleDelta | None:
         if progress.finish_sent:
@@ -98,7 +119,11 @@ class RequestProgress:
         progress.num_chars_sent = max(progress.num_chars_sent, end)
         progress.num_logprobs_sent = len(seq.logprobs)
         progress.finish_sent = finish_reason is not None
-        return SampleDelta(seq.sample_index, new_text, new_logprobs, finish_reason)
+        delta = SampleDelta(seq.sample_index, new_text, new_logprobs, finish_reason)
+        if self.echo and not progress.echo_sent:
+            progress.echo_sent = True
+            delta.echo_text, delta.echo_logprobs = self._prompt_echo(engine, engine.requests[seq.request_id])
+        return delta
 
     def _token_logprob(self, entry: dict) -> TokenLogprob:
         top = [(self.token_text(token_id), logprob) for token_id, logprob in entry["top"]]

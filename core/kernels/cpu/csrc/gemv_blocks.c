@@ -268,43 +268,51 @@ static inline __attribute__((always_inline)) void group_dot(const uint8_t *group
 
 /* ---- the linear layer ------------------------------------------------------------------------------------------- */
 
-/* Over the groups, split across the threads; for each, every row of x in passes of BLOCK_PASS_ROWS while the group's
- * records are in L1 (so a step of many rows reads the weights from memory once too). */
+/* Rows of x one sweep over the weights takes: their int8 copy (at most 64 x k bytes) stays in L2 while every group
+ * passes over it. A sweep over all rows at once had each group stream them from farther (512 rows of the 135M
+ * model's four projections: 51.5 ms a layer, against fbgemm's fp16 GEMM's 31.3). */
+#define ROW_TILE 64
+
+/* Over the groups, split across the threads; for each, every row of x in the tile in passes of BLOCK_PASS_ROWS
+ * while the group's records are in L1 (so a decode step's few rows read the weights from memory once). */
 static inline __attribute__((always_inline)) void linear_blocks(const int8_t *xq, const float *dx, const float *s,
                                                                 int64_t rows, int64_t k, const uint8_t *w,
                                                                 const float *bias, float *y, int64_t n_out,
                                                                 const int kind) {
     const int64_t blocks = k / BLOCK, groups = (n_out + 3) / 4, group_bytes = blocks * record_bytes(kind);
-#pragma omp parallel for schedule(static) if (rows * n_out * k >= 65536)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *group = w + g * group_bytes;
-        for (int64_t m = 0; m < rows;) {
-            const int64_t left = rows - m;
-            const int count = left >= BLOCK_PASS_ROWS ? BLOCK_PASS_ROWS : (int)left;
-            float sums[BLOCK_PASS_ROWS][4];
-            const int8_t *x_at = xq + m * k;
-            const float *dx_at = dx + m * blocks, *s_at = s + m * blocks;
-            switch (count) {  /* a constant count per copy: its accumulators stay in registers */
+    for (int64_t first = 0; first < rows; first += ROW_TILE) {
+        const int64_t last = first + ROW_TILE < rows ? first + ROW_TILE : rows;
+#pragma omp parallel for schedule(static) if ((last - first) * n_out * k >= 65536)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *group = w + g * group_bytes;
+            for (int64_t m = first; m < last;) {
+                const int64_t left = last - m;
+                const int count = left >= BLOCK_PASS_ROWS ? BLOCK_PASS_ROWS : (int)left;
+                float sums[BLOCK_PASS_ROWS][4];
+                const int8_t *x_at = xq + m * k;
+                const float *dx_at = dx + m * blocks, *s_at = s + m * blocks;
+                switch (count) {  /* a constant count per copy: its accumulators stay in registers */
 #define GROUP_DOT_CASE(n) \
-                case n: group_dot(group, blocks, x_at, dx_at, s_at, k, sums, n, kind); break;
-                GROUP_DOT_CASE(1)
-                GROUP_DOT_CASE(2)
-                GROUP_DOT_CASE(3)
-                GROUP_DOT_CASE(4)
+                    case n: group_dot(group, blocks, x_at, dx_at, s_at, k, sums, n, kind); break;
+                    GROUP_DOT_CASE(1)
+                    GROUP_DOT_CASE(2)
+                    GROUP_DOT_CASE(3)
+                    GROUP_DOT_CASE(4)
 #if BLOCK_PASS_ROWS > 4
-                GROUP_DOT_CASE(5)
-                GROUP_DOT_CASE(6)
-                GROUP_DOT_CASE(7)
-                GROUP_DOT_CASE(8)
+                    GROUP_DOT_CASE(5)
+                    GROUP_DOT_CASE(6)
+                    GROUP_DOT_CASE(7)
+                    GROUP_DOT_CASE(8)
 #endif
 #undef GROUP_DOT_CASE
-            }
-            for (int r = 0; r < count; r++)
-                for (int i = 0; i < 4 && g * 4 + i < n_out; i++) {
-                    const int64_t n = g * 4 + i;
-                    y[(m + r) * n_out + n] = sums[r][i] + (bias ? bias[n] : 0.0f);
                 }
-            m += count;
+                for (int r = 0; r < count; r++)
+                    for (int i = 0; i < 4 && g * 4 + i < n_out; i++) {
+                        const int64_t n = g * 4 + i;
+                        y[(m + r) * n_out + n] = sums[r][i] + (bias ? bias[n] : 0.0f);
+                    }
+                m += count;
+            }
         }
     }
 }
