@@ -57,6 +57,23 @@ class TestPhi3(ModelConformance):
                                          "original_max_position_embeddings": 256}}
 
 
+def test_longrope_factors_are_one_choice_for_every_request(tmp_path):
+    """Past the original context (model.max_model_len 512 > 256) every request rotates by the long factors, so a
+    short request's tokens do not depend on a long one sharing its batch (and differ from the short factors')."""
+    from infer.testing.model import random_prompt, save_tiny_model
+
+    model_dir = save_tiny_model(TestPhi3.hf_model_class, TestPhi3.tiny_config(), tmp_path)
+    suite = TestPhi3()
+    short, long = random_prompt(20, seed=1), random_prompt(300, seed=2)
+    with suite.engine(model_dir, model__max_model_len=512) as llm:
+        alone = suite.engine_greedy(llm, [short])[0]
+        together = suite.engine_greedy(llm, [short, long])[0]
+    with suite.engine(model_dir) as llm:  # max_model_len 256: the short factors
+        short_factors = suite.engine_greedy(llm, [short])[0]
+    assert alone == together
+    assert alone != short_factors
+
+
 # -- planted bugs: each must move the logits beyond the suite's tolerance ---------------------------------------------
 
 def test_a_wrong_rope_base_fails_the_suite(tmp_path):

@@ -68,6 +68,7 @@ class StepOps:
             return norm(residual), residual
         out_dtype = self.gemm_dtype if gemm_input and self.gemm_dtype is not None else torch.float32
         if residual is None:
+            x = x.float()  # a bf16 GEMM's output normed on its own (Gemma's output norms) is widened first
             return self.kernels.rms_norm(x, norm.weight, norm.eps, out_dtype), x
         # a bf16 GEMM's output is widened inside the kernel as it is added
         return self.kernels.add_rms_norm(residual, x, norm.weight, norm.eps, out_dtype), residual

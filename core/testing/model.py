@@ -119,6 +119,7 @@ class ModelConformance(ConformanceSuite):
     tolerance: ClassVar[float] = 1e-3
     packed_tolerance: ClassVar[float] = 0.5  # fp16/bf16 weights: the rounding of 16-bit weights, not a wrong layer
     max_tokens: ClassVar[int] = 16
+    max_model_len: ClassVar[int] = 256  # the engine's, and the RoPE tables' positions (LongRoPE chooses from it)
     backends: ClassVar[tuple[str, ...]] = ("sdpa", "cpu")
 
     # -- fixtures ----------------------------------------------------------------------------------------------------
@@ -159,10 +160,11 @@ class ModelConformance(ConformanceSuite):
         from infer.model.loader import load_model, read_safetensors
 
         if architecture is None:
-            return load_model(str(model_dir), torch.float32, architecture=self.impl_name).model
+            return load_model(str(model_dir), torch.float32, max_positions=self.max_model_len,
+                              architecture=self.impl_name).model
         from transformers import AutoConfig
 
-        model = architecture.build(AutoConfig.from_pretrained(model_dir))
+        model = architecture.build(AutoConfig.from_pretrained(model_dir), max_positions=self.max_model_len)
         model.load_hf_state_dict(read_safetensors(Path(model_dir)))
         return model.eval()
 
@@ -209,8 +211,8 @@ class ModelConformance(ConformanceSuite):
         """An ``infer.LLM`` over ``model_dir`` in float32 with config ``overrides`` (``scheduler__...``)."""
         from infer import LLM
 
-        settings = {"model__path": str(model_dir), "model__dtype": "float32", "model__max_model_len": 256,
-                    "model__architecture": self.impl_name, **overrides}
+        settings = {"model__path": str(model_dir), "model__dtype": "float32",
+                    "model__max_model_len": self.max_model_len, "model__architecture": self.impl_name, **overrides}
         return LLM("baseline", **settings)
 
     def engine_greedy(self, llm, prompts: list[list[int]]) -> list[list[int]]:
