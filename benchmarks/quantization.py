@@ -44,6 +44,11 @@ MODES = {
     "int8": ["model.dtype=float32", "model.quantization=int8"],
     "int8_per_row": ["model.dtype=float32", "model.quantization=int8_per_row"],
     "w8a8": ["model.dtype=float32", "model.quantization=w8a8"],
+    # GGUF's blocks on the block GEMV: the default model's own Q4_1 file as it is, and float weights quantized so
+    "gguf": ["model.dtype=float32", "model.quantization=gguf"],
+    "q4_0": ["model.dtype=float32", "model.quantization=q4_0"],
+    "q4_1": ["model.dtype=float32", "model.quantization=q4_1"],
+    "q8_0": ["model.dtype=float32", "model.quantization=q8_0"],
     "bfloat16": ["model.dtype=bfloat16", "model.quantization=none"],
 }
 

@@ -133,3 +133,21 @@ def test_engine_runs_with_block_weights(tiny_model_dir, mode, drafter):
                            SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert [len(output.token_ids) for output in outputs] == [16] * 3
     assert outputs[0].token_ids == outputs[1].token_ids == outputs[2].token_ids
+
+
+@pytest.mark.parametrize("mode", ["q4_0", "q8"])
+def test_block_weights_join_the_fused_one_call_stack_with_the_same_tokens(tiny_model_dir, mode):
+    """Layers whose projections are all blocks run in the fused paths (the C layer calls the block GEMV), and give
+    the op-by-op path's greedy tokens (the block GEMV's sums do not depend on how many rows a call takes)."""
+    settings = dict(model__path=tiny_model_dir, model__dtype="float32", model__quantization=mode,
+                    model__max_model_len=256, cache__num_blocks=128, attention__name="cpu")
+    prompts = ["The tide comes in and the tide goes out", "One two three four", "A B C"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    answers = {}
+    for paths in (["fused-stack", "torch"], ["fused-layers", "torch"], ["torch"]):
+        llm = LLM("baseline", execution__paths=paths, execution__fused_max_tokens=16, **settings)
+        layers = llm.engine.model.layers
+        assert all((layer.fused is not None) == (paths[0] != "torch") for layer in layers) or paths == ["torch"]
+        answers[paths[0]] = [output.token_ids for output in llm.generate(prompts, params)]
+        assert llm.engine.executor.counts[paths[0]] > 0, llm.engine.executor.counts
+    assert answers["fused-stack"] == answers["fused-layers"] == answers["torch"]

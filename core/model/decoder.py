@@ -153,7 +153,8 @@ class DecoderLayer(nn.Module):
         for projection in projections:
             if hasattr(projection, "use_cpu_kernels"):  # PackedLinear
                 projection.use_cpu_kernels(kernels, gemv_rows, tile_fma)
-        weights = [getattr(projection, "kernel_weight", None) for projection in projections]
+        weights = [getattr(projection, "blocks", None) or getattr(projection, "kernel_weight", None)  # GGUF's blocks
+                   for projection in projections]
         # A sharded layer all-reduces between its projections, which the fused C calls run back to back.
         if kernels is None or any(weight is None for weight in weights) or attn.tensor_parallel is not None:
             self.fused = None

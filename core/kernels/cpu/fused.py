@@ -14,6 +14,7 @@ import torch
 from infer.kernels.cpu.abi import (WEIGHT_KINDS, AttentionStepStruct, CpuKernels, DraftHeadStruct, KernelAttentionPlan,
                                    LayerStruct, address, check_block_tables, check_flat, check_packed, check_pool,
                                    check_slots, scale_groups)
+from infer.kernels.cpu.blocks import BLOCK_KINDS, BlockWeight
 from infer.kernels.cpu.packing import packed_shape, tiles_shape
 
 if TYPE_CHECKING:
@@ -25,28 +26,35 @@ class FusedLayer:
     attention: norm, QKV projection and RoPE; then output projection, norm, gate/up, SiLU-and-multiply, down. Holds
     references to the tensors whose memory the C side reads."""
 
-    def __init__(self, kernels: CpuKernels, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
+    def __init__(self, kernels: CpuKernels, weights: list[torch.Tensor | BlockWeight],
+                 scales: list[torch.Tensor | None],
                  biases: list[torch.Tensor | None], norms: tuple[torch.Tensor, torch.Tensor], eps: float,
                  q_width: int, rotated_heads: int, head_dim: int, tiles: list[torch.Tensor | None] | None = None,
                  tiles_fma: bool = False, head_norms: tuple[torch.Tensor, torch.Tensor] | None = None):
         """``weights``/``scales``/``biases``: packed by ``pack_weights`` (fp16, bf16, or int8 with scales packed by
-        ``pack_scales``, else None), and float32 (or None) for the QKV, output, gate/up and down projections, in
-        that order; ``norms``: the input and post-attention RMSNorm weights; ``tiles``: bf16 weights may also come
-        packed by ``pack_tiles`` (or None), which steps of more rows than one GEMV pass (``pass_rows``) multiply
-        on (``kernels.tiles``: AMX tiles or AVX512-BF16; ``tiles_fma``: float32 FMAs, ``linear_tiles``' ``fma``);
-        ``head_norms``: Qwen3's (and Gemma 3's) per-head RMSNorm weights ``(q_norm, k_norm)``, float32
-        ``[head_dim]`` each, applied to every Q head and every K head before RoPE (None: a Llama layer, none)."""
+        ``pack_scales``, else None) or GGUF's blocks (``BlockWeight``, no scales), and float32 (or None) for the QKV,
+        output, gate/up and down projections, in that order; ``norms``: the input and post-attention RMSNorm weights;
+        ``tiles``: bf16 weights may also come packed by ``pack_tiles`` (or None), which steps of more rows than one GEMV
+        pass (``pass_rows``) multiply on (``kernels.tiles``: AMX tiles or AVX512-BF16; ``tiles_fma``: float32 FMAs,
+        ``linear_tiles``' ``fma``); ``head_norms``: Qwen3's (and Gemma 3's) per-head RMSNorm weights ``(q_norm,
+        k_norm)``, float32 ``[head_dim]`` each, applied to every Q head and every K head before RoPE (None: a Llama
+        layer, none)."""
         tiles = tiles or [None] * 4
         head_norms = _check_head_norms(head_norms, head_dim)
         for weight, scale, tile in zip(weights, scales, tiles):
+            if isinstance(weight, BlockWeight):
+                if scale is not None or tile is not None:
+                    raise ValueError("a projection kept as blocks takes no scales or tiles")
+                continue
             check_packed(weight, scale)
             if tile is not None and (tile.dtype != torch.bfloat16 or tiles_shape(tile) != packed_shape(weight)):
                 raise ValueError("a projection's tiles must be its bf16 weight packed by pack_tiles")
         self._keep = [*weights, *scales, *biases, *norms, *tiles, *head_norms]
-        (qkv_width, _), (hidden, _), _, (_, intermediate) = (packed_shape(weight) for weight in weights)
+        (qkv_width, _), (hidden, _), _, (_, intermediate) = (weight_shape(weight) for weight in weights)
         groups = [scale_groups(scale) for scale in scales]
-        kinds = [WEIGHT_KINDS[weight.dtype] for weight in weights]
-        self.struct = LayerStruct(*(address(tensor) for tensor in (*weights, *scales, *biases, *norms)), eps,
+        kinds = [weight_kind(weight) for weight in weights]
+        stored = [weight.data if isinstance(weight, BlockWeight) else weight for weight in weights]
+        self.struct = LayerStruct(*(address(tensor) for tensor in (*stored, *scales, *biases, *norms)), eps,
                                    hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim, *groups, *kinds,
                                    *(address(tile) for tile in tiles), tiles_fma,
                                    *(address(norm) for norm in head_norms))
@@ -89,6 +97,16 @@ def _check_head_norms(head_norms: tuple[torch.Tensor, torch.Tensor] | None,
             raise ValueError(f"head_norms' {name} must be a contiguous float32 CPU tensor [head_dim] = [{head_dim}], "
                              f"got {norm.dtype} {tuple(norm.shape)} on {norm.device}")
     return head_norms[0], head_norms[1]
+
+
+def weight_shape(weight: torch.Tensor | BlockWeight) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a weight packed by ``pack_weights`` or kept as blocks."""
+    return (weight.out_features, weight.in_features) if isinstance(weight, BlockWeight) else packed_shape(weight)
+
+
+def weight_kind(weight: torch.Tensor | BlockWeight) -> int:
+    """How the C side reads a weight (``KIND_*``): by its dtype, or its block kind."""
+    return BLOCK_KINDS[weight.kind] if isinstance(weight, BlockWeight) else WEIGHT_KINDS[weight.dtype]
 
 
 class FusedStack:
