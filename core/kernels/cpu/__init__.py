@@ -8,7 +8,8 @@ pass; fbgemm's fp16 GEMM costs a fixed 20-45 us per call at one row, the GEMV no
 performance", and ``benchmarks/cpu_kernels.py``).
 
 - ``builder``: compile once per machine into the cache directory, ``load(mode)``.
-- ``abi``: the C signatures and ``CpuKernels``, one checked wrapper per kernel.
+- ``abi``: the C signatures and ``CpuKernels``, one checked wrapper per kernel (``PackedExperts``: a mixture's
+  experts as ``moe_experts`` reads them).
 - ``packing``: the GEMV's weight layout, shared with ``infer.model.quantization``.
 - ``fused``: ``FusedLayer`` and ``FusedStack``, whole layers over a few tokens; ``FusedDraftHead``, an EAGLE head's
   draft step.
@@ -16,13 +17,13 @@ performance", and ``benchmarks/cpu_kernels.py``).
 Which step runs on which of them is decided in one place, ``infer.execution.paths``.
 """
 
-from infer.kernels.cpu.abi import CpuKernels, FlashChunks, KernelAttentionPlan
+from infer.kernels.cpu.abi import CpuKernels, FlashChunks, KernelAttentionPlan, PackedExperts
 from infer.kernels.cpu.builder import KernelBuildError, build, compiler, load, load_built, source
 from infer.kernels.cpu.fused import FusedDraftHead, FusedLayer, FusedStack, KernelAttentionStep
 from infer.kernels.cpu.packing import (can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, packed_shape,
                                        tiles_shape, unpack_tiles)
 
 __all__ = ["CpuKernels", "FlashChunks", "FusedDraftHead", "FusedLayer", "FusedStack", "KernelAttentionPlan",
-           "KernelAttentionStep", "KernelBuildError", "build", "can_pack", "can_pack_tiles", "compiler", "load",
-           "load_built", "pack_scales", "pack_tiles", "pack_weights", "packed_shape", "source", "tiles_shape",
-           "unpack_tiles"]
+           "KernelAttentionStep", "KernelBuildError", "PackedExperts", "build", "can_pack", "can_pack_tiles",
+           "compiler", "load", "load_built", "pack_scales", "pack_tiles", "pack_weights", "packed_shape", "source",
+           "tiles_shape", "unpack_tiles"]

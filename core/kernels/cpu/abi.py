@@ -9,6 +9,7 @@ paged attention read straight from the pool, and a streaming GEMV over weights p
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +30,8 @@ _SIGNATURES = {
     "infer_linear_bf16": [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT],
     "infer_linear_i8": [_POINTER, _INT, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT],
     "infer_linear_blocks": [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT],
+    "infer_moe_experts": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
+                          _INT, _POINTER, _POINTER, _INT, _INT, _POINTER],
     "infer_layer_attention_input": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER],
     "infer_layer_feed_forward": [_POINTER, _INT, _POINTER, _POINTER, _POINTER],
     "infer_add_rms_norm_mixed": [_POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT, _FLOAT],
@@ -129,6 +132,61 @@ class KernelAttentionPlan:
                                    len(rows), self.max_context, own)
 
 
+@dataclass(frozen=True, eq=False)
+class PackedExperts:
+    """``num_experts`` experts of ``hidden`` x ``width``: ``gate_up[i]`` ``[2 * width, hidden]`` (gate's rows first)
+    and ``down[i]`` ``[hidden, width]`` packed, int8 ones with their packed scales. Keeps the tensors alive while the
+    tables hold their addresses."""
+
+    gate_up: tuple[torch.Tensor, ...]
+    down: tuple[torch.Tensor, ...]
+    gate_up_scales: tuple[torch.Tensor, ...] | None
+    down_scales: tuple[torch.Tensor, ...] | None
+    hidden: int
+    width: int
+    kind: int
+    tables: dict[str, torch.Tensor]  # int64 addresses: gate_up, down (and their scales' for int8)
+
+    @classmethod
+    def of(cls, gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
+           gate_up_scales: Sequence[torch.Tensor] | None = None,
+           down_scales: Sequence[torch.Tensor] | None = None) -> PackedExperts:
+        """Check every expert's packed weights (same shapes, same storage) and tabulate their addresses."""
+        if not gate_up or len(gate_up) != len(down):
+            raise ValueError(f"experts need gate_up and down weights each, got {len(gate_up)} and {len(down)}")
+        width2, hidden = packed_shape(gate_up[0])
+        width = width2 // 2
+        if width % 4:
+            raise ValueError(f"an expert's width {width} must be a multiple of 4 (gate's and up's blocks apart)")
+        for index, (first, second) in enumerate(zip(gate_up, down, strict=True)):
+            check_packed(first, None if gate_up_scales is None else gate_up_scales[index])
+            check_packed(second, None if down_scales is None else down_scales[index])
+            if packed_shape(first) != (2 * width, hidden) or packed_shape(second) != (hidden, width) or \
+                    first.dtype != gate_up[0].dtype or second.dtype != gate_up[0].dtype:
+                raise ValueError(f"expert {index}'s weights differ in shape or storage from expert 0's")
+        tables = {"gate_up": addresses(gate_up), "down": addresses(down)}
+        if gate_up_scales is not None:
+            tables["gate_up_scales"], tables["down_scales"] = addresses(gate_up_scales), addresses(down_scales)
+        return cls(tuple(gate_up), tuple(down), None if gate_up_scales is None else tuple(gate_up_scales),
+                   None if down_scales is None else tuple(down_scales), hidden, width, WEIGHT_KINDS[gate_up[0].dtype],
+                   tables)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_up)
+
+    @property
+    def scale_groups(self) -> tuple[int, int]:
+        """Int8 scales per row of gate_up's and down's weights (0 without scales)."""
+        if self.gate_up_scales is None:
+            return 0, 0
+        return scale_groups(self.gate_up_scales[0]), scale_groups(self.down_scales[0])
+
+
+def addresses(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([tensor.data_ptr() for tensor in tensors], dtype=torch.int64)
+
+
 class CpuKernels:
     """The compiled kernels, on float32 CPU tensors. Each method checks the layout of what the C side will read and
     raises ``ValueError`` on a tensor it cannot read (``FusedLayer`` is fed by the model's own buffers)."""
@@ -225,6 +283,38 @@ class CpuKernels:
         self._linear_tiles(x.data_ptr(), bf16, x.shape[0], in_features, tiles.data_ptr(),
                            address(bias), out.data_ptr(), bf16, out_features, fma)
         return out
+
+    def moe_experts(self, x: torch.Tensor, experts: PackedExperts, expert_ids: torch.Tensor, starts: torch.Tensor,
+                    tokens: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[tokens[p]] += weights[p] * expert(x[tokens[p]])`` for a step's (token, expert) pairs grouped by
+        expert: the ``i``-th group is expert ``expert_ids[i]``'s, pairs ``starts[i]`` to ``starts[i + 1] - 1`` (int64
+        ``[groups + 1]``); each expert a SwiGLU MLP over ``experts``' packed weights (``PackedExperts``), read once
+        for all its tokens. ``x`` and ``out`` ``[tokens, hidden]`` float32, contiguous; ``out`` is added to in
+        place, each of its columns by one thread, experts in the order given."""
+        check_flat(x)
+        check_flat(out)
+        if x.shape[1] != experts.hidden or out.shape[1] != experts.hidden:
+            raise ValueError(f"moe_experts: x {tuple(x.shape)} and out {tuple(out.shape)} need {experts.hidden} "
+                             f"columns")
+        groups = expert_ids.shape[0]
+        for name, tensor, dtype, length in (("expert_ids", expert_ids, torch.int64, groups),
+                                            ("starts", starts, torch.int64, groups + 1),
+                                            ("tokens", tokens, torch.int64, tokens.shape[0]),
+                                            ("weights", weights, torch.float32, tokens.shape[0])):
+            if tensor.dtype != dtype or tensor.dim() != 1 or tensor.shape[0] != length or not tensor.is_contiguous():
+                raise ValueError(f"moe_experts: {name} must be contiguous {dtype} [{length}], got {tensor.dtype} "
+                                 f"{tuple(tensor.shape)}")
+        if groups and (int(starts[0]) != 0 or int(starts[-1]) != tokens.shape[0] or
+                       int(expert_ids.min()) < 0 or int(expert_ids.max()) >= experts.num_experts):
+            raise ValueError("moe_experts: starts must run from 0 to the number of pairs, expert ids index experts")
+        if tokens.shape[0] and (int(tokens.min()) < 0 or int(tokens.max()) >= x.shape[0] or x.shape[0] != out.shape[0]):
+            raise ValueError(f"moe_experts: tokens must index the {x.shape[0]} rows of x and out")
+        tables = experts.tables
+        gate_up_groups, down_groups = experts.scale_groups
+        self._moe_experts(x.data_ptr(), experts.hidden, experts.width, groups, expert_ids.data_ptr(),
+                          starts.data_ptr(), tokens.data_ptr(), weights.data_ptr(), tables["gate_up"].data_ptr(),
+                          address(tables.get("gate_up_scales")), gate_up_groups, tables["down"].data_ptr(),
+                          address(tables.get("down_scales")), down_groups, experts.kind, out.data_ptr())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:

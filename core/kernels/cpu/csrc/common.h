@@ -152,6 +152,12 @@ static inline float exp_shifted_sum(float *x, int64_t n, float shift) {
  * next bf16 GEMM's input where that rounds it anyway. */
 INFER_HIDDEN void silu_mul_rows(const float *gate_up, void *out, int64_t rows, int64_t width, int bf16_out);
 
+/* The GEMV's sums for one block of four output rows of a packed weight (gemv.c's layout, stored as `kind`; int8 with
+ * the block's `scales`, a scale per `group` weights of a row) and `rows` rows of x (k floats each): sums [rows][4].
+ * Single-threaded: for kernels that split a step's blocks over the threads themselves (moe.c). */
+INFER_HIDDEN void block_sums(const float *x, int64_t rows, int64_t k, const void *block, const float *scales,
+                             int64_t group, int kind, float *sums);
+
 /* infer_rope with each of the num_heads heads RMSNormed over head_dim before its rotation (rowwise.c): the first
  * q_heads by q_norm, the rest by k_norm (both [head_dim], float32), eps as the layer norms'. Qwen3's and Gemma 3's
  * per-head q/k norms, in a fused layer's attention input. */

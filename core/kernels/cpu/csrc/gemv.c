@@ -260,6 +260,38 @@ static inline __attribute__((always_inline)) void linear_packed(const float *x, 
     }
 }
 
+/* block_sums (common.h): one block's sums for any number of rows, in passes of pass_rows. */
+void block_sums(const float *x, int64_t rows, int64_t k, const void *block, const float *scales, int64_t group,
+                int kind, float *sums) {
+    for (int64_t m = 0; m < rows;) {
+        const int count = pass_rows(rows - m);
+        float pass[PASS_ROWS][4];
+        switch (count) {
+#define BLOCK_DOT_KIND(n, kind_) block_dot(x + m * k, k, block, scales, group, pass, n, kind_)
+#define BLOCK_DOT_CASE(n) \
+            case n: \
+                if (kind == KIND_F16) BLOCK_DOT_KIND(n, KIND_F16); \
+                else if (kind == KIND_BF16) BLOCK_DOT_KIND(n, KIND_BF16); \
+                else BLOCK_DOT_KIND(n, KIND_I8); \
+                break;
+            BLOCK_DOT_CASE(1)
+            BLOCK_DOT_CASE(2)
+            BLOCK_DOT_CASE(3)
+#if PASS_ROWS > 3
+            BLOCK_DOT_CASE(4)
+            BLOCK_DOT_CASE(5)
+            BLOCK_DOT_CASE(6)
+            BLOCK_DOT_CASE(7)
+            BLOCK_DOT_CASE(8)
+#endif
+#undef BLOCK_DOT_CASE
+#undef BLOCK_DOT_KIND
+        }
+        memcpy(sums + m * 4, pass, sizeof(float) * 4 * count);
+        m += count;
+    }
+}
+
 void infer_linear_f16(const float *x, int64_t rows, int64_t k, const uint16_t *w, const float *bias, float *y,
                       int64_t n_out) {
     linear_packed(x, rows, k, w, NULL, 0, bias, y, n_out, KIND_F16);
