@@ -299,9 +299,8 @@ def _all_bf16_gemms(model: CausalLM) -> bool:
     sharded (whose all-reduce would then sum bf16 rows)."""
     from infer.model.quantization import PackedLinear
 
-    projections = [module for layer in model.layers
-                   for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                  layer.mlp.down_proj)]
+    projections = [module for layer in model.layers for module in layer.modules()
+                   if isinstance(module, (torch.nn.Linear, PackedLinear))]  # a mixture's experts too
     return bool(projections) and model.layers[0].self_attn.tensor_parallel is None and all(
         isinstance(module, PackedLinear) and module.mode == "bf16" for module in projections)
 
@@ -382,8 +381,8 @@ class ModelStack:
 def build_model_stack(registry, config, model: CausalLM, device: torch.device, dtype: torch.dtype,
                       shard=None) -> ModelStack:
     """``model`` sharded (``shard``: a tensor-parallel rank's ``shard(model)``), packed for ``model.quantization``,
-    from infer.model.loader import resolve_model_path
     with its executor and attention backend: what the engine and every tensor-parallel rank build alike."""
+    from infer.model.loader import resolve_model_path
     from infer.model.quantization import quantize_model, resolve_quantization
 
     reuses_freed_memory = device.type == "cpu" and config.execution.reuse_freed_memory and reuse_freed_memory()

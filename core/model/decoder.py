@@ -22,6 +22,7 @@ from torch import nn
 from infer.kernels.cpu import FusedLayer
 from infer.model.hf_weights import WeightMap, load_hf_state_dict
 from infer.model.layers import Embedding, Linear, RMSNorm, gated_activation
+from infer.model.moe import MoE
 from infer.model.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
         self.self_attn = Attention(spec, layer_index, dtype, rotary)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
-        self.mlp = MLP(spec, dtype)
+        self.mlp = MoE(spec, dtype) if spec.is_sparse(layer_index) else MLP(spec, dtype)
         self.attn_output_norm = RMSNorm(hidden, eps, dtype) if spec.output_norms else None
         self.mlp_output_norm = RMSNorm(hidden, eps, dtype) if spec.output_norms else None
         # The layer's dense parts as CPU kernel calls over packed copies of its weights (``use_cpu_kernels``); the
@@ -138,18 +139,22 @@ class DecoderLayer(nn.Module):
 
     @property
     def kernel_shaped(self) -> bool:
-        """Whether the CPU kernels' fused layer computes this layer: a Llama-shaped layer (SwiGLU, no output norms,
-        its RoPE table the step's and rotating whole heads; q/k head norms the kernels apply)."""
+        """Whether the CPU kernels' fused layer computes this layer: a Llama-shaped layer (a dense SwiGLU MLP, no
+        output norms, its RoPE table the step's and rotating whole heads; q/k head norms the kernels apply)."""
         attn = self.self_attn
-        return (self.mlp.activation == "silu" and self.attn_output_norm is None and attn.rotary is None
-                and attn.rotary_dim == attn.head_dim)
+        return (isinstance(self.mlp, MLP) and self.mlp.activation == "silu" and self.attn_output_norm is None
+                and attn.rotary is None and attn.rotary_dim == attn.head_dim)
 
     def use_cpu_kernels(self, kernels: CpuKernels | None, gemv_rows: int = 0, tile_fma: bool = False) -> None:
         """Let the packed projections compute inputs of up to ``gemv_rows`` rows with the kernels' GEMV (see
         ``PackedLinear``; ``tile_fma`` there too), and when all four then have packed copies (fp16 or int8), build
-        ``self.fused``. ``kernels`` None undoes it."""
+        ``self.fused``; a mixture of experts prepares its experts. ``kernels`` None undoes it."""
         attn, mlp = self.self_attn, self.mlp
-        projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        projections = [attn.qkv_proj, attn.o_proj]
+        if isinstance(mlp, MoE):
+            mlp.use_cpu_kernels(kernels, gemv_rows, tile_fma)
+        else:
+            projections += [mlp.gate_up_proj, mlp.down_proj]
         for projection in projections:
             if hasattr(projection, "use_cpu_kernels"):  # PackedLinear
                 projection.use_cpu_kernels(kernels, gemv_rows, tile_fma)

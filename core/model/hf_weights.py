@@ -42,6 +42,12 @@ class WeightMap:
         return [f"model.{name}"]
 
     @classmethod
+    def checkpoint_tensors(cls, state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The tensors of ``state_dict`` under the names ``hf_names`` gives, for a state dict that names or groups
+        them otherwise (transformers' in-memory model stacking a mixture's experts); the default keeps it."""
+        return state_dict
+
+    @classmethod
     def convert_weight(cls, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor as our parameter ``name`` holds it (after concatenation); the default keeps it."""
         return tensor
@@ -52,6 +58,7 @@ def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
                        weight_map: type[WeightMap] = WeightMap) -> None:
     """Copy HF-named weights into ``model``'s parameters as ``weight_map`` says (concatenating what our layout fuses),
     converting dtype and device. Raises ``ValueError`` naming any missing or unexpected tensors."""
+    state_dict = weight_map.checkpoint_tensors(state_dict)
     used: set[str] = set()
     missing: list[str] = []
     for name, parameter in model.named_parameters():

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer.distributed import ShardPlan, TensorParallelGroup
+from infer.model.architecture import UnsupportedModelError
 from infer.model.layers import Linear
 
 if TYPE_CHECKING:
@@ -16,7 +17,11 @@ if TYPE_CHECKING:
 @torch.no_grad()
 def shard_model(model: CausalLM, plan: ShardPlan, group: TensorParallelGroup) -> CausalLM:
     """Keep ``plan``'s share of ``model``'s weights (in place, before quantization): each layer's heads and MLP
-    columns, the output head's vocabulary rows (untied from the embedding, which stays whole)."""
+    columns, the output head's vocabulary rows (untied from the embedding, which stays whole). Raises
+    ``UnsupportedModelError`` for a mixture of experts, which is not sharded yet."""
+    if model.spec.experts is not None:
+        raise UnsupportedModelError("tensor parallelism does not shard mixture-of-experts layers yet; run this model "
+                                    "with parallel.tensor_parallel_size=1")
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         q_rows, kv_rows = _head_rows(plan.q_heads, attn.head_dim), _head_rows(plan.kv_heads, attn.head_dim)

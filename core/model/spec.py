@@ -26,6 +26,27 @@ class RotaryTable:
         return 2 * self.inverse_frequencies.numel()
 
 
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """A mixture-of-experts feed-forward: a router scores ``num_experts`` gated MLPs per token and each token's output
+    is the weighted sum of its ``top_k`` best (``infer.model.moe.MoE``).
+
+    ``router``: how the scores become weights. ``softmax_topk`` (Qwen3-MoE): softmax in float32 over all experts,
+    then the top ``top_k``, renormalized to sum to one when ``norm_topk_prob``. ``sparse_layers``: the layers whose
+    feed-forward is the experts; the others keep the dense MLP of ``DecoderSpec.intermediate_size``."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    sparse_layers: frozenset[int]
+    norm_topk_prob: bool = False
+    router: Literal["softmax_topk"] = "softmax_topk"
+
+    def __post_init__(self):
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must be between 1 and num_experts {self.num_experts}")
+
+
 @dataclass(frozen=True, eq=False)
 class DecoderSpec:
     """infer's decoder as a family configures it: what ``infer.model.CausalLM`` builds.
@@ -53,6 +74,7 @@ class DecoderSpec:
     head_norms: bool = False  # an RMSNorm over head_dim on every query and key head, before RoPE (Qwen3, Gemma 3)
     output_norms: bool = False  # norms on the attention's and the MLP's outputs before each residual add (Gemma 3)
     embedding_scale: float | None = None  # embeddings times this, rounded to the weights' dtype first (Gemma)
+    experts: ExpertsSpec | None = None  # a mixture of experts in place of the MLP in its sparse layers (Qwen3-MoE)
 
     def __post_init__(self):
         if len(self.layer_attention) != self.num_layers or len(self.layer_rotary) != self.num_layers:
@@ -62,6 +84,10 @@ class DecoderSpec:
             raise ValueError(f"layer_rotary indexes {len(self.rotary)} RoPE tables: {self.layer_rotary}")
         if any(table.rotary_dim > self.head_dim for table in self.rotary):
             raise ValueError(f"a RoPE table rotates more than head_dim {self.head_dim} features")
+
+    def is_sparse(self, layer_index: int) -> bool:
+        """Whether layer ``layer_index``'s feed-forward is a mixture of experts."""
+        return self.experts is not None and layer_index in self.experts.sparse_layers
 
     def replace(self, **changes: Any) -> DecoderSpec:
         return dataclasses.replace(self, **changes)

@@ -25,6 +25,7 @@ SUITE_MODULES = {
     "DrafterConformance": "infer.testing.drafter",
     "GuideConformance": "infer.testing.guide",
     "ModelConformance": "infer.testing.model",
+    "MoeConformance": "infer.testing.moe",
 }
 
 try:
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from infer.testing.drafter import DrafterConformance
     from infer.testing.guide import GuideConformance
     from infer.testing.model import ModelConformance
+    from infer.testing.moe import MoeConformance
     from infer.testing.prefix_cache import PrefixCacheConformance
     from infer.testing.scheduler import SchedulerConformance
 

@@ -1,6 +1,6 @@
 """infer's built-in model families, registered as lazy ``"module:Class"`` targets: Llama (with Mistral and Qwen2),
-Qwen3, Gemma 3 (text) and Phi-3 (Phi-3.5, Phi-4-mini). Each is a ``infer.model.ModelArchitecture`` that adapts its
-HF config to infer's decoder and maps its tensor names."""
+Qwen3, Qwen3-MoE, Gemma 3 (text) and Phi-3 (Phi-3.5, Phi-4-mini). Each is a ``infer.model.ModelArchitecture`` that
+adapts its HF config to infer's decoder and maps its tensor names."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ def register_models(register):
              description="Llama, Mistral, Qwen2 (SmolLM2, Llama 3.x, Mistral 7B, Qwen2.5): the Llama decoder")
     register("qwen3", "infer.plugins.models.qwen3:Qwen3Architecture",
              description="Qwen3 dense: per-head q/k RMSNorm before RoPE, explicit head_dim")
+    register("qwen3_moe", "infer.plugins.models.qwen3_moe:Qwen3MoeArchitecture",
+             description="Qwen3-MoE: Qwen3's attention, a mixture of experts (softmax router, top-k) in the sparse "
+                         "layers")
     register("gemma3", "infer.plugins.models.gemma3:Gemma3Architecture",
              description="Gemma 3 text: 5 sliding-window layers to 1 global, two RoPE tables, four norms a layer, "
                          "GeGLU")
