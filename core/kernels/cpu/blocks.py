@@ -60,7 +60,9 @@ def pack_blocks(raw: torch.Tensor | np.ndarray, kind: str, out_features: int) ->
     d = groups[..., 0:2].reshape(*shape, 8)  # the four rows' fp16 scales
     scales = torch.cat([d, groups[..., 2:4].reshape(*shape, 8)], dim=-1) if kind == "q4_1" else d  # then m
     quants = groups[..., 4 if kind == "q4_1" else 2:]
-    if kind != "q8_0":  # nibbles of columns j and 16 + j -> rows 0 and 2 (1 and 3) of column j in one byte
+    if kind == "q8_0":  # int8 plus 128: unsigned, as VNNI's dot products take them
+        quants = quants ^ 0x80
+    else:  # nibbles of columns j and 16 + j -> rows 0 and 2 (1 and 3) of column j in one byte
         values = torch.cat([quants & 0x0F, quants >> 4], dim=-1)  # [groups, blocks, 4, 32]
         quants = values[:, :, 0:2] | (values[:, :, 2:4] << 4)
     return BlockWeight(torch.cat([scales, quants.reshape(*shape, -1)], dim=-1).contiguous(), kind,
@@ -89,7 +91,7 @@ def dequantize_blocks(weight: BlockWeight) -> torch.Tensor:
     d = halves[..., :4]
     quants = data[..., scale_bytes:]
     if kind == "q8_0":
-        values = quants.view(torch.int8).reshape(groups, blocks, 4, BLOCK).float()
+        values = quants.reshape(groups, blocks, 4, BLOCK).float() - 128
     else:
         pairs = quants.reshape(groups, blocks, 2, BLOCK)
         values = torch.cat([pairs & 0x0F, pairs >> 4], dim=2).float()  # rows 0, 1, 2, 3

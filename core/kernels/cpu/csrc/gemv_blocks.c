@@ -7,17 +7,20 @@
  * record per 32 columns of k:
  *   Q4_0: d[4] (fp16), q[64]                72 bytes    weight = (nibble - 8) * d
  *   Q4_1: d[4], m[4] (fp16), q[64]          80 bytes    weight = nibble * d + m
- *   Q8_0: d[4] (fp16), q[4][32] (int8)      136 bytes   weight = q * d
+ *   Q8_0: d[4] (fp16), q[4][32] (uint8)     136 bytes   weight = (q - 128) * d
  * d[i] and m[i] belong to row i of the group, beside the quants they scale. A Q4 record's 64 bytes hold the group's
  * 4 x 32 nibbles so that one 64-byte load, a mask and a shift give rows 0-1 and rows 2-3 whole: byte j (0-31) holds
  * column j of row 0 in its low nibble and of row 2 in its high one; byte 32 + j, of rows 1 and 3. (GGUF's own Q4
- * block holds columns j and 16 + j of one row in byte j.)
+ * block holds columns j and 16 + j of one row in byte j.) Q8_0's int8 quants are stored plus 128, unsigned as the
+ * Q4 ones, so VNNI multiplies them as they are.
  *
  * Activations: each row of x, per 32 columns, as llama.cpp's Q8_1 blocks: dx = amax / 127, q = round(x / dx) (to
  * nearest even), s = dx * sum(q). A record's dot product with a block of x is then
- *   d * dx * sum(q_w * q_x) + c * s,   c = -8 d (Q4_0), m (Q4_1), 0 (Q8_0)
- * with unsigned nibbles times signed activations (Q8_0: |q_w| times q_x carrying q_w's sign) summed in int32:
- * AVX-512 VNNI's vpdpbusd, AVX-VNNI's on AVX2 registers, else vpmaddubsw and vpmaddwd, or plain C. */
+ *   d * dx * sum(q_w * q_x) + c * s,   c = -8 d (Q4_0), m (Q4_1), -128 d (Q8_0)
+ * with unsigned quants times signed activations summed in int32: AVX-512 VNNI's vpdpbusd, AVX-VNNI's on AVX2
+ * registers, else vpmaddubsw and vpmaddwd, or plain C. vpmaddubsw's 16-bit pair sums would saturate on Q8_0's
+ * unsigned quants (2 x 255 x 127), so without VNNI Q8_0 multiplies its signed quants instead (|q_w| times q_x
+ * carrying q_w's sign, as llama.cpp), c = 0. */
 #include "common.h"
 
 #define BLOCK 32
@@ -27,6 +30,14 @@
 #define BLOCK_PASS_ROWS 8
 #else
 #define BLOCK_PASS_ROWS 4
+#endif
+
+/* Whether this build's vector path multiplies Q8_0's quants signed (no VNNI: see the top of the file). */
+#if (INFER_AVX512 && defined(__AVX512BW__) && !defined(__AVX512VNNI__)) || \
+    (INFER_AVX2 && INFER_F16C && !(INFER_AVX512 && defined(__AVX512BW__)) && !defined(__AVXVNNI__))
+#define Q8_SIGNED 1
+#else
+#define Q8_SIGNED 0
 #endif
 
 static inline int64_t record_bytes(int kind) { return kind == KIND_Q8_0 ? 136 : kind == KIND_Q4_1 ? 80 : 72; }
@@ -84,7 +95,7 @@ static void quantize_activations(const float *x, int64_t rows, int64_t k, int8_t
 static inline __m128 record_offsets(const uint8_t *record, __m128 d, const int kind) {
     if (kind == KIND_Q4_1) return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(record + 8)));
     if (kind == KIND_Q4_0) return _mm_mul_ps(d, _mm_set1_ps(-8.0f));
-    return _mm_setzero_ps();
+    return Q8_SIGNED ? _mm_setzero_ps() : _mm_mul_ps(d, _mm_set1_ps(-128.0f));
 }
 #endif
 
@@ -126,10 +137,14 @@ static inline __attribute__((always_inline)) void group_dot_avx512(const uint8_t
         if (kind == KIND_Q8_0) {
             w01 = _mm512_loadu_si512(quants);
             w23 = _mm512_loadu_si512(quants + 64);
-            negative01 = _mm512_movepi8_mask(w01);
-            negative23 = _mm512_movepi8_mask(w23);
-            w01 = _mm512_abs_epi8(w01);
-            w23 = _mm512_abs_epi8(w23);
+            if (Q8_SIGNED) {  /* back to signed, then |q_w| and its signs */
+                w01 = _mm512_xor_si512(w01, _mm512_set1_epi8((char)0x80));
+                w23 = _mm512_xor_si512(w23, _mm512_set1_epi8((char)0x80));
+                negative01 = _mm512_movepi8_mask(w01);
+                negative23 = _mm512_movepi8_mask(w23);
+                w01 = _mm512_abs_epi8(w01);
+                w23 = _mm512_abs_epi8(w23);
+            }
         } else {
             const __m512i packed = _mm512_loadu_si512(quants);
             w01 = _mm512_and_si512(packed, nibble);
@@ -138,7 +153,7 @@ static inline __attribute__((always_inline)) void group_dot_avx512(const uint8_t
         for (int r = 0; r < count; r++) {
             const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xq + r * k + b * BLOCK)));
             __m512i x01 = x, x23 = x;
-            if (kind == KIND_Q8_0) {  /* the weights' signs onto x */
+            if (kind == KIND_Q8_0 && Q8_SIGNED) {  /* the weights' signs onto x */
                 x01 = _mm512_mask_sub_epi8(x, negative01, _mm512_setzero_si512(), x);
                 x23 = _mm512_mask_sub_epi8(x, negative23, _mm512_setzero_si512(), x);
             }
@@ -147,7 +162,8 @@ static inline __attribute__((always_inline)) void group_dot_avx512(const uint8_t
                                         acc[r][0]);
             acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8_512(w23, x23)), _mm512_mul_ps(d23, scale),
                                         acc[r][1]);
-            if (kind != KIND_Q8_0) offsets[r] = _mm_fmadd_ps(c, _mm_set1_ps(s[r * blocks + b]), offsets[r]);
+            if (kind != KIND_Q8_0 || !Q8_SIGNED)
+                offsets[r] = _mm_fmadd_ps(c, _mm_set1_ps(s[r * blocks + b]), offsets[r]);
         }
     }
     for (int r = 0; r < count; r++) {
@@ -192,7 +208,10 @@ static inline __attribute__((always_inline)) void group_dot_avx2(const uint8_t *
         const __m256 d8 = _mm256_set_m128(d, d);
         __m256i w[4];
         if (kind == KIND_Q8_0) {
-            for (int i = 0; i < 4; i++) w[i] = _mm256_loadu_si256((const __m256i *)(quants + 32 * i));
+            for (int i = 0; i < 4; i++) {
+                w[i] = _mm256_loadu_si256((const __m256i *)(quants + 32 * i));
+                if (Q8_SIGNED) w[i] = _mm256_xor_si256(w[i], _mm256_set1_epi8((char)0x80));  /* back to signed */
+            }
         } else {
             const __m256i rows02 = _mm256_loadu_si256((const __m256i *)quants);
             const __m256i rows13 = _mm256_loadu_si256((const __m256i *)(quants + 32));
@@ -205,13 +224,15 @@ static inline __attribute__((always_inline)) void group_dot_avx2(const uint8_t *
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * k + b * BLOCK));
             __m256i dots[4];
             for (int i = 0; i < 4; i++)
-                dots[i] = kind == KIND_Q8_0 ? dot_u8s8_256(_mm256_sign_epi8(w[i], w[i]), _mm256_sign_epi8(x, w[i]))
-                                            : dot_u8s8_256(w[i], x);
+                dots[i] = kind == KIND_Q8_0 && Q8_SIGNED
+                              ? dot_u8s8_256(_mm256_sign_epi8(w[i], w[i]), _mm256_sign_epi8(x, w[i]))
+                              : dot_u8s8_256(w[i], x);
             const __m256i folded = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]),
                                                      _mm256_hadd_epi32(dots[2], dots[3]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded), _mm256_mul_ps(d8, _mm256_set1_ps(dx[r * blocks + b])),
                                      acc[r]);
-            if (kind != KIND_Q8_0) offsets[r] = _mm_fmadd_ps(c, _mm_set1_ps(s[r * blocks + b]), offsets[r]);
+            if (kind != KIND_Q8_0 || !Q8_SIGNED)
+                offsets[r] = _mm_fmadd_ps(c, _mm_set1_ps(s[r * blocks + b]), offsets[r]);
         }
     }
     for (int r = 0; r < count; r++) {
@@ -222,9 +243,9 @@ static inline __attribute__((always_inline)) void group_dot_avx2(const uint8_t *
 }
 #endif
 
-/* Weight row i's quant at column j of a record, as the unsigned (Q4) or signed (Q8_0) integer it stores. */
+/* Weight row i's quant at column j of a record, the unsigned integer it stores. */
 static inline int record_quant(const uint8_t *quants, int i, int j, const int kind) {
-    if (kind == KIND_Q8_0) return ((const int8_t *)quants)[i * 32 + j];
+    if (kind == KIND_Q8_0) return quants[i * 32 + j];
     const uint8_t byte = quants[(i & 1) * 32 + j];
     return i < 2 ? byte & 0x0F : byte >> 4;
 }
@@ -246,7 +267,7 @@ static inline __attribute__((always_inline)) void group_dot_portable(const uint8
                 for (int j = 0; j < BLOCK; j++) dot += record_quant(quants, i, j, kind) * xq[r * k + b * BLOCK + j];
                 total += (float)dot * (d * dx[r * blocks + b]);
                 const float c = kind == KIND_Q4_1 ? half_to_float(((const uint16_t *)record)[4 + i])
-                                                  : kind == KIND_Q4_0 ? -8.0f * d : 0.0f;
+                                                  : kind == KIND_Q4_0 ? -8.0f * d : -128.0f * d;
                 offset += c * s[r * blocks + b];
             }
             sums[r][i] = total + offset;
