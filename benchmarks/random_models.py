@@ -1,6 +1,6 @@
-"""Save random-weight models of the shapes CPU users run (Qwen3 0.6B and 1.7B, Gemma 3 1B) as HF folders, for
-``infer bench`` against vLLM's CPU backend on the same folder: with fixed output lengths (``ignore_eos``) throughput
-does not depend on the weights' values. The tokenizer is SmolLM2's (its ids lie inside every family's vocabulary).
+"""Save random-weight models of the shapes CPU users run (Qwen3 0.6B and 1.7B, Llama 3.2 1B, Gemma 3 1B, a 3.3B
+Qwen3-MoE) as HF folders, for ``infer bench`` against vLLM's CPU backend on the same folder: with fixed output
+lengths (``ignore_eos``) throughput does not depend on the weights' values. The tokenizer is SmolLM2's (its ids lie inside every family's vocabulary).
 
     python benchmarks/random_models.py qwen3-0.6b ~/models/qwen3-0.6b-random
     infer bench baseline model.path=~/models/qwen3-0.6b-random --baseline vllm --num-requests 64
@@ -23,12 +23,25 @@ SHAPES = {
         hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
         tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
+    "llama3.2-1b": ("LlamaForCausalLM", dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 32.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 8192})),
     "gemma3-1b": ("Gemma3ForCausalLM", dict(
         hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
         num_key_value_heads=1, head_dim=256, vocab_size=262144, max_position_embeddings=32768, rms_norm_eps=1e-6,
         sliding_window=512, query_pre_attn_scalar=256, tie_word_embeddings=True,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})),
+    # A CPU user's MoE: Qwen3-MoE's geometry (fine-grained experts, 4 routed per token) shrunk to 32 experts:
+    # 3.3B weights (6.6 GB in bf16), 0.9B read per token (attention 0.25B, 4 experts 0.3B, the output head 0.31B).
+    "qwen3-moe-3.3b": ("Qwen3MoeForCausalLM", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=512, num_experts=32, num_experts_per_tok=4,
+        norm_topk_prob=True, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+        vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
 }
 
 
@@ -41,8 +54,8 @@ def save_random_model(shape: str, destination: Path, dtype: torch.dtype = torch.
     model_class = getattr(transformers, class_name)
     config = model_class.config_class(**fields, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(seed)
-    with torch.device("cpu"):
-        model = model_class(config).to(dtype)
+    with torch.device("cpu"):  # built in ``dtype``: a float32 copy of the MoE would need 13 GB
+        model = model_class._from_config(config, dtype=dtype)
     model.save_pretrained(destination)
     transformers.AutoTokenizer.from_pretrained(hf_model_dir(DEFAULT_MODEL)).save_pretrained(destination)
     return destination
