@@ -12,12 +12,14 @@ class TestLlama(ModelConformance):
     config_fields = {"head_dim": 16, "tie_word_embeddings": True}
 
 
+@pytest.mark.slow  # the llama family's sliding window; Gemma 3 covers windows in the default run
 class TestMistral(ModelConformance):
     impl_name = "llama"
     hf_model_class = "MistralForCausalLM"
     config_fields = {"head_dim": 16, "sliding_window": 8}
 
 
+@pytest.mark.slow  # the llama family's biases
 class TestQwen2(ModelConformance):
     impl_name = "llama"
     hf_model_class = "Qwen2ForCausalLM"
