@@ -1,6 +1,7 @@
 """Save random-weight models of the shapes CPU users run (Qwen3 0.6B and 1.7B, Llama 3.2 1B, Gemma 3 1B, a 3.3B
 Qwen3-MoE) as HF folders, for ``infer bench`` against vLLM's CPU backend on the same folder: with fixed output
-lengths (``ignore_eos``) throughput does not depend on the weights' values. The tokenizer is SmolLM2's (its ids lie inside every family's vocabulary).
+lengths (``ignore_eos``) throughput does not depend on the weights' values. The tokenizer is SmolLM2's (its ids lie
+inside every family's vocabulary).
 
     python benchmarks/random_models.py qwen3-0.6b ~/models/qwen3-0.6b-random
     infer bench baseline model.path=~/models/qwen3-0.6b-random --baseline vllm --num-requests 64

@@ -3,6 +3,8 @@ saved by transformers from the family's config class), and a planted bug in each
 
 from __future__ import annotations
 
+import pytest
+
 from infer.testing import ModelConformance
 
 
