@@ -13,8 +13,7 @@ from infer import LLM, SamplingParams
 from infer.kernels.cpu.blocks import dequantize_blocks
 from infer.model import Linear
 from infer.model.loader import DEFAULT_MODEL, load_model, resolve_model_path
-from infer.model.quantization import (BLOCK_MODES, PackedLinear, model_weight_bytes, quantize_model,
-                                      resolve_quantization)
+from infer.model.quantization import BLOCK_MODES, PackedLinear, model_weight_bytes, quantize_model, resolve_quantization
 
 CPU = torch.device("cpu")
 
