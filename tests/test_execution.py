@@ -461,8 +461,8 @@ def test_prefill_steps_reuse_freed_memory_instead_of_faulting_it_in_again():
     activations (a few MiB a tensor) are mapped afresh and faulted in page by page; with
     ``execution.reuse_freed_memory`` (the default) the freed blocks serve the next ones. Both runs start from
     glibc's starting thresholds (128 KiB) held fixed: left dynamic, glibc raises them to the largest mapped block
-    freed so far, so the plain count depended on what the process had freed before (0 to 33,563 a 2048-token step
-    in session 18's runs, 0 inside CI's full suite once). On an AVX2 EPYC: 150,333 faults a generate vs 0."""
+    freed so far, so the plain count would depend on what the process had freed before (from 0 to tens of thousands a
+    2048-token step). On an AVX2 EPYC: 150,333 faults a generate vs 0."""
     glibc_start = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
     def faults_per_generate(reuse: str) -> int:

@@ -15,7 +15,7 @@ asks its execution paths in order whether they accept the step and runs the firs
 
 Why a few tokens go to C: at one to eight tokens a layer is ~15 small ops around four memory-bound matrix products,
 and calling them one by one from Python costs about a third of the step; from about twelve tokens fbgemm's GEMM is
-as fast (README, "CPU performance"; ``benchmarks/cpu_kernels.py --only steps``). The choice of every forward pass
+as fast (docs/performance.md; ``benchmarks/cpu_kernels.py --only steps``). The choice of every forward pass
 and the reasons the earlier paths refused it are logged at debug level on ``infer.execution.paths``
 (``infer run --explain`` shows them and a count per path).
 

@@ -3,9 +3,8 @@
 Every query token, decode, verification or prefill chunk alike, attends straight from the pool through its
 sequence's block table: no gather, no padding, one (query, KV head) pair per work item with the query heads of a KV
 head together, an exact three-pass softmax. It reads a prefix shared by many sequences in place, so it needs no
-cascade. Measured against ``sdpa``'s torch path per layer call: prefill chunks as fast or faster (512 fresh tokens
-20 vs 23 ms, 512 after 512 cached 25 vs 80 ms), decode at batch 64 on shared prefixes about as fast as cascade
-(README, "CPU performance").
+cascade. Against ``sdpa``'s torch path per layer call it prefills chunks as fast or faster and decodes batches on
+shared prefixes about as fast as cascade (docs/performance.md; ``benchmarks/flash_attention.py``).
 
 With ``prefill_dtype: bfloat16`` the sequences that bring at least ``prefill_min_tokens`` query tokens to a step
 (prefill chunks) are attended by a flash attention in bf16 instead (Q, K, V and the probabilities rounded to bf16,

@@ -4,8 +4,8 @@ fp16/bf16/int8 weights, and steps of a few tokens with all layers in one call.
 
 In eager PyTorch a decode step at batch 1 is mostly dispatch: RMSNorm alone is about ten kernels, RoPE five,
 SiLU-and-multiply three, and attention gathers every K/V block before it reads it. These kernels do each in one
-pass; fbgemm's fp16 GEMM costs a fixed 20-45 us per call at one row, the GEMV none (measurements: README, "CPU
-performance", and ``benchmarks/cpu_kernels.py``).
+pass; fbgemm's fp16 GEMM costs a fixed 20-45 us per call at one row, the GEMV none (measurements:
+docs/performance.md and ``benchmarks/cpu_kernels.py``).
 
 - ``builder``: compile once per machine into the cache directory, ``load(mode)``.
 - ``abi``: the C signatures and ``CpuKernels``, one checked wrapper per kernel (``PackedExperts``: a mixture's

@@ -113,7 +113,7 @@ class FusedStack:
     """Consecutive decoder layers (``FusedLayer`` each) over a few tokens in one C call, attention included (infer's
     paged attention over the standard pool layout: the execution layer runs it only with a backend that declares
     ``fused_attention``). A step of a few tokens is otherwise ~5 calls from Python per layer, and that glue
-    measured about a fifth of a decode step at batch 1 (README, CPU performance)."""
+    measured about a fifth of a decode step at batch 1 (docs/performance.md)."""
 
     def __init__(self, kernels: CpuKernels, layers: list[FusedLayer], kv_layers: list[int]):
         """``kv_layers[i]``: the index of layer ``i``'s pool in the KV cache."""
@@ -143,8 +143,7 @@ class FusedDraftHead:
     """An EAGLE draft head's step over a few pairs in one C call (``infer_draft_head_step``): the norms of the token
     embeddings and target features, the fc over both, the head's decoder layer with its attention, the final norm of
     each sequence's last row, the draft-vocabulary logits, their largest few and their softmax probabilities. A chain
-    step was otherwise about twenty calls from Python around ~0.3 ms of C (README, "On an Intel Xeon with AMX, a
-    seventh time")."""
+    step is otherwise about twenty calls from Python around ~0.3 ms of C (docs/performance.md)."""
 
     def __init__(self, kernels: CpuKernels, layer: FusedLayer, norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                  eps: float, fc: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],

@@ -7,7 +7,7 @@
  * attention's precision, at half the instructions of widening the K/V for float32 FMAs. Against one item per query
  * and KV head over its whole context with keys copied to floats per query, on 2 cores of an AMX Xeon, bf16 pool:
  * batch 1 at 300 keys 35.5 -> 14.7 us a call, two queries of it 65.3 -> 19.9, batch 64 at ~650 keys 2,568 -> 1,335
- * us (README, "CPU performance"). */
+ * us (docs/performance.md). */
 #include "paged_attention.h"
 
 /* A buffer of at least `bytes` for this thread, kept from call to call in one of SCRATCH_SLOTS slots (its contents
