@@ -1,0 +1,163 @@
+"""One mixture-of-experts layer's time per step (ms, median) at batch 1, 16 and 64 on the shape of a CPU user's MoE
+(``random_models.py``'s ``qwen3-moe-3.3b``: 32 experts of 2048 x 512, 4 routed per token), bf16 weights, against
+the floor of reading the step's active experts' weights once at this machine's streaming rate.
+
+- ``torch loop``: transformers' own ``Qwen3MoeSparseMoeBlock`` in bf16 (a loop over the active experts, torch's
+  bf16 matmuls), the reference.
+- ``grouped``: ``infer.model.moe.MoE`` packed as ``model.quantization=bf16`` packs it, expert by expert through
+  each expert's packed projections on infer's kernels (GEMV, tile GEMM) from Python.
+- ``infer``: the same ``MoE`` as the engine runs it: the experts of few tokens in one C call
+  (``CpuKernels.moe_experts``), any others as ``grouped``.
+- ``floor``: the active experts' bytes over the best rate at which infer's GEMV streamed a bf16 weight (one row of
+  x) in reads sampled through the run.
+
+Times are medians over the steps, with infer's best beside them: on a machine shared with other work the median
+includes steps where the scheduler held one of the kernel's threads.
+
+Each step takes the next of ``--layers`` distinct layers (random weights, random inputs), so the weights come from
+memory, not from a cache that a smaller working set would fit.
+
+    OMP_NUM_THREADS=2 python benchmarks/moe_layer.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from infer.kernels import cpu as cpu_kernels
+from infer.model.moe import ExpertGroups, MoE
+from infer.model.ops import StepOps
+from infer.model.quantization import quantize_linears
+
+sys.path.insert(0, str(Path(__file__).parent))
+from random_models import SHAPES  # noqa: E402
+
+
+def cpu_name() -> str:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+class StreamingRate:
+    """GB/s at which the kernels' GEMV reads a bf16 weight (one row of x), sampled through the run (``sample``) over
+    ``count`` weights of ``megabytes`` taken in turn (together past the last-level cache). Short reads, best of many:
+    on a shared machine a read that another process preempts measures the scheduler, not the memory."""
+
+    def __init__(self, kernels, megabytes: float = 24, count: int = 16):
+        k = 2048
+        n = int(megabytes * 1e6 / (2 * k)) // 4 * 4
+        self.kernels, self.x = kernels, torch.randn(1, k)
+        self.weights = [cpu_kernels.pack_weights(torch.randn(n, k).to(torch.bfloat16)) for _ in range(count)]
+        self.samples: list[float] = []
+
+    def sample(self) -> None:
+        packed = self.weights[len(self.samples) % len(self.weights)]
+        seconds = timed(lambda: self.kernels.linear(self.x, packed, None, None))
+        self.samples.append(packed.numel() * 2 / seconds / 1e9)
+
+    @property
+    def best(self) -> float:
+        return max(self.samples)
+
+
+def timed(call) -> float:
+    began = time.perf_counter()
+    call()
+    return time.perf_counter() - began
+
+
+def build_layers(config, count: int, seed: int):
+    """``count`` pairs of (transformers' block in bf16, infer's MoE packed bf16) with the same random weights."""
+    import transformers
+
+    from infer.plugins.models.qwen3_moe import Qwen3MoeArchitecture
+
+    spec = Qwen3MoeArchitecture.decoder_spec(config)
+    torch.manual_seed(seed)
+    pairs = []
+    for _ in range(count):
+        hf_block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+        with torch.no_grad():
+            for parameter in hf_block.parameters():
+                parameter.normal_(0.0, 0.02)
+        hf_block = hf_block.to(torch.bfloat16)
+        ours = MoE(spec, torch.float32)
+        stacked = hf_block.experts
+        with torch.no_grad():
+            ours.router.weight.copy_(hf_block.gate.weight.float())
+            for index, expert in enumerate(ours.experts):
+                expert.gate_up_proj.weight.copy_(stacked.gate_up_proj[index].float())
+                expert.down_proj.weight.copy_(stacked.down_proj[index].float())
+        pairs.append((hf_block, quantize_linears(ours, "bf16")))
+    return pairs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen3-moe-3.3b", choices=[name for name in SHAPES if "moe" in name])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--layers", type=int, default=8, help="distinct layers cycled through (weights from memory)")
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--gemv-rows", type=int, default=16, help="experts' inputs of up to this many rows take "
+                                                                   "the GEMV (the engine's fused_max_tokens)")
+    args = parser.parse_args()
+    import transformers
+
+    kernels = cpu_kernels.load(True)
+    class_name, fields = SHAPES[args.shape]
+    config = getattr(transformers, class_name).config_class(**fields)
+    hidden, width = config.hidden_size, config.moe_intermediate_size
+    expert_bytes = 3 * hidden * width * 2
+    pairs = build_layers(config, args.layers, seed=0)
+    rate = StreamingRate(kernels)
+    for _ in range(32):
+        rate.sample()
+    for _, ours in pairs:
+        ours.use_cpu_kernels(kernels, args.gemv_rows)
+    step = SimpleNamespace(ops=StepOps(None, None, torch.float32, kernels))
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads; {args.shape}: {config.num_experts} experts of "
+          f"{hidden} x {width}, top {config.num_experts_per_tok}, bf16")
+    rows = []
+    generator = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for batch in args.batches:
+            torch_ms, grouped_ms, infer_ms, active = [], [], [], []
+            for index in range(args.steps):
+                # each variant on another layer than the one the last call read, so no call finds its experts in
+                # the cache the previous one filled
+                hf_block, ours = pairs[index % len(pairs)]
+                grouped = pairs[(index + len(pairs) // 2) % len(pairs)][1]
+                x = torch.randn(batch, hidden, generator=generator)
+                groups = ExpertGroups.of(ours.route(x), ours.num_experts)
+                active.append(len(groups.active))
+                rate.sample()
+                x16 = x.to(torch.bfloat16)[None]
+                torch_ms.append(timed(lambda: hf_block(x16)) * 1e3)
+                infer_ms.append(timed(lambda: ours(x, step)) * 1e3)
+                packed, grouped.packed = grouped.packed, None
+                grouped_ms.append(timed(lambda: grouped(x, step)) * 1e3)
+                grouped.packed = packed
+            rows.append((batch, statistics.median(active), statistics.median(torch_ms),
+                         statistics.median(grouped_ms), statistics.median(infer_ms), min(infer_ms)))
+    print(f"floor: the active experts' bytes at {rate.best:.1f} GB/s, the GEMV's best streaming rate of "
+          f"{len(rate.samples)} samples (median {statistics.median(rate.samples):.1f})")
+    print("| batch | active experts | floor ms | torch loop ms | grouped ms | infer ms (best) | infer / floor "
+          "(best) |")
+    print("|---|---|---|---|---|---|---|")
+    for batch, experts, torch_loop, grouped, infer, best in rows:
+        floor = experts * expert_bytes / rate.best / 1e6
+        print(f"| {batch} | {experts:.0f} | {floor:.2f} | {torch_loop:.2f} | {grouped:.2f} | {infer:.2f} ({best:.2f}) "
+              f"| {infer / floor:.2f} ({best / floor:.2f}) |")
+
+if __name__ == "__main__":
+    main()
