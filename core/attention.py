@@ -96,7 +96,7 @@ class AttentionMetadata:
     @classmethod
     def build(cls, block_tables: list[list[int]], num_cached: list[int], num_new: list[int], block_size: int,
               device: torch.device | str = "cpu",
-              draft_depths: list[list[int] | None] | None = None) -> "AttentionMetadata":
+              draft_depths: list[list[int] | None] | None = None) -> AttentionMetadata:
         """Metadata for sequences with ``num_cached[i]`` tokens already in the pool computing ``num_new[i]`` more,
         their K/V stored through ``block_tables[i]`` (what the engine's runner builds each step). ``draft_depths[i]``
         (None: a chain, or no drafts): the depth in its draft tree of each draft among sequence ``i``'s last new

@@ -543,6 +543,6 @@ def get_registry(load: Sequence[str] | None = None) -> Registry:
     return _cached_registry(key, os.environ.get("INFER_PLUGINS", ""))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached_registry(load: tuple[str, ...] | None, environment: str) -> Registry:
     return Registry.from_entry_points(allowed_distributions(load, environment))

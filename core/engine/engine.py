@@ -14,26 +14,26 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from infer.engine.detokenizer import Detokenizer
+from infer.distributed import SingleProcess
 from infer.drafter import Drafter, DrafterContext
-from infer.execution.paths import build_model_stack
-from infer.guide import GuideError, TokenizerInfo, constrain_logits
-from infer.kv_cache_manager import KVCacheManager
+from infer.engine.detokenizer import Detokenizer
+from infer.engine.sampler import Sampler, SampleRequest
+from infer.engine.spec_decode import SpeculativeDecoder
+from infer.engine.tensor_parallel import TensorParallel
 from infer.execution.kv_pool import free_device_memory, plan_kv_pool
 from infer.execution.memory import measure_peak_bytes
-from infer.distributed import SingleProcess
-from infer.engine.tensor_parallel import TensorParallel
-from infer.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepOutput, StepStats
+from infer.execution.paths import build_model_stack
 from infer.execution.runner import ModelRunner
+from infer.guide import GuideError, TokenizerInfo, constrain_logits
+from infer.kv_cache_manager import KVCacheManager
 from infer.model.quantization import model_weight_bytes
-from infer.engine.sampler import Sampler, SampleRequest
+from infer.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepOutput, StepStats
 from infer.plugin_api import build_drafter
 from infer.prompts import ChatPrompt
 from infer.sampling import add_logit_bias
 from infer.sampling_params import SamplingParams
 from infer.scheduler import SchedulerView, StepPlan, StepShape
 from infer.sequence import Sequence, SequenceQueues, SequenceStatus
-from infer.engine.spec_decode import SpeculativeDecoder
 
 logger = logging.getLogger("infer")
 
@@ -690,8 +690,9 @@ class Engine:
                              request.finished, request_metrics(request), prompt_logprobs=prompt_logprobs)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
-        return CompletionOutput(index=seq.sample_index, text=self.output_text(seq), token_ids=list(seq.output_token_ids),
-                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+        return CompletionOutput(index=seq.sample_index, text=self.output_text(seq),
+                                token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason,
+                                stop_reason=seq.stop_reason,
                                 logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None)
 
     def _detokenizer(self, seq: Sequence) -> Detokenizer:

@@ -13,8 +13,19 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from infer.distributed import (POOL, STEP, STOP, Channel, ShardPlan, TensorParallelError, TensorParallelGroup,
-                               backend_name, model_shard_plans, pack_step, unpack_step)
+from infer.distributed import (
+    POOL,
+    STEP,
+    STOP,
+    Channel,
+    ShardPlan,
+    TensorParallelError,
+    TensorParallelGroup,
+    backend_name,
+    model_shard_plans,
+    pack_step,
+    unpack_step,
+)
 from infer.host import cores_per_process
 from infer.model.sharding import shard_model
 
@@ -260,9 +271,9 @@ def run_worker(config_data: dict, rank: int, addr: str, port: int, threads: int)
 
 def _build_rank(config, rank: int) -> ModelRunner:
     from infer.execution.paths import build_model_stack
+    from infer.execution.runner import ModelRunner
     from infer.model.loader import load_model, resolve_dtype
     from infer.registry import get_registry
-    from infer.execution.runner import ModelRunner
 
     device = _rank_device(config, rank)
     if device.type == "cuda":

@@ -1,8 +1,9 @@
 """The execution layer: how one forward pass runs through the model's layers, decided in this one place.
 
-The runner builds one ``ExecutionStep`` per step (what the model's ``infer.model.step.ForwardStep`` protocol asks:
-the attention metadata its backend prepared, the pool, the backend, the small ops) and the layers read only that object: ``layer(hidden, residual, step)``. ``Executor.run_layers``
-asks its execution paths in order whether they accept the step and runs the first that does:
+The runner builds one ``ExecutionStep`` per step (what the model's ``infer.model.step.ForwardStep`` protocol asks: the
+attention metadata its backend prepared, the pool, the backend, the small ops) and the layers read only that object:
+``layer(hidden, residual, step)``. ``Executor.run_layers`` asks its execution paths in order whether they accept the
+step and runs the first that does:
 
 - ``fused-stack``: all layers in one C call, attention included (``infer.kernels.cpu.FusedStack``). Needs the CPU
   kernels (float32 on a CPU), packed projections (``model.quantization`` fp16 or int8), at most ``fused_max_tokens``
@@ -37,13 +38,13 @@ import torch
 from infer.attention import AttentionBackend, AttentionEnvironment, AttentionMetadata
 from infer.execution.calibration import CANDIDATES as CALIBRATION_CANDIDATES
 from infer.execution.calibration import DEFAULT_FUSED_MAX_TOKENS, Calibration, GemmChoice, calibrate, choose_gemm
-from infer.kernels.cpu import FusedStack, KernelAttentionStep
 from infer.host import reuse_freed_memory
+from infer.kernels.cpu import FusedStack, KernelAttentionStep
 from infer.model.ops import StepOps
 
 if TYPE_CHECKING:
     from infer.kernels.cpu import CpuKernels
-    from infer.model import DecoderLayer, CausalLM
+    from infer.model import CausalLM, DecoderLayer
     from infer.model.rotary import RotaryEmbedding
 
 logger = logging.getLogger("infer.execution")

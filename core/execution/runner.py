@@ -3,12 +3,11 @@ the execution layer (``infer.execution.paths``), returns the logits rows needed.
 
 from __future__ import annotations
 
-
 import torch
 
 from infer.attention import AttentionBackend, AttentionMetadata
-from infer.drafter import tree_depths
 from infer.distributed import SingleProcess
+from infer.drafter import tree_depths
 from infer.execution.paths import Executor
 from infer.outputs import BatchRows, StepOutput
 from infer.sequence import Sequence
@@ -115,7 +114,8 @@ class ModelRunner:
                 end = min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens - 1)
                 if end > first:
                     rows.append(BatchRows(seq, len(indices), end - first, first + 1))
-                    indices.extend(range(offset + first - seq.num_computed_tokens, offset + end - seq.num_computed_tokens))
+                    start = offset - seq.num_computed_tokens
+                    indices.extend(range(start + first, start + end))
             offset += num_new
         return indices, rows
 

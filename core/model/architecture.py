@@ -31,7 +31,8 @@ class ModelArchitecture(WeightMap):
     """A model family (contract of plugin kind ``model``). Subclass it, set ``model_types`` (HF ``model_type``
     values) and/or ``architectures`` (entries of HF ``config.architectures``), and override what differs from a
     Llama: ``decoder_spec`` (the config adapter), and the weight-name map it inherits from ``WeightMap``
-    (``fused_projections``, ``renamed``, ``hf_names``, ``convert_weight``). Everything is a class method: the family is a description, not a stateful object.
+    (``fused_projections``, ``renamed``, ``hf_names``, ``convert_weight``). Everything is a class method: the family is
+    a description, not a stateful object.
     """
 
     model_types: ClassVar[tuple[str, ...]] = ()

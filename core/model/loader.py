@@ -25,7 +25,6 @@ from infer.host import cache_dir, cpu_flags
 from infer.model import CausalLM, ModelArchitecture
 from infer.model.architecture import UnsupportedModelError
 
-
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -10,7 +10,7 @@ fbgemm, which ships inside torch's x86 builds, multiplies float32 activations by
   AVX512-BF16 dot products; up to ``TILE_MAX_ROWS`` rows) or run oneDNN's bf16 GEMM over the same weights (AMX or
   AVX512-BF16; prepacked once), activations rounded to bf16 and float32 accumulation, the precision of a bf16
   model. What ``auto`` picks on a CPU with native bf16: on the Intel AMX machine the GEMM at 64 rows measured 5-6x
-  fbgemm's fp16 and 12x at 512 (README, "CPU performance").
+  fbgemm's fp16 and 12x at 512 (docs/performance.md).
 - ``int8``: weight-only int8, one scale per 32 consecutive weights of a row (``int8_weights``), activations stay
   float32. Steps of a few tokens read the int8 weights through infer's CPU kernels (``infer.kernels.cpu``: 9/16 of
   fp16's bytes with the scales, and bytes are the decode step's bound); larger steps run fbgemm's fp16 GEMM over
@@ -57,7 +57,7 @@ INT8_GROUP = 32
 KERNEL_MODES = ("fp16", "bf16", "int8", "int8_per_row")
 # bf16 on AMX or AVX512-BF16: inputs of up to this many rows take infer's tile GEMM (``CpuKernels.linear_tiles``),
 # larger ones (prefill chunks) oneDNN's GEMM, faster there on AMX (four 512-token prompts 596 vs 857 ms a step) and
-# level with it on AVX512-BF16 (``benchmarks/tile_gemm.py``; README, CPU performance).
+# level with it on AVX512-BF16 (``benchmarks/tile_gemm.py``; docs/performance.md).
 TILE_MAX_ROWS = 256
 # CPU feature flags for native bf16 matmuls on x86 (oneDNN's bf16 GEMM runs on them).
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
@@ -192,16 +192,16 @@ class PackedLinear(nn.Module):
 
     def use_cpu_kernels(self, kernels, gemv_rows: int = 0, tile_fma: bool = False) -> None:
         """Compute inputs of up to ``gemv_rows`` rows (decode at small batches, verification: the execution layer's
-        ``fused_max_tokens``) with ``kernels.linear`` (``fp16`` and the int8 modes, shapes ``pack_weights`` takes),
-        over a copy of the weights in its layout beside fbgemm's packed one: fp16, or the int8 weights and their
-        scales. The streaming GEMV has no fixed per-call cost, where fbgemm pays 20-45 us at one row (README, CPU
-        performance). Costs the copy's bytes (counted in ``nbytes``). bf16 on kernels with AMX or AVX512-BF16
-        (``kernels.tiles``): inputs of more rows than one GEMV pass (``kernels.pass_rows``), up to ``TILE_MAX_ROWS``,
-        take ``kernels.linear_tiles`` over a third copy in ``pack_tiles``' layout (README, CPU performance).
-        ``tile_fma`` (bf16 with tiles, kernels with ``tile_fma``): every input of more rows than one GEMV pass takes
-        the tiles with float32 FMAs (float32 inputs, not rounded), whatever its rows, and oneDNN's copy is dropped:
-        for CPUs where that beats the bf16 dot products and oneDNN (``infer.execution.calibration.choose_gemm``). Applied when
-        the kernels are first set. ``kernels`` None undoes it."""
+``fused_max_tokens``) with ``kernels.linear`` (``fp16`` and the int8 modes, shapes ``pack_weights`` takes), over a copy
+        of the weights in its layout beside fbgemm's packed one: fp16, or the int8 weights and their scales. The
+        streaming GEMV has no fixed per-call cost, where fbgemm pays 20-45 us at one row (docs/performance.md). Costs
+        the copy's bytes (counted in ``nbytes``). bf16 on kernels with AMX or AVX512-BF16 (``kernels.tiles``): inputs of
+        more rows than one GEMV pass (``kernels.pass_rows``), up to ``TILE_MAX_ROWS``, take ``kernels.linear_tiles``
+        over a third copy in ``pack_tiles``' layout (docs/performance.md). ``tile_fma`` (bf16 with tiles, kernels with
+        ``tile_fma``): every input of more rows than one GEMV pass takes the tiles with float32 FMAs (float32 inputs,
+        not rounded), whatever its rows, and oneDNN's copy is dropped: for CPUs where that beats the bf16 dot products
+        and oneDNN (``infer.execution.calibration.choose_gemm``). Applied when the kernels are first set. ``kernels``
+        None undoes it."""
         self.gemv_rows = gemv_rows if kernels is not None else 0
         if self.blocks is not None:  # on the block GEMV from construction (``kernels`` None: still)
             return

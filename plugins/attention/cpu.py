@@ -22,12 +22,13 @@ projections' large GEMMs chose float32 FMAs, ``execution.large_gemm``), on float
 probabilities unrounded: 512 fresh tokens 2.1-2.2 ms a layer against the dot products' 2.9-3.1 there.
 
 Decode and verification queries are exactly the kernels', over the standard pool layout, so its
-``fused_attention`` describes every step's attention as the kernels compute it: the execution layer may then run a
-step of a few tokens through all layers in one C call, attention included, instead of calling ``forward`` per layer
-(``infer.execution.paths``; a step that small computes its attention on the kernel whatever ``prefill_dtype`` says). Over a bf16 pool, ``decode_arithmetic: bf16`` (what
-``auto`` resolves to where the prefill arithmetic is bf16) multiplies them on AVX512-BF16's dot products, the queries
-and probabilities rounded to bf16 as the flash attention rounds them: on a Zen 4 EPYC the chat mix's decode attention
-took 0.91x the time of the float32 arithmetic over the same pool.
+``fused_attention`` describes every step's attention as the kernels compute it: the execution layer may then run a step
+of a few tokens through all layers in one C call, attention included, instead of calling ``forward`` per layer
+(``infer.execution.paths``; a step that small computes its attention on the kernel whatever ``prefill_dtype`` says).
+Over a bf16 pool, ``decode_arithmetic: bf16`` (what ``auto`` resolves to where the prefill arithmetic is bf16)
+multiplies them on AVX512-BF16's dot products, the queries and probabilities rounded to bf16 as the flash attention
+rounds them: on a Zen 4 EPYC the chat mix's decode attention took 0.91x the time of the float32 arithmetic over the
+same pool.
 
 Sliding-window layers (``LayerAttention.window``) are attended by the same kernels with the layer's window: the
 decode kernel starts each query at the chunk of keys that holds its window's first, infer's flash attention packs
@@ -46,10 +47,17 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from infer.kernels import cpu as cpu_kernels
-from infer.attention import (AttentionBackend, AttentionConfig, AttentionEnvironment, AttentionMetadata,
-                             BackendUnavailableError, LayerAttention, gather_blocks)
+from infer.attention import (
+    AttentionBackend,
+    AttentionConfig,
+    AttentionEnvironment,
+    AttentionMetadata,
+    BackendUnavailableError,
+    LayerAttention,
+    gather_blocks,
+)
 from infer.host import cpu_flags
+from infer.kernels import cpu as cpu_kernels
 from infer.kernels.cpu import FlashChunks, KernelAttentionPlan, KernelAttentionStep
 
 

@@ -30,8 +30,14 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from infer.attention import (AttentionBackend, AttentionConfig, AttentionEnvironment, AttentionMetadata, gather_blocks,
-                             write_kv)
+from infer.attention import (
+    AttentionBackend,
+    AttentionConfig,
+    AttentionEnvironment,
+    AttentionMetadata,
+    gather_blocks,
+    write_kv,
+)
 
 # Queries up to this long are padded into the shared call; the padding wasted per sequence stays below this bound.
 MAX_PADDED_QUERY_LEN = 16

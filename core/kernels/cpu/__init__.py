@@ -20,8 +20,16 @@ Which step runs on which of them is decided in one place, ``infer.execution.path
 from infer.kernels.cpu.abi import CpuKernels, FlashChunks, KernelAttentionPlan, PackedExperts
 from infer.kernels.cpu.builder import KernelBuildError, build, compiler, load, load_built, source
 from infer.kernels.cpu.fused import FusedDraftHead, FusedLayer, FusedStack, KernelAttentionStep
-from infer.kernels.cpu.packing import (can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, packed_shape,
-                                       tiles_shape, unpack_tiles)
+from infer.kernels.cpu.packing import (
+                                       can_pack,
+                                       can_pack_tiles,
+                                       pack_scales,
+                                       pack_tiles,
+                                       pack_weights,
+                                       packed_shape,
+                                       tiles_shape,
+                                       unpack_tiles,
+)
 
 __all__ = ["CpuKernels", "FlashChunks", "FusedDraftHead", "FusedLayer", "FusedStack", "KernelAttentionPlan",
            "KernelAttentionStep", "KernelBuildError", "PackedExperts", "build", "can_pack", "can_pack_tiles",

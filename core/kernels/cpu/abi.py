@@ -265,7 +265,7 @@ class CpuKernels:
         and a bf16 weight packed by ``pack_tiles``, accumulated in float32, in ``x``'s dtype: on AMX's tiles or with
         AVX512-BF16's dot products (``tiles``), the same arithmetic in plain C elsewhere (slow: the reference). Any
         number of rows; from about a dozen it beats oneDNN's bf16 GEMM on the model's shapes with float32 rows
-        (README, CPU performance). ``fma`` (needs ``tile_fma``): ``x`` is not rounded; float32 FMAs over the widened
+        (docs/performance.md). ``fma`` (needs ``tile_fma``): ``x`` is not rounded; float32 FMAs over the widened
         bf16 weights instead, faster where the CPU's float32 rate is more than half its bf16 dot products'."""
         if fma and not self.tile_fma:
             raise ValueError(f"linear_tiles' float32 FMAs need an AVX-512 build of the kernels, not {self.simd}")

@@ -22,12 +22,12 @@ import os
 import shutil
 import subprocess
 import tempfile
-from importlib import resources
 from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
 
-from infer.kernels.cpu.abi import CpuKernels
 from infer.host import cache_dir, cpu_signature
+from infer.kernels.cpu.abi import CpuKernels
 
 logger = logging.getLogger("infer.kernels.cpu")
 

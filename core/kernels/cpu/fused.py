@@ -11,9 +11,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.kernels.cpu.abi import (WEIGHT_KINDS, AttentionStepStruct, CpuKernels, DraftHeadStruct, KernelAttentionPlan,
-                                   LayerStruct, address, check_block_tables, check_flat, check_packed, check_pool,
-                                   check_slots, scale_groups)
+from infer.kernels.cpu.abi import (
+    WEIGHT_KINDS,
+    AttentionStepStruct,
+    CpuKernels,
+    DraftHeadStruct,
+    KernelAttentionPlan,
+    LayerStruct,
+    address,
+    check_block_tables,
+    check_flat,
+    check_packed,
+    check_pool,
+    check_slots,
+    scale_groups,
+)
 from infer.kernels.cpu.blocks import BLOCK_KINDS, BlockWeight
 from infer.kernels.cpu.packing import packed_shape, tiles_shape
 
