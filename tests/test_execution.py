@@ -83,7 +83,7 @@ def core_import_graph() -> dict[str, set[str]]:
 
 def test_the_model_and_the_kernels_know_nothing_of_the_execution_layer_or_the_loader():
     graph = core_import_graph()
-    for module in ("infer.model.llama", "infer.model.ops", "infer.kernels.cpu.fused", "infer.kernels.cpu.builder"):
+    for module in ("infer.model.decoder", "infer.model.ops", "infer.kernels.cpu.fused", "infer.kernels.cpu.builder"):
         assert not graph[module] & {"infer.execution.paths", "infer.model.loader", "infer.engine.engine"}, module
     assert "infer.kernels.cpu" not in graph["infer.attention"]
 
