@@ -45,8 +45,13 @@ def packed_layers(kernels, name: str) -> list[tuple[object, torch.Tensor | None,
                 matrices.append((cpu_kernels.pack_weights(weight.half()), None, weight.numel() * 2))
             elif name == "int8":
                 quantized, scales = int8_weights(weight)
-                matrices.append((cpu_kernels.pack_weights(quantized), cpu_kernels.pack_scales(scales),
-                                 quantized.numel() + scales.numel() * 4))
+                matrices.append(
+                    (
+                        cpu_kernels.pack_weights(quantized),
+                        cpu_kernels.pack_scales(scales),
+                        quantized.numel() + scales.numel() * 4,
+                    )
+                )
             else:
                 blocks = quantize_blocks(weight, name)
                 matrices.append((blocks, None, blocks.nbytes))
@@ -109,10 +114,14 @@ def main() -> None:
             bandwidth.append(read_bandwidth())
         for name, matrices in formats.items():
             total = sum(size for _, _, size in matrices)
-            print(f"| {rows} | {name} | {total / 1e6:.1f} | {seconds[name] * 1e3:.2f} | "
-                  f"{total / seconds[name] / 1e9:.1f} |")
-    print(f"\nstreaming read (1 GiB float32 sum): {max(bandwidth) / 1e9:.1f} GB/s at best, "
-          f"{min(bandwidth) / 1e9:.1f} at worst of {len(bandwidth)}")
+            print(
+                f"| {rows} | {name} | {total / 1e6:.1f} | {seconds[name] * 1e3:.2f} | "
+                f"{total / seconds[name] / 1e9:.1f} |"
+            )
+    print(
+        f"\nstreaming read (1 GiB float32 sum): {max(bandwidth) / 1e9:.1f} GB/s at best, "
+        f"{min(bandwidth) / 1e9:.1f} at worst of {len(bandwidth)}"
+    )
 
 
 if __name__ == "__main__":

@@ -59,9 +59,14 @@ def gemv_case(repeats: int) -> None:
         for out_features, in_features in LAYER_SHAPES:
             weight = torch.randn(out_features, in_features, generator=generator) * 0.05
             quantized, scales = int8_weights(weight)
-            layers.append((torch.ops.quantized.linear_prepack_fp16(weight, None),
-                           cpu_kernels.pack_weights(weight.half()), cpu_kernels.pack_weights(quantized),
-                           cpu_kernels.pack_scales(scales)))
+            layers.append(
+                (
+                    torch.ops.quantized.linear_prepack_fp16(weight, None),
+                    cpu_kernels.pack_weights(weight.half()),
+                    cpu_kernels.pack_weights(quantized),
+                    cpu_kernels.pack_scales(scales),
+                )
+            )
     print("| rows | fbgemm fp16 ms | kernel GEMV fp16 ms | kernel GEMV int8 ms |\n|---|---|---|---|")
     for rows in (1, 2, 3, 4, 5, 8):
         inputs = {width: torch.randn(rows, width, generator=generator) for width in (576, 1536)}
@@ -83,8 +88,10 @@ def gemv_case(repeats: int) -> None:
             runs["fbgemm"].append(timed(fbgemm, 10))
             runs["fp16"].append(timed(kernel_fp16, 10))
             runs["int8"].append(timed(kernel_int8, 10))
-        print(f"| {rows} | " + " | ".join(" / ".join(f"{value:.1f}" for value in runs[arm]) for arm in runs) + " |",
-              flush=True)
+        print(
+            f"| {rows} | " + " | ".join(" / ".join(f"{value:.1f}" for value in runs[arm]) for arm in runs) + " |",
+            flush=True,
+        )
 
 
 # Each arm's execution config; the fused arms' token limit is raised to the batch so that they run it.
@@ -99,20 +106,25 @@ def steps_case(repeats: int) -> None:
     params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
     print("| batch | one call (default) ms | layer by layer ms | op by op, fbgemm ms |\n|---|---|---|---|")
     for batch in (1, 2, 4, 8, 12):
-        engines = {arm: LLM("baseline", dotlist=["cache.memory_budget=256MiB", *overrides(batch)]).engine
-                   for arm, overrides in STEP_ARMS.items()}
+        engines = {
+            arm: LLM("baseline", dotlist=["cache.memory_budget=256MiB", *overrides(batch)]).engine
+            for arm, overrides in STEP_ARMS.items()
+        }
         for engine in engines.values():
             for index in range(batch):
-                engine.add_request([{"role": "user", "content": f"Tell me a long story about lighthouse {index}."}],
-                                   params)
+                engine.add_request(
+                    [{"role": "user", "content": f"Tell me a long story about lighthouse {index}."}], params
+                )
             while any(seq.num_uncomputed_tokens > 1 for seq in engine.running) or engine.waiting:
                 engine.step()  # prefill
         runs = {arm: [] for arm in engines}
         for _ in range(repeats):
             for arm, engine in engines.items():
                 runs[arm].append(timed(engine.step, 10))
-        print(f"| {batch} | " + " | ".join(" / ".join(f"{value:.1f}" for value in runs[arm]) for arm in runs) + " |",
-              flush=True)
+        print(
+            f"| {batch} | " + " | ".join(" / ".join(f"{value:.1f}" for value in runs[arm]) for arm in runs) + " |",
+            flush=True,
+        )
         for engine in engines.values():
             drain(engine)
         del engines
@@ -131,12 +143,19 @@ def simd_builds() -> dict[str, cpu_kernels.CpuKernels]:
 def simd_case(repeats: int) -> None:
     builds = simd_builds()
     generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(out_features, in_features, generator=generator) * 0.05
-               for _ in range(30) for out_features, in_features in LAYER_SHAPES]
-    kinds = {"fp16": [(cpu_kernels.pack_weights(weight.half()), None) for weight in weights],
-             "bf16": [(cpu_kernels.pack_weights(weight.bfloat16()), None) for weight in weights],
-             "int8": [(cpu_kernels.pack_weights(quantized), cpu_kernels.pack_scales(scales))
-                      for quantized, scales in map(int8_weights, weights)]}
+    weights = [
+        torch.randn(out_features, in_features, generator=generator) * 0.05
+        for _ in range(30)
+        for out_features, in_features in LAYER_SHAPES
+    ]
+    kinds = {
+        "fp16": [(cpu_kernels.pack_weights(weight.half()), None) for weight in weights],
+        "bf16": [(cpu_kernels.pack_weights(weight.bfloat16()), None) for weight in weights],
+        "int8": [
+            (cpu_kernels.pack_weights(quantized), cpu_kernels.pack_scales(scales))
+            for quantized, scales in map(int8_weights, weights)
+        ],
+    }
     onednn = [bf16_gemm_weight(weight) for weight in weights]
     gemm = "oneDNN bf16 GEMM" + ("" if bf16_gemm_available() else " (bf16 emulated: no avx512_bf16/amx_bf16)")
     flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
@@ -147,62 +166,91 @@ def simd_case(repeats: int) -> None:
         inputs = {width: torch.randn(rows, width, generator=generator) for width in (576, 1536)}
 
         def gemv(kernels, packed):
-            return lambda: [kernels.linear(inputs[cpu_kernels.packed_shape(weight)[1]], weight, scales, None)
-                            for weight, scales in packed]
+            return lambda: [
+                kernels.linear(inputs[cpu_kernels.packed_shape(weight)[1]], weight, scales, None)
+                for weight, scales in packed
+            ]
 
         functions = [gemv(builds[arm.split()[1]], kinds[arm.split()[0]]) for arm in arms[:-1]]
-        functions.append(lambda: [bf16_linear(inputs[weight.shape[1]], packed)
-                                  for weight, packed in zip(weights, onednn)])
+        functions.append(
+            lambda: [bf16_linear(inputs[weight.shape[1]], packed) for weight, packed in zip(weights, onednn)]
+        )
         runs = [[] for _ in arms]
         for _ in range(repeats):
             for run, function in zip(runs, functions):
                 run.append(timed(function, 5))
-        print(f"| {rows} | " + " | ".join(" / ".join(f"{value:.1f}" for value in run) for run in runs) + " |",
-              flush=True)
-    print("\n| decode attention, 30 layers | " + " | ".join(f"{simd} ms" for simd in builds) + " |\n|---|" +
-          "---|" * len(builds))
+        print(
+            f"| {rows} | " + " | ".join(" / ".join(f"{value:.1f}" for value in run) for run in runs) + " |", flush=True
+        )
+    print(
+        "\n| decode attention, 30 layers | "
+        + " | ".join(f"{simd} ms" for simd in builds)
+        + " |\n|---|"
+        + "---|" * len(builds)
+    )
     heads, kv_heads, head_dim, block_size, context = 9, 3, 64, 16, 1024
     for batch in (1, 16):
         blocks = batch * context // block_size
         pool = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=generator)
         tables = torch.randperm(blocks, generator=generator).view(batch, -1).to(torch.int32)
-        plan = cpu_kernels.KernelAttentionPlan(None, torch.arange(batch), torch.full((batch,), context), batch,
-                                               context)
+        plan = cpu_kernels.KernelAttentionPlan(None, torch.arange(batch), torch.full((batch,), context), batch, context)
         q, out = torch.randn(batch, heads, head_dim, generator=generator), torch.empty(batch, heads, head_dim)
         runs = {simd: [] for simd in builds}
         for _ in range(repeats):
             for simd, kernels in builds.items():
-                runs[simd].append(timed(lambda: [kernels.paged_attention(q, pool, tables, plan, 0.125, out)
-                                                 for _ in range(30)], 5))
-        print(f"| batch {batch} x {context} | " + " | ".join(" / ".join(f"{value:.1f}" for value in runs[simd])
-                                                         for simd in builds) + " |", flush=True)
+                runs[simd].append(
+                    timed(lambda: [kernels.paged_attention(q, pool, tables, plan, 0.125, out) for _ in range(30)], 5)
+                )
+        print(
+            f"| batch {batch} x {context} | "
+            + " | ".join(" / ".join(f"{value:.1f}" for value in runs[simd]) for simd in builds)
+            + " |",
+            flush=True,
+        )
 
 
 def prefetch_case(repeats: int) -> None:
     folder = Path(tempfile.mkdtemp(prefix="infer-prefetch-"))
-    builds = {"L1 + L2 prefetch": cpu_kernels.load_built(cpu_kernels.build(folder)),
-              "L1 prefetch only": cpu_kernels.load_built(cpu_kernels.build(folder, ["-DINFER_GEMV_L2_AHEAD=0"]))}
+    builds = {
+        "L1 + L2 prefetch": cpu_kernels.load_built(cpu_kernels.build(folder)),
+        "L1 prefetch only": cpu_kernels.load_built(cpu_kernels.build(folder, ["-DINFER_GEMV_L2_AHEAD=0"])),
+    }
     generator = torch.Generator().manual_seed(0)
     shapes = [shape for _ in range(30) for shape in LAYER_SHAPES] + [(49152, 576)]  # + the output head
-    weights = [torch.randn(out_features, in_features, generator=generator) * 0.05
-               for out_features, in_features in shapes]
-    kinds = {kind: [cpu_kernels.pack_weights(weight.to(dtype)) for weight in weights]
-             for kind, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    weights = [
+        torch.randn(out_features, in_features, generator=generator) * 0.05 for out_features, in_features in shapes
+    ]
+    kinds = {
+        kind: [cpu_kernels.pack_weights(weight.to(dtype)) for weight in weights]
+        for kind, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))
+    }
     streamed = sum(out_features * in_features * 2 for out_features, in_features in shapes)
     arms = [(kind, build) for kind in kinds for build in builds]
     print(f"builds: {next(iter(builds.values())).simd}; {streamed / 1e6:.0f} MB of weights a step")
-    print("| rows | " + " | ".join(f"{kind} {build} ms (GB/s)" for kind, build in arms) + " |\n|---|" +
-          "---|" * len(arms))
+    print(
+        "| rows | " + " | ".join(f"{kind} {build} ms (GB/s)" for kind, build in arms) + " |\n|---|" + "---|" * len(arms)
+    )
     for rows in (1, 2, 4, 8):
         inputs = {width: torch.randn(rows, width, generator=generator) for width in (576, 1536)}
         runs = [[] for _ in arms]
         for _ in range(repeats):
             for run, (kind, build) in zip(runs, arms):
                 kernels = builds[build]
-                run.append(timed(lambda: [kernels.linear(inputs[cpu_kernels.packed_shape(weight)[1]], weight, None,
-                                                         None) for weight in kinds[kind]], 5))
-        print(f"| {rows} | " + " | ".join(" / ".join(f"{value:.1f} ({streamed / value / 1e6:.1f})" for value in run)
-                                         for run in runs) + " |", flush=True)
+                run.append(
+                    timed(
+                        lambda: [
+                            kernels.linear(inputs[cpu_kernels.packed_shape(weight)[1]], weight, None, None)
+                            for weight in kinds[kind]
+                        ],
+                        5,
+                    )
+                )
+        print(
+            f"| {rows} | "
+            + " | ".join(" / ".join(f"{value:.1f} ({streamed / value / 1e6:.1f})" for value in run) for run in runs)
+            + " |",
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -38,9 +38,14 @@ async def stream_one(client: httpx.AsyncClient, url: str, request, start: float)
     """Send one streamed completion at its arrival time; (TTFT, output tokens)."""
     await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
     sent = time.perf_counter()
-    body = {"prompt": request.prompt, "max_tokens": request.params.max_tokens,
-            "temperature": request.params.temperature, "ignore_eos": request.params.ignore_eos, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": request.prompt,
+        "max_tokens": request.params.max_tokens,
+        "temperature": request.params.temperature,
+        "ignore_eos": request.params.ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     first, tokens = None, 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -57,8 +62,12 @@ async def stream_one(client: httpx.AsyncClient, url: str, request, start: float)
 
 def counters(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {sample.name: sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples if not sample.labels}
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
 
 
 async def run(url: str, requests) -> dict:
@@ -71,9 +80,13 @@ async def run(url: str, requests) -> dict:
     prompt = after["infer_prompt_tokens_total"] - before["infer_prompt_tokens_total"]
     cached = after["infer_prompt_tokens_cached_total"] - before["infer_prompt_tokens_cached_total"]
     ttfts = [ttft for ttft, _ in results if ttft is not None]
-    return {"wall_s": wall, "output_tok_per_s": sum(tokens for _, tokens in results) / wall,
-            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-            "prefix_hit_rate": cached / prompt if prompt else 0.0}
+    return {
+        "wall_s": wall,
+        "output_tok_per_s": sum(tokens for _, tokens in results) / wall,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "prefix_hit_rate": cached / prompt if prompt else 0.0,
+    }
 
 
 def main() -> None:
@@ -91,9 +104,12 @@ def main() -> None:
             with ServerProcess("baseline", [*BASE, *args.overrides, *overrides]) as server:
                 row = {"workload": workload_name, "server": name, **asyncio.run(run(server.url, requests))}
             rows.append(row)
-            print(f"{workload_name:<14} | {name:<38} | {row['output_tok_per_s']:7.1f} tok/s | TTFT p50 "
-                  f"{1000 * row['ttft_p50_s']:7.0f} ms, p99 {1000 * row['ttft_p99_s']:7.0f} ms | prefix hits "
-                  f"{row['prefix_hit_rate']:.1%}", flush=True)
+            print(
+                f"{workload_name:<14} | {name:<38} | {row['output_tok_per_s']:7.1f} tok/s | TTFT p50 "
+                f"{1000 * row['ttft_p50_s']:7.0f} ms, p99 {1000 * row['ttft_p99_s']:7.0f} ms | prefix hits "
+                f"{row['prefix_hit_rate']:.1%}",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"cpu": cpu_signature(), "rows": rows}, handle, indent=2)

@@ -28,8 +28,7 @@ def decode_ms(llm: LLM, batch: int, steps: int, repeats: int) -> tuple[list[floa
     engine = llm.engine
     params = SamplingParams(max_tokens=3 + steps * repeats + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request([{"role": "user", "content": f"Tell me a long story about lighthouse number {i}."}],
-                           params)
+        engine.add_request([{"role": "user", "content": f"Tell me a long story about lighthouse number {i}."}], params)
     while any(seq.num_uncomputed_tokens > 1 for seq in engine.running) or engine.waiting:
         engine.step()  # prefill
     for _ in range(3):
@@ -52,8 +51,10 @@ def python_calls_per_step(llm: LLM, steps: int) -> tuple[float, str]:
     import pstats
 
     engine = llm.engine
-    engine.add_request([{"role": "user", "content": "Tell me a long story about a lighthouse."}],
-                       SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True))
+    engine.add_request(
+        [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+        SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True),
+    )
     while any(seq.num_uncomputed_tokens > 1 for seq in engine.running) or engine.waiting:
         engine.step()
     engine.step()
@@ -76,8 +77,10 @@ def prefill_ms(llm: LLM, batch: int, length: int, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
         for _ in range(batch):
-            engine.add_request(torch.randint(1000, 20000, (length,), generator=generator).tolist(),
-                               SamplingParams(max_tokens=1, temperature=0.0))
+            engine.add_request(
+                torch.randint(1000, 20000, (length,), generator=generator).tolist(),
+                SamplingParams(max_tokens=1, temperature=0.0),
+            )
         began = time.perf_counter()
         engine.step()
         times.append((time.perf_counter() - began) * 1e3)
@@ -94,20 +97,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill", type=int, default=4, help="prompts of 512 tokens in the prefill step (0: none)")
     parser.add_argument("--label", default="", help="a name for this run's rows (e.g. before / after)")
-    parser.add_argument("--calls", action="store_true",
-                        help="also count Python function calls per decode step at batch 1 (cProfile, 100 steps): "
-                             "a figure the machine's noise does not move")
+    parser.add_argument(
+        "--calls",
+        action="store_true",
+        help="also count Python function calls per decode step at batch 1 (cProfile, 100 steps): "
+        "a figure the machine's noise does not move",
+    )
     args = parser.parse_args()
     llm = LLM(args.config, dotlist=args.overrides)
     llm.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0.0))
     engine = llm.engine
-    print(f"{engine.model_name}, dtype {str(engine.dtype).removeprefix('torch.')}, quantization "
-          f"{engine.quantization}, attention {type(engine.attention).__name__}, threads {torch.get_num_threads()}")
+    print(
+        f"{engine.model_name}, dtype {str(engine.dtype).removeprefix('torch.')}, quantization "
+        f"{engine.quantization}, attention {type(engine.attention).__name__}, threads {torch.get_num_threads()}"
+    )
     for batch in args.batches:
         times, best = decode_ms(llm, batch, args.steps, args.repeats)
         spread = ", ".join(f"{value:.1f}" for value in times)
-        print(f"| {args.label} | decode batch {batch} | {statistics.median(times):.1f} | {spread} | best {best:.1f} |",
-              flush=True)
+        print(
+            f"| {args.label} | decode batch {batch} | {statistics.median(times):.1f} | {spread} | best {best:.1f} |",
+            flush=True,
+        )
     if args.calls:
         calls, tottime = python_calls_per_step(llm, 100)
         print(f"| {args.label} | python calls per step, batch 1 | {calls:.0f} | {tottime} |", flush=True)

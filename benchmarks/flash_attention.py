@@ -19,8 +19,11 @@ from infer.kernels import cpu as cpu_kernels
 from infer.kernels.cpu import FlashChunks
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the default model's layout
-CASES = {"4 x 512 fresh": ([512] * 4, [512] * 4), "512 after 512 cached": ([512], [1024]),
-         "1 x 512 fresh": ([512], [512])}
+CASES = {
+    "4 x 512 fresh": ([512] * 4, [512] * 4),
+    "512 after 512 cached": ([512], [1024]),
+    "1 x 512 fresh": ([512], [512]),
+}
 
 
 def make_case(lens: list[int], contexts: list[int]):
@@ -31,7 +34,7 @@ def make_case(lens: list[int], contexts: list[int]):
     order, at = torch.randperm(num_blocks - 1, generator=generator) + 1, 0
     for index, context in enumerate(contexts):
         used = -(-context // BLOCK)
-        tables[index, :used] = order[at:at + used].int()
+        tables[index, :used] = order[at : at + used].int()
         at += used
     q = torch.randn(sum(lens), HEADS, HEAD_DIM, generator=generator)
     chunks = FlashChunks.of([(sum(lens[:index]), lens[index], contexts[index], index) for index in range(len(lens))])
@@ -45,12 +48,20 @@ def torch_path(q, kv, tables, lens, contexts, scale):
         if context > length:
             allowed = torch.ones(length, context, dtype=torch.bool).tril(context - length)
             mask = torch.zeros(length, context, dtype=torch.bfloat16).masked_fill(~allowed, float("-inf"))
-        keys, values = (side[:context].transpose(0, 1)[None]
-                        for side in gather_blocks(kv, tables[index, : -(-context // BLOCK)].long(), torch.bfloat16))
-        attended = F.scaled_dot_product_attention(q[start:start + length].to(torch.bfloat16).transpose(0, 1)[None],
-                                                  keys, values, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                                  enable_gqa=True)
-        out[start:start + length] = attended[0].transpose(0, 1).float()
+        keys, values = (
+            side[:context].transpose(0, 1)[None]
+            for side in gather_blocks(kv, tables[index, : -(-context // BLOCK)].long(), torch.bfloat16)
+        )
+        attended = F.scaled_dot_product_attention(
+            q[start : start + length].to(torch.bfloat16).transpose(0, 1)[None],
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start : start + length] = attended[0].transpose(0, 1).float()
         start += length
     return out
 
@@ -63,18 +74,22 @@ def main() -> None:
     kernels = cpu_kernels.load(True)
     if not kernels.flash:
         raise SystemExit("infer's flash attention is not built here (it needs avx512_bf16)")
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     arms = ["infer"] + (["infer, float32 FMAs"] if args.fma else []) + ["torch"]
-    print(f"infer's flash attention on {'AMX tiles' if kernels.flash_amx else 'AVX512-BF16 dot products'}, "
-          f"threads {torch.get_num_threads()}\n")
+    print(
+        f"infer's flash attention on {'AMX tiles' if kernels.flash_amx else 'AVX512-BF16 dot products'}, "
+        f"threads {torch.get_num_threads()}\n"
+    )
     print("| case | " + " | ".join(arms) + " |")
     print("|---" * (len(arms) + 1) + "|")
     for name, (lens, contexts) in CASES.items():
         q, kv, tables, chunks = make_case(lens, contexts)
         out = torch.empty_like(q)
-        calls = {"infer": lambda: kernels.flash_attention(q, kv, tables, chunks, scale, out, False),
-                 "infer, float32 FMAs": lambda: kernels.flash_attention(q, kv, tables, chunks, scale, out, True),
-                 "torch": lambda: torch_path(q, kv, tables, lens, contexts, scale)}
+        calls = {
+            "infer": lambda: kernels.flash_attention(q, kv, tables, chunks, scale, out, False),
+            "infer, float32 FMAs": lambda: kernels.flash_attention(q, kv, tables, chunks, scale, out, True),
+            "torch": lambda: torch_path(q, kv, tables, lens, contexts, scale),
+        }
         times = {arm: [] for arm in arms}
         for arm in arms:
             calls[arm]()

@@ -108,8 +108,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--layers", type=int, default=8, help="distinct layers cycled through (weights from memory)")
     parser.add_argument("--steps", type=int, default=48)
-    parser.add_argument("--gemv-rows", type=int, default=16, help="experts' inputs of up to this many rows take "
-                                                                   "the GEMV (the engine's fused_max_tokens)")
+    parser.add_argument(
+        "--gemv-rows",
+        type=int,
+        default=16,
+        help="experts' inputs of up to this many rows take the GEMV (the engine's fused_max_tokens)",
+    )
     args = parser.parse_args()
     import transformers
 
@@ -125,8 +129,10 @@ def main() -> None:
     for _, ours in pairs:
         ours.use_cpu_kernels(kernels, args.gemv_rows)
     step = SimpleNamespace(ops=StepOps(None, None, torch.float32, kernels))
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads; {args.shape}: {config.num_experts} experts of "
-          f"{hidden} x {width}, top {config.num_experts_per_tok}, bf16")
+    print(
+        f"{cpu_name()}, {torch.get_num_threads()} threads; {args.shape}: {config.num_experts} experts of "
+        f"{hidden} x {width}, top {config.num_experts_per_tok}, bf16"
+    )
     rows = []
     generator = torch.Generator().manual_seed(1)
     with torch.inference_mode():
@@ -147,17 +153,29 @@ def main() -> None:
                 packed, grouped.packed = grouped.packed, None
                 grouped_ms.append(timed(lambda: grouped(x, step)) * 1e3)
                 grouped.packed = packed
-            rows.append((batch, statistics.median(active), statistics.median(torch_ms),
-                         statistics.median(grouped_ms), statistics.median(infer_ms), min(infer_ms)))
-    print(f"floor: the active experts' bytes at {rate.best:.1f} GB/s, the GEMV's best streaming rate of "
-          f"{len(rate.samples)} samples (median {statistics.median(rate.samples):.1f})")
-    print("| batch | active experts | floor ms | torch loop ms | grouped ms | infer ms (best) | infer / floor "
-          "(best) |")
+            rows.append(
+                (
+                    batch,
+                    statistics.median(active),
+                    statistics.median(torch_ms),
+                    statistics.median(grouped_ms),
+                    statistics.median(infer_ms),
+                    min(infer_ms),
+                )
+            )
+    print(
+        f"floor: the active experts' bytes at {rate.best:.1f} GB/s, the GEMV's best streaming rate of "
+        f"{len(rate.samples)} samples (median {statistics.median(rate.samples):.1f})"
+    )
+    print("| batch | active experts | floor ms | torch loop ms | grouped ms | infer ms (best) | infer / floor (best) |")
     print("|---|---|---|---|---|---|---|")
     for batch, experts, torch_loop, grouped, infer, best in rows:
         floor = experts * expert_bytes / rate.best / 1e6
-        print(f"| {batch} | {experts:.0f} | {floor:.2f} | {torch_loop:.2f} | {grouped:.2f} | {infer:.2f} ({best:.2f}) "
-              f"| {infer / floor:.2f} ({best / floor:.2f}) |")
+        print(
+            f"| {batch} | {experts:.0f} | {floor:.2f} | {torch_loop:.2f} | {grouped:.2f} | {infer:.2f} ({best:.2f}) "
+            f"| {infer / floor:.2f} ({best / floor:.2f}) |"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -39,8 +39,12 @@ MODES = {
     "bf16_dot": ["model.dtype=float32", "model.quantization=bf16", "execution.large_gemm=bf16"],
     "bf16_fma": ["model.dtype=float32", "model.quantization=bf16", "execution.large_gemm=float32"],
     # bf16 with the decode attention's float32 arithmetic (``bf16`` above: its dot products where auto takes them)
-    "bf16_f32_decode": ["model.dtype=float32", "model.quantization=bf16", "attention.name=cpu",
-                        "attention.decode_arithmetic=float32"],
+    "bf16_f32_decode": [
+        "model.dtype=float32",
+        "model.quantization=bf16",
+        "attention.name=cpu",
+        "attention.decode_arithmetic=float32",
+    ],
     "int8": ["model.dtype=float32", "model.quantization=int8"],
     "int8_per_row": ["model.dtype=float32", "model.quantization=int8_per_row"],
     "w8a8": ["model.dtype=float32", "model.quantization=w8a8"],
@@ -102,10 +106,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def table(rows) -> str:
-    lines = ["| weights | agreement with float32 | identical answers | batch 1 tok/s | batch 16 tok/s |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {mode} | {agree:.1%} | {same}/{total} | {single:.1f} | {batched:.1f} |"
-              for mode, agree, same, total, single, batched in rows]
+    lines = [
+        "| weights | agreement with float32 | identical answers | batch 1 tok/s | batch 16 tok/s |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {mode} | {agree:.1%} | {same}/{total} | {single:.1f} | {batched:.1f} |"
+        for mode, agree, same, total, single, batched in rows
+    ]
     return "\n".join(lines)
 
 

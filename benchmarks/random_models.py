@@ -16,33 +16,104 @@ import torch
 
 # The published configs' geometry (hidden, MLP width, layers, heads, KV heads, head_dim, vocabulary, RoPE).
 SHAPES = {
-    "qwen3-0.6b": ("Qwen3ForCausalLM", dict(
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
-    "qwen3-1.7b": ("Qwen3ForCausalLM", dict(
-        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
-    "llama3.2-1b": ("LlamaForCausalLM", dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 32.0,
-                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                   "original_max_position_embeddings": 8192})),
-    "gemma3-1b": ("Gemma3ForCausalLM", dict(
-        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=256, vocab_size=262144, max_position_embeddings=32768, rms_norm_eps=1e-6,
-        sliding_window=512, query_pre_attn_scalar=256, tie_word_embeddings=True,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})),
+    "qwen3-0.6b": (
+        "Qwen3ForCausalLM",
+        dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        ),
+    ),
+    "qwen3-1.7b": (
+        "Qwen3ForCausalLM",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        ),
+    ),
+    "llama3.2-1b": (
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500_000.0,
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+    ),
+    "gemma3-1b": (
+        "Gemma3ForCausalLM",
+        dict(
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            vocab_size=262144,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            sliding_window=512,
+            query_pre_attn_scalar=256,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            },
+        ),
+    ),
     # A CPU user's MoE: Qwen3-MoE's geometry (fine-grained experts, 4 routed per token) shrunk to 32 experts:
     # 3.3B weights (6.6 GB in bf16), 0.9B read per token (attention 0.25B, 4 experts 0.3B, the output head 0.31B).
-    "qwen3-moe-3.3b": ("Qwen3MoeForCausalLM", dict(
-        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=512, num_experts=32, num_experts_per_tok=4,
-        norm_topk_prob=True, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-        vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
+    "qwen3-moe-3.3b": (
+        "Qwen3MoeForCausalLM",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=512,
+            num_experts=32,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        ),
+    ),
 }
 
 

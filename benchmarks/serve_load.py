@@ -57,9 +57,14 @@ class RateResult:
 
 
 def request_body(index: int, model: str | None, max_tokens: int) -> dict:
-    body = {"messages": [{"role": "user", "content": BUILTIN_PROMPTS[index % len(BUILTIN_PROMPTS)]}],
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": BUILTIN_PROMPTS[index % len(BUILTIN_PROMPTS)]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     return body | ({"model": model} if model else {})
 
 
@@ -119,8 +124,10 @@ def _ms(value: float | None) -> str:
 
 
 def table(rates: list[RateResult]) -> str:
-    header = ("| rate (req/s) | done / sent | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
-              "| ITL p50 | ITL p99 | E2E p50 |")
+    header = (
+        "| rate (req/s) | done / sent | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
+        "| ITL p50 | ITL p99 | E2E p50 |"
+    )
     lines = [header, "|" + "---:|" * (header.count("|") - 1)]
     for rate in rates:
         served = [r for r in rate.results if r.error is None]
@@ -132,15 +139,17 @@ def table(rates: list[RateResult]) -> str:
             f"| {rate.rate:g} | {len(served)} / {len(rate.results)} | {len(served) / rate.wall_time_s:.2f} "
             f"| {tokens / rate.wall_time_s:.1f} | {_ms(percentile(ttfts, 50))} | {_ms(percentile(ttfts, 99))} "
             f"| {_ms(percentile(tpots, 50))} | {_ms(percentile(tpots, 99))} | {_ms(percentile(itls, 50))} "
-            f"| {_ms(percentile(itls, 99))} | {_ms(percentile([r.latency_s for r in served], 50))} |")
+            f"| {_ms(percentile(itls, 99))} | {_ms(percentile([r.latency_s for r in served], 50))} |"
+        )
     return "\n".join(lines)
 
 
 async def benchmark(url: str, args) -> list[RateResult]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.num_requests + 1)
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(args.max_duration_s)) as client:
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, limits=limits, timeout=httpx.Timeout(args.max_duration_s)
+    ) as client:
         warmup = await send(client, request_body(0, args.model, 2))  # pays one-time costs outside the measurement
         if warmup.error:
             raise SystemExit(f"the warm-up request failed: {warmup.error}")
@@ -161,8 +170,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="A running server on this machine, e.g. http://127.0.0.1:8000.")
-    target.add_argument("--launch", nargs="+", metavar="CONFIG_OR_OVERRIDE",
-                        help="Start a server for the run: a config then key=value overrides.")
+    target.add_argument(
+        "--launch",
+        nargs="+",
+        metavar="CONFIG_OR_OVERRIDE",
+        help="Start a server for the run: a config then key=value overrides.",
+    )
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="Requests per second.")
     parser.add_argument("--num-requests", type=int, default=32, help="Requests per rate (at most 1024).")
     parser.add_argument("--max-tokens", type=int, default=32, help="Output tokens per request.")
@@ -188,8 +201,10 @@ def main() -> None:
             url = args.url.rstrip("/")
         check_loopback(url)
         rates = asyncio.run(benchmark(url, args))
-    print(f"{args.num_requests} requests per rate, {args.max_tokens} output tokens each, Poisson arrivals "
-          f"(seed {args.seed}); latencies in ms\n")
+    print(
+        f"{args.num_requests} requests per rate, {args.max_tokens} output tokens each, Poisson arrivals "
+        f"(seed {args.seed}); latencies in ms\n"
+    )
     print(table(rates))
 
 

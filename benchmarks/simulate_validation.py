@@ -22,18 +22,36 @@ from infer.config import load_config
 from infer.engine.engine import Engine
 from infer.simulate.engine import SimulatedEngine
 
-PREFIX_WORKLOAD = {"name": "shared-prefix", "groups": 4, "questions": 16, "system_len": 600, "question_len": 30,
-                   "output_len": 32}  # configs/ablations/prefix.yaml
+PREFIX_WORKLOAD = {
+    "name": "shared-prefix",
+    "groups": 4,
+    "questions": 16,
+    "system_len": 600,
+    "question_len": 30,
+    "output_len": 32,
+}  # configs/ablations/prefix.yaml
 CASES = [
     ("chat", {"name": "chat"}, []),
     ("shared-prefix", {"name": "shared-prefix"}, []),
     ("long-prompt", {"name": "long-prompt"}, []),
-    *[(f"prefix ablation: {cache} / {scheduler}", PREFIX_WORKLOAD,
-       [f"prefix_cache.name={cache}", f"scheduler.name={scheduler}"])
-      for cache in ("none", "hash", "radix") for scheduler in ("fcfs", "lpm")],
+    *[
+        (
+            f"prefix ablation: {cache} / {scheduler}",
+            PREFIX_WORKLOAD,
+            [f"prefix_cache.name={cache}", f"scheduler.name={scheduler}"],
+        )
+        for cache in ("none", "hash", "radix")
+        for scheduler in ("fcfs", "lpm")
+    ],
 ]
-ROOFLINE_70B = ["simulate.cost=roofline", "simulate.geometry=llama-3-70b", "simulate.tensor_parallel_size=8",
-                "model.max_model_len=4096", "scheduler.max_num_batched_tokens=8192", "prefix_cache.name=radix"]
+ROOFLINE_70B = [
+    "simulate.cost=roofline",
+    "simulate.geometry=llama-3-70b",
+    "simulate.tensor_parallel_size=8",
+    "model.max_model_len=4096",
+    "scheduler.max_num_batched_tokens=8192",
+    "prefix_cache.name=radix",
+]
 
 
 def run_case(base: str, overrides: list[str], workload: dict) -> tuple[dict, dict]:
@@ -55,17 +73,22 @@ def ratio(sim: float | None, real: float | None) -> str:
 
 
 def validation(base: str, overrides: list[str]) -> list[dict]:
-    print("| case | output tok/s real / sim (ratio) | TTFT p50 s real / sim (ratio) | prefix hit real / sim | "
-          "preemptions real / sim | steps real / sim |")
+    print(
+        "| case | output tok/s real / sim (ratio) | TTFT p50 s real / sim (ratio) | prefix hit real / sim | "
+        "preemptions real / sim | steps real / sim |"
+    )
     print("|---|---|---|---|---|---|")
     rows = []
     for label, workload, case_overrides in CASES:
         real, sim = run_case(base, [*overrides, *case_overrides], workload)
-        print(f"| {label} | {real['output_tok_per_s']:.1f} / {sim['output_tok_per_s']:.1f} "
-              f"({ratio(sim['output_tok_per_s'], real['output_tok_per_s'])}) | {real['ttft_p50_s']:.3f} / "
-              f"{sim['ttft_p50_s']:.3f} ({ratio(sim['ttft_p50_s'], real['ttft_p50_s'])}) | "
-              f"{real['prefix_hit_rate']:.1%} / {sim['prefix_hit_rate']:.1%} | {real['preemptions']} / "
-              f"{sim['preemptions']} | {real['steps']} / {sim['steps']} |", flush=True)
+        print(
+            f"| {label} | {real['output_tok_per_s']:.1f} / {sim['output_tok_per_s']:.1f} "
+            f"({ratio(sim['output_tok_per_s'], real['output_tok_per_s'])}) | {real['ttft_p50_s']:.3f} / "
+            f"{sim['ttft_p50_s']:.3f} ({ratio(sim['ttft_p50_s'], real['ttft_p50_s'])}) | "
+            f"{real['prefix_hit_rate']:.1%} / {sim['prefix_hit_rate']:.1%} | {real['preemptions']} / "
+            f"{sim['preemptions']} | {real['steps']} / {sim['steps']} |",
+            flush=True,
+        )
         rows.append({"case": label, "real": real, "simulated": sim})
     return rows
 
@@ -79,12 +102,23 @@ def speed(base: str) -> list[dict]:
     cases = [(32, 5000, 50.0), (128, 5000, 50.0), (256, 5000, 50.0), (256, 1000, None), (256, 5000, None)]
     for max_num_seqs, num_requests, rate in cases:
         engine = SimulatedEngine(load_config(base, [*ROOFLINE_70B, f"scheduler.max_num_seqs={max_num_seqs}"]))
-        workload = build_workload("synthetic", engine.tokenizer, num_requests=num_requests, rate=rate,
-                                  num_systems=16, system_len=512, input_len=256, output_len=128)
+        workload = build_workload(
+            "synthetic",
+            engine.tokenizer,
+            num_requests=num_requests,
+            rate=rate,
+            num_systems=16,
+            system_len=512,
+            input_len=256,
+            output_len=128,
+        )
         summary = simulate_workload(engine, workload)
         arrival = f"{rate:g}/s" if rate else "all at once"
-        print(f"| {max_num_seqs} | {num_requests} | {arrival} | {summary['simulated_requests_per_wall_s']:.0f} | "
-              f"{summary['simulated_steps_per_wall_s']:.0f} | {summary['mean_running']:.0f} |", flush=True)
+        print(
+            f"| {max_num_seqs} | {num_requests} | {arrival} | {summary['simulated_requests_per_wall_s']:.0f} | "
+            f"{summary['simulated_steps_per_wall_s']:.0f} | {summary['mean_running']:.0f} |",
+            flush=True,
+        )
         rows.append({"max_num_seqs": max_num_seqs, "num_requests": num_requests, "rate": rate, **summary})
     return rows
 

@@ -31,16 +31,22 @@ import torch
 
 from infer import LLM, SamplingParams
 
-PASSAGE = ("The old lighthouse stood at the edge of the cliff, its white paint peeling in long strips. Every night "
-           "the keeper climbed the one hundred and twelve steps to light the lamp, and every morning he wrote the "
-           "weather in a thick leather book. Ships passed safely for forty years, and nobody in the village could "
-           "remember a single wreck on the rocks below.")
-CODE = ("def average(values):\n    total = 0\n    for value in values:\n        total = total + value\n"
-        "    return total / len(values)\n")
+PASSAGE = (
+    "The old lighthouse stood at the edge of the cliff, its white paint peeling in long strips. Every night "
+    "the keeper climbed the one hundred and twelve steps to light the lamp, and every morning he wrote the "
+    "weather in a thick leather book. Ships passed safely for forty years, and nobody in the village could "
+    "remember a single wreck on the rocks below."
+)
+CODE = (
+    "def average(values):\n    total = 0\n    for value in values:\n        total = total + value\n"
+    "    return total / len(values)\n"
+)
 COPY_PROMPTS = [
     f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
-    (f"Rewrite the following passage, replacing the word 'keeper' with 'guardian' and changing nothing else:\n\n"
-     f"{PASSAGE}"),
+    (
+        f"Rewrite the following passage, replacing the word 'keeper' with 'guardian' and changing nothing else:\n\n"
+        f"{PASSAGE}"
+    ),
     f"Copy this Python function and add a docstring to it, keeping the code the same:\n\n{CODE}",
     f"Here is a paragraph:\n\n{PASSAGE}\n\nWrite the same paragraph again, but in the present tense.",
     f"Correct any mistakes in this text and return the full corrected text:\n\n{PASSAGE.replace('the', 'teh', 3)}",
@@ -121,23 +127,41 @@ class Result:
 
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                        help="auto: the engine's default (on an AVX2 CPU, float32 with fp16-packed weights)")
-    parser.add_argument("--quantization", default="auto",
-                        choices=["auto", "none", "fp16", "int8", "int8_per_row", "w8a8"],
-                        help="model.quantization (auto: fp16-packed weights on an x86 CPU in float32)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="auto: the engine's default (on an AVX2 CPU, float32 with fp16-packed weights)",
+    )
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "fp16", "int8", "int8_per_row", "w8a8"],
+        help="model.quantization (auto: fp16-packed weights on an x86 CPU in float32)",
+    )
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16])
-    parser.add_argument("--num-prompts", type=int, default=8, help="prompts per workload at batch 1 (more at "
-                                                                   "larger batches: one full wave at least)")
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=8,
+        help="prompts per workload at batch 1 (more at larger batches: one full wave at least)",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="drafts per verify pass")
     parser.add_argument("--model-layers", type=int, default=8, help="self-speculative draft depth (drafter: model)")
-    parser.add_argument("--drafters", nargs="+", default=[drafter for _, drafter in PLAN],
-                        help="subset of none ngram eagle model; NAME@KEY=VALUE,... adds a variant with those "
-                             "drafter.KEY overrides (eagle@min_confidence=0.6)")
-    parser.add_argument("--interleave", action="store_true",
-                        help="build every drafter's engine first and run each wave on all of them in turn (ratios "
-                             "that hold on a noisy machine; more memory: one engine per drafter at once)")
+    parser.add_argument(
+        "--drafters",
+        nargs="+",
+        default=[drafter for _, drafter in PLAN],
+        help="subset of none ngram eagle model; NAME@KEY=VALUE,... adds a variant with those "
+        "drafter.KEY overrides (eagle@min_confidence=0.6)",
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="build every drafter's engine first and run each wave on all of them in turn (ratios "
+        "that hold on a noisy machine; more memory: one engine per drafter at once)",
+    )
     return parser.parse_args()
 
 
@@ -147,9 +171,13 @@ def prompts_for(workload: str, count: int) -> list[list[dict]]:
 
 
 def build_llm(drafter: str, args) -> LLM:
-    overrides = {"drafter.num_speculative_tokens": args.k, "drafter.max_batch_size": max(args.batch_sizes),
-                 "model.dtype": args.dtype, "model.quantization": args.quantization,
-                 "scheduler.max_num_seqs": max(args.batch_sizes)}
+    overrides = {
+        "drafter.num_speculative_tokens": args.k,
+        "drafter.max_batch_size": max(args.batch_sizes),
+        "model.dtype": args.dtype,
+        "model.quantization": args.quantization,
+        "scheduler.max_num_seqs": max(args.batch_sizes),
+    }
     if drafter_name(drafter) == "model":
         overrides["drafter.layers"] = args.model_layers
     overrides.update(drafter_overrides(drafter))
@@ -160,8 +188,11 @@ def build_llm(drafter: str, args) -> LLM:
 
 def run_drafter(drafter: str, workloads: list[str], args) -> list[Result]:
     llm = build_llm(drafter, args)
-    return [run_workload({drafter: llm}, workload, batch_size, args)[0]
-            for workload in workloads for batch_size in args.batch_sizes]
+    return [
+        run_workload({drafter: llm}, workload, batch_size, args)[0]
+        for workload in workloads
+        for batch_size in args.batch_sizes
+    ]
 
 
 def run_interleaved(args) -> list[Result]:
@@ -187,9 +218,9 @@ def run_workload(llms: dict[str, LLM], workload: str, batch_size: int, args) -> 
     outputs: dict[str, list] = {name: [] for name in names}
     seconds = dict.fromkeys(names, 0.0)
     for wave, start in enumerate(range(0, len(prompts), batch_size)):
-        for name in names[wave % len(names):] + names[:wave % len(names)]:
+        for name in names[wave % len(names) :] + names[: wave % len(names)]:
             began = time.perf_counter()
-            outputs[name].extend(llms[name].generate(prompts[start:start + batch_size], params))
+            outputs[name].extend(llms[name].generate(prompts[start : start + batch_size], params))
             seconds[name] += time.perf_counter() - began
     return [summarize(name, workload, batch_size, outputs[name], seconds[name]) for name in names]
 
@@ -198,22 +229,35 @@ def summarize(drafter: str, workload: str, batch_size: int, outputs: list, secon
     passes = sum(output.metrics.num_verify_passes for output in outputs)
     accepted = sum(output.metrics.num_accepted_tokens for output in outputs)
     decode_seconds = sum(output.metrics.finish_time - output.metrics.first_token_time for output in outputs)
-    return Result(workload, drafter, batch_size, sum(len(output.token_ids) for output in outputs), seconds,
-                  accepted / passes if passes else 1.0, decode_seconds, [output.token_ids for output in outputs])
+    return Result(
+        workload,
+        drafter,
+        batch_size,
+        sum(len(output.token_ids) for output in outputs),
+        seconds,
+        accepted / passes if passes else 1.0,
+        decode_seconds,
+        [output.token_ids for output in outputs],
+    )
 
 
 def table(results: list[Result]) -> str:
     baseline = {(r.workload, r.batch_size): r for r in results if r.drafter == "none"}
-    lines = ["| workload | drafter | batch | tokens/pass | tok/s | vs none | decode tok/s per request | same output |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| workload | drafter | batch | tokens/pass | tok/s | vs none | decode tok/s per request | same output |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     order = list(DRAFTERS)
-    for r in sorted(results, key=lambda r: (r.workload != "copy", r.batch_size, order.index(drafter_name(r.drafter)),
-                                            r.drafter)):
+    for r in sorted(
+        results, key=lambda r: (r.workload != "copy", r.batch_size, order.index(drafter_name(r.drafter)), r.drafter)
+    ):
         base = baseline.get((r.workload, r.batch_size))
         ratio = f"{r.tokens_per_second / base.tokens_per_second:.2f}x" if base else "-"
-        same = (f"{sum(a == b for a, b in zip(r.token_ids, base.token_ids))}/{len(r.token_ids)}" if base else "-")
-        lines.append(f"| {r.workload} | {r.drafter} | {r.batch_size} | {r.tokens_per_pass:.2f} | "
-                     f"{r.tokens_per_second:.1f} | {ratio} | {r.decode_tokens_per_second:.1f} | {same} |")
+        same = f"{sum(a == b for a, b in zip(r.token_ids, base.token_ids))}/{len(r.token_ids)}" if base else "-"
+        lines.append(
+            f"| {r.workload} | {r.drafter} | {r.batch_size} | {r.tokens_per_pass:.2f} | "
+            f"{r.tokens_per_second:.1f} | {ratio} | {r.decode_tokens_per_second:.1f} | {same} |"
+        )
     return "\n".join(lines)
 
 
@@ -229,9 +273,11 @@ def main() -> None:
             print(table(results), flush=True)
             print(flush=True)
     order = "interleaved" if args.interleave else "one drafter after another"
-    print(f"{order}, dtype {args.dtype}, quantization {args.quantization}, k={args.k}, max_tokens={args.max_tokens}, "
-          f"threads {torch.get_num_threads()}, "
-          f"draft depth (model) {args.model_layers} layers")
+    print(
+        f"{order}, dtype {args.dtype}, quantization {args.quantization}, k={args.k}, max_tokens={args.max_tokens}, "
+        f"threads {torch.get_num_threads()}, "
+        f"draft depth (model) {args.model_layers} layers"
+    )
 
 
 if __name__ == "__main__":

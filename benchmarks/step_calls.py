@@ -94,8 +94,9 @@ def measure(overrides: list[str], batches: list[int], steps: int, top: int) -> d
         options = {"ignore_eos": True} if "ignore_eos" in inspect.signature(SamplingParams).parameters else {}
         params = SamplingParams(max_tokens=steps + 16, temperature=0.0, **options)
         for i in range(batch):
-            engine.add_request([{"role": "user", "content": f"Tell me a long story about lighthouse number {i}."}],
-                               params)
+            engine.add_request(
+                [{"role": "user", "content": f"Tell me a long story about lighthouse number {i}."}], params
+            )
         while engine.waiting or any(seq.num_uncomputed_tokens > 1 for seq in engine.running):
             engine.step()
         for _ in range(3):
@@ -131,8 +132,13 @@ def measure(overrides: list[str], batches: list[int], steps: int, top: int) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value (model.dtype=float32 comes first)")
-    parser.add_argument("--checkout", action="append", default=[], metavar="LABEL=DIR",
-                        help="a checkout to measure (repeatable); default: this one")
+    parser.add_argument(
+        "--checkout",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="a checkout to measure (repeatable); default: this one",
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--top", type=int, default=15)
@@ -146,8 +152,20 @@ def main() -> None:
     checkouts = [item.split("=", 1) for item in args.checkout] or [["this", str(Path(__file__).parents[1])]]
     results = {}
     for label, root in checkouts:
-        command = [sys.executable, __file__, "--worker", root, "--steps", str(args.steps), "--top", str(args.top),
-                   "--batches", *map(str, args.batches), "--", *args.overrides]
+        command = [
+            sys.executable,
+            __file__,
+            "--worker",
+            root,
+            "--steps",
+            str(args.steps),
+            "--top",
+            str(args.top),
+            "--batches",
+            *map(str, args.batches),
+            "--",
+            *args.overrides,
+        ]
         environment = {**os.environ, "INFER_PLUGINS": os.environ.get("INFER_PLUGINS") or "none"}
         run = subprocess.run(command, capture_output=True, text=True, env=environment)
         if run.returncode:
@@ -157,15 +175,19 @@ def main() -> None:
     if not results:
         sys.exit(1)
     print(f"{args.steps} decode steps per case, averages per step; overrides: {' '.join(overrides)}\n")
-    print("| checkout | dtype | batch | calls/step (all) | calls/step (outside forward) "
-          "| distinct functions (all / outside) | C calls/step (all / outside) |")
+    print(
+        "| checkout | dtype | batch | calls/step (all) | calls/step (outside forward) "
+        "| distinct functions (all / outside) | C calls/step (all / outside) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for label, result in results.items():
         for batch in map(str, args.batches):
             case = result[batch]
-            print(f"| {label} | {result['dtype']} | {batch} | {case['calls']:,.1f} | {case['calls_outside']:,.1f} "
-                  f"| {case['distinct']} / {case['distinct_outside']} "
-                  f"| {case['c_calls']:,.1f} / {case['c_calls_outside']:,.1f} |")
+            print(
+                f"| {label} | {result['dtype']} | {batch} | {case['calls']:,.1f} | {case['calls_outside']:,.1f} "
+                f"| {case['distinct']} / {case['distinct_outside']} "
+                f"| {case['c_calls']:,.1f} / {case['c_calls_outside']:,.1f} |"
+            )
     for label, result in results.items():
         for batch in map(str, args.batches):
             print(f"\n{label}, batch {batch}: top {args.top} functions outside the forward pass, calls per step\n")

@@ -29,8 +29,9 @@ def mount(root: Path) -> None:
     """Import infer from the checkout at ``root`` (its three source folders) instead of the installed one."""
     modules = []
     for name, folder in MODULES:
-        spec = importlib.util.spec_from_file_location(name, root / folder / "__init__.py",
-                                                      submodule_search_locations=[str(root / folder)])
+        spec = importlib.util.spec_from_file_location(
+            name, root / folder / "__init__.py", submodule_search_locations=[str(root / folder)]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         if "." in name:
@@ -63,8 +64,9 @@ def measure(overrides: list[str], batches: list[int], steps: int) -> dict[str, d
     for batch in batches:
         params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
         for i in range(batch):
-            engine.add_request([{"role": "user", "content": f"Tell me a long story about lighthouse number {i}."}],
-                               params)
+            engine.add_request(
+                [{"role": "user", "content": f"Tell me a long story about lighthouse number {i}."}], params
+            )
         while engine.waiting or any(seq.num_uncomputed_tokens > 1 for seq in engine.running):
             engine.step()
         for _ in range(3):
@@ -85,8 +87,13 @@ def measure(overrides: list[str], batches: list[int], steps: int) -> dict[str, d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
-    parser.add_argument("--checkout", action="append", default=[], metavar="LABEL=DIR",
-                        help="a checkout to measure (repeatable); default: this one")
+    parser.add_argument(
+        "--checkout",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="a checkout to measure (repeatable); default: this one",
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
@@ -100,8 +107,18 @@ def main() -> None:
     samples: dict[tuple[str, str, str], list[float]] = {}
     for _ in range(args.repeats):
         for label, root in checkouts:
-            command = [sys.executable, __file__, "--worker", root, "--steps", str(args.steps), "--batches",
-                       *map(str, args.batches), "--", *args.overrides]
+            command = [
+                sys.executable,
+                __file__,
+                "--worker",
+                root,
+                "--steps",
+                str(args.steps),
+                "--batches",
+                *map(str, args.batches),
+                "--",
+                *args.overrides,
+            ]
             result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
             for batch, kinds in result.items():
                 for kind, values in kinds.items():

@@ -29,8 +29,17 @@ from infer import LLM, SamplingParams
 from infer.kernels.cpu import FusedLayer, FusedStack
 from infer.model.quantization import PackedLinear
 
-PARTS = ["scheduling", "metadata", "layers, one call", "projections", "fused dense", "attention", "output head",
-         "sampling", "other"]
+PARTS = [
+    "scheduling",
+    "metadata",
+    "layers, one call",
+    "projections",
+    "fused dense",
+    "attention",
+    "output head",
+    "sampling",
+    "other",
+]
 
 
 class Timers:
@@ -80,8 +89,7 @@ def decode_case(llm: LLM, timers: Timers, batch: int, steps: int) -> tuple[float
     engine = llm.engine
     params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request([{"role": "user", "content": f"Tell me a long story about lighthouse number {i}."}],
-                           params)
+        engine.add_request([{"role": "user", "content": f"Tell me a long story about lighthouse number {i}."}], params)
     return timed_decode(engine, timers, steps)
 
 
@@ -156,8 +164,11 @@ def main() -> None:
         total, parts = prefill_case(llm, timers, batch, length, repeats=3)
         lines.append(row(f"prefill {batch} x {length}", total, parts, batch * length))
         print(lines[-1], flush=True)
-    variants = {"CPU kernel": ["attention.name=cpu"], "torch, cascade on": ["attention.name=sdpa"],
-                "torch, cascade off": ["attention.name=sdpa", "attention.cascade=false"]}
+    variants = {
+        "CPU kernel": ["attention.name=cpu"],
+        "torch, cascade on": ["attention.name=sdpa"],
+        "torch, cascade off": ["attention.name=sdpa", "attention.cascade=false"],
+    }
     for label, overrides in variants.items():
         shared = LLM("radix_lpm", dotlist=[*args.overrides, *overrides])
         total, parts = shared_prefix_decode_case(shared, instrument(shared), args.steps)
@@ -166,8 +177,10 @@ def main() -> None:
         del shared
         gc.collect()
     engine = llm.engine
-    print(f"\n{engine.model_name}, dtype {str(engine.dtype).removeprefix('torch.')}, quantization "
-          f"{engine.quantization}, attention {type(engine.attention).__name__}, threads {torch.get_num_threads()}\n")
+    print(
+        f"\n{engine.model_name}, dtype {str(engine.dtype).removeprefix('torch.')}, quantization "
+        f"{engine.quantization}, attention {type(engine.attention).__name__}, threads {torch.get_num_threads()}\n"
+    )
     print("\n".join(lines))
 
 

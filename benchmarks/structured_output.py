@@ -47,8 +47,9 @@ def workload(llm: LLM, num_requests: int):
 def measure_throughput(llm: LLM, num_requests: int, repeats: int) -> dict:
     chat_prompts, chat_params, json_requests = workload(llm, num_requests)
     prompts = chat_prompts + [r.messages for r in json_requests]
-    constrained = chat_params + [SamplingParams(max_tokens=256, temperature=0.0, constraint=r.constraint)
-                                 for r in json_requests]
+    constrained = chat_params + [
+        SamplingParams(max_tokens=256, temperature=0.0, constraint=r.constraint) for r in json_requests
+    ]
     engine, in_guide = llm.engine, [0.0]
     masks = engine._constrained_logits
 
@@ -62,9 +63,12 @@ def measure_throughput(llm: LLM, num_requests: int, repeats: int) -> dict:
     engine._constrained_logits = timed_masks  # the warm-up run also says how much of a run the masks take
     warm_seconds, first = run_once(llm, prompts, constrained)  # and gives the JSON answers' lengths
     engine._constrained_logits = masks
-    bad = [o.outputs[0].text for o, r in zip(first[len(chat_prompts):], json_requests)
-           if satisfies(o.outputs[0].text, r.constraint)]
-    lengths = [len(o.outputs[0].token_ids) for o in first[len(chat_prompts):]]
+    bad = [
+        o.outputs[0].text
+        for o, r in zip(first[len(chat_prompts) :], json_requests)
+        if satisfies(o.outputs[0].text, r.constraint)
+    ]
+    lengths = [len(o.outputs[0].token_ids) for o in first[len(chat_prompts) :]]
     unconstrained = chat_params + [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     num_tokens = sum(len(o.outputs[0].token_ids) for o in first)
     times = {"constrained": [], "unconstrained": []}
@@ -75,9 +79,14 @@ def measure_throughput(llm: LLM, num_requests: int, repeats: int) -> dict:
             times[name].append(seconds)
     rates = {name: num_tokens / statistics.median(values) for name, values in times.items()}
     pairs = [plain / guided for plain, guided in zip(times["unconstrained"], times["constrained"])]
-    return {"output_tokens": num_tokens, "invalid": len(bad), **rates,
-            "ratio": rates["constrained"] / rates["unconstrained"], "pairs": pairs,
-            "mask_share": in_guide[0] / warm_seconds}
+    return {
+        "output_tokens": num_tokens,
+        "invalid": len(bad),
+        **rates,
+        "ratio": rates["constrained"] / rates["unconstrained"],
+        "pairs": pairs,
+        "mask_share": in_guide[0] / warm_seconds,
+    }
 
 
 def measure_masks(llm: LLM, batch: int, steps: int = 50) -> float:
@@ -120,8 +129,10 @@ def measure_jump_forward(llm: LLM, repeats: int, num_requests: int = 8) -> dict:
             tokens[jump] = [o.outputs[0].token_ids for o in outputs]
     engine._jump_forward = True
     assert tokens[True] == tokens[False], "jump-forward changed an output"
-    return {jump: (statistics.median(s for s, _ in runs), statistics.median(n for _, n in runs))
-            for jump, runs in results.items()}
+    return {
+        jump: (statistics.median(s for s, _ in runs), statistics.median(n for _, n in runs))
+        for jump, runs in results.items()
+    }
 
 
 def measure_compile(llm: LLM) -> tuple[float, float]:
@@ -145,30 +156,48 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for guide in args.guides:
-        llm = LLM("baseline", guide={"name": guide}, model={"dtype": args.dtype, "max_model_len": 1024},
-                  scheduler={"max_num_seqs": 64})
+        llm = LLM(
+            "baseline",
+            guide={"name": guide},
+            model={"dtype": args.dtype, "max_model_len": 1024},
+            scheduler={"max_num_seqs": 64},
+        )
         throughput = measure_throughput(llm, args.num_requests, args.repeats)
         cold, cached = measure_compile(llm)
-        rows.append((guide, throughput, measure_masks(llm, 1), measure_masks(llm, 64), cold, cached,
-                     measure_jump_forward(llm, args.repeats)))
+        rows.append(
+            (
+                guide,
+                throughput,
+                measure_masks(llm, 1),
+                measure_masks(llm, 64),
+                cold,
+                cached,
+                measure_jump_forward(llm, args.repeats),
+            )
+        )
         del llm
-    print(f"{args.num_requests} requests (half JSON-schema constrained), greedy, {args.dtype}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}")
-    print("| guide | output tokens | invalid | unconstrained tok/s | constrained tok/s | ratio | mask batch 1 | "
-          "mask batch 64 | compile cold | compile cached |")
+    print(
+        f"{args.num_requests} requests (half JSON-schema constrained), greedy, {args.dtype}, "
+        f"{torch.get_num_threads()} threads, median of {args.repeats}"
+    )
+    print(
+        "| guide | output tokens | invalid | unconstrained tok/s | constrained tok/s | ratio | mask batch 1 | "
+        "mask batch 64 | compile cold | compile cached |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for guide, t, mask1, mask64, cold, cached, _ in rows:
-        print(f"| {guide} | {t['output_tokens']} | {t['invalid']} | {t['unconstrained']:.1f} | "
-              f"{t['constrained']:.1f} | {t['ratio']:.3f} | {mask1 * 1e3:.3f} ms | {mask64 * 1e3:.2f} ms | "
-              f"{cold * 1e3:.1f} ms | {cached * 1e6:.0f} us |")
+        print(
+            f"| {guide} | {t['output_tokens']} | {t['invalid']} | {t['unconstrained']:.1f} | "
+            f"{t['constrained']:.1f} | {t['ratio']:.3f} | {mask1 * 1e3:.3f} ms | {mask64 * 1e3:.2f} ms | "
+            f"{cold * 1e3:.1f} ms | {cached * 1e6:.0f} us |"
+        )
     print("\nPer alternating pair, constrained rate / unconstrained rate; share of a constrained run in the masks")
     for guide, t, *_ in rows:
         print(f"- {guide}: {', '.join(f'{pair:.3f}' for pair in t['pairs'])}; masks {100 * t['mask_share']:.2f}%")
     print("\nJump-forward (8 JSON requests together, outputs identical): seconds and steps, off -> on")
     for guide, *_, jump in rows:
         (off_s, off_steps), (on_s, on_steps) = jump[False], jump[True]
-        print(f"- {guide}: {off_s:.2f} s / {off_steps} steps -> {on_s:.2f} s / {on_steps} steps "
-              f"({off_s / on_s:.2f}x)")
+        print(f"- {guide}: {off_s:.2f} s / {off_steps} steps -> {on_s:.2f} s / {on_steps} steps ({off_s / on_s:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -55,12 +55,19 @@ def decode_case(overrides: list[str], batch: int, tokens: int) -> dict:
         steps = engine.stats.num_steps - steps_before
         busy = engine.stats.busy_time_s - busy_before
         comm = (parallel.comm_time_s - comm_before) if parallel.sharded else 0.0
-        return {"batch": batch, "steps": steps, "step_ms": 1000 * wall / steps, "tok_per_s": batch * steps / wall,
-                "comm_share": comm / busy if busy else 0.0,
-                "all_reduces_per_step": ((parallel.group.num_all_reduces - reduces_before) / steps) if parallel.sharded
-                else 0.0,
-                "execution": engine.describe_execution(), "num_layers": engine.model.num_layers,
-                "hidden": engine.model.hidden_size}
+        return {
+            "batch": batch,
+            "steps": steps,
+            "step_ms": 1000 * wall / steps,
+            "tok_per_s": batch * steps / wall,
+            "comm_share": comm / busy if busy else 0.0,
+            "all_reduces_per_step": ((parallel.group.num_all_reduces - reduces_before) / steps)
+            if parallel.sharded
+            else 0.0,
+            "execution": engine.describe_execution(),
+            "num_layers": engine.model.num_layers,
+            "hidden": engine.model.hidden_size,
+        }
 
 
 def gloo_latency(sizes: list[int], hidden: int, repeats: int = 300) -> dict[int, float]:
@@ -72,8 +79,10 @@ def gloo_latency(sizes: list[int], hidden: int, repeats: int = 300) -> dict[int,
     context = mp.get_context("spawn")
     results = context.Manager().dict()
     port = free_port()
-    processes = [context.Process(target=_all_reduce_rank, args=(rank, port, sizes, hidden, repeats, results))
-                 for rank in range(2)]
+    processes = [
+        context.Process(target=_all_reduce_rank, args=(rank, port, sizes, hidden, repeats, results))
+        for rank in range(2)
+    ]
     for process in processes:
         process.start()
     for process in processes:
@@ -85,8 +94,9 @@ def _all_reduce_rank(rank, port, sizes, hidden, repeats, results) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
     for rows in sizes:
         tensor = torch.zeros(rows, hidden)
         for _ in range(20):
@@ -108,8 +118,14 @@ def nvlink_estimate(batches: list[int], collectives_per_layer: float) -> list[di
             for batch in [*batches, 8192]:
                 size = batch * hidden * 2
                 per_reduce_us = latency_us + 1e6 * 2 * (gpus - 1) / gpus * size / (NVLINK_BUS_GBPS * 1e9)
-                rows.append({"model": name, "gpus": gpus, "tokens": batch,
-                             "comm_ms_per_step": layers * collectives_per_layer * per_reduce_us / 1000})
+                rows.append(
+                    {
+                        "model": name,
+                        "gpus": gpus,
+                        "tokens": batch,
+                        "comm_ms_per_step": layers * collectives_per_layer * per_reduce_us / 1000,
+                    }
+                )
     return rows
 
 
@@ -125,9 +141,12 @@ def main() -> None:
         for name, overrides in CASES:
             row = {"case": name, **decode_case(overrides, batch, args.tokens)}
             results.append(row)
-            print(f"batch {batch:>3} | {name:<32} | {row['step_ms']:7.1f} ms/step | {row['tok_per_s']:7.1f} tok/s | "
-                  f"collectives {row['comm_share']:5.1%} of busy time, {row['all_reduces_per_step']:.0f} "
-                  f"all-reduces/step", flush=True)
+            print(
+                f"batch {batch:>3} | {name:<32} | {row['step_ms']:7.1f} ms/step | {row['tok_per_s']:7.1f} tok/s | "
+                f"collectives {row['comm_share']:5.1%} of busy time, {row['all_reduces_per_step']:.0f} "
+                f"all-reduces/step",
+                flush=True,
+            )
     hidden = results[0]["hidden"]
     latency = gloo_latency(args.batches, hidden)
     for rows, microseconds in sorted(latency.items()):
@@ -136,15 +155,20 @@ def main() -> None:
     measured = [row["all_reduces_per_step"] for row in results if row["all_reduces_per_step"]]
     per_layer = (measured[0] / layers) if measured else 2.0
     estimate = nvlink_estimate(args.batches, per_layer)
-    print(f"NVLink estimate ({per_layer:.0f} all-reduces per layer per step, bf16, {NVLINK_BUS_GBPS:.0f} GB/s bus "
-          f"bandwidth, latency {NVLINK_LATENCY_US} us):")
+    print(
+        f"NVLink estimate ({per_layer:.0f} all-reduces per layer per step, bf16, {NVLINK_BUS_GBPS:.0f} GB/s bus "
+        f"bandwidth, latency {NVLINK_LATENCY_US} us):"
+    )
     for row in estimate:
-        print(f"  {row['model']:<12} {row['gpus']} GPUs, {row['tokens']:>5} tokens/step: "
-              f"{row['comm_ms_per_step']:.2f} ms/step")
+        print(
+            f"  {row['model']:<12} {row['gpus']} GPUs, {row['tokens']:>5} tokens/step: "
+            f"{row['comm_ms_per_step']:.2f} ms/step"
+        )
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"cpu": cpu_signature(), "decode": results, "gloo_us": latency, "nvlink": estimate}, handle,
-                      indent=2)
+            json.dump(
+                {"cpu": cpu_signature(), "decode": results, "gloo_us": latency, "nvlink": estimate}, handle, indent=2
+            )
 
 
 if __name__ == "__main__":

@@ -111,6 +111,7 @@ class RefcountingAllocator(Allocator):
     def _check_held(self, block: int, action: str) -> None:
         if not 0 < block < self.num_blocks:
             raise BlockAllocationError(
-                f"cannot {action} block {block}: not a block of this pool (1..{self.num_blocks - 1})")
+                f"cannot {action} block {block}: not a block of this pool (1..{self.num_blocks - 1})"
+            )
         if self._refcounts[block] == 0:
             raise BlockAllocationError(f"cannot {action} block {block}: it is free (double release?)")

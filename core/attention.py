@@ -94,9 +94,15 @@ class AttentionMetadata:
     own_keys: torch.Tensor | None = None  # [T] int64: draft trees' leaves (see above); None when the step has none
 
     @classmethod
-    def build(cls, block_tables: list[list[int]], num_cached: list[int], num_new: list[int], block_size: int,
-              device: torch.device | str = "cpu",
-              draft_depths: list[list[int] | None] | None = None) -> AttentionMetadata:
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        num_cached: list[int],
+        num_new: list[int],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        draft_depths: list[list[int] | None] | None = None,
+    ) -> AttentionMetadata:
         """Metadata for sequences with ``num_cached[i]`` tokens already in the pool computing ``num_new[i]`` more,
         their K/V stored through ``block_tables[i]`` (what the engine's runner builds each step). ``draft_depths[i]``
         (None: a chain, or no drafts): the depth in its draft tree of each draft among sequence ``i``'s last new
@@ -107,8 +113,10 @@ class AttentionMetadata:
         # arithmetic, at batch 1 (an EAGLE chain step) as at batch 64.
         span = [(table, range(c, c + n)) for table, c, n in zip(block_tables, num_cached, num_new)]
         positions = [p for _, run in span for p in run]
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for table, run in span for p in run],
-                             dtype=torch.int64)
+        slots = torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for table, run in span for p in run],
+            dtype=torch.int64,
+        )
         own_keys = None
         if draft_depths is not None and any(draft_depths):
             own_keys = [-1] * len(positions)
@@ -213,7 +221,8 @@ class AttentionBackend(ABC):
         if missing:
             raise BackendUnavailableError(
                 f"attention backend {type(self).__name__} does not implement {' and '.join(missing)} attention, "
-                f"which this model's layers need; choose a backend that does (infer plugins lists them)")
+                f"which this model's layers need; choose a backend that does (infer plugins lists them)"
+            )
         scales = {layer.scale for layer in layers}
         if len(scales) == 1 and None not in scales:
             self.scale = scales.pop()
@@ -273,8 +282,9 @@ class AttentionBackend(ABC):
         """Write this step's K/V into the pool at ``metadata.slot_mapping``, then attend (see AttentionMetadata)."""
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-             all_valid: bool = False) -> None:
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, all_valid: bool = False
+) -> None:
     """Store K/V of this step's tokens at their slots (slots < 0 are skipped). The reference every backend may use.
 
     ``all_valid`` says the caller knows no slot is negative (checked once per step): skips a check that costs two
@@ -288,8 +298,9 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat.index_copy_(1, slot_mapping, torch.stack((k, v)).to(kv_cache.dtype))
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype,
-                  out: torch.Tensor | None = None) -> list[torch.Tensor]:
+def gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """K and V stored in ``block_ids``, ``[len(block_ids) * block_size, kv_heads, head_dim]`` each, in ``dtype``;
     into ``out`` (``[2, len(block_ids), block_size, kv_heads, head_dim]``, the pool's dtype) when given."""
     # index_select on each contiguous half copies whole blocks; advanced indexing is several times slower on CPU.

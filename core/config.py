@@ -42,8 +42,14 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 SHIPPED_CONFIGS = "infer.configs"
-DEFAULT_PLUGINS = {"allocator": "paged", "prefix_cache": "none", "scheduler": "fcfs", "attention": "auto",
-                   "drafter": "none", "guide": "none"}
+DEFAULT_PLUGINS = {
+    "allocator": "paged",
+    "prefix_cache": "none",
+    "scheduler": "fcfs",
+    "attention": "auto",
+    "drafter": "none",
+    "guide": "none",
+}
 # Kinds whose name may be "auto": the engine picks the plugin for the device and dtype (``infer.execution.paths``), and
 # the section takes no keys but the name (name a plugin to set its keys).
 AUTO_SELECTED = {"attention": AttentionConfig}
@@ -62,43 +68,58 @@ class ModelConfig(BaseModel):
     """Section ``model``: which weights to run, and how."""
 
     model_config = CORE_MODEL_CONFIG
-    path: str = Field("smollm2-135m-instruct", description="The default model's alias, a Hugging Face folder (config "
-                      "and safetensors), or a .gguf file.")
-    architecture: str = Field("auto", description="The model family that runs the checkpoint (a registered model "
-                                                  'plugin; infer plugins lists them). "auto": the one that serves '
-                                                  "the checkpoint's model_type.")
+    path: str = Field(
+        "smollm2-135m-instruct",
+        description="The default model's alias, a Hugging Face folder (config and safetensors), or a .gguf file.",
+    )
+    architecture: str = Field(
+        "auto",
+        description="The model family that runs the checkpoint (a registered model "
+        'plugin; infer plugins lists them). "auto": the one that serves '
+        "the checkpoint's model_type.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="The activations' and the KV cache's dtype. auto: float32 on an x86 CPU, its weights "
+        "auto",
+        description="The activations' and the KV cache's dtype. auto: float32 on an x86 CPU, its weights "
         "packed by quantization auto in the 16-bit format that CPU multiplies fastest; bfloat16 on CUDA with bf16 and "
-        "on CPUs with native bf16 (ARM); else float32. An explicit bfloat16 computes in bf16 throughout (torch's ops).")
+        "on CPUs with native bf16 (ARM); else float32. An explicit bfloat16 computes in bf16 throughout (torch's ops).",
+    )
     max_model_len: int = Field(2048, ge=2, description="Longest prompt + output a request may reach, in tokens.")
     seed: int = Field(0, description="Seeds the samplers of requests that set no seed (reproducible runs).")
     device: str = Field("auto", description='"auto": cuda when available, else cpu.')
-    quantization: Literal["auto", "none", "fp16", "bf16", "int8", "int8_per_row", "w8a8", "q4", "q8", "q4_0", "q4_1",
-                          "q8_0", "gguf"] = Field(
-        "auto", description='Weights packed for CPU matmuls: "fp16" (half the bytes, near float32 results), "bf16" '
-                            '(a bf16 model\'s weights: the GEMV in float32 for a few tokens, oneDNN\'s bf16 GEMM on '
-                            'AMX/AVX512-BF16 for more), "int8" '
-                            '(weight-only int8, a scale per 32 weights: decode steps read about a quarter of '
-                            'float32\'s bytes through the CPU kernels; some greedy tokens differ), "int8_per_row" '
-                            '(one scale per row: faster at batch 1, further from float32), "w8a8" (fbgemm\'s int8 '
-                            'weights and per-call int8 activations; this small model\'s answers change), "q4_0", '
-                            '"q4_1", "q8_0" (GGUF\'s blocks of 32 with fp16 scales, 4.5 / 5 / 8.5 bits a weight, on '
-                            'the CPU kernels\' block GEMV with int8 activations, as llama.cpp), "q4" and "q8" (q4_1 '
-                            'and q8_0), "gguf" (a GGUF model.path\'s own Q4_0/Q4_1/Q8_0 tensors kept as they are, '
-                            'other projections as q8_0), "none". '
-                            '"auto": with dtype auto on an x86 CPU, bf16 where it multiplies bf16 natively, else '
-                            'fp16; none elsewhere.')
+    quantization: Literal[
+        "auto", "none", "fp16", "bf16", "int8", "int8_per_row", "w8a8", "q4", "q8", "q4_0", "q4_1", "q8_0", "gguf"
+    ] = Field(
+        "auto",
+        description='Weights packed for CPU matmuls: "fp16" (half the bytes, near float32 results), "bf16" '
+        "(a bf16 model's weights: the GEMV in float32 for a few tokens, oneDNN's bf16 GEMM on "
+        'AMX/AVX512-BF16 for more), "int8" '
+        "(weight-only int8, a scale per 32 weights: decode steps read about a quarter of "
+        'float32\'s bytes through the CPU kernels; some greedy tokens differ), "int8_per_row" '
+        '(one scale per row: faster at batch 1, further from float32), "w8a8" (fbgemm\'s int8 '
+        'weights and per-call int8 activations; this small model\'s answers change), "q4_0", '
+        '"q4_1", "q8_0" (GGUF\'s blocks of 32 with fp16 scales, 4.5 / 5 / 8.5 bits a weight, on '
+        'the CPU kernels\' block GEMV with int8 activations, as llama.cpp), "q4" and "q8" (q4_1 '
+        'and q8_0), "gguf" (a GGUF model.path\'s own Q4_0/Q4_1/Q8_0 tensors kept as they are, '
+        'other projections as q8_0), "none". '
+        '"auto": with dtype auto on an x86 CPU, bf16 where it multiplies bf16 natively, else '
+        "fp16; none elsewhere.",
+    )
     cpu_kernels: Literal["auto"] | bool = Field(
-        "auto", description="Float32 on a CPU: run RMSNorm (with its residual add), RoPE and SiLU-and-multiply as "
-                            "infer's C kernels, compiled once with the system's C compiler; with fp16, bf16 or int8 "
-                            "weights also steps of up to execution.fused_max_tokens tokens (a GEMV over the packed "
-                            "weights, all layers in one call); attention auto then picks the cpu backend. auto: when a "
-                            "compiler is found (else torch's ops, with a warning); true: fail without one; false: "
-                            "torch's ops.")
-    compile: bool = Field(False, description="torch.compile each layer's feed-forward half (needs a C++ compiler "
-                                             "on CPU; the first steps of each new batch shape compile for seconds). "
-                                             "Measured no faster on an AVX2 CPU with packed weights, so off.")
+        "auto",
+        description="Float32 on a CPU: run RMSNorm (with its residual add), RoPE and SiLU-and-multiply as "
+        "infer's C kernels, compiled once with the system's C compiler; with fp16, bf16 or int8 "
+        "weights also steps of up to execution.fused_max_tokens tokens (a GEMV over the packed "
+        "weights, all layers in one call); attention auto then picks the cpu backend. auto: when a "
+        "compiler is found (else torch's ops, with a warning); true: fail without one; false: "
+        "torch's ops.",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile each layer's feed-forward half (needs a C++ compiler "
+        "on CPU; the first steps of each new batch shape compile for seconds). "
+        "Measured no faster on an AVX2 CPU with packed weights, so off.",
+    )
 
     def resolved_device(self) -> str:
         """The device to run on, with ``auto`` resolved (imports torch)."""
@@ -116,24 +137,34 @@ class ExecutionConfig(BaseModel):
     paths: list[Literal["fused-stack", "fused-layers", "torch"]] = Field(
         ["fused-stack", "fused-layers", "torch"],
         description="Execution paths in the order each step asks them; the first that accepts runs it. fused-stack: "
-                    "all layers in one C call (CPU kernels, packed weights, attention cpu); fused-layers: two C "
-                    "calls per layer around the backend's attention; torch: op by op, accepts every step (last).")
+        "all layers in one C call (CPU kernels, packed weights, attention cpu); fused-layers: two C "
+        "calls per layer around the backend's attention; torch: op by op, accepts every step (last).",
+    )
     fused_max_tokens: int | Literal["auto"] = Field(
-        "auto", description="Steps of at most this many tokens may take the fused paths and the GEMV (0: never). "
-                            "auto: where the GEMV stops being faster than the GEMM on this machine and model, "
-                            "measured once (a few seconds) and cached per CPU (infer.execution.calibration).")
-    recalibrate: bool = Field(False, description="With fused_max_tokens or large_gemm auto: measure again instead of "
-                                                 "reading the cached calibration.")
+        "auto",
+        description="Steps of at most this many tokens may take the fused paths and the GEMV (0: never). "
+        "auto: where the GEMV stops being faster than the GEMM on this machine and model, "
+        "measured once (a few seconds) and cached per CPU (infer.execution.calibration).",
+    )
+    recalibrate: bool = Field(
+        False,
+        description="With fused_max_tokens or large_gemm auto: measure again instead of "
+        "reading the cached calibration.",
+    )
     large_gemm: Literal["auto", "bf16", "float32"] = Field(
-        "auto", description="With bf16 weights (model.quantization bf16): how steps of more rows than the GEMV takes "
-                            "multiply. bf16: infer's tile kernel and oneDNN's bf16 GEMM (inputs rounded to bf16). "
-                            "float32: the tile kernel with float32 FMAs over the same bf16 weights (float32 inputs; "
-                            "oneDNN's copy dropped). auto: float32 where measured faster on this CPU (cached).")
+        "auto",
+        description="With bf16 weights (model.quantization bf16): how steps of more rows than the GEMV takes "
+        "multiply. bf16: infer's tile kernel and oneDNN's bf16 GEMM (inputs rounded to bf16). "
+        "float32: the tile kernel with float32 FMAs over the same bf16 weights (float32 inputs; "
+        "oneDNN's copy dropped). auto: float32 where measured faster on this CPU (cached).",
+    )
     reuse_freed_memory: bool = Field(
-        True, description="On a CPU: glibc's malloc keeps freed memory for the next step's tensors (blocks under 32 "
-                          "MiB from the heap, up to 1 GiB of free heap kept) instead of returning it to the kernel "
-                          "and faulting it in again page by page (infer.host.reuse_freed_memory; process-wide). "
-                          "false: glibc's defaults.")
+        True,
+        description="On a CPU: glibc's malloc keeps freed memory for the next step's tensors (blocks under 32 "
+        "MiB from the heap, up to 1 GiB of free heap kept) instead of returning it to the kernel "
+        "and faulting it in again page by page (infer.host.reuse_freed_memory; process-wide). "
+        "false: glibc's defaults.",
+    )
 
     @field_validator("fused_max_tokens")
     @classmethod
@@ -156,8 +187,10 @@ class CacheConfig(BaseModel):
     model_config = CORE_MODEL_CONFIG
     block_size: int = Field(16, description="Tokens per KV block; a power of 2 from 1 to 256.")
     memory_budget: str | float | int = Field(
-        "2GiB", description='KV pool size: "2GiB", "512MiB", "1.5GB", bytes, or a float in (0, 1] = fraction of free '
-                            "device memory.")
+        "2GiB",
+        description='KV pool size: "2GiB", "512MiB", "1.5GB", bytes, or a float in (0, 1] = fraction of free '
+        "device memory.",
+    )
     num_blocks: int | None = Field(None, ge=2, description="Force the pool size in blocks (tests); beats the budget.")
 
     @field_validator("block_size")
@@ -182,8 +215,11 @@ class PluginsConfig(BaseModel):
     """Section ``plugins``: ``load`` lists the third-party distributions to load (None = all; infer's always load)."""
 
     model_config = CORE_MODEL_CONFIG
-    load: list[str] | None = Field(None, description='Third-party plugin distributions to load, as $INFER_PLUGINS=a,b '
-                                   '(null: all; ["none"]: built-ins only).')
+    load: list[str] | None = Field(
+        None,
+        description="Third-party plugin distributions to load, as $INFER_PLUGINS=a,b "
+        '(null: all; ["none"]: built-ins only).',
+    )
 
 
 class ServerConfig(BaseModel):
@@ -192,53 +228,91 @@ class ServerConfig(BaseModel):
     model_config = CORE_MODEL_CONFIG
     host: str = Field("127.0.0.1", description="Address infer serve binds (loopback by default).")
     port: int = Field(8000, ge=0, le=65535, description="Port infer serve binds.")
-    api_key: str | None = Field(None, description="Bearer token the /v1 routes require (and /metrics, unless "
-                                "metrics_public); $INFER_API_KEY and --api-key take precedence.")
+    api_key: str | None = Field(
+        None,
+        description="Bearer token the /v1 routes require (and /metrics, unless "
+        "metrics_public); $INFER_API_KEY and --api-key take precedence.",
+    )
     max_waiting: int = Field(256, ge=1, description="Requests queued beyond this are refused with 429 and Retry-After.")
-    shutdown_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM: in-flight requests may finish for three "
-                                      "quarters of this, the rest are aborted, and the server exits within it.")
-    max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Request bodies larger than this are refused with "
-                                                                 "413 before they are read.")
+    shutdown_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM: in-flight requests may finish for three "
+        "quarters of this, the rest are aborted, and the server exits within it.",
+    )
+    max_body_bytes: int = Field(
+        4 * 2**20, ge=1024, description="Request bodies larger than this are refused with 413 before they are read."
+    )
     allowed_hosts: list[str] | None = Field(
-        None, description='Host headers the server answers (others get 400), e.g. ["infer.example.com"]; "*" any. '
-                          "null: the loopback names when bound to a loopback address (a web page cannot reach the "
-                          "server by DNS rebinding), any otherwise.")
-    metrics_public: bool = Field(False, description="Serve /metrics without the API key when one is set (it needs "
-                                                    "the key by default).")
-    metrics_vllm_names: bool = Field(False, description="/metrics also under vLLM's names (vllm:num_requests_running, "
-                                                        "vllm:time_to_first_token_seconds, ...) for its dashboards.")
-    tool_parser: str = Field("auto", description="Reads the model's tool calls in chat completions (tool_choice "
-                                                 "auto): a registered tool_parser (infer plugins lists them: hermes, "
-                                                 "llama3_json), auto (the one whose format the chat template "
-                                                 "uses), or none (calls stay content).")
+        None,
+        description='Host headers the server answers (others get 400), e.g. ["infer.example.com"]; "*" any. '
+        "null: the loopback names when bound to a loopback address (a web page cannot reach the "
+        "server by DNS rebinding), any otherwise.",
+    )
+    metrics_public: bool = Field(
+        False, description="Serve /metrics without the API key when one is set (it needs the key by default)."
+    )
+    metrics_vllm_names: bool = Field(
+        False,
+        description="/metrics also under vLLM's names (vllm:num_requests_running, "
+        "vllm:time_to_first_token_seconds, ...) for its dashboards.",
+    )
+    tool_parser: str = Field(
+        "auto",
+        description="Reads the model's tool calls in chat completions (tool_choice "
+        "auto): a registered tool_parser (infer plugins lists them: hermes, "
+        "llama3_json), auto (the one whose format the chat template "
+        "uses), or none (calls stay content).",
+    )
 
 
 class ParallelConfig(BaseModel):
     """Section ``parallel``: the model sharded over several processes (``infer.distributed``)."""
 
     model_config = CORE_MODEL_CONFIG
-    tensor_parallel_size: int = Field(1, ge=1, description="Ranks the model is sharded over (column-parallel QKV "
-                                                           "and gate/up, row-parallel output and down, each rank's "
-                                                           "KV pool its own KV heads); 1: one process.")
-    local_ranks: int | None = Field(None, ge=1, description="Ranks this host starts, 0 .. local_ranks - 1 (null: "
-                                                            "all of them); the rest join with infer tp-worker.")
-    master_addr: str | None = Field(None, description="Address rank 0 listens on for the others (null: "
-                                                      "$MASTER_ADDR, else 127.0.0.1).")
-    master_port: int | None = Field(None, ge=0, le=65535, description="Its port (null: $MASTER_PORT, else a free "
-                                                                      "one, which needs every rank on this host).")
-    threads_per_rank: int | None = Field(None, ge=1, description="torch threads each rank runs (null: this host's "
-                                                                 "cores shared evenly among its ranks).")
-    timeout_s: float = Field(600.0, gt=0, description="How long ranks wait for each other to start and for one "
-                                                      "collective (a dead local rank is noticed at once).")
-    data_parallel_size: int = Field(1, ge=1, description="infer serve: engine replicas, each its own process (and "
-                                                         "its tensor-parallel ranks), behind a router (section "
-                                                         "router); 1: one engine serves.")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ranks the model is sharded over (column-parallel QKV "
+        "and gate/up, row-parallel output and down, each rank's "
+        "KV pool its own KV heads); 1: one process.",
+    )
+    local_ranks: int | None = Field(
+        None,
+        ge=1,
+        description="Ranks this host starts, 0 .. local_ranks - 1 (null: "
+        "all of them); the rest join with infer tp-worker.",
+    )
+    master_addr: str | None = Field(
+        None, description="Address rank 0 listens on for the others (null: $MASTER_ADDR, else 127.0.0.1)."
+    )
+    master_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Its port (null: $MASTER_PORT, else a free one, which needs every rank on this host).",
+    )
+    threads_per_rank: int | None = Field(
+        None, ge=1, description="torch threads each rank runs (null: this host's cores shared evenly among its ranks)."
+    )
+    timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long ranks wait for each other to start and for one "
+        "collective (a dead local rank is noticed at once).",
+    )
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="infer serve: engine replicas, each its own process (and "
+        "its tensor-parallel ranks), behind a router (section "
+        "router); 1: one engine serves.",
+    )
 
     @model_validator(mode="after")
     def _check_local_ranks(self) -> ParallelConfig:
         if self.local_ranks is not None and self.local_ranks > self.tensor_parallel_size:
-            raise ValueError(f"local_ranks {self.local_ranks} exceeds tensor_parallel_size "
-                             f"{self.tensor_parallel_size}")
+            raise ValueError(f"local_ranks {self.local_ranks} exceeds tensor_parallel_size {self.tensor_parallel_size}")
         return self
 
 
@@ -248,25 +322,47 @@ class RouterConfig(BaseModel):
 
     model_config = CORE_MODEL_CONFIG
     policy: Literal["prefix_affinity", "round_robin"] = Field(
-        "prefix_affinity", description="prefix_affinity: the replica whose cache most likely holds the longest "
-                                       "prefix of the prompt (the router's record of what it sent where), unless it "
-                                       "is much busier than the idlest; round_robin: in turn.")
-    block_chars: int = Field(64, ge=1, description="prefix_affinity: characters per block of the router's record "
-                                                   "(about a KV block of 16 tokens of English).")
-    max_blocks_per_replica: int = Field(200_000, ge=1, description="prefix_affinity: blocks remembered per replica "
-                                                                   "(least recently routed forgotten first).")
-    cache_threshold: float = Field(0.3, ge=0, le=1, description="prefix_affinity: below this share of the prompt "
-                                                                "matched, the idlest replica takes it.")
-    balance_abs_threshold: int = Field(8, ge=0, description="prefix_affinity: the matched replica is passed over "
-                                                            "when it has this many more requests in flight than the "
-                                                            "idlest...")
+        "prefix_affinity",
+        description="prefix_affinity: the replica whose cache most likely holds the longest "
+        "prefix of the prompt (the router's record of what it sent where), unless it "
+        "is much busier than the idlest; round_robin: in turn.",
+    )
+    block_chars: int = Field(
+        64,
+        ge=1,
+        description="prefix_affinity: characters per block of the router's record "
+        "(about a KV block of 16 tokens of English).",
+    )
+    max_blocks_per_replica: int = Field(
+        200_000,
+        ge=1,
+        description="prefix_affinity: blocks remembered per replica (least recently routed forgotten first).",
+    )
+    cache_threshold: float = Field(
+        0.3,
+        ge=0,
+        le=1,
+        description="prefix_affinity: below this share of the prompt matched, the idlest replica takes it.",
+    )
+    balance_abs_threshold: int = Field(
+        8,
+        ge=0,
+        description="prefix_affinity: the matched replica is passed over "
+        "when it has this many more requests in flight than the "
+        "idlest...",
+    )
     balance_rel_threshold: float = Field(1.5, ge=1, description="...and more than this many times as many.")
     health_interval_s: float = Field(1.0, gt=0, description="Seconds between health checks of each replica.")
-    failure_threshold: int = Field(2, ge=1, description="Failed health checks in a row that take a replica out "
-                                                        "(a refused connection takes it out at once); one good "
-                                                        "check brings it back.")
-    startup_timeout_s: float = Field(600.0, gt=0, description="infer serve --data-parallel-size: how long the "
-                                                              "replicas may take to load.")
+    failure_threshold: int = Field(
+        2,
+        ge=1,
+        description="Failed health checks in a row that take a replica out "
+        "(a refused connection takes it out at once); one good "
+        "check brings it back.",
+    )
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="infer serve --data-parallel-size: how long the replicas may take to load."
+    )
 
 
 class SimulateConfig(BaseModel):
@@ -275,27 +371,46 @@ class SimulateConfig(BaseModel):
 
     model_config = CORE_MODEL_CONFIG
     cost: Literal["measured", "roofline"] = Field(
-        "measured", description="measured: a step's time from a fit of real steps on this machine (infer simulate "
-                                "--fit writes it); roofline: from an accelerator's peak FLOP/s and bandwidth.")
-    cost_file: str | None = Field(None, description="measured: the fitted file (default: the one --fit wrote for "
-                                                    "this CPU, model and dtype in the cache dir).")
+        "measured",
+        description="measured: a step's time from a fit of real steps on this machine (infer simulate "
+        "--fit writes it); roofline: from an accelerator's peak FLOP/s and bandwidth.",
+    )
+    cost_file: str | None = Field(
+        None,
+        description="measured: the fitted file (default: the one --fit wrote for "
+        "this CPU, model and dtype in the cache dir).",
+    )
     accelerator: str = Field("h100", description="roofline: a shipped accelerator (a100, h100, h200) or a YAML file.")
-    geometry: str | None = Field(None, description="roofline: the model's shape, a HF config.json path or a shipped "
-                                                   "name (llama-3-8b, llama-3-70b); null: model.path's config.")
-    tensor_parallel_size: int = Field(1, ge=1, description="roofline: accelerators the model is sharded over "
-                                                           "(compute, bandwidth and memory scale; all-reduces cost).")
+    geometry: str | None = Field(
+        None,
+        description="roofline: the model's shape, a HF config.json path or a shipped "
+        "name (llama-3-8b, llama-3-70b); null: model.path's config.",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="roofline: accelerators the model is sharded over "
+        "(compute, bandwidth and memory scale; all-reduces cost).",
+    )
     weight_bytes_per_param: float = Field(2.0, gt=0, description="roofline: 2 for bf16 weights, 1 for fp8/int8.")
     kv_bytes_per_element: float = Field(2.0, gt=0, description="roofline: bytes of one K or V element in the pool.")
-    memory_utilization: float = Field(0.9, gt=0, le=1, description="roofline: share of accelerator memory for "
-                                                                   "weights and the KV pool.")
-    acceptance_rate: float = Field(0.7, ge=0, le=1, description="With a drafter: the chance each draft token is "
-                                                                "accepted (then the next is tried).")
+    memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="roofline: share of accelerator memory for weights and the KV pool."
+    )
+    acceptance_rate: float = Field(
+        0.7, ge=0, le=1, description="With a drafter: the chance each draft token is accepted (then the next is tried)."
+    )
     seed: int = Field(0, description="Seed of the simulated acceptance draws.")
 
 
 CORE_SECTIONS: dict[str, type[BaseModel]] = {
-    "model": ModelConfig, "cache": CacheConfig, "execution": ExecutionConfig, "server": ServerConfig,
-    "plugins": PluginsConfig, "simulate": SimulateConfig, "parallel": ParallelConfig,
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "execution": ExecutionConfig,
+    "server": ServerConfig,
+    "plugins": PluginsConfig,
+    "simulate": SimulateConfig,
+    "parallel": ParallelConfig,
     "router": RouterConfig,
 }
 
@@ -344,8 +459,12 @@ class InferConfig(BaseModel):
         if not isinstance(data, Mapping) or not any(isinstance(data.get(kind), Mapping) for kind in SECTION_KINDS):
             return data
         registry = get_registry(_plugins_load(data))
-        return {key: _validate_section(key, value, registry) if key in SECTION_KINDS and isinstance(value, Mapping)
-                else value for key, value in data.items()}
+        return {
+            key: _validate_section(key, value, registry)
+            if key in SECTION_KINDS and isinstance(value, Mapping)
+            else value
+            for key, value in data.items()
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """Every section with defaults filled in, as plain JSON-compatible data."""
@@ -356,8 +475,11 @@ class InferConfig(BaseModel):
         return OmegaConf.to_yaml(OmegaConf.create(self.to_dict()))
 
 
-def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides: Sequence[str] = (),
-                registry: Registry | None = None) -> InferConfig:
+def load_config(
+    source: str | Path | Mapping[str, Any] | None = None,
+    overrides: Sequence[str] = (),
+    registry: Registry | None = None,
+) -> InferConfig:
     """Load ``source`` (a YAML path, a shipped config name like ``baseline``, a dict, or None for defaults), apply
     ``key=value`` overrides (values typed by YAML: ``scheduler.max_num_seqs=8`` is an int) and validate.
 
@@ -424,8 +546,9 @@ def _parse_size(text: str) -> int:
     try:
         size = int(TypeAdapter(ByteSize).validate_python(text))
     except ValidationError:
-        raise ValueError("not a size: use a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), "
-                         "e.g. 2GiB") from None
+        raise ValueError(
+            "not a size: use a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 2GiB"
+        ) from None
     if size <= 0:
         raise ValueError("must be a positive size")
     return size
@@ -531,8 +654,12 @@ def _load_source(source: str | Path | Mapping[str, Any] | None) -> DictConfig:
         shipped = _find_shipped(source)
         if shipped is not None:
             return _as_mapping(_parse_yaml(shipped.read_text(), f"{SHIPPED_CONFIGS}/{shipped.name}"), source)
-    raise ConfigError([f"config: no file {str(source)!r} and no shipped config of that name "
-                       f"(shipped: {', '.join(shipped_configs()) or 'none'})"])
+    raise ConfigError(
+        [
+            f"config: no file {str(source)!r} and no shipped config of that name "
+            f"(shipped: {', '.join(shipped_configs()) or 'none'})"
+        ]
+    )
 
 
 def _find_shipped(name: str) -> Traversable | None:
@@ -581,8 +708,10 @@ def _parse_overrides(overrides: Sequence[str], errors: list[str]) -> DictConfig:
 def _override_problem(item: str) -> str | None:
     key, separator, _ = item.partition("=")
     if key.startswith(("+", "~")):
-        return ('"+" (add) and "~" (delete) prefixes are not supported; '
-                f"write {key.lstrip('+~') or 'key'}=value (any key may be set without declaring it)")
+        return (
+            '"+" (add) and "~" (delete) prefixes are not supported; '
+            f"write {key.lstrip('+~') or 'key'}=value (any key may be set without declaring it)"
+        )
     if not separator or not key.strip():
         return "expected key=value, e.g. scheduler.max_num_seqs=8"
     return None

@@ -25,8 +25,11 @@ class DrafterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = "none"
     num_speculative_tokens: int = Field(4, description="k: drafts proposed per sequence and step.")
-    max_batch_size: int = Field(8, description="Drafting switches itself off while more sequences than this are "
-                                "running (verification stops being cheap).")
+    max_batch_size: int = Field(
+        8,
+        description="Drafting switches itself off while more sequences than this are "
+        "running (verification stops being cheap).",
+    )
 
 
 class SampledDrafts(list):
@@ -80,8 +83,10 @@ def tree_depths(parents: list[int]) -> list[int]:
     spine = spine_length(parents)
     for index, parent in enumerate(parents[spine:], start=spine):
         if not -1 <= parent < spine:
-            raise ValueError(f"draft {index} hangs off draft {parent}: a draft tree's leaves hang off the root (-1) or "
-                             f"a spine draft (0..{spine - 1}), parents {parents}")
+            raise ValueError(
+                f"draft {index} hangs off draft {parent}: a draft tree's leaves hang off the root (-1) or "
+                f"a spine draft (0..{spine - 1}), parents {parents}"
+            )
     return [index + 1 if index < spine else parent + 2 for index, parent in enumerate(parents)]
 
 
@@ -110,8 +115,14 @@ class LayerExecutor(Protocol):
     kernels: Any  # the ``infer.kernels.cpu.CpuKernels`` the target's steps run on, or None (torch's ops)
     fused_max_tokens: int  # steps of up to this many tokens may run their layers in one C call
 
-    def step(self, rotary: Any, metadata: AttentionMetadata, kv_cache: torch.Tensor,
-             attention: AttentionBackend, dtype: torch.dtype) -> Any:
+    def step(
+        self,
+        rotary: Any,
+        metadata: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        attention: AttentionBackend,
+        dtype: torch.dtype,
+    ) -> Any:
         """The per-step object layers take (an ``infer.model.step.ForwardStep``) for ``metadata`` (already through
         ``attention.prepare``) over ``kv_cache``."""
 
@@ -184,14 +195,21 @@ class DrafterContext:
     # (path) -> (model, tokenizer): another model of the target's dtype and device, loaded as the target was.
     load_model: Callable[[str], tuple[Any, Any]]
 
-    def build_attention(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                        layers: Sequence_[LayerAttention] = ()) -> AttentionBackend:
+    def build_attention(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, layers: Sequence_[LayerAttention] = ()
+    ) -> AttentionBackend:
         """An attention backend of the target's kind and block size for layers of other shapes (a draft model),
         told what each of its layers needs (``layers``, one per pool layer: a draft model's ``layer_attention``;
         empty: full attention in every layer)."""
-        backend = type(self.attention)(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                       block_size=self.block_size, dtype=self.dtype, device=self.device,
-                                       config=self.attention.config)
+        backend = type(self.attention)(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            device=self.device,
+            config=self.attention.config,
+        )
         if layers:
             backend.set_layers(layers)
         return backend

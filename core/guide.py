@@ -64,8 +64,9 @@ class Constraint:
             object.__setattr__(self, "choice", tuple(self.choice))
         given = [name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise GuideError(f"a constraint sets exactly one of {', '.join(CONSTRAINT_KINDS)}; got "
-                             f"{', '.join(given) or 'none'}")
+            raise GuideError(
+                f"a constraint sets exactly one of {', '.join(CONSTRAINT_KINDS)}; got {', '.join(given) or 'none'}"
+            )
         self._check_types()
 
     def _check_types(self) -> None:
@@ -145,13 +146,19 @@ class GuideConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = "none"
     cache_size: int = Field(256, ge=1, description="Compiled constraints kept (least recently used dropped first).")
-    strict: bool = Field(True, description="JSON objects take only the properties their schema lists unless it "
-                                           "sets additionalProperties (xgrammar's strict mode; OpenAI's strict "
-                                           "schemas): a small model otherwise invents properties without end.")
-    jump_forward: bool = Field(True, description="Tokens the grammar forces next (Matcher.forced_tokens) become "
-                                                 "drafts, verified like any (outputs unchanged), where the drafter "
-                                                 "proposes none; up to drafter.num_speculative_tokens, while at most "
-                                                 "drafter.max_batch_size sequences run.")
+    strict: bool = Field(
+        True,
+        description="JSON objects take only the properties their schema lists unless it "
+        "sets additionalProperties (xgrammar's strict mode; OpenAI's strict "
+        "schemas): a small model otherwise invents properties without end.",
+    )
+    jump_forward: bool = Field(
+        True,
+        description="Tokens the grammar forces next (Matcher.forced_tokens) become "
+        "drafts, verified like any (outputs unchanged), where the drafter "
+        "proposes none; up to drafter.num_speculative_tokens, while at most "
+        "drafter.max_batch_size sequences run.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,8 +198,10 @@ class Guide(ABC):
                 self._compiled.move_to_end(constraint)
                 return self._compiled[constraint]
         if constraint.kind not in self.supported_kinds:
-            raise GuideError(f"guide {self.config.name!r} cannot serve a {constraint.kind} constraint (it serves "
-                             f"{', '.join(sorted(self.supported_kinds)) or 'none'})")
+            raise GuideError(
+                f"guide {self.config.name!r} cannot serve a {constraint.kind} constraint (it serves "
+                f"{', '.join(sorted(self.supported_kinds)) or 'none'})"
+            )
         compiled = self._compile(constraint)
         with self._lock:
             self.num_compiled += 1
@@ -217,8 +226,9 @@ def require_library(module: str, guide: str, extra: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as error:
-        raise GuideError(f"guide {guide!r} needs the {module} package: pip install \"infer[{extra}]\" "
-                         f"({error})", "guide") from None
+        raise GuideError(
+            f'guide {guide!r} needs the {module} package: pip install "infer[{extra}]" ({error})', "guide"
+        ) from None
 
 
 def close_objects(schema: Any) -> Any:
@@ -269,8 +279,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
-def constrain_logits(logits: torch.Tensor, rows: Sequence[tuple[Matcher, int, Sequence[int]]],
-                     copy: bool = False, kernels=None) -> torch.Tensor:
+def constrain_logits(
+    logits: torch.Tensor, rows: Sequence[tuple[Matcher, int, Sequence[int]]], copy: bool = False, kernels=None
+) -> torch.Tensor:
     """``logits`` [N, vocab] with each constrained row allowing only what its grammar does (in place, or in a copy
     when ``copy``: the caller still needs the raw rows). Each entry of ``rows`` is (matcher, first logits row,
     drafts): the sequence's rows verify ``drafts``, and the mask of its row ``j`` is the grammar's state after

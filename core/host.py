@@ -68,8 +68,9 @@ def reuse_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success; musl's stub returns 0
-    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD,
-                                                                                    HEAP_TRIM_THRESHOLD))
+    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
+    )
 
 
 def cores_per_process(num_processes: int) -> int:

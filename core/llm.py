@@ -47,8 +47,9 @@ class LLM:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False
+    ) -> list[RequestOutput]:
         """One output per prompt, in order. A prompt the engine refuses (too long, empty) gets an output with
         ``finish_reason == "error"`` and ``error`` set; the other prompts still run."""
         from infer.engine.engine import RequestError
@@ -95,5 +96,12 @@ class LLM:
 
 def _error_output(request_id: str, prompt, message: str) -> RequestOutput:
     text = prompt if isinstance(prompt, str) else None
-    return RequestOutput(request_id, text, [], [CompletionOutput(0, "", [], "error")], True,
-                         RequestMetrics(arrival_time=0.0), error=message)
+    return RequestOutput(
+        request_id,
+        text,
+        [],
+        [CompletionOutput(0, "", [], "error")],
+        True,
+        RequestMetrics(arrival_time=0.0),
+        error=message,
+    )

@@ -50,7 +50,8 @@ def build_drafter(cls: type[Drafter], config: DrafterConfig | None, context: Dra
     raise PluginError(
         f"drafter {label} cannot be built: its __init__{inspect.signature(cls)} takes neither (config, context) nor "
         f"(config); since plugin API 2 drafters are built as cls(config, context): declare {DRAFTER_FORM} (see "
-        f"infer.drafter.Drafter and infer.hookspecs)")
+        f"infer.drafter.Drafter and infer.hookspecs)"
+    )
 
 
 @functools.cache

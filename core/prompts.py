@@ -43,8 +43,10 @@ class PromptFileError(ValueError):
 
 
 def builtin_items(max_tokens: int = 64) -> list[PromptItem]:
-    return [PromptItem([{"role": "user", "content": text}], SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                       text) for text in BUILTIN_PROMPTS]
+    return [
+        PromptItem([{"role": "user", "content": text}], SamplingParams(max_tokens=max_tokens, temperature=0.0), text)
+        for text in BUILTIN_PROMPTS
+    ]
 
 
 def read_jsonl(path: str | Path) -> list[PromptItem]:

@@ -296,8 +296,9 @@ class Registry:
         return self._commands
 
     def _register_callback(self, kind: str, distribution: Distribution, api_version: int) -> Callable[..., None]:
-        def register(name: str, target: type | str, config: type[BaseModel] | str | None = None,
-                     description: str = "") -> None:
+        def register(
+            name: str, target: type | str, config: type[BaseModel] | str | None = None, description: str = ""
+        ) -> None:
             self._add(_make_spec(kind, name, target, config, description, distribution, api_version))
 
         return register
@@ -381,12 +382,15 @@ class Registry:
                 f"(plugin API 1), which the fused CPU path no longer reads: it asks fused_attention(metadata) "
                 f"(infer.attention.AttentionBackend), so this backend's forward runs in every layer; return an "
                 f"infer.kernels.cpu.KernelAttentionStep from fused_attention to join the fused path",
-                PluginDeprecationWarning, stacklevel=2)
+                PluginDeprecationWarning,
+                stacklevel=2,
+            )
         return target
 
 
-def _make_spec(kind: str, name: Any, target: Any, config: Any, description: Any, distribution: Distribution,
-               api_version: int) -> PluginSpec:
+def _make_spec(
+    kind: str, name: Any, target: Any, config: Any, description: Any, distribution: Distribution, api_version: int
+) -> PluginSpec:
     where = f"{kind} registered by {distribution}"
     if not isinstance(name, str) or not NAME_PATTERN.match(normalize_name(name)):
         raise PluginError(f"{where}: invalid name {name!r} (expected {NAME_PATTERN.pattern} after lower-casing)")
@@ -394,8 +398,16 @@ def _make_spec(kind: str, name: Any, target: Any, config: Any, description: Any,
         raise PluginError(f'{where} as "{name}": target must be a class or a "module:Class" string, got {target!r}')
     if not (config is None or isinstance(config, (str, type))):
         raise PluginError(f'{where} as "{name}": config must be a model class or "module:Class", got {config!r}')
-    return PluginSpec(kind, normalize_name(name), target, config, str(description), distribution.name,
-                      distribution.version, api_version)
+    return PluginSpec(
+        kind,
+        normalize_name(name),
+        target,
+        config,
+        str(description),
+        distribution.name,
+        distribution.version,
+        api_version,
+    )
 
 
 def new_plugin_manager() -> pluggy.PluginManager:
@@ -408,8 +420,9 @@ def new_plugin_manager() -> pluggy.PluginManager:
     return plugin_manager
 
 
-def register_plugin(plugin_manager: pluggy.PluginManager, plugin_name: str, plugin: object,
-                    distribution: Distribution = LOCAL) -> None:
+def register_plugin(
+    plugin_manager: pluggy.PluginManager, plugin_name: str, plugin: object, distribution: Distribution = LOCAL
+) -> None:
     """Register one plugin and check it at once, so that a plugin API newer than infer's, a hook argument infer
     does not pass or a misspelt hook name is blamed on this plugin, in one line (``PluginError``). An observer that
     takes ``engine`` is registered with a ``DeprecationWarning``."""
@@ -441,16 +454,21 @@ def declared_api_version(plugin: object) -> Any:
 
 def _check_api_version(value: Any, where: str, distribution: Distribution) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PluginError(f"{where} declares {API_DECLARATION} = {value!r}: the plugin API version it is written to "
-                          f"is an int from 1 to {PLUGIN_API_VERSION}")
+        raise PluginError(
+            f"{where} declares {API_DECLARATION} = {value!r}: the plugin API version it is written to "
+            f"is an int from 1 to {PLUGIN_API_VERSION}"
+        )
     if value > PLUGIN_API_VERSION:
-        raise PluginError(f"{where} is written to plugin API {value} ({API_DECLARATION} = {value}) but this infer "
-                          f"supports plugin API {PLUGIN_API_VERSION} at most: upgrade infer, or install a release of "
-                          f"{distribution.name} written to plugin API {PLUGIN_API_VERSION}")
+        raise PluginError(
+            f"{where} is written to plugin API {value} ({API_DECLARATION} = {value}) but this infer "
+            f"supports plugin API {PLUGIN_API_VERSION} at most: upgrade infer, or install a release of "
+            f"{distribution.name} written to plugin API {PLUGIN_API_VERSION}"
+        )
 
 
-def _implemented_hooks(plugin_manager: pluggy.PluginManager, plugin: object,
-                       plugin_name: str) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+def _implemented_hooks(
+    plugin_manager: pluggy.PluginManager, plugin: object, plugin_name: str
+) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
     """(hook, the arguments the plugin's implementation takes, the arguments infer passes) for each of infer's hooks
     the plugin implements, found as pluggy finds them."""
     hooks = []
@@ -471,9 +489,11 @@ def _check_hook_arguments(hooks: Sequence[tuple[str, Sequence[str], Sequence[str
         unknown = [argument for argument in arguments if argument not in passed]
         if unknown:
             current = [argument for argument in passed if argument != DEPRECATED_HOOK_ARGUMENT]
-            raise PluginError(f"{where}: its {hook}({', '.join(arguments)}) takes {', '.join(unknown)}, which "
-                              f"{hook} does not pass; {hook} passes {', '.join(current) or 'nothing'} (see "
-                              "infer.hookspecs)")
+            raise PluginError(
+                f"{where}: its {hook}({', '.join(arguments)}) takes {', '.join(unknown)}, which "
+                f"{hook} does not pass; {hook} passes {', '.join(current) or 'nothing'} (see "
+                "infer.hookspecs)"
+            )
 
 
 def _warn_deprecated_hook_arguments(hooks: Sequence[tuple[str, Sequence[str], Sequence[str]]], where: str) -> None:
@@ -481,8 +501,9 @@ def _warn_deprecated_hook_arguments(hooks: Sequence[tuple[str, Sequence[str], Se
     deprecated = [(hook, passed) for hook, arguments, passed in hooks if DEPRECATED_HOOK_ARGUMENT in arguments]
     if not deprecated:
         return
-    records = ", ".join(f"{hook}({', '.join(a for a in passed if a != DEPRECATED_HOOK_ARGUMENT)})"
-                        for hook, passed in deprecated)
+    records = ", ".join(
+        f"{hook}({', '.join(a for a in passed if a != DEPRECATED_HOOK_ARGUMENT)})" for hook, passed in deprecated
+    )
     warnings.warn(
         f"{where}: observer hooks that take {DEPRECATED_HOOK_ARGUMENT} (plugin API 1's form): "
         f"{', '.join(hook for hook, _ in deprecated)}; take the records instead: {records}; plugin API "

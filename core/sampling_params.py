@@ -76,8 +76,10 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         # JSON objects (a prompts file's line, an API body) key token ids by strings.
-        self.logit_bias = {int(key) if isinstance(key, str) and key.isdecimal() else key: value
-                           for key, value in (self.logit_bias or {}).items()}
+        self.logit_bias = {
+            int(key) if isinstance(key, str) and key.isdecimal() else key: value
+            for key, value in (self.logit_bias or {}).items()
+        }
         if self.top_k == -1:
             self.top_k = 0
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
@@ -88,10 +90,12 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
-                                            or self.max_tokens < 0):
-            raise SamplingParamsError("max_tokens", f"must be an integer >= 0 or null (until the context ends), "
-                                                    f"got {self.max_tokens!r}")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0
+        ):
+            raise SamplingParamsError(
+                "max_tokens", f"must be an integer >= 0 or null (until the context ends), got {self.max_tokens!r}"
+            )
         if not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise SamplingParamsError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
@@ -101,13 +105,15 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise SamplingParamsError("min_tokens",
-                                      f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+            raise SamplingParamsError(
+                "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
         if self.n < 1:
             raise SamplingParamsError("n", f"must be >= 1, got {self.n!r}")
         if self.constraint is not None and self.min_tokens:
-            raise SamplingParamsError("min_tokens", "cannot be combined with a constraint: the grammar decides where "
-                                                    "the output may end")
+            raise SamplingParamsError(
+                "min_tokens", "cannot be combined with a constraint: the grammar decides where the output may end"
+            )
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise SamplingParamsError("priority", f"must be an integer (lower is served first), got {self.priority!r}")
         if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
@@ -120,8 +126,9 @@ class SamplingParams:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise SamplingParamsError("logit_bias", f"keys are token ids (integers >= 0), got {token_id!r}")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-                raise SamplingParamsError("logit_bias", f"token {token_id}: the bias must be a number in [-100, 100], "
-                                                        f"got {bias!r}")
+                raise SamplingParamsError(
+                    "logit_bias", f"token {token_id}: the bias must be a number in [-100, 100], got {bias!r}"
+                )
 
     @property
     def greedy(self) -> bool:

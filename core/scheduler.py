@@ -26,8 +26,10 @@ class SchedulerConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1, description="Most sequences running at once.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Most tokens (prefill + decode + drafts) in one step.")
     preemption: Literal["newest", "fewest_computed"] = Field(
-        "newest", description="Who is preempted when blocks run out: the most recently admitted running sequence "
-                              "(vLLM's choice), or the one with the fewest computed tokens (the least work lost).")
+        "newest",
+        description="Who is preempted when blocks run out: the most recently admitted running sequence "
+        "(vLLM's choice), or the one with the fewest computed tokens (the least work lost).",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +67,28 @@ class StepShape:
 
     def features(self) -> tuple[int, ...]:
         """The shape as a cost model's regressors: a constant, then each count."""
-        return (1, self.num_prefill_tokens, self.num_decode_tokens, self.num_seqs, self.num_logit_rows,
-                self.decode_context_tokens, self.prefill_attention_pairs, self.decode_context_blocks)
+        return (
+            1,
+            self.num_prefill_tokens,
+            self.num_decode_tokens,
+            self.num_seqs,
+            self.num_logit_rows,
+            self.decode_context_tokens,
+            self.prefill_attention_pairs,
+            self.decode_context_blocks,
+        )
 
 
-FEATURE_NAMES = ("step", "prefill_token", "decode_token", "sequence", "logit_row", "decode_context_token",
-                 "prefill_attention_pair", "decode_context_block")
+FEATURE_NAMES = (
+    "step",
+    "prefill_token",
+    "decode_token",
+    "sequence",
+    "logit_row",
+    "decode_context_token",
+    "prefill_attention_pair",
+    "decode_context_block",
+)
 
 
 @dataclass(slots=True)
@@ -105,8 +123,16 @@ class SchedulerView:
     wall clock.
     """
 
-    def __init__(self, waiting: deque[Sequence], running: list[Sequence], kv: KVCacheManager,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, now: float = 0.0):
+    def __init__(
+        self,
+        waiting: deque[Sequence],
+        running: list[Sequence],
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        now: float = 0.0,
+    ):
         self.waiting = waiting
         self.running = running
         self._queues = SequenceQueues(waiting, running)

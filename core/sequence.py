@@ -104,8 +104,11 @@ class Sequence:
     def needs_prompt_logits(self) -> bool:
         """Whether prompt logprobs are still owed: then every prompt position must be computed (no cached prefix
         may skip one). The request's first sample computes them; its other samples share its prompt."""
-        return (self.params.prompt_logprobs is not None and self.fork_of is None
-                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+        return (
+            self.params.prompt_logprobs is not None
+            and self.fork_of is None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_finished(self) -> bool:

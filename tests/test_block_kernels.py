@@ -64,8 +64,7 @@ def test_quantize_blocks_is_llama_cpps_quantizer(kind):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_block_gemv_is_float64_over_the_blocks_and_the_int8_activations(kernels, kind, out_features, in_features,
-                                                                        bias):
+def test_block_gemv_is_float64_over_the_blocks_and_the_int8_activations(kernels, kind, out_features, in_features, bias):
     raw, weight = gguf_tensor(kind, out_features, in_features)
     packed = pack_blocks(raw, kind, out_features)
     bias_values = torch.randn(out_features) if bias else None
@@ -100,18 +99,19 @@ def without_amx() -> list[str]:
 
 # The block GEMV's instruction paths, the CPU flags each needs and the flags that build it on a CPU with more:
 # AVX-512 with VNNI's vpdpbusd or with vpmaddubsw, AVX2 with AVX-VNNI or with vpmaddubsw.
-BLOCK_BUILDS = {"avx512_vnni": ({"avx512bw", "avx512_vnni"}, []),
-                "avx512": ({"avx512bw"}, ["-mno-avx512vnni", "-mno-avxvnni"]),
-                "avx2_vnni": ({"avx2", "fma", "f16c", "avx_vnni"}, ["-mno-avx512f"]),
-                "avx2": ({"avx2", "fma", "f16c"}, ["-mno-avx512f", "-mno-avxvnni"])}
+BLOCK_BUILDS = {
+    "avx512_vnni": ({"avx512bw", "avx512_vnni"}, []),
+    "avx512": ({"avx512bw"}, ["-mno-avx512vnni", "-mno-avxvnni"]),
+    "avx2_vnni": ({"avx2", "fma", "f16c", "avx_vnni"}, ["-mno-avx512f"]),
+    "avx2": ({"avx2", "fma", "f16c"}, ["-mno-avx512f", "-mno-avxvnni"]),
+}
 
 
 @pytest.fixture(scope="module")
 def portable_kernels(tmp_path_factory):
     if cpu_kernels.compiler() is None:
         pytest.skip("the CPU kernels need a C compiler")
-    built = cpu_kernels.load_built(cpu_kernels.build(tmp_path_factory.mktemp("portable"),
-                                                     ["-mno-avx", *without_amx()]))
+    built = cpu_kernels.load_built(cpu_kernels.build(tmp_path_factory.mktemp("portable"), ["-mno-avx", *without_amx()]))
     assert built.simd == "portable"
     return built
 
@@ -131,5 +131,9 @@ def test_each_simd_build_of_the_block_gemv_matches_the_portable_c(build, portabl
         packed = pack_blocks(raw, kind, 67)
         for rows in (1, 2, 3, 4, 5, 8, 9, 17, 70):  # 70: two sweeps of 64 rows
             x = torch.randn(rows, 288, generator=torch.Generator().manual_seed(rows)) * 3
-            torch.testing.assert_close(built.linear_blocks(x, packed, None),
-                                       portable_kernels.linear_blocks(x, packed, None), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                built.linear_blocks(x, packed, None),
+                portable_kernels.linear_blocks(x, packed, None),
+                atol=1e-5,
+                rtol=1e-5,
+            )

@@ -97,26 +97,34 @@ def test_gguf_greedy_tokens_agree_with_the_dequantized_float_model(default_model
     tokenizer = load_model(DEFAULT_MODEL, torch.float32).tokenizer
     packed = quantize_model(copy.deepcopy(default_model), "gguf", resolve_model_path(DEFAULT_MODEL))
     agree = total = 0
-    for text in ("What is the capital of France?", "Write a haiku about the sea.", "How do I boil an egg?",
-                 "Explain gravity to a child."):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               tokenize=True)
+    for text in (
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "How do I boil an egg?",
+        "Explain gravity to a child.",
+    ):
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
         tokens = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
         for _ in range(32):  # the float model's greedy answer
             tokens.append(int(PagedPool(default_model).step({"a": tokens})["a"][-1].argmax()))
-        answer = torch.tensor(tokens[len(tokens) - 32:])
-        chosen = PagedPool(packed).step({"a": tokens})["a"][len(tokens) - 33:-1].argmax(dim=-1)
+        answer = torch.tensor(tokens[len(tokens) - 32 :])
+        chosen = PagedPool(packed).step({"a": tokens})["a"][len(tokens) - 33 : -1].argmax(dim=-1)
         agree += int((chosen == answer).sum())
         total += len(answer)
     assert agree >= 0.9 * total, f"{agree}/{total}"
 
 
 def test_engine_runs_the_gguf_files_blocks():
-    llm = LLM("baseline", model__dtype="float32", model__quantization="gguf", model__max_model_len=512,
-              cache__num_blocks=64)
+    llm = LLM(
+        "baseline", model__dtype="float32", model__quantization="gguf", model__max_model_len=512, cache__num_blocks=64
+    )
     assert llm.engine.quantization == "gguf"
-    outputs = llm.generate([[{"role": "user", "content": "What is the capital of France?"}]] * 2,
-                           SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    outputs = llm.generate(
+        [[{"role": "user", "content": "What is the capital of France?"}]] * 2,
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+    )
     assert [len(output.token_ids) for output in outputs] == [12, 12]
     assert outputs[0].token_ids == outputs[1].token_ids
 
@@ -124,12 +132,20 @@ def test_engine_runs_the_gguf_files_blocks():
 @pytest.mark.parametrize("mode", ["q4", "q8"])
 @pytest.mark.parametrize("drafter", ["none", "ngram"])
 def test_engine_runs_with_block_weights(tiny_model_dir, mode, drafter):
-    llm = LLM("baseline", model__path=tiny_model_dir, model__dtype="float32", model__quantization=mode,
-              model__max_model_len=256, cache__num_blocks=128, drafter__name=drafter)
+    llm = LLM(
+        "baseline",
+        model__path=tiny_model_dir,
+        model__dtype="float32",
+        model__quantization=mode,
+        model__max_model_len=256,
+        cache__num_blocks=128,
+        drafter__name=drafter,
+    )
     assert llm.engine.quantization == {"q4": "q4_1", "q8": "q8_0"}[mode]
     assert all(module.blocks is not None for module in llm.engine.model.modules() if isinstance(module, PackedLinear))
-    outputs = llm.generate(["The tide comes in and the tide goes out"] * 3,
-                           SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    outputs = llm.generate(
+        ["The tide comes in and the tide goes out"] * 3, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    )
     assert [len(output.token_ids) for output in outputs] == [16] * 3
     assert outputs[0].token_ids == outputs[1].token_ids == outputs[2].token_ids
 
@@ -138,8 +154,14 @@ def test_engine_runs_with_block_weights(tiny_model_dir, mode, drafter):
 def test_block_weights_join_the_fused_one_call_stack_with_the_same_tokens(tiny_model_dir, mode):
     """Layers whose projections are all blocks run in the fused paths (the C layer calls the block GEMV), and give
     the op-by-op path's greedy tokens (the block GEMV's sums do not depend on how many rows a call takes)."""
-    settings = dict(model__path=tiny_model_dir, model__dtype="float32", model__quantization=mode,
-                    model__max_model_len=256, cache__num_blocks=128, attention__name="cpu")
+    settings = dict(
+        model__path=tiny_model_dir,
+        model__dtype="float32",
+        model__quantization=mode,
+        model__max_model_len=256,
+        cache__num_blocks=128,
+        attention__name="cpu",
+    )
     prompts = ["The tide comes in and the tide goes out", "One two three four", "A B C"]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     answers = {}

@@ -111,8 +111,12 @@ def test_config_print_shows_the_resolved_config_with_overrides(runner):
     result = runner.invoke(main, ["config", "baseline", "scheduler.max_num_seqs=8", "--print"])
     assert result.exit_code == 0, result.output
     printed = OmegaConf.to_container(OmegaConf.create(result.output))
-    assert printed["scheduler"] == {"name": "fcfs", "max_num_seqs": 8, "max_num_batched_tokens": 2048,
-                                    "preemption": "newest"}
+    assert printed["scheduler"] == {
+        "name": "fcfs",
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 2048,
+        "preemption": "newest",
+    }
     assert printed["model"]["path"] == "smollm2-135m-instruct"
 
 
@@ -161,8 +165,12 @@ def test_plugins_json_lists_every_registration(runner):
     result = runner.invoke(main, ["plugins", "--json"])
     listing = json.loads(result.output)
     assert {(p["kind"], p["name"]) for p in listing["plugins"]} == {
-        ("allocator", "paged"), ("prefix_cache", "none"), ("scheduler", "fcfs"), ("attention", "sdpa"),
-        ("drafter", "none"), ("guide", "none"),
+        ("allocator", "paged"),
+        ("prefix_cache", "none"),
+        ("scheduler", "fcfs"),
+        ("attention", "sdpa"),
+        ("drafter", "none"),
+        ("guide", "none"),
     }
     assert listing["plugins"][0]["target"] == f"{__name__}:AllocatorStub"
     assert listing["plugins"][0]["plugin_api"] == 1
@@ -195,8 +203,19 @@ def test_run_routes_its_arguments_to_run_command(runner, monkeypatch, tmp_path):
     calls = []
     fake_run = types.SimpleNamespace(run_command=lambda *args: calls.append(args))
     monkeypatch.setitem(sys.modules, "infer.cli.run", fake_run)
-    result = runner.invoke(main, ["run", "baseline", "model.seed=1", "--prompts", str(prompts),
-                                  "--output", str(tmp_path / "out.jsonl"), "--explain"])
+    result = runner.invoke(
+        main,
+        [
+            "run",
+            "baseline",
+            "model.seed=1",
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+            "--explain",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert calls == [("baseline", ["model.seed=1"], prompts, tmp_path / "out.jsonl", True)]
 
@@ -208,8 +227,10 @@ def test_serve_routes_its_arguments_to_serve_command(runner, monkeypatch):
     assert result.exit_code == 0, result.output
     result = runner.invoke(main, ["serve", "baseline", "model.seed=1", "--data-parallel-size", "2"])
     assert result.exit_code == 0, result.output
-    assert calls == [("baseline", [], None, 9000, "secret"),
-                     ("baseline", ["model.seed=1", "parallel.data_parallel_size=2"], None, None, None)]
+    assert calls == [
+        ("baseline", [], None, 9000, "secret"),
+        ("baseline", ["model.seed=1", "parallel.data_parallel_size=2"], None, None, None),
+    ]
 
 
 def test_config_error_raised_inside_a_command_exits_with_code_2(runner, monkeypatch):
@@ -219,7 +240,9 @@ def test_config_error_raised_inside_a_command_exits_with_code_2(runner, monkeypa
     monkeypatch.setitem(sys.modules, "infer.cli.run", types.SimpleNamespace(run_command=failing_run_command))
     result = runner.invoke(main, ["run", "baseline"])
     assert (result.exit_code, result.output) == (
-        2, "Error: invalid config (1 problem):\n  model.path: no such model (got 'x')\n")
+        2,
+        "Error: invalid config (1 problem):\n  model.path: no such model (got 'x')\n",
+    )
 
 
 def test_lazy_command_whose_module_is_missing_says_so(runner, monkeypatch):
@@ -277,11 +300,19 @@ def test_run_prompt_lines_carry_constraints(tiny_model_dir, tmp_path):
     installed plugins, not the stand-ins: the guide must be real.)"""
     runner = CliRunner()
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "pick", "constraint": {"choice": ["red", "blue"]}, "max_tokens": 8}\n'
-                       '{"prompt": "digits", "constraint": {"regex": "[0-9]{4}"}, "max_tokens": 8}\n')
+    prompts.write_text(
+        '{"prompt": "pick", "constraint": {"choice": ["red", "blue"]}, "max_tokens": 8}\n'
+        '{"prompt": "digits", "constraint": {"regex": "[0-9]{4}"}, "max_tokens": 8}\n'
+    )
     out = tmp_path / "out.jsonl"
-    args = ["run", "baseline", f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256",
-            "guide.name=xgrammar"]
+    args = [
+        "run",
+        "baseline",
+        f"model.path={tiny_model_dir}",
+        "model.dtype=float32",
+        "model.max_model_len=256",
+        "guide.name=xgrammar",
+    ]
     result = runner.invoke(main, [*args, "--prompts", str(prompts), "--output", str(out)])
     assert result.exit_code == 0, result.output
     texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]

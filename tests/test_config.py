@@ -105,8 +105,13 @@ def errors_of(source, overrides=(), registry=None) -> list[str]:
 def test_defaults_select_each_kinds_default_plugin_with_its_own_model(registry):
     config = load_config(None, registry=registry)
     assert type(config.scheduler) is FCFSConfig
-    assert [config.allocator.name, config.prefix_cache.name, config.scheduler.name, config.attention.name,
-            config.drafter.name] == ["paged", "none", "fcfs", "auto", "none"]
+    assert [
+        config.allocator.name,
+        config.prefix_cache.name,
+        config.scheduler.name,
+        config.attention.name,
+        config.drafter.name,
+    ] == ["paged", "none", "fcfs", "auto", "none"]
     assert config.model == ModelConfig()
     assert config.model.path == "smollm2-135m-instruct"
     assert config.server.port == 8000
@@ -126,8 +131,9 @@ def test_yaml_file_and_dict_sources_agree(registry, tmp_path):
     path.write_text("model:\n  max_model_len: 256\nscheduler:\n  name: lpm\n  waiting_threshold: 3\n")
     from_file = load_config(path, registry=registry)
     from_text_path = load_config(str(path), registry=registry)
-    from_dict = load_config({"model": {"max_model_len": 256}, "scheduler": {"name": "lpm", "waiting_threshold": 3}},
-                            registry=registry)
+    from_dict = load_config(
+        {"model": {"max_model_len": 256}, "scheduler": {"name": "lpm", "waiting_threshold": 3}}, registry=registry
+    )
     assert from_file == from_text_path == from_dict
     assert type(from_file.scheduler) is LPMConfig
 
@@ -139,8 +145,17 @@ def test_missing_source_lists_the_shipped_configs(registry):
 
 
 def test_overrides_are_typed_by_yaml(registry):
-    config = load_config("baseline", ["scheduler.max_num_seqs=8", "model.compile=true", "cache.memory_budget=512MiB",
-                                      "plugins.load=[infer-extra]", "server.api_key=null"], registry=registry)
+    config = load_config(
+        "baseline",
+        [
+            "scheduler.max_num_seqs=8",
+            "model.compile=true",
+            "cache.memory_budget=512MiB",
+            "plugins.load=[infer-extra]",
+            "server.api_key=null",
+        ],
+        registry=registry,
+    )
     assert config.scheduler.max_num_seqs == 8
     assert config.model.compile is True
     assert config.cache.memory_budget == "512MiB"
@@ -173,10 +188,17 @@ def test_unknown_plugin_name_gives_the_registrys_message(registry):
 
 
 def test_every_error_is_reported_at_once(registry):
-    errors = errors_of("baseline", ["model.max_model_len=1", "cache.block_size=24", "scheduler.max_num_seq=8",
-                                    "drafter.name=eagle", "+extra=1"], registry)
+    errors = errors_of(
+        "baseline",
+        ["model.max_model_len=1", "cache.block_size=24", "scheduler.max_num_seq=8", "drafter.name=eagle", "+extra=1"],
+        registry,
+    )
     assert [error.split(":")[0] for error in errors] == [
-        'override "+extra=1"', "model.max_model_len", "cache.block_size", "scheduler.max_num_seq", "drafter.name",
+        'override "+extra=1"',
+        "model.max_model_len",
+        "cache.block_size",
+        "scheduler.max_num_seq",
+        "drafter.name",
     ]
 
 
@@ -200,8 +222,9 @@ def test_switching_plugin_by_override_keeps_only_keys_the_new_model_knows(regist
 
 
 def test_naming_the_same_plugin_again_keeps_the_whole_section(registry):
-    config = load_config({"scheduler": {"name": "fcfs", "starvation_limit": 9}}, ["scheduler.name=FCFS"],
-                         registry=registry)
+    config = load_config(
+        {"scheduler": {"name": "fcfs", "starvation_limit": 9}}, ["scheduler.name=FCFS"], registry=registry
+    )
     assert config.scheduler == FCFSConfig(name="fcfs", starvation_limit=9)
 
 
@@ -219,8 +242,15 @@ def test_interpolation_is_resolved_and_a_broken_one_names_its_key(registry):
 
 @pytest.mark.parametrize(
     ("budget", "free_bytes", "expected"),
-    [("2GiB", 0, 2 * 2**30), ("512MiB", 0, 512 * 2**20), ("1.5GB", 0, 1_500_000_000), ("4096", 0, 4096),
-     (1024, 0, 1024), (0.5, 1000, 500), (1.0, 1000, 1000)],
+    [
+        ("2GiB", 0, 2 * 2**30),
+        ("512MiB", 0, 512 * 2**20),
+        ("1.5GB", 0, 1_500_000_000),
+        ("4096", 0, 4096),
+        (1024, 0, 1024),
+        (0.5, 1000, 500),
+        (1.0, 1000, 1000),
+    ],
 )
 def test_memory_budget_forms(budget, free_bytes, expected):
     assert CacheConfig(memory_budget=budget).budget_bytes(free_bytes) == expected
@@ -283,16 +313,19 @@ def test_json_schema_covers_every_registered_plugin_model(registry):
 def test_attention_auto_takes_only_its_name_and_switching_to_it_drops_the_backends_keys(registry):
     errors = errors_of(None, ["attention.cascade=false"], registry)
     assert errors == ["attention.cascade: unknown key"]
-    config = load_config({"attention": {"name": "sdpa", "cascade": False}}, ["attention.name=auto"],
-                         registry=registry)
+    config = load_config({"attention": {"name": "sdpa", "cascade": False}}, ["attention.name=auto"], registry=registry)
     assert config.attention.name == "auto"
 
 
 def test_execution_paths_end_with_torch_and_are_named_correctly(registry):
     assert load_config(None, ["execution.paths=[fused-layers,torch]"], registry=registry).execution.paths == [
-        "fused-layers", "torch"]
+        "fused-layers",
+        "torch",
+    ]
     errors = errors_of(None, ["execution.paths=[fused-stack]"], registry)
-    assert errors == ["execution.paths: list each path once and end with torch, the path that accepts every step "
-                      "(got ['fused-stack'])"]
+    assert errors == [
+        "execution.paths: list each path once and end with torch, the path that accepts every step "
+        "(got ['fused-stack'])"
+    ]
     assert errors_of(None, ["execution.paths=[fused-stak,torch]"], registry)[0].startswith("execution.paths.0: ")
     assert errors_of(None, ["execution.fused_max_tokens=-1"], registry)[0].startswith("execution.fused_max_tokens")

@@ -37,8 +37,9 @@ def test_sweep_covers_every_builtin(kind):
 
 
 def collected_ids(pytester: pytest.Pytester, *args: str) -> list[str]:
-    result = pytester.runpytest("-p", "no:cacheprovider", "--collect-only", "-q",
-                                "--pyargs", "infer.testing.test_registered", *args)
+    result = pytester.runpytest(
+        "-p", "no:cacheprovider", "--collect-only", "-q", "--pyargs", "infer.testing.test_registered", *args
+    )
     return [line for line in result.stdout.lines if "::" in line]
 
 

@@ -34,8 +34,9 @@ def test_add_rms_norm_adds_in_place_and_normalizes(kernels, rows, dim):
     out = kernels.add_rms_norm(residual, delta, weight, 1e-5)
     assert torch.equal(residual, expected_sum)
     torch.testing.assert_close(out, F.rms_norm(expected_sum, (dim,), weight, 1e-5), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kernels.rms_norm(delta, weight, 1e-6), F.rms_norm(delta, (dim,), weight, 1e-6),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        kernels.rms_norm(delta, weight, 1e-6), F.rms_norm(delta, (dim,), weight, 1e-6), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -60,8 +61,9 @@ def test_norms_into_bf16_round_the_float32_result_to_nearest(kernels, dim):
     expected = kernels.add_rms_norm(residual.clone(), delta, weight, 1e-5).to(torch.bfloat16)
     out = kernels.add_rms_norm(residual, delta, weight, 1e-5, torch.bfloat16)
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
-    assert torch.equal(kernels.rms_norm(delta, weight, 1e-5, torch.bfloat16),
-                       kernels.rms_norm(delta, weight, 1e-5).to(torch.bfloat16))
+    assert torch.equal(
+        kernels.rms_norm(delta, weight, 1e-5, torch.bfloat16), kernels.rms_norm(delta, weight, 1e-5).to(torch.bfloat16)
+    )
 
 
 @pytest.mark.parametrize("width", DIMS)
@@ -93,8 +95,7 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v(kernels, head_dim):
     expected = apply_rotary(qkv[:, : rotated * head_dim].view(5, rotated, head_dim), cos, sin)
     original = qkv.clone()
     kernels.rope_(qkv, positions, rotary.cos, rotary.sin, rotated, head_dim)
-    torch.testing.assert_close(qkv[:, : rotated * head_dim].view(5, rotated, head_dim), expected, atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(qkv[:, : rotated * head_dim].view(5, rotated, head_dim), expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(qkv[:, rotated * head_dim :], original[:, rotated * head_dim :])
 
 
@@ -154,8 +155,9 @@ def close_to_reference(out, q, keys, values, scale, dots: bool) -> None:
     if dots:
         q = q.bfloat16().float()
     tolerance = 1e-2 if dots else 1e-5
-    torch.testing.assert_close(out.double(), reference_attention(q, keys, values, scale), atol=tolerance,
-                               rtol=tolerance)
+    torch.testing.assert_close(
+        out.double(), reference_attention(q, keys, values, scale), atol=tolerance, rtol=tolerance
+    )
 
 
 def test_decode_attention_on_bf16_dot_products(kernels):
@@ -203,8 +205,9 @@ def test_paged_attention_matches_softmax_over_each_context(kernels, num_heads, n
     out = kernels.paged_attention(q, kv_cache, block_tables, plan, scale, torch.empty(q.shape))
     for index, (length, table) in enumerate(zip(lengths, tables)):
         keys, values = (kv_cache[half, table].flatten(0, 1)[:length] for half in (0, 1))
-        torch.testing.assert_close(out[index].double(), reference_attention(q[index], keys, values, scale),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out[index].double(), reference_attention(q[index], keys, values, scale), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_paged_attention_fills_only_the_planned_rows(kernels):
@@ -217,14 +220,17 @@ def test_paged_attention_fills_only_the_planned_rows(kernels):
     assert torch.equal(out[1], torch.full((2, 8), 7.0))
     for row, length in ((0, 5), (2, 6)):
         keys, values = (kv_cache[half, [2, 1]].flatten(0, 1)[:length] for half in (0, 1))
-        torch.testing.assert_close(out[row].double(), reference_attention(q[row], keys, values, 0.5), atol=1e-5,
-                                   rtol=1e-5)
+        torch.testing.assert_close(
+            out[row].double(), reference_attention(q[row], keys, values, 0.5), atol=1e-5, rtol=1e-5
+        )
 
 
 def dots_or_skip(kernels, dots: bool) -> None:
     if dots and not kernels.flash:
-        pytest.skip("the decode attention's bf16 dot products are built only where the CPU has avx512_bf16, which "
-                    "this one lacks")
+        pytest.skip(
+            "the decode attention's bf16 dot products are built only where the CPU has avx512_bf16, which "
+            "this one lacks"
+        )
 
 
 # (pool dtype, dots): float32 arithmetic over either pool, the dot products over a bf16 one
@@ -247,8 +253,15 @@ def test_paged_attention_gives_a_query_the_same_bits_alone_or_beside_others(kern
     out = kernels.paged_attention(q, kv_cache, block_tables, together, 0.125, torch.empty(q.shape), dots)
     for row, (seq, length) in enumerate(zip(seqs, lengths)):
         alone = KernelAttentionPlan(None, torch.tensor([seq]), torch.tensor([length]), 1, length)
-        single = kernels.paged_attention(q[row: row + 1].contiguous(), kv_cache, block_tables, alone, 0.125,
-                                         torch.empty(1, num_heads, head_dim), dots)
+        single = kernels.paged_attention(
+            q[row : row + 1].contiguous(),
+            kv_cache,
+            block_tables,
+            alone,
+            0.125,
+            torch.empty(1, num_heads, head_dim),
+            dots,
+        )
         assert torch.equal(out[row], single[0])
         table = block_tables[seq].long()
         keys, values = (kv_cache[half, table].flatten(0, 1)[:length].float() for half in (0, 1))
@@ -265,17 +278,20 @@ def test_paged_attention_over_a_long_chunk_matches_each_query_alone(kernels):
     lengths = list(range(1025, 1537))
     assert sum(num_heads * math.ceil(length / 64) * (head_dim + 2) for length in lengths) > 4 << 20
     q = randn(len(lengths), num_heads, head_dim, seed=14)
-    plan = KernelAttentionPlan(None, torch.zeros(len(lengths), dtype=torch.int64), torch.tensor(lengths),
-                               len(lengths), max(lengths))
+    plan = KernelAttentionPlan(
+        None, torch.zeros(len(lengths), dtype=torch.int64), torch.tensor(lengths), len(lengths), max(lengths)
+    )
     out = kernels.paged_attention(q, kv_cache, block_tables, plan, 0.125, torch.empty(q.shape))
     for row in (0, 200, 300, 511):
         alone = KernelAttentionPlan(None, torch.tensor([0]), torch.tensor([lengths[row]]), 1, lengths[row])
-        single = kernels.paged_attention(q[row: row + 1].contiguous(), kv_cache, block_tables, alone, 0.125,
-                                         torch.empty(1, num_heads, head_dim))
+        single = kernels.paged_attention(
+            q[row : row + 1].contiguous(), kv_cache, block_tables, alone, 0.125, torch.empty(1, num_heads, head_dim)
+        )
         assert torch.equal(out[row], single[0])
         keys, values = (kv_cache[half, block_tables[0].long()].flatten(0, 1)[: lengths[row]] for half in (0, 1))
-        torch.testing.assert_close(out[row].double(), reference_attention(q[row], keys, values, 0.125), atol=1e-5,
-                                   rtol=1e-5)
+        torch.testing.assert_close(
+            out[row].double(), reference_attention(q[row], keys, values, 0.125), atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.parametrize(("kv_dtype", "dots"), ARITHMETIC)
@@ -295,8 +311,9 @@ def test_a_draft_trees_leaf_gets_the_bits_of_its_key_at_its_own_position(kernels
     lengths = spine + [root + depth + 1 for depth, _ in leaves] + [77]
     own = [-1] * len(spine) + [token for _, token in leaves] + [-1]
     q = randn(len(seqs), num_heads, head_dim, seed=22)
-    plan = KernelAttentionPlan(None, torch.tensor(seqs), torch.tensor(lengths), len(seqs), max(lengths),
-                               torch.tensor(own))
+    plan = KernelAttentionPlan(
+        None, torch.tensor(seqs), torch.tensor(lengths), len(seqs), max(lengths), torch.tensor(own)
+    )
     out = kernels.paged_attention(q, kv_cache, block_tables, plan, 0.125, torch.empty(q.shape), dots)
     slots = [int(block_tables[0, t // block_size]) * block_size + t % block_size for t in range(root + 8)]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
@@ -305,11 +322,13 @@ def test_a_draft_trees_leaf_gets_the_bits_of_its_key_at_its_own_position(kernels
         if own[row] >= 0:
             moved.view(2, -1, num_kv_heads, head_dim)[:, slots[lengths[row] - 1]] = flat[:, slots[own[row]]]
         alone = KernelAttentionPlan(None, torch.tensor([seqs[row]]), torch.tensor([lengths[row]]), 1, lengths[row])
-        single = kernels.paged_attention(q[row: row + 1].contiguous(), moved, block_tables, alone, 0.125,
-                                         torch.empty(1, num_heads, head_dim), dots)
+        single = kernels.paged_attention(
+            q[row : row + 1].contiguous(), moved, block_tables, alone, 0.125, torch.empty(1, num_heads, head_dim), dots
+        )
         assert torch.equal(out[row], single[0]), row
-        keys, values = (moved[half, block_tables[seqs[row]].long()].flatten(0, 1)[: lengths[row]].float()
-                        for half in (0, 1))
+        keys, values = (
+            moved[half, block_tables[seqs[row]].long()].flatten(0, 1)[: lengths[row]].float() for half in (0, 1)
+        )
         close_to_reference(out[row], q[row], keys, values, 0.125, dots)
 
 
@@ -357,8 +376,9 @@ def test_linear_matches_the_packed_weights(kernels, out_features, in_features, b
     else:
         group = {"int8 per 32": 32, "int8 per 8": 8, "int8 per row": in_features}[weights]
         scales = randn(out_features, in_features // group, seed=15).abs() * 0.01 + 1e-3
-        weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8,
-                               generator=torch.Generator().manual_seed(16))
+        weight = torch.randint(
+            -127, 128, (out_features, in_features), dtype=torch.int8, generator=torch.Generator().manual_seed(16)
+        )
         exact = weight.double() * scales.double().repeat_interleave(group, dim=1)
     bias_values = randn(out_features, seed=12) if bias else None
     x = randn(rows, in_features, seed=13)
@@ -413,8 +433,9 @@ def test_linear_tiles_is_the_bf16_rounded_product_in_float32(kernels, rows, bias
     weight = randn(96, 576, seed=21, scale=0.1).to(torch.bfloat16)
     bias_values = randn(96, seed=22) if bias else None
     x = randn(rows, 576, seed=23)
-    exact = torch.nn.functional.linear(x.to(torch.bfloat16).double(), weight.double(),
-                                       None if bias_values is None else bias_values.double())
+    exact = torch.nn.functional.linear(
+        x.to(torch.bfloat16).double(), weight.double(), None if bias_values is None else bias_values.double()
+    )
     tiles = cpu_kernels.pack_tiles(weight)
     out = kernels.linear_tiles(x, tiles, bias_values)
     assert out.dtype == torch.float32 and out.shape == (rows, 96)
@@ -515,8 +536,12 @@ def test_linear_refuses_int8_weights_without_their_scales(kernels):
         kernels.linear(x, packed, cpu_kernels.pack_scales(torch.ones(8, 16)), None)  # groups of 4: not a multiple of 8
     kernels.linear(x, packed, cpu_kernels.pack_scales(torch.ones(8, 2)), None)
     with pytest.raises(ValueError, match="need their scales"):
-        kernels.linear(x, cpu_kernels.pack_weights(torch.zeros(8, 64, dtype=torch.float16)),
-                       cpu_kernels.pack_scales(torch.ones(8, 2)), None)
+        kernels.linear(
+            x,
+            cpu_kernels.pack_weights(torch.zeros(8, 64, dtype=torch.float16)),
+            cpu_kernels.pack_scales(torch.ones(8, 2)),
+            None,
+        )
 
 
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="needs fbgemm (x86)")
@@ -539,7 +564,7 @@ def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes
     original = kernels.linear
     kernels.linear = lambda *args: calls.append(1) or original(*args)
     try:
-        few = packed(rows[1:gemv_rows + 1])
+        few = packed(rows[1 : gemv_rows + 1])
         large = packed(rows)  # one row more: fbgemm, as before
         assert calls == [1]
         if packed.tile_weight is not None:  # bf16 on AMX: the tiles, inputs rounded as oneDNN's, float32 out
@@ -575,8 +600,10 @@ def test_fused_stack_refuses_layers_of_different_shapes():
     kernels = cpu_kernels.load(True)
 
     def layer(hidden: int) -> FusedLayer:
-        weights = [cpu_kernels.pack_weights(torch.randn(n, k).half()) for n, k in
-                   [(3 * hidden, hidden), (hidden, hidden), (8 * hidden, hidden), (hidden, 4 * hidden)]]
+        weights = [
+            cpu_kernels.pack_weights(torch.randn(n, k).half())
+            for n, k in [(3 * hidden, hidden), (hidden, hidden), (8 * hidden, hidden), (hidden, 4 * hidden)]
+        ]
         norms = (torch.ones(hidden), torch.ones(hidden))
         return FusedLayer(kernels, weights, [None] * 4, [None] * 4, norms, 1e-5, hidden, 2 * hidden // 8, 8)
 
@@ -591,7 +618,7 @@ def test_apply_bitmask_matches_torchs_and_touches_only_the_named_rows(kernels, v
 
     generator = torch.Generator().manual_seed(vocab)
     words = -(-vocab // 32)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), dtype=torch.int32, generator=generator)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=generator)
     bitmask[0, : words // 2] = -1  # whole words allowed, and whole words forbidden
     bitmask[1, : words // 2] = 0
     logits = torch.randn(5, vocab, generator=generator)
@@ -615,8 +642,11 @@ def without_amx() -> list[str]:
 # The instruction sets the C source has code for, the flags a build of each needs, and the extra compiler flags that
 # build it on a CPU with more (the portable build turns AVX off, and with it AVX2, FMA, F16C and AVX-512;
 # "avx512_bf16" is the AVX-512 build whose tile GEMM takes AVX512-BF16's dot products even on a CPU with AMX).
-SIMD_BUILDS = {"avx512": ({"avx512f"}, []), "avx512_bf16": ({"avx512f", "avx512_bf16"}, without_amx()),
-               "avx2": ({"avx2", "fma", "f16c"}, ["-mno-avx512f"])}
+SIMD_BUILDS = {
+    "avx512": ({"avx512f"}, []),
+    "avx512_bf16": ({"avx512f", "avx512_bf16"}, without_amx()),
+    "avx2": ({"avx2", "fma", "f16c"}, ["-mno-avx512f"]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -655,28 +685,42 @@ def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path
             close(built.linear(x, packed, scales, None), portable_kernels.linear(x, packed, scales, None))
         tiles = cpu_kernels.pack_tiles(randn(96, 576, seed=2, scale=0.1).to(torch.bfloat16))
         for rows_in in (x, x.to(torch.bfloat16)):  # AMX's tiles or AVX512-BF16 where the build has them, else plain C
-            outs = [kernels_.linear_tiles(rows_in, tiles, randn(96, seed=9)).float()
-                    for kernels_ in (built, portable_kernels)]
+            outs = [
+                kernels_.linear_tiles(rows_in, tiles, randn(96, seed=9)).float()
+                for kernels_ in (built, portable_kernels)
+            ]
             torch.testing.assert_close(*outs, atol=2e-5, rtol=2e-5 if rows_in.dtype == torch.float32 else 8e-3)
         close(built.rms_norm(x, randn(576, seed=5), 1e-5), portable_kernels.rms_norm(x, randn(576, seed=5), 1e-5))
         gate_up = randn(rows, 2 * 131, seed=6, scale=4.0)
         close(built.silu_mul(gate_up), portable_kernels.silu_mul(gate_up))
         narrow = gate_up.to(torch.bfloat16)  # bf16 rows between GEMMs: at most one bf16 step apart
-        torch.testing.assert_close(built.silu_mul(narrow).float(), portable_kernels.silu_mul(narrow).float(),
-                                   atol=1e-6, rtol=8e-3)
-        torch.testing.assert_close(built.rms_norm(x, randn(576, seed=5), 1e-5, torch.bfloat16).float(),
-                                   portable_kernels.rms_norm(x, randn(576, seed=5), 1e-5, torch.bfloat16).float(),
-                                   atol=1e-6, rtol=8e-3)
+        torch.testing.assert_close(
+            built.silu_mul(narrow).float(), portable_kernels.silu_mul(narrow).float(), atol=1e-6, rtol=8e-3
+        )
+        torch.testing.assert_close(
+            built.rms_norm(x, randn(576, seed=5), 1e-5, torch.bfloat16).float(),
+            portable_kernels.rms_norm(x, randn(576, seed=5), 1e-5, torch.bfloat16).float(),
+            atol=1e-6,
+            rtol=8e-3,
+        )
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 14
     pool = randn(2, num_blocks, block_size, num_kv_heads, head_dim, seed=7)
     block_tables = torch.tensor([[3, 1, 6, 0, 8, 9, 10], [2, 5, 7, 4, 11, 13, 12]], dtype=torch.int32)
     # three rows of sequence 1 (verification), over one or two key chunks, and a draft tree's leaf beside the second
     q = randn(5, num_heads, head_dim, seed=8)
-    plan = KernelAttentionPlan(None, torch.tensor([0, 1, 1, 1, 1]), torch.tensor([37, 64, 100, 101, 100]), 5, 101,
-                               torch.tensor([-1, -1, -1, -1, 105]))
+    plan = KernelAttentionPlan(
+        None,
+        torch.tensor([0, 1, 1, 1, 1]),
+        torch.tensor([37, 64, 100, 101, 100]),
+        5,
+        101,
+        torch.tensor([-1, -1, -1, -1, 105]),
+    )
     for kv in (pool, pool.to(torch.bfloat16)):
-        outs = [kernels_.paged_attention(q, kv, block_tables, plan, 0.125, torch.zeros_like(q))
-                for kernels_ in (built, portable_kernels)]
+        outs = [
+            kernels_.paged_attention(q, kv, block_tables, plan, 0.125, torch.zeros_like(q))
+            for kernels_ in (built, portable_kernels)
+        ]
         close(*outs)
 
 
@@ -702,12 +746,13 @@ def test_flash_attention_on_amx_tiles_matches_its_avx512_bf16_dot_products(kerne
     start = 0
     for index, (_, context) in enumerate(chunks):
         used = -(-context // block_size)
-        tables[index, :used] = order[start:start + used].int()
+        tables[index, :used] = order[start : start + used].int()
         start += used
     q = randn(sum(tokens for tokens, _ in chunks), num_heads, head_dim, seed=13)
     starts = [sum(tokens for tokens, _ in chunks[:index]) for index in range(len(chunks))]
-    plan = FlashChunks.of([(at, tokens, context, index) for index, (at, (tokens, context)) in
-                           enumerate(zip(starts, chunks))])
+    plan = FlashChunks.of(
+        [(at, tokens, context, index) for index, (at, (tokens, context)) in enumerate(zip(starts, chunks))]
+    )
     for kv in (pool, pool.to(torch.bfloat16)):
         amx, dot = (built.flash_attention(q, kv, tables, plan, 0.125, torch.zeros_like(q)) for built in (kernels, dots))
         torch.testing.assert_close(amx, dot, atol=4e-3, rtol=1e-2)

@@ -39,8 +39,12 @@ def test_routing_text_reads_completions_and_chats():
     assert routing_text({"prompt": "abc"}) == "abc"
     assert routing_text({"prompt": ["first", "second"]}) == "first"
     assert routing_text({"prompt": [1, 2, 3]}) == "1 2 3"
-    chat = {"messages": [{"role": "system", "content": "be brief"},
-                         {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    chat = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ]
+    }
     assert routing_text(chat) == "system\nbe brief\nuser\nhi\n"
     assert routing_text("not a dict") == routing_text({"model": "x"}) == ""
 
@@ -86,18 +90,22 @@ def test_round_robin_alternates_and_both_skip_unhealthy_replicas():
 
 def test_metrics_of_replicas_add_up_and_ratios_are_recomputed():
     def replica(prompt, cached, finished):
-        return (f"# TYPE infer_prompt_tokens_total counter\ninfer_prompt_tokens_total {prompt}\n"
-                f"# TYPE infer_prompt_tokens_cached_total counter\ninfer_prompt_tokens_cached_total {cached}\n"
-                f"# TYPE infer_prefix_cache_hit_rate gauge\ninfer_prefix_cache_hit_rate {cached / prompt}\n"
-                f"# TYPE infer_sequences_finished_total counter\n"
-                f'infer_sequences_finished_total{{finish_reason="stop"}} {finished}\n'
-                f"# TYPE infer_ttft_seconds histogram\n"
-                f'infer_ttft_seconds_bucket{{le="1.0"}} {finished}\ninfer_ttft_seconds_bucket{{le="+Inf"}} {finished}\n'
-                f"infer_ttft_seconds_sum 0.5\ninfer_ttft_seconds_count {finished}\n")
+        return (
+            f"# TYPE infer_prompt_tokens_total counter\ninfer_prompt_tokens_total {prompt}\n"
+            f"# TYPE infer_prompt_tokens_cached_total counter\ninfer_prompt_tokens_cached_total {cached}\n"
+            f"# TYPE infer_prefix_cache_hit_rate gauge\ninfer_prefix_cache_hit_rate {cached / prompt}\n"
+            f"# TYPE infer_sequences_finished_total counter\n"
+            f'infer_sequences_finished_total{{finish_reason="stop"}} {finished}\n'
+            f"# TYPE infer_ttft_seconds histogram\n"
+            f'infer_ttft_seconds_bucket{{le="1.0"}} {finished}\ninfer_ttft_seconds_bucket{{le="+Inf"}} {finished}\n'
+            f"infer_ttft_seconds_sum 0.5\ninfer_ttft_seconds_count {finished}\n"
+        )
 
-    merged = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-              for family in text_string_to_metric_families(aggregate_metrics([replica(100, 50, 3), replica(300, 0, 1)]))
-              for sample in family.samples}
+    merged = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(aggregate_metrics([replica(100, 50, 3), replica(300, 0, 1)]))
+        for sample in family.samples
+    }
     assert merged[("infer_prompt_tokens_total", ())] == 400
     assert merged[("infer_prefix_cache_hit_rate", ())] == pytest.approx(50 / 400)  # not 0.5 + 0
     assert merged[("infer_sequences_finished_total", (("finish_reason", "stop"),))] == 4
@@ -105,8 +113,10 @@ def test_metrics_of_replicas_add_up_and_ratios_are_recomputed():
 
 
 # -- real replicas ------------------------------------------------------------------------------------------------
-WORDS = ("library museum river garden window pencil orange mountain silver engine teacher market morning winter "
-         "bridge candle forest island letter music ocean planet rocket summer").split()
+WORDS = (
+    "library museum river garden window pencil orange mountain silver engine teacher market morning winter "
+    "bridge candle forest island letter music ocean planet rocket summer"
+).split()
 
 
 def shared_prefix_prompts(seed: int, groups: int = 3, questions: int = 4) -> list[str]:
@@ -114,8 +124,11 @@ def shared_prefix_prompts(seed: int, groups: int = 3, questions: int = 4) -> lis
     groups, so that round robin over 2 replicas does not keep each group on one by accident)."""
     rng = random.Random(seed)
     systems = [" ".join(rng.choices(WORDS, k=220)) for _ in range(groups)]
-    return [f"{systems[group]}\nQuestion {question}: {' '.join(rng.choices(WORDS, k=8))}?"
-            for question in range(questions) for group in range(groups)]
+    return [
+        f"{systems[group]}\nQuestion {question}: {' '.join(rng.choices(WORDS, k=8))}?"
+        for question in range(questions)
+        for group in range(groups)
+    ]
 
 
 def complete(url: str, prompt: str) -> dict:
@@ -158,11 +171,23 @@ def test_two_replicas_answer_as_one_and_prefix_affinity_keeps_the_hit_rate(data_
 
 def test_aggregated_metrics_parse_and_add_up(data_parallel):
     complete(data_parallel.url, "A small test of the metrics.")
-    merged = {sample.name: sample.value for family in text_string_to_metric_families(
-        httpx.get(f"{data_parallel.url}/metrics").text) for sample in family.samples if not sample.labels}
-    per_replica = [{sample.name: sample.value for family in text_string_to_metric_families(
-        httpx.get(f"{data_parallel.url}/replicas/{index}/metrics").text) for sample in family.samples
-        if not sample.labels} for index in range(2)]
+    merged = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{data_parallel.url}/metrics").text)
+        for sample in family.samples
+        if not sample.labels
+    }
+    per_replica = [
+        {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(
+                httpx.get(f"{data_parallel.url}/replicas/{index}/metrics").text
+            )
+            for sample in family.samples
+            if not sample.labels
+        }
+        for index in range(2)
+    ]
     for name in ("infer_prompt_tokens_total", "infer_generation_tokens_total", "infer_kv_blocks_total"):
         assert merged[name] == sum(replica[name] for replica in per_replica)
 
@@ -174,9 +199,12 @@ def test_a_killed_replica_is_taken_out_and_its_requests_fail_over(data_parallel)
     assert len(results) == 4
     replicas = httpx.get(f"{data_parallel.url}/health").json()["replicas"]
     assert [replica["healthy"] for replica in replicas] == [False, True]
-    up = {sample.labels["replica"]: sample.value for family in text_string_to_metric_families(
-        httpx.get(f"{data_parallel.url}/metrics").text) for sample in family.samples
-        if sample.name == "infer_router_replica_up"}
+    up = {
+        sample.labels["replica"]: sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{data_parallel.url}/metrics").text)
+        for sample in family.samples
+        if sample.name == "infer_router_replica_up"
+    }
     assert up == {"0": 0.0, "1": 1.0}
 
 

@@ -13,13 +13,15 @@ PROMPTS = [f"Tell me fact number {i} about the ocean, please." for i in range(16
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM("baseline", model__path=tiny_model_dir, model__dtype="float32", model__max_model_len=256,
-               cache__num_blocks=256)
+    return LLM(
+        "baseline", model__path=tiny_model_dir, model__dtype="float32", model__max_model_len=256, cache__num_blocks=256
+    )
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_16(llm):
-    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i) for i in range(len(PROMPTS))
+    ]
     batched = llm.generate(PROMPTS, params)
     alone = llm.generate([PROMPTS[5]], [params[5]])[0]
     assert alone.token_ids == batched[5].token_ids
@@ -44,9 +46,18 @@ def test_text_longer_than_any_tokenization_can_fit_is_refused_untokenized(llm, m
     too_big = "word " * (2 * engine.max_model_len * engine.max_token_bytes // 5 + 1)
     tokenized = []
     tokenizer = engine.tokenizer
-    monkeypatch.setattr(engine, "tokenizer", type("Spy", (), {
-        "__call__": lambda self, text, **kwargs: tokenized.append(len(text)) or tokenizer(text, **kwargs),
-        "__getattr__": lambda self, name: getattr(tokenizer, name)})())
+    monkeypatch.setattr(
+        engine,
+        "tokenizer",
+        type(
+            "Spy",
+            (),
+            {
+                "__call__": lambda self, text, **kwargs: tokenized.append(len(text)) or tokenizer(text, **kwargs),
+                "__getattr__": lambda self, name: getattr(tokenizer, name),
+            },
+        )(),
+    )
     outputs = llm.generate([too_big, PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0))
     assert outputs[0].finish_reason == "error" and "bytes of text" in outputs[0].error
     assert len(outputs[1].token_ids) == 2 and tokenized == [len(PROMPTS[0])]
@@ -81,11 +92,23 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(llm, temperature):
     assert SamplingParams(temperature=1e-5).greedy is False
 
 
-@pytest.mark.parametrize(("field", "value"), [("max_tokens", -3), ("top_k", -2), ("top_p", 0.0), ("top_p", 1.5),
-                                              ("temperature", -1.0), ("temperature", 2.5),
-                                              ("temperature", float("nan")),
-                                              ("min_p", 2.0), ("n", 0), ("prompt_logprobs", 21),
-                                              ("logit_bias", {5: 101}), ("logit_bias", {-1: 1.0})])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", -3),
+        ("top_k", -2),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("temperature", -1.0),
+        ("temperature", 2.5),
+        ("temperature", float("nan")),
+        ("min_p", 2.0),
+        ("n", 0),
+        ("prompt_logprobs", 21),
+        ("logit_bias", {5: 101}),
+        ("logit_bias", {-1: 1.0}),
+    ],
+)
 def test_bad_sampling_values_name_the_field(field, value):
     with pytest.raises(SamplingParamsError) as error:
         SamplingParams(**{field: value})
@@ -122,14 +145,15 @@ def test_stop_token_ids_and_min_tokens(llm):
     stopped = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]))[0]
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop_at) + 1]
     assert stopped.finish_reason == "stop" and stopped.outputs[0].stop_reason == stop_at
-    delayed = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at],
-                                                        min_tokens=10))[0]
+    delayed = llm.generate(
+        [PROMPTS[2]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at], min_tokens=10)
+    )[0]
     assert len(delayed.token_ids) == 10 and stop_at not in delayed.token_ids
 
 
 def test_stop_string_cuts_the_text(llm):
     free = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=10, temperature=0))[0]
-    stop = free.text[len(free.text) // 2:][:3]
+    stop = free.text[len(free.text) // 2 :][:3]
     assert stop.strip(), "need a non-blank stop string"
     stopped = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=10, temperature=0, stop=[stop]))[0]
     assert stopped.finish_reason == "stop" and stop not in stopped.text
@@ -174,14 +198,18 @@ def test_a_block_id_outside_the_pool_is_refused_naming_the_plugins(tiny_model_di
     process): the runner refuses such a step first, naming the plugins that hand blocks out."""
     from infer.execution.runner import BlockTableError
 
-    llm = LLM("baseline", model__path=tiny_model_dir, model__dtype="float32", model__max_model_len=256,
-              cache__num_blocks=64)
+    llm = LLM(
+        "baseline", model__path=tiny_model_dir, model__dtype="float32", model__max_model_len=256, cache__num_blocks=64
+    )
     engine = llm.engine
     allocate = engine.allocator.allocate
     monkeypatch.setattr(engine.allocator, "allocate", lambda n: [b + 1000 for b in allocate(n)])
     engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0))
-    with pytest.raises(BlockTableError, match=r"block 10\d\d, outside the KV pool's 64 blocks.*allocator 'paged' or "
-                                              r"prefix cache 'none'"):
+    with pytest.raises(
+        BlockTableError,
+        match=r"block 10\d\d, outside the KV pool's 64 blocks.*allocator 'paged' or "
+        r"prefix cache 'none'",
+    ):
         engine.step()
     monkeypatch.undo()
     seq = engine.running[0] if engine.running else engine.waiting[0]
@@ -195,8 +223,14 @@ def test_a_block_id_outside_the_pool_is_refused_naming_the_plugins(tiny_model_di
 def test_samples_beyond_max_num_seqs_share_the_prompt_after_the_first_finishes(tiny_model_dir):
     """n above max_num_seqs: the first sample computes the prompt and finishes; the later ones, admitted after it,
     still share its computed blocks (they recomputed the whole prompt each: n x 96 tokens instead of 96 + n x 16)."""
-    llm = LLM("baseline", model__path=tiny_model_dir, model__dtype="float32", model__max_model_len=256,
-              cache__num_blocks=64, scheduler__max_num_seqs=2)
+    llm = LLM(
+        "baseline",
+        model__path=tiny_model_dir,
+        model__dtype="float32",
+        model__max_model_len=256,
+        cache__num_blocks=64,
+        scheduler__max_num_seqs=2,
+    )
     prompt = list(range(1000, 1096))  # 6 full blocks of 16
     output = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=1.0, seed=5, n=6))[0]
     assert len(output.outputs) == 6
@@ -238,7 +272,7 @@ def test_stop_strings_count_only_in_text_after_min_tokens_streamed_and_whole_ali
     floor = detokenizer.text_start_of_token(min_tokens)  # the first min_tokens tokens' text ends here
     assert 3 <= floor <= len(text) - 8, "the free text is too short for the three cases"
     start = {"before": floor - 3, "across": floor - 2, "after": floor + 4}[where]
-    stop = text[start:start + 3]
+    stop = text[start : start + 3]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop], min_tokens=min_tokens)
     streamed, whole, token_ids = stream_and_whole(llm, PROMPTS[4], params)
     cut = text.find(stop, floor)
@@ -250,5 +284,5 @@ def test_stop_strings_count_only_in_text_after_min_tokens_streamed_and_whole_ali
         assert whole == text and token_ids == free.token_ids
     else:
         assert whole == text[:cut]
-        assert token_ids == free.token_ids[:detokenizer.token_of_char(cut + len(stop) - 1) + 1]
+        assert token_ids == free.token_ids[: detokenizer.token_of_char(cut + len(stop) - 1) + 1]
     assert streamed == whole

@@ -55,7 +55,7 @@ def hf_greedy(hf_model, chats) -> list[list[int]]:
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
         with torch.inference_mode():
             out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        references.append(out[0, ids.shape[1]:].tolist())
+        references.append(out[0, ids.shape[1] :].tolist())
     return references
 
 

@@ -27,8 +27,9 @@ CORE = Path(__file__).resolve().parents[1] / "core"
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
 HAS_COMPILER = cpu_kernels.compiler() is not None
 needs_kernels = pytest.mark.skipif(not HAS_COMPILER, reason="the CPU kernels need a C compiler")
-needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
-                                  reason="packed fp16 weights need fbgemm (x86)")
+needs_fbgemm = pytest.mark.skipif(
+    "fbgemm" not in torch.backends.quantized.supported_engines, reason="packed fp16 weights need fbgemm (x86)"
+)
 
 
 def _module_name(path: Path) -> str:
@@ -144,8 +145,17 @@ def test_the_last_path_must_accept_every_step():
 
 
 def _decode_then_prefill_choices(tiny_model_dir, caplog, *overrides) -> tuple[LLM, list[str]]:
-    llm = LLM("baseline", dotlist=[f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256",
-                                   "model.quantization=fp16", "execution.fused_max_tokens=8", *overrides])
+    llm = LLM(
+        "baseline",
+        dotlist=[
+            f"model.path={tiny_model_dir}",
+            "model.dtype=float32",
+            "model.max_model_len=256",
+            "model.quantization=fp16",
+            "execution.fused_max_tokens=8",
+            *overrides,
+        ],
+    )
     with caplog.at_level(logging.DEBUG, logger="infer.execution"):
         llm.generate(["a b c d e f g h i j k l m n o p"], SamplingParams(max_tokens=3, temperature=0.0))
     return llm, [record.getMessage() for record in caplog.records if record.name == "infer.execution"]
@@ -167,8 +177,10 @@ def test_each_forward_pass_logs_its_path_and_why_the_earlier_ones_refused(tiny_m
 @needs_fbgemm
 def test_a_backend_that_keeps_attention_to_itself_gets_the_layer_by_layer_fused_path(tiny_model_dir, caplog):
     llm, lines = _decode_then_prefill_choices(tiny_model_dir, caplog, "attention.name=sdpa")
-    assert all("-> fused-layers (fused-stack: attention backend SdpaBackend keeps attention to itself)" in line
-               for line in lines[1:])
+    assert all(
+        "-> fused-layers (fused-stack: attention backend SdpaBackend keeps attention to itself)" in line
+        for line in lines[1:]
+    )
 
 
 @needs_kernels
@@ -192,8 +204,19 @@ def test_infer_run_explain_prints_the_choices_and_their_count(tiny_model_dir, tm
 
     from infer.cli import main
 
-    result = CliRunner().invoke(main, ["run", "baseline", f"model.path={tiny_model_dir}", "model.dtype=float32",
-                                       "model.max_model_len=256", "--explain", "--output", str(tmp_path / "o.jsonl")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "baseline",
+            f"model.path={tiny_model_dir}",
+            "model.dtype=float32",
+            "model.max_model_len=256",
+            "--explain",
+            "--output",
+            str(tmp_path / "o.jsonl"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "infer.execution: " in result.output and "-> torch" in result.output
     assert "execution paths " in result.output and "forward passes: " in result.output
@@ -208,8 +231,16 @@ def test_the_threshold_is_the_step_up_to_which_the_fused_path_saves_the_most():
     assert threshold({1: (3.0, 2.0), 2: (1.0, 2.0)}) == 0
     assert threshold({1: (1.0, 2.0), 32: (2.0, 2.0)}) == 32
     # a Zen 4 EPYC's: a near-tie at 8 tokens, the fused path ahead from 16 to 128
-    zen4 = {1: (8.9, 14.6), 2: (9.9, 14.7), 4: (10.1, 14.9), 8: (15.4, 15.2), 16: (15.0, 19.5), 32: (27.4, 32.2),
-            64: (51.0, 55.7), 128: (99.8, 104.2)}
+    zen4 = {
+        1: (8.9, 14.6),
+        2: (9.9, 14.7),
+        4: (10.1, 14.9),
+        8: (15.4, 15.2),
+        16: (15.0, 19.5),
+        32: (27.4, 32.2),
+        64: (51.0, 55.7),
+        128: (99.8, 104.2),
+    }
     assert threshold(zen4) == 128
 
 
@@ -229,8 +260,17 @@ def test_the_first_loss_is_measured_again_before_it_caps_the_threshold():
 
 
 def _auto_llm(tiny_model_dir, *overrides) -> LLM:
-    return LLM("baseline", dotlist=[f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256",
-                                   "model.quantization=fp16", "cache.num_blocks=64", *overrides])
+    return LLM(
+        "baseline",
+        dotlist=[
+            f"model.path={tiny_model_dir}",
+            "model.dtype=float32",
+            "model.max_model_len=256",
+            "model.quantization=fp16",
+            "cache.num_blocks=64",
+            *overrides,
+        ],
+    )
 
 
 def _decode_at(llm: LLM, batch: int) -> dict[str, int]:
@@ -288,12 +328,16 @@ def test_large_steps_over_bf16_weights_pass_bf16_rows_between_the_gemms(tiny_mod
 
     seen = []
     original = StepOps.__init__
-    monkeypatch.setattr(StepOps, "__init__", lambda self, *args, **kwargs: (original(self, *args, **kwargs),
-                                                                           seen.append(self.gemm_dtype))[0])
+    monkeypatch.setattr(
+        StepOps,
+        "__init__",
+        lambda self, *args, **kwargs: (original(self, *args, **kwargs), seen.append(self.gemm_dtype))[0],
+    )
     prompt = "a b c d e f g h i j k l m n o p"
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    llm = _auto_llm(tiny_model_dir, "model.quantization=bf16", "execution.fused_max_tokens=8",
-                    "execution.large_gemm=bf16")
+    llm = _auto_llm(
+        tiny_model_dir, "model.quantization=bf16", "execution.fused_max_tokens=8", "execution.large_gemm=bf16"
+    )
     assert llm.engine.executor.bf16_gemm_inputs
     narrowed = llm.generate([prompt], params)[0].token_ids
     assert seen[0] is torch.bfloat16 and set(seen[1:]) == {None}  # the 16-token prefill, then decodes
@@ -304,8 +348,9 @@ def test_large_steps_over_bf16_weights_pass_bf16_rows_between_the_gemms(tiny_mod
 
 @needs_kernels
 @needs_fbgemm
-def test_auto_large_gemm_takes_float32_where_it_was_measured_faster_at_every_size(tiny_model_dir, tmp_path,
-                                                                                  monkeypatch):
+def test_auto_large_gemm_takes_float32_where_it_was_measured_faster_at_every_size(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     """``execution.large_gemm: auto`` with bf16 weights: a fake measurement where float32 wins by the margin at both
     sizes puts every projection's large steps on the tiles' float32 FMAs (float32 rows between them, in the fused
     layers too, a draft model's alike), cached and read back; a win short of the margin at one size keeps bf16; a
@@ -328,8 +373,10 @@ def test_auto_large_gemm_takes_float32_where_it_was_measured_faster_at_every_siz
     assert all(layer.fused.struct.tiles_fma for layer in engine.model.layers)
     assert engine.attention.config.prefill_arithmetic == "float32"  # infer's flash attention on FMAs too
     assert engine.attention.config.decode_arithmetic == "float32" and not engine.attention.decode_dots  # and decode
-    assert "large GEMMs float32 (measured now; bf16 vs float32 64 rows 2.00 vs 1.00 ms, 512 rows 10.00 vs 6.00 " \
-           "ms)" in engine.describe_execution()
+    assert (
+        "large GEMMs float32 (measured now; bf16 vs float32 64 rows 2.00 vs 1.00 ms, 512 rows 10.00 vs 6.00 "
+        "ms)" in engine.describe_execution()
+    )
     outputs = llm.generate(["a b c d e f g h i j k l m n o p"] * 2, SamplingParams(max_tokens=6, temperature=0.0))
     assert outputs[0].token_ids == outputs[1].token_ids and len(outputs[0].token_ids) == 6
     again = _auto_llm(tiny_model_dir, *bf16)
@@ -367,18 +414,38 @@ def test_large_gemm_float32_prefill_matches_float32_over_the_rounded_weights(tin
     shutil.copytree(tiny_model_dir, rounded_dir)
     for path in rounded_dir.glob("*.safetensors"):
         tensors = load_file(path)
-        save_file({name: tensor.bfloat16().float() if tensor.dim() == 2 else tensor
-                   for name, tensor in tensors.items()}, path)
+        save_file(
+            {name: tensor.bfloat16().float() if tensor.dim() == 2 else tensor for name, tensor in tensors.items()}, path
+        )
     prompts = [list(range(10, 50)), list(range(100, 137))]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    fma = LLM("baseline", dotlist=[f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256",
-                                   "model.quantization=bf16", "cache.num_blocks=64", "execution.large_gemm=float32",
-                                   "attention.name=cpu", "attention.prefill_dtype=float32",
-                                   "attention.kv_dtype=float32"])
-    exact = LLM("baseline", dotlist=[f"model.path={rounded_dir}", "model.dtype=float32", "model.max_model_len=256",
-                                     "model.quantization=none", "cache.num_blocks=64"])
-    assert [out.token_ids for out in fma.generate(prompts, params)] == \
-        [out.token_ids for out in exact.generate(prompts, params)]
+    fma = LLM(
+        "baseline",
+        dotlist=[
+            f"model.path={tiny_model_dir}",
+            "model.dtype=float32",
+            "model.max_model_len=256",
+            "model.quantization=bf16",
+            "cache.num_blocks=64",
+            "execution.large_gemm=float32",
+            "attention.name=cpu",
+            "attention.prefill_dtype=float32",
+            "attention.kv_dtype=float32",
+        ],
+    )
+    exact = LLM(
+        "baseline",
+        dotlist=[
+            f"model.path={rounded_dir}",
+            "model.dtype=float32",
+            "model.max_model_len=256",
+            "model.quantization=none",
+            "cache.num_blocks=64",
+        ],
+    )
+    assert [out.token_ids for out in fma.generate(prompts, params)] == [
+        out.token_ids for out in exact.generate(prompts, params)
+    ]
 
 
 @needs_kernels
@@ -409,8 +476,7 @@ def test_free_rows_is_the_most_rows_within_the_margin_of_one():
 
 
 @needs_kernels
-def test_eagle_trees_hold_one_draft_fewer_than_the_rows_a_decode_step_verifies(tiny_model_dir, tmp_path,
-                                                                                monkeypatch):
+def test_eagle_trees_hold_one_draft_fewer_than_the_rows_a_decode_step_verifies(tiny_model_dir, tmp_path, monkeypatch):
     """``tree_budget: auto`` takes the measured free rows (a fake measurement: 5 rows within 5% of one) less the
     root's row, capped by ``num_speculative_tokens``, and shares them among the sequences drafting in a step; the
     measurement is cached and read back, ``infer run`` names it, and a number or ``tree_width: 1`` (chains) measures
@@ -435,8 +501,15 @@ def test_eagle_trees_hold_one_draft_fewer_than_the_rows_a_decode_step_verifies(t
     chains = _auto_llm(tiny_model_dir, *eagle, "drafter.tree_width=1").engine
     assert chains.drafter.tree_budget is None and "eagle chains of up to 4" in chains.describe_execution()
     assert measured == [1]
-    times = measure_rows(llm.engine.model, llm.engine.attention, llm.engine.executor, llm.engine.device,
-                                     llm.engine.dtype, candidates=(1, 3), repeats=1)
+    times = measure_rows(
+        llm.engine.model,
+        llm.engine.attention,
+        llm.engine.executor,
+        llm.engine.device,
+        llm.engine.dtype,
+        candidates=(1, 3),
+        repeats=1,
+    )
     assert sorted(times) == [1, 3] and all(ms > 0 for ms in times.values())
 
 
@@ -466,8 +539,13 @@ def test_prefill_steps_reuse_freed_memory_instead_of_faulting_it_in_again():
     glibc_start = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
     def faults_per_generate(reuse: str) -> int:
-        result = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, reuse], capture_output=True, text=True,
-                                timeout=600, env={**os.environ, **glibc_start})
+        result = subprocess.run(
+            [sys.executable, "-c", _FAULTS_SCRIPT, reuse],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, **glibc_start},
+        )
         assert result.returncode == 0, result.stderr
         return int(result.stdout.split()[-1])
 

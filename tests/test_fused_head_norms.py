@@ -36,13 +36,15 @@ def packed(out_features: int, in_features: int, kind: str, seed: int):
     values it stands for, float64 ``[out_features, in_features]``."""
     if kind == "int8":
         group = 32
-        weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8,
-                               generator=torch.Generator().manual_seed(seed))
+        weight = torch.randint(
+            -127, 128, (out_features, in_features), dtype=torch.int8, generator=torch.Generator().manual_seed(seed)
+        )
         scales = randn(out_features, in_features // group, seed=seed + 1).abs() * 1e-3 + 1e-4
         exact = weight.double() * scales.double().repeat_interleave(group, dim=1)
         return cpu_kernels.pack_weights(weight), cpu_kernels.pack_scales(scales), exact
-    weight = randn(out_features, in_features, seed=seed, scale=0.1).to({"fp16": torch.float16,
-                                                                        "bf16": torch.bfloat16}[kind])
+    weight = randn(out_features, in_features, seed=seed, scale=0.1).to(
+        {"fp16": torch.float16, "bf16": torch.bfloat16}[kind]
+    )
     return cpu_kernels.pack_weights(weight), None, weight.double()
 
 
@@ -63,8 +65,7 @@ class Layer:
         return self.projections[0][2]
 
 
-def make_layer(kernels, kind: str, head_dim: int, bias: bool = False, head_norms: bool = True,
-               seed: int = 0) -> Layer:
+def make_layer(kernels, kind: str, head_dim: int, bias: bool = False, head_norms: bool = True, seed: int = 0) -> Layer:
     q_width, kv_width = NUM_HEADS * head_dim, NUM_KV_HEADS * head_dim
     shapes = [(q_width + 2 * kv_width, HIDDEN), (HIDDEN, q_width), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
     projections = [packed(*shape, kind, seed=seed + 10 * i) for i, shape in enumerate(shapes)]
@@ -72,9 +73,18 @@ def make_layer(kernels, kind: str, head_dim: int, bias: bool = False, head_norms
     norms = (randn(HIDDEN, seed=seed + 60).abs() + 0.5, randn(HIDDEN, seed=seed + 61).abs() + 0.5)
     # q and k weights far from 1 and from each other: a norm in the wrong place or with the other's weight shows
     weights = (randn(head_dim, seed=seed + 62).abs() + 0.25, randn(head_dim, seed=seed + 63).abs() * 2 + 0.1)
-    fused = FusedLayer(kernels, [weight for weight, _, _ in projections], [scales for _, scales, _ in projections],
-                       biases, norms, EPS, q_width, NUM_HEADS + NUM_KV_HEADS, head_dim,
-                       head_norms=weights if head_norms else None)
+    fused = FusedLayer(
+        kernels,
+        [weight for weight, _, _ in projections],
+        [scales for _, scales, _ in projections],
+        biases,
+        norms,
+        EPS,
+        q_width,
+        NUM_HEADS + NUM_KV_HEADS,
+        head_dim,
+        head_norms=weights if head_norms else None,
+    )
     return Layer(fused, projections, biases[0], norms[0], weights if head_norms else None, head_dim)
 
 
@@ -82,8 +92,13 @@ def rotary_for(head_dim: int) -> RotaryEmbedding:
     return RotaryEmbedding(default_inverse_frequencies(1000000.0, head_dim), 4096, torch.device("cpu"))
 
 
-def reference_attention_input(layer: Layer, residual: torch.Tensor, positions: torch.Tensor,
-                              rotary: RotaryEmbedding, norm_after_rope: bool = False) -> torch.Tensor:
+def reference_attention_input(
+    layer: Layer,
+    residual: torch.Tensor,
+    positions: torch.Tensor,
+    rotary: RotaryEmbedding,
+    norm_after_rope: bool = False,
+) -> torch.Tensor:
     """transformers' Qwen3 attention input in float64: RMSNorm, QKV linear (+ bias), q_norm over each query head and
     k_norm over each key head, RoPE; ``norm_after_rope``: the two last steps swapped (wrong)."""
     tokens, head_dim = residual.shape[0], layer.head_dim
@@ -120,8 +135,9 @@ def test_attention_input_norms_each_q_and_k_head_before_rope(kernels, tokens, he
     expected_residual = residual + delta
     qkv = layer.fused.attention_input(residual, delta, positions, rotary.cos, rotary.sin)
     assert torch.equal(residual, expected_residual)
-    torch.testing.assert_close(qkv.double(), reference_attention_input(layer, expected_residual, positions, rotary),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        qkv.double(), reference_attention_input(layer, expected_residual, positions, rotary), atol=1e-4, rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -133,8 +149,7 @@ def test_head_norms_after_rope_instead_would_be_caught(kernels, head_dim):
     residual, positions = randn(5, HIDDEN, seed=7), positions_for(5, seed=7)
     qkv = layer.fused.attention_input(residual.clone(), None, positions, rotary.cos, rotary.sin).double()
     wrong = reference_attention_input(layer, residual, positions, rotary, norm_after_rope=True)
-    torch.testing.assert_close(qkv, reference_attention_input(layer, residual, positions, rotary), atol=1e-4,
-                               rtol=1e-4)
+    torch.testing.assert_close(qkv, reference_attention_input(layer, residual, positions, rotary), atol=1e-4, rtol=1e-4)
     heads, wrong_heads = qkv.view(5, -1, head_dim), wrong.view(5, -1, head_dim)
     rotated = NUM_HEADS + NUM_KV_HEADS
     gaps = (heads[:, :rotated] - wrong_heads[:, :rotated]).abs().amax(dim=-1)
@@ -153,20 +168,32 @@ def test_a_layer_without_head_norms_is_the_llama_layer_bit_for_bit(kernels):
     expected = kernels.linear(normed, weight, scales, layer.qkv_bias)
     kernels.rope_(expected, positions, rotary.cos, rotary.sin, NUM_HEADS + NUM_KV_HEADS, 64)
     assert torch.equal(qkv, expected)
-    torch.testing.assert_close(qkv.double(), reference_attention_input(layer, residual, positions, rotary),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        qkv.double(), reference_attention_input(layer, residual, positions, rotary), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_head_norms_of_the_wrong_shape_or_dtype_are_refused(kernels):
     layer = make_layer(kernels, "fp16", 64, head_norms=False)
     weights, scales = [weight for weight, _, _ in layer.projections], [scales for _, scales, _ in layer.projections]
-    args = (kernels, weights, scales, [None] * 4, (torch.ones(HIDDEN), torch.ones(HIDDEN)), EPS, NUM_HEADS * 64,
-            NUM_HEADS + NUM_KV_HEADS, 64)
+    args = (
+        kernels,
+        weights,
+        scales,
+        [None] * 4,
+        (torch.ones(HIDDEN), torch.ones(HIDDEN)),
+        EPS,
+        NUM_HEADS * 64,
+        NUM_HEADS + NUM_KV_HEADS,
+        64,
+    )
     FusedLayer(*args, head_norms=(torch.ones(64), torch.ones(64)))
-    for head_norms, problem in [((torch.ones(128), torch.ones(64)), r"q_norm .*\[64\].*\(128,\)"),
-                                ((torch.ones(64), torch.ones(64, dtype=torch.bfloat16)), "k_norm .*bfloat16"),
-                                ((torch.ones(64, 2)[:, 0], torch.ones(64)), "q_norm .*contiguous"),
-                                ((torch.ones(64),), r"\(q_norm, k_norm\)")]:
+    for head_norms, problem in [
+        ((torch.ones(128), torch.ones(64)), r"q_norm .*\[64\].*\(128,\)"),
+        ((torch.ones(64), torch.ones(64, dtype=torch.bfloat16)), "k_norm .*bfloat16"),
+        ((torch.ones(64, 2)[:, 0], torch.ones(64)), "q_norm .*contiguous"),
+        ((torch.ones(64),), r"\(q_norm, k_norm\)"),
+    ]:
         with pytest.raises(ValueError, match=problem):
             FusedLayer(*args, head_norms=head_norms)
 
@@ -194,12 +221,14 @@ def test_each_simd_build_norms_the_heads_alike(simd, tmp_path):
             layer = make_layer(built, "int8", head_dim, bias=True, seed=tokens)
             residual, positions = randn(tokens, HIDDEN, seed=tokens), positions_for(tokens, seed=tokens)
             qkv = layer.fused.attention_input(residual.clone(), None, positions, rotary.cos, rotary.sin)
-            torch.testing.assert_close(qkv.double(), reference_attention_input(layer, residual, positions, rotary),
-                                       atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                qkv.double(), reference_attention_input(layer, residual, positions, rotary), atol=1e-4, rtol=1e-4
+            )
 
 
-def reference_stack(layers: list[Layer], kernels, hidden, positions, rotary, kv_cache, block_tables, seq_of_token,
-                    slots, scale):
+def reference_stack(
+    layers: list[Layer], kernels, hidden, positions, rotary, kv_cache, block_tables, seq_of_token, slots, scale
+):
     """The layers one by one: FusedLayer's two calls (its attention input checked against transformers' order)
     around each token's attention over its sequence's first ``position + 1`` keys in float64, the K/V written into
     ``kv_cache`` first. Returns (delta, residual)."""
@@ -208,21 +237,27 @@ def reference_stack(layers: list[Layer], kernels, hidden, positions, rotary, kv_
     q_width, kv_width = NUM_HEADS * head_dim, NUM_KV_HEADS * head_dim
     for index, layer in enumerate(layers):
         qkv = layer.fused.attention_input(residual, delta, positions, rotary.cos, rotary.sin)
-        torch.testing.assert_close(qkv.double(), reference_attention_input(layer, residual, positions, rotary),
-                                   atol=1e-4, rtol=1e-4)  # the head norms are transformers', not only the stack's
+        torch.testing.assert_close(
+            qkv.double(), reference_attention_input(layer, residual, positions, rotary), atol=1e-4, rtol=1e-4
+        )  # the head norms are transformers', not only the stack's
         pool = kv_cache[index].view(2, -1, NUM_KV_HEADS, head_dim)
-        pool[0, slots] = qkv[:, q_width:q_width + kv_width].view(tokens, NUM_KV_HEADS, head_dim)
-        pool[1, slots] = qkv[:, q_width + kv_width:].view(tokens, NUM_KV_HEADS, head_dim)
+        pool[0, slots] = qkv[:, q_width : q_width + kv_width].view(tokens, NUM_KV_HEADS, head_dim)
+        pool[1, slots] = qkv[:, q_width + kv_width :].view(tokens, NUM_KV_HEADS, head_dim)
         attended = torch.empty(tokens, q_width)
         for token in range(tokens):
             table = block_tables[seq_of_token[token]].long()
-            keys, values = (kv_cache[index, half, table].flatten(0, 1)[: int(positions[token]) + 1].double()
-                            for half in (0, 1))
+            keys, values = (
+                kv_cache[index, half, table].flatten(0, 1)[: int(positions[token]) + 1].double() for half in (0, 1)
+            )
             q = qkv[token, :q_width].view(NUM_HEADS, head_dim).double()
-            weights = torch.einsum("hd,hnd->hn", q, keys.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
-                                   .transpose(0, 1)).mul(scale).softmax(dim=-1)
-            out = torch.einsum("hn,hnd->hd", weights, values.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
-                               .transpose(0, 1))
+            weights = (
+                torch.einsum("hd,hnd->hn", q, keys.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1).transpose(0, 1))
+                .mul(scale)
+                .softmax(dim=-1)
+            )
+            out = torch.einsum(
+                "hn,hnd->hd", weights, values.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1).transpose(0, 1)
+            )
             attended[token] = out.flatten().float()
         delta = layer.fused.feed_forward(attended, residual)
     return delta, residual
@@ -239,14 +274,19 @@ def test_fused_stack_with_head_norms_matches_its_layers_around_reference_attenti
     block_size, num_blocks = 16, 9
     block_tables = torch.tensor([[3, 1, 6, 0], [2, 5, 7, 4]], dtype=torch.int32)
     seq_of_token, positions = [0, 1, 1, 1], torch.tensor([40, 17, 18, 19])
-    slots = torch.tensor([int(block_tables[seq, int(position) // block_size]) * block_size + int(position) % block_size
-                          for seq, position in zip(seq_of_token, positions)])
+    slots = torch.tensor(
+        [
+            int(block_tables[seq, int(position) // block_size]) * block_size + int(position) % block_size
+            for seq, position in zip(seq_of_token, positions)
+        ]
+    )
     kv_cache = randn(2, 2, num_blocks, block_size, NUM_KV_HEADS, head_dim, seed=3)
     hidden = randn(4, HIDDEN, seed=4)
     scale = 1 / math.sqrt(head_dim)
     expected_cache = kv_cache.clone()
-    expected, expected_residual = reference_stack(layers, kernels, hidden, positions, rotary, expected_cache,
-                                                  block_tables, seq_of_token, slots, scale)
+    expected, expected_residual = reference_stack(
+        layers, kernels, hidden, positions, rotary, expected_cache, block_tables, seq_of_token, slots, scale
+    )
     plan = KernelAttentionPlan(None, torch.tensor(seq_of_token), positions + 1, 4, int(positions.max()) + 1)
     step = KernelAttentionStep(plan, block_tables, slots, NUM_HEADS, scale)
     stack = FusedStack(kernels, [layer.fused for layer in layers], [0, 1])

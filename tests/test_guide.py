@@ -13,8 +13,10 @@ from infer.guide import Constraint
 GUIDES = ["xgrammar", "llguidance"]
 BASE = {"model__dtype": "float32", "model__max_model_len": 1024, "cache__num_blocks": 320}
 REQUESTS = structured_requests(50)
-PROMPTS = [[{"role": "user", "content": text}] for text in
-           ["What is the capital of France?", "Name three fruits.", "Write a haiku about rain.", "Count to five."]]
+PROMPTS = [
+    [{"role": "user", "content": text}]
+    for text in ["What is the capital of France?", "Name three fruits.", "Write a haiku about rain.", "Count to five."]
+]
 
 _engines: dict[tuple, LLM] = {}
 _greedy: dict[str, list[list[int]]] = {}
@@ -37,16 +39,18 @@ def constrained_greedy(guide: str) -> list[list[int]]:
     """The undrafted greedy outputs of REQUESTS under ``guide`` (computed once)."""
     if guide not in _greedy:
         outputs = engine(guide__name=guide).generate(
-            [r.messages for r in REQUESTS], [params(i, 0.0, r.constraint) for i, r in enumerate(REQUESTS)])
+            [r.messages for r in REQUESTS], [params(i, 0.0, r.constraint) for i, r in enumerate(REQUESTS)]
+        )
         _greedy[guide] = [output.outputs[0].token_ids for output in outputs]
     return _greedy[guide]
 
 
 def assert_all_satisfy(outputs, requests) -> None:
-    problems = [(output.outputs[0].text, output.outputs[0].finish_reason, satisfies(output.outputs[0].text,
-                                                                                      request.constraint))
-                for output, request in zip(outputs, requests)
-                if output.outputs[0].finish_reason != "stop" or satisfies(output.outputs[0].text, request.constraint)]
+    problems = [
+        (output.outputs[0].text, output.outputs[0].finish_reason, satisfies(output.outputs[0].text, request.constraint))
+        for output, request in zip(outputs, requests)
+        if output.outputs[0].finish_reason != "stop" or satisfies(output.outputs[0].text, request.constraint)
+    ]
     assert not problems, f"{len(problems)} of {len(requests)} outputs fail their constraint: {problems[:3]}"
 
 
@@ -54,8 +58,9 @@ def assert_all_satisfy(outputs, requests) -> None:
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_fifty_varied_constrained_outputs_all_satisfy_their_constraints(guide, temperature):
     llm = engine(guide__name=guide)
-    outputs = llm.generate([r.messages for r in REQUESTS],
-                           [params(i, temperature, r.constraint) for i, r in enumerate(REQUESTS)])
+    outputs = llm.generate(
+        [r.messages for r in REQUESTS], [params(i, temperature, r.constraint) for i, r in enumerate(REQUESTS)]
+    )
     assert_all_satisfy(outputs, REQUESTS)
     if temperature == 0.0:
         _greedy.setdefault(guide, [output.outputs[0].token_ids for output in outputs])
@@ -74,13 +79,15 @@ def test_drafting_leaves_constrained_greedy_outputs_unchanged(guide, drafter, nu
         settings["drafter__tree_budget"] = 4  # drafts at every batch size (auto shares measured rows among them)
     llm = engine(guide__name=guide, **settings)
     before = llm.engine.stats.num_draft_tokens
-    outputs = llm.generate([r.messages for r in requests],
-                           [params(i, 0.0, r.constraint) for i, r in enumerate(requests)])
+    outputs = llm.generate(
+        [r.messages for r in requests], [params(i, 0.0, r.constraint) for i, r in enumerate(requests)]
+    )
     assert llm.engine.stats.num_draft_tokens > before, "nothing was drafted"
     mismatched = [i for i, output in enumerate(outputs) if output.outputs[0].token_ids != reference[i]]
     assert not mismatched, f"drafted outputs differ from undrafted ones for requests {mismatched}"
-    sampled = llm.generate([r.messages for r in requests],
-                           [params(i, 0.8, r.constraint) for i, r in enumerate(requests)])
+    sampled = llm.generate(
+        [r.messages for r in requests], [params(i, 0.8, r.constraint) for i, r in enumerate(requests)]
+    )
     assert_all_satisfy(sampled, requests)  # rejection sampling over masked target distributions
 
 
@@ -92,24 +99,31 @@ def test_a_configured_guide_leaves_unconstrained_rows_token_identical():
     mixed_params = plain + [params(i, 0.0, r.constraint) for i, r in enumerate(REQUESTS[:4])]
     for guide in GUIDES:
         outputs = engine(guide__name=guide).generate(mixed_prompts, mixed_params)
-        assert [o.outputs[0].token_ids for o in outputs[:len(PROMPTS)]] == reference, guide
-        assert_all_satisfy(outputs[len(PROMPTS):], REQUESTS[:4])
+        assert [o.outputs[0].token_ids for o in outputs[: len(PROMPTS)]] == reference, guide
+        assert_all_satisfy(outputs[len(PROMPTS) :], REQUESTS[:4])
 
 
 def test_samples_preemption_and_prefix_hits_keep_constraints():
     """n = 3 samples per request over a pool small enough to preempt, with hash prefix caching: every sample
     satisfies its constraint, and greedy outputs equal those of a roomy pool."""
     requests = REQUESTS[:6]
-    llm = engine(guide__name="xgrammar", prefix_cache__name="hash", cache__num_blocks=40, model__max_model_len=320,
-                 scheduler__max_num_seqs=16)
-    sampled = llm.generate([r.messages for r in requests],
-                           [params(i, 0.8, r.constraint, n=3) for i, r in enumerate(requests)])
+    llm = engine(
+        guide__name="xgrammar",
+        prefix_cache__name="hash",
+        cache__num_blocks=40,
+        model__max_model_len=320,
+        scheduler__max_num_seqs=16,
+    )
+    sampled = llm.generate(
+        [r.messages for r in requests], [params(i, 0.8, r.constraint, n=3) for i, r in enumerate(requests)]
+    )
     for output, request in zip(sampled, requests):
         assert len(output.outputs) == 3
         for sample in output.outputs:
             assert sample.finish_reason == "stop" and satisfies(sample.text, request.constraint) is None, sample.text
-    greedy = llm.generate([r.messages for r in requests],
-                          [params(i, 0.0, r.constraint) for i, r in enumerate(requests)])
+    greedy = llm.generate(
+        [r.messages for r in requests], [params(i, 0.0, r.constraint) for i, r in enumerate(requests)]
+    )
     assert llm.engine.stats.num_preemptions > 0, "the pool was roomy enough not to preempt"
     assert llm.engine.prefix_cache.stats.hit_tokens > 0
     assert [o.outputs[0].token_ids for o in greedy] == constrained_greedy("xgrammar")[:6]

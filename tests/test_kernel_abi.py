@@ -15,8 +15,11 @@ from infer.kernels.cpu import abi, blocks, builder
 
 HEADER = "cpu_kernels.h"
 # The C struct (a typedef in the header) each ctypes Structure of abi.py mirrors.
-MIRRORS = {"LayerStruct": "infer_layer", "DraftHeadStruct": "infer_draft_head",
-           "AttentionStepStruct": "infer_attention_step"}
+MIRRORS = {
+    "LayerStruct": "infer_layer",
+    "DraftHeadStruct": "infer_draft_head",
+    "AttentionStepStruct": "infer_attention_step",
+}
 # How a ctypes type reads in C, as the header's declarations are classified below.
 CTYPES_IN_C = {ctypes.c_void_p: "pointer", ctypes.c_int64: "int64_t", ctypes.c_float: "float", None: "void"}
 
@@ -62,8 +65,11 @@ def c_functions() -> dict[str, tuple[str, list[str]]]:
 
 
 def mirrored_structures() -> dict[str, type[ctypes.Structure]]:
-    return {name: value for name, value in vars(abi).items()
-            if isinstance(value, type) and issubclass(value, ctypes.Structure) and value.__module__ == abi.__name__}
+    return {
+        name: value
+        for name, value in vars(abi).items()
+        if isinstance(value, type) and issubclass(value, ctypes.Structure) and value.__module__ == abi.__name__
+    }
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +78,10 @@ def c_layout(tmp_path_factory) -> dict[str, int]:
     builder's compiler lays them out: ``"struct"``, ``"struct.field"`` (offset) and ``"struct.field:size"``."""
     cc = builder.compiler()
     if cc is None:
-        pytest.skip("no C compiler found (set $CC, or install gcc): the layout check compiles a program that "
-                    "includes the header")
+        pytest.skip(
+            "no C compiler found (set $CC, or install gcc): the layout check compiles a program that "
+            "includes the header"
+        )
     folder = tmp_path_factory.mktemp("abi")
     (folder / HEADER).write_text(builder.sources()[HEADER])
     lines = []
@@ -85,8 +93,11 @@ def c_layout(tmp_path_factory) -> dict[str, int]:
     for kind in ("KIND_F16", "KIND_I8", "KIND_BF16", *(f"KIND_{name.upper()}" for name in blocks.BLOCK_KINDS)):
         lines.append(f'printf("{kind} %d\\n", (int){kind});')
     program = folder / "layout.c"
-    program.write_text("#include <stddef.h>\n#include <stdio.h>\n#include \"cpu_kernels.h\"\n\nint main(void) {\n    "
-                       + "\n    ".join(lines) + "\n    return 0;\n}\n")
+    program.write_text(
+        '#include <stddef.h>\n#include <stdio.h>\n#include "cpu_kernels.h"\n\nint main(void) {\n    '
+        + "\n    ".join(lines)
+        + "\n    return 0;\n}\n"
+    )
     flags = [flag for flag in builder.FLAGS if flag not in ("-shared", "-fPIC")]
     compiled = subprocess.run([cc, *flags, "-o", str(folder / "layout"), str(program)], capture_output=True, text=True)
     assert compiled.returncode == 0, f"the header does not compile on its own:\n{compiled.stderr}"
@@ -108,14 +119,16 @@ def test_structure_fields_match_the_c_struct(structure, c_layout):
     assert python_fields == c_fields, f"abi.{structure}'s fields differ from {struct}'s in {HEADER}"
     for name, _ in c_fields:
         field = getattr(python, name)
-        assert (field.offset, field.size) == (c_layout[f"{struct}.{name}"], c_layout[f"{struct}.{name}:size"]), \
+        assert (field.offset, field.size) == (c_layout[f"{struct}.{name}"], c_layout[f"{struct}.{name}:size"]), (
             f"{struct}.{name}: ctypes at {field.offset} ({field.size} bytes), C at {c_layout[f'{struct}.{name}']}"
+        )
     assert ctypes.sizeof(python) == c_layout[struct]
 
 
 def test_weight_kinds_match_the_header(c_layout):
-    assert abi.WEIGHT_KINDS == {kind: c_layout[f"KIND_{name}"] for kind, name in
-                                zip(abi.WEIGHT_KINDS, ("F16", "I8", "BF16"))}
+    assert abi.WEIGHT_KINDS == {
+        kind: c_layout[f"KIND_{name}"] for kind, name in zip(abi.WEIGHT_KINDS, ("F16", "I8", "BF16"))
+    }
     assert [c_layout[f"KIND_{name}"] for name in ("F16", "I8", "BF16")] == [0, 1, 2]
     assert blocks.BLOCK_KINDS == {name: c_layout[f"KIND_{name.upper()}"] for name in blocks.BLOCK_KINDS}
 
@@ -150,8 +163,9 @@ def test_every_function_abi_binds_is_declared_alike():
         assert function.restype != "unset" and function.argtypes is not None, f"abi.py leaves {name}'s types unset"
         returns, parameters = declared[name]
         bound = (CTYPES_IN_C[function.restype], [CTYPES_IN_C[kind] for kind in function.argtypes])
-        assert bound == (returns, parameters), \
+        assert bound == (returns, parameters), (
             f"{name}: abi.py binds {bound}, {HEADER} declares {(returns, parameters)}"
+        )
 
 
 def test_the_library_exports_exactly_what_the_header_declares():
@@ -167,7 +181,8 @@ def test_the_library_exports_exactly_what_the_header_declares():
     nm = shutil.which("nm")
     if nm is None:
         pytest.skip("no nm to list the library's symbols (the helpers shared between files should stay hidden)")
-    listing = subprocess.run([nm, "-D", "--defined-only", str(kernels.path)], capture_output=True, text=True,
-                             check=True).stdout
+    listing = subprocess.run(
+        [nm, "-D", "--defined-only", str(kernels.path)], capture_output=True, text=True, check=True
+    ).stdout
     exported = {line.split()[-1] for line in listing.splitlines() if line.split()[-2:-1] == ["T"]}
     assert exported == declared, f"exported but not declared: {sorted(exported - declared)}"

@@ -9,8 +9,9 @@ from infer.testing.scheduler import Limits, Request, SimulatedEngine, expected_o
 
 def simulated_engine(limits: Limits, scheduler: str = "fcfs", prefix_cache: str = "none") -> SimulatedEngine:
     registry = get_registry()
-    config = registry.config_model("scheduler", scheduler)(name=scheduler, max_num_seqs=limits.max_num_seqs,
-                                                           max_num_batched_tokens=limits.max_num_batched_tokens)
+    config = registry.config_model("scheduler", scheduler)(
+        name=scheduler, max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens
+    )
     allocator = registry.load("allocator", "paged")(limits.num_blocks, limits.block_size, limits.max_model_len)
     cache = registry.load("prefix_cache", prefix_cache)(allocator, limits.block_size)
     kv = KVCacheManager(allocator, cache, limits.max_model_len)

@@ -32,8 +32,13 @@ def lint_imports(package_tree: Path, config: Path) -> subprocess.CompletedProces
         if os.environ.get("CI"):
             pytest.fail("import-linter is not installed; CI checks the layers with it (pip install -e '.[dev]')")
         pytest.skip("import-linter is not installed (pip install -e '.[dev]')")
-    return subprocess.run([linter, "--config", str(config), "--no-cache"], capture_output=True, text=True,
-                          cwd=package_tree, env={"PYTHONPATH": str(package_tree), "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [linter, "--config", str(config), "--no-cache"],
+        capture_output=True,
+        text=True,
+        cwd=package_tree,
+        env={"PYTHONPATH": str(package_tree), "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_every_layer_contract_holds(package_tree):

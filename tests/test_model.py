@@ -86,8 +86,15 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
 class PagedPool:
     """The runner's job in miniature: shuffled pool blocks, per-sequence block tables, one model call per step."""
 
-    def __init__(self, model: CausalLM, block_size: int = 4, num_blocks: int = 64, seed: int = 0,
-                 kernels: bool = False, paths: tuple[str, ...] = PATH_NAMES):
+    def __init__(
+        self,
+        model: CausalLM,
+        block_size: int = 4,
+        num_blocks: int = 64,
+        seed: int = 0,
+        kernels: bool = False,
+        paths: tuple[str, ...] = PATH_NAMES,
+    ):
         """With ``kernels``, the model runs on infer's CPU kernels (on the execution ``paths`` named, in order) and
         attention on the ``cpu`` backend; else torch's ops and ``sdpa``."""
         self.model = model
@@ -121,8 +128,9 @@ class PagedPool:
             self.block_size,
         )
         input_ids = torch.tensor([token for name in names for token in new_tokens[name]])
-        step = self.executor.step(self.model.rotary, self.backend.prepare(metadata), self.kv_cache, self.backend,
-                                  torch.float32)
+        step = self.executor.step(
+            self.model.rotary, self.backend.prepare(metadata), self.kv_cache, self.backend, torch.float32
+        )
         hidden = self.model(input_ids, step)
         logits = self.model.compute_logits(hidden).split(metadata.query_lens_cpu)
         for name in names:
@@ -170,8 +178,13 @@ def test_rope_parameters_read_old_and_new_config_styles():
     new = SimpleNamespace(rope_parameters={"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0})
     plain = SimpleNamespace()
     full = {"partial_rotary_factor": 1.0}
-    assert rope_parameters(old) == {"rope_theta": 500000.0, "rope_type": "llama3", "type": "llama3", "factor": 8.0,
-                                    **full}
+    assert rope_parameters(old) == {
+        "rope_theta": 500000.0,
+        "rope_type": "llama3",
+        "type": "llama3",
+        "factor": 8.0,
+        **full,
+    }
     assert rope_parameters(new) == {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, **full}
     assert rope_parameters(plain) == {"rope_theta": 10000.0, "rope_type": "default", **full}
 
@@ -288,8 +301,12 @@ def test_fused_paths_give_the_op_by_op_kernels_logits(name, mode):
     steps += [{"first": [first[index]], "second": [second[index - 12]]} for index in (14, 15)]
     steps += [{"second": [token]} for token in second[4:]]
     logits, counts = {}, {}
-    for label, kernels, paths in (("torch", False, ("torch",)), ("kernels", True, ("torch",)),
-                                  ("layers", True, ("fused-layers", "torch")), ("stack", True, PATH_NAMES)):
+    for label, kernels, paths in (
+        ("torch", False, ("torch",)),
+        ("kernels", True, ("torch",)),
+        ("layers", True, ("fused-layers", "torch")),
+        ("stack", True, PATH_NAMES),
+    ):
         pool = PagedPool(quantize_model(LlamaArchitecture.from_hf(hf_model), mode), kernels=kernels, paths=paths)
         logits[label] = torch.cat([out for new_tokens in steps for out in pool.step(new_tokens).values()])
         counts[label] = dict(pool.executor.counts)

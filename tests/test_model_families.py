@@ -32,31 +32,47 @@ class TestQwen3(ModelConformance):
     impl_name = "qwen3"
     hf_model_class = "Qwen3ForCausalLM"
     # head_dim explicit and wider than hidden / heads (as Qwen3-0.6B's 16 x 128 over 1024)
-    config_fields = {"head_dim": 32, "tie_word_embeddings": True,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}}
+    config_fields = {
+        "head_dim": 32,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    }
 
 
 class TestGemma3(ModelConformance):
     impl_name = "gemma3"
     hf_model_class = "Gemma3ForCausalLM"
-    config_fields = {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
-                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
-                     "num_hidden_layers": 3, "hidden_activation": "gelu_pytorch_tanh",
-                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                                         "full_attention": {"rope_type": "linear", "factor": 8.0,
-                                                            "rope_theta": 1_000_000.0}}}
+    config_fields = {
+        "head_dim": 16,
+        "sliding_window": 8,
+        "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "num_hidden_layers": 3,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        },
+    }
 
 
 class TestPhi3(ModelConformance):
     impl_name = "phi3"
     hf_model_class = "Phi3ForCausalLM"
     # Phi-4-mini's shape of RoPE: 3/4 of each head rotated, LongRoPE (short factors below the original length).
-    config_fields = {"sliding_window": 12, "max_position_embeddings": 1024, "original_max_position_embeddings": 256,
-                     "rope_parameters": {"rope_type": "longrope", "rope_theta": 10_000.0,
-                                         "partial_rotary_factor": 0.75,
-                                         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
-                                         "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
-                                         "original_max_position_embeddings": 256}}
+    config_fields = {
+        "sliding_window": 12,
+        "max_position_embeddings": 1024,
+        "original_max_position_embeddings": 256,
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10_000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+            "original_max_position_embeddings": 256,
+        },
+    }
 
 
 def test_longrope_factors_are_one_choice_for_every_request(tmp_path):
@@ -77,6 +93,7 @@ def test_longrope_factors_are_one_choice_for_every_request(tmp_path):
 
 
 # -- planted bugs: each must move the logits beyond the suite's tolerance ---------------------------------------------
+
 
 def test_a_wrong_rope_base_fails_the_suite(tmp_path):
     from infer.model import RotaryTable, default_inverse_frequencies
@@ -102,12 +119,16 @@ def test_q_and_k_norms_after_rope_fail_the_suite(tmp_path, monkeypatch):
         qkv[:, : heads.shape[1] * self.head_dim] = heads.reshape(tokens, -1)
         qkv = step.ops.head_norms(qkv, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
         q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size: self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(step.attend(self.layer_index, q, k, v).reshape(tokens, self.q_size))
 
-    assert_planted_bug_fails(TestQwen3, tmp_path, Qwen3Architecture,
-                             plant=lambda: monkeypatch.setattr(decoder.Attention, "forward", norms_after_rope))
+    assert_planted_bug_fails(
+        TestQwen3,
+        tmp_path,
+        Qwen3Architecture,
+        plant=lambda: monkeypatch.setattr(decoder.Attention, "forward", norms_after_rope),
+    )
 
 
 def test_a_missing_norm_offset_fails_the_suite(tmp_path):
@@ -129,8 +150,10 @@ def test_a_window_off_by_one_fails_the_suite(tmp_path):
         @classmethod
         def decoder_spec(cls, hf_config, max_positions=None):
             spec = super().decoder_spec(hf_config, max_positions)
-            layers = tuple(LayerAttention(window=None if layer.window is None else layer.window + 1,
-                                          scale=layer.scale) for layer in spec.layer_attention)
+            layers = tuple(
+                LayerAttention(window=None if layer.window is None else layer.window + 1, scale=layer.scale)
+                for layer in spec.layer_attention
+            )
             return spec.replace(layer_attention=layers)
 
     assert_planted_bug_fails(TestGemma3, tmp_path, WiderWindow)

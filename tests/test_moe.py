@@ -10,24 +10,38 @@ import torch
 from infer.testing import MoeConformance
 from infer.testing.model import save_tiny_model
 
-QWEN3_MOE = {"head_dim": 16, "moe_intermediate_size": 32,
-             "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}}
+QWEN3_MOE = {
+    "head_dim": 16,
+    "moe_intermediate_size": 32,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+}
 
 
 class TestQwen3Moe8Experts(MoeConformance):
     impl_name = "qwen3_moe"
     hf_model_class = "Qwen3MoeForCausalLM"
     # layer 1 dense (mlp_only_layers), layers 0 and 2 sparse
-    config_fields = {**QWEN3_MOE, "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
-                     "norm_topk_prob": True, "mlp_only_layers": [1]}
+    config_fields = {
+        **QWEN3_MOE,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+    }
 
 
 class TestQwen3Moe16Experts(MoeConformance):
     impl_name = "qwen3_moe"
     hf_model_class = "Qwen3MoeForCausalLM"
     # decoder_sparse_step 2: layer 1 sparse, layer 0 dense; weights not renormalized over the top 4
-    config_fields = {**QWEN3_MOE, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": False,
-                     "decoder_sparse_step": 2}
+    config_fields = {
+        **QWEN3_MOE,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 2,
+    }
 
 
 class TestQwen3MoeOneExpertTakesEveryToken(MoeConformance):
@@ -68,8 +82,7 @@ class TestQwen3MoeOneExpertTakesEveryToken(MoeConformance):
         chosen = []
         for layer in model.layers:
             if isinstance(layer.mlp, MoE):
-                layer.mlp.register_forward_pre_hook(
-                    lambda module, args: chosen.append(module.route(args[0]).experts))
+                layer.mlp.register_forward_pre_hook(lambda module, args: chosen.append(module.route(args[0]).experts))
         PagedRunner(model).step({"a": random_prompt(40, seed=1), "b": random_prompt(7, seed=2)})
         assert chosen and all((experts == self.FAVOURITE).any(dim=1).all() for experts in chosen)
         others = torch.cat(chosen)[:, 1:].unique()
@@ -104,6 +117,7 @@ def test_transformers_stacked_experts_load_as_the_checkpoint_does():
 
 
 # -- the experts on infer's CPU kernels --------------------------------------------------------------------------------
+
 
 class CountingKernels:
     """The CPU kernels, counting the calls of ``moe_experts``."""
@@ -140,8 +154,9 @@ def packed_moe(mode: str, num_experts: int = 8, top_k: int = 2, hidden: int = 64
         for ours, theirs in zip(moe.experts, reference.experts, strict=True):
             for name in ("gate_up_proj", "down_proj"):
                 packed = getattr(ours, name)
-                weight = packed.bf16_weight() if mode == "bf16" else \
-                    torch.ops.quantized.linear_unpack_fp16(packed.packed)[0]  # int8: its scaled weights, exactly
+                weight = (
+                    packed.bf16_weight() if mode == "bf16" else torch.ops.quantized.linear_unpack_fp16(packed.packed)[0]
+                )  # int8: its scaled weights, exactly
                 getattr(theirs, name).weight.copy_(weight.float())
     return moe, reference
 
@@ -194,7 +209,7 @@ def test_one_expert_taking_every_token_on_the_kernel_equals_expert_by_expert(ker
     for token in range(rows):
         for slot in range(2):
             expert = reference.experts[int(experts[token, slot])]
-            want[token] += routing.weights[token, slot] * expert(x[token:token + 1])[0]
+            want[token] += routing.weights[token, slot] * expert(x[token : token + 1])[0]
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
 
 

@@ -27,8 +27,14 @@ from infer.testing import (
 )
 
 DISTRIBUTION = "infer-outside-plugin"
-SELECTED = {"allocator": "outside-fifo", "prefix_cache": "outside-prefix", "scheduler": "outside-longest",
-            "attention": "outside-reference", "drafter": "outside-repeat", "guide": "outside-choice"}
+SELECTED = {
+    "allocator": "outside-fifo",
+    "prefix_cache": "outside-prefix",
+    "scheduler": "outside-longest",
+    "attention": "outside-reference",
+    "drafter": "outside-repeat",
+    "guide": "outside-choice",
+}
 
 
 def skip_reason() -> str | None:
@@ -64,7 +70,7 @@ class TestOutsideAttention(AttentionConformance):
     impl_name = "outside-reference"
 
 
-@pytest.mark.filterwarnings("ignore:drafter \"outside-repeat\".*plugin API 1:DeprecationWarning")
+@pytest.mark.filterwarnings('ignore:drafter "outside-repeat".*plugin API 1:DeprecationWarning')
 class TestOutsideDrafter(DrafterConformance):
     impl_name = "outside-repeat"
 
@@ -74,13 +80,23 @@ class TestOutsideGuide(GuideConformance):
 
 
 # The drafter finds repeats to propose, and the third prompt waits (two run at once) for the prefix cache to serve it.
-PREFIX = ("You are a careful assistant. Answer in one short sentence, and count slowly: one two three, one two "
-          "three, one two three.")
-PROMPTS = [f"{PREFIX} What is the capital of France?", f"{PREFIX} Name a primary color.",
-           f"{PREFIX} What is two plus two?"]
+PREFIX = (
+    "You are a careful assistant. Answer in one short sentence, and count slowly: one two three, one two "
+    "three, one two three."
+)
+PROMPTS = [
+    f"{PREFIX} What is the capital of France?",
+    f"{PREFIX} Name a primary color.",
+    f"{PREFIX} What is two plus two?",
+]
 # A fixed fused-path threshold: calibrating it would time forward passes of whichever attention backend is selected.
-SETTINGS = ["model.dtype=float32", "model.max_model_len=256", "cache.num_blocks=64", "scheduler.max_num_seqs=2",
-            "execution.fused_max_tokens=8"]
+SETTINGS = [
+    "model.dtype=float32",
+    "model.max_model_len=256",
+    "cache.num_blocks=64",
+    "scheduler.max_num_seqs=2",
+    "execution.fused_max_tokens=8",
+]
 
 
 def greedy_outputs(llm) -> list[list[int]]:
@@ -107,14 +123,21 @@ def test_an_engine_with_every_outside_plugin_gives_the_builtins_output():
     assert not registry.broken and not any(issubclass(w.category, PluginWarning) for w in caught)
     deprecations = sorted(str(w.message) for w in caught if "plugin API" in str(w.message))
     assert [w.category for w in caught if "plugin API" in str(w.message)] == [PluginDeprecationWarning] * 2
-    assert deprecations[0].startswith('drafter "outside-repeat" (infer_outside_plugin.drafter:RepeatDrafter from '
-                                      f'{DISTRIBUTION} 0.1.0): __init__ takes only a config')
-    assert deprecations[1].startswith(f"plugin {DISTRIBUTION}:infer_outside_plugin.observer ({DISTRIBUTION} 0.1.0): "
-                                      "observer hooks that take engine")
+    assert deprecations[0].startswith(
+        'drafter "outside-repeat" (infer_outside_plugin.drafter:RepeatDrafter from '
+        f"{DISTRIBUTION} 0.1.0): __init__ takes only a config"
+    )
+    assert deprecations[1].startswith(
+        f"plugin {DISTRIBUTION}:infer_outside_plugin.observer ({DISTRIBUTION} 0.1.0): observer hooks that take engine"
+    )
     stats = llm.engine.stats
     assert stats.num_verify_passes > 0 and stats.num_cached_prompt_tokens > 0, "the drafter or the cache sat idle"
     assert (SEEN["engines"], SEEN["max_model_len"], SEEN["steps"], SEEN["requests"]) == (
-        1, 256, stats.num_steps, len(PROMPTS)), "the observer's hooks did not see the run"
+        1,
+        256,
+        stats.num_steps,
+        len(PROMPTS),
+    ), "the observer's hooks did not see the run"
 
 
 def test_its_command_runs():

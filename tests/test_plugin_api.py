@@ -58,8 +58,9 @@ def test_this_release_is_plugin_api_2():
 
 
 def test_a_plugin_without_a_declaration_is_version_1_and_a_declared_one_its_own():
-    registry = Registry.from_plugins([scheduler_plugin("old_sched", "old"),
-                                      scheduler_plugin("new_sched", "new", INFER_PLUGIN_API=2)])
+    registry = Registry.from_plugins(
+        [scheduler_plugin("old_sched", "old"), scheduler_plugin("new_sched", "new", INFER_PLUGIN_API=2)]
+    )
     assert (registry.spec("scheduler", "old").plugin_api, registry.spec("scheduler", "new").plugin_api) == (1, 2)
 
 
@@ -78,11 +79,12 @@ def test_every_builtin_plugin_declares_this_version():
 
 
 def test_infer_plugins_shows_each_plugins_version(monkeypatch):
-    registry = Registry.from_plugins([(scheduler_plugin("old_sched", "old"), OLD),
-                                      (scheduler_plugin("new_sched", "newer", INFER_PLUGIN_API=2), NEW)])
+    registry = Registry.from_plugins(
+        [(scheduler_plugin("old_sched", "old"), OLD), (scheduler_plugin("new_sched", "newer", INFER_PLUGIN_API=2), NEW)]
+    )
     monkeypatch.setattr(infer.cli, "get_registry", lambda load=None: registry)
     lines = CliRunner().invoke(infer.cli.main, ["plugins"]).output.splitlines()
-    assert lines[lines.index("scheduler") + 1:lines.index("attention")] == [
+    assert lines[lines.index("scheduler") + 1 : lines.index("attention")] == [
         "  newer  infer-new 1.0  API 2",
         "  old    infer-old 0.9  API 1",
     ]
@@ -91,9 +93,11 @@ def test_infer_plugins_shows_each_plugins_version(monkeypatch):
 
 
 # -- a plugin newer than infer --------------------------------------------------------------------------------------
-TOO_NEW = ("plugin infer-future:future_sched (infer-future 3.0) is written to plugin API 3 (INFER_PLUGIN_API = 3) but "
-           "this infer supports plugin API 2 at most: upgrade infer, or install a release of infer-future written to "
-           "plugin API 2")
+TOO_NEW = (
+    "plugin infer-future:future_sched (infer-future 3.0) is written to plugin API 3 (INFER_PLUGIN_API = 3) but "
+    "this infer supports plugin API 2 at most: upgrade infer, or install a release of infer-future written to "
+    "plugin API 2"
+)
 
 
 def test_a_plugin_declaring_a_newer_version_is_refused_in_one_line():
@@ -111,8 +115,10 @@ def test_an_installed_plugin_declaring_a_newer_version_is_not_loaded_and_says_wh
     monkeypatch.setattr(infer.registry, "entry_points", lambda group: [future])
     with pytest.warns(PluginWarning) as warned:
         registry = Registry.from_entry_points()
-    assert str(warned[0].message) == (f"plugin infer-future:future_sched from infer-future 3.0 was not loaded "
-                                      f"(PluginError: {TOO_NEW}); configs that select what it provides will fail")
+    assert str(warned[0].message) == (
+        f"plugin infer-future:future_sched from infer-future 3.0 was not loaded "
+        f"(PluginError: {TOO_NEW}); configs that select what it provides will fail"
+    )
     assert [broken.error for broken in registry.broken] == [f"PluginError: {TOO_NEW}"]
     with pytest.raises(UnknownPluginError, match="upgrade infer"):
         registry.spec("scheduler", "future")
@@ -166,8 +172,11 @@ def test_the_message_names_the_installed_distribution_that_holds_the_drafter():
             super().__init__(config)
 
     OldNgram.__module__ = NgramDrafter.__module__
-    with pytest.warns(DeprecationWarning, match=r'^drafter "ngram" \(infer\.plugins\.drafters\.ngram:.*OldNgram from '
-                                                r"infer \d"):
+    with pytest.warns(
+        DeprecationWarning,
+        match=r'^drafter "ngram" \(infer\.plugins\.drafters\.ngram:.*OldNgram from '
+        r"infer \d",
+    ):
         build_drafter(OldNgram, DrafterConfig(name="ngram"), None)
 
 
@@ -192,7 +201,8 @@ def test_a_drafter_built_neither_way_is_refused_in_one_line():
         f'drafter "broken" ({__name__}:NoArgumentsDrafter) cannot be built: its __init__() takes neither (config, '
         "context) nor (config); since plugin API 2 drafters are built as cls(config, context): declare "
         "__init__(self, config=None, context=None), calling super().__init__(config, context) (see "
-        "infer.drafter.Drafter and infer.hookspecs)")
+        "infer.drafter.Drafter and infer.hookspecs)"
+    )
 
 
 # -- observers: plugin API 1 passed them the engine -----------------------------------------------------------------
@@ -243,8 +253,10 @@ class MisnamedObserver:
         pass
 
 
-MISNAMED = ("plugin infer-old:MisnamedObserver (infer-old 0.9): its step_finished(stats) takes stats, which "
-            "step_finished does not pass; step_finished passes step_stats (see infer.hookspecs)")
+MISNAMED = (
+    "plugin infer-old:MisnamedObserver (infer-old 0.9): its step_finished(stats) takes stats, which "
+    "step_finished does not pass; step_finished passes step_stats (see infer.hookspecs)"
+)
 
 
 def test_a_hook_taking_an_argument_its_hook_does_not_pass_is_refused_in_one_line():

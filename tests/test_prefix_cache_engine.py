@@ -11,8 +11,14 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def _llm(tiny_model_dir, cache: str, **overrides):
-    settings = {"model__path": tiny_model_dir, "model__dtype": "float32", "model__max_model_len": 256,
-                "cache__num_blocks": 128, "prefix_cache__name": cache, **overrides}
+    settings = {
+        "model__path": tiny_model_dir,
+        "model__dtype": "float32",
+        "model__max_model_len": 256,
+        "cache__num_blocks": 128,
+        "prefix_cache__name": cache,
+        **overrides,
+    }
     return LLM("baseline", **settings)
 
 
@@ -62,8 +68,10 @@ def test_multi_turn_chat_reuses_turn_one_and_matches_no_cache(tiny_model_dir, ca
     for name in ("none", cache):
         llm = _llm(tiny_model_dir, name)
         first = llm.generate([turn1], GREEDY)[0]
-        turn2 = turn1 + [{"role": "assistant", "content": first.text},
-                         {"role": "user", "content": "And which one flows through Vienna?"}]
+        turn2 = turn1 + [
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "And which one flows through Vienna?"},
+        ]
         second = llm.generate([turn2], GREEDY)[0]
         outputs[name] = (first.token_ids, second.token_ids, second.metrics.num_cached_prompt_tokens)
     assert outputs[cache][:2] == outputs["none"][:2]

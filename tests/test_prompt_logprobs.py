@@ -15,8 +15,17 @@ PROMPT = "The quick brown fox jumps over the lazy dog because it wanted to see w
 
 
 def tiny_llm(model_dir: str, *extra: str) -> LLM:
-    return LLM("baseline", [f"model.path={model_dir}", "model.dtype=float32", "model.max_model_len=256",
-                            "cache.num_blocks=128", "cache.block_size=4", *extra])
+    return LLM(
+        "baseline",
+        [
+            f"model.path={model_dir}",
+            "model.dtype=float32",
+            "model.max_model_len=256",
+            "cache.num_blocks=128",
+            "cache.block_size=4",
+            *extra,
+        ],
+    )
 
 
 def hf_prompt_logprobs(model_dir: str, token_ids: list[int]) -> list[float]:
@@ -27,8 +36,15 @@ def hf_prompt_logprobs(model_dir: str, token_ids: list[int]) -> list[float]:
     return [float(log_probs[p - 1, token_ids[p]]) for p in range(1, len(token_ids))]
 
 
-@pytest.mark.parametrize("extra", [(), ("scheduler.max_num_batched_tokens=8",), ("prefix_cache.name=radix",),
-                                   ("prefix_cache.name=hash", "scheduler.max_num_batched_tokens=8")])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        (),
+        ("scheduler.max_num_batched_tokens=8",),
+        ("prefix_cache.name=radix",),
+        ("prefix_cache.name=hash", "scheduler.max_num_batched_tokens=8"),
+    ],
+)
 def test_prompt_logprobs_match_transformers_at_every_position(tiny_model_dir, extra):
     with tiny_llm(tiny_model_dir, *extra) as llm:
         # The same prompt once without prompt logprobs first: a prefix cache then holds its blocks.

@@ -31,8 +31,9 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm())
 
 
-@pytest.mark.parametrize(("mode", "tolerance"), [("fp16", 1e-3), ("bf16", 1e-2), ("int8", 2e-2),
-                                                    ("int8_per_row", 2e-2), ("w8a8", 5e-2)])
+@pytest.mark.parametrize(
+    ("mode", "tolerance"), [("fp16", 1e-3), ("bf16", 1e-2), ("int8", 2e-2), ("int8_per_row", 2e-2), ("w8a8", 5e-2)]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_float32_within_its_precision(mode, tolerance, bias):
     torch.manual_seed(0)
@@ -117,11 +118,14 @@ def test_auto_packs_16_bit_weights_only_for_float32_reached_through_dtype_auto(m
     assert resolve_quantization("w8a8", "float32", torch.float32, CPU) == "w8a8"
 
 
-@pytest.mark.parametrize(("name", "dtype", "device", "message"), [
-    ("int8", torch.bfloat16, CPU, "model.dtype=float32"),
-    ("fp16", torch.float32, torch.device("cuda"), "fbgemm"),
-    ("int4", torch.float32, CPU, "choose one of auto, none, fp16, bf16, int8, int8_per_row, w8a8"),
-])
+@pytest.mark.parametrize(
+    ("name", "dtype", "device", "message"),
+    [
+        ("int8", torch.bfloat16, CPU, "model.dtype=float32"),
+        ("fp16", torch.float32, torch.device("cuda"), "fbgemm"),
+        ("int4", torch.float32, CPU, "choose one of auto, none, fp16, bf16, int8, int8_per_row, w8a8"),
+    ],
+)
 def test_unusable_quantization_is_refused_clearly(name, dtype, device, message):
     with pytest.raises(ValueError, match=message):
         resolve_quantization(name, "float32", dtype, device)
@@ -141,8 +145,10 @@ def test_packed_model_logits_track_float32(tiny_model_dir, mode):
     tokens = random_tokens(24, seed=1, vocab_size=model.vocab_size)
     expected = PagedPool(model).step({"a": tokens})["a"]
     actual = PagedPool(packed).step({"a": tokens})["a"]
-    assert relative_error(actual, expected) < {"fp16": 2e-3, "bf16": 2e-2, "int8": 0.05, "int8_per_row": 0.05,
-                                               "w8a8": 0.1}[mode]
+    assert (
+        relative_error(actual, expected)
+        < {"fp16": 2e-3, "bf16": 2e-2, "int8": 0.05, "int8_per_row": 0.05, "w8a8": 0.1}[mode]
+    )
 
 
 def test_int8_weights_times_their_scales_are_exact_in_fp16():
@@ -161,8 +167,9 @@ def test_int8_weights_times_their_scales_are_exact_in_fp16():
     with pytest.raises(ValueError, match="% 32"):
         int8_weights(torch.randn(4, 48))
     quantized, scales = int8_weights(weight, group=96)  # one scale per row
-    assert scales.shape == (64, 1) and torch.equal(dequantize_int8(quantized, scales).half().float(),
-                                                   dequantize_int8(quantized, scales))
+    assert scales.shape == (64, 1) and torch.equal(
+        dequantize_int8(quantized, scales).half().float(), dequantize_int8(quantized, scales)
+    )
 
 
 def test_int8_refuses_layers_it_cannot_group_clearly():
@@ -178,23 +185,30 @@ def test_quantize_linears_with_none_changes_nothing():
 @pytest.mark.parametrize("mode", ["fp16", "bf16", "int8", "int8_per_row"])
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
 def test_engine_runs_with_packed_weights(tiny_model_dir, drafter, mode):
-    overrides = dict(model__path=tiny_model_dir, model__dtype="float32", model__quantization=mode,
-                     model__max_model_len=256, cache__num_blocks=128, drafter__name=drafter)
+    overrides = dict(
+        model__path=tiny_model_dir,
+        model__dtype="float32",
+        model__quantization=mode,
+        model__max_model_len=256,
+        cache__num_blocks=128,
+        drafter__name=drafter,
+    )
     if drafter == "model":
         overrides["drafter__layers"] = 1
     llm = LLM("baseline", **overrides)
     assert llm.engine.quantization == mode
-    outputs = llm.generate(["The tide comes in and the tide goes out"] * 3,
-                           SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    outputs = llm.generate(
+        ["The tide comes in and the tide goes out"] * 3, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    )
     assert [len(output.token_ids) for output in outputs] == [16] * 3
     assert outputs[0].token_ids == outputs[1].token_ids == outputs[2].token_ids
 
 
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile on CPU needs "
-                                                                                          "a C++ compiler")
+@pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler"
+)
 def test_compiled_feed_forward_gives_the_same_greedy_tokens(tiny_model_dir):
-    settings = dict(model__path=tiny_model_dir, model__dtype="float32", model__max_model_len=256,
-                    cache__num_blocks=64)
+    settings = dict(model__path=tiny_model_dir, model__dtype="float32", model__max_model_len=256, cache__num_blocks=64)
     prompts = ["The tide comes in and the tide goes out", "One two three four"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = [output.token_ids for output in LLM("baseline", **settings).generate(prompts, params)]

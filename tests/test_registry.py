@@ -123,8 +123,9 @@ def test_unknown_kind_is_rejected():
 def test_string_target_is_imported_only_on_load_and_its_import_error_is_shown():
     registry = registry_with(lambda register: register("lazy", "infer_no_such_module.deep:Allocator"))
     assert registry.names("allocator") == ["lazy"]
-    with pytest.raises(PluginError, match="cannot import its class infer_no_such_module.deep:Allocator.*"
-                                          "ModuleNotFoundError"):
+    with pytest.raises(
+        PluginError, match="cannot import its class infer_no_such_module.deep:Allocator.*ModuleNotFoundError"
+    ):
         registry.load("allocator", "lazy")
 
 
@@ -145,8 +146,12 @@ def test_config_model_defaults_to_the_classes_config_model():
 
 
 def test_registered_config_model_wins_and_may_be_a_path():
-    registry = registry_with(lambda register: [register("buddy", PagedStub, config=BuddyConfig),
-                                               register("lazy", PagedStub, config=f"{__name__}:BuddyConfig")])
+    registry = registry_with(
+        lambda register: [
+            register("buddy", PagedStub, config=BuddyConfig),
+            register("lazy", PagedStub, config=f"{__name__}:BuddyConfig"),
+        ]
+    )
     assert registry.config_model("allocator", "buddy") is BuddyConfig
     assert registry.config_model("allocator", "lazy") is BuddyConfig
 
@@ -253,9 +258,16 @@ def test_get_registry_is_cached_per_load_and_environment(monkeypatch):
 
 # Built-in entry points are named infer.<kind, plural>[.<package>]: one per plugin package, whose __init__ registers
 # every implementation in it.
-ENTRY_POINT_KINDS = {"allocators": "allocator", "prefix_cache": "prefix_cache", "schedulers": "scheduler",
-                     "attention": "attention", "drafters": "drafter", "guides": "guide", "models": "model",
-                     "tool_parsers": "tool_parser"}
+ENTRY_POINT_KINDS = {
+    "allocators": "allocator",
+    "prefix_cache": "prefix_cache",
+    "schedulers": "scheduler",
+    "attention": "attention",
+    "drafters": "drafter",
+    "guides": "guide",
+    "models": "model",
+    "tool_parsers": "tool_parser",
+}
 
 
 def test_builtin_entry_points_are_plugin_packages_that_register_their_kind():
@@ -272,6 +284,7 @@ def test_builtin_entry_points_are_plugin_packages_that_register_their_kind():
         assert names, f"{entry_point.name} registers no {kind}"
         for name in names:
             assert (registry.spec(kind, name).distribution, registry.spec(kind, name).version) == (
-                "infer", version("infer"))
+                "infer",
+                version("infer"),
+            )
     assert {ENTRY_POINT_KINDS[entry_point.name.split(".")[1]] for entry_point in builtin} == set(KINDS)
-

@@ -42,8 +42,12 @@ def make_view(num_blocks=256, max_num_seqs=16, max_num_batched_tokens=512, now=0
 
 def arrive(view, prompt_len=8, arrival_time=0.0, **params):
     params.setdefault("max_tokens", 8)
-    seq = Sequence(f"seq-{next(_ids)}", [1 + next(_ids) % 500 for _ in range(prompt_len)], SamplingParams(**params),
-                   arrival_time=arrival_time)
+    seq = Sequence(
+        f"seq-{next(_ids)}",
+        [1 + next(_ids) % 500 for _ in range(prompt_len)],
+        SamplingParams(**params),
+        arrival_time=arrival_time,
+    )
     view.waiting.append(seq)
     return seq
 
@@ -66,8 +70,12 @@ def one_at_a_time(config_class, **fields):
 
 def test_priority_admits_the_lowest_value_first_then_arrival_order():
     view = make_view()
-    low, urgent, normal, urgent_later = (arrive(view, priority=2), arrive(view, priority=0),
-                                         arrive(view, priority=1), arrive(view, priority=0))
+    low, urgent, normal, urgent_later = (
+        arrive(view, priority=2),
+        arrive(view, priority=0),
+        arrive(view, priority=1),
+        arrive(view, priority=0),
+    )
     order = admitted_order(PriorityScheduler(one_at_a_time(PrioritySchedulerConfig)), view)
     assert order == [urgent, urgent_later, normal, low]
 
@@ -123,7 +131,7 @@ def test_hrrn_prefers_short_jobs_at_equal_wait_and_long_waits_over_short_jobs():
     assert admitted_order(scheduler, view) == [short_job, long_job]
     view = make_view(now=100.0)
     patient_long = arrive(view, max_tokens=200, arrival_time=0.0)  # ratio 1 + 100/200 = 1.5
-    fresh_short = arrive(view, max_tokens=10, arrival_time=99.0)   # ratio 1 + 1/10 = 1.1
+    fresh_short = arrive(view, max_tokens=10, arrival_time=99.0)  # ratio 1 + 1/10 = 1.1
     assert admitted_order(scheduler, view) == [patient_long, fresh_short]
 
 
@@ -160,8 +168,9 @@ def test_deadline_serves_the_tightest_target_first_and_defaults_the_rest():
     assert admitted_order(scheduler, view) == [tight_later, no_target, relaxed]
 
 
-@pytest.mark.parametrize("field, value", [("priority", 1.5), ("priority", True), ("ttft_slo_s", 0),
-                                          ("ttft_slo_s", float("nan"))])
+@pytest.mark.parametrize(
+    "field, value", [("priority", 1.5), ("priority", True), ("ttft_slo_s", 0), ("ttft_slo_s", float("nan"))]
+)
 def test_scheduling_fields_are_validated(field, value):
     with pytest.raises(SamplingParamsError) as error:
         SamplingParams(**{field: value})

@@ -46,8 +46,9 @@ class Step:
     values: list[torch.Tensor]
 
 
-def make_step(sequences, *, num_heads, num_kv_heads, block_size, seed=0, dtype=torch.float32,
-              head_dim=HEAD_DIM) -> Step:
+def make_step(
+    sequences, *, num_heads, num_kv_heads, block_size, seed=0, dtype=torch.float32, head_dim=HEAD_DIM
+) -> Step:
     """Scatter each sequence over shuffled pool blocks, write its cached prefix, and draw this step's Q/K/V."""
     generator = torch.Generator().manual_seed(seed)
     num_cached = [cached for cached, _ in sequences]
@@ -94,8 +95,9 @@ def oracle(step: Step) -> torch.Tensor:
     )
 
 
-def run_backend(step: Step, *, num_heads, num_kv_heads, block_size, dtype=torch.float32,
-                backend_class=SdpaBackend) -> torch.Tensor:
+def run_backend(
+    step: Step, *, num_heads, num_kv_heads, block_size, dtype=torch.float32, backend_class=SdpaBackend
+) -> torch.Tensor:
     backend = backend_class(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -130,14 +132,22 @@ def infer_flash_or_skip() -> None:
         pytest.skip("infer's flash attention is built only where the CPU has avx512_bf16, which this one lacks")
 
 
-@pytest.mark.parametrize("kernel, pool", [("torch", torch.float32), ("infer", torch.float32),
-                                          ("infer", torch.bfloat16), ("infer-fma", torch.float32),
-                                          ("infer-fma", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "kernel, pool",
+    [
+        ("torch", torch.float32),
+        ("infer", torch.float32),
+        ("infer", torch.bfloat16),
+        ("infer-fma", torch.float32),
+        ("infer-fma", torch.bfloat16),
+    ],
+)
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("num_heads, num_kv_heads", HEAD_LAYOUTS)
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_cpu_bf16_prefill_attends_long_queries_in_bf16_and_keeps_the_rest_exact(scenario, num_heads, num_kv_heads,
-                                                                                block_size, kernel, pool):
+def test_cpu_bf16_prefill_attends_long_queries_in_bf16_and_keeps_the_rest_exact(
+    scenario, num_heads, num_kv_heads, block_size, kernel, pool
+):
     """``prefill_dtype: bfloat16``: sequences of at least ``prefill_min_tokens`` query tokens go to a flash
     attention in bf16, torch's or infer's own (AVX512-BF16, head sizes a multiple of 64; skipped where the CPU lacks
     it; on bf16 dot products or float32 FMAs), within bf16's error of the oracle, cached prefix or not, from a float32
@@ -155,9 +165,15 @@ def test_cpu_bf16_prefill_attends_long_queries_in_bf16_and_keeps_the_rest_exact(
         step.kv_cache = step.kv_cache.to(pool)
         for index, (keys, values) in enumerate(zip(step.keys, step.values)):
             step.keys[index], step.values[index] = keys.bfloat16().float(), values.bfloat16().float()
-    backend = CpuBackend(head_dim=head_dim, dtype=torch.float32, device=torch.device("cpu"),
-                         config=CpuAttentionConfig(prefill_dtype="bfloat16", prefill_min_tokens=4,
-                                                   prefill_kernel=kernel, prefill_arithmetic=arithmetic), **heads)
+    backend = CpuBackend(
+        head_dim=head_dim,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        config=CpuAttentionConfig(
+            prefill_dtype="bfloat16", prefill_min_tokens=4, prefill_kernel=kernel, prefill_arithmetic=arithmetic
+        ),
+        **heads,
+    )
     assert backend.prefill_kernel == kernel and backend.prefill_fma == (kernel == "infer" and arithmetic == "float32")
     metadata = backend.prepare(step.metadata)
     out = backend.forward(0, step.q, step.k, step.v, step.kv_cache, metadata).double()
@@ -167,20 +183,22 @@ def test_cpu_bf16_prefill_attends_long_queries_in_bf16_and_keeps_the_rest_exact(
         assert not metadata.prefills
         chunks = metadata.flash
         for start, query_len in zip(chunks.starts.tolist(), chunks.query_lens.tolist()) if chunks else ():
-            long_rows[start:start + query_len] = True
+            long_rows[start : start + query_len] = True
     else:
         assert metadata.flash is None
         for prefill in metadata.prefills:
-            long_rows[prefill.start:prefill.end] = True
+            long_rows[prefill.start : prefill.end] = True
     starts = step.metadata.query_start_loc.tolist()
-    assert long_rows.tolist() == [new >= 4 for (_, new), start, end in zip(SCENARIOS[scenario], starts, starts[1:])
-                                  for _ in range(start, end)]
+    assert long_rows.tolist() == [
+        new >= 4 for (_, new), start, end in zip(SCENARIOS[scenario], starts, starts[1:]) for _ in range(start, end)
+    ]
     torch.testing.assert_close(out[~long_rows], expected[~long_rows], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[long_rows], expected[long_rows], atol=3e-2, rtol=3e-2)
 
 
 def test_cpu_prefill_kernel_auto_takes_infers_flash_where_it_is_built_unless_amx_is_there_and_it_cannot_use_it(
-        monkeypatch):
+    monkeypatch,
+):
     """``prefill_kernel: auto``: infer's flash attention with this build's AVX512-BF16 code and a head size it
     takes; on a CPU with AMX only where its products run on the tiles (head size 64), else torch's (oneDNN's AMX
     code), as where the kernel is missing; asking for infer's where it cannot run names what is missing."""
@@ -189,8 +207,15 @@ def test_cpu_prefill_kernel_auto_takes_infers_flash_where_it_is_built_unless_amx
 
     def backend(head_dim: int, kernel: str = "auto") -> CpuBackend:
         config = cpu_plugin.CpuAttentionConfig(prefill_dtype="bfloat16", prefill_kernel=kernel)
-        return CpuBackend(num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=torch.float32,
-                          device=torch.device("cpu"), config=config)
+        return CpuBackend(
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=head_dim,
+            block_size=16,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            config=config,
+        )
 
     built = backend(64).kernels.flash
     flags = cpu_plugin.cpu_flags()
@@ -198,8 +223,12 @@ def test_cpu_prefill_kernel_auto_takes_infers_flash_where_it_is_built_unless_amx
     assert backend(64).prefill_kernel == ("infer" if built else "torch")
     assert backend(32).prefill_kernel == "torch"
     assert not backend(64).prefill_fma  # arithmetic auto, unresolved by an engine: bf16
-    assert CpuBackend(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
-                      device=torch.device("cpu")).prefill_kernel is None  # prefill_dtype float32: no flash at all
+    assert (
+        CpuBackend(
+            num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, device=torch.device("cpu")
+        ).prefill_kernel
+        is None
+    )  # prefill_dtype float32: no flash at all
     monkeypatch.setattr(cpu_plugin, "cpu_flags", lambda: flags | {"amx_bf16"})
     kernels = backend(64).kernels
     monkeypatch.setattr(kernels, "flash_amx", False)  # a build or an OS without the tiles
@@ -225,8 +254,13 @@ def test_cpu_bf16_pool_stores_kv_rounded_and_attends_exactly_over_it(scenario, n
     step.kv_cache = step.kv_cache.to(torch.bfloat16)
     for index, (keys, values) in enumerate(zip(step.keys, step.values)):
         step.keys[index], step.values[index] = keys.bfloat16().float(), values.bfloat16().float()
-    backend = CpuBackend(head_dim=HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"),
-                         config=CpuAttentionConfig(kv_dtype="bfloat16"), **heads)
+    backend = CpuBackend(
+        head_dim=HEAD_DIM,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        config=CpuAttentionConfig(kv_dtype="bfloat16"),
+        **heads,
+    )
     assert backend.kv_dtype == torch.bfloat16
     out = backend.forward(0, step.q, step.k, step.v, step.kv_cache, backend.prepare(step.metadata))
     torch.testing.assert_close(out.double(), oracle(step), atol=1e-5, rtol=1e-5)
@@ -239,8 +273,13 @@ def test_cpu_prefill_dtype_auto_follows_the_weights(tiny_model_dir):
     token), else the kernel alone over a float32 pool."""
     from infer import LLM
 
-    base = dict(model__path=tiny_model_dir, model__dtype="float32", attention__name="cpu", model__max_model_len=256,
-                cache__num_blocks=64)
+    base = dict(
+        model__path=tiny_model_dir,
+        model__dtype="float32",
+        attention__name="cpu",
+        model__max_model_len=256,
+        cache__num_blocks=64,
+    )
     bf16 = LLM("baseline", **base, model__quantization="bf16").engine
     assert bf16.attention.prefill_min_tokens == 32 and bf16.kv_cache.dtype == torch.bfloat16
     fp16 = LLM("baseline", **base, model__quantization="fp16").engine
@@ -323,16 +362,25 @@ def test_cascade_attends_each_shared_prefix_once_and_matches_without_it(monkeypa
 
     groups = [(160, [170, 181, 200]), (144, [150, 149, 160])]
     backends = {
-        cascade: SdpaBackend(num_heads=6, num_kv_heads=2, head_dim=HEAD_DIM, block_size=16, dtype=torch.float32,
-                             device=torch.device("cpu"),
-                             config=sdpa_plugin.SdpaConfig(cascade=cascade))
+        cascade: SdpaBackend(
+            num_heads=6,
+            num_kv_heads=2,
+            head_dim=HEAD_DIM,
+            block_size=16,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            config=sdpa_plugin.SdpaConfig(cascade=cascade),
+        )
         for cascade in (True, False)
     }
     shapes = shared_prefix_step(groups, [query_len] * 6)
     calls = []
     gather = sdpa_plugin.gather_blocks
-    monkeypatch.setattr(sdpa_plugin, "gather_blocks", lambda cache, ids, dtype, out=None: calls.append(len(ids)) or
-                        gather(cache, ids, dtype, out))
+    monkeypatch.setattr(
+        sdpa_plugin,
+        "gather_blocks",
+        lambda cache, ids, dtype, out=None: calls.append(len(ids)) or gather(cache, ids, dtype, out),
+    )
     outputs = {}
     for cascade, backend in backends.items():
         context = PagedContext.create_shared(backend, groups, seed=3)

@@ -23,8 +23,13 @@ from infer.serve.protocol import ChatCompletionRequest, CompletionRequest
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512
-DEFAULT_OVERRIDES = ["model.dtype=float32", f"model.max_model_len={MAX_MODEL_LEN}", "cache.num_blocks=256",
-                     "scheduler.max_num_seqs=16", "guide.name=xgrammar"]
+DEFAULT_OVERRIDES = [
+    "model.dtype=float32",
+    f"model.max_model_len={MAX_MODEL_LEN}",
+    "cache.num_blocks=256",
+    "scheduler.max_num_seqs=16",
+    "guide.name=xgrammar",
+]
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
@@ -48,8 +53,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def tiny_overrides(model_dir: str, *extra: str) -> list[str]:
-    return [f"model.path={model_dir}", "model.dtype=float32", "model.max_model_len=256", "cache.num_blocks=128",
-            *extra]
+    return [f"model.path={model_dir}", "model.dtype=float32", "model.max_model_len=256", "cache.num_blocks=128", *extra]
 
 
 def health(server) -> dict:
@@ -62,8 +66,12 @@ def metric_values(server, api_key: str | None = API_KEY) -> dict[str, float]:
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     text = httpx.get(f"{server.url}/metrics", timeout=10, headers=headers).text
-    return {sample.name: sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples if not sample.labels}
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
 
 
 def wait_until_idle(server, timeout_s: float = 10.0) -> dict:
@@ -100,14 +108,28 @@ def stream_token_by_token(tokenizer, token_ids: list[int], stop: list[str]) -> s
 
     def output_text(seq) -> str:  # Engine.output_text
         text = sequence_text(seq)
-        return text[:text.find(seq.stop_reason)] if seq.stop_reason else text
+        return text[: text.find(seq.stop_reason)] if seq.stop_reason else text
 
     params = SamplingParams(stop=stop)
-    seq = SimpleNamespace(output_token_ids=[], is_finished=False, finish_reason=None, stop_reason=None,
-                          params=params, logprobs=[], sample_index=0, request_id="r", num_output_tokens=0,
-                          num_cached_prompt_tokens=0, first_scheduled_time=None, first_token_time=None,
-                          finish_time=None, num_preemptions=0, num_verify_passes=0, num_accepted_tokens=0,
-                          token_times=[])
+    seq = SimpleNamespace(
+        output_token_ids=[],
+        is_finished=False,
+        finish_reason=None,
+        stop_reason=None,
+        params=params,
+        logprobs=[],
+        sample_index=0,
+        request_id="r",
+        num_output_tokens=0,
+        num_cached_prompt_tokens=0,
+        first_scheduled_time=None,
+        first_token_time=None,
+        finish_time=None,
+        num_preemptions=0,
+        num_verify_passes=0,
+        num_accepted_tokens=0,
+        token_times=[],
+    )
     request = SimpleNamespace(seqs=[seq], finished=False, prompt_token_ids=[1], arrival_time=0.0, params=params)
     engine = SimpleNamespace(tokenizer=tokenizer, output_text=output_text, sequence_text=sequence_text)
     progress, streamed = RequestProgress(1, str), ""
@@ -130,7 +152,7 @@ def test_incremental_stream_adds_up_to_the_full_decode(tokenizer, stop):
     token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert len(token_ids) > len(text.split())  # multibyte characters span several tokens
     full = tokenizer.decode(token_ids, skip_special_tokens=True)
-    expected = full[:full.find(stop[0])] if stop else full
+    expected = full[: full.find(stop[0])] if stop else full
     assert stream_token_by_token(tokenizer, token_ids, stop) == expected
 
 
@@ -168,9 +190,10 @@ def test_stop_string_is_cut_the_same_way_when_streamed(client):
     stop = "Paris"
     assert stop in text
     whole = client.chat.completions.create(**request, stop=[stop])
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        **request, stop=[stop], stream=True))
-    assert whole.choices[0].message.content == text[:text.index(stop)]
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(**request, stop=[stop], stream=True)
+    )
+    assert whole.choices[0].message.content == text[: text.index(stop)]
     assert whole.choices[0].finish_reason == "stop"
     assert streamed == whole.choices[0].message.content
 
@@ -183,15 +206,16 @@ def test_a_stop_string_before_min_tokens_is_ignored_and_streaming_agrees(client)
     before_min_tokens = "".join(free.logprobs.tokens[:4])
     assert " to" in before_min_tokens
     whole = client.completions.create(**request, stop=[" to"], extra_body={"min_tokens": 5}).choices[0]
-    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
-        **request, stop=[" to"], extra_body={"min_tokens": 5}, stream=True))
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in client.completions.create(**request, stop=[" to"], extra_body={"min_tokens": 5}, stream=True)
+    )
     assert streamed == whole.text
     assert free.text.startswith(whole.text) and len(whole.text) > len(before_min_tokens) - len(" to")
 
 
 def test_completion_logprobs_cover_every_token(client):
-    whole = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=8, temperature=0,
-                                      logprobs=2)
+    whole = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=8, temperature=0, logprobs=2)
     logprobs = whole.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == whole.usage.completion_tokens
     for logprob, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
@@ -206,15 +230,20 @@ def test_chat_logprobs_match_between_stream_and_whole(client):
     content = whole.choices[0].logprobs.content
     assert len(content) == whole.usage.completion_tokens
     assert all(len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token for entry in content)
-    streamed = [entry for chunk in client.chat.completions.create(**request, stream=True)
-                if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(**request, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
     assert [e.token for e in streamed] == [e.token for e in content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content])
 
 
 def test_seeded_samples_are_reproducible_and_streamed_alike(client):
-    request = dict(model=MODEL, messages=CHAT, max_tokens=12, temperature=1.0, top_p=0.9, seed=7, n=2,
-                   extra_body={"top_k": 50})
+    request = dict(
+        model=MODEL, messages=CHAT, max_tokens=12, temperature=1.0, top_p=0.9, seed=7, n=2, extra_body={"top_k": 50}
+    )
     first = client.chat.completions.create(**request)
     again = client.chat.completions.create(**request)
     texts = [choice.message.content for choice in first.choices]
@@ -228,9 +257,14 @@ def test_seeded_samples_are_reproducible_and_streamed_alike(client):
 
 
 def test_sampling_extensions_are_accepted(client):
-    whole = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0,
-                                      stop="a stop string longer than sixteen characters",
-                                      extra_body={"ignore_eos": True, "min_tokens": 6, "min_p": 0.05})
+    whole = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=6,
+        temperature=0,
+        stop="a stop string longer than sixteen characters",
+        extra_body={"ignore_eos": True, "min_tokens": 6, "min_p": 0.05},
+    )
     assert whole.usage.completion_tokens == 6 and whole.choices[0].finish_reason == "length"
 
 
@@ -282,15 +316,19 @@ def test_a_foreign_host_header_and_an_oversized_body_are_refused(server):
     assert foreign.status_code == 400
     assert httpx.get(f"{server.url}/v1/models", headers={**headers, "Host": "localhost"}, timeout=10).is_success
     huge = json.dumps({"model": MODEL, "prompt": "x" * (5 * 2**20), "max_tokens": 1}).encode()
-    response = httpx.post(f"{server.url}/v1/completions", content=huge, timeout=30,
-                          headers={**headers, "Content-Type": "application/json"})
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        content=huge,
+        timeout=30,
+        headers={**headers, "Content-Type": "application/json"},
+    )
     assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
     assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
 
 
 BAD_REQUESTS = [
     ("completions", b'{"prompt": "Hi",', None),
-    ("completions", b'[1, 2]', None),
+    ("completions", b"[1, 2]", None),
     ("completions", {"prompt": "Hi", "max_tokens": "8"}, "max_tokens"),
     ("completions", {"prompt": 5}, "prompt"),
     ("completions", {"prompt": "Hi", "temperature": -1}, "temperature"),
@@ -316,18 +354,29 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 50}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10**9}, "max_tokens"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                          "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
-     "response_format"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_schema"}},
-     "response_format"),
+    (
+        "chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+        },
+        "response_format",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_schema"}},
+        "response_format",
+    ),
     ("completions", {"prompt": "Hi", "guided_regex": "([a-z"}, "guided_regex"),
     ("completions", {"prompt": "Hi", "guided_choice": []}, "guided_choice"),
     ("completions", {"prompt": "Hi", "guided_regex": "[a-z]+", "guided_choice": ["a"]}, "guided_choice"),
     ("completions", {"prompt": "Hi", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ("completions", {"prompt": "Hi", "structured_outputs": {"jsn": {}}}, "structured_outputs"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": MAX_MODEL_LEN},
-     "max_completion_tokens"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": MAX_MODEL_LEN},
+        "max_completion_tokens",
+    ),
     ("completions", {"prompt": "Hi", "ttft_slo_s": -1}, "ttft_slo_s"),
 ]
 
@@ -348,8 +397,12 @@ def test_max_tokens_null_means_until_the_context_ends_and_absent_means_the_defau
 @pytest.mark.parametrize("route, body, param", BAD_REQUESTS)
 def test_bad_request_gets_400_naming_the_field_and_server_keeps_serving(server, client, route, body, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = httpx.post(f"{server.url}/v1/{route}", content=content, timeout=30,
-                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    response = httpx.post(
+        f"{server.url}/v1/{route}",
+        content=content,
+        timeout=30,
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -361,17 +414,37 @@ def test_nulls_a_lower_case_bearer_and_no_content_type_are_accepted(server):
     """What OpenAI and vLLM accept: ``null`` for a field with a default, an assistant turn with ``content: null``, the
     auth scheme in any case, a body without a Content-Type; every answer carries its request id."""
     headers = {"Authorization": f"bearer {API_KEY}"}  # and no Content-Type
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0, "stream": None, "n": None,
-            "logprobs": None, "min_tokens": None, "ignore_eos": None}
-    response = httpx.post(f"{server.url}/v1/completions", content=json.dumps(body).encode(), headers=headers,
-                          timeout=30)
+    body = {
+        "model": MODEL,
+        "prompt": "Hi",
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": None,
+        "n": None,
+        "logprobs": None,
+        "min_tokens": None,
+        "ignore_eos": None,
+    }
+    response = httpx.post(
+        f"{server.url}/v1/completions", content=json.dumps(body).encode(), headers=headers, timeout=30
+    )
     assert response.status_code == 200, response.text
     assert response.headers["x-request-id"] == response.json()["id"]
-    chat = {"model": MODEL, "max_tokens": 2, "temperature": 0, "logprobs": None, "stream": None,
-            "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
-                         {"role": "user", "content": "Again"}]}
-    response = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(chat).encode(), headers=headers,
-                          timeout=30)
+    chat = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "temperature": 0,
+        "logprobs": None,
+        "stream": None,
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": None},
+            {"role": "user", "content": "Again"},
+        ],
+    }
+    response = httpx.post(
+        f"{server.url}/v1/chat/completions", content=json.dumps(chat).encode(), headers=headers, timeout=30
+    )
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] is not None
 
@@ -380,9 +453,16 @@ def test_nulls_a_lower_case_bearer_and_no_content_type_are_accepted(server):
 def test_metrics_report_engine_and_latency(server, client):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
     values = metric_values(server)
-    for name in ("infer_requests_running", "infer_requests_waiting", "infer_kv_blocks_used", "infer_kv_blocks_total",
-                 "infer_prefix_cache_hit_rate", "infer_spec_decode_mean_accepted_per_pass",
-                 "infer_prompt_tokens_total", "infer_generation_tokens_total"):
+    for name in (
+        "infer_requests_running",
+        "infer_requests_waiting",
+        "infer_kv_blocks_used",
+        "infer_kv_blocks_total",
+        "infer_prefix_cache_hit_rate",
+        "infer_spec_decode_mean_accepted_per_pass",
+        "infer_prompt_tokens_total",
+        "infer_generation_tokens_total",
+    ):
         assert name in values, name
     assert values["infer_kv_blocks_total"] == health(server)["kv_blocks_total"] > 0
     assert values["infer_generation_tokens_total"] >= 4
@@ -401,13 +481,17 @@ def test_metrics_equal_an_offline_runs_summary_and_speak_vllms_names_too(tiny_mo
     prompts = [[1] + list(range(100, 140)) + [200 + index] for index in range(4)]  # a shared 41-token prefix
     with ServerProcess("baseline", overrides, log_path=tmp_path / "server.log") as tiny:
         for prompt in prompts:
-            response = httpx.post(f"{tiny.url}/v1/completions", timeout=60,
-                                  json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+            response = httpx.post(
+                f"{tiny.url}/v1/completions",
+                timeout=60,
+                json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+            )
             assert response.status_code == 200, response.text
         served = metric_values(tiny, api_key=None)
     llm = LLM("baseline", dotlist=overrides)
-    outputs = [llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
-               for prompt in prompts]
+    outputs = [
+        llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0] for prompt in prompts
+    ]
     counters = summarize(outputs, llm.engine, wall_time_s=1.0)["counters"]
     assert counters["prompt_tokens_cached_total"] > 0 and counters["requests_finished_total"] == 4
     assert {counter.name: served[f"infer_{counter.name}"] for counter in ENGINE_COUNTERS} == counters
@@ -418,8 +502,9 @@ def test_metrics_equal_an_offline_runs_summary_and_speak_vllms_names_too(tiny_mo
 def test_client_leaving_mid_stream_frees_its_blocks(server):
     before = metric_values(server)
     body = {"prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as response:
         chunks = 0
         for line in response.iter_lines():
             chunks += line.startswith("data:")
@@ -448,8 +533,9 @@ def test_full_queue_is_refused_with_429_and_retry_after(tiny_model_dir, tmp_path
     body = {"prompt": "Hi", "max_tokens": 32, "ignore_eos": True}
     with ServerProcess("baseline", overrides, log_path=tmp_path / "server.log") as tiny:
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            responses = list(pool.map(lambda _: httpx.post(f"{tiny.url}/v1/completions", json=body, timeout=60),
-                                      range(6)))
+            responses = list(
+                pool.map(lambda _: httpx.post(f"{tiny.url}/v1/completions", json=body, timeout=60), range(6))
+            )
         refused = [r for r in responses if r.status_code == 429]
         assert refused and all(r.status_code in (200, 429) for r in responses)
         assert refused[0].headers["Retry-After"] == "1"
@@ -486,8 +572,13 @@ def test_sigterm_lets_the_in_flight_stream_finish_then_exits_zero(tiny_model_dir
 
 def test_sigterm_past_the_shutdown_timeout_aborts_and_exits_zero(tiny_model_dir, tmp_path):
     # 2000 tokens take far longer than the 1 s the server grants in-flight requests at shutdown.
-    overrides = [f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=2048",
-                 "cache.num_blocks=160", "server.shutdown_timeout_s=1"]
+    overrides = [
+        f"model.path={tiny_model_dir}",
+        "model.dtype=float32",
+        "model.max_model_len=2048",
+        "cache.num_blocks=160",
+        "server.shutdown_timeout_s=1",
+    ]
     with ServerProcess("baseline", overrides, log_path=tmp_path / "server.log") as tiny:
         body = {"prompt": "Hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}
         start = time.monotonic()
@@ -502,8 +593,13 @@ def test_sigterm_past_the_shutdown_timeout_aborts_and_exits_zero(tiny_model_dir,
 def test_sigterm_past_the_shutdown_timeout_answers_a_non_streamed_request_with_json(tiny_model_dir, tmp_path):
     """A non-streamed request still running at the deadline gets its JSON answer (finish_reason "abort"), not
     uvicorn's plain-text 500 from a cancelled handler, and the process exits 0 within the timeout."""
-    overrides = [f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=2048",
-                 "cache.num_blocks=160", "server.shutdown_timeout_s=2"]
+    overrides = [
+        f"model.path={tiny_model_dir}",
+        "model.dtype=float32",
+        "model.max_model_len=2048",
+        "cache.num_blocks=160",
+        "server.shutdown_timeout_s=2",
+    ]
     with ServerProcess("baseline", overrides, log_path=tmp_path / "server.log") as tiny:
         body = {"prompt": "Hi", "max_tokens": 2000, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -520,33 +616,61 @@ def test_sigterm_past_the_shutdown_timeout_answers_a_non_streamed_request_with_j
         assert tiny.process.wait(30) == 0 and time.monotonic() - stopped < 2 + 1.5
 
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+}
 
 
 def test_response_format_json_schema_through_the_openai_client_streamed_and_not(client):
     import jsonschema
 
-    request = dict(model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=100,
-                   temperature=0, response_format={"type": "json_schema",
-                                                   "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    request = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=100,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+    )
     whole = client.chat.completions.create(**request)
     text = whole.choices[0].message.content
     jsonschema.validate(json.loads(text), PERSON)
     assert whole.choices[0].finish_reason == "stop"
-    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
-        **request, stream=True) if chunk.choices)
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(**request, stream=True)
+        if chunk.choices
+    )
     assert streamed == text
 
 
 def test_json_object_and_vllm_style_constraints(client):
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A JSON object, please."}],
-                                          max_tokens=240, temperature=0, response_format={"type": "json_object"})
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "A JSON object, please."}],
+        max_tokens=240,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     assert isinstance(json.loads(chat.choices[0].message.content), dict)
-    regex = client.completions.create(model=MODEL, prompt="My phone number is", max_tokens=20, temperature=0,
-                                      extra_body={"guided_regex": r"\d{3}-\d{4}"})
+    regex = client.completions.create(
+        model=MODEL,
+        prompt="My phone number is",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"guided_regex": r"\d{3}-\d{4}"},
+    )
     assert re.fullmatch(r"\d{3}-\d{4}", regex.choices[0].text), regex.choices[0].text
-    choice = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0.7, n=3,
-                                       extra_body={"structured_outputs": {"choice": ["blue", "green"]}})
+    choice = client.completions.create(
+        model=MODEL,
+        prompt="The sky is",
+        max_tokens=5,
+        temperature=0.7,
+        n=3,
+        extra_body={"structured_outputs": {"choice": ["blue", "green"]}},
+    )
     assert {c.text for c in choice.choices} <= {"blue", "green"} and len(choice.choices) == 3

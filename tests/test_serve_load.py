@@ -24,8 +24,10 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def chats(count: int) -> list[list[dict]]:
-    return [[{"role": "user", "content": f"Request {i}: what is {i} plus {3 * i + 1}? Show your work."}]
-            for i in range(count)]
+    return [
+        [{"role": "user", "content": f"Request {i}: what is {i} plus {3 * i + 1}? Show your work."}]
+        for i in range(count)
+    ]
 
 
 async def stream_all(url: str, model: str, conversations: list[list[dict]], max_tokens: int) -> list[tuple[str, str]]:
@@ -34,8 +36,9 @@ async def stream_all(url: str, model: str, conversations: list[list[dict]], max_
 
     async def one(messages) -> tuple[str, str]:
         text, finish_reason = "", None
-        stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                      temperature=0, stream=True)
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+        )
         async for chunk in stream:
             text += chunk.choices[0].delta.content or ""
             finish_reason = chunk.choices[0].finish_reason or finish_reason
@@ -55,11 +58,18 @@ def offline(overrides: list[str], conversations: list[list[dict]], max_tokens: i
 
 # The default model gets fewer clients: on two busy CPU cores, 16 of them take 10-50 s served and again offline.
 @pytest.mark.parametrize("model, num_clients, max_tokens", [("tiny", 64, 32), ("smollm2-135m-instruct", 8, 8)])
-def test_concurrent_streams_match_offline_and_free_every_block(tiny_model_dir, tmp_path, model, num_clients,
-                                                              max_tokens):
+def test_concurrent_streams_match_offline_and_free_every_block(
+    tiny_model_dir, tmp_path, model, num_clients, max_tokens
+):
     path = tiny_model_dir if model == "tiny" else model
-    overrides = [f"model.path={path}", "model.dtype=float32", "model.max_model_len=256", "cache.num_blocks=640",
-                 f"scheduler.max_num_seqs={num_clients}", f"server.max_waiting={num_clients}"]
+    overrides = [
+        f"model.path={path}",
+        "model.dtype=float32",
+        "model.max_model_len=256",
+        "cache.num_blocks=640",
+        f"scheduler.max_num_seqs={num_clients}",
+        f"server.max_waiting={num_clients}",
+    ]
     conversations = chats(num_clients)
     with ServerProcess("baseline", overrides, log_path=tmp_path / "server.log") as server:
         served = asyncio.run(stream_all(server.url, path, conversations, max_tokens))

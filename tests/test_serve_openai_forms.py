@@ -13,8 +13,15 @@ from infer.serve.process import ServerProcess
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "forms-key"
-OVERRIDES = ["model.dtype=float32", "model.max_model_len=512", "cache.num_blocks=256", "scheduler.max_num_seqs=16",
-             "prefix_cache.name=radix", "drafter.name=ngram", "drafter.num_speculative_tokens=3"]
+OVERRIDES = [
+    "model.dtype=float32",
+    "model.max_model_len=512",
+    "cache.num_blocks=256",
+    "scheduler.max_num_seqs=16",
+    "prefix_cache.name=radix",
+    "drafter.name=ngram",
+    "drafter.num_speculative_tokens=3",
+]
 PROMPTS = ["The capital of France is", "One, two, three,", "def add(a, b):"]
 
 
@@ -56,12 +63,17 @@ def test_token_id_prompts_batched_and_streamed(client):
 
 def test_echo_puts_the_prompt_first_and_false_changes_nothing(client):
     plain = complete(client, prompt=PROMPTS[0], max_tokens=4, temperature=0)
-    assert complete(client, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=False).choices[0].text == \
-        plain.choices[0].text
+    assert (
+        complete(client, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=False).choices[0].text
+        == plain.choices[0].text
+    )
     echoed = complete(client, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPTS[0] + plain.choices[0].text
-    streamed = "".join(chunk.choices[0].text for chunk in complete(
-        client, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True, stream=True) if chunk.choices)
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in complete(client, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True, stream=True)
+        if chunk.choices
+    )
     assert streamed == echoed.choices[0].text
 
 
@@ -92,8 +104,9 @@ def test_best_of_returns_the_sample_of_highest_cumulative_logprob(client):
     assert best.choices[0].text == drawn.choices[totals.index(max(totals))].text
     assert best.usage.completion_tokens == drawn.usage.completion_tokens
     two = complete(client, best_of=4, n=2, logprobs=0, **body)
-    assert [choice.text for choice in two.choices] == [drawn.choices[i].text for i in
-                                                       sorted(range(4), key=lambda i: -totals[i])[:2]]
+    assert [choice.text for choice in two.choices] == [
+        drawn.choices[i].text for i in sorted(range(4), key=lambda i: -totals[i])[:2]
+    ]
     assert complete(client, best_of=1, **body).choices[0].text == complete(client, **body).choices[0].text
 
 
@@ -111,14 +124,26 @@ def test_logit_bias_forces_and_bans_tokens(client, tokenizer, sampling):
     forced_text = tokenizer.decode([1234])  # any token: +100 outweighs every logit the model gives
     forced = complete(client, prompt=PROMPTS[0], max_tokens=6, logprobs=0, logit_bias={"1234": 100}, **sampling)
     assert forced.choices[0].logprobs.tokens == [forced_text] * 6
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
-                                          logit_bias={"1234": 100}, logprobs=True, **sampling)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=6,
+        logit_bias={"1234": 100},
+        logprobs=True,
+        **sampling,
+    )
     assert [entry.token for entry in chat.choices[0].logprobs.content] == [forced_text] * 6
     free = complete(client, prompt=PROMPTS[0], max_tokens=6, logprobs=0, **sampling).choices[0]
     assert complete(client, prompt=PROMPTS[0], max_tokens=6, logit_bias={}, **sampling).choices[0].text == free.text
     banned_ids = set(tokenizer(free.text, add_special_tokens=False)["input_ids"])
-    banned = complete(client, prompt=PROMPTS[0], max_tokens=6, logprobs=0, **sampling,
-                      logit_bias={str(token): -100 for token in banned_ids}).choices[0]
+    banned = complete(
+        client,
+        prompt=PROMPTS[0],
+        max_tokens=6,
+        logprobs=0,
+        **sampling,
+        logit_bias={str(token): -100 for token in banned_ids},
+    ).choices[0]
     assert not set(banned.logprobs.tokens) & {tokenizer.decode([token]) for token in banned_ids}
 
 
@@ -129,23 +154,37 @@ def test_top_k_minus_one_is_disabled(client):
 
 
 def test_chat_accepts_an_empty_tool_list(client):
-    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                           temperature=0, tools=[])
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, tools=[]
+    )
     assert reply.choices[0].message.content
 
 
-@pytest.mark.parametrize(("endpoint", "field", "value"), [
-    ("completions", "suffix", "the end"), ("completions", "presence_penalty", 0.5),
-    ("completions", "logit_bias", {"abc": 1}), ("completions", "logit_bias", {"5": 101}),
-    ("completions", "logit_bias", {"99999999": 1}), ("completions", "best_of", 0),
-    ("chat", "functions", [{"name": "f"}]), ("chat", "audio", {"voice": "alloy"}), ("chat", "store", True),
-    ("chat", "prediction", {"type": "content", "content": "x"})])
+@pytest.mark.parametrize(
+    ("endpoint", "field", "value"),
+    [
+        ("completions", "suffix", "the end"),
+        ("completions", "presence_penalty", 0.5),
+        ("completions", "logit_bias", {"abc": 1}),
+        ("completions", "logit_bias", {"5": 101}),
+        ("completions", "logit_bias", {"99999999": 1}),
+        ("completions", "best_of", 0),
+        ("chat", "functions", [{"name": "f"}]),
+        ("chat", "audio", {"voice": "alloy"}),
+        ("chat", "store", True),
+        ("chat", "prediction", {"type": "content", "content": "x"}),
+    ],
+)
 def test_fields_infer_does_not_implement_get_a_400_naming_them(server, endpoint, field, value):
-    body = {"prompt": "Hi", "max_tokens": 2} if endpoint == "completions" else {
-        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    body = (
+        {"prompt": "Hi", "max_tokens": 2}
+        if endpoint == "completions"
+        else {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    )
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
-    response = httpx.post(f"{server.url}{path}", json={**body, field: value}, timeout=60,
-                          headers={"Authorization": f"Bearer {API_KEY}"})
+    response = httpx.post(
+        f"{server.url}{path}", json={**body, field: value}, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field
 
@@ -153,6 +192,7 @@ def test_fields_infer_does_not_implement_get_a_400_naming_them(server, endpoint,
 def test_best_of_below_n_or_streamed_is_refused(server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     for body in ({"best_of": 1, "n": 2}, {"best_of": 3, "stream": True}):
-        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **body},
-                              headers=headers, timeout=60)
+        response = httpx.post(
+            f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **body}, headers=headers, timeout=60
+        )
         assert response.status_code == 400 and response.json()["error"]["param"] in ("best_of", None), response.text

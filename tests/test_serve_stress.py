@@ -17,11 +17,18 @@ API_KEY = "stress-key"
 
 
 def test_hostile_load_gets_no_5xx_leaks_no_block_and_sigterm_under_load_exits_zero(tiny_model_dir, tmp_path):
-    overrides = [f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256",
-                 "cache.num_blocks=128", "server.max_waiting=4", "server.shutdown_timeout_s=4"]
+    overrides = [
+        f"model.path={tiny_model_dir}",
+        "model.dtype=float32",
+        "model.max_model_len=256",
+        "cache.num_blocks=128",
+        "server.max_waiting=4",
+        "server.shutdown_timeout_s=4",
+    ]
     with ServerProcess("baseline", overrides, api_key=API_KEY, log_path=tmp_path / "server.log") as server:
-        report = run(server.url, API_KEY, concurrency=16, disconnects=6, fuzz=80, burst=24, max_tokens=8,
-                     time_limit_s=240)
+        report = run(
+            server.url, API_KEY, concurrency=16, disconnects=6, fuzz=80, burst=24, max_tokens=8, time_limit_s=240
+        )
         print(json.dumps(report.status_counts))
         assert report.server_errors == 0, report
         assert report.mismatches == 0 and report.disconnects == 6
@@ -33,8 +40,9 @@ def test_hostile_load_gets_no_5xx_leaks_no_block_and_sigterm_under_load_exits_ze
         headers = {"Authorization": f"Bearer {API_KEY}"}
 
         def stream() -> list[str]:
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers,
-                              timeout=60) as response:
+            with httpx.stream(
+                "POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=60
+            ) as response:
                 return [line for line in response.iter_lines() if line.startswith("data:")]
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:

@@ -22,16 +22,34 @@ from infer.tool_parser import ToolCall
 API_KEY = "tools-key"
 # Bounded arguments (enums, small integers, booleans): a random model under the grammar still ends the call within
 # a few tokens, so every forced call completes.
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
-                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                   "required": ["city", "days"], "additionalProperties": False}}}
-ALARM = {"type": "function", "function": {
-    "name": "set_alarm", "parameters": {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0,
-                                                                                  "maximum": 9},
-                                                                         "loud": {"type": "boolean"}},
-                                        "required": ["hour", "loud"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+ALARM = {
+    "type": "function",
+    "function": {
+        "name": "set_alarm",
+        "parameters": {
+            "type": "object",
+            "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 9}, "loud": {"type": "boolean"}},
+            "required": ["hour", "loud"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, ALARM]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris for the next three days?"}]
@@ -84,11 +102,15 @@ def registry():
 
 def test_hermes_reads_calls_and_the_content_around_them(registry):
     parser = registry.load("tool_parser", "hermes")()
-    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n' \
-           '</tool_call>\n<tool_call>{"name": "set_alarm", "arguments": {"hour": 7, "loud": true}}</tool_call>'
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+        '</tool_call>\n<tool_call>{"name": "set_alarm", "arguments": {"hour": 7, "loud": true}}</tool_call>'
+    )
     parsed = parser.parse(text)
-    assert parsed.tool_calls == [ToolCall("get_weather", '{"city": "Paris", "days": 3}'),
-                                 ToolCall("set_alarm", '{"hour": 7, "loud": true}')]
+    assert parsed.tool_calls == [
+        ToolCall("get_weather", '{"city": "Paris", "days": 3}'),
+        ToolCall("set_alarm", '{"hour": 7, "loud": true}'),
+    ]
     assert parsed.content.strip() == "Let me check."
     assert parser.parse("<tool_call>{not json</tool_call>").tool_calls == []  # a malformed call stays content
     assert parser.parse("just words").content == "just words"
@@ -104,7 +126,7 @@ def test_llama3_json_reads_a_bare_object_and_leaves_prose_alone(registry):
     two = parser.parse('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}')
     assert [call.name for call in two.tool_calls] == ["a", "b"]
     assert parser.parse("The answer is {x}.").tool_calls == []
-    assert parser.content_end("  {\"na") == 0 and parser.content_end("Sure") == 4
+    assert parser.content_end('  {"na') == 0 and parser.content_end("Sure") == 4
 
 
 def test_auto_picks_the_parser_whose_format_the_template_uses(registry):
@@ -132,10 +154,16 @@ def qwen_dir(tmp_path_factory):
     return str(folder)
 
 
-CALL = {"id": "call_1", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}
-HISTORY = [*ASK, {"role": "assistant", "content": None, "tool_calls": [CALL]},
-           {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24C"}]
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
+}
+HISTORY = [
+    *ASK,
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24C"},
+]
 
 
 def test_tools_and_tool_turns_reach_the_chat_template(qwen_dir):
@@ -143,8 +171,9 @@ def test_tools_and_tool_turns_reach_the_chat_template(qwen_dir):
 
     request = ChatCompletionRequest.model_validate({"messages": HISTORY, "tools": TOOLS})
     prompt = request.engine_prompts()[0]
-    text = AutoTokenizer.from_pretrained(qwen_dir).apply_chat_template(prompt.messages, tools=prompt.tools,
-                                                                       tokenize=False, add_generation_prompt=True)
+    text = AutoTokenizer.from_pretrained(qwen_dir).apply_chat_template(
+        prompt.messages, tools=prompt.tools, tokenize=False, add_generation_prompt=True
+    )
     assert '"name": "set_alarm"' in text and "<tools>" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>' in text
     assert "<tool_response>\nSunny, 24C\n</tool_response>" in text
@@ -156,8 +185,13 @@ def client(request, tmp_path_factory):
     if request.param == "default":
         overrides = ["model.dtype=float32", "model.max_model_len=512", "cache.num_blocks=128", "guide.name=xgrammar"]
     else:
-        overrides = [f"model.path={request.getfixturevalue('qwen_dir')}", "model.dtype=float32",
-                     "model.max_model_len=512", "cache.num_blocks=128", "guide.name=llguidance"]
+        overrides = [
+            f"model.path={request.getfixturevalue('qwen_dir')}",
+            "model.dtype=float32",
+            "model.max_model_len=512",
+            "cache.num_blocks=128",
+            "guide.name=llguidance",
+        ]
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     with ServerProcess("baseline", overrides, api_key=API_KEY, log_path=log_path) as server:
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
@@ -178,16 +212,30 @@ def assert_valid_calls(message, names=tuple(SCHEMAS)) -> None:
 @pytest.mark.parametrize("temperature", [0, 1.0])
 def test_forced_calls_always_parse_and_match_the_schema(client, tool_choice, temperature):
     named = isinstance(tool_choice, dict)
-    reply = client.chat.completions.create(model=served(client), messages=ASK, tools=TOOLS, tool_choice=tool_choice,
-                                           max_tokens=80, temperature=temperature, seed=1, n=3)
+    reply = client.chat.completions.create(
+        model=served(client),
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=80,
+        temperature=temperature,
+        seed=1,
+        n=3,
+    )
     for choice in reply.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert_valid_calls(choice.message, ("set_alarm",) if named else tuple(SCHEMAS))
 
 
 def test_streamed_call_deltas_reassemble_to_the_same_call(client):
-    body = dict(model=served(client), messages=ASK, tools=TOOLS, max_tokens=80, temperature=0,
-                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    body = dict(
+        model=served(client),
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=80,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     whole = client.chat.completions.create(**body).choices[0].message.tool_calls[0]
     calls: dict[int, dict] = {}
     finish = None
@@ -211,8 +259,11 @@ def test_auto_returns_calls_or_plain_content_and_streams_the_same(client):
         assert_valid_calls(whole.message)
     else:
         assert whole.message.content and whole.finish_reason in ("stop", "length")
-    content = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
-        **body, stream=True) if chunk.choices)
+    content = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(**body, stream=True)
+        if chunk.choices
+    )
     assert content == (whole.message.content or "")
     none = client.chat.completions.create(**body, tool_choice="none").choices[0]
     assert none.message.tool_calls is None and none.message.content
@@ -225,12 +276,27 @@ BAD_TOOL_BODIES = [
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
-      "tool_choice": "required"}, "tools"),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "messages"),
+    (
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}],
+                }
+            ]
+        },
+        "messages",
+    ),
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages"),
     ({"logit_bias": {"1": "x"}}, "logit_bias"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
@@ -240,7 +306,8 @@ BAD_TOOL_BODIES = [
 @pytest.mark.parametrize(("extra", "param"), BAD_TOOL_BODIES)
 def test_malformed_tool_requests_get_a_400_naming_the_field(client, extra, param):
     body = {"model": served(client), "messages": ASK, "max_tokens": 4, **extra}
-    response = httpx.post(f"{client.base_url}chat/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {API_KEY}"})
+    response = httpx.post(
+        f"{client.base_url}chat/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text

@@ -27,8 +27,11 @@ from infer.simulate.cost import (
 from infer.simulate.engine import SimulatedEngine
 
 # A cost model with round numbers: 10 ms a step, 1 ms a prefill token, 2 ms a decode token.
-ROUND_COEFFICIENTS = {name: 0.0 for name in FEATURE_NAMES} | {"step": 0.01, "prefill_token": 0.001,
-                                                              "decode_token": 0.002}
+ROUND_COEFFICIENTS = {name: 0.0 for name in FEATURE_NAMES} | {
+    "step": 0.01,
+    "prefill_token": 0.001,
+    "decode_token": 0.002,
+}
 
 
 def round_cost(kv_pool_slots=100_000) -> MeasuredCost:
@@ -96,8 +99,14 @@ def test_scheduling_decisions_equal_a_real_runs(scheduler, prefix_cache):
     decisions: the same steps, prefix hits and preemptions (a pool small enough to preempt)."""
     from infer.engine.engine import Engine
 
-    overrides = ["model.dtype=float32", f"scheduler.name={scheduler}", f"prefix_cache.name={prefix_cache}",
-                 "cache.num_blocks=24", "cache.block_size=8", "scheduler.max_num_seqs=6"]
+    overrides = [
+        "model.dtype=float32",
+        f"scheduler.name={scheduler}",
+        f"prefix_cache.name={prefix_cache}",
+        "cache.num_blocks=24",
+        "cache.block_size=8",
+        "scheduler.max_num_seqs=6",
+    ]
     config = load_config("baseline", ["model.max_model_len=160", *overrides])
     real = Engine(config)
     options = dict(groups=2, questions=4, system_len=48, question_len=12, output_len=40)
@@ -105,8 +114,14 @@ def test_scheduling_decisions_equal_a_real_runs(scheduler, prefix_cache):
     sim = SimulatedEngine(config, cost=round_cost())
     sim_summary = run_workload(sim, build_workload("shared-prefix", sim.tokenizer, **options)).summary
     assert real_summary["preemptions"] > 0, "the pool should force preemptions"
-    for key in ("preemptions", "prefix_hit_rate", "prefill_tokens_computed", "output_tokens", "peak_running",
-                "peak_kv_blocks"):
+    for key in (
+        "preemptions",
+        "prefix_hit_rate",
+        "prefill_tokens_computed",
+        "output_tokens",
+        "peak_running",
+        "peak_kv_blocks",
+    ):
         assert sim_summary[key] == real_summary[key], key
     assert sim.stats.num_steps == real.stats.num_steps
 
@@ -116,10 +131,15 @@ def test_fit_recovers_a_linear_cost_exactly():
     truth = {name: rng.uniform(1e-6, 1e-3) for name in FEATURE_NAMES}
     steps = []
     for _ in range(200):
-        shape = StepShape(num_seqs=rng.randint(1, 64), num_prefill_tokens=rng.choice([0, rng.randint(1, 2048)]),
-                          num_decode_tokens=rng.randint(0, 64), num_logit_rows=rng.randint(1, 64),
-                          decode_context_tokens=rng.randint(0, 50_000), prefill_attention_pairs=rng.randint(0, 10**6),
-                          decode_context_blocks=rng.randint(0, 3000))
+        shape = StepShape(
+            num_seqs=rng.randint(1, 64),
+            num_prefill_tokens=rng.choice([0, rng.randint(1, 2048)]),
+            num_decode_tokens=rng.randint(0, 64),
+            num_logit_rows=rng.randint(1, 64),
+            decode_context_tokens=rng.randint(0, 50_000),
+            prefill_attention_pairs=rng.randint(0, 10**6),
+            decode_context_blocks=rng.randint(0, 3000),
+        )
         steps.append((shape, sum(truth[name] * x for name, x in zip(FEATURE_NAMES, shape.features()))))
     cost = fit_measured(steps, kv_pool_slots=1000, kv_bytes_per_token=64, engine={})
     for name in FEATURE_NAMES:
@@ -148,8 +168,11 @@ def test_roofline_decode_is_weight_bandwidth_bound_and_prefill_compute_bound():
     assert cost.step_time(prefill) > flops_s > weights_s
     # 8 ranks: an eighth of the time plus two ring all-reduces a layer.
     tp8 = RooflineCost(h100, geometry, tensor_parallel_size=8)
-    allreduce = 2 * geometry.num_layers * (2 * 7 / 8 * 4096 * geometry.hidden_size * 2 / h100.link_bandwidth
-                                           + h100.allreduce_latency_s)
+    allreduce = (
+        2
+        * geometry.num_layers
+        * (2 * 7 / 8 * 4096 * geometry.hidden_size * 2 / h100.link_bandwidth + h100.allreduce_latency_s)
+    )
     assert tp8.allreduce_time(4096) == pytest.approx(allreduce)
     assert tp8.step_time(prefill) < cost.step_time(prefill)
 
@@ -169,10 +192,28 @@ def test_roofline_pool_and_its_errors():
 
 def test_cli_simulates_on_a_roofline_and_explains_a_missing_fit(tmp_path):
     runner = CliRunner()
-    result = runner.invoke(main, ["simulate", "baseline", "simulate.cost=roofline", "simulate.geometry=llama-3-8b",
-                                  "--workload", "synthetic", "--num-requests", "200", "--rate", "50",
-                                  "--num-priorities", "2", "--ttft-slo-s", "0.2", "--no-progress",
-                                  "--json", str(tmp_path / "sim.json")])
+    result = runner.invoke(
+        main,
+        [
+            "simulate",
+            "baseline",
+            "simulate.cost=roofline",
+            "simulate.geometry=llama-3-8b",
+            "--workload",
+            "synthetic",
+            "--num-requests",
+            "200",
+            "--rate",
+            "50",
+            "--num-priorities",
+            "2",
+            "--ttft-slo-s",
+            "0.2",
+            "--no-progress",
+            "--json",
+            str(tmp_path / "sim.json"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "simulated time" in result.output and "TTFT SLO met" in result.output
     data = json.loads((tmp_path / "sim.json").read_text())
@@ -188,9 +229,14 @@ def test_fit_on_real_steps_then_simulate_with_it(tmp_path):
     from infer.cli.simulate import fit_cost_model
 
     config = load_config("baseline", ["model.max_model_len=512", f"simulate.cost_file={tmp_path / 'fit.json'}"])
-    cost = fit_cost_model(config, show_progress=False, workloads=[
-        ("chat", {"num_requests": 6, "min_output_len": 4, "output_len": 12, "seed": 1}),
-        ("prefill", {"num_requests": 2, "input_len": 100, "seed": 2})])
+    cost = fit_cost_model(
+        config,
+        show_progress=False,
+        workloads=[
+            ("chat", {"num_requests": 6, "min_output_len": 4, "output_len": 12, "seed": 1}),
+            ("prefill", {"num_requests": 2, "input_len": 100, "seed": 2}),
+        ],
+    )
     assert cost.coefficients["step"] > 0 and cost.quality["num_steps"] >= len(FEATURE_NAMES)
     engine = SimulatedEngine(config)  # reads the file just written
     summary = run_workload(engine, build_workload("chat", engine.tokenizer, num_requests=4)).summary
@@ -204,8 +250,18 @@ def tokenizer():
 
 
 def test_synthetic_lengths_arrivals_and_fields(tokenizer):
-    workload = build_workload("synthetic", tokenizer, num_requests=2000, input_len=100, output_len=50,
-                              rate=10.0, num_tenants=3, num_priorities=3, ttft_slo_s=0.5, seed=3)
+    workload = build_workload(
+        "synthetic",
+        tokenizer,
+        num_requests=2000,
+        input_len=100,
+        output_len=50,
+        rate=10.0,
+        num_tenants=3,
+        num_priorities=3,
+        ttft_slo_s=0.5,
+        seed=3,
+    )
     requests = workload.requests
     assert statistics.mean(len(r.prompt) for r in requests) == pytest.approx(100, rel=0.1)
     assert statistics.mean(r.params.max_tokens for r in requests) == pytest.approx(50, rel=0.1)
@@ -213,15 +269,26 @@ def test_synthetic_lengths_arrivals_and_fields(tokenizer):
     assert {r.params.priority for r in requests} == {0, 1, 2}
     assert all(r.params.ttft_slo_s == pytest.approx(0.5 * (r.params.priority + 1)) for r in requests)
     assert requests[-1].arrival_s == pytest.approx(200, rel=0.15)  # 2000 requests at 10/s
-    again = build_workload("synthetic", tokenizer, num_requests=2000, input_len=100, output_len=50, rate=10.0,
-                           num_tenants=3, num_priorities=3, ttft_slo_s=0.5, seed=3)
+    again = build_workload(
+        "synthetic",
+        tokenizer,
+        num_requests=2000,
+        input_len=100,
+        output_len=50,
+        rate=10.0,
+        num_tenants=3,
+        num_priorities=3,
+        ttft_slo_s=0.5,
+        seed=3,
+    )
     assert [r.prompt for r in again.requests] == [r.prompt for r in requests]
 
 
 def test_burstiness_is_the_gamma_shape_of_the_gaps(tokenizer):
     def gap_cv(burstiness):
-        requests = build_workload("synthetic", tokenizer, num_requests=3000, input_len=4, output_len=4, rate=5.0,
-                                  burstiness=burstiness).requests
+        requests = build_workload(
+            "synthetic", tokenizer, num_requests=3000, input_len=4, output_len=4, rate=5.0, burstiness=burstiness
+        ).requests
         gaps = [b.arrival_s - a.arrival_s for a, b in zip(requests, requests[1:])]
         return statistics.pstdev(gaps) / statistics.mean(gaps)
 
@@ -246,10 +313,17 @@ def test_multi_turn_prompts_extend_the_last_turn(tokenizer):
 
 def test_trace_replay_and_its_errors(tokenizer, tmp_path):
     trace = tmp_path / "trace.jsonl"
-    trace.write_text("\n".join(json.dumps(line) for line in [
-        {"arrival_s": 2.0, "prompt_len": 30, "output_len": 5, "priority": 1, "tenant": "a"},
-        {"arrival_s": 0.5, "prompt": "Hello there", "output_len": 3, "ttft_slo_s": 0.2},
-        {"arrival_s": 1.0, "prompt_token_ids": [5, 6, 7], "output_len": 2}]) + "\n")
+    trace.write_text(
+        "\n".join(
+            json.dumps(line)
+            for line in [
+                {"arrival_s": 2.0, "prompt_len": 30, "output_len": 5, "priority": 1, "tenant": "a"},
+                {"arrival_s": 0.5, "prompt": "Hello there", "output_len": 3, "ttft_slo_s": 0.2},
+                {"arrival_s": 1.0, "prompt_token_ids": [5, 6, 7], "output_len": 2},
+            ]
+        )
+        + "\n"
+    )
     requests = build_workload("trace", tokenizer, trace_file=str(trace), time_scale=0.5).requests
     assert [r.arrival_s for r in requests] == [0.25, 0.5, 1.0]
     assert requests[0].prompt == "Hello there" and requests[1].prompt == [5, 6, 7] and len(requests[2].prompt) == 30
@@ -263,8 +337,17 @@ def test_trace_replay_and_its_errors(tokenizer, tmp_path):
 # -- scheduling on the simulator ---------------------------------------------------------------------------------------
 def ttft_by_priority(scheduler: str) -> dict[str, float]:
     engine = simulated(f"scheduler.name={scheduler}", "scheduler.max_num_seqs=8", cost=round_cost())
-    workload = build_workload("synthetic", engine.tokenizer, num_requests=300, input_len=40, output_len=20,
-                              max_len=500, rate=40.0, num_priorities=2, seed=5)
+    workload = build_workload(
+        "synthetic",
+        engine.tokenizer,
+        num_requests=300,
+        input_len=40,
+        output_len=20,
+        max_len=500,
+        rate=40.0,
+        num_priorities=2,
+        seed=5,
+    )
     summary = run_workload(engine, workload).summary
     return {group: values["p50_s"] for group, values in summary["ttft_by_priority"].items()}
 
@@ -281,9 +364,11 @@ def test_ablation_runs_simulated_in_parallel_processes(tmp_path):
         "mode: simulate\n"
         "base: {config: baseline, overrides: {simulate.cost: roofline, simulate.geometry: llama-3-8b}}\n"
         "workload: {name: synthetic, num_requests: 300, rate: 100, num_systems: 4, system_len: 256}\n"
-        "grid:\n  prefix_cache.name: [none, radix]\n  scheduler.name: [fcfs, hrrn]\n")
-    result = CliRunner().invoke(main, ["ablate", str(ablation), "--jobs", "2", "--no-progress",
-                                       "--out", str(tmp_path / "out")])
+        "grid:\n  prefix_cache.name: [none, radix]\n  scheduler.name: [fcfs, hrrn]\n"
+    )
+    result = CliRunner().invoke(
+        main, ["ablate", str(ablation), "--jobs", "2", "--no-progress", "--out", str(tmp_path / "out")]
+    )
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     rows = {tuple(c["settings"].values()): c for c in data["combinations"]}

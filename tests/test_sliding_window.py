@@ -61,8 +61,14 @@ class Step:
     block_tables: list[list[int]]
 
 
-def make_step(sequences: list[tuple[int, int]], block_size: int, *, seed: int = 0, head_dim: int = HEAD_DIM,
-              kv_dtype: torch.dtype = torch.float32) -> Step:
+def make_step(
+    sequences: list[tuple[int, int]],
+    block_size: int,
+    *,
+    seed: int = 0,
+    head_dim: int = HEAD_DIM,
+    kv_dtype: torch.dtype = torch.float32,
+) -> Step:
     """Each sequence over shuffled pool blocks with its cached prefix written, and this step's Q/K/V; the pool's
     other slots hold garbage. A bf16 pool's K/V are what the oracle sees too."""
     generator = torch.Generator().manual_seed(seed)
@@ -80,8 +86,12 @@ def make_step(sequences: list[tuple[int, int]], block_size: int, *, seed: int = 
     keys = [history(cached + new) for cached, new in sequences]
     values = [history(cached + new) for cached, new in sequences]
     prefix = AttentionMetadata.build(block_tables, [0] * len(sequences), num_cached, block_size)
-    write_kv(kv_cache, torch.cat([key[:cached] for key, cached in zip(keys, num_cached)]),
-             torch.cat([value[:cached] for value, cached in zip(values, num_cached)]), prefix.slot_mapping)
+    write_kv(
+        kv_cache,
+        torch.cat([key[:cached] for key, cached in zip(keys, num_cached)]),
+        torch.cat([value[:cached] for value, cached in zip(values, num_cached)]),
+        prefix.slot_mapping,
+    )
     q = torch.randn(sum(num_new), NUM_HEADS, head_dim, generator=generator)
     k = torch.cat([key[cached:] for key, cached in zip(keys, num_cached)])
     v = torch.cat([value[cached:] for value, cached in zip(values, num_cached)])
@@ -94,8 +104,9 @@ def poison_blocks_outside_the_window(step: Step, window: int) -> int:
     window): a backend that reads one spreads NaN into its output. Returns how many blocks were poisoned."""
     block_size = step.kv_cache.shape[2]
     poisoned = 0
-    for table, cached in zip(step.block_tables, (s - q for s, q in zip(step.metadata.seq_lens_cpu,
-                                                                       step.metadata.query_lens_cpu))):
+    for table, cached in zip(
+        step.block_tables, (s - q for s, q in zip(step.metadata.seq_lens_cpu, step.metadata.query_lens_cpu))
+    ):
         first_key = max(0, cached - window + 1)
         outside = table[: first_key // block_size]
         step.kv_cache[:, outside] = float("nan")
@@ -103,8 +114,9 @@ def poison_blocks_outside_the_window(step: Step, window: int) -> int:
     return poisoned
 
 
-def windowed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None,
-                       scale: float | None = None) -> torch.Tensor:
+def windowed_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None, scale: float | None = None
+) -> torch.Tensor:
     """Softmax attention in float64: query i of L sits at position S - L + i and sees positions p - window + 1 .. p
     (every earlier one without a window)."""
     query_len, num_heads, head_dim = q.shape
@@ -124,27 +136,44 @@ def windowed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 def oracle(step: Step, window: int | None, scale: float | None = None) -> torch.Tensor:
     starts = step.metadata.query_start_loc.tolist()
-    return torch.cat([windowed_attention(step.q[start:end], keys, values, window, scale)
-                      for start, end, keys, values in zip(starts, starts[1:], step.keys, step.values)])
+    return torch.cat(
+        [
+            windowed_attention(step.q[start:end], keys, values, window, scale)
+            for start, end, keys, values in zip(starts, starts[1:], step.keys, step.values)
+        ]
+    )
 
 
-def make_backend(name: str, block_size: int, layers: list[LayerAttention], *, head_dim: int = HEAD_DIM,
-                 config=None) -> AttentionBackend:
+def make_backend(
+    name: str, block_size: int, layers: list[LayerAttention], *, head_dim: int = HEAD_DIM, config=None
+) -> AttentionBackend:
     """Backend ``name`` for the model's heads with ``set_layers(layers)``; skipped where it cannot run here."""
     if name == "triton" and importlib.util.find_spec("triton") is None:
         pytest.skip("the triton backend needs the triton package (pip install 'infer[triton]')")
     device = TRITON_DEVICE if name == "triton" else torch.device("cpu")
     try:
-        backend = BACKENDS[name](num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=head_dim,
-                                 block_size=block_size, dtype=torch.float32, device=device, config=config)
+        backend = BACKENDS[name](
+            num_heads=NUM_HEADS,
+            num_kv_heads=NUM_KV_HEADS,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=torch.float32,
+            device=device,
+            config=config,
+        )
     except BackendUnavailableError as error:
         pytest.skip(f"attention backend {name} cannot run here: {error}")
     backend.set_layers(layers)
     return backend
 
 
-def attend(backend: AttentionBackend, step: Step, layer: int = 0, kv_cache: torch.Tensor | None = None,
-           metadata: AttentionMetadata | None = None) -> torch.Tensor:
+def attend(
+    backend: AttentionBackend,
+    step: Step,
+    layer: int = 0,
+    kv_cache: torch.Tensor | None = None,
+    metadata: AttentionMetadata | None = None,
+) -> torch.Tensor:
     """Layer ``layer``'s forward over the step (its K/V written first), on the backend's device, back on the CPU."""
     device = backend.device
     if metadata is None:
@@ -160,15 +189,17 @@ def moved(metadata: AttentionMetadata, device: torch.device) -> AttentionMetadat
     if device.type == "cpu":
         return metadata
     fields = {name: getattr(metadata, name) for name in metadata.__dataclass_fields__}
-    return AttentionMetadata(**{name: value.to(device) if isinstance(value, torch.Tensor) else value
-                                for name, value in fields.items()})
+    return AttentionMetadata(
+        **{name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in fields.items()}
+    )
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("block_size, window", WINDOWS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_windowed_layer_matches_the_oracle_without_reading_blocks_outside_the_window(backend, block_size, window,
-                                                                                   scenario):
+def test_windowed_layer_matches_the_oracle_without_reading_blocks_outside_the_window(
+    backend, block_size, window, scenario
+):
     step = make_step(SCENARIOS[scenario], block_size, seed=block_size * 1000 + window)
     poison_blocks_outside_the_window(step, window)
     out = attend(make_backend(backend, block_size, [LayerAttention(window=window)]), step)
@@ -192,8 +223,12 @@ def test_a_window_changes_the_output_once_the_context_exceeds_it(backend):
 def test_a_model_of_windowed_and_full_layers_attends_each_layer_as_it_declares(backend, block_size):
     """Four pool layers through ``set_layers`` (Gemma 3's pattern: windowed layers around a full one, one with its
     own softmax scale), one step of a mixed batch: each layer equals the oracle of its own window and scale."""
-    layers = [LayerAttention(window=5), LayerAttention(), LayerAttention(window=block_size + 1),
-              LayerAttention(window=3, scale=0.5)]
+    layers = [
+        LayerAttention(window=5),
+        LayerAttention(),
+        LayerAttention(window=block_size + 1),
+        LayerAttention(window=3, scale=0.5),
+    ]
     attention = make_backend(backend, block_size, layers)
     step = make_step(SCENARIOS["mixed_decode_and_prefill"], block_size, seed=11)
     pools = [step.kv_cache.clone() for _ in layers]
@@ -209,8 +244,14 @@ def test_a_backend_without_windows_is_refused_by_set_layers_naming_what_is_missi
         def forward(self, layer, q, k, v, kv_cache, metadata):
             raise AssertionError("never called")
 
-    backend = FullOnly(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=4,
-                       dtype=torch.float32, device=torch.device("cpu"))
+    backend = FullOnly(
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     backend.set_layers([LayerAttention(), LayerAttention(scale=0.25)])  # nothing beyond what every backend does
     with pytest.raises(BackendUnavailableError, match="FullOnly does not implement window attention"):
         backend.set_layers([LayerAttention(), LayerAttention(window=4)])
@@ -241,21 +282,30 @@ def test_sdpa_attends_a_windowed_layer_without_cascade_over_a_shared_prefix(casc
     for keys, values in zip(step.keys[1:], step.values[1:]):
         keys[:shared], values[:shared] = step.keys[0][:shared], step.values[0][:shared]
     step.metadata = AttentionMetadata.build(step.block_tables, [c for c, _ in sequences], [1] * 4, block_size)
-    attention = make_backend("sdpa", block_size, [LayerAttention(), LayerAttention(window=24)],
-                             config=SdpaConfig(cascade=cascade))
+    attention = make_backend(
+        "sdpa", block_size, [LayerAttention(), LayerAttention(window=24)], config=SdpaConfig(cascade=cascade)
+    )
     metadata = attention.prepare(step.metadata)
     assert (metadata.padded.shared is not None) == cascade and metadata.window_plans[24][0].shared is None
     full_pool, window_pool = step.kv_cache.clone(), step.kv_cache.clone()
-    torch.testing.assert_close(attend(attention, step, 0, full_pool, metadata).double(), oracle(step, None),
-                               atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(attend(attention, step, 1, window_pool, metadata).double(), oracle(step, 24),
-                               atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        attend(attention, step, 0, full_pool, metadata).double(), oracle(step, None), atol=2e-5, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        attend(attention, step, 1, window_pool, metadata).double(), oracle(step, 24), atol=2e-5, rtol=1e-4
+    )
 
 
 def test_sdpa_in_bfloat16_masks_the_window_in_its_sdpa_calls():
     """Below float32 sdpa's prefill chunks take SDPA with a boolean mask: banded for a windowed layer."""
-    attention = SdpaBackend(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=4,
-                            dtype=torch.bfloat16, device=torch.device("cpu"))
+    attention = SdpaBackend(
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=4,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
     attention.set_layers([LayerAttention(window=6)])
     step = make_step(SCENARIOS["mixed_decode_and_prefill"], 4, seed=9, kv_dtype=torch.bfloat16)
     step.kv_cache = step.kv_cache.bfloat16()
@@ -278,11 +328,16 @@ def kernels():
 
 
 @pytest.mark.parametrize("window", [1, 7, 16, 33, LARGER_THAN_ANY_CONTEXT])
-@pytest.mark.parametrize("kernel, pool, arithmetic", [("torch", torch.float32, "bf16"),
-                                                      ("infer", torch.float32, "bf16"),
-                                                      ("infer", torch.bfloat16, "bf16"),
-                                                      ("infer", torch.float32, "float32"),
-                                                      ("infer", torch.bfloat16, "float32")])
+@pytest.mark.parametrize(
+    "kernel, pool, arithmetic",
+    [
+        ("torch", torch.float32, "bf16"),
+        ("infer", torch.float32, "bf16"),
+        ("infer", torch.bfloat16, "bf16"),
+        ("infer", torch.float32, "float32"),
+        ("infer", torch.bfloat16, "float32"),
+    ],
+)
 def test_cpu_bf16_prefill_and_decode_honour_the_window(kernels, kernel, pool, arithmetic, window):
     """``prefill_dtype: bfloat16``: the long queries go to a flash attention (torch's, or infer's on AMX tiles or
     the dot products, or its float32 FMAs), the rest to the kernel (on the dot products over a bf16 pool), every
@@ -290,17 +345,24 @@ def test_cpu_bf16_prefill_and_decode_honour_the_window(kernels, kernel, pool, ar
     if kernel == "infer" and not kernels.flash:
         pytest.skip("infer's flash attention is built only where the CPU has avx512_bf16, which this one lacks")
     head_dim = 64
-    config = CpuAttentionConfig(prefill_dtype="bfloat16", prefill_min_tokens=8, prefill_kernel=kernel,
-                                prefill_arithmetic=arithmetic, kv_dtype="bfloat16" if pool == torch.bfloat16 else
-                                "float32", decode_arithmetic="bf16")
+    config = CpuAttentionConfig(
+        prefill_dtype="bfloat16",
+        prefill_min_tokens=8,
+        prefill_kernel=kernel,
+        prefill_arithmetic=arithmetic,
+        kv_dtype="bfloat16" if pool == torch.bfloat16 else "float32",
+        decode_arithmetic="bf16",
+    )
     attention = make_backend("cpu", 16, [LayerAttention(window=window)], head_dim=head_dim, config=config)
-    step = make_step([(0, 70), (45, 1), (30, 6), (90, 1), (29, 40), (100, 33)], 16, seed=window, head_dim=head_dim,
-                     kv_dtype=pool)
+    step = make_step(
+        [(0, 70), (45, 1), (30, 6), (90, 1), (29, 40), (100, 33)], 16, seed=window, head_dim=head_dim, kv_dtype=pool
+    )
     poison_blocks_outside_the_window(step, window)
     metadata = attention.prepare(step.metadata)
     assert (metadata.flash is not None) == (kernel == "infer") and bool(metadata.prefills) == (kernel == "torch")
-    torch.testing.assert_close(attend(attention, step, metadata=metadata).double(), oracle(step, window),
-                               atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(
+        attend(attention, step, metadata=metadata).double(), oracle(step, window), atol=3e-2, rtol=3e-2
+    )
 
 
 @pytest.mark.parametrize("build", ["avx2", "portable"])
@@ -326,8 +388,9 @@ def test_cpu_kernel_windows_in_the_avx2_and_portable_builds(build, tmp_path):
         metadata = step.metadata
         built.write_kv(step.kv_cache, step.k, step.v, metadata.slot_mapping)
         plan = cpu_kernels.KernelAttentionPlan.every_token(metadata)
-        out = built.paged_attention(step.q, step.kv_cache, metadata.block_tables, plan, HEAD_DIM**-0.5,
-                                    torch.empty(step.q.shape), window=5)
+        out = built.paged_attention(
+            step.q, step.kv_cache, metadata.block_tables, plan, HEAD_DIM**-0.5, torch.empty(step.q.shape), window=5
+        )
         torch.testing.assert_close(out.double(), oracle(step, 5), atol=2e-5, rtol=1e-4)
 
 
@@ -344,19 +407,27 @@ def test_cpu_kernel_gives_a_windowed_query_the_same_bits_alone_or_beside_others(
     block_tables = torch.tensor([list(range(24))[::-1], list(range(24, 48))], dtype=torch.int32)
     seqs, lengths = [0, 0, 0, 0, 0, 1], [296, 297, 298, 299, 300, 129]
     q = torch.randn(len(seqs), num_heads, head_dim, generator=generator)
-    together = cpu_kernels.KernelAttentionPlan(None, torch.tensor(seqs), torch.tensor(lengths), len(seqs),
-                                               max(lengths))
+    together = cpu_kernels.KernelAttentionPlan(None, torch.tensor(seqs), torch.tensor(lengths), len(seqs), max(lengths))
     out = kernels.paged_attention(q, kv_cache, block_tables, together, 0.125, torch.empty(q.shape), dots, window)
     for row, (seq, length) in enumerate(zip(seqs, lengths)):
         alone = cpu_kernels.KernelAttentionPlan(None, torch.tensor([seq]), torch.tensor([length]), 1, length)
-        single = kernels.paged_attention(q[row: row + 1].contiguous(), kv_cache, block_tables, alone, 0.125,
-                                         torch.empty(1, num_heads, head_dim), dots, window)
+        single = kernels.paged_attention(
+            q[row : row + 1].contiguous(),
+            kv_cache,
+            block_tables,
+            alone,
+            0.125,
+            torch.empty(1, num_heads, head_dim),
+            dots,
+            window,
+        )
         assert torch.equal(out[row], single[0]), row
         keys, values = (kv_cache[half, block_tables[seq].long()].flatten(0, 1)[:length].float() for half in (0, 1))
-        expected = windowed_attention(q[row: row + 1].bfloat16().float() if dots else q[row: row + 1], keys, values,
-                                      window, 0.125)
+        expected = windowed_attention(
+            q[row : row + 1].bfloat16().float() if dots else q[row : row + 1], keys, values, window, 0.125
+        )
         tolerance = 1e-2 if dots else 1e-5
-        torch.testing.assert_close(out[row: row + 1].double(), expected, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(out[row : row + 1].double(), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_cpu_fused_stack_attends_each_layer_with_its_window(kernels):
@@ -374,11 +445,16 @@ def test_cpu_fused_stack_attends_each_layer_with_its_window(kernels):
         return pack_weights((torch.randn(rows, columns, generator=generator) * 0.2).bfloat16())
 
     def layer() -> FusedLayer:
-        weights = [weight(q_width + 2 * kv_width, hidden), weight(hidden, q_width), weight(2 * intermediate, hidden),
-                   weight(hidden, intermediate)]
+        weights = [
+            weight(q_width + 2 * kv_width, hidden),
+            weight(hidden, q_width),
+            weight(2 * intermediate, hidden),
+            weight(hidden, intermediate),
+        ]
         norms = (torch.rand(hidden, generator=generator) + 0.5, torch.rand(hidden, generator=generator) + 0.5)
-        return FusedLayer(kernels, weights, [None] * 4, [None] * 4, norms, 1e-6, q_width, NUM_HEADS + NUM_KV_HEADS,
-                          head_dim)
+        return FusedLayer(
+            kernels, weights, [None] * 4, [None] * 4, norms, 1e-6, q_width, NUM_HEADS + NUM_KV_HEADS, head_dim
+        )
 
     layers = [layer() for _ in range(3)]
     windows = [LayerAttention(window=3), LayerAttention(), LayerAttention(window=6)]
@@ -395,8 +471,14 @@ def test_cpu_fused_stack_attends_each_layer_with_its_window(kernels):
     for index, fused_layer in enumerate(layers):
         qkv = fused_layer.attention_input(residual, delta, metadata.positions, rotary.cos, rotary.sin)
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=1)
-        attended = attention.forward(index, q.view(-1, NUM_HEADS, head_dim), k.reshape(-1, NUM_KV_HEADS, head_dim),
-                                     v.reshape(-1, NUM_KV_HEADS, head_dim), expected_pools[index], metadata)
+        attended = attention.forward(
+            index,
+            q.view(-1, NUM_HEADS, head_dim),
+            k.reshape(-1, NUM_KV_HEADS, head_dim),
+            v.reshape(-1, NUM_KV_HEADS, head_dim),
+            expected_pools[index],
+            metadata,
+        )
         delta = fused_layer.feed_forward(attended.reshape(-1, q_width).contiguous(), residual)
     stack = FusedStack(kernels, layers, [0, 1, 2])
     stacked = hidden_states.clone()
@@ -406,8 +488,14 @@ def test_cpu_fused_stack_attends_each_layer_with_its_window(kernels):
     torch.testing.assert_close(stacked, residual, atol=1e-4, rtol=1e-4)
     unwindowed = attention.fused_attention(metadata)
     unwindowed.windows = None  # the same stack without windows: another output, so the windows above took effect
-    other = stack.run(hidden_states.clone(), metadata.positions, rotary.cos, rotary.sin,
-                      step.kv_cache.expand(len(layers), *step.kv_cache.shape).contiguous(), unwindowed)
+    other = stack.run(
+        hidden_states.clone(),
+        metadata.positions,
+        rotary.cos,
+        rotary.sin,
+        step.kv_cache.expand(len(layers), *step.kv_cache.shape).contiguous(),
+        unwindowed,
+    )
     assert (other - out).abs().max() > 1e-3
     scaled = make_backend("cpu", block_size, [LayerAttention(window=3), LayerAttention(scale=0.5)], head_dim=head_dim)
     assert scaled.fused_attention(scaled.prepare(step.metadata)) is None

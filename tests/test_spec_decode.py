@@ -70,8 +70,13 @@ def mixed_prompts(seed: int = 0) -> list[list[int]]:
 
 
 def make_llm(model_dir: str, **overrides) -> LLM:
-    settings = {"model__path": model_dir, "model__dtype": "float32", "model__max_model_len": 256,
-                "cache__num_blocks": 128, **overrides}
+    settings = {
+        "model__path": model_dir,
+        "model__dtype": "float32",
+        "model__max_model_len": 256,
+        "cache__num_blocks": 128,
+        **overrides,
+    }
     return LLM("baseline", **settings)
 
 
@@ -128,8 +133,10 @@ def test_greedy_output_equals_no_draft_under_preemption(tiny_model_dir, drafter)
 def test_seeded_sampling_equals_no_draft(tiny_model_dir, drafter):
     prompts = mixed_prompts(seed=3)
     # top_k=2 keeps the random model's samples repetitive enough for drafts to come true now and then.
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=2, seed=100 + i, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=2, seed=100 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     expected, _ = generate(tiny_model_dir, prompts, params)
     outputs, stats = generate(tiny_model_dir, prompts, params, **drafter)
     assert accepted_drafts(stats) > 0
@@ -191,13 +198,14 @@ class OracleTreeDrafter(Drafter):
     def propose(self, sequences, k):
         proposals = []
         for seq in sequences:
-            future = self.expected[tuple(seq.prompt_token_ids)][seq.num_output_tokens:]
+            future = self.expected[tuple(seq.prompt_token_ids)][seq.num_output_tokens :]
             self.passes += 1
             if len(future) < 3 or k < 4:
                 proposals.append([])
             elif self.passes % 2:
-                proposals.append(DraftTree([future[0], self.wrong(future[1]), self.wrong(future[0]), future[1]],
-                                           [-1, 0, -1, 0]))
+                proposals.append(
+                    DraftTree([future[0], self.wrong(future[1]), self.wrong(future[0]), future[1]], [-1, 0, -1, 0])
+                )
             else:
                 proposals.append(DraftTree([self.wrong(future[0]), future[0]], [-1, -1]))
         return proposals
@@ -216,7 +224,8 @@ def test_a_draft_trees_accepted_leaf_leaves_the_output_unchanged(tiny_model_dir)
     llm = make_llm(tiny_model_dir, **settings)
     assert llm.engine.speculation.move_kv is not None  # the cpu backend attends trees
     llm.engine.speculation.drafter = OracleTreeDrafter(
-        {tuple(prompt): output for prompt, output in zip(prompts, expected)}, llm.engine.model.vocab_size)
+        {tuple(prompt): output for prompt, output in zip(prompts, expected)}, llm.engine.model.vocab_size
+    )
     outputs = [output.token_ids for output in llm.generate(prompts, greedy())]
     assert outputs == expected
     assert llm.engine.stats.mean_accepted_per_pass > 2.2
@@ -230,7 +239,8 @@ def test_a_draft_trees_logprobs_are_those_of_the_rows_on_its_accepted_path(tiny_
     expected = make_llm(tiny_model_dir).generate(prompts, params)
     llm = make_llm(tiny_model_dir)
     llm.engine.speculation.drafter = OracleTreeDrafter(
-        {tuple(prompt): output.token_ids for prompt, output in zip(prompts, expected)}, llm.engine.model.vocab_size)
+        {tuple(prompt): output.token_ids for prompt, output in zip(prompts, expected)}, llm.engine.model.vocab_size
+    )
     outputs = llm.generate(prompts, params)
     assert llm.engine.stats.mean_accepted_per_pass > 2.2
     for got, want in zip(outputs, expected):
@@ -245,17 +255,21 @@ def test_a_tree_is_cut_to_its_spine_where_it_cannot_be_verified(tiny_model_dir):
     """Sampled requests, and every request on a backend without ``draft_trees`` (sdpa), get the tree's spine only:
     the output stays the target's."""
     prompts = mixed_prompts()
-    sampled = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=2, seed=7 + i, ignore_eos=True)
-               for i in range(len(prompts))]
+    sampled = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=2, seed=7 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     for settings, params in (({"attention__name": "sdpa"}, greedy()), ({}, sampled)):
         expected, _ = generate(tiny_model_dir, prompts, params, **settings)
         llm = make_llm(tiny_model_dir, **settings)
-        drafter = OracleTreeDrafter({tuple(prompt): output for prompt, output in zip(prompts, expected)},
-                                    llm.engine.model.vocab_size)
+        drafter = OracleTreeDrafter(
+            {tuple(prompt): output for prompt, output in zip(prompts, expected)}, llm.engine.model.vocab_size
+        )
         llm.engine.speculation.drafter = drafter
         parents = []
         llm.engine.speculation.accept = lambda seq, sampled_, seen=parents, accept=llm.engine.speculation.accept: (
-            seen.append(seq.draft_parents) or accept(seq, sampled_))
+            seen.append(seq.draft_parents) or accept(seq, sampled_)
+        )
         outputs = [output.token_ids for output in llm.generate(prompts, params)]
         assert outputs == expected
         assert parents and all(tree is None for tree in parents)
@@ -380,9 +394,16 @@ def test_sampling_drafter_keeps_the_target_distribution(small_vocab_models):
     target_dir, draft_dir = small_vocab_models
     prompt = [3, 9, 4, 12, 7]
     num_samples = 6000
-    llm = make_llm(target_dir, drafter__name="model", drafter__path=draft_dir, drafter__sampling=True,
-                   drafter__num_speculative_tokens=3, drafter__max_batch_size=512, scheduler__max_num_seqs=512,
-                   cache__num_blocks=2200)
+    llm = make_llm(
+        target_dir,
+        drafter__name="model",
+        drafter__path=draft_dir,
+        drafter__sampling=True,
+        drafter__num_speculative_tokens=3,
+        drafter__max_batch_size=512,
+        scheduler__max_num_seqs=512,
+        cache__num_blocks=2200,
+    )
     params = [SamplingParams(max_tokens=4, temperature=1.0, seed=seed, ignore_eos=True) for seed in range(num_samples)]
     outputs = llm.generate([prompt] * num_samples, params)
     stats = llm.engine.stats
@@ -390,10 +411,14 @@ def test_sampling_drafter_keeps_the_target_distribution(small_vocab_models):
     first = torch.tensor([output.token_ids[0] for output in outputs])
     second = torch.tensor([output.token_ids[1] for output in outputs])
     first_counts = torch.bincount(first, minlength=16).float()
-    target_mixture = sum(first_counts[t] * next_token_probs(target_dir, prompt + [t]) for t in range(16)
-                         if first_counts[t] > 0) / num_samples
-    draft_mixture = sum(first_counts[t] * next_token_probs(draft_dir, prompt + [t]) for t in range(16)
-                        if first_counts[t] > 0) / num_samples
+    target_mixture = (
+        sum(first_counts[t] * next_token_probs(target_dir, prompt + [t]) for t in range(16) if first_counts[t] > 0)
+        / num_samples
+    )
+    draft_mixture = (
+        sum(first_counts[t] * next_token_probs(draft_dir, prompt + [t]) for t in range(16) if first_counts[t] > 0)
+        / num_samples
+    )
     counts = torch.bincount(second, minlength=16).float()
     assert chi_square(counts, target_mixture) < CRITICAL_15_DOF
     assert chi_square(counts, shifted_by(target_mixture, 0.02)) > CRITICAL_15_DOF, "too few samples for a 2% error"
@@ -433,8 +458,7 @@ class TestEagleDrafterConformance(EngineBackedConformance):
         return lambda: with_kv_cache(implementation(config, drafter_context))
 
     def drafter_overrides(self, name: str) -> dict:
-        return {"drafter.name": name, "drafter.head": "random", "drafter.min_confidence": 0.0,
-                "drafter.tree_budget": 4}
+        return {"drafter.name": name, "drafter.head": "random", "drafter.min_confidence": 0.0, "drafter.tree_budget": 4}
 
 
 def test_eagle_head_packing_follows_head_quantization():
@@ -457,9 +481,15 @@ def test_eagle_head_packing_follows_head_quantization():
 def test_eagle_head_packed_apart_from_the_target_keeps_the_output(tiny_model_dir, packing):
     prompts = mixed_prompts()
     expected, _ = generate(tiny_model_dir, prompts, greedy(), scheduler__max_num_batched_tokens=32)
-    llm = make_llm(tiny_model_dir, scheduler__max_num_batched_tokens=32, drafter__name="eagle",
-                   drafter__head="random", drafter__min_confidence=0.0, drafter__head_quantization=packing,
-                   drafter__tree_budget=4)
+    llm = make_llm(
+        tiny_model_dir,
+        scheduler__max_num_batched_tokens=32,
+        drafter__name="eagle",
+        drafter__head="random",
+        drafter__min_confidence=0.0,
+        drafter__head_quantization=packing,
+        drafter__tree_budget=4,
+    )
     assert llm.engine.drafter.head.layer.mlp.down_proj.mode == packing
     outputs = [output.token_ids for output in llm.generate(prompts, greedy())]
     assert outputs == expected
@@ -480,8 +510,14 @@ def test_eagle_fused_head_drafts_what_the_head_through_the_executor_drafts(tiny_
     monkeypatch.setattr(FusedDraftHead, "run", _counted(FusedDraftHead.run, runs))
 
     def drafts_of():
-        llm = make_llm(tiny_model_dir, drafter__name="eagle", drafter__head="random",
-                       drafter__head_quantization="int8_per_row", drafter__tree_budget=4, **target)
+        llm = make_llm(
+            tiny_model_dir,
+            drafter__name="eagle",
+            drafter__head="random",
+            drafter__head_quantization="int8_per_row",
+            drafter__tree_budget=4,
+            **target,
+        )
         proposed = []
         drafter = llm.engine.drafter
         original = drafter.propose
@@ -503,6 +539,7 @@ def _counted(function, calls: list):
     def wrapper(*args, **kwargs):
         calls.append(1)
         return function(*args, **kwargs)
+
     return wrapper
 
 
@@ -525,17 +562,34 @@ def test_train_eagle_writes_a_head_the_drafter_uses(tiny_model_dir, tmp_path):
     from infer.plugins.drafters.eagle.command import train_eagle_command
 
     out = tmp_path / "head"
-    result = CliRunner().invoke(train_eagle_command, [
-        "baseline", f"model.path={tiny_model_dir}", "model.dtype=float32", "model.max_model_len=256",
-        "--out", str(out), "--num-prompts", "24", "--self-prompts", "8", "--max-tokens", "24", "--epochs", "1"])
+    result = CliRunner().invoke(
+        train_eagle_command,
+        [
+            "baseline",
+            f"model.path={tiny_model_dir}",
+            "model.dtype=float32",
+            "model.max_model_len=256",
+            "--out",
+            str(out),
+            "--num-prompts",
+            "24",
+            "--self-prompts",
+            "8",
+            "--max-tokens",
+            "24",
+            "--epochs",
+            "1",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert (out / "head.safetensors").is_file()
     card = (out / "README.md").read_text()
     assert "tokens per verify pass" in card and "infer train-eagle" in card
     prompts = mixed_prompts()
     expected, _ = generate(tiny_model_dir, prompts, greedy())
-    outputs, stats = generate(tiny_model_dir, prompts, greedy(), drafter__name="eagle", drafter__head=str(out),
-                              drafter__tree_budget=4)
+    outputs, stats = generate(
+        tiny_model_dir, prompts, greedy(), drafter__name="eagle", drafter__head=str(out), drafter__tree_budget=4
+    )
     assert outputs == expected
     assert stats.num_verify_passes > 0
 
@@ -548,17 +602,25 @@ def test_self_written_prompts_continue_the_user_turn_and_keep_distinct_finished_
     from infer.plugins.drafters.eagle.training import self_written_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    template = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                             add_generation_prompt=True)
+    template = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     user_prefix = tokenizer.encode(template[: template.index("hi")], add_special_tokens=False)
     calls = []
 
     def generate(prompts, params, use_tqdm):
         calls.append((prompts, params))
-        replies = [("How do tides work?", "stop"), ("How do tides work?", "stop"), ("A request cut off", "length"),
-                   ("  Name a bird.  ", "stop"), ("ok", "stop")]
-        return [SimpleNamespace(text=text, finish_reason=reason, error=None, token_ids=[0] * (2 if text == "ok" else 5))
-                for (text, reason), _ in zip(replies * len(prompts), prompts)]
+        replies = [
+            ("How do tides work?", "stop"),
+            ("How do tides work?", "stop"),
+            ("A request cut off", "length"),
+            ("  Name a bird.  ", "stop"),
+            ("ok", "stop"),
+        ]
+        return [
+            SimpleNamespace(text=text, finish_reason=reason, error=None, token_ids=[0] * (2 if text == "ok" else 5))
+            for (text, reason), _ in zip(replies * len(prompts), prompts)
+        ]
 
     llm = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer), generate=generate)
     prompts = self_written_prompts(llm, 3, seed=7)
@@ -567,8 +629,10 @@ def test_self_written_prompts_continue_the_user_turn_and_keep_distinct_finished_
     assert all(prompt == user_prefix for prompt in sent) and len(sent) >= 3
     assert len({p.seed for p in params}) == len(params) and all(p.temperature == 1.0 for p in params)
     # Kept: finished by the model, at least 4 tokens, stripped, each once.
-    assert prompts == [[{"role": "user", "content": "How do tides work?"}],
-                       [{"role": "user", "content": "Name a bird."}]]
+    assert prompts == [
+        [{"role": "user", "content": "How do tides work?"}],
+        [{"role": "user", "content": "Name a bird."}],
+    ]
     assert self_written_prompts(llm, 0, seed=7) == []
 
 
@@ -581,8 +645,14 @@ def test_feature_recorder_keeps_each_position_once_and_overwrites_after_preempti
     recorder = FeatureRecorder()
 
     def step(first_position: int, rows: torch.Tensor) -> None:
-        recorder.observe(StepOutput(logits=torch.zeros(1, 1), rows=[], hidden_states=rows,
-                                    token_rows=[BatchRows(seq, 0, rows.shape[0], first_position)]))
+        recorder.observe(
+            StepOutput(
+                logits=torch.zeros(1, 1),
+                rows=[],
+                hidden_states=rows,
+                token_rows=[BatchRows(seq, 0, rows.shape[0], first_position)],
+            )
+        )
 
     step(0, torch.full((4, 2), 1.0))  # prefill
     step(4, torch.full((1, 2), 2.0))  # a decode
@@ -609,8 +679,10 @@ def test_shipped_head_is_small_and_documented():
 
 @pytest.mark.slow
 def test_flagship_config_runs_the_shipped_head_with_the_target_output():
-    chats = [[{"role": "user", "content": text}] for text in
-             ("What is the capital of Italy?", "Write two sentences about rivers.", "Name three colors.")]
+    chats = [
+        [{"role": "user", "content": text}]
+        for text in ("What is the capital of Italy?", "Write two sentences about rivers.", "Name three colors.")
+    ]
     params = SamplingParams(max_tokens=48, temperature=0.0)
     plain = LLM("radix_lpm_eagle", model__dtype="float32", drafter__name="none").generate(chats, params)
     llm = LLM("radix_lpm_eagle", model__dtype="float32")

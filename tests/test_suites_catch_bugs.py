@@ -309,10 +309,15 @@ class WrongScaleAttentionSuite(AttentionConformance):
             import torch
 
             num_kv_heads = num_kv_heads or self.num_kv_heads
-            return WrongScaleAttention(num_heads=num_kv_heads * queries_per_kv_head,
-                                       num_kv_heads=num_kv_heads, head_dim=head_dim or self.head_dim,
-                                       block_size=block_size, dtype=dtype or torch.float32,
-                                       device=torch.device("cpu"))
+            return WrongScaleAttention(
+                num_heads=num_kv_heads * queries_per_kv_head,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim or self.head_dim,
+                block_size=block_size,
+                dtype=dtype or torch.float32,
+                device=torch.device("cpu"),
+            )
+
         return make
 
 
@@ -374,16 +379,19 @@ class ForgetfulGuideSuite(GuideConformance):
         return lambda: ForgetfulGuide(default_tokenizer_info())
 
 
-def run_suite(pytester: pytest.Pytester, suite: type, expected_failures: dict[str, str] | None = None,
-              *args: str) -> pytest.RunResult:
+def run_suite(
+    pytester: pytest.Pytester, suite: type, expected_failures: dict[str, str] | None = None, *args: str
+) -> pytest.RunResult:
     """Run ``suite`` (a class of this module) as the inner session's ``TestSuite``; the session runs in this process,
     so it finds this module, broken classes and all, in ``sys.modules``."""
-    pytester.makepyfile(test_inner=f"""
+    pytester.makepyfile(
+        test_inner=f"""
         import sys
 
         class TestSuite(sys.modules[{__name__!r}].{suite.__name__}):
             expected_failures = {expected_failures or {}!r}
-        """)
+        """
+    )
     return pytester.runpytest("-p", "no:cacheprovider", "-q", *args)
 
 
@@ -398,15 +406,26 @@ def assert_failed(result: pytest.RunResult, tests: set[str], message: str) -> No
 
 def test_allocator_suite_catches_a_leak_on_release(pytester):
     result = run_suite(pytester, LeakyAllocatorSuite)
-    assert_failed(result, {"test_state_machine", "test_release_makes_blocks_free_again", "test_double_release_raises",
-                           "test_release_of_null_or_foreign_block_raises", "test_retain_then_release_twice_frees"},
-                  "1 blocks are not free after releasing all of *")
+    assert_failed(
+        result,
+        {
+            "test_state_machine",
+            "test_release_makes_blocks_free_again",
+            "test_double_release_raises",
+            "test_release_of_null_or_foreign_block_raises",
+            "test_retain_then_release_twice_frees",
+        },
+        "1 blocks are not free after releasing all of *",
+    )
 
 
 def test_allocator_suite_catches_a_block_handed_out_twice(pytester):
     result = run_suite(pytester, RepeatingAllocatorSuite)
-    assert_failed(result, {"test_state_machine", "test_blocks_held_at_once_are_distinct"},
-                  "block * handed out again while still held")
+    assert_failed(
+        result,
+        {"test_state_machine", "test_blocks_held_at_once_are_distinct"},
+        "block * handed out again while still held",
+    )
 
 
 def test_allocator_suite_passes_a_buddy_allocator(pytester):
@@ -422,37 +441,56 @@ def test_allocator_suite_catches_a_buddy_merge_with_a_run_of_another_order(pytes
 
 def test_prefix_cache_suite_catches_eviction_of_a_locked_entry(pytester):
     result = run_suite(pytester, LockIgnoringPrefixCacheSuite)
-    assert_failed(result, {"test_state_machine", "test_state_machine_over_other_geometries",
-                           "test_evict_never_touches_a_locked_entry"},
-                  "evict dropped locked or shared blocks *")
+    assert_failed(
+        result,
+        {"test_state_machine", "test_state_machine_over_other_geometries", "test_evict_never_touches_a_locked_entry"},
+        "evict dropped locked or shared blocks *",
+    )
 
 
 def test_scheduler_suite_catches_a_blown_token_budget(pytester):
     result = run_suite(pytester, OverBudgetSchedulerSuite)
-    assert_failed(result, {"test_budget_and_sequence_limit_hold_every_step",
-                           "test_prompt_longer_than_the_budget_finishes",
-                           "test_an_overload_of_favored_requests_does_not_starve_one",
-                           "test_random_workloads_finish_within_the_limits"},
-                  "plan schedules * tokens, over the budget of *")
+    assert_failed(
+        result,
+        {
+            "test_budget_and_sequence_limit_hold_every_step",
+            "test_prompt_longer_than_the_budget_finishes",
+            "test_an_overload_of_favored_requests_does_not_starve_one",
+            "test_random_workloads_finish_within_the_limits",
+        },
+        "plan schedules * tokens, over the budget of *",
+    )
 
 
 def test_scheduler_suite_catches_a_plan_that_ignores_prefix_hits(pytester):
     result = run_suite(pytester, PrefixBlindSchedulerSuite)
-    assert_failed(result, {"test_prefix_hits_reach_the_scheduler", "test_samples_of_one_request_share_its_prompt",
-                           "test_random_workloads_finish_within_the_limits"},
-                  "*is scheduled for * tokens but has only * to compute")
+    assert_failed(
+        result,
+        {
+            "test_prefix_hits_reach_the_scheduler",
+            "test_samples_of_one_request_share_its_prompt",
+            "test_random_workloads_finish_within_the_limits",
+        },
+        "*is scheduled for * tokens but has only * to compute",
+    )
 
 
 def test_scheduler_suite_catches_followers_admitted_before_their_leader_is_ready(pytester):
     result = run_suite(pytester, ImpatientSchedulerSuite)
-    assert_failed(result, {"test_samples_of_one_request_share_its_prompt"},
-                  "*tokens computed for 5 samples*when followers wait for view.is_ready*")
+    assert_failed(
+        result,
+        {"test_samples_of_one_request_share_its_prompt"},
+        "*tokens computed for 5 samples*when followers wait for view.is_ready*",
+    )
 
 
 def test_scheduler_suite_catches_a_priority_order_that_starves(pytester):
     result = run_suite(pytester, AgelessPrioritySchedulerSuite)
-    assert_failed(result, {"test_an_overload_of_favored_requests_does_not_starve_one"},
-                  "*the disfavored request finished at step *, after the last of the stream arrived*")
+    assert_failed(
+        result,
+        {"test_an_overload_of_favored_requests_does_not_starve_one"},
+        "*the disfavored request finished at step *, after the last of the stream arrived*",
+    )
 
 
 def test_prefix_cache_suite_catches_a_peek_that_counts_and_refreshes(pytester):
@@ -476,10 +514,16 @@ def test_drafter_suite_catches_more_drafts_than_asked(pytester):
 
 def test_guide_suite_catches_a_mask_that_allows_everything(pytester):
     result = run_suite(pytester, PermissiveGuideSuite)
-    assert_failed(result, {"test_never_allows_a_dead_end", "test_rollback_restores_exactly",
-                           "test_accepting_a_valid_string_then_the_stop_token_terminates",
-                           "test_same_state_same_mask"},
-                  "*is in the mask but refused*")
+    assert_failed(
+        result,
+        {
+            "test_never_allows_a_dead_end",
+            "test_rollback_restores_exactly",
+            "test_accepting_a_valid_string_then_the_stop_token_terminates",
+            "test_same_state_same_mask",
+        },
+        "*is in the mask but refused*",
+    )
 
 
 def test_guide_suite_catches_a_rollback_that_does_nothing(pytester):
@@ -504,7 +548,6 @@ def test_expected_failure_naming_no_test_is_a_usage_error(pytester):
     result = run_suite(pytester, PagedAllocatorSuite, {"test_double_relase_raises": "typo"})
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*expected_failures names no test of the suite: test_double_relase_raises*"])
-
 
 
 def test_suites_keep_hypothesis_examples_out_of_the_working_directory(pytester):

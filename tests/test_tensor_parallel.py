@@ -35,8 +35,9 @@ BASE = {"model__path": MODEL, "model__dtype": "float32", "model__max_model_len":
 # -- shard plans --------------------------------------------------------------------------------------------------
 def test_heads_split_by_kv_head_evenly_when_the_size_divides_them():
     plans = plan_shards(num_heads=32, num_kv_heads=8, intermediate_size=1000, vocab_size=101, world_size=4)
-    assert [(p.q_heads, p.kv_heads) for p in plans] == [(range(8 * r, 8 * r + 8), range(2 * r, 2 * r + 2))
-                                                        for r in range(4)]
+    assert [(p.q_heads, p.kv_heads) for p in plans] == [
+        (range(8 * r, 8 * r + 8), range(2 * r, 2 * r + 2)) for r in range(4)
+    ]
     assert [len(p.intermediate) for p in plans] == [250] * 4
     assert [p.vocab for p in plans] == [range(0, 26), range(26, 52), range(52, 78), range(78, 101)]
     assert {p.vocab_chunk for p in plans} == {26}
@@ -85,10 +86,16 @@ def test_two_ranks_match_hf_greedy_with_chunked_prefill_preemption_prefix_hits_a
     references = hf_greedy(hf_model, chats)
     # 5 prompts of ~160 tokens, 9 blocks of 16 of them the shared system prompt (hash hits), in 16 blocks:
     # preemption; a budget of 96 tokens: prefill in chunks; ngram drafts: verification steps of several tokens.
-    settings = {**BASE, "model__max_model_len": 256, "parallel__tensor_parallel_size": 2, "cache__num_blocks": 17,
-                "prefix_cache__name": "hash",
-                "scheduler__max_num_batched_tokens": 96, "drafter__name": "ngram",
-                "drafter__num_speculative_tokens": 3}
+    settings = {
+        **BASE,
+        "model__max_model_len": 256,
+        "parallel__tensor_parallel_size": 2,
+        "cache__num_blocks": 17,
+        "prefix_cache__name": "hash",
+        "scheduler__max_num_batched_tokens": 96,
+        "drafter__name": "ngram",
+        "drafter__num_speculative_tokens": 3,
+    }
     with LLM("baseline", **settings) as llm:
         outputs = llm.generate(chats, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
         stats = llm.engine.stats
@@ -113,14 +120,21 @@ def test_a_rank_started_as_its_own_command_joins_over_loopback(tmp_path, hf_mode
     """Two "hosts" on one machine: rank 0 starts no process (local_ranks 1) and rank 1 runs `infer tp-worker`; with
     the sdpa backend (each rank's backend sees its own heads), equal to HF."""
     port = free_port()
-    overrides = ["model.dtype=float32", "model.max_model_len=512", "parallel.tensor_parallel_size=2",
-                 f"parallel.master_port={port}", "parallel.threads_per_rank=1", "attention.name=sdpa",
-                 "parallel.timeout_s=120"]
+    overrides = [
+        "model.dtype=float32",
+        "model.max_model_len=512",
+        "parallel.tensor_parallel_size=2",
+        f"parallel.master_port={port}",
+        "parallel.threads_per_rank=1",
+        "attention.name=sdpa",
+        "parallel.timeout_s=120",
+    ]
     infer = Path(sys.executable).with_name("infer")  # the console script, installed beside this interpreter
     log = tmp_path / "rank1.log"
     with open(log, "wb") as output:
-        worker = subprocess.Popen([str(infer), "tp-worker", "baseline", *overrides, "--rank", "1"],
-                                  stdout=output, stderr=subprocess.STDOUT)
+        worker = subprocess.Popen(
+            [str(infer), "tp-worker", "baseline", *overrides, "--rank", "1"], stdout=output, stderr=subprocess.STDOUT
+        )
     try:
         chats = conversations(CHATS[:2])
         with LLM("baseline", dotlist=[*overrides, "parallel.local_ranks=1"]) as llm:

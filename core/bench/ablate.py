@@ -61,8 +61,9 @@ class Ablation:
         return [*self.base_overrides, *overrides_from_kwargs(settings)]
 
     def workload_options(self, combination: dict[str, Any]) -> dict[str, Any]:
-        varied = {key[len(WORKLOAD_PREFIX):]: value for key, value in combination.items()
-                  if key.startswith(WORKLOAD_PREFIX)}
+        varied = {
+            key[len(WORKLOAD_PREFIX) :]: value for key, value in combination.items() if key.startswith(WORKLOAD_PREFIX)
+        }
         return {**self.workload, **varied}
 
 
@@ -82,15 +83,23 @@ class CombinationResult:
     def aggregate(self, statistic: Callable[[list[float]], float]) -> dict[str, float | None]:
         """``statistic`` (median, min, max) of every numeric metric over the repeats; None where no run had it."""
         # A latency percentile is None in a run without data for it; it is still a metric.
-        keys = dict.fromkeys(key for run in self.runs for key, value in run.items()
-                             if value is None or _is_number(value))
+        keys = dict.fromkeys(
+            key for run in self.runs for key, value in run.items() if value is None or _is_number(value)
+        )
         values = {key: [run[key] for run in self.runs if _is_number(run.get(key))] for key in keys}
         return {key: statistic(numbers) if numbers else None for key, numbers in values.items()}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"settings": self.settings, "label": self.label, "error": self.error, "traceback": self.traceback,
-                "median": self.aggregate(statistics.median), "min": self.aggregate(min),
-                "max": self.aggregate(max), "runs": self.runs}
+        return {
+            "settings": self.settings,
+            "label": self.label,
+            "error": self.error,
+            "traceback": self.traceback,
+            "median": self.aggregate(statistics.median),
+            "min": self.aggregate(min),
+            "max": self.aggregate(max),
+            "runs": self.runs,
+        }
 
 
 def _is_number(value: Any) -> bool:
@@ -121,8 +130,9 @@ def _shipped_folder():
     return importlib.resources.files("infer.configs") / SHIPPED_ABLATIONS
 
 
-def load_ablation(source: str, overrides: list[str] = (), repeats: int | None = None,
-                  mode: str | None = None) -> Ablation:
+def load_ablation(
+    source: str, overrides: list[str] = (), repeats: int | None = None, mode: str | None = None
+) -> Ablation:
     """Parse an ablation file; ``overrides`` (``key=value``) apply to the base config, or to the workload when the key
     starts with ``workload.``; ``repeats`` and ``mode`` replace the file's."""
     from omegaconf import OmegaConf
@@ -133,18 +143,24 @@ def load_ablation(source: str, overrides: list[str] = (), repeats: int | None = 
         raise AblationError(f"{path}: expected a mapping with base, workload and grid")
     unknown = sorted(set(data) - {"base", "workload", "grid", "repeats", "mode"})
     if unknown:
-        raise AblationError(f"{path}: unknown key(s) {', '.join(unknown)}; expected base, workload, grid, repeats, "
-                            f"mode")
+        raise AblationError(
+            f"{path}: unknown key(s) {', '.join(unknown)}; expected base, workload, grid, repeats, mode"
+        )
     mode = mode or data.get("mode", "real")
     if mode not in MODES:
         raise AblationError(f"{path}: mode must be one of {', '.join(MODES)}, got {mode!r}")
     base_config, base_overrides = _parse_base(path, data.get("base", "baseline"))
     workload = _parse_workload(path, data.get("workload"))
     config_overrides, workload_overrides = _split_overrides(overrides)
-    return Ablation(name=path.stem, base_config=base_config, base_overrides=base_overrides + config_overrides,
-                    workload={**workload, **workload_overrides}, grid=_parse_grid(path, data.get("grid")),
-                    repeats=repeats if repeats is not None else _parse_repeats(path, data.get("repeats", 1)),
-                    mode=mode)
+    return Ablation(
+        name=path.stem,
+        base_config=base_config,
+        base_overrides=base_overrides + config_overrides,
+        workload={**workload, **workload_overrides},
+        grid=_parse_grid(path, data.get("grid")),
+        repeats=repeats if repeats is not None else _parse_repeats(path, data.get("repeats", 1)),
+        mode=mode,
+    )
 
 
 def _parse_base(path: Path, base: Any) -> tuple[str, list[str]]:
@@ -195,7 +211,7 @@ def _split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, Any]]:
         if not separator:
             raise AblationError(f"override {item!r} is not key=value")
         if key.startswith(WORKLOAD_PREFIX):
-            workload_overrides[key[len(WORKLOAD_PREFIX):]] = yaml.safe_load(value)
+            workload_overrides[key[len(WORKLOAD_PREFIX) :]] = yaml.safe_load(value)
         else:
             config_overrides.append(item)
     return config_overrides, workload_overrides
@@ -222,8 +238,12 @@ def run_combination(ablation: Ablation, combination: dict[str, Any]) -> dict[str
     engine = Engine(config)
     workload = build_workload(options.pop("name"), engine.tokenizer, **options)
     summary = run_workload(engine, workload).summary
-    return {**summary, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-            "quantization": engine.quantization}
+    return {
+        **summary,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "quantization": engine.quantization,
+    }
 
 
 def _release_memory() -> None:
@@ -243,8 +263,13 @@ def run_ablation(ablation: Ablation, show_progress: bool = True, jobs: int = 1) 
 
     combinations = ablation.combinations()
     results = [CombinationResult(settings) for settings in combinations]
-    progress = tqdm(total=len(combinations) * ablation.repeats, desc=ablation.name, unit="run",
-                    disable=not show_progress, dynamic_ncols=True)
+    progress = tqdm(
+        total=len(combinations) * ablation.repeats,
+        desc=ablation.name,
+        unit="run",
+        disable=not show_progress,
+        dynamic_ncols=True,
+    )
     if jobs > 1 and ablation.mode == "simulate":
         with progress:
             _run_parallel(ablation, results, jobs, progress)
@@ -266,8 +291,10 @@ def _run_parallel(ablation: Ablation, results: list[CombinationResult], jobs: in
 
     # spawn: a forked child would inherit torch's thread pools mid-state.
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_run_detached, ablation, result.settings): result
-                   for _, result in itertools.product(range(ablation.repeats), results)}
+        futures = {
+            pool.submit(_run_detached, ablation, result.settings): result
+            for _, result in itertools.product(range(ablation.repeats), results)
+        }
         for future in as_completed(futures):
             result = futures[future]
             run, error, trace = future.result()

@@ -17,8 +17,15 @@ import torch
 from infer.bench.runner import TokenizedRequest
 
 
-def run_hf_baseline(model_path: str, dtype: torch.dtype, device: torch.device, requests: list[TokenizedRequest],
-                    batch_size: int, eos_token_ids: set[int], show_progress: bool = False) -> dict:
+def run_hf_baseline(
+    model_path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    requests: list[TokenizedRequest],
+    batch_size: int,
+    eos_token_ids: set[int],
+    show_progress: bool = False,
+) -> dict:
     """Load the HF model for ``model_path`` and time static-batch ``generate`` over ``requests``; returns a summary
     comparable with ``infer.engine.metrics.summarize``'s throughput fields."""
     from tqdm import tqdm
@@ -26,16 +33,19 @@ def run_hf_baseline(model_path: str, dtype: torch.dtype, device: torch.device, r
     from infer.testing.models import load_hf_reference
 
     if any(request.params.max_tokens is None for request in requests):
-        raise ValueError("the HF baseline runs each batch to a fixed length: give every request a max_tokens "
-                         "(a prompts line's max_tokens is null)")
+        raise ValueError(
+            "the HF baseline runs each batch to a fixed length: give every request a max_tokens "
+            "(a prompts line's max_tokens is null)"
+        )
     model, tokenizer = load_hf_reference(model_path, dtype)
     model.to(device)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_token_ids)
     output_tokens = generated_tokens = 0
     wall_time_s = 0.0
-    for first in tqdm(range(0, len(requests), batch_size), desc="HF batches", disable=not show_progress,
-                      dynamic_ncols=True):
-        batch = requests[first:first + batch_size]
+    for first in tqdm(
+        range(0, len(requests), batch_size), desc="HF batches", disable=not show_progress, dynamic_ncols=True
+    ):
+        batch = requests[first : first + batch_size]
         start = time.perf_counter()
         new_tokens = generate_batch(model, batch, pad_token_id, device)
         wall_time_s += time.perf_counter() - start
@@ -61,8 +71,8 @@ def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor,
     input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt):] = 1
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
     return input_ids, attention_mask
 
 
@@ -72,13 +82,20 @@ def generate_batch(model, batch: list[TokenizedRequest], pad_token_id: int, devi
     input_ids, attention_mask = left_pad([request.prompt_token_ids for request in batch], pad_token_id)
     with torch.inference_mode():
         # eos_token_id=None as a keyword (a GenerationConfig field of None is overridden by the model's default).
-        output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                                pad_token_id=pad_token_id)
-    new_tokens = output[:, input_ids.shape[1]:].cpu()
+        output = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=pad_token_id,
+        )
+    new_tokens = output[:, input_ids.shape[1] :].cpu()
     if new_tokens.shape[1] != max_new_tokens:
-        raise RuntimeError(f"HF generate stopped after {new_tokens.shape[1]} of {max_new_tokens} new tokens; "
-                           "the baseline's token counts would be wrong")
+        raise RuntimeError(
+            f"HF generate stopped after {new_tokens.shape[1]} of {max_new_tokens} new tokens; "
+            "the baseline's token counts would be wrong"
+        )
     return new_tokens
 
 

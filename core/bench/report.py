@@ -66,10 +66,16 @@ def environment() -> dict[str, Any]:
     """Where and when numbers were measured (they mean little without it)."""
     import torch
 
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
-            "machine": platform.machine(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
 
 
 # -- infer bench -------------------------------------------------------------------------------------------------
@@ -77,26 +83,35 @@ def format_bench(workload_name: str, summary: dict, baseline: dict | None, vllm:
     """The bench table: the engine's summary, then the HF baseline (``baseline``) and vLLM's (``vllm``) with the
     throughput ratios, when there are any."""
     batch = summary.get("batch_size")
-    lines = [f"workload {workload_name}" + (f", at most {batch} in flight" if batch else ""), "",
-             format_summary(summary)]
+    lines = [
+        f"workload {workload_name}" + (f", at most {batch} in flight" if batch else ""),
+        "",
+        format_summary(summary),
+    ]
     if baseline is not None:
-        lines += ["", f"HF transformers generate (static batches of {baseline['batch_size']}, "
-                      f"{baseline.get('dtype', '?')}, greedy):",
-                  f"  output tok/s            {baseline['output_tok_per_s']:.1f}",
-                  f"  prompt tok/s            {baseline.get('prompt_tok_per_s', 0.0):.1f}",
-                  f"  requests/s              {baseline['requests_per_s']:.2f}",
-                  f"  wall time               {baseline['wall_time_s']:.2f} s",
-                  f"  tokens generated/output {baseline['generated_tokens']} / {baseline['output_tokens']}",
-                  f"infer / HF output tok/s   {throughput_ratio(summary, baseline):.2f}x"]
+        lines += [
+            "",
+            f"HF transformers generate (static batches of {baseline['batch_size']}, "
+            f"{baseline.get('dtype', '?')}, greedy):",
+            f"  output tok/s            {baseline['output_tok_per_s']:.1f}",
+            f"  prompt tok/s            {baseline.get('prompt_tok_per_s', 0.0):.1f}",
+            f"  requests/s              {baseline['requests_per_s']:.2f}",
+            f"  wall time               {baseline['wall_time_s']:.2f} s",
+            f"  tokens generated/output {baseline['generated_tokens']} / {baseline['output_tokens']}",
+            f"infer / HF output tok/s   {throughput_ratio(summary, baseline):.2f}x",
+        ]
     if vllm is not None:
-        lines += ["", f"vLLM {vllm['version']} CPU backend (LLM.generate, {vllm['dtype']}, greedy):",
-                  f"  output tok/s            {vllm['output_tok_per_s']:.1f}",
-                  f"  prompt tok/s            {vllm['prompt_tok_per_s']:.1f}",
-                  f"  requests/s              {vllm['requests_per_s']:.2f}",
-                  f"  wall time               {vllm['wall_time_s']:.2f} s",
-                  f"  output tokens           {vllm['output_tokens']}",
-                  f"  same tokens as infer    {vllm['greedy_agreement']:.0%} of requests",
-                  f"infer / vLLM output tok/s {throughput_ratio(summary, vllm):.2f}x"]
+        lines += [
+            "",
+            f"vLLM {vllm['version']} CPU backend (LLM.generate, {vllm['dtype']}, greedy):",
+            f"  output tok/s            {vllm['output_tok_per_s']:.1f}",
+            f"  prompt tok/s            {vllm['prompt_tok_per_s']:.1f}",
+            f"  requests/s              {vllm['requests_per_s']:.2f}",
+            f"  wall time               {vllm['wall_time_s']:.2f} s",
+            f"  output tokens           {vllm['output_tokens']}",
+            f"  same tokens as infer    {vllm['greedy_agreement']:.0%} of requests",
+            f"infer / vLLM output tok/s {throughput_ratio(summary, vllm):.2f}x",
+        ]
     return "\n".join(lines)
 
 
@@ -112,16 +127,25 @@ def write_json(path: Path, data: dict) -> None:
 
 
 # -- infer ablate ------------------------------------------------------------------------------------------------
-def write_ablation_report(ablation: Ablation, results: list[CombinationResult], out_dir: Path,
-                          command: str) -> list[Path]:
+def write_ablation_report(
+    ablation: Ablation, results: list[CombinationResult], out_dir: Path, command: str
+) -> list[Path]:
     """``results.json``, ``results.csv``, ``results.md`` and one PNG per key metric under ``out_dir``; returns the
     paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     header = {"ablation": ablation.name, "command": command, **environment()}
     json_path = out_dir / "results.json"
-    write_json(json_path, {**header, "base": {"config": ablation.base_config, "overrides": ablation.base_overrides},
-                           "workload": ablation.workload, "grid": ablation.grid, "repeats": ablation.repeats,
-                           "combinations": [result.to_dict() for result in results]})
+    write_json(
+        json_path,
+        {
+            **header,
+            "base": {"config": ablation.base_config, "overrides": ablation.base_overrides},
+            "workload": ablation.workload,
+            "grid": ablation.grid,
+            "repeats": ablation.repeats,
+            "combinations": [result.to_dict() for result in results],
+        },
+    )
     csv_path = write_csv(out_dir / "results.csv", ablation, results)
     markdown_path = out_dir / "results.md"
     markdown_path.write_text(markdown_report(ablation, results, header) + "\n")
@@ -131,8 +155,12 @@ def write_ablation_report(ablation: Ablation, results: list[CombinationResult], 
 def write_csv(path: Path, ablation: Ablation, results: list[CombinationResult]) -> Path:
     """One row per combination: its settings, status, then every numeric metric's median, min and max."""
     metric_keys = _numeric_keys(results)
-    columns = [*ablation.grid, "error", "repeats_ok",
-               *[f"{key}{suffix}" for key in metric_keys for suffix in ("", "_min", "_max")]]
+    columns = [
+        *ablation.grid,
+        "error",
+        "repeats_ok",
+        *[f"{key}{suffix}" for key in metric_keys for suffix in ("", "_min", "_max")],
+    ]
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
@@ -158,16 +186,25 @@ def _aggregates(result: CombinationResult) -> dict[str, dict[str, float | None]]
 def markdown_report(ablation: Ablation, results: list[CombinationResult], header: dict[str, Any]) -> str:
     """A heading with the command, date and machine, then one table row per combination: the median, with the
     min-max spread in brackets when there were repeats; a failed combination shows its error."""
-    machine = (f"{header['cpu_count']} CPUs ({header['machine']}, {header['torch_threads']} torch threads)"
-               + (f", {header['cuda']}" if header["cuda"] else ""))
+    machine = f"{header['cpu_count']} CPUs ({header['machine']}, {header['torch_threads']} torch threads)" + (
+        f", {header['cuda']}" if header["cuda"] else ""
+    )
     dtypes = sorted({run.get("dtype", "?") for result in results for run in result.runs})
     workload = ", ".join(f"{key}={value}" for key, value in ablation.workload.items())
-    lines = [f"### Ablation `{ablation.name}`", "",
-             f"`{header['command']}` on {header['date']}, {machine}, torch {header['torch']}, "
-             f"dtype {'/'.join(dtypes) or '-'}; workload {workload}; median of {ablation.repeats} run(s)"
-             + (" [min-max]" if ablation.repeats > 1 else "") + "."
-             + (" Simulated (`infer simulate`): times are the cost model's, not this machine's."
-                if ablation.mode == "simulate" else ""), ""]
+    lines = [
+        f"### Ablation `{ablation.name}`",
+        "",
+        f"`{header['command']}` on {header['date']}, {machine}, torch {header['torch']}, "
+        f"dtype {'/'.join(dtypes) or '-'}; workload {workload}; median of {ablation.repeats} run(s)"
+        + (" [min-max]" if ablation.repeats > 1 else "")
+        + "."
+        + (
+            " Simulated (`infer simulate`): times are the cost model's, not this machine's."
+            if ablation.mode == "simulate"
+            else ""
+        ),
+        "",
+    ]
     columns = [*ablation.grid, *[metric.label for metric in KEY_METRICS], "error"]
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_markdown_row(result)) + " |" for result in results]
@@ -202,20 +239,25 @@ def plot_metric(path: Path, metric: Metric, results: list[CombinationResult], x_
     from matplotlib.figure import Figure
 
     scale = 1000 if metric.kind == "ms" else 100 if metric.kind == "percent" else 1
-    medians, lows, highs = ([_scaled(result.aggregate(statistic).get(metric.key), scale) for result in results]
-                            for statistic in (statistics.median, min, max))
+    medians, lows, highs = (
+        [_scaled(result.aggregate(statistic).get(metric.key), scale) for result in results]
+        for statistic in (statistics.median, min, max)
+    )
     figure = Figure(figsize=(max(4.0, 0.6 * len(results) + 2), 3.6), layout="constrained")
     axes = figure.subplots()
     positions = range(len(results))
     heights = [value if value is not None else 0.0 for value in medians]
     repeated = any(len(result.runs) > 1 for result in results)
-    axes.bar(positions, heights, yerr=_spread(heights, lows, highs) if repeated else None, capsize=3,
-             color="tab:blue")
+    axes.bar(positions, heights, yerr=_spread(heights, lows, highs) if repeated else None, capsize=3, color="tab:blue")
     for position, result in zip(positions, results):
         if result.error is not None:
             axes.text(position, 0, "failed", rotation=90, ha="center", va="bottom", color="tab:red")
-    axes.set_xticks(list(positions), [result.label for result in results], rotation=45 if len(results) > 4 else 0,
-                    ha="right" if len(results) > 4 else "center")
+    axes.set_xticks(
+        list(positions),
+        [result.label for result in results],
+        rotation=45 if len(results) > 4 else 0,
+        ha="right" if len(results) > 4 else "center",
+    )
     axes.set_title(metric.label.replace("(ms)", "").strip())
     axes.set_xlabel(x_label)
     axes.set_ylabel({"ms": "ms", "percent": "%"}.get(metric.kind, metric.label))
@@ -225,8 +267,10 @@ def plot_metric(path: Path, metric: Metric, results: list[CombinationResult], x_
 
 def _spread(heights: list[float], lows: list[float | None], highs: list[float | None]) -> list[list[float]]:
     """Error bars from each median down to the min and up to the max (none where a combination has no value)."""
-    return [[height - (low if low is not None else height) for height, low in zip(heights, lows)],
-            [(high if high is not None else height) - height for height, high in zip(heights, highs)]]
+    return [
+        [height - (low if low is not None else height) for height, low in zip(heights, lows)],
+        [(high if high is not None else height) - height for height, high in zip(heights, highs)],
+    ]
 
 
 def _scaled(value: float | None, scale: float) -> float | None:

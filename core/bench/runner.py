@@ -60,8 +60,10 @@ class RequestSlots:
 def tokenize_workload(engine, workload: Workload) -> list[TokenizedRequest]:
     """Every prompt as token ids with the engine's tokenizer (chat templates applied), in arrival order."""
     requests = sorted(enumerate(workload.requests), key=lambda pair: pair[1].arrival_s)
-    return [TokenizedRequest(f"bench-{index}", engine.tokenize(request.prompt)[1], request.params, request.arrival_s)
-            for index, request in requests]
+    return [
+        TokenizedRequest(f"bench-{index}", engine.tokenize(request.prompt)[1], request.params, request.arrival_s)
+        for index, request in requests
+    ]
 
 
 def run_workload(engine, workload: Workload, show_progress: bool = False) -> RunResult:
@@ -69,16 +71,18 @@ def run_workload(engine, workload: Workload, show_progress: bool = False) -> Run
     from tqdm import tqdm
 
     requests = tokenize_workload(engine, workload)
-    with tqdm(total=len(requests), desc=workload.name, unit="req", disable=not show_progress,
-              dynamic_ncols=True) as progress:
+    with tqdm(
+        total=len(requests), desc=workload.name, unit="req", disable=not show_progress, dynamic_ncols=True
+    ) as progress:
         outputs, wall_time_s = replay(engine, requests, workload.batch_size, on_finish=lambda: progress.update(1))
     summary = summarize(outputs, engine, wall_time_s)
     summary["batch_size"] = workload.batch_size
     return RunResult(outputs, wall_time_s, summary)
 
 
-def replay(engine, requests: list[TokenizedRequest], batch_size: int | None,
-           on_finish: Callable[[], None] = lambda: None) -> tuple[list[RequestOutput], float]:
+def replay(
+    engine, requests: list[TokenizedRequest], batch_size: int | None, on_finish: Callable[[], None] = lambda: None
+) -> tuple[list[RequestOutput], float]:
     """Step ``engine`` until every request (in arrival order) is added and finished, calling ``on_finish`` for each
     finished one; returns the outputs in finishing order and the wall time."""
     pending = deque(requests)
@@ -98,15 +102,22 @@ def replay(engine, requests: list[TokenizedRequest], batch_size: int | None,
                 engine.release_request(output.request_id)
                 finish(output, output.metrics.finish_time)
         elif pending and not slots.available():
-            raise RuntimeError("the engine is idle but requests it was given never came back as outputs "
-                               f"({len(pending)} still to send); a request was dropped without an output")
+            raise RuntimeError(
+                "the engine is idle but requests it was given never came back as outputs "
+                f"({len(pending)} still to send); a request was dropped without an output"
+            )
         elif pending:
             engine.sleep(start + pending[0].arrival_s - engine.clock())
     return outputs, engine.clock() - start
 
 
-def _add_due_requests(engine, pending: deque[TokenizedRequest], slots: RequestSlots, start: float,
-                      finish: Callable[[RequestOutput, float], None]) -> None:
+def _add_due_requests(
+    engine,
+    pending: deque[TokenizedRequest],
+    slots: RequestSlots,
+    start: float,
+    finish: Callable[[RequestOutput, float], None],
+) -> None:
     """Add every request whose arrival time has come, while slots are free; a refused one finishes at once."""
     while pending and slots.available() and start + pending[0].arrival_s <= engine.clock():
         request = pending.popleft()
@@ -118,8 +129,15 @@ def _add_due_requests(engine, pending: deque[TokenizedRequest], slots: RequestSl
 
 
 def _refused_output(request: TokenizedRequest, arrival_time: float, message: str) -> RequestOutput:
-    return RequestOutput(request.request_id, None, request.prompt_token_ids,
-                         [CompletionOutput(0, "", [], "error")], True, RequestMetrics(arrival_time), error=message)
+    return RequestOutput(
+        request.request_id,
+        None,
+        request.prompt_token_ids,
+        [CompletionOutput(0, "", [], "error")],
+        True,
+        RequestMetrics(arrival_time),
+        error=message,
+    )
 
 
 def simulate_workload(engine, workload, show_progress: bool = False) -> dict:
@@ -136,5 +154,9 @@ def simulate_workload(engine, workload, show_progress: bool = False) -> dict:
     finally:
         gc.unfreeze()
     wall = time.perf_counter() - start
-    return {**summary, "simulator_wall_s": wall, "simulated_requests_per_wall_s": summary["requests"] / wall,
-            "simulated_steps_per_wall_s": engine.stats.num_steps / wall}
+    return {
+        **summary,
+        "simulator_wall_s": wall,
+        "simulated_requests_per_wall_s": summary["requests"] / wall,
+        "simulated_steps_per_wall_s": engine.stats.num_steps / wall,
+    }

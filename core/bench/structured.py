@@ -16,46 +16,95 @@ from infer.guide import Constraint
 
 NAME = {"type": "string", "maxLength": 24}
 SCHEMAS: list[tuple[str, dict]] = [
-    ("Describe a fictional person.", {
-        "type": "object",
-        "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                       "email": {"type": "string", "maxLength": 40}},
-        "required": ["name", "age"]}),
-    ("Give a book recommendation.", {
-        "type": "object",
-        "properties": {"title": NAME, "author": NAME, "year": {"type": "integer", "minimum": 1500, "maximum": 2026},
-                       "genre": {"enum": ["fiction", "history", "science", "poetry"]}},
-        "required": ["title", "author", "year", "genre"]}),
-    ("Plan a three-item shopping list.", {
-        "type": "object",
-        "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 3,
-                                 "items": {"type": "object",
-                                           "properties": {"name": NAME,
-                                                          "quantity": {"type": "integer", "minimum": 1,
-                                                                       "maximum": 12}},
-                                           "required": ["name", "quantity"]}}},
-        "required": ["items"]}),
-    ("Report the weather in a city.", {
-        "type": "object",
-        "properties": {"city": NAME, "temperature_c": {"type": "number", "minimum": -60, "maximum": 60},
-                       "conditions": {"enum": ["sunny", "cloudy", "rain", "snow"]},
-                       "wind": {"type": "object",
-                                "properties": {"speed_kmh": {"type": "integer", "minimum": 0, "maximum": 300},
-                                               "direction": {"enum": ["N", "E", "S", "W"]}},
-                                "required": ["speed_kmh", "direction"]}},
-        "required": ["city", "temperature_c", "conditions", "wind"]}),
-    ("Summarize a movie.", {
-        "type": "object",
-        "properties": {"title": NAME, "rating": {"type": "integer", "minimum": 1, "maximum": 10},
-                       "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
-                       "recommended": {"type": "boolean"}},
-        "required": ["title", "rating", "recommended"]}),
-    ("Create a user account record.", {
-        "type": "object",
-        "properties": {"username": {"type": "string", "pattern": "^[a-z]{3,10}$"},
-                       "role": {"enum": ["admin", "editor", "viewer"]},
-                       "active": {"type": "boolean"}},
-        "required": ["username", "role", "active"]}),
+    (
+        "Describe a fictional person.",
+        {
+            "type": "object",
+            "properties": {
+                "name": NAME,
+                "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                "email": {"type": "string", "maxLength": 40},
+            },
+            "required": ["name", "age"],
+        },
+    ),
+    (
+        "Give a book recommendation.",
+        {
+            "type": "object",
+            "properties": {
+                "title": NAME,
+                "author": NAME,
+                "year": {"type": "integer", "minimum": 1500, "maximum": 2026},
+                "genre": {"enum": ["fiction", "history", "science", "poetry"]},
+            },
+            "required": ["title", "author", "year", "genre"],
+        },
+    ),
+    (
+        "Plan a three-item shopping list.",
+        {
+            "type": "object",
+            "properties": {
+                "items": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 3,
+                    "items": {
+                        "type": "object",
+                        "properties": {"name": NAME, "quantity": {"type": "integer", "minimum": 1, "maximum": 12}},
+                        "required": ["name", "quantity"],
+                    },
+                }
+            },
+            "required": ["items"],
+        },
+    ),
+    (
+        "Report the weather in a city.",
+        {
+            "type": "object",
+            "properties": {
+                "city": NAME,
+                "temperature_c": {"type": "number", "minimum": -60, "maximum": 60},
+                "conditions": {"enum": ["sunny", "cloudy", "rain", "snow"]},
+                "wind": {
+                    "type": "object",
+                    "properties": {
+                        "speed_kmh": {"type": "integer", "minimum": 0, "maximum": 300},
+                        "direction": {"enum": ["N", "E", "S", "W"]},
+                    },
+                    "required": ["speed_kmh", "direction"],
+                },
+            },
+            "required": ["city", "temperature_c", "conditions", "wind"],
+        },
+    ),
+    (
+        "Summarize a movie.",
+        {
+            "type": "object",
+            "properties": {
+                "title": NAME,
+                "rating": {"type": "integer", "minimum": 1, "maximum": 10},
+                "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+                "recommended": {"type": "boolean"},
+            },
+            "required": ["title", "rating", "recommended"],
+        },
+    ),
+    (
+        "Create a user account record.",
+        {
+            "type": "object",
+            "properties": {
+                "username": {"type": "string", "pattern": "^[a-z]{3,10}$"},
+                "role": {"enum": ["admin", "editor", "viewer"]},
+                "active": {"type": "boolean"},
+            },
+            "required": ["username", "role", "active"],
+        },
+    ),
 ]
 REGEXES: list[tuple[str, str]] = [
     ("Write a phone number.", r"\(\d{3}\) \d{3}-\d{4}"),
@@ -83,7 +132,7 @@ def structured_requests(num_requests: int, seed: int = 0) -> list[StructuredRequ
     """``num_requests`` requests cycling through schemas, regexes and choices (about 1/2, 3/10 and 1/5), each with
     a varied instruction; the same list for the same arguments."""
     rng = random.Random(seed)
-    kinds = (["json_schema"] * 5 + ["regex"] * 3 + ["choice"] * 2)
+    kinds = ["json_schema"] * 5 + ["regex"] * 3 + ["choice"] * 2
     requests = []
     for index in range(num_requests):
         kind = kinds[index % len(kinds)]

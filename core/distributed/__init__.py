@@ -28,5 +28,19 @@ from infer.distributed.shards import ShardPlan, model_shard_plans, plan_shards
 from infer.distributed.single import SingleProcess
 from infer.distributed.wire import HEADER_SIZE, POOL, STEP, STOP, Channel, pack_step, unpack_step
 
-__all__ = ["HEADER_SIZE", "POOL", "STEP", "STOP", "Channel", "ShardPlan", "SingleProcess", "TensorParallelError",
-           "TensorParallelGroup", "backend_name", "model_shard_plans", "pack_step", "plan_shards", "unpack_step"]
+__all__ = [
+    "HEADER_SIZE",
+    "POOL",
+    "STEP",
+    "STOP",
+    "Channel",
+    "ShardPlan",
+    "SingleProcess",
+    "TensorParallelError",
+    "TensorParallelGroup",
+    "backend_name",
+    "model_shard_plans",
+    "pack_step",
+    "plan_shards",
+    "unpack_step",
+]

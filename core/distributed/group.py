@@ -14,7 +14,6 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed to start or died; the engine cannot run steps any more."""
 
 
-
 class TensorParallelGroup:
     """This rank's collectives over torch.distributed's default group, and the time spent in them."""
 
@@ -56,7 +55,6 @@ class TensorParallelGroup:
         dist.broadcast(tensor, src=0)
         self.comm_time_s += time.perf_counter() - start
         return tensor
-
 
 
 def backend_name(device: torch.device) -> str:

@@ -20,8 +20,10 @@ class ShardPlan:
     vocab_size: int
 
     def describe(self) -> str:
-        return (f"rank {self.rank}: query heads {_span(self.q_heads)}, KV heads {_span(self.kv_heads)}, MLP "
-                f"columns {_span(self.intermediate)}, vocabulary {_span(self.vocab)}")
+        return (
+            f"rank {self.rank}: query heads {_span(self.q_heads)}, KV heads {_span(self.kv_heads)}, MLP "
+            f"columns {_span(self.intermediate)}, vocabulary {_span(self.vocab)}"
+        )
 
 
 def _span(values: range) -> str:
@@ -35,8 +37,9 @@ def _even_split(total: int, parts: int, index: int) -> range:
     return range(start, start + base + (1 if index < extra else 0))
 
 
-def plan_shards(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
-                world_size: int) -> list[ShardPlan]:
+def plan_shards(
+    num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int, world_size: int
+) -> list[ShardPlan]:
     """Every rank's ``ShardPlan``; raises ``ValueError`` naming the sizes that work when heads cannot be split."""
     group = num_heads // num_kv_heads
     chunk = -(-vocab_size // world_size)
@@ -47,22 +50,43 @@ def plan_shards(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab
         replicas = world_size // num_kv_heads
         per_rank = group // replicas
         kv = [range(rank // replicas, rank // replicas + 1) for rank in range(world_size)]
-        q = [range((rank // replicas) * group + (rank % replicas) * per_rank,
-                   (rank // replicas) * group + (rank % replicas + 1) * per_rank) for rank in range(world_size)]
+        q = [
+            range(
+                (rank // replicas) * group + (rank % replicas) * per_rank,
+                (rank // replicas) * group + (rank % replicas + 1) * per_rank,
+            )
+            for rank in range(world_size)
+        ]
     else:
-        sizes = [size for size in range(1, 2 * num_heads + 1) if size <= num_kv_heads or (
-            size % num_kv_heads == 0 and group % (size // num_kv_heads) == 0)]
-        raise ValueError(f"parallel.tensor_parallel_size={world_size} cannot split the model's {num_heads} query "
-                         f"heads over {num_kv_heads} KV heads (each rank must hold whole KV heads, or one KV head "
-                         f"replicated on ranks that split its {group} query heads evenly); sizes that work: "
-                         f"{', '.join(map(str, sizes))}")
-    return [ShardPlan(rank, world_size, q[rank], kv[rank], _even_split(intermediate_size, world_size, rank),
-                      range(rank * chunk, min(vocab_size, (rank + 1) * chunk)), chunk, vocab_size)
-            for rank in range(world_size)]
+        sizes = [
+            size
+            for size in range(1, 2 * num_heads + 1)
+            if size <= num_kv_heads or (size % num_kv_heads == 0 and group % (size // num_kv_heads) == 0)
+        ]
+        raise ValueError(
+            f"parallel.tensor_parallel_size={world_size} cannot split the model's {num_heads} query "
+            f"heads over {num_kv_heads} KV heads (each rank must hold whole KV heads, or one KV head "
+            f"replicated on ranks that split its {group} query heads evenly); sizes that work: "
+            f"{', '.join(map(str, sizes))}"
+        )
+    return [
+        ShardPlan(
+            rank,
+            world_size,
+            q[rank],
+            kv[rank],
+            _even_split(intermediate_size, world_size, rank),
+            range(rank * chunk, min(vocab_size, (rank + 1) * chunk)),
+            chunk,
+            vocab_size,
+        )
+        for rank in range(world_size)
+    ]
 
 
 def model_shard_plans(config, world_size: int) -> list[ShardPlan]:
     """``plan_shards`` for a HF model config."""
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return plan_shards(config.num_attention_heads, num_kv_heads, config.intermediate_size, config.vocab_size,
-                       world_size)
+    return plan_shards(
+        config.num_attention_heads, num_kv_heads, config.intermediate_size, config.vocab_size, world_size
+    )

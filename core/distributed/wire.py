@@ -34,16 +34,16 @@ def unpack_step(payload: torch.Tensor) -> tuple[list[list[int]], list[int], list
     """``(block_tables, num_computed, num_new, indices, input_ids)`` from ``pack_step``'s tensor."""
     head = payload[:2].tolist()
     num_seqs, num_indices = head
-    counts = payload[2: 2 + 3 * num_seqs].tolist()
-    computed, new, lengths = counts[:num_seqs], counts[num_seqs: 2 * num_seqs], counts[2 * num_seqs:]
+    counts = payload[2 : 2 + 3 * num_seqs].tolist()
+    computed, new, lengths = counts[:num_seqs], counts[num_seqs : 2 * num_seqs], counts[2 * num_seqs :]
     offset = 2 + 3 * num_seqs
-    flat = payload[offset: offset + sum(lengths) + num_indices].tolist()
+    flat = payload[offset : offset + sum(lengths) + num_indices].tolist()
     tables, position = [], 0
     for length in lengths:
-        tables.append(flat[position: position + length])
+        tables.append(flat[position : position + length])
         position += length
     indices = flat[position:]
-    return tables, computed, new, indices, payload[offset + len(flat):]
+    return tables, computed, new, indices, payload[offset + len(flat) :]
 
 
 class Channel:

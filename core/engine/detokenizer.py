@@ -33,7 +33,7 @@ class Detokenizer:
 
     def update(self, token_ids: list[int]) -> str:
         """Feed the tokens of ``token_ids`` (a sequence's whole output so far) past those already fed; the text."""
-        for token in token_ids[len(self.text_ends):]:
+        for token in token_ids[len(self.text_ends) :]:
             chunk = self._stream.step(self._backend, token)
             if chunk:
                 self.text += chunk

@@ -55,11 +55,17 @@ def request_metrics(request: Request) -> RequestMetrics:
         first_scheduled_time=min((s.first_scheduled_time for s in seqs if s.first_scheduled_time), default=None),
         first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
         finish_time=max((s.finish_time for s in seqs if s.finish_time), default=None),
-        num_prompt_tokens=len(request.prompt_token_ids), num_cached_prompt_tokens=lead.num_cached_prompt_tokens,
-        num_output_tokens=sum(s.num_output_tokens for s in seqs), num_preemptions=sum(s.num_preemptions for s in seqs),
+        num_prompt_tokens=len(request.prompt_token_ids),
+        num_cached_prompt_tokens=lead.num_cached_prompt_tokens,
+        num_output_tokens=sum(s.num_output_tokens for s in seqs),
+        num_preemptions=sum(s.num_preemptions for s in seqs),
         num_verify_passes=sum(s.num_verify_passes for s in seqs),
-        num_accepted_tokens=sum(s.num_accepted_tokens for s in seqs), token_times=list(lead.token_times),
-        priority=request.params.priority, tenant=request.params.tenant, ttft_slo_s=request.params.ttft_slo_s)
+        num_accepted_tokens=sum(s.num_accepted_tokens for s in seqs),
+        token_times=list(lead.token_times),
+        priority=request.params.priority,
+        tenant=request.params.tenant,
+        ttft_slo_s=request.params.ttft_slo_s,
+    )
 
 
 @dataclass(slots=True)
@@ -95,9 +101,17 @@ class Engine:
         self.ranks = self._launch_tensor_parallel() if config.parallel.tensor_parallel_size > 1 else SingleProcess()
         try:
             # RoPE tables for max_model_len positions (LongRoPE chooses its factors from it, once for every request).
-            self._build(config, load_model(config.model.path, self.dtype, self.device,
-                                           max_positions=config.model.max_model_len,
-                                           architecture=config.model.architecture, registry=self.registry))
+            self._build(
+                config,
+                load_model(
+                    config.model.path,
+                    self.dtype,
+                    self.device,
+                    max_positions=config.model.max_model_len,
+                    architecture=config.model.architecture,
+                    registry=self.registry,
+                ),
+            )
         except BaseException:
             self.close()
             raise
@@ -105,8 +119,14 @@ class Engine:
         self.registry.hook.engine_started(stats=self.stats, config=self.config, engine=self)
 
     def _build(self, config, loaded) -> None:
-        stack = build_model_stack(self.registry, config, loaded.model, self.device, self.dtype,
-                                  shard=self.ranks.shard if self.ranks.sharded else None)
+        stack = build_model_stack(
+            self.registry,
+            config,
+            loaded.model,
+            self.device,
+            self.dtype,
+            shard=self.ranks.shard if self.ranks.sharded else None,
+        )
         self.model, self.quantization, self.executor = stack.model, stack.quantization, stack.executor
         self.attention_name, self.attention = stack.attention_name, stack.attention
         self.calibration = stack.calibration
@@ -129,13 +149,22 @@ class Engine:
         if drafter.kv_bytes_per_token():
             drafter.allocate_kv_cache(self.pool_plan.num_blocks)
         self.guide = self._plugin("guide")(
-            TokenizerInfo(self.tokenizer, self.model.vocab_size, tuple(sorted(self.eos_token_ids))), config.guide)
+            TokenizerInfo(self.tokenizer, self.model.vocab_size, tuple(sorted(self.eos_token_ids))), config.guide
+        )
         # Tokens a grammar forces become drafts where the drafter proposed none (``SpeculativeDecoder``).
-        self._init_scheduling(self.pool_plan.num_blocks, drafter,
-                              jump_forward=config.guide.jump_forward and config.guide.name != "none")
-        self.runner = ModelRunner(self.model, self.attention, self.kv_cache, self.device, self.executor,
-                                  self.pool_plan.num_blocks, f"allocator {config.allocator.name!r} or prefix cache "
-                                                             f"{config.prefix_cache.name!r}", self.ranks)
+        self._init_scheduling(
+            self.pool_plan.num_blocks, drafter, jump_forward=config.guide.jump_forward and config.guide.name != "none"
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.attention,
+            self.kv_cache,
+            self.device,
+            self.executor,
+            self.pool_plan.num_blocks,
+            f"allocator {config.allocator.name!r} or prefix cache {config.prefix_cache.name!r}",
+            self.ranks,
+        )
         if self.attention.draft_trees and not self.ranks.sharded:  # other ranks' pools would not follow a move
             self.speculation.move_kv = self.runner.move_kv
         self.sampler = Sampler()
@@ -148,10 +177,12 @@ class Engine:
 
         size = self.config.parallel.tensor_parallel_size
         if not self._plugin("drafter").works_with_tensor_parallel:
-            raise ValueError(f"drafter {self.config.drafter.name!r} cannot run with parallel.tensor_parallel_size="
-                             f"{size}: it may run the target model on rank 0 alone, whose layers are sharded; use "
-                             f"drafter ngram or none (a drafter declares works_with_tensor_parallel = True when it "
-                             f"never runs engine.model)")
+            raise ValueError(
+                f"drafter {self.config.drafter.name!r} cannot run with parallel.tensor_parallel_size="
+                f"{size}: it may run the target model on rank 0 alone, whose layers are sharded; use "
+                f"drafter ngram or none (a drafter declares works_with_tensor_parallel = True when it "
+                f"never runs engine.model)"
+            )
         return TensorParallel.launch(self.config, AutoConfig.from_pretrained(hf_model_dir(self.config.model.path)))
 
     def close(self) -> None:
@@ -184,29 +215,41 @@ class Engine:
             return loaded.model, loaded.tokenizer
 
         return DrafterContext(
-            target=model, model_name=self.model_name, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
-            block_size=attention.block_size, seed=self.config.model.seed, quantization=quantization,
-            attention=attention, executor=executor,
-            free_verify_rows=lambda: calibrate_rows(model, attention, executor, quantization, self.device,
-                                                    self.dtype, recalibrate),
-            quantize=quantize, projection=lambda weight, mode=None: projection(weight, mode or quantization),
-            load_model=load)
+            target=model,
+            model_name=self.model_name,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=attention.block_size,
+            seed=self.config.model.seed,
+            quantization=quantization,
+            attention=attention,
+            executor=executor,
+            free_verify_rows=lambda: calibrate_rows(
+                model, attention, executor, quantization, self.device, self.dtype, recalibrate
+            ),
+            quantize=quantize,
+            projection=lambda weight, mode=None: projection(weight, mode or quantization),
+            load_model=load,
+        )
 
     def _init_scheduling(self, num_blocks: int, drafter: Drafter, jump_forward: bool = False) -> None:
         """The allocator, prefix cache and scheduler plugins over a pool of ``num_blocks``, the queues, the counters
         and speculative decoding with ``drafter``: everything a step's bookkeeping touches (``infer simulate``'s
         engine builds the same)."""
         config = self.config
-        self.allocator = self._plugin("allocator")(num_blocks, config.cache.block_size, self.max_model_len,
-                                                   config.allocator)
+        self.allocator = self._plugin("allocator")(
+            num_blocks, config.cache.block_size, self.max_model_len, config.allocator
+        )
         self.prefix_cache = self._plugin("prefix_cache")(self.allocator, config.cache.block_size, config.prefix_cache)
         self.scheduler = self._plugin("scheduler")(config.scheduler)
         self.kv = KVCacheManager(self.allocator, self.prefix_cache, self.max_model_len)
         self.queues = SequenceQueues()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
-        self.speculation = SpeculativeDecoder(drafter, config.drafter, self.kv, self.max_model_len, self.stats,
-                                              jump_forward)
+        self.speculation = SpeculativeDecoder(
+            drafter, config.drafter, self.kv, self.max_model_len, self.stats, jump_forward
+        )
         # A list here collects every step's (shape, duration) (``infer simulate --fit`` reads it); None: nothing.
         self.step_log: list[tuple[StepShape, float]] | None = None
         self._request_counter = 0
@@ -237,20 +280,26 @@ class Engine:
         how = self.attention.describe()
         chosen += f", {how}" if how else ""
         parallel = f"; {self.ranks.describe()}" if self.ranks.sharded else ""
-        fused = (self.calibration.describe() if self.calibration is not None
-                 else f"fused up to {self.executor.fused_max_tokens} tokens")
+        fused = (
+            self.calibration.describe()
+            if self.calibration is not None
+            else f"fused up to {self.executor.fused_max_tokens} tokens"
+        )
         gemm = "" if self.executor.gemm is None else f"; {self.executor.gemm.describe()}"
         heap = "; malloc keeps freed memory" if self.reuses_freed_memory else ""
         drafts = self.drafter.describe()
         drafts = f"; {drafts}" if drafts else ""
-        return (f"{dtypes}; attention {chosen}; {kernels}; execution paths {paths} ({fused}){gemm}{heap}{parallel}"
-                f"{drafts}")
+        return (
+            f"{dtypes}; attention {chosen}; {kernels}; execution paths {paths} ({fused}){gemm}{heap}{parallel}{drafts}"
+        )
 
     def _check_max_model_len(self, loaded) -> None:
         limit = getattr(loaded.hf_config, "max_position_embeddings", None)
         if limit is not None and self.max_model_len > limit:
-            raise ValueError(f"model.max_model_len={self.max_model_len} exceeds the model's limit "
-                             f"(max_position_embeddings={limit}); lower model.max_model_len")
+            raise ValueError(
+                f"model.max_model_len={self.max_model_len} exceeds the model's limit "
+                f"(max_position_embeddings={limit}); lower model.max_model_len"
+            )
 
     def _size_pool(self, drafter: Drafter):
         """The pool's blocks from this host's budget. Sharded, every rank's pool has as many blocks (one block
@@ -264,9 +313,14 @@ class Engine:
         activation_bytes = 0 if cache.num_blocks is not None else self._profile_activations() * local_ranks
         return plan_kv_pool(
             budget_bytes=cache.budget_bytes(free_device_memory(self.device) + weight_bytes),
-            weight_bytes=weight_bytes, activation_bytes=activation_bytes, bytes_per_token=bytes_per_token,
-            block_size=cache.block_size, max_model_len=self.max_model_len, num_blocks_override=cache.num_blocks,
-            rank_bytes_per_token=tuple(rank_bytes) if self.ranks.sharded else ())
+            weight_bytes=weight_bytes,
+            activation_bytes=activation_bytes,
+            bytes_per_token=bytes_per_token,
+            block_size=cache.block_size,
+            max_model_len=self.max_model_len,
+            num_blocks_override=cache.num_blocks,
+            rank_bytes_per_token=tuple(rank_bytes) if self.ranks.sharded else (),
+        )
 
     def _profile_activations(self) -> int:
         """Peak memory of one worst-case step (a full token budget split over max_num_seqs sequences, plus their
@@ -279,8 +333,7 @@ class Engine:
         num_blocks = sum(-(-n // block_size) for n in lengths) + 1
         scratch = self.attention.allocate_kv_cache(self.model.num_layers, num_blocks)
         self.ranks.send_pool(num_blocks)
-        runner = ModelRunner(self.model, self.attention, scratch, self.device, self.executor,
-                             ranks=self.ranks)
+        runner = ModelRunner(self.model, self.attention, scratch, self.device, self.executor, ranks=self.ranks)
         seqs, next_block = [], 1
         for i, n in enumerate(lengths):
             seq = Sequence(seq_id=f"profile-{i}", prompt_token_ids=[0] * n, params=SamplingParams())
@@ -303,16 +356,22 @@ class Engine:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = ChatPrompt(prompt)
         if isinstance(prompt, ChatPrompt):
-            text = self.tokenizer.apply_chat_template(prompt.messages, tools=prompt.tools, add_generation_prompt=True,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                prompt.messages, tools=prompt.tools, add_generation_prompt=True, tokenize=False
+            )
             self._check_text_length(text)
             return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:  # (bool is not int here)
             return None, list(prompt)
         raise RequestError("prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:
+    def add_request(
+        self,
+        prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
         """Queue a request; raises ``RequestError`` (and queues nothing) when it cannot be served."""
         params = params or SamplingParams()
         request_id = request_id or f"req-{self._next_request_number()}"
@@ -327,9 +386,16 @@ class Engine:
         arrival_time = arrival_time if arrival_time is not None else self.clock()
         seqs = []
         for index in range(params.n):
-            seq = Sequence(seq_id=f"{request_id}/{index}", prompt_token_ids=list(token_ids), params=params,
-                           request_id=request_id, sample_index=index, seed=seed + index, arrival_time=arrival_time,
-                           fork_of=seqs[0] if seqs else None)
+            seq = Sequence(
+                seq_id=f"{request_id}/{index}",
+                prompt_token_ids=list(token_ids),
+                params=params,
+                request_id=request_id,
+                sample_index=index,
+                seed=seed + index,
+                arrival_time=arrival_time,
+                fork_of=seqs[0] if seqs else None,
+            )
             if compiled is not None:
                 seq.matcher = self.guide.matcher(compiled)
             seqs.append(seq)
@@ -355,8 +421,11 @@ class Engine:
         doubled for normalizers that shrink text). Tokenizing a 10 MiB prompt held the engine for seconds."""
         limit = 2 * self.max_model_len * self.max_token_bytes
         if len(text) > limit // 4 and len(text.encode()) > limit:
-            raise RequestError(f"the prompt is {len(text.encode())} bytes of text, more than any "
-                               f"{self.max_model_len} tokens (model.max_model_len) can hold; shorten it", "prompt")
+            raise RequestError(
+                f"the prompt is {len(text.encode())} bytes of text, more than any "
+                f"{self.max_model_len} tokens (model.max_model_len) can hold; shorten it",
+                "prompt",
+            )
 
     def _next_request_number(self) -> int:
         self._request_counter += 1
@@ -369,7 +438,8 @@ class Engine:
             raise RequestError(
                 f"request {request_id}: the prompt has {len(token_ids)} tokens but model.max_model_len is "
                 f"{self.max_model_len} (room is needed for at least one output token); shorten the prompt",
-                "prompt")
+                "prompt",
+            )
         vocab = self.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise RequestError(f"request {request_id}: token ids must be in [0, {vocab})", "prompt")
@@ -377,8 +447,11 @@ class Engine:
     def _check_logit_bias(self, request_id: str, params: SamplingParams) -> None:
         outside = [token for token in params.logit_bias if token >= self.vocab_size]
         if outside:
-            raise RequestError(f"request {request_id}: logit_bias names token {outside[0]}, outside the vocabulary "
-                               f"(ids 0..{self.vocab_size - 1})", "logit_bias")
+            raise RequestError(
+                f"request {request_id}: logit_bias names token {outside[0]}, outside the vocabulary "
+                f"(ids 0..{self.vocab_size - 1})",
+                "logit_bias",
+            )
 
     def _fit_max_tokens(self, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """``max_tokens`` None becomes the room left in the context; a number past it is refused (OpenAI's policy:
@@ -391,7 +464,9 @@ class Engine:
                 f"request {request_id}: the prompt has {num_prompt_tokens} tokens and max_tokens is "
                 f"{params.max_tokens}, {num_prompt_tokens + params.max_tokens} in all, but model.max_model_len is "
                 f"{self.max_model_len}; ask for at most {room} tokens, or send max_tokens null to generate until the "
-                f"context ends", "max_tokens")
+                f"context ends",
+                "max_tokens",
+            )
         return params
 
     def abort(self, request_id: str) -> None:
@@ -413,8 +488,10 @@ class Engine:
             raise AssertionError("check_idle called while requests are unfinished")
         held_by_cache = self.prefix_cache.num_cached_blocks
         if self.allocator.num_free + held_by_cache != self.allocator.capacity:
-            raise AssertionError(f"block leak: {self.allocator.num_free} free + {held_by_cache} cached != "
-                                 f"{self.allocator.capacity} capacity")
+            raise AssertionError(
+                f"block leak: {self.allocator.num_free} free + {held_by_cache} cached != "
+                f"{self.allocator.capacity} capacity"
+            )
 
     @property
     def num_blocks_used(self) -> int:
@@ -439,8 +516,15 @@ class Engine:
 
     def _schedule(self, now: float) -> StepPlan:
         """The scheduler's plan for this step; preempted sequences are back in waiting, their drafts dropped."""
-        view = SchedulerView(self.queues.waiting, self.queues.running, self.kv, self.config.scheduler.max_num_seqs,
-                             self.config.scheduler.max_num_batched_tokens, self.max_model_len, now=now)
+        view = SchedulerView(
+            self.queues.waiting,
+            self.queues.running,
+            self.kv,
+            self.config.scheduler.max_num_seqs,
+            self.config.scheduler.max_num_batched_tokens,
+            self.max_model_len,
+            now=now,
+        )
         plan = self.scheduler.schedule(view)
         for seq, _ in plan.scheduled:
             if seq.first_scheduled_time is None:
@@ -500,9 +584,16 @@ class Engine:
     def _sample(self, output: StepOutput) -> tuple[list[int], list[dict | None]]:
         """One token per logits row (grammar masks, ``min_tokens`` bans and rejection sampling of sampled drafts
         applied), with its logprobs where asked for."""
-        requests = [SampleRequest(row.seq.params, row.first_position + j, row.seq.seed,
-                                  self._banned_tokens(row.seq, row.first_position + j))
-                    for row in output.rows for j in range(row.count)]
+        requests = [
+            SampleRequest(
+                row.seq.params,
+                row.first_position + j,
+                row.seq.seed,
+                self._banned_tokens(row.seq, row.first_position + j),
+            )
+            for row in output.rows
+            for j in range(row.count)
+        ]
         logits = self._constrained_logits(output, self._biased_logits(output))
         tokens = self.sampler.sample(logits, requests)
         if self.speculation.active:
@@ -518,7 +609,7 @@ class Engine:
             return output.logits
         logits = output.logits.clone()
         for row in rows:
-            add_logit_bias(logits[row.start:row.start + row.count], row.seq.params.logit_bias)
+            add_logit_bias(logits[row.start : row.start + row.count], row.seq.params.logit_bias)
         return logits
 
     def _constrained_logits(self, output: StepOutput, logits: torch.Tensor) -> torch.Tensor:
@@ -529,8 +620,12 @@ class Engine:
         if not rows:
             return logits
         keep_raw = logits is output.logits and any(row.seq.params.logprobs is not None for row in rows)
-        return constrain_logits(logits, [(row.seq.matcher, row.start, row.seq.draft_token_ids[:row.count - 1])
-                                         for row in rows], copy=keep_raw, kernels=self.executor.kernels)
+        return constrain_logits(
+            logits,
+            [(row.seq.matcher, row.start, row.seq.draft_token_ids[: row.count - 1]) for row in rows],
+            copy=keep_raw,
+            kernels=self.executor.kernels,
+        )
 
     def _record_prompt_logprobs(self, output: StepOutput) -> None:
         """Prompt logprobs of the prompt positions this step computed, for the requests that asked for them; a
@@ -582,8 +677,9 @@ class Engine:
             seq.first_token_time = now
         self.stats.num_output_tokens += 1
         if seq.matcher is not None and seq.matcher.accept([token]) != 1:
-            raise RuntimeError(f"{seq.seq_id}: guide {self.config.guide.name!r} refused token {token} that its own "
-                               f"mask allowed")
+            raise RuntimeError(
+                f"{seq.seq_id}: guide {self.config.guide.name!r} refused token {token} that its own mask allowed"
+            )
         reason = self._stop_reason(seq, token)
         if reason is not None:
             self._finish(seq, *reason)
@@ -614,8 +710,11 @@ class Engine:
         text = detokenizer.update(seq.output_token_ids)
         new_start = detokenizer.text_start_of_token(seq.num_output_tokens - 1)
         floor = detokenizer.text_start_of_token(seq.params.min_tokens)
-        found = [(index, stop) for stop in seq.params.stop
-                 if (index := text.find(stop, max(floor, new_start - len(stop) + 1))) >= 0]
+        found = [
+            (index, stop)
+            for stop in seq.params.stop
+            if (index := text.find(stop, max(floor, new_start - len(stop) + 1))) >= 0
+        ]
         if not found:
             return None
         index, stop = min(found)
@@ -629,8 +728,9 @@ class Engine:
         request = self.requests.get(seq.request_id)
         previous = self.queues.finish(seq)
         if previous is SequenceStatus.RUNNING:
-            followers_waiting = request is not None and any(s.status is SequenceStatus.WAITING
-                                                            for s in request.seqs[1:])
+            followers_waiting = request is not None and any(
+                s.status is SequenceStatus.WAITING for s in request.seqs[1:]
+            )
             self.kv.free_finished(seq, followers_waiting)
         elif previous is SequenceStatus.WAITING:
             self.kv.free(seq)
@@ -672,12 +772,19 @@ class Engine:
             stats.weighted_used_slots += used * duration
             stats.weighted_running += len(self.running) * duration
         if self.registry.hook.step_finished.get_hookimpls():
-            step = StepStats(num_seqs=len(plan.scheduled), num_batched_tokens=plan.num_batched_tokens,
-                             num_prefill_tokens=shape.num_prefill_tokens, num_decode_tokens=shape.num_decode_tokens,
-                             num_draft_tokens=sum(len(seq.draft_token_ids) for seq in self.running),
-                             num_preempted=len(plan.preempted), num_running=len(self.running),
-                             num_waiting=len(self.waiting), kv_blocks_used=used_blocks, duration_s=duration,
-                             shape=shape)
+            step = StepStats(
+                num_seqs=len(plan.scheduled),
+                num_batched_tokens=plan.num_batched_tokens,
+                num_prefill_tokens=shape.num_prefill_tokens,
+                num_decode_tokens=shape.num_decode_tokens,
+                num_draft_tokens=sum(len(seq.draft_token_ids) for seq in self.running),
+                num_preempted=len(plan.preempted),
+                num_running=len(self.running),
+                num_waiting=len(self.waiting),
+                kv_blocks_used=used_blocks,
+                duration_s=duration,
+                shape=shape,
+            )
             self.registry.hook.step_finished(step_stats=step, engine=self)
 
     # -- outputs -----------------------------------------------------------------------------------------------
@@ -686,14 +793,25 @@ class Engine:
         prompt_logprobs = None
         if request.params.prompt_logprobs is not None:
             prompt_logprobs = [None, *request.seqs[0].prompt_logprobs]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, request_metrics(request), prompt_logprobs=prompt_logprobs)
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            completions,
+            request.finished,
+            request_metrics(request),
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
-        return CompletionOutput(index=seq.sample_index, text=self.output_text(seq),
-                                token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason,
-                                stop_reason=seq.stop_reason,
-                                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None)
+        return CompletionOutput(
+            index=seq.sample_index,
+            text=self.output_text(seq),
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+        )
 
     def _detokenizer(self, seq: Sequence) -> Detokenizer:
         if seq.detokenizer is None:

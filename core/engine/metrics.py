@@ -20,25 +20,46 @@ class EngineCounter:
 
 # The engine's counters, declared once: ``/metrics`` exports these, ``summarize`` reports them by attribute.
 ENGINE_COUNTERS = (
-    EngineCounter("prompt_tokens_total", "num_prompt_tokens", "Prompt tokens of admitted requests.",
-                  "vllm:prompt_tokens_total"),
-    EngineCounter("prompt_tokens_cached_total", "num_cached_prompt_tokens", "Prompt tokens found in the prefix cache.",
-                  "vllm:prefix_cache_hits_total"),
-    EngineCounter("prefill_tokens_computed_total", "num_prefill_tokens_computed",
-                  "Prompt tokens computed (not found in the cache; recomputed after preemption included)."),
-    EngineCounter("generation_tokens_total", "num_output_tokens", "Output tokens generated.",
-                  "vllm:generation_tokens_total"),
-    EngineCounter("preemptions_total", "num_preemptions", "Sequences preempted for KV space.",
-                  "vllm:num_preemptions_total"),
+    EngineCounter(
+        "prompt_tokens_total", "num_prompt_tokens", "Prompt tokens of admitted requests.", "vllm:prompt_tokens_total"
+    ),
+    EngineCounter(
+        "prompt_tokens_cached_total",
+        "num_cached_prompt_tokens",
+        "Prompt tokens found in the prefix cache.",
+        "vllm:prefix_cache_hits_total",
+    ),
+    EngineCounter(
+        "prefill_tokens_computed_total",
+        "num_prefill_tokens_computed",
+        "Prompt tokens computed (not found in the cache; recomputed after preemption included).",
+    ),
+    EngineCounter(
+        "generation_tokens_total", "num_output_tokens", "Output tokens generated.", "vllm:generation_tokens_total"
+    ),
+    EngineCounter(
+        "preemptions_total", "num_preemptions", "Sequences preempted for KV space.", "vllm:num_preemptions_total"
+    ),
     EngineCounter("engine_steps_total", "num_steps", "Engine steps run."),
     EngineCounter("requests_finished_total", "num_requests_finished", "Requests finished, aborted ones included."),
-    EngineCounter("requests_aborted_total", "num_requests_aborted",
-                  "Requests finished by an abort (the client went away, or the server shut down)."),
-    EngineCounter("spec_decode_draft_tokens_total", "num_draft_tokens", "Draft tokens proposed.",
-                  "vllm:spec_decode_num_draft_tokens_total"),
+    EngineCounter(
+        "requests_aborted_total",
+        "num_requests_aborted",
+        "Requests finished by an abort (the client went away, or the server shut down).",
+    ),
+    EngineCounter(
+        "spec_decode_draft_tokens_total",
+        "num_draft_tokens",
+        "Draft tokens proposed.",
+        "vllm:spec_decode_num_draft_tokens_total",
+    ),
     EngineCounter("spec_decode_verify_passes_total", "num_verify_passes", "Verification passes run."),
-    EngineCounter("spec_decode_accepted_tokens_total", "num_accepted_tokens",
-                  "Tokens committed by verify passes (bonus included).", "vllm:spec_decode_num_accepted_tokens_total"),
+    EngineCounter(
+        "spec_decode_accepted_tokens_total",
+        "num_accepted_tokens",
+        "Tokens committed by verify passes (bonus included).",
+        "vllm:spec_decode_num_accepted_tokens_total",
+    ),
 )
 
 
@@ -78,10 +99,14 @@ def summarize(outputs: list[RequestOutput], engine, wall_time_s: float) -> dict:
         "output_tok_per_s": output_tokens / wall_time_s if wall_time_s else 0.0,
         "prompt_tok_per_s": stats.num_prefill_tokens_computed / wall_time_s if wall_time_s else 0.0,
         "requests_per_s": len(served) / wall_time_s if wall_time_s else 0.0,
-        "queue_time_p50_s": percentile(queue_times, 50), "queue_time_p99_s": percentile(queue_times, 99),
-        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-        "tpot_p50_s": percentile(tpots, 50), "tpot_p99_s": percentile(tpots, 99),
-        "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
+        "queue_time_p50_s": percentile(queue_times, 50),
+        "queue_time_p99_s": percentile(queue_times, 99),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "tpot_p50_s": percentile(tpots, 50),
+        "tpot_p99_s": percentile(tpots, 99),
+        "itl_p50_s": percentile(itls, 50),
+        "itl_p99_s": percentile(itls, 99),
         "prefill_tokens_computed": stats.num_prefill_tokens_computed,
         "prefix_hit_rate": stats.prefix_hit_rate,
         "kv_utilization": stats.kv_utilization,
@@ -133,9 +158,10 @@ def grouped_ttfts(served: list[RequestOutput]) -> dict:
             if output.metrics.ttft_s is not None:
                 by_group.setdefault(key(output.metrics), []).append(output.metrics.ttft_s)
         if len(by_group) > 1:
-            groups[f"ttft_by_{name}"] = {group: {"p50_s": percentile(values, 50), "p99_s": percentile(values, 99),
-                                                 "requests": len(values)}
-                                         for group, values in sorted(by_group.items())}
+            groups[f"ttft_by_{name}"] = {
+                group: {"p50_s": percentile(values, 50), "p99_s": percentile(values, 99), "requests": len(values)}
+                for group, values in sorted(by_group.items())
+            }
     return groups
 
 
@@ -162,19 +188,34 @@ def format_summary(summary: dict) -> str:
         ("KV utilization (time-avg)", f"{summary['kv_utilization']:.1%}"),
         ("running seqs peak / mean", f"{summary['peak_running']} / {summary['mean_running']:.1f}"),
         ("preemptions", str(summary["preemptions"])),
-        ("spec tokens per verify pass",
-         f"{summary['spec_accepted_per_pass']:.2f}" if summary["spec_accepted_per_pass"] else "-"),
+        (
+            "spec tokens per verify pass",
+            f"{summary['spec_accepted_per_pass']:.2f}" if summary["spec_accepted_per_pass"] else "-",
+        ),
     ]
     if summary.get("tensor_parallel_size"):
-        rows.append(("tensor parallel ranks", f"{summary['tensor_parallel_size']} (KV B/token per rank: "
-                                              f"{' / '.join(map(str, summary['kv_bytes_per_token_by_rank']))})"))
-        rows.append(("collectives' share of busy time", f"{summary['tp_comm_share']:.1%} "
-                                                        f"({summary['tp_all_reduces_per_step']:.0f} all-reduces/step)"))
+        rows.append(
+            (
+                "tensor parallel ranks",
+                f"{summary['tensor_parallel_size']} (KV B/token per rank: "
+                f"{' / '.join(map(str, summary['kv_bytes_per_token_by_rank']))})",
+            )
+        )
+        rows.append(
+            (
+                "collectives' share of busy time",
+                f"{summary['tp_comm_share']:.1%} ({summary['tp_all_reduces_per_step']:.0f} all-reduces/step)",
+            )
+        )
     if summary.get("ttft_slo_attainment") is not None:
         rows.append(("TTFT SLO met", f"{summary['ttft_slo_attainment']:.1%}"))
     for name in ("priority", "tenant"):
         for group, values in summary.get(f"ttft_by_{name}", {}).items():
-            rows.append((f"TTFT p50 / p99, {name} {group}",
-                         f"{_ms(values['p50_s'])} / {_ms(values['p99_s'])} ({values['requests']} requests)"))
+            rows.append(
+                (
+                    f"TTFT p50 / p99, {name} {group}",
+                    f"{_ms(values['p50_s'])} / {_ms(values['p99_s'])} ({values['requests']} requests)",
+                )
+            )
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

@@ -54,8 +54,9 @@ def accept_draw(seed: int, position: int) -> float:
     return float(torch.rand(1, generator=generator, dtype=torch.float64))
 
 
-def verify_sampled_drafts(logits: torch.Tensor, requests: list[SampleRequest], draft_token_ids: list[int],
-                          draft_probs: torch.Tensor) -> list[int]:
+def verify_sampled_drafts(
+    logits: torch.Tensor, requests: list[SampleRequest], draft_token_ids: list[int], draft_probs: torch.Tensor
+) -> list[int]:
     """The tokens to commit for one sequence: the accepted drafts, then one token drawn by the target.
 
     ``logits`` is ``[len(draft_token_ids) + 1, vocab]`` (row j scores the token after draft j - 1), ``requests`` the
@@ -73,8 +74,7 @@ def verify_sampled_drafts(logits: torch.Tensor, requests: list[SampleRequest], d
         residual = residual / total if total > 0 else p
         return [*draft_token_ids[:j], sample_row(residual, request.seed, request.position)]
     bonus = requests[len(draft_token_ids)]
-    return [*draft_token_ids, sample_row(target_probs(logits[len(draft_token_ids)], bonus), bonus.seed,
-                                         bonus.position)]
+    return [*draft_token_ids, sample_row(target_probs(logits[len(draft_token_ids)], bonus), bonus.seed, bonus.position)]
 
 
 class SpeculativeDecoder:
@@ -83,8 +83,15 @@ class SpeculativeDecoder:
     ``stats`` is the engine's ``EngineStats`` (draft, verify-pass and accepted-token counts); ``jump_forward``: a
     grammar's forced tokens become drafts where the drafter proposed none (``guide.jump_forward``)."""
 
-    def __init__(self, drafter: Drafter, config: DrafterConfig, kv: KVCacheManager, max_model_len: int,
-                 stats, jump_forward: bool = False):
+    def __init__(
+        self,
+        drafter: Drafter,
+        config: DrafterConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        stats,
+        jump_forward: bool = False,
+    ):
         self.drafter = drafter
         self.config = config
         self.kv = kv
@@ -135,11 +142,14 @@ class SpeculativeDecoder:
             decoding = [seq for seq in decoding if self.kv.allocate(seq, k + 1)]
         proposals = self.drafter.propose(decoding, k)
         if self.jump_forward:
-            proposals = [drafts if drafts or seq.matcher is None else seq.matcher.forced_tokens()[:k]
-                         for seq, drafts in zip(decoding, proposals)]
+            proposals = [
+                drafts if drafts or seq.matcher is None else seq.matcher.forced_tokens()[:k]
+                for seq, drafts in zip(decoding, proposals)
+            ]
         for seq, drafts in zip(decoding, proposals):
-            room = max(0, min(self.max_model_len - seq.num_tokens - 1,
-                              seq.params.max_tokens - seq.num_output_tokens - 1))
+            room = max(
+                0, min(self.max_model_len - seq.num_tokens - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
+            )
             probs, parents = getattr(drafts, "probs", None), getattr(drafts, "parents", None)
             tokens = list(drafts[:room])
             if parents is not None:
@@ -148,22 +158,24 @@ class SpeculativeDecoder:
             seq.draft_probs = None if probs is None else probs[: len(tokens)]
             self.stats.num_draft_tokens += len(tokens)
 
-    def _tree_that_fits(self, seq: Sequence, drafts: list[int], parents: list[int],
-                        room: int) -> tuple[list[int], list[int] | None]:
+    def _tree_that_fits(
+        self, seq: Sequence, drafts: list[int], parents: list[int], room: int
+    ) -> tuple[list[int], list[int] | None]:
         """A drafter's tree for ``seq`` as this step can verify it: the drafts no deeper than ``room`` (tokens past
         it could not be committed), and only its spine (a chain: parents None) for a sampled or structured-output
         request or where the engine cannot attend trees."""
         depths = tree_depths(parents)
         if self.move_kv is None or not seq.params.greedy or seq.matcher is not None:
-            return drafts[:min(spine_length(parents), room)], None
+            return drafts[: min(spine_length(parents), room)], None
         kept = [index for index, depth in enumerate(depths) if depth <= room]
         # the spine comes first and every leaf's parent is on it, so the kept spine keeps its indices
         return [drafts[index] for index in kept], [parents[index] for index in kept]
 
     # -- in the step: verify and accept --------------------------------------------------------------------------
     @staticmethod
-    def verify_sampled(logits: torch.Tensor, rows: list[BatchRows], requests: list[SampleRequest],
-                       tokens: list[int]) -> None:
+    def verify_sampled(
+        logits: torch.Tensor, rows: list[BatchRows], requests: list[SampleRequest], tokens: list[int]
+    ) -> None:
         """For sampled requests whose drafts came with q, replace the row's sampled tokens by rejection sampling's
         choice; ``accept`` then commits exactly those."""
         for row in rows:
@@ -171,9 +183,10 @@ class SpeculativeDecoder:
             if seq.draft_probs is None or not seq.draft_token_ids or seq.params.greedy:
                 continue
             span = slice(row.start, row.start + row.count)
-            chosen = verify_sampled_drafts(logits[span], requests[span], seq.draft_token_ids[: row.count - 1],
-                                           seq.draft_probs)
-            tokens[row.start:row.start + len(chosen)] = chosen
+            chosen = verify_sampled_drafts(
+                logits[span], requests[span], seq.draft_token_ids[: row.count - 1], seq.draft_probs
+            )
+            tokens[row.start : row.start + len(chosen)] = chosen
 
     def accept(self, seq: Sequence, sampled: list[int]) -> tuple[list[int], list[int]]:
         """The tokens to commit for ``seq`` out of its rows' ``sampled`` ones, and the rows they came from: the
@@ -188,8 +201,14 @@ class SpeculativeDecoder:
             if parents is None:
                 child = node + 1 if node + 1 < len(drafts) and drafts[node + 1] == token else None
             else:
-                child = next((index for index in range(node + 1, min(len(drafts), len(sampled) - 1))
-                              if parents[index] == node and drafts[index] == token), None)
+                child = next(
+                    (
+                        index
+                        for index in range(node + 1, min(len(drafts), len(sampled) - 1))
+                        if parents[index] == node and drafts[index] == token
+                    ),
+                    None,
+                )
             if child is None:
                 break
             rows.append(child + 1)

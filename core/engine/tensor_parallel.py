@@ -65,8 +65,10 @@ def master_address(config, need_port: bool) -> tuple[str, int]:
         port = int(os.environ["MASTER_PORT"])
     if port is None or port == 0:
         if need_port:
-            raise ValueError("parallel.master_port (or $MASTER_PORT) must name a port when ranks run on other "
-                             "hosts: every rank meets rank 0 there")
+            raise ValueError(
+                "parallel.master_port (or $MASTER_PORT) must name a port when ranks run on other "
+                "hosts: every rank meets rank 0 there"
+            )
         port = 0  # rank 0's store binds a free one
     return addr, port
 
@@ -101,27 +103,39 @@ class TensorParallel:
         import torch.multiprocessing as mp
 
         if dist.is_initialized():
-            raise RuntimeError("torch.distributed is already initialized in this process (another tensor-parallel "
-                               "engine still open?); close it first (Engine.close or LLM.close)")
+            raise RuntimeError(
+                "torch.distributed is already initialized in this process (another tensor-parallel "
+                "engine still open?); close it first (Engine.close or LLM.close)"
+            )
         parallel = cls(config)
         parallel.plans = model_shard_plans(hf_config, parallel.world_size)
         parallel.group = TensorParallelGroup(parallel.plans[0])
         addr, port = master_address(config, need_port=parallel.local_ranks < parallel.world_size)
-        parallel.store = dist.TCPStore(addr, port, parallel.world_size, is_master=True, timeout=_timeout(config),
-                                       wait_for_workers=False)
+        parallel.store = dist.TCPStore(
+            addr, port, parallel.world_size, is_master=True, timeout=_timeout(config), wait_for_workers=False
+        )
         parallel.address = (addr, parallel.store.port)
         torch.set_num_threads(parallel.threads)
         context = mp.get_context("spawn")
         data = config.to_dict()
         for rank in range(1, parallel.local_ranks):
-            process = context.Process(target=run_worker, args=(data, rank, addr, parallel.store.port,
-                                                               parallel.threads),
-                                      name=f"infer-tp-rank-{rank}", daemon=True)
+            process = context.Process(
+                target=run_worker,
+                args=(data, rank, addr, parallel.store.port, parallel.threads),
+                name=f"infer-tp-rank-{rank}",
+                daemon=True,
+            )
             process.start()
             parallel.processes[rank] = process
-        logger.info("tensor parallel: %d ranks (%s), %d on this host, meeting at %s:%d, %d threads each",
-                    parallel.world_size, backend_name(parallel.device), parallel.local_ranks, addr, parallel.store.port,
-                    parallel.threads)
+        logger.info(
+            "tensor parallel: %d ranks (%s), %d on this host, meeting at %s:%d, %d threads each",
+            parallel.world_size,
+            backend_name(parallel.device),
+            parallel.local_ranks,
+            addr,
+            parallel.store.port,
+            parallel.threads,
+        )
         return parallel
 
     def shard(self, model: CausalLM) -> CausalLM:
@@ -145,17 +159,25 @@ class TensorParallel:
                     continue
                 process = self.processes.get(rank)
                 if process is not None and process.exitcode is not None:
-                    raise TensorParallelError(f"tensor-parallel rank {rank} exited ({_exit_reason(process.exitcode)})"
-                                              f" before loading its shard; see its output above")
+                    raise TensorParallelError(
+                        f"tensor-parallel rank {rank} exited ({_exit_reason(process.exitcode)})"
+                        f" before loading its shard; see its output above"
+                    )
             if waiting and time.monotonic() > deadline:
                 raise TensorParallelError(
                     f"tensor-parallel ranks {sorted(waiting)} did not join {self.address[0]}:{self.address[1]} "
                     f"within parallel.timeout_s={self.config.parallel.timeout_s:g} s; start them with "
-                    f"`infer tp-worker CONFIG --rank R` on their hosts, with the same config")
+                    f"`infer tp-worker CONFIG --rank R` on their hosts, with the same config"
+                )
             if waiting:
                 time.sleep(0.05)
-        dist.init_process_group(backend_name(self.device), store=self.store, rank=0, world_size=self.world_size,
-                                timeout=_timeout(self.config))
+        dist.init_process_group(
+            backend_name(self.device),
+            store=self.store,
+            rank=0,
+            world_size=self.world_size,
+            timeout=_timeout(self.config),
+        )
         self.channel = Channel(self.group, self.device)
         self._connected = True
 
@@ -181,11 +203,15 @@ class TensorParallel:
         others. Later steps raise it again."""
         if self.failed is None:
             time.sleep(0.2)  # a killed rank's exit code lands a moment after its sockets close
-            dead = [f"rank {rank} (pid {process.pid}) {_exit_reason(process.exitcode)}"
-                    for rank, process in self.processes.items() if process.exitcode is not None]
+            dead = [
+                f"rank {rank} (pid {process.pid}) {_exit_reason(process.exitcode)}"
+                for rank, process in self.processes.items()
+                if process.exitcode is not None
+            ]
             who = ("tensor-parallel " + ", ".join(dead)) if dead else "a tensor-parallel rank on another host failed"
-            self.failed = TensorParallelError(f"{who}; the engine cannot run steps any more and stops the other "
-                                              f"ranks ({_first_line(error)})")
+            self.failed = TensorParallelError(
+                f"{who}; the engine cannot run steps any more and stops the other ranks ({_first_line(error)})"
+            )
             self.close()
         return self.failed
 
@@ -203,8 +229,10 @@ class TensorParallel:
         return [per_head * len(plan.kv_heads) for plan in self.plans]
 
     def describe(self) -> str:
-        return (f"tensor parallel {self.world_size} ranks ({backend_name(self.device)}, {self.local_ranks} on this "
-                f"host, {self.threads} threads each; sharded layers take the torch path)")
+        return (
+            f"tensor parallel {self.world_size} ranks ({backend_name(self.device)}, {self.local_ranks} on this "
+            f"host, {self.threads} threads each; sharded layers take the torch path)"
+        )
 
     def close(self) -> None:
         """Stop every rank: a STOP message when the group works, then join (kill after 10 s) the local ones."""
@@ -258,8 +286,9 @@ def run_worker(config_data: dict, rank: int, addr: str, port: int, threads: int)
         store.set(f"{_STORE_PREFIX}/error/{rank}", traceback.format_exc())
         raise SystemExit(1) from None
     store.set(f"{_STORE_PREFIX}/ready/{rank}", "1")
-    dist.init_process_group(backend_name(runner.device), store=store, rank=rank, world_size=world_size,
-                            timeout=_timeout(config))
+    dist.init_process_group(
+        backend_name(runner.device), store=store, rank=rank, world_size=world_size, timeout=_timeout(config)
+    )
     try:
         _serve_steps(runner)
     except RuntimeError as error:  # rank 0 or a peer is gone: nothing left to serve
@@ -281,13 +310,24 @@ def _build_rank(config, rank: int) -> ModelRunner:
     dtype = resolve_dtype(config.model.dtype, device)
     torch.manual_seed(config.model.seed)
     registry = get_registry(config.plugins.load)
-    loaded = load_model(config.model.path, dtype, device, max_positions=config.model.max_model_len,
-                        architecture=config.model.architecture, registry=registry)
+    loaded = load_model(
+        config.model.path,
+        dtype,
+        device,
+        max_positions=config.model.max_model_len,
+        architecture=config.model.architecture,
+        registry=registry,
+    )
     plan = model_shard_plans(loaded.hf_config, config.parallel.tensor_parallel_size)[rank]
-    stack = build_model_stack(registry, config, loaded.model, device, dtype,
-                              shard=lambda model: shard_model(model, plan, TensorParallelGroup(plan)))
-    return ModelRunner(stack.model, stack.attention, torch.empty(0, dtype=dtype, device=device), device,
-                       stack.executor)
+    stack = build_model_stack(
+        registry,
+        config,
+        loaded.model,
+        device,
+        dtype,
+        shard=lambda model: shard_model(model, plan, TensorParallelGroup(plan)),
+    )
+    return ModelRunner(stack.model, stack.attention, torch.empty(0, dtype=dtype, device=device), device, stack.executor)
 
 
 def _serve_steps(runner: ModelRunner) -> None:

@@ -52,8 +52,20 @@ CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128)
 CONTEXT_TOKENS = 64
 REPEATS = 7
 # The flags that change which path is faster (the C kernels are built with -march=native).
-VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-                "amx_bf16", "amx_int8", "asimd", "sve")
+VECTOR_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+)
 # Used where no calibration applies (no kernels, a sharded model) and in the docs' examples.
 DEFAULT_FUSED_MAX_TOKENS = 8
 
@@ -72,8 +84,9 @@ class Calibration:
         where = "cached calibration" if self.cached else "calibrated now"
         if not self.times_ms:
             return f"fused up to {self.fused_max_tokens} tokens ({where})"
-        cells = ", ".join(f"{tokens}: {fused:.1f} vs {gemm:.1f} ms" for tokens, (fused, gemm) in
-                          sorted(self.times_ms.items()))
+        cells = ", ".join(
+            f"{tokens}: {fused:.1f} vs {gemm:.1f} ms" for tokens, (fused, gemm) in sorted(self.times_ms.items())
+        )
         return f"fused up to {self.fused_max_tokens} tokens ({where} on {self.cpu}; fused vs GEMM {cells})"
 
 
@@ -97,10 +110,18 @@ def signature(model, quantization: str, dtype: torch.dtype, kernels: str = "") -
     """(the CPU's name, a short hash of everything the threshold depends on). ``kernels`` names the kernels' build
     (its file, named by the source's and flags' hash): new kernels measure again."""
     name, flags = cpu_description()
-    shapes = (model.num_layers, model.config.hidden_size, model.config.intermediate_size, model.num_heads,
-              model.num_kv_heads, model.head_dim, model.vocab_size)
-    key = json.dumps([name, flags, torch.get_num_threads(), torch.__version__, shapes, quantization, str(dtype),
-                      kernels])
+    shapes = (
+        model.num_layers,
+        model.config.hidden_size,
+        model.config.intermediate_size,
+        model.num_heads,
+        model.num_kv_heads,
+        model.head_dim,
+        model.vocab_size,
+    )
+    key = json.dumps(
+        [name, flags, torch.get_num_threads(), torch.__version__, shapes, quantization, str(dtype), kernels]
+    )
     return name, hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -137,8 +158,10 @@ def read_cached(digest: str, build):
 
 
 def load_cached(digest: str) -> Calibration | None:
-    return read_cached(digest, lambda data: Calibration(int(data["fused_max_tokens"]), data["cpu"], digest,
-                                                        read_times(data), cached=True))
+    return read_cached(
+        digest,
+        lambda data: Calibration(int(data["fused_max_tokens"]), data["cpu"], digest, read_times(data), cached=True),
+    )
 
 
 def save(calibration: Calibration | GemmChoice | RowsCalibration) -> None:
@@ -154,8 +177,9 @@ def save(calibration: Calibration | GemmChoice | RowsCalibration) -> None:
         logger.warning("could not cache the execution calibration at %s: %s", path, error)
 
 
-def calibrate(model, attention, executor, quantization: str, device: torch.device, dtype: torch.dtype,
-              recalibrate: bool = False) -> Calibration:
+def calibrate(
+    model, attention, executor, quantization: str, device: torch.device, dtype: torch.dtype, recalibrate: bool = False
+) -> Calibration:
     """The cached calibration for this machine and model, or a new measurement (``recalibrate``: always)."""
     build = executor.kernels.path.name if executor.kernels is not None else ""
     build += ", float32 GEMMs" if executor.float_gemms else ""  # the torch path's large steps
@@ -172,8 +196,16 @@ def calibrate(model, attention, executor, quantization: str, device: torch.devic
     return calibration
 
 
-def forward_pass(model, attention, executor, kv_cache: torch.Tensor, dtype: torch.dtype, input_ids: torch.Tensor,
-                 metadata, indices: torch.Tensor) -> None:
+def forward_pass(
+    model,
+    attention,
+    executor,
+    kv_cache: torch.Tensor,
+    dtype: torch.dtype,
+    input_ids: torch.Tensor,
+    metadata,
+    indices: torch.Tensor,
+) -> None:
     """One timed pass as ``ModelRunner.forward`` makes it, over the scratch pool ``kv_cache``: the layers on the
     executor's path, then the logits of the rows at ``indices``."""
     step = executor.step(model.rotary, attention.prepare(metadata), kv_cache, attention, dtype)
@@ -181,8 +213,15 @@ def forward_pass(model, attention, executor, kv_cache: torch.Tensor, dtype: torc
 
 
 @torch.inference_mode()
-def measure(model, attention, executor, device: torch.device, dtype: torch.dtype,
-            candidates: tuple[int, ...] = CANDIDATES, repeats: int = REPEATS) -> dict[int, tuple[float, float]]:
+def measure(
+    model,
+    attention,
+    executor,
+    device: torch.device,
+    dtype: torch.dtype,
+    candidates: tuple[int, ...] = CANDIDATES,
+    repeats: int = REPEATS,
+) -> dict[int, tuple[float, float]]:
     """Per step size: the fastest of ``repeats`` decode forward passes on the fused path and on the GEMM (ms), the
     first loss of the fused path confirmed (``confirm_first_loss``)."""
     from infer.attention import AttentionMetadata
@@ -195,8 +234,7 @@ def measure(model, attention, executor, device: torch.device, dtype: torch.dtype
     restore = executor.fused_max_tokens
 
     def time_size(tokens: int) -> tuple[float, float]:
-        metadata = AttentionMetadata.build(tables[:tokens], [CONTEXT_TOKENS] * tokens, [1] * tokens, block_size,
-                                           device)
+        metadata = AttentionMetadata.build(tables[:tokens], [CONTEXT_TOKENS] * tokens, [1] * tokens, block_size, device)
         input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         indices = torch.arange(tokens, device=device)
         best = {tokens: float("inf"), 0: float("inf")}
@@ -217,8 +255,9 @@ def measure(model, attention, executor, device: torch.device, dtype: torch.dtype
     return times
 
 
-def confirm_first_loss(times: dict[int, tuple[float, float]],
-                       time_size: Callable[[int], tuple[float, float]]) -> dict[int, tuple[float, float]]:
+def confirm_first_loss(
+    times: dict[int, tuple[float, float]], time_size: Callable[[int], tuple[float, float]]
+) -> dict[int, tuple[float, float]]:
     """``times`` with the first step size where the fused path lost measured again (``time_size``), each path's
     faster time kept, until a loss stands or none is left: a loss costs the threshold its savings, and a slow spell on a
     shared machine (other processes only ever slow a pass) can make one size lose that wins on a second look."""
@@ -256,8 +295,9 @@ class GemmChoice:
         if not self.times_ms:
             return f"large GEMMs {self.name} ({self.reason})"
         where = "cached" if self.cached else "measured now"
-        cells = ", ".join(f"{rows} rows {bf16:.2f} vs {f32:.2f} ms"
-                          for rows, (bf16, f32) in sorted(self.times_ms.items()))
+        cells = ", ".join(
+            f"{rows} rows {bf16:.2f} vs {f32:.2f} ms" for rows, (bf16, f32) in sorted(self.times_ms.items())
+        )
         return f"large GEMMs {self.name} ({where}; bf16 vs float32 {cells})"
 
 
@@ -268,8 +308,10 @@ def choose_gemm(setting: str, model, kernels, recalibrate: bool = False) -> Gemm
     only bf16 exists."""
     if not (kernels.tile_fma and kernels.tiles):
         if setting == "float32":
-            raise ValueError(f"execution.large_gemm=float32 runs on infer's tile kernel with AVX-512 FMAs; these "
-                             f"kernels are a {kernels.simd} build (tiles: {kernels.tiles}); use auto or bf16")
+            raise ValueError(
+                f"execution.large_gemm=float32 runs on infer's tile kernel with AVX-512 FMAs; these "
+                f"kernels are a {kernels.simd} build (tiles: {kernels.tiles}); use auto or bf16"
+            )
         return GemmChoice("bf16", reason="no float32 tile kernel in this build")
     if setting != "auto":
         return GemmChoice(setting)
@@ -281,8 +323,11 @@ def choose_gemm(setting: str, model, kernels, recalibrate: bool = False) -> Gemm
     name, flags = cpu_description()
     key = json.dumps(["gemm", name, flags, torch.get_num_threads(), torch.__version__, shape, kernels.path.name])
     digest = "gemm-" + hashlib.sha256(key.encode()).hexdigest()[:16]
-    cached = None if recalibrate else read_cached(
-        digest, lambda data: GemmChoice(str(data["name"]), digest, read_times(data), cached=True))
+    cached = (
+        None
+        if recalibrate
+        else read_cached(digest, lambda data: GemmChoice(str(data["name"]), digest, read_times(data), cached=True))
+    )
     if cached is not None:
         return cached
     times = measure_gemm(*shape, kernels)
@@ -294,8 +339,9 @@ def choose_gemm(setting: str, model, kernels, recalibrate: bool = False) -> Gemm
 
 
 @torch.inference_mode()
-def measure_gemm(hidden: int, intermediate: int, kernels, rows: tuple[int, ...] = GEMM_ROWS,
-                 repeats: int = REPEATS) -> dict[int, tuple[float, float]]:
+def measure_gemm(
+    hidden: int, intermediate: int, kernels, rows: tuple[int, ...] = GEMM_ROWS, repeats: int = REPEATS
+) -> dict[int, tuple[float, float]]:
     """Per row count, the fastest of ``repeats`` gate/up projections (the model's largest; random weights, rounded
     to bf16 and packed for the tiles) with bf16 arithmetic as a ``PackedLinear`` runs it there (the tiles with float32
     rows up to ``TILE_MAX_ROWS``, oneDNN's GEMM with bf16 rows beyond) and on the tiles' float32 FMAs, alternately
@@ -309,8 +355,11 @@ def measure_gemm(hidden: int, intermediate: int, kernels, rows: tuple[int, ...] 
     for count in rows:
         x = torch.randn(count, hidden)
         x_bf16 = x.bfloat16()
-        bf16 = (lambda: kernels.linear_tiles(x, tiles, None)) if count <= TILE_MAX_ROWS else \
-            (lambda: bf16_linear(x_bf16, packed))
+        bf16 = (
+            (lambda: kernels.linear_tiles(x, tiles, None))
+            if count <= TILE_MAX_ROWS
+            else (lambda: bf16_linear(x_bf16, packed))
+        )
         candidates = bf16, lambda: kernels.linear_tiles(x, tiles, None, fma=True)
         best = [float("inf"), float("inf")]
         for repeat in range(repeats + 1):
@@ -345,16 +394,25 @@ def free_rows(times_ms: dict[int, float], margin: float = ROW_MARGIN) -> int:
     return best
 
 
-def calibrate_rows(model, attention, executor, quantization: str, device: torch.device, dtype: torch.dtype,
-                   recalibrate: bool = False) -> RowsCalibration:
+def calibrate_rows(
+    model, attention, executor, quantization: str, device: torch.device, dtype: torch.dtype, recalibrate: bool = False
+) -> RowsCalibration:
     """The cached ``RowsCalibration`` for this machine and model, or a new measurement (``recalibrate``: always)."""
     build = executor.kernels.path.name if executor.kernels is not None else ""
-    _, digest = signature(model, quantization, dtype, f"rows, {build}, {type(attention).__name__}, "
-                                                      f"fused up to {executor.fused_max_tokens}")
+    _, digest = signature(
+        model,
+        quantization,
+        dtype,
+        f"rows, {build}, {type(attention).__name__}, fused up to {executor.fused_max_tokens}",
+    )
     digest = "rows-" + digest
     if not recalibrate:
-        cached = read_cached(digest, lambda data: RowsCalibration(
-            int(data["free_rows"]), digest, {int(rows): float(ms) for rows, ms in data["times_ms"].items()}, True))
+        cached = read_cached(
+            digest,
+            lambda data: RowsCalibration(
+                int(data["free_rows"]), digest, {int(rows): float(ms) for rows, ms in data["times_ms"].items()}, True
+            ),
+        )
         if cached is not None:
             return cached
     began = time.perf_counter()
@@ -366,8 +424,15 @@ def calibrate_rows(model, attention, executor, quantization: str, device: torch.
 
 
 @torch.inference_mode()
-def measure_rows(model, attention, executor, device: torch.device, dtype: torch.dtype,
-                 candidates: tuple[int, ...] = ROW_CANDIDATES, repeats: int = ROW_REPEATS) -> dict[int, float]:
+def measure_rows(
+    model,
+    attention,
+    executor,
+    device: torch.device,
+    dtype: torch.dtype,
+    candidates: tuple[int, ...] = ROW_CANDIDATES,
+    repeats: int = ROW_REPEATS,
+) -> dict[int, float]:
     """Per row count, the fastest of ``repeats`` forward passes (the layers on the executor's own path, then the
     logits of every row) of one sequence computing that many tokens after ``ROW_CONTEXT`` cached ones, the counts
     alternating (ms)."""
@@ -377,9 +442,14 @@ def measure_rows(model, attention, executor, device: torch.device, dtype: torch.
     blocks = -(-(ROW_CONTEXT + max(candidates)) // block_size)
     scratch = attention.allocate_kv_cache(model.num_layers, 1 + blocks)
     table = list(range(1, 1 + blocks))
-    steps = {rows: (AttentionMetadata.build([table], [ROW_CONTEXT], [rows], block_size, device),
-                    torch.zeros(rows, dtype=torch.int64, device=device), torch.arange(rows, device=device))
-             for rows in candidates}
+    steps = {
+        rows: (
+            AttentionMetadata.build([table], [ROW_CONTEXT], [rows], block_size, device),
+            torch.zeros(rows, dtype=torch.int64, device=device),
+            torch.arange(rows, device=device),
+        )
+        for rows in candidates
+    }
     best = dict.fromkeys(candidates, float("inf"))
     try:
         for repeat in range(repeats + 1):

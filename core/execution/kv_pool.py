@@ -34,13 +34,17 @@ class KVPoolPlan:
     def describe(self) -> str:
         ranks = ""
         if self.rank_bytes_per_token:
-            per_rank = ", ".join(f"rank {rank} {size} B/token ({self.usable_tokens * size / 2**20:.1f} MiB)"
-                                 for rank, size in enumerate(self.rank_bytes_per_token))
+            per_rank = ", ".join(
+                f"rank {rank} {size} B/token ({self.usable_tokens * size / 2**20:.1f} MiB)"
+                for rank, size in enumerate(self.rank_bytes_per_token)
+            )
             total = sum(self.rank_bytes_per_token)
             ranks = f"; per rank: {per_rank}; all ranks {self.usable_tokens * total / 2**20:.1f} MiB"
-        return (f"KV pool: {self.num_blocks - 1} blocks x {self.block_size} tokens ({self.usable_tokens} tokens, "
-                f"{self.bytes_per_token} B/token, {self.usable_tokens * self.bytes_per_token / 2**20:.1f} MiB); "
-                f"max concurrency at max_model_len={self.max_model_len}: {self.max_concurrency:.1f}{ranks}")
+        return (
+            f"KV pool: {self.num_blocks - 1} blocks x {self.block_size} tokens ({self.usable_tokens} tokens, "
+            f"{self.bytes_per_token} B/token, {self.usable_tokens * self.bytes_per_token / 2**20:.1f} MiB); "
+            f"max concurrency at max_model_len={self.max_model_len}: {self.max_concurrency:.1f}{ranks}"
+        )
 
 
 def free_device_memory(device: torch.device) -> int:
@@ -50,9 +54,17 @@ def free_device_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def plan_kv_pool(*, budget_bytes: int, weight_bytes: int, activation_bytes: int, bytes_per_token: int,
-                 block_size: int, max_model_len: int, num_blocks_override: int | None = None,
-                 rank_bytes_per_token: tuple[int, ...] = ()) -> KVPoolPlan:
+def plan_kv_pool(
+    *,
+    budget_bytes: int,
+    weight_bytes: int,
+    activation_bytes: int,
+    bytes_per_token: int,
+    block_size: int,
+    max_model_len: int,
+    num_blocks_override: int | None = None,
+    rank_bytes_per_token: tuple[int, ...] = (),
+) -> KVPoolPlan:
     """Blocks that fit in ``budget - weights - peak activations``; raises when one max_model_len request won't fit."""
     if num_blocks_override is not None:
         num_blocks = num_blocks_override

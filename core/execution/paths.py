@@ -100,8 +100,9 @@ class ExecutionPath(ABC):
         """Why this path cannot run ``step`` through ``layers``; None when it can."""
 
     @abstractmethod
-    def run(self, layers: Sequence[DecoderLayer], hidden: torch.Tensor,
-            step: ExecutionStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, layers: Sequence[DecoderLayer], hidden: torch.Tensor, step: ExecutionStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``layers`` over embeddings ``hidden`` ``[T, hidden]``: the last layer's output and the residual stream."""
 
 
@@ -150,7 +151,8 @@ class FusedLayersPath(ExecutionPath):
             qkv = layer.fused.attention_input(residual, delta, step.positions, rotary.cos, rotary.sin)
             attn = layer.self_attn
             q, k, v = qkv.view(tokens, -1, attn.head_dim).split(
-                [attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1)
+                [attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1
+            )
             out = step.attend(attn.layer_index, q, k, v)
             # contiguous(): a no-op for the built-in backends; the C side reads plain rows whatever a plugin returns.
             delta = layer.fused.feed_forward(out.reshape(tokens, attn.q_size).contiguous(), residual)
@@ -177,8 +179,9 @@ class FusedStackPath(FusedLayersPath):
         key = tuple(map(id, layers))
         stack = self._stacks.get(key)
         if stack is None:
-            stack = self._stacks[key] = FusedStack(step.ops.kernels, [layer.fused for layer in layers],
-                                                   [layer.self_attn.layer_index for layer in layers])
+            stack = self._stacks[key] = FusedStack(
+                step.ops.kernels, [layer.fused for layer in layers], [layer.self_attn.layer_index for layer in layers]
+            )
         rotary = step.ops.rotary
         delta = stack.run(hidden, step.positions, rotary.cos, rotary.sin, step.kv_cache, step.fused_attention)
         return delta, hidden
@@ -188,8 +191,14 @@ class Executor:
     """Chooses and runs each forward pass's execution path (the first of ``paths`` that accepts it) and counts the
     choices. ``Executor()`` runs everything op by op in torch."""
 
-    def __init__(self, paths: Sequence[ExecutionPath] | None = None, kernels: CpuKernels | None = None,
-                 fused_max_tokens: int = 0, bf16_gemm_inputs: bool = False, gemm: GemmChoice | None = None):
+    def __init__(
+        self,
+        paths: Sequence[ExecutionPath] | None = None,
+        kernels: CpuKernels | None = None,
+        fused_max_tokens: int = 0,
+        bf16_gemm_inputs: bool = False,
+        gemm: GemmChoice | None = None,
+    ):
         self.paths = list(paths) if paths else [TorchPath()]
         if not isinstance(self.paths[-1], TorchPath):
             raise ValueError("the last execution path must be torch, which accepts every step")
@@ -206,9 +215,14 @@ class Executor:
         return self.gemm is not None and self.gemm.name == "float32"
 
     @classmethod
-    def for_model(cls, model: CausalLM, kernels: CpuKernels | None,
-                  paths: Sequence[str] = PATH_NAMES, fused_max_tokens: int = 8,
-                  gemm: GemmChoice | None = None) -> Executor:
+    def for_model(
+        cls,
+        model: CausalLM,
+        kernels: CpuKernels | None,
+        paths: Sequence[str] = PATH_NAMES,
+        fused_max_tokens: int = 8,
+        gemm: GemmChoice | None = None,
+    ) -> Executor:
         """The executor for ``model``: with ``kernels``, its weights prepared for them and the fused paths named in
         ``paths`` (in that order) before torch; without, torch alone. ``gemm`` float32: bf16 weights' steps of more
         rows than the GEMV takes multiply on the tile kernel's float32 FMAs (``execution.large_gemm``), so large
@@ -222,14 +236,14 @@ class Executor:
         if unknown:
             raise ValueError(f"unknown execution paths {unknown}; choose from {', '.join(PATH_NAMES)}")
         chosen = [known[name](fused_max_tokens) for name in paths if name in known]
-        return cls([*chosen, TorchPath()], kernels, fused_max_tokens, _all_bf16_gemms(model) and not float_gemms,
-                   gemm)
+        return cls([*chosen, TorchPath()], kernels, fused_max_tokens, _all_bf16_gemms(model) and not float_gemms, gemm)
 
     def for_another(self, model: CausalLM) -> Executor:
         """An executor with these kernels and paths for another model (a draft model), its weights prepared (on the
         tiles' float32 FMAs where this one's are)."""
-        return Executor.for_model(model, self.kernels, [path.name for path in self.paths], self.fused_max_tokens,
-                                  self.gemm)
+        return Executor.for_model(
+            model, self.kernels, [path.name for path in self.paths], self.fused_max_tokens, self.gemm
+        )
 
     def set_fused_max_tokens(self, model: CausalLM, max_tokens: int) -> None:
         """Let steps of up to ``max_tokens`` tokens take the fused paths and ``model``'s GEMV (weights already
@@ -250,14 +264,21 @@ class Executor:
         if hasattr(module, "use_cpu_kernels"):
             module.use_cpu_kernels(self.kernels, self.fused_max_tokens, self.float_gemms)
 
-    def step(self, rotary: RotaryEmbedding, metadata: AttentionMetadata, kv_cache: torch.Tensor,
-             attention: AttentionBackend, dtype: torch.dtype) -> ExecutionStep:
+    def step(
+        self,
+        rotary: RotaryEmbedding,
+        metadata: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        attention: AttentionBackend,
+        dtype: torch.dtype,
+    ) -> ExecutionStep:
         """The per-step object for ``metadata`` (already through ``attention.prepare``); the small ops run on the
         kernels for float32 on a CPU."""
         usable = self.kernels is not None and dtype == torch.float32 and metadata.positions.device.type == "cpu"
         large = self.bf16_gemm_inputs and metadata.num_tokens > self.fused_max_tokens
-        ops = StepOps(rotary, metadata.positions, dtype, self.kernels if usable else None,
-                      torch.bfloat16 if large else None)
+        ops = StepOps(
+            rotary, metadata.positions, dtype, self.kernels if usable else None, torch.bfloat16 if large else None
+        )
         return ExecutionStep(metadata, kv_cache, attention, ops, self)
 
     def fuses(self, layers: Sequence[DecoderLayer], step: ExecutionStep) -> bool:
@@ -276,14 +297,21 @@ class Executor:
             if reason is None:
                 if logger.isEnabledFor(logging.DEBUG):
                     why = "; ".join(refusals) or "first path"
-                    logger.debug("%d tokens, %d sequences, %d layers -> %s (%s)", step.num_tokens,
-                                 step.metadata.num_seqs, len(layers), path.name, why)
+                    logger.debug(
+                        "%d tokens, %d sequences, %d layers -> %s (%s)",
+                        step.num_tokens,
+                        step.metadata.num_seqs,
+                        len(layers),
+                        path.name,
+                        why,
+                    )
                 return path
             refusals.append(f"{path.name}: {reason}")
         raise AssertionError("the torch path accepts every step")
 
-    def run_layers(self, layers: Sequence[DecoderLayer], hidden: torch.Tensor,
-                   step: ExecutionStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layers(
+        self, layers: Sequence[DecoderLayer], hidden: torch.Tensor, step: ExecutionStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         path = self.choose(layers, step)
         self.counts[path.name] += 1
         return path.run(layers, hidden, step)
@@ -300,10 +328,17 @@ def _all_bf16_gemms(model: CausalLM) -> bool:
     sharded (whose all-reduce would then sum bf16 rows)."""
     from infer.model.quantization import PackedLinear
 
-    projections = [module for layer in model.layers for module in layer.modules()
-                   if isinstance(module, (torch.nn.Linear, PackedLinear))]  # a mixture's experts too
-    return bool(projections) and model.layers[0].self_attn.tensor_parallel is None and all(
-        isinstance(module, PackedLinear) and module.mode == "bf16" for module in projections)
+    projections = [
+        module
+        for layer in model.layers
+        for module in layer.modules()
+        if isinstance(module, (torch.nn.Linear, PackedLinear))
+    ]  # a mixture's experts too
+    return (
+        bool(projections)
+        and model.layers[0].self_attn.tensor_parallel is None
+        and all(isinstance(module, PackedLinear) and module.mode == "bf16" for module in projections)
+    )
 
 
 def choose_attention(name: str, registry, environment: AttentionEnvironment) -> str:
@@ -322,13 +357,16 @@ def choose_attention(name: str, registry, environment: AttentionEnvironment) -> 
         if priority is not None and (best_priority is None or priority > best_priority):
             best, best_priority = candidate, priority
     if best is None:
-        raise ValueError("attention.name=auto found no registered attention backend that runs here; name one "
-                         "(infer plugins lists them)")
+        raise ValueError(
+            "attention.name=auto found no registered attention backend that runs here; name one "
+            "(infer plugins lists them)"
+        )
     return best
 
 
-def build_executor(model: CausalLM, config, device: torch.device, dtype: torch.dtype,
-                   quantization: str = "none") -> Executor:
+def build_executor(
+    model: CausalLM, config, device: torch.device, dtype: torch.dtype, quantization: str = "none"
+) -> Executor:
     """How steps run through ``model`` for ``config`` (an ``InferConfig``): with infer's CPU kernels for float32 on
     a CPU (loaded once; ``model.cpu_kernels``), else torch's ops; bf16 weights' large steps on what
     ``execution.large_gemm`` chose (``executor.gemm``). Every tensor-parallel rank builds its own."""
@@ -341,16 +379,23 @@ def build_executor(model: CausalLM, config, device: torch.device, dtype: torch.d
     kernels = cpu_kernels.load(model_config.cpu_kernels) if usable else None
     # auto: prepared for the largest threshold calibration tries; ``build_model_stack`` sets the measured one.
     max_tokens = execution.fused_max_tokens
-    max_tokens = (max(CALIBRATION_CANDIDATES) if kernels is not None else DEFAULT_FUSED_MAX_TOKENS) \
-        if max_tokens == "auto" else max_tokens
+    max_tokens = (
+        (max(CALIBRATION_CANDIDATES) if kernels is not None else DEFAULT_FUSED_MAX_TOKENS)
+        if max_tokens == "auto"
+        else max_tokens
+    )
     gemm = None
     if kernels is not None and quantization == "bf16":
         gemm = choose_gemm(execution.large_gemm, model, kernels, execution.recalibrate)
     return Executor.for_model(model, kernels, execution.paths, max_tokens, gemm)
 
 
-def build_attention(registry, config, model: CausalLM, environment: AttentionEnvironment,
-                    ) -> tuple[str, AttentionBackend]:
+def build_attention(
+    registry,
+    config,
+    model: CausalLM,
+    environment: AttentionEnvironment,
+) -> tuple[str, AttentionBackend]:
     """The attention backend ``config.attention`` selects (``auto`` resolved by ``choose_attention``) over
     ``model``'s heads (a tensor-parallel rank's: its own), its ``auto`` settings resolved for ``environment`` by the
     backend itself (``AttentionBackend.resolve_config``), and its name."""
@@ -360,8 +405,14 @@ def build_attention(registry, config, model: CausalLM, environment: AttentionEnv
     settings = configured if name == configured.name else registry.config_model("attention", name)()
     settings = backend_class.resolve_config(settings, environment)
     backend = backend_class(
-        num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-        block_size=config.cache.block_size, dtype=environment.dtype, device=environment.device, config=settings)
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        block_size=config.cache.block_size,
+        dtype=environment.dtype,
+        device=environment.device,
+        config=settings,
+    )
     backend.set_layers(model.layer_attention)
     return name, backend
 
@@ -379,8 +430,9 @@ class ModelStack:
     reuses_freed_memory: bool = False  # ``execution.reuse_freed_memory`` applied (``infer.host.reuse_freed_memory``)
 
 
-def build_model_stack(registry, config, model: CausalLM, device: torch.device, dtype: torch.dtype,
-                      shard=None) -> ModelStack:
+def build_model_stack(
+    registry, config, model: CausalLM, device: torch.device, dtype: torch.dtype, shard=None
+) -> ModelStack:
     """``model`` sharded (``shard``: a tensor-parallel rank's ``shard(model)``), packed for ``model.quantization``,
     with its executor and attention backend: what the engine and every tensor-parallel rank build alike."""
     from infer.model.loader import resolve_model_path
@@ -391,14 +443,14 @@ def build_model_stack(registry, config, model: CausalLM, device: torch.device, d
     gguf = resolve_model_path(config.model.path) if quantization == "gguf" else None  # its blocks are kept
     model = quantize_model(model if shard is None else shard(model), quantization, gguf)
     executor = build_executor(model, config, device, dtype, quantization)
-    environment = AttentionEnvironment(device, dtype, quantization, executor.kernels is not None,
-                                       executor.float_gemms)
+    environment = AttentionEnvironment(device, dtype, quantization, executor.kernels is not None, executor.float_gemms)
     name, attention = build_attention(registry, config, model, environment)
     calibration = None
     if config.execution.fused_max_tokens == "auto" and executor.kernels is not None:
         if shard is None:
-            calibration = calibrate(model, attention, executor, quantization, device, dtype,
-                                    recalibrate=config.execution.recalibrate)
+            calibration = calibrate(
+                model, attention, executor, quantization, device, dtype, recalibrate=config.execution.recalibrate
+            )
             executor.set_fused_max_tokens(model, calibration.fused_max_tokens)
         else:  # sharded layers never fuse (an all-reduce follows two of their projections)
             executor.set_fused_max_tokens(model, DEFAULT_FUSED_MAX_TOKENS)

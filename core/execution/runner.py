@@ -38,9 +38,17 @@ class ModelRunner:
     tables, a few microseconds) and a bad id is refused with ``BlockTableError`` naming ``block_sources``, the
     plugins that hand blocks out."""
 
-    def __init__(self, model, attention: AttentionBackend, kv_cache: torch.Tensor, device: torch.device,
-                 executor: Executor | None = None, num_blocks: int | None = None,
-                 block_sources: str = "the allocator or the prefix cache", ranks=None):
+    def __init__(
+        self,
+        model,
+        attention: AttentionBackend,
+        kv_cache: torch.Tensor,
+        device: torch.device,
+        executor: Executor | None = None,
+        num_blocks: int | None = None,
+        block_sources: str = "the allocator or the prefix cache",
+        ranks=None,
+    ):
         self.model = model
         self.attention = attention
         self.kv_cache = kv_cache
@@ -57,12 +65,18 @@ class ModelRunner:
         input_ids: list[int] = []
         for seq, num_new in scheduled:
             input_ids.extend(step_tokens(seq, num_new))
-        trees = [tree_depths(seq.draft_parents[: num_new - 1]) if seq.draft_parents and num_new > 1 else None
-                 for seq, num_new in scheduled]
-        metadata = AttentionMetadata.build([seq.block_table for seq, _ in scheduled],
-                                           [seq.num_computed_tokens for seq, _ in scheduled],
-                                           [num_new for _, num_new in scheduled], self.block_size, self.device,
-                                           trees if any(trees) else None)
+        trees = [
+            tree_depths(seq.draft_parents[: num_new - 1]) if seq.draft_parents and num_new > 1 else None
+            for seq, num_new in scheduled
+        ]
+        metadata = AttentionMetadata.build(
+            [seq.block_table for seq, _ in scheduled],
+            [seq.num_computed_tokens for seq, _ in scheduled],
+            [num_new for _, num_new in scheduled],
+            self.block_size,
+            self.device,
+            trees if any(trees) else None,
+        )
         if self.num_blocks is not None:
             self.check_block_tables(scheduled, metadata.block_tables)
         return torch.tensor(input_ids, dtype=torch.int64, device=self.device), metadata
@@ -74,17 +88,20 @@ class ModelRunner:
             return
         seq = next(seq for seq, _ in scheduled if any(not 0 <= block < self.num_blocks for block in seq.block_table))
         bad = next(block for block in seq.block_table if not 0 <= block < self.num_blocks)
-        raise BlockTableError(f"sequence {seq.seq_id}: its block table holds block {bad}, outside the KV pool's "
-                              f"{self.num_blocks} blocks (ids 0..{self.num_blocks - 1}); {self.block_sources} handed "
-                              f"it out: a bug in that plugin (its conformance suite, infer.testing, may show it)")
+        raise BlockTableError(
+            f"sequence {seq.seq_id}: its block table holds block {bad}, outside the KV pool's "
+            f"{self.num_blocks} blocks (ids 0..{self.num_blocks - 1}); {self.block_sources} handed "
+            f"it out: a bug in that plugin (its conformance suite, infer.testing, may show it)"
+        )
 
     def move_kv(self, seq: Sequence, source: int, target: int) -> None:
         """Copy the K/V of ``seq``'s token index ``source`` over those of ``target`` in every layer of the pool (a
         draft tree's accepted leaf, written past the spine, to its position)."""
         size, table = self.block_size, seq.block_table
         slots = self.kv_cache.flatten(2, 3)  # [layers, 2, slots, kv_heads, head_dim]
-        slots[:, :, table[target // size] * size + target % size] = slots[:, :, table[source // size] * size +
-                                                                           source % size]
+        slots[:, :, table[target // size] * size + target % size] = slots[
+            :, :, table[source // size] * size + source % size
+        ]
 
     @staticmethod
     def logits_rows(scheduled: list[tuple[Sequence, int]]) -> tuple[list[int], list[BatchRows]]:
@@ -134,19 +151,25 @@ class ModelRunner:
         logits = logits.float()
         prompt_logits = None
         if prompt_rows:
-            logits, prompt_logits = logits[:len(indices)], logits[len(indices):]
+            logits, prompt_logits = logits[: len(indices)], logits[len(indices) :]
         output = StepOutput(logits=logits, rows=rows, prompt_logits=prompt_logits, prompt_rows=prompt_rows)
         if want_hidden:
             output.hidden_states, output.token_rows = hidden, self.token_rows(scheduled)
         return output
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, metadata: AttentionMetadata,
-                indices: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, input_ids: torch.Tensor, metadata: AttentionMetadata, indices: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model over one step's tokens: the final hidden states ``[T, hidden]`` and the logits of the tokens at
         ``indices`` (None on a tensor-parallel rank other than 0)."""
-        step = self.executor.step(self.model.rotary, self.attention.prepare(metadata), self.kv_cache, self.attention,
-                                  self.model.embed_tokens.weight.dtype)
+        step = self.executor.step(
+            self.model.rotary,
+            self.attention.prepare(metadata),
+            self.kv_cache,
+            self.attention,
+            self.model.embed_tokens.weight.dtype,
+        )
         hidden = self.model(input_ids, step)
         index = torch.tensor(indices, dtype=torch.int64, device=hidden.device)
         return hidden, self.model.compute_logits(hidden.index_select(0, index))

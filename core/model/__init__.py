@@ -15,15 +15,32 @@ from infer.model.decoder import MLP, Attention, CausalLM, DecoderLayer
 from infer.model.layers import Embedding, Linear, RMSNorm, gated_activation, silu_and_mul
 from infer.model.ops import StepOps
 from infer.model.rotary import (
-                                RotaryEmbedding,
-                                apply_rotary,
-                                default_inverse_frequencies,
-                                rope_inverse_frequencies,
-                                rope_parameters,
+    RotaryEmbedding,
+    apply_rotary,
+    default_inverse_frequencies,
+    rope_inverse_frequencies,
+    rope_parameters,
 )
 from infer.model.spec import DecoderSpec, RotaryTable
 
-__all__ = ["MLP", "Attention", "CausalLM", "DecoderLayer", "DecoderSpec", "Embedding", "Linear", "ModelArchitecture",
-           "RMSNorm", "RotaryEmbedding", "RotaryTable", "StepOps", "UnsupportedModelError", "apply_rotary",
-           "default_inverse_frequencies", "gated_activation", "rope_inverse_frequencies", "rope_parameters",
-           "silu_and_mul"]
+__all__ = [
+    "MLP",
+    "Attention",
+    "CausalLM",
+    "DecoderLayer",
+    "DecoderSpec",
+    "Embedding",
+    "Linear",
+    "ModelArchitecture",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RotaryTable",
+    "StepOps",
+    "UnsupportedModelError",
+    "apply_rotary",
+    "default_inverse_frequencies",
+    "gated_activation",
+    "rope_inverse_frequencies",
+    "rope_parameters",
+    "silu_and_mul",
+]

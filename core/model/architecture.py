@@ -53,11 +53,13 @@ class ModelArchitecture(WeightMap):
         set_fields = [field for field in cls.unsupported_fields if getattr(hf_config, field, None)]
         if set_fields:
             raise UnsupportedModelError(
-                f"{hf_config.model_type} config sets {', '.join(set_fields)}, which infer does not implement")
+                f"{hf_config.model_type} config sets {', '.join(set_fields)}, which infer does not implement"
+            )
         activation = getattr(hf_config, "hidden_act", None) or getattr(hf_config, "hidden_activation", "silu")
         if activation not in ACTIVATIONS:
-            raise UnsupportedModelError(f"unsupported activation {activation!r} in the model config; supported: "
-                                        f"{', '.join(ACTIVATIONS)}")
+            raise UnsupportedModelError(
+                f"unsupported activation {activation!r} in the model config; supported: {', '.join(ACTIVATIONS)}"
+            )
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         max_positions = max_positions or hf_config.max_position_embeddings
@@ -65,35 +67,54 @@ class ModelArchitecture(WeightMap):
         windows = layer_windows(hf_config)
         tables, layer_tables = cls.rotary_tables(hf_config, head_dim, max_positions)
         return DecoderSpec(
-            vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size, num_layers=hf_config.num_hidden_layers,
-            num_heads=heads, num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim, rms_norm_eps=hf_config.rms_norm_eps, max_positions=max_positions,
-            rotary=tables, layer_rotary=layer_tables,
-            layer_attention=tuple(FULL_ATTENTION if window is None else LayerAttention(window=window)
-                                  for window in windows),
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_positions=max_positions,
+            rotary=tables,
+            layer_rotary=layer_tables,
+            layer_attention=tuple(
+                FULL_ATTENTION if window is None else LayerAttention(window=window) for window in windows
+            ),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=bias, output_bias=bias, mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            activation=ACTIVATIONS[activation])
+            qkv_bias=bias,
+            output_bias=bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            activation=ACTIVATIONS[activation],
+        )
 
     @classmethod
-    def rotary_tables(cls, hf_config: Any, head_dim: int,
-                      max_positions: int) -> tuple[tuple[RotaryTable, ...], tuple[int, ...]]:
+    def rotary_tables(
+        cls, hf_config: Any, head_dim: int, max_positions: int
+    ) -> tuple[tuple[RotaryTable, ...], tuple[int, ...]]:
         """The RoPE tables and each layer's index into them: one table for every layer (the config's RoPE type,
         ``partial_rotary_factor`` honoured; LongRoPE's factors chosen once from ``max_positions``)."""
         inverse, scaling = rope_inverse_frequencies(hf_config, head_dim, max_positions=max_positions)
         return (RotaryTable(inverse, scaling),), (0,) * hf_config.num_hidden_layers
 
     @classmethod
-    def build(cls, hf_config: Any, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-              max_positions: int | None = None) -> CausalLM:
+    def build(
+        cls,
+        hf_config: Any,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        max_positions: int | None = None,
+    ) -> CausalLM:
         """infer's model for ``hf_config``, weights uninitialized (fill them with ``CausalLM.load_hf_state_dict``)."""
-        return CausalLM(cls.decoder_spec(hf_config, max_positions), dtype=dtype, device=device, weight_map=cls,
-                        hf_config=hf_config)
+        return CausalLM(
+            cls.decoder_spec(hf_config, max_positions), dtype=dtype, device=device, weight_map=cls, hf_config=hf_config
+        )
 
     @classmethod
-    def from_hf(cls, hf_model_or_config: Any, *, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> CausalLM:
+    def from_hf(
+        cls, hf_model_or_config: Any, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> CausalLM:
         """infer's model for a HF config (weights uninitialized) or a HF model (its weights copied), in eval mode."""
         if isinstance(hf_model_or_config, torch.nn.Module):
             model = cls.build(hf_model_or_config.config, dtype=dtype, device=device)

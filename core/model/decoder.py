@@ -36,8 +36,7 @@ class Attention(nn.Module):
     """Self-attention of one layer: fused QKV projection, the q/k head norms where the family has them, RoPE, the
     backend's paged attention, output projection."""
 
-    def __init__(self, spec: DecoderSpec, layer_index: int, dtype: torch.dtype,
-                 rotary: RotaryEmbedding | None = None):
+    def __init__(self, spec: DecoderSpec, layer_index: int, dtype: torch.dtype, rotary: RotaryEmbedding | None = None):
         super().__init__()
         self.layer_index = layer_index
         self.num_heads = spec.num_heads
@@ -106,8 +105,7 @@ class DecoderLayer(nn.Module):
     ``mlp_output_norm`` are the output norms (``ModelArchitecture.renamed`` maps them to a family's names).
     """
 
-    def __init__(self, spec: DecoderSpec, layer_index: int, dtype: torch.dtype,
-                 rotary: RotaryEmbedding | None = None):
+    def __init__(self, spec: DecoderSpec, layer_index: int, dtype: torch.dtype, rotary: RotaryEmbedding | None = None):
         super().__init__()
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
@@ -120,16 +118,18 @@ class DecoderLayer(nn.Module):
         # execution layer runs steps of a few tokens through it.
         self.fused: FusedLayer | None = None
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, step: ForwardStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         normed, residual = step.ops.norm(self.input_layernorm, hidden, residual, gemm_input=True)
         attended = self.self_attn(normed, step)
         if self.attn_output_norm is not None:
             attended = step.ops.norm(self.attn_output_norm, attended)[0]
         return self.feed_forward(attended, residual, step)
 
-    def feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor,
-                     step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def feed_forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor, step: ForwardStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The dense second half: the residual add, norm, MLP (what ``model.compile`` compiles)."""
         normed, residual = step.ops.norm(self.post_attention_layernorm, hidden, residual, gemm_input=True)
         out = self.mlp(normed, step)
@@ -142,8 +142,13 @@ class DecoderLayer(nn.Module):
         """Whether the CPU kernels' fused layer computes this layer: a Llama-shaped layer (a dense SwiGLU MLP, no
         output norms, its RoPE table the step's and rotating whole heads; q/k head norms the kernels apply)."""
         attn = self.self_attn
-        return (isinstance(self.mlp, MLP) and self.mlp.activation == "silu" and self.attn_output_norm is None
-                and attn.rotary is None and attn.rotary_dim == attn.head_dim)
+        return (
+            isinstance(self.mlp, MLP)
+            and self.mlp.activation == "silu"
+            and self.attn_output_norm is None
+            and attn.rotary is None
+            and attn.rotary_dim == attn.head_dim
+        )
 
     def use_cpu_kernels(self, kernels: CpuKernels | None, gemv_rows: int = 0, tile_fma: bool = False) -> None:
         """Let the packed projections compute inputs of up to ``gemv_rows`` rows with the kernels' GEMV (see
@@ -158,8 +163,10 @@ class DecoderLayer(nn.Module):
         for projection in projections:
             if hasattr(projection, "use_cpu_kernels"):  # PackedLinear
                 projection.use_cpu_kernels(kernels, gemv_rows, tile_fma)
-        weights = [getattr(projection, "blocks", None) or getattr(projection, "kernel_weight", None)  # GGUF's blocks
-                   for projection in projections]
+        weights = [
+            getattr(projection, "blocks", None) or getattr(projection, "kernel_weight", None)  # GGUF's blocks
+            for projection in projections
+        ]
         # A sharded layer all-reduces between its projections, which the fused C calls run back to back.
         if kernels is None or any(weight is None for weight in weights) or attn.tensor_parallel is not None:
             self.fused = None
@@ -168,14 +175,30 @@ class DecoderLayer(nn.Module):
             self.fused = None
             return
         norms = (self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach())
-        extra = {} if attn.q_norm is None else {
-            "head_norms": (attn.q_norm.weight.detach().float().contiguous(),
-                           attn.k_norm.weight.detach().float().contiguous())}
-        self.fused = FusedLayer(kernels, weights, [projection.kernel_scales for projection in projections],
-                                [projection.bias for projection in projections], norms, self.input_layernorm.eps,
-                                attn.q_size, attn.num_heads + attn.num_kv_heads, attn.head_dim,
-                                [projection.tile_weight for projection in projections],
-                                any(projection.tile_fma for projection in projections), **extra)
+        extra = (
+            {}
+            if attn.q_norm is None
+            else {
+                "head_norms": (
+                    attn.q_norm.weight.detach().float().contiguous(),
+                    attn.k_norm.weight.detach().float().contiguous(),
+                )
+            }
+        )
+        self.fused = FusedLayer(
+            kernels,
+            weights,
+            [projection.kernel_scales for projection in projections],
+            [projection.bias for projection in projections],
+            norms,
+            self.input_layernorm.eps,
+            attn.q_size,
+            attn.num_heads + attn.num_kv_heads,
+            attn.head_dim,
+            [projection.tile_weight for projection in projections],
+            any(projection.tile_fma for projection in projections),
+            **extra,
+        )
 
 
 class CausalLM(nn.Module):
@@ -211,14 +234,20 @@ class CausalLM(nn.Module):
         # Table 0 is every step's (``StepOps.rotary``); a layer on another keeps a reference to its own.
         self.rotary_tables = nn.ModuleList(
             RotaryEmbedding(table.inverse_frequencies, spec.max_positions, device, table.scaling)
-            for table in spec.rotary)
+            for table in spec.rotary
+        )
         self.rotary = self.rotary_tables[0]
         with torch.device(device):
             self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
             self.layers = nn.ModuleList(
-                DecoderLayer(spec, index, dtype,
-                             None if spec.layer_rotary[index] == 0 else self.rotary_tables[spec.layer_rotary[index]])
-                for index in range(self.num_layers))
+                DecoderLayer(
+                    spec,
+                    index,
+                    dtype,
+                    None if spec.layer_rotary[index] == 0 else self.rotary_tables[spec.layer_rotary[index]],
+                )
+                for index in range(self.num_layers)
+            )
             self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
             self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         if self.tie_word_embeddings:

@@ -50,8 +50,9 @@ def read_projections(path: Path, model: nn.Module) -> tuple[dict[str, BlockWeigh
             parts = ["token_embd.weight"]
         found = [tensors[part] for part in parts if part in tensors]
         if len(found) != len(parts):
-            raise ValueError(f"{path.name}: no tensor {[part for part in parts if part not in tensors]} for "
-                             f"{module_name}")
+            raise ValueError(
+                f"{path.name}: no tensor {[part for part in parts if part not in tensors]} for {module_name}"
+            )
         types = sorted({tensor.tensor_type.name for tensor in found})
         if len(types) != 1 or types[0] not in BLOCK_TYPES:
             others[module_name] = "+".join(types)
@@ -87,7 +88,13 @@ def warn_dequantized(path: Path, others: Mapping[str, str], mode: str) -> None:
     by_type: dict[str, list[str]] = {}
     for module_name, types in others.items():
         by_type.setdefault(types, []).append(module_name)
-    listed = "; ".join(f"{types}: {len(modules)} ({modules[0]}{', ...' if len(modules) > 1 else ''})"
-                       for types, modules in sorted(by_type.items()))
-    logger.warning("%s: projections stored as GGUF types the block kernels do not read are dequantized and packed "
-                   "as %s: %s", path.name, mode, listed)
+    listed = "; ".join(
+        f"{types}: {len(modules)} ({modules[0]}{', ...' if len(modules) > 1 else ''})"
+        for types, modules in sorted(by_type.items())
+    )
+    logger.warning(
+        "%s: projections stored as GGUF types the block kernels do not read are dequantized and packed as %s: %s",
+        path.name,
+        mode,
+        listed,
+    )

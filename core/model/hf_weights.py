@@ -54,8 +54,9 @@ class WeightMap:
 
 
 @torch.no_grad()
-def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
-                       weight_map: type[WeightMap] = WeightMap) -> None:
+def load_hf_state_dict(
+    model: nn.Module, state_dict: Mapping[str, torch.Tensor], weight_map: type[WeightMap] = WeightMap
+) -> None:
     """Copy HF-named weights into ``model``'s parameters as ``weight_map`` says (concatenating what our layout fuses),
     converting dtype and device. Raises ``ValueError`` naming any missing or unexpected tensors."""
     state_dict = weight_map.checkpoint_tensors(state_dict)

@@ -93,8 +93,7 @@ def resolve_model_path(path: str) -> Path:
     if candidate.is_file() and candidate.suffix == ".gguf":
         return candidate
     raise FileNotFoundError(
-        f"model {path!r} is not a known alias ({', '.join(ALIASES)}), a HF folder with config.json, "
-        "or a .gguf file"
+        f"model {path!r} is not a known alias ({', '.join(ALIASES)}), a HF folder with config.json, or a .gguf file"
     )
 
 
@@ -214,8 +213,9 @@ def load_model(
     return LoadedModel(model.eval(), tokenizer, hf_config, eos_token_ids(model_dir, hf_config, tokenizer), name)
 
 
-def choose_architecture(hf_config: Any, name: str = "auto", registry: Any = None,
-                        path: str = "") -> type[ModelArchitecture]:
+def choose_architecture(
+    hf_config: Any, name: str = "auto", registry: Any = None, path: str = ""
+) -> type[ModelArchitecture]:
     """The model family (a registered ``model`` plugin) that runs ``hf_config``: the one ``name`` names, else the
     one whose ``model_types``/``architectures`` match, a third party's before infer's own. Raises
     ``UnsupportedModelError`` in one line naming the families installed when none serves it."""
@@ -231,16 +231,19 @@ def choose_architecture(hf_config: Any, name: str = "auto", registry: Any = None
         raise UnsupportedModelError(
             f"model types {hf_config.model_type!r}: served by several model plugins "
             f"({', '.join(f'{spec.name} from {spec.distribution}' for spec in others)}); choose one with "
-            f"model.architecture")
+            f"model.architecture"
+        )
     chosen = others or own
     if not chosen:
         families = ", ".join(
             f"{spec.name} ({', '.join(registry.load('model', spec.name).model_types)})"
-            for spec in registry.specs("model"))
+            for spec in registry.specs("model")
+        )
         where = f"model {path!r}" if path else "the model"
         raise UnsupportedModelError(
             f"{where} is a {getattr(hf_config, 'model_type', None)!r} model, which no installed model plugin "
-            f"serves; installed: {families}")
+            f"serves; installed: {families}"
+        )
     return registry.load("model", chosen[0].name)
 
 

@@ -118,8 +118,9 @@ class MoE(nn.Module):
         self.top_k = experts.top_k
         self.norm_topk_prob = experts.norm_topk_prob
         self.router = Router(spec.hidden_size, experts.num_experts, dtype)
-        self.experts = nn.ModuleList(Expert(spec.hidden_size, experts.intermediate_size, dtype)
-                                     for _ in range(experts.num_experts))
+        self.experts = nn.ModuleList(
+            Expert(spec.hidden_size, experts.intermediate_size, dtype) for _ in range(experts.num_experts)
+        )
         # The experts' packed weights for the kernels' one-call path (``use_cpu_kernels``).
         self.packed: PackedExperts | None = None
 
@@ -167,12 +168,15 @@ class MoE(nn.Module):
                 if hasattr(projection, "use_cpu_kernels"):  # PackedLinear
                     projection.use_cpu_kernels(kernels, gemv_rows, tile_fma)
         self.packed = None
-        if kernels is None or any(getattr(projection, "kernel_weight", None) is None
-                                  for pair in projections for projection in pair):
+        if kernels is None or any(
+            getattr(projection, "kernel_weight", None) is None for pair in projections for projection in pair
+        ):
             return
         gate_ups, downs = zip(*projections, strict=True)
         int8 = gate_ups[0].kernel_scales is not None
-        self.packed = PackedExperts.of([projection.kernel_weight for projection in gate_ups],
-                                       [projection.kernel_weight for projection in downs],
-                                       [projection.kernel_scales for projection in gate_ups] if int8 else None,
-                                       [projection.kernel_scales for projection in downs] if int8 else None)
+        self.packed = PackedExperts.of(
+            [projection.kernel_weight for projection in gate_ups],
+            [projection.kernel_weight for projection in downs],
+            [projection.kernel_scales for projection in gate_ups] if int8 else None,
+            [projection.kernel_scales for projection in downs] if int8 else None,
+        )

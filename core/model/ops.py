@@ -25,8 +25,14 @@ class StepOps:
     output as it adds it to the residual). The values are those of rounding each GEMM's input to bf16, which the
     GEMM does anyway (the attention's output is rounded before the output projection, ``gemm_rows``)."""
 
-    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype,
-                 kernels: CpuKernels | None = None, gemm_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        kernels: CpuKernels | None = None,
+        gemm_dtype: torch.dtype | None = None,
+    ):
         self.kernels = kernels
         self.rotary = rotary
         self.positions = positions
@@ -34,8 +40,9 @@ class StepOps:
         if kernels is None:
             self.cos, self.sin = rotary(positions, dtype)
 
-    def rotate(self, qkv: torch.Tensor, num_heads: int, head_dim: int,
-               rotary: RotaryEmbedding | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(
+        self, qkv: torch.Tensor, num_heads: int, head_dim: int, rotary: RotaryEmbedding | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(qkv, heads)``: the QKV projection's output ``[T, width]`` in float32 (widened where this step narrows
         GEMM inputs), and its first ``num_heads`` heads rotated, ``[T, num_heads, head_dim]`` (with the
         kernels: rotated in place, a view of the returned ``qkv``; a bf16 output widened and rotated in one pass).
@@ -48,8 +55,7 @@ class StepOps:
             heads = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
             return qkv, apply_rotary(heads, cos, sin)
         if self.gemm_dtype is not None and qkv.dtype == self.gemm_dtype:  # set only with the kernels
-            qkv = self.kernels.rope_widened(qkv, self.positions, self.rotary.cos, self.rotary.sin, num_heads,
-                                            head_dim)
+            qkv = self.kernels.rope_widened(qkv, self.positions, self.rotary.cos, self.rotary.sin, num_heads, head_dim)
             return qkv, qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
         heads = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
         if self.kernels is None:
@@ -57,8 +63,9 @@ class StepOps:
         self.kernels.rope_(qkv, self.positions, self.rotary.cos, self.rotary.sin, num_heads, head_dim)
         return qkv, heads
 
-    def norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None,
-             gemm_input: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None, gemm_input: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(s), s)`` for ``s = residual + x`` (``s = x`` without a residual). The kernels add in place into
         ``residual``. ``gemm_input``: the normed rows feed a projection, so they come in ``gemm_dtype`` when set."""
         if self.kernels is None:
@@ -91,8 +98,9 @@ class StepOps:
             return gated_activation(gate_up.float(), activation).to(self.gemm_dtype)
         return gated_activation(gate_up, activation)
 
-    def head_norms(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int,
-                   num_kv_heads: int) -> torch.Tensor:
+    def head_norms(
+        self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int, num_kv_heads: int
+    ) -> torch.Tensor:
         """``qkv`` ``[T, width]`` with each of its first ``num_heads`` heads normed by ``q_norm`` and each of the
         next ``num_kv_heads`` by ``k_norm`` (RMSNorm over the head), values unchanged: Qwen3's and Gemma 3's q/k
         norms, before RoPE. Float32 out where this step narrows GEMM outputs."""

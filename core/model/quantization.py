@@ -71,8 +71,11 @@ def bf16_gemm_available() -> bool:
     """Whether this x86 CPU multiplies bf16 natively (AVX512-BF16 or AMX) through torch's oneDNN."""
     from infer.host import cpu_flags
 
-    return bool(cpu_flags() & BF16_CPU_FLAGS) and torch.backends.mkldnn.is_available() and \
-        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (
+        bool(cpu_flags() & BF16_CPU_FLAGS)
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 def resolve_quantization(name: str, dtype_setting: str, dtype: torch.dtype, device: torch.device) -> str:
@@ -88,14 +91,18 @@ def resolve_quantization(name: str, dtype_setting: str, dtype: torch.dtype, devi
         return name
     name = BLOCK_ALIASES.get(name, name)
     if name not in QUANTIZATIONS:
-        raise ValueError(f"unknown model.quantization {name!r}; choose one of auto, "
-                         f"{', '.join([*QUANTIZATIONS, *BLOCK_ALIASES])}")
+        raise ValueError(
+            f"unknown model.quantization {name!r}; choose one of auto, {', '.join([*QUANTIZATIONS, *BLOCK_ALIASES])}"
+        )
     if device.type != "cpu" or not fbgemm_available():
-        raise ValueError(f"model.quantization={name} needs a CPU build of torch with fbgemm (x86); this run is on "
-                         f"{device.type} with engines {torch.backends.quantized.supported_engines}")
+        raise ValueError(
+            f"model.quantization={name} needs a CPU build of torch with fbgemm (x86); this run is on "
+            f"{device.type} with engines {torch.backends.quantized.supported_engines}"
+        )
     if dtype != torch.float32:
-        raise ValueError(f"model.quantization={name} computes in float32; set model.dtype=float32 or auto "
-                         f"(got {dtype})")
+        raise ValueError(
+            f"model.quantization={name} computes in float32; set model.dtype=float32 or auto (got {dtype})"
+        )
     return name
 
 
@@ -154,8 +161,10 @@ class PackedLinear(nn.Module):
         elif mode in ("int8", "int8_per_row"):
             group = INT8_GROUP if mode == "int8" else self.in_features
             if self.in_features % group:
-                raise ValueError(f"model.quantization=int8 needs in_features % {group} == 0, got a linear layer "
-                                 f"{self.in_features} -> {self.out_features} (int8_per_row takes any)")
+                raise ValueError(
+                    f"model.quantization=int8 needs in_features % {group} == 0, got a linear layer "
+                    f"{self.in_features} -> {self.out_features} (int8_per_row takes any)"
+                )
             quantized, self.scales = int8_weights(weight, group)
             self.packed = torch.ops.quantized.linear_prepack_fp16(dequantize_int8(quantized, self.scales), bias)
             self.nbytes = weight.numel() * 2 + self.scales.numel() * 4
@@ -192,8 +201,8 @@ class PackedLinear(nn.Module):
 
     def use_cpu_kernels(self, kernels, gemv_rows: int = 0, tile_fma: bool = False) -> None:
         """Compute inputs of up to ``gemv_rows`` rows (decode at small batches, verification: the execution layer's
-``fused_max_tokens``) with ``kernels.linear`` (``fp16`` and the int8 modes, shapes ``pack_weights`` takes), over a copy
-        of the weights in its layout beside fbgemm's packed one: fp16, or the int8 weights and their scales. The
+        ``fused_max_tokens``) with ``kernels.linear`` (``fp16`` and the int8 modes, shapes ``pack_weights`` takes), over
+        a copy of the weights in its layout beside fbgemm's packed one: fp16, or the int8 weights and their scales. The
         streaming GEMV has no fixed per-call cost, where fbgemm pays 20-45 us at one row (docs/performance.md). Costs
         the copy's bytes (counted in ``nbytes``). bf16 on kernels with AMX or AVX512-BF16 (``kernels.tiles``): inputs of
         more rows than one GEMV pass (``kernels.pass_rows``), up to ``TILE_MAX_ROWS``, take ``kernels.linear_tiles``
@@ -250,12 +259,16 @@ class PackedLinear(nn.Module):
         rows = flat.shape[0]
         if self.blocks is not None:
             out = self.block_linear(flat)
-        elif self.kernels is not None and rows <= self.gemv_rows and \
-                (self.tile_weight is None or rows <= self.kernels.pass_rows):
+        elif (
+            self.kernels is not None
+            and rows <= self.gemv_rows
+            and (self.tile_weight is None or rows <= self.kernels.pass_rows)
+        ):
             out = self.kernels.linear(flat.float(), self.kernel_weight, self.kernel_scales, self.bias).to(x.dtype)
         elif self.tile_weight is not None and (self.tile_fma or rows <= TILE_MAX_ROWS):  # float32 or bf16 rows
-            out = self.kernels.linear_tiles(flat if flat.dtype == torch.bfloat16 else flat.float(), self.tile_weight,
-                                            self.bias, self.tile_fma)
+            out = self.kernels.linear_tiles(
+                flat if flat.dtype == torch.bfloat16 else flat.float(), self.tile_weight, self.bias, self.tile_fma
+            )
         elif self.mode == "bf16":  # bf16 rows in, bf16 rows out (``StepOps.gemm_dtype``); else float32
             out = bf16_linear(flat, self.packed)
             if self.bias is not None:
@@ -298,8 +311,13 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_linears(module: nn.Module, mode: str, shared: frozenset[int] = frozenset(),
-                     blocks: Mapping[str, BlockWeight] | None = None, prefix: str = "") -> nn.Module:
+def quantize_linears(
+    module: nn.Module,
+    mode: str,
+    shared: frozenset[int] = frozenset(),
+    blocks: Mapping[str, BlockWeight] | None = None,
+    prefix: str = "",
+) -> nn.Module:
     """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear`` (in place; returns ``module``).
     Weights whose ``id`` is in ``shared`` are kept on the packed module (see ``PackedLinear``). ``blocks``: weights
     already as blocks by module name under ``module`` (``layers.0.self_attn.qkv_proj``), each packed in its kind."""
@@ -309,8 +327,16 @@ def quantize_linears(module: nn.Module, mode: str, shared: frozenset[int] = froz
         full_name = prefix + name
         if isinstance(child, nn.Linear):
             given = (blocks or {}).get(full_name)
-            setattr(module, name, PackedLinear(child, given.kind if given is not None else mode,
-                                               keep_weight=id(child.weight) in shared, blocks=given))
+            setattr(
+                module,
+                name,
+                PackedLinear(
+                    child,
+                    given.kind if given is not None else mode,
+                    keep_weight=id(child.weight) in shared,
+                    blocks=given,
+                ),
+            )
         else:
             quantize_linears(child, mode, shared, blocks, full_name + ".")
     return module
@@ -335,8 +361,10 @@ def quantize_model(model: nn.Module, mode: str, gguf: Path | None = None) -> nn.
     from infer.model.gguf_blocks import read_projections, warn_dequantized
 
     if gguf is None or gguf.suffix != ".gguf":
-        raise ValueError(f"model.quantization=gguf keeps a GGUF file's blocks; model.path is {gguf} (set "
-                         f"model.quantization to q4 or q8 to quantize a float checkpoint)")
+        raise ValueError(
+            f"model.quantization=gguf keeps a GGUF file's blocks; model.path is {gguf} (set "
+            f"model.quantization to q4 or q8 to quantize a float checkpoint)"
+        )
     blocks, others = read_projections(gguf, model)
     warn_dequantized(gguf, others, "q8_0")
     return quantize_linears(model, "q8_0", shared, blocks)

@@ -36,8 +36,9 @@ def default_inverse_frequencies(theta: float, dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
-def rope_inverse_frequencies(config: Any, head_dim: int, *, max_positions: int | None = None,
-                             layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+def rope_inverse_frequencies(
+    config: Any, head_dim: int, *, max_positions: int | None = None, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
     """Per-pair rotation speeds ``[rotary_dim // 2]`` (float32; ``rotary_dim`` is ``head_dim`` times the config's
     ``partial_rotary_factor``) and the factor cos/sin are scaled by (1.0 but for ``yarn`` and ``longrope``), for the
     rope type of a HF config (of ``layer_type``'s entry where the config has one per layer type). Scaled types come
@@ -68,8 +69,9 @@ class RotaryEmbedding(nn.Module):
     The sin table's first half is negated (``[-sin, sin]``) so that ``apply_rotary`` needs only a half swap, no
     negation."""
 
-    def __init__(self, inverse_frequencies: torch.Tensor, max_positions: int, device: torch.device,
-                 scaling: float = 1.0):
+    def __init__(
+        self, inverse_frequencies: torch.Tensor, max_positions: int, device: torch.device, scaling: float = 1.0
+    ):
         super().__init__()
         self.rotary_dim = 2 * inverse_frequencies.numel()
         # Computed on the CPU whatever the device, so every device rotates by bit-identical angles.

@@ -20,13 +20,16 @@ def shard_model(model: CausalLM, plan: ShardPlan, group: TensorParallelGroup) ->
     columns, the output head's vocabulary rows (untied from the embedding, which stays whole). Raises
     ``UnsupportedModelError`` for a mixture of experts, which is not sharded yet."""
     if model.spec.experts is not None:
-        raise UnsupportedModelError("tensor parallelism does not shard mixture-of-experts layers yet; run this model "
-                                    "with parallel.tensor_parallel_size=1")
+        raise UnsupportedModelError(
+            "tensor parallelism does not shard mixture-of-experts layers yet; run this model "
+            "with parallel.tensor_parallel_size=1"
+        )
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         q_rows, kv_rows = _head_rows(plan.q_heads, attn.head_dim), _head_rows(plan.kv_heads, attn.head_dim)
-        attn.qkv_proj = _take_rows(attn.qkv_proj, torch.cat(
-            [q_rows, attn.q_size + kv_rows, attn.q_size + attn.kv_size + kv_rows]))
+        attn.qkv_proj = _take_rows(
+            attn.qkv_proj, torch.cat([q_rows, attn.q_size + kv_rows, attn.q_size + attn.kv_size + kv_rows])
+        )
         attn.o_proj = _take_columns(attn.o_proj, q_rows, keep_bias=plan.rank == 0)
         attn.num_heads, attn.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
         attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim

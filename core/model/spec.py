@@ -78,8 +78,10 @@ class DecoderSpec:
 
     def __post_init__(self):
         if len(self.layer_attention) != self.num_layers or len(self.layer_rotary) != self.num_layers:
-            raise ValueError(f"a decoder spec needs one attention and one RoPE table per layer ({self.num_layers}); "
-                             f"got {len(self.layer_attention)} and {len(self.layer_rotary)}")
+            raise ValueError(
+                f"a decoder spec needs one attention and one RoPE table per layer ({self.num_layers}); "
+                f"got {len(self.layer_attention)} and {len(self.layer_rotary)}"
+            )
         if any(not 0 <= index < len(self.rotary) for index in self.layer_rotary):
             raise ValueError(f"layer_rotary indexes {len(self.rotary)} RoPE tables: {self.layer_rotary}")
         if any(table.rotary_dim > self.head_dim for table in self.rotary):

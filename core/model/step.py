@@ -26,8 +26,7 @@ class ForwardStep(Protocol):
         ...
 
     @property
-    def num_tokens(self) -> int:
-        ...
+    def num_tokens(self) -> int: ...
 
     def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention backend's attention for one layer: writes this step's K/V into the layer's pool, then

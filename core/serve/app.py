@@ -62,8 +62,12 @@ class ServerState:
         """Accept the served name or the configured model path; OpenAI answers an unknown model with a 404."""
         engine = self.engine_loop.engine
         if requested is not None and requested not in (engine.model_name, engine.config.model.path):
-            raise ApiError(404, f"the model {requested!r} does not exist; this server serves {engine.model_name!r}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {requested!r} does not exist; this server serves {engine.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
 
 LOOPBACK_HOSTS = ["localhost", "127.0.0.1", "::1", "[::1]"]
@@ -80,8 +84,9 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self.guarded) and not self._authorized(scope):
-            error = ApiError(401, "invalid or missing API key; send the header 'Authorization: Bearer <key>'",
-                             code="invalid_api_key")
+            error = ApiError(
+                401, "invalid or missing API key; send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
             await error_response(error)(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -123,8 +128,9 @@ class BodyLimitMiddleware:
             await error_response(self._too_large())(scope, receive, send)
 
     def _too_large(self) -> ApiError:
-        return ApiError(413, f"the request body is larger than server.max_body_bytes={self.max_bytes}",
-                        code="request_too_large")
+        return ApiError(
+            413, f"the request body is larger than server.max_body_bytes={self.max_bytes}", code="request_too_large"
+        )
 
 
 class _BodyTooLarge(Exception):
@@ -158,10 +164,14 @@ async def health(request: Request) -> JSONResponse:
     """200 while the engine thread runs; the KV counts let tests and operators check that blocks come back."""
     state = server_state(request)
     snapshot = state.engine_loop.snapshot
-    body = {"status": "ok" if state.engine_loop.alive else "engine stopped",
-            "requests_running": snapshot.num_requests_running, "requests_waiting": snapshot.num_requests_waiting,
-            "kv_blocks_used": snapshot.kv_blocks_used, "kv_blocks_cached": snapshot.kv_blocks_cached,
-            "kv_blocks_total": snapshot.kv_blocks_total}
+    body = {
+        "status": "ok" if state.engine_loop.alive else "engine stopped",
+        "requests_running": snapshot.num_requests_running,
+        "requests_waiting": snapshot.num_requests_waiting,
+        "kv_blocks_used": snapshot.kv_blocks_used,
+        "kv_blocks_cached": snapshot.kv_blocks_cached,
+        "kv_blocks_total": snapshot.kv_blocks_total,
+    }
     return JSONResponse(body, status_code=200 if state.engine_loop.alive else 503)
 
 
@@ -204,11 +214,19 @@ async def _generate(request: Request, body, format_class, id_prefix: str) -> Res
         await _compile_constraint(state, params, body.api_field)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     stream = await _submit_all(state, request_id, body.engine_prompts(), params, body)
-    meta = ResponseMeta(request_id, int(time.time()), state.model_name, stream.num_samples, body.returns_logprobs,
-                        samples_per_prompt=params.n, choices_per_prompt=body.n)
+    meta = ResponseMeta(
+        request_id,
+        int(time.time()),
+        state.model_name,
+        stream.num_samples,
+        body.returns_logprobs,
+        samples_per_prompt=params.n,
+        choices_per_prompt=body.n,
+    )
     if body.stream:
-        response = EventStreamResponse(stream_events(stream, format_class(meta), body.include_usage, state.metrics),
-                                       stream)
+        response = EventStreamResponse(
+            stream_events(stream, format_class(meta), body.include_usage, state.metrics), stream
+        )
     else:
         response = await respond_when_done(request, stream, format_class(meta), state.metrics)
     response.headers["x-request-id"] = request_id  # the id (a batch's prompts: id-0, id-1, ...) the engine's log uses
@@ -255,8 +273,13 @@ async def _submit(state: ServerState, request_id: str, prompt, params, api_field
         return await state.engine_loop.submit(request_id, prompt, params, echo)
     except ServerBusy as error:
         state.metrics.observe_rejected("queue_full")
-        raise ApiError(429, f"the server is busy: {error}; retry later", "rate_limit_error",
-                       code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}) from error
+        raise ApiError(
+            429,
+            f"the server is busy: {error}; retry later",
+            "rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from error
     except EngineStopped as error:
         raise ApiError(503, str(error), "server_error") from error
     except RequestError as error:
@@ -277,10 +300,12 @@ def create_app(engine_loop: EngineLoop, api_key: str | None = None, settings: Se
 
     app = FastAPI(title="infer", lifespan=lifespan, docs_url=None, redoc_url=None)
     engine = engine_loop.engine
-    tool_parser = select_tool_parser(engine.registry, settings.tool_parser,
-                                     getattr(engine.tokenizer, "chat_template", None))
-    app.state.server = ServerState(engine_loop, api_key, ServerMetrics(settings.metrics_vllm_names),
-                                   tool_parser=tool_parser)
+    tool_parser = select_tool_parser(
+        engine.registry, settings.tool_parser, getattr(engine.tokenizer, "chat_template", None)
+    )
+    app.state.server = ServerState(
+        engine_loop, api_key, ServerMetrics(settings.metrics_vllm_names), tool_parser=tool_parser
+    )
     install_error_handlers(app)
     app.include_router(router)
     # Each middleware added wraps the ones before: the last added runs first.

@@ -60,6 +60,8 @@ class BatchedStream:
 
 
 def _summed(usages: list[Usage]) -> Usage:
-    return Usage(prompt_tokens=sum(usage.prompt_tokens for usage in usages),
-                 completion_tokens=sum(usage.completion_tokens for usage in usages),
-                 cached_tokens=sum(usage.cached_tokens for usage in usages))
+    return Usage(
+        prompt_tokens=sum(usage.prompt_tokens for usage in usages),
+        completion_tokens=sum(usage.completion_tokens for usage in usages),
+        cached_tokens=sum(usage.cached_tokens for usage in usages),
+    )

@@ -15,8 +15,9 @@ import sys
 
 import click
 
-CONFIG_HELP = ("CONFIG is a YAML file or a shipped config name (baseline); OVERRIDES are key=value, "
-               "e.g. server.max_waiting=64.")
+CONFIG_HELP = (
+    "CONFIG is a YAML file or a shipped config name (baseline); OVERRIDES are key=value, e.g. server.max_waiting=64."
+)
 
 
 @click.command("serve", epilog=CONFIG_HELP)
@@ -24,12 +25,24 @@ CONFIG_HELP = ("CONFIG is a YAML file or a shipped config name (baseline); OVERR
 @click.argument("overrides", nargs=-1)
 @click.option("--host", help="Address to bind (default: server.host from the config).")
 @click.option("--port", type=int, help="Port to bind (default: server.port from the config).")
-@click.option("--api-key", envvar="INFER_API_KEY",
-              help="Require this bearer token on /v1 routes (default: $INFER_API_KEY, then server.api_key).")
-@click.option("--data-parallel-size", type=click.IntRange(min=1),
-              help="Engine replicas behind a router on the address (default: parallel.data_parallel_size).")
-def serve(config: str, overrides: tuple[str, ...], host: str | None, port: int | None, api_key: str | None,
-          data_parallel_size: int | None) -> None:
+@click.option(
+    "--api-key",
+    envvar="INFER_API_KEY",
+    help="Require this bearer token on /v1 routes (default: $INFER_API_KEY, then server.api_key).",
+)
+@click.option(
+    "--data-parallel-size",
+    type=click.IntRange(min=1),
+    help="Engine replicas behind a router on the address (default: parallel.data_parallel_size).",
+)
+def serve(
+    config: str,
+    overrides: tuple[str, ...],
+    host: str | None,
+    port: int | None,
+    api_key: str | None,
+    data_parallel_size: int | None,
+) -> None:
     """Serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     overrides = list(overrides)
     if data_parallel_size is not None:
@@ -39,16 +52,35 @@ def serve(config: str, overrides: tuple[str, ...], host: str | None, port: int |
 
 @click.command("router", epilog=CONFIG_HELP)
 @click.argument("overrides", nargs=-1)
-@click.option("--replica", "replicas", multiple=True, required=True,
-              help="A replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each).")
-@click.option("--config", "config", default="baseline", show_default=True,
-              help="Config whose router and server sections apply (OVERRIDES change them: router.policy=...).")
+@click.option(
+    "--replica",
+    "replicas",
+    multiple=True,
+    required=True,
+    help="A replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each).",
+)
+@click.option(
+    "--config",
+    "config",
+    default="baseline",
+    show_default=True,
+    help="Config whose router and server sections apply (OVERRIDES change them: router.policy=...).",
+)
 @click.option("--host", help="Address to bind (default: server.host from the config).")
 @click.option("--port", type=int, help="Port to bind (default: server.port from the config).")
-@click.option("--api-key", envvar="INFER_API_KEY", help="Require this bearer token on /metrics (the replicas check "
-                                                        "/v1 themselves; the router forwards the header).")
-def router_command(overrides: tuple[str, ...], replicas: tuple[str, ...], config: str, host: str | None,
-                   port: int | None, api_key: str | None) -> None:
+@click.option(
+    "--api-key",
+    envvar="INFER_API_KEY",
+    help="Require this bearer token on /metrics (the replicas check /v1 themselves; the router forwards the header).",
+)
+def router_command(
+    overrides: tuple[str, ...],
+    replicas: tuple[str, ...],
+    config: str,
+    host: str | None,
+    port: int | None,
+    api_key: str | None,
+) -> None:
     """Route OpenAI API requests over running infer serve replicas (prefix_affinity or round_robin)."""
     from infer.config import load_config
     from infer.serve.replicas import run_router
@@ -57,8 +89,9 @@ def router_command(overrides: tuple[str, ...], replicas: tuple[str, ...], config
     run_router(list(replicas), load_config(config, list(overrides)), host, port, api_key)
 
 
-def serve_command(config: str, overrides: list[str], host: str | None = None, port: int | None = None,
-                  api_key: str | None = None) -> None:
+def serve_command(
+    config: str, overrides: list[str], host: str | None = None, port: int | None = None, api_key: str | None = None
+) -> None:
     """Build the engine and serve until told to stop. Command-line values win over the config's ``server``."""
     import uvicorn
 
@@ -79,10 +112,18 @@ def serve_command(config: str, overrides: list[str], host: str | None = None, po
     bound = settings if host is None else settings.model_copy(update={"host": host})
     engine_loop = EngineLoop(engine, settings.max_waiting)
     app = create_app(engine_loop, api_key=api_key or settings.api_key, settings=bound)
-    server = _graceful_server(uvicorn.Config(
-        app, host=bound.host, port=settings.port if port is None else port, access_log=False,
-        timeout_graceful_shutdown=settings.shutdown_timeout_s + _CANCEL_BACKSTOP_S, log_level="info"),
-        engine_loop, abort_after_s=settings.shutdown_timeout_s * _ABORT_AT)
+    server = _graceful_server(
+        uvicorn.Config(
+            app,
+            host=bound.host,
+            port=settings.port if port is None else port,
+            access_log=False,
+            timeout_graceful_shutdown=settings.shutdown_timeout_s + _CANCEL_BACKSTOP_S,
+            log_level="info",
+        ),
+        engine_loop,
+        abort_after_s=settings.shutdown_timeout_s * _ABORT_AT,
+    )
     # uvicorn re-raises the signal that stopped it once it has shut down; this handler turns that into exit 0.
     signal.signal(signal.SIGTERM, _exit_after_shutdown)
     try:

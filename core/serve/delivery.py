@@ -42,8 +42,9 @@ def event(body: BaseModel) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
-async def stream_events(stream: RequestStream, response_format, include_usage: bool,
-                        metrics: ServerMetrics) -> AsyncIterator[str]:
+async def stream_events(
+    stream: RequestStream, response_format, include_usage: bool, metrics: ServerMetrics
+) -> AsyncIterator[str]:
     """Chunks as the engine produces them (one per sample that moved), an optional usage chunk, then ``[DONE]``."""
     for chunk in response_format.opening_chunks():
         yield event(chunk)
@@ -67,8 +68,9 @@ async def stream_events(stream: RequestStream, response_format, include_usage: b
     yield DONE_EVENT
 
 
-async def respond_when_done(request: Request, stream: RequestStream, response_format,
-                            metrics: ServerMetrics) -> Response:
+async def respond_when_done(
+    request: Request, stream: RequestStream, response_format, metrics: ServerMetrics
+) -> Response:
     """The whole response once the request finishes; aborts it (and answers nothing) if the client leaves first."""
     collecting = asyncio.ensure_future(_collect(stream, stream.num_samples))
     disconnect = asyncio.ensure_future(_client_disconnect(request))
@@ -101,4 +103,3 @@ async def _client_disconnect(request: Request) -> None:
     # The body has been read, so the next ASGI message is the disconnect (or comes after the response is sent).
     while (await request.receive())["type"] != "http.disconnect":
         pass
-

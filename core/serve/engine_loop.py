@@ -50,10 +50,13 @@ class EngineSnapshot:
         running = {seq.request_id for seq in engine.running}
         waiting = {seq.request_id for seq in engine.waiting} - running
         return cls(
-            num_requests_running=len(running), num_requests_waiting=len(waiting),
-            kv_blocks_used=engine.num_blocks_used, kv_blocks_cached=engine.prefix_cache.num_cached_blocks,
+            num_requests_running=len(running),
+            num_requests_waiting=len(waiting),
+            kv_blocks_used=engine.num_blocks_used,
+            kv_blocks_cached=engine.prefix_cache.num_cached_blocks,
             kv_blocks_total=engine.allocator.capacity,
-            stats=replace(stats, sequences_finished=dict(stats.sequences_finished)))
+            stats=replace(stats, sequences_finished=dict(stats.sequences_finished)),
+        )
 
 
 class RequestStream:
@@ -227,8 +230,9 @@ class EngineLoop:
             logger.warning("request %s: could not prepare the prompt: %s", request_id, error)
             refusal = RequestError(f"could not prepare the prompt: {error}", "prompt")
             return [partial(_settle, command.accepted, refusal)]
-        self._tracked[request_id] = _Tracked(command.stream, RequestProgress(command.params.n, self._token_text,
-                                                                               command.echo))
+        self._tracked[request_id] = _Tracked(
+            command.stream, RequestProgress(command.params.n, self._token_text, command.echo)
+        )
         return [partial(_settle, command.accepted, None)]
 
     def _step(self) -> list:

@@ -23,8 +23,15 @@ MAX_LISTED_ERRORS = 3
 class ApiError(Exception):
     """A failure answered with OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))

@@ -58,24 +58,42 @@ class ServerMetrics:
 
     def __init__(self, vllm_names: bool = False):
         self.vllm_names = vllm_names
-        self.queue_time = Histogram(f"{PREFIX}_request_queue_time_seconds",
-                                    "Arrival to the first step that computed the request's tokens.", QUEUE_BUCKETS_S,
-                                    "vllm:request_queue_time_seconds")
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first output token, per request.",
-                              TTFT_BUCKETS_S, "vllm:time_to_first_token_seconds")
-        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
-                              "Mean gap between output tokens after the first, per request.", TPOT_BUCKETS_S,
-                              "vllm:time_per_output_token_seconds")
-        self.latency = Histogram(f"{PREFIX}_request_latency_seconds", "Arrival to last output token, per request.",
-                                 LATENCY_BUCKETS_S, "vllm:e2e_request_latency_seconds")
+        self.queue_time = Histogram(
+            f"{PREFIX}_request_queue_time_seconds",
+            "Arrival to the first step that computed the request's tokens.",
+            QUEUE_BUCKETS_S,
+            "vllm:request_queue_time_seconds",
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Arrival to first output token, per request.",
+            TTFT_BUCKETS_S,
+            "vllm:time_to_first_token_seconds",
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "Mean gap between output tokens after the first, per request.",
+            TPOT_BUCKETS_S,
+            "vllm:time_per_output_token_seconds",
+        )
+        self.latency = Histogram(
+            f"{PREFIX}_request_latency_seconds",
+            "Arrival to last output token, per request.",
+            LATENCY_BUCKETS_S,
+            "vllm:e2e_request_latency_seconds",
+        )
         self.rejected = Counter()
 
     def observe_finished(self, metrics: RequestMetrics | None, finish_reasons: list[str | None] = ()) -> None:
         """A request has finished (its sequences' reasons are counted by the engine)."""
         if metrics is None:
             return
-        for histogram, value in ((self.queue_time, metrics.queue_time_s), (self.ttft, metrics.ttft_s),
-                                 (self.tpot, metrics.tpot_s), (self.latency, metrics.latency_s)):
+        for histogram, value in (
+            (self.queue_time, metrics.queue_time_s),
+            (self.ttft, metrics.ttft_s),
+            (self.tpot, metrics.tpot_s),
+            (self.latency, metrics.latency_s),
+        ):
             if value is not None:
                 histogram.observe(value)
 
@@ -90,33 +108,64 @@ class ServerMetrics:
     def families(self, snapshot: EngineSnapshot):
         stats = snapshot.stats
         gauges = [
-            ("requests_running", "Requests with a sequence in the running batch.", snapshot.num_requests_running,
-             "vllm:num_requests_running"),
-            ("requests_waiting", "Requests queued for admission.", snapshot.num_requests_waiting,
-             "vllm:num_requests_waiting"),
+            (
+                "requests_running",
+                "Requests with a sequence in the running batch.",
+                snapshot.num_requests_running,
+                "vllm:num_requests_running",
+            ),
+            (
+                "requests_waiting",
+                "Requests queued for admission.",
+                snapshot.num_requests_waiting,
+                "vllm:num_requests_waiting",
+            ),
             ("kv_blocks_used", "KV blocks held by requests or the prefix cache.", snapshot.kv_blocks_used, None),
             ("kv_blocks_cached", "KV blocks held by the prefix cache.", snapshot.kv_blocks_cached, None),
             ("kv_blocks_total", "KV blocks in the pool.", snapshot.kv_blocks_total, None),
-            ("kv_cache_usage_ratio", "KV blocks used / blocks in the pool.",
-             snapshot.kv_blocks_used / snapshot.kv_blocks_total if snapshot.kv_blocks_total else 0.0,
-             "vllm:kv_cache_usage_perc"),
-            ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens.",
-             stats.prefix_hit_rate, None),
-            ("spec_decode_mean_accepted_per_pass", "Tokens committed per verify pass (bonus included).",
-             stats.mean_accepted_per_pass, None),
+            (
+                "kv_cache_usage_ratio",
+                "KV blocks used / blocks in the pool.",
+                snapshot.kv_blocks_used / snapshot.kv_blocks_total if snapshot.kv_blocks_total else 0.0,
+                "vllm:kv_cache_usage_perc",
+            ),
+            (
+                "prefix_cache_hit_rate",
+                "Prompt tokens served from the prefix cache / prompt tokens.",
+                stats.prefix_hit_rate,
+                None,
+            ),
+            (
+                "spec_decode_mean_accepted_per_pass",
+                "Tokens committed per verify pass (bonus included).",
+                stats.mean_accepted_per_pass,
+                None,
+            ),
         ]
         for name, help_text, value, vllm_name in gauges:
-            yield from self._named(lambda full: GaugeMetricFamily(full, help_text, value=value),
-                                   f"{PREFIX}_{name}", vllm_name)
+            yield from self._named(
+                lambda full: GaugeMetricFamily(full, help_text, value=value), f"{PREFIX}_{name}", vllm_name
+            )
         for counter in ENGINE_COUNTERS:
             value = getattr(stats, counter.attribute)
-            yield from self._named(lambda full: CounterMetricFamily(full, counter.help, value=value),
-                                   f"{PREFIX}_{counter.name}", counter.vllm_name)
-        yield from self._named(lambda full: _labelled(full, "Finished sequences (a request has n) by finish reason.",
-                                                      "finish_reason", stats.sequences_finished),
-                               f"{PREFIX}_sequences_finished_total", "vllm:request_success_total")
-        yield _labelled(f"{PREFIX}_requests_rejected_total", "Requests refused before reaching the engine.", "reason",
-                        self.rejected)
+            yield from self._named(
+                lambda full: CounterMetricFamily(full, counter.help, value=value),
+                f"{PREFIX}_{counter.name}",
+                counter.vllm_name,
+            )
+        yield from self._named(
+            lambda full: _labelled(
+                full,
+                "Finished sequences (a request has n) by finish reason.",
+                "finish_reason",
+                stats.sequences_finished,
+            ),
+            f"{PREFIX}_sequences_finished_total",
+            "vllm:request_success_total",
+        )
+        yield _labelled(
+            f"{PREFIX}_requests_rejected_total", "Requests refused before reaching the engine.", "reason", self.rejected
+        )
         for histogram in (self.queue_time, self.ttft, self.tpot, self.latency):
             yield from self._named(histogram.family, histogram.name, histogram.vllm_name)
 

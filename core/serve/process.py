@@ -26,12 +26,28 @@ LAUNCHER = "from infer.serve.cli import serve; serve()"
 class ServerProcess:
     """A running server: ``url`` (``http://127.0.0.1:PORT``), ``process``, and its combined output in ``log_path``."""
 
-    def __init__(self, config: str, overrides: list[str] = (), api_key: str | None = None,
-                 startup_timeout_s: float = 300.0, log_path: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        config: str,
+        overrides: list[str] = (),
+        api_key: str | None = None,
+        startup_timeout_s: float = 300.0,
+        log_path: str | os.PathLike | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
-        self.command = [sys.executable, "-c", LAUNCHER, config, *overrides, "--host", LOOPBACK,
-                        "--port", str(self.port), *(["--api-key", api_key] if api_key else [])]
+        self.command = [
+            sys.executable,
+            "-c",
+            LAUNCHER,
+            config,
+            *overrides,
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(self.port),
+            *(["--api-key", api_key] if api_key else []),
+        ]
         self.startup_timeout_s = startup_timeout_s
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="infer-serve-", suffix=".log")[1])
         self.process: subprocess.Popen | None = None
@@ -83,8 +99,23 @@ class ServerProcess:
 class RouterProcess(ServerProcess):
     """``infer router`` over running replicas at ``urls`` as a child process (``overrides``: ``router.policy=...``)."""
 
-    def __init__(self, urls: list[str], overrides: list[str] = (), startup_timeout_s: float = 60.0,
-                 log_path: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        urls: list[str],
+        overrides: list[str] = (),
+        startup_timeout_s: float = 60.0,
+        log_path: str | os.PathLike | None = None,
+    ):
         super().__init__("baseline", overrides, startup_timeout_s=startup_timeout_s, log_path=log_path)
-        self.command = [sys.executable, "-m", "infer", "router", *overrides, *[f"--replica={url}" for url in urls],
-                        "--host", LOOPBACK, "--port", str(self.port)]
+        self.command = [
+            sys.executable,
+            "-m",
+            "infer",
+            "router",
+            *overrides,
+            *[f"--replica={url}" for url in urls],
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(self.port),
+        ]

@@ -45,8 +45,11 @@ def _nulls_as_absent(model: type[BaseModel], data: object) -> object:
     if not isinstance(data, dict):
         return data
     fields = model.model_fields
-    return {key: value for key, value in data.items()
-            if not (value is None and key in fields and fields[key].default is not None and key not in NULL_IS_A_VALUE)}
+    return {
+        key: value
+        for key, value in data.items()
+        if not (value is None and key in fields and fields[key].default is not None and key not in NULL_IS_A_VALUE)
+    }
 
 
 class JsonSchemaFormat(BaseModel):
@@ -84,8 +87,12 @@ class StructuredOutputs(BaseModel):
 
 
 # vLLM's older extras, each one constraint kind of infer.guide.Constraint.
-GUIDED_KINDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
-                "guided_grammar": "grammar"}
+GUIDED_KINDS = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 # Where a request may ask for a constraint (at most one of them).
 CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *GUIDED_KINDS)
 
@@ -99,6 +106,7 @@ class SamplingFields(BaseModel):
     @classmethod
     def _null_means_default(cls, data: object) -> object:
         return _nulls_as_absent(cls, data)
+
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -142,8 +150,12 @@ class SamplingFields(BaseModel):
         return engine_field
 
     def _constraint_field(self) -> str | None:
-        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None
-                 and not (name == "response_format" and self.response_format.type == "text")]
+        given = [
+            name
+            for name in CONSTRAINT_FIELDS
+            if getattr(self, name) is not None
+            and not (name == "response_format" and self.response_format.type == "text")
+        ]
         if len(given) > 1:
             raise SamplingParamsError(given[1], f"ask for one constraint; got {', '.join(given)}")
         return given[0] if given else None
@@ -188,9 +200,18 @@ class SamplingFields(BaseModel):
             top_p=defaults.top_p if self.top_p is None else self.top_p,
             top_k=defaults.top_k if self.top_k is None else self.top_k,
             min_p=defaults.min_p if self.min_p is None else self.min_p,
-            seed=self.seed, stop=self.stop or [], min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, n=self.n,
-            logprobs=logprobs, constraint=self.constraint(), priority=self.priority, tenant=self.user,
-            ttft_slo_s=self.ttft_slo_s, logit_bias=self.logit_bias or {})
+            seed=self.seed,
+            stop=self.stop or [],
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            logprobs=logprobs,
+            constraint=self.constraint(),
+            priority=self.priority,
+            tenant=self.user,
+            ttft_slo_s=self.ttft_slo_s,
+            logit_bias=self.logit_bias or {},
+        )
         return SamplingParams(**{**fields, **engine_fields})
 
 
@@ -200,8 +221,12 @@ class CompletionRequest(SamplingFields):
     logprobs first; ``max_tokens: 0`` then scores a prompt); ``best_of`` draws that many samples of each prompt and
     returns the ``n`` of highest cumulative logprob."""
 
-    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | list[int]
-             | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)])
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | list[int]
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -233,13 +258,15 @@ class CompletionRequest(SamplingFields):
         if self.best_of is not None and self.best_of < self.n:
             raise SamplingParamsError("best_of", f"must be at least n ({self.n}), got {self.best_of}")
         if self.best_of is not None and self.best_of > self.n and self.stream:
-            raise SamplingParamsError("best_of", "above n it cannot be streamed: the best samples are known only at "
-                                                 "the end")
+            raise SamplingParamsError(
+                "best_of", "above n it cannot be streamed: the best samples are known only at the end"
+            )
         logprobs = self.logprobs
         if logprobs is None and self.samples_per_prompt > self.n:
             logprobs = 0
-        return self.sampling_params(self.max_tokens, logprobs, n=self.samples_per_prompt,
-                                    prompt_logprobs=self.logprobs if self.echo else None)
+        return self.sampling_params(
+            self.max_tokens, logprobs, n=self.samples_per_prompt, prompt_logprobs=self.logprobs if self.echo else None
+        )
 
     def engine_prompts(self) -> list[str | list[int]]:
         """One engine prompt per prompt of the batch."""
@@ -364,8 +391,9 @@ class ChatCompletionRequest(SamplingFields):
         if not names:
             raise SamplingParamsError("tool_choice", "a call is required but no tools are given")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise SamplingParamsError("tool_choice", f"{choice.function.name!r} is not one of the tools "
-                                                     f"({', '.join(names)})")
+            raise SamplingParamsError(
+                "tool_choice", f"{choice.function.name!r} is not one of the tools ({', '.join(names)})"
+            )
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:
@@ -389,8 +417,9 @@ class ChatCompletionRequest(SamplingFields):
             return super().constraint()
         given = self._constraint_field()
         if given is not None:
-            raise SamplingParamsError("tool_choice", f"a forced tool call is its own constraint; {given} cannot be "
-                                                     f"combined with it")
+            raise SamplingParamsError(
+                "tool_choice", f"a forced tool call is its own constraint; {given} cannot be combined with it"
+            )
         choice = self.effective_tool_choice
         try:
             return forced_call_constraint(self.tool_dicts(), None if choice == "required" else choice.function.name)
@@ -524,8 +553,9 @@ class DeltaFunctionCall(BaseModel):
 
     @model_serializer
     def _without_empty_fields(self) -> dict:
-        return {name: value for name, value in (("name", self.name), ("arguments", self.arguments))
-                if value is not None}
+        return {
+            name: value for name, value in (("name", self.name), ("arguments", self.arguments)) if value is not None
+        }
 
 
 class DeltaToolCall(BaseModel):

@@ -23,8 +23,19 @@ logger = logging.getLogger("infer.router")
 
 
 def replica_command(config: str, overrides: list[str], port: int) -> list[str]:
-    return [sys.executable, "-m", "infer", "serve", config, *overrides, "parallel.data_parallel_size=1",
-            "--host", "127.0.0.1", "--port", str(port)]
+    return [
+        sys.executable,
+        "-m",
+        "infer",
+        "serve",
+        config,
+        *overrides,
+        "parallel.data_parallel_size=1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -53,10 +64,16 @@ class Replicas:
             gpus = resolved.parallel.tensor_parallel_size
             if resolved.model.resolved_device().startswith("cuda"):
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index * gpus + g) for g in range(gpus))
-            self.processes.append(subprocess.Popen(replica_command(config, overrides, port), env=env,
-                                                   preexec_fn=_die_with_parent if sys.platform == "linux" else None))
-        logger.info("started %d replicas on %s (%s threads each)", self.size, ", ".join(self.urls),
-                    env["OMP_NUM_THREADS"])
+            self.processes.append(
+                subprocess.Popen(
+                    replica_command(config, overrides, port),
+                    env=env,
+                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                )
+            )
+        logger.info(
+            "started %d replicas on %s (%s threads each)", self.size, ", ".join(self.urls), env["OMP_NUM_THREADS"]
+        )
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Block until every replica answers ``/health`` with 200; raise ``RuntimeError`` naming a replica that
@@ -67,16 +84,16 @@ class Replicas:
             for index in sorted(pending):
                 code = self.processes[index].poll()
                 if code is not None:
-                    raise RuntimeError(f"replica {index} exited with status {code} while loading; see its output "
-                                       f"above")
+                    raise RuntimeError(f"replica {index} exited with status {code} while loading; see its output above")
                 try:
                     if httpx.get(f"{self.urls[index]}/health", timeout=2.0).status_code == 200:
                         pending.discard(index)
                 except httpx.HTTPError:
                     pass
             if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"replicas {sorted(pending)} did not answer /health within "
-                                   f"router.startup_timeout_s={timeout_s:g} s")
+                raise RuntimeError(
+                    f"replicas {sorted(pending)} did not answer /health within router.startup_timeout_s={timeout_s:g} s"
+                )
             if pending:
                 time.sleep(0.25)
 
@@ -94,8 +111,9 @@ class Replicas:
                 process.wait()
 
 
-def serve_data_parallel(config: str, overrides: list[str], host: str | None, port: int | None,
-                        api_key: str | None, resolved) -> None:
+def serve_data_parallel(
+    config: str, overrides: list[str], host: str | None, port: int | None, api_key: str | None, resolved
+) -> None:
     """Start the replicas, then the router on ``host:port`` (the config's ``server`` address by default) until
     SIGTERM or Ctrl-C; then stop the replicas."""
     replicas = Replicas(config, overrides, resolved, api_key)
@@ -117,9 +135,16 @@ def run_router(urls: list[str], resolved, host: str | None, port: int | None, ap
     settings = resolved.server if host is None else resolved.server.model_copy(update={"host": host})
     app = create_router_app(urls, resolved.router, api_key or settings.api_key, settings.metrics_public)
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(settings))
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port if port is None else port,
-                                           access_log=False, log_level="info",
-                                           timeout_graceful_shutdown=settings.shutdown_timeout_s))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port if port is None else port,
+            access_log=False,
+            log_level="info",
+            timeout_graceful_shutdown=settings.shutdown_timeout_s,
+        )
+    )
     # uvicorn re-raises the signal that stopped it once it has shut down; this handler turns that into exit 0.
     signal.signal(signal.SIGTERM, _exit_zero)
     server.run()

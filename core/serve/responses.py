@@ -51,9 +51,12 @@ class ResponseMeta:
 
 
 def usage_info(usage: Usage) -> UsageInfo:
-    return UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                     total_tokens=usage.prompt_tokens + usage.completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens))
+    return UsageInfo(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.prompt_tokens + usage.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+    )
 
 
 class Collector:
@@ -85,17 +88,28 @@ class CompletionFormat:
         return []
 
     def chunks(self, deltas: list[SampleDelta]) -> list[BaseModel]:
-        return [CompletionResponse(id=self.meta.id, created=self.meta.created, model=self.meta.model,
-                                   choices=[self._choice(delta) for delta in deltas])]
+        return [
+            CompletionResponse(
+                id=self.meta.id,
+                created=self.meta.created,
+                model=self.meta.model,
+                choices=[self._choice(delta) for delta in deltas],
+            )
+        ]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
-        return CompletionResponse(id=self.meta.id, created=self.meta.created, model=self.meta.model, choices=[],
-                                  usage=usage_info(usage))
+        return CompletionResponse(
+            id=self.meta.id, created=self.meta.created, model=self.meta.model, choices=[], usage=usage_info(usage)
+        )
 
     def response(self, samples: list[SampleDelta], usage: Usage) -> BaseModel:
-        return CompletionResponse(id=self.meta.id, created=self.meta.created, model=self.meta.model,
-                                  choices=[self._choice(sample) for sample in self._best(samples)],
-                                  usage=usage_info(usage))
+        return CompletionResponse(
+            id=self.meta.id,
+            created=self.meta.created,
+            model=self.meta.model,
+            choices=[self._choice(sample) for sample in self._best(samples)],
+            usage=usage_info(usage),
+        )
 
     def _best(self, samples: list[SampleDelta]) -> list[SampleDelta]:
         """best_of: each prompt's ``choices_per_prompt`` samples of highest cumulative logprob (of the generated
@@ -105,13 +119,17 @@ class CompletionFormat:
             return samples
         best = []
         for first in range(0, len(samples), drawn):
-            group = sorted(samples[first:first + drawn], key=lambda s: -sum(entry.logprob for entry in s.logprobs))
+            group = sorted(samples[first : first + drawn], key=lambda s: -sum(entry.logprob for entry in s.logprobs))
             best.extend(replace(sample, index=len(best) + rank) for rank, sample in enumerate(group[:kept]))
         return best
 
     def _choice(self, delta: SampleDelta) -> CompletionChoice:
-        return CompletionChoice(index=delta.index, text=delta.echo_text + delta.text, logprobs=self._logprobs(delta),
-                                finish_reason=delta.finish_reason)
+        return CompletionChoice(
+            index=delta.index,
+            text=delta.echo_text + delta.text,
+            logprobs=self._logprobs(delta),
+            finish_reason=delta.finish_reason,
+        )
 
     def _logprobs(self, delta: SampleDelta) -> CompletionLogprobs | None:
         if not self.meta.logprobs:
@@ -141,14 +159,26 @@ class ChatFormat:
         self._content_sent = [0] * meta.num_samples
 
     def opening_chunks(self) -> list[BaseModel]:
-        return [self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
-                for index in range(self.meta.num_samples)]
+        return [
+            self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+            for index in range(self.meta.num_samples)
+        ]
 
     def chunks(self, deltas: list[SampleDelta]) -> list[BaseModel]:
         if not self.tools.active:
-            return [self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text or None),
-                                                 logprobs=self._logprobs(delta), finish_reason=delta.finish_reason)
-                                 for delta in deltas])]
+            return [
+                self._chunk(
+                    [
+                        ChatChunkChoice(
+                            index=delta.index,
+                            delta=ChatDelta(content=delta.text or None),
+                            logprobs=self._logprobs(delta),
+                            finish_reason=delta.finish_reason,
+                        )
+                        for delta in deltas
+                    ]
+                )
+            ]
         return [chunk for delta in deltas for chunk in self._tool_chunks(delta)]
 
     def _tool_chunks(self, delta: SampleDelta) -> list[BaseModel]:
@@ -164,8 +194,9 @@ class ChatFormat:
         rest = content[sent:] if content.startswith(text[:sent]) else ""
         chunks = [self._content_chunk(delta, rest)] if rest or delta.logprobs else []
         for number, call in enumerate(parsed.tool_calls):
-            opening = DeltaToolCall(index=number, id=_call_id(), type="function",
-                                    function=DeltaFunctionCall(name=call.name, arguments=""))
+            opening = DeltaToolCall(
+                index=number, id=_call_id(), type="function", function=DeltaFunctionCall(name=call.name, arguments="")
+            )
             chunks.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[opening]))]))
             for piece in _pieces(call.arguments):
                 argument = DeltaToolCall(index=number, function=DeltaFunctionCall(arguments=piece))
@@ -175,29 +206,45 @@ class ChatFormat:
         return chunks
 
     def _content_chunk(self, delta: SampleDelta, content: str) -> BaseModel:
-        return self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=content or None),
-                                            logprobs=self._logprobs(delta))])
+        return self._chunk(
+            [
+                ChatChunkChoice(
+                    index=delta.index, delta=ChatDelta(content=content or None), logprobs=self._logprobs(delta)
+                )
+            ]
+        )
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
-        return ChatCompletionChunk(id=self.meta.id, created=self.meta.created, model=self.meta.model, choices=[],
-                                   usage=usage_info(usage))
+        return ChatCompletionChunk(
+            id=self.meta.id, created=self.meta.created, model=self.meta.model, choices=[], usage=usage_info(usage)
+        )
 
     def response(self, samples: list[SampleDelta], usage: Usage) -> BaseModel:
         choices = [self._choice(sample) for sample in samples]
-        return ChatCompletionResponse(id=self.meta.id, created=self.meta.created, model=self.meta.model,
-                                      choices=choices, usage=usage_info(usage))
+        return ChatCompletionResponse(
+            id=self.meta.id, created=self.meta.created, model=self.meta.model, choices=choices, usage=usage_info(usage)
+        )
 
     def _choice(self, sample: SampleDelta) -> ChatChoice:
         if not self.tools.active:
-            return ChatChoice(index=sample.index, message=ChatResponseMessage(content=sample.text),
-                              logprobs=self._logprobs(sample), finish_reason=sample.finish_reason)
+            return ChatChoice(
+                index=sample.index,
+                message=ChatResponseMessage(content=sample.text),
+                logprobs=self._logprobs(sample),
+                finish_reason=sample.finish_reason,
+            )
         parsed = self.tools.parse(sample.text)
-        calls = [ResponseToolCall(id=_call_id(), function=ResponseFunctionCall(name=call.name,
-                                                                               arguments=call.arguments))
-                 for call in parsed.tool_calls]
+        calls = [
+            ResponseToolCall(id=_call_id(), function=ResponseFunctionCall(name=call.name, arguments=call.arguments))
+            for call in parsed.tool_calls
+        ]
         message = ChatResponseMessage(content=parsed.content, tool_calls=calls or None)
-        return ChatChoice(index=sample.index, message=message, logprobs=self._logprobs(sample),
-                          finish_reason="tool_calls" if calls else sample.finish_reason)
+        return ChatChoice(
+            index=sample.index,
+            message=message,
+            logprobs=self._logprobs(sample),
+            finish_reason="tool_calls" if calls else sample.finish_reason,
+        )
 
     def _chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.meta.id, created=self.meta.created, model=self.meta.model, choices=choices)
@@ -213,10 +260,11 @@ def _call_id() -> str:
 
 
 def _pieces(text: str, size: int = 16) -> list[str]:
-    return [text[start:start + size] for start in range(0, len(text), size)] or [""]
+    return [text[start : start + size] for start in range(0, len(text), size)] or [""]
 
 
 def _chat_token_logprob(entry: TokenLogprob) -> ChatTokenLogprob:
     top = [ChatTopLogprob(token=token, logprob=logprob, bytes=list(token.encode())) for token, logprob in entry.top]
-    return ChatTokenLogprob(token=entry.token, logprob=entry.logprob, bytes=list(entry.token.encode()),
-                            top_logprobs=top)
+    return ChatTokenLogprob(
+        token=entry.token, logprob=entry.logprob, bytes=list(entry.token.encode()), top_logprobs=top
+    )

@@ -47,8 +47,18 @@ from infer.serve.errors import ApiError, install_error_handlers
 logger = logging.getLogger("infer.router")
 
 # Hop-by-hop headers and those httpx and uvicorn set themselves: never forwarded either way.
-_DROPPED_HEADERS = {"host", "connection", "keep-alive", "transfer-encoding", "content-length", "te", "upgrade",
-                    "proxy-authorization", "proxy-connection", "content-encoding"}
+_DROPPED_HEADERS = {
+    "host",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "te",
+    "upgrade",
+    "proxy-authorization",
+    "proxy-connection",
+    "content-encoding",
+}
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -66,8 +76,14 @@ class Replica:
     blocks: OrderedDict = field(default_factory=OrderedDict)  # chained block hash -> None, least recent first
 
     def describe(self) -> dict:
-        return {"index": self.index, "url": self.url, "healthy": self.healthy, "in_flight": self.in_flight,
-                "routed": self.routed, "failovers": self.failovers}
+        return {
+            "index": self.index,
+            "url": self.url,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "routed": self.routed,
+            "failovers": self.failovers,
+        }
 
 
 def routing_text(body: object) -> str:
@@ -95,7 +111,7 @@ def block_hashes(text: str, block_chars: int) -> list[int]:
     """Chained hashes of ``text``'s whole blocks of ``block_chars`` characters."""
     hashes, previous = [], 0
     for start in range(0, len(text) - block_chars + 1, block_chars):
-        previous = hash((previous, text[start: start + block_chars]))
+        previous = hash((previous, text[start : start + block_chars]))
         hashes.append(previous)
     return hashes
 
@@ -126,10 +142,11 @@ class ReplicaSet:
         matched = {replica.index: _leading_matches(replica.blocks, hashes) for replica in candidates}
         least = min(replica.in_flight for replica in candidates)
         best = max(candidates, key=lambda replica: (matched[replica.index], -replica.in_flight))
-        busy = (best.in_flight > least + self.settings.balance_abs_threshold
-                and best.in_flight > least * self.settings.balance_rel_threshold)
-        enough = hashes and matched[best.index] * self.settings.block_chars >= self.settings.cache_threshold * len(
-            text)
+        busy = (
+            best.in_flight > least + self.settings.balance_abs_threshold
+            and best.in_flight > least * self.settings.balance_rel_threshold
+        )
+        enough = hashes and matched[best.index] * self.settings.block_chars >= self.settings.cache_threshold * len(text)
         if busy or not enough or matched[best.index] == 0:
             idlest = [replica for replica in candidates if replica.in_flight == least]
             best = idlest[next(self._turn) % len(idlest)]
@@ -154,9 +171,12 @@ class ReplicaSet:
             return
         replica.failures_in_row += 1
         if replica.healthy and (at_once or replica.failures_in_row >= self.settings.failure_threshold):
-            logger.warning("replica %d (%s) is out: %s", replica.index, replica.url,
-                           "it refused or dropped a connection" if at_once else
-                           f"{replica.failures_in_row} failed health checks")
+            logger.warning(
+                "replica %d (%s) is out: %s",
+                replica.index,
+                replica.url,
+                "it refused or dropped a connection" if at_once else f"{replica.failures_in_row} failed health checks",
+            )
             replica.healthy = False
             replica.blocks.clear()  # what it held may be gone with it
 
@@ -174,8 +194,9 @@ class ReplicaFailed(Exception):
     """The replica failed this request before answering it (so another may take it)."""
 
 
-def create_router_app(urls: list[str], settings: RouterConfig | None = None, api_key: str | None = None,
-                      metrics_public: bool = False) -> FastAPI:
+def create_router_app(
+    urls: list[str], settings: RouterConfig | None = None, api_key: str | None = None, metrics_public: bool = False
+) -> FastAPI:
     """The router's app over replicas at ``urls``. With ``api_key``, ``/v1`` needs it (as the replicas, to which the
     router forwards the Authorization header), and so do ``/metrics`` and ``/replicas/...`` unless ``metrics_public``
     (the server's ``ApiKeyMiddleware``)."""
@@ -184,19 +205,24 @@ def create_router_app(urls: list[str], settings: RouterConfig | None = None, api
     settings = settings or RouterConfig()
     replicas = ReplicaSet(urls, settings)
     registry = CollectorRegistry()
-    routed = Counter("infer_router_requests", "Requests the router sent to each replica.", ["replica"],
-                     registry=registry)
-    failovers = Counter("infer_router_failovers", "Requests moved off a replica that failed them.", ["replica"],
-                        registry=registry)
-    up = Gauge("infer_router_replica_up", "1 while the replica passes its health checks.", ["replica"],
-               registry=registry)
-    in_flight = Gauge("infer_router_requests_in_flight", "Requests the replica is answering now.", ["replica"],
-                      registry=registry)
+    routed = Counter(
+        "infer_router_requests", "Requests the router sent to each replica.", ["replica"], registry=registry
+    )
+    failovers = Counter(
+        "infer_router_failovers", "Requests moved off a replica that failed them.", ["replica"], registry=registry
+    )
+    up = Gauge(
+        "infer_router_replica_up", "1 while the replica passes its health checks.", ["replica"], registry=registry
+    )
+    in_flight = Gauge(
+        "infer_router_requests_in_flight", "Requests the replica is answering now.", ["replica"], registry=registry
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                             limits=httpx.Limits(max_connections=1024))
+        app.state.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=1024)
+        )
         checks = asyncio.create_task(_health_loop(app.state.client, replicas))
         await _check_all(app.state.client, replicas)
         yield
@@ -207,8 +233,9 @@ def create_router_app(urls: list[str], settings: RouterConfig | None = None, api
     app.state.replicas = replicas
     install_error_handlers(app)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics_public=metrics_public,
-                           metrics_paths=("/metrics", "/replicas"))
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=api_key, metrics_public=metrics_public, metrics_paths=("/metrics", "/replicas")
+        )
 
     async def route(request: Request) -> Response:
         body = await request.body()
@@ -221,9 +248,13 @@ def create_router_app(urls: list[str], settings: RouterConfig | None = None, api
         while True:
             replica, _ = replicas.choose(text, tried)
             if replica is None:
-                raise ApiError(503, "no replica is healthy; the router retries them every "
-                                    f"{settings.health_interval_s:g} s (see GET /health)", "server_error",
-                               code="no_healthy_replica")
+                raise ApiError(
+                    503,
+                    "no replica is healthy; the router retries them every "
+                    f"{settings.health_interval_s:g} s (see GET /health)",
+                    "server_error",
+                    code="no_healthy_replica",
+                )
             tried.add(replica.index)
             replicas.remember(replica, text)
             replica.routed += 1
@@ -242,8 +273,9 @@ def create_router_app(urls: list[str], settings: RouterConfig | None = None, api
     async def models(request: Request) -> Response:
         for replica in replicas.healthy:
             try:
-                response = await request.app.state.client.get(f"{replica.url}/v1/models",
-                                                              headers=_forwarded(request.headers))
+                response = await request.app.state.client.get(
+                    f"{replica.url}/v1/models", headers=_forwarded(request.headers)
+                )
             except httpx.HTTPError:
                 continue
             return Response(response.content, response.status_code, media_type="application/json")
@@ -252,8 +284,11 @@ def create_router_app(urls: list[str], settings: RouterConfig | None = None, api
     @app.get("/health")
     async def health() -> JSONResponse:
         alive = replicas.healthy
-        body = {"status": "ok" if alive else "no healthy replica", "policy": settings.policy,
-                "replicas": [replica.describe() for replica in replicas.replicas]}
+        body = {
+            "status": "ok" if alive else "no healthy replica",
+            "policy": settings.policy,
+            "replicas": [replica.describe() for replica in replicas.replicas],
+        }
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
@@ -264,8 +299,10 @@ def create_router_app(urls: list[str], settings: RouterConfig | None = None, api
         for replica in replicas.replicas:
             up.labels(str(replica.index)).set(1 if replica.healthy else 0)
             in_flight.labels(str(replica.index)).set(replica.in_flight)
-        return Response(aggregate_metrics(texts) + generate_latest(registry).decode(),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            aggregate_metrics(texts) + generate_latest(registry).decode(),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+        )
 
     @app.get("/replicas/{index}/metrics")
     async def replica_metrics(index: int, request: Request) -> Response:
@@ -273,8 +310,9 @@ def create_router_app(urls: list[str], settings: RouterConfig | None = None, api
             raise ApiError(404, f"no replica {index}; there are {len(replicas.replicas)}", code="not_found")
         replica = replicas.replicas[index]
         try:
-            response = await request.app.state.client.get(f"{replica.url}/metrics",
-                                                          headers=_forwarded(request.headers), timeout=5.0)
+            response = await request.app.state.client.get(
+                f"{replica.url}/metrics", headers=_forwarded(request.headers), timeout=5.0
+            )
         except httpx.HTTPError as error:
             raise ApiError(503, f"replica {index} did not answer: {error}", "server_error") from error
         return Response(response.content, response.status_code, media_type=response.headers.get("content-type"))
@@ -297,8 +335,13 @@ async def _forward(request: Request, body: bytes, replica: Replica, replicas: Re
     """Send the request to ``replica``: a whole response, or a stream relayed as it comes. Raises
     ``ReplicaFailed`` when the replica fails it before answering."""
     client: httpx.AsyncClient = request.app.state.client
-    outgoing = client.build_request("POST", f"{replica.url}{request.url.path}", content=body,
-                                    headers=_forwarded(request.headers), params=request.query_params)
+    outgoing = client.build_request(
+        "POST",
+        f"{replica.url}{request.url.path}",
+        content=body,
+        headers=_forwarded(request.headers),
+        params=request.query_params,
+    )
     replica.in_flight += 1
     try:
         response = await client.send(outgoing, stream=True)
@@ -329,9 +372,14 @@ async def _forward(request: Request, body: bytes, replica: Replica, replicas: Re
         except httpx.HTTPError as error:
             replicas.mark(replica, healthy=False, at_once=True)
             logger.warning("replica %d broke off a stream: %s", replica.index, error)
-            message = {"error": {"message": f"replica {replica.index} failed mid-stream; the request was not "
-                                            f"completed", "type": "server_error", "param": None,
-                                 "code": "replica_failed"}}
+            message = {
+                "error": {
+                    "message": f"replica {replica.index} failed mid-stream; the request was not completed",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "replica_failed",
+                }
+            }
             yield f"data: {json.dumps(message)}\n\ndata: [DONE]\n\n".encode()
         finally:
             replica.in_flight -= 1
@@ -376,11 +424,15 @@ async def _replica_metrics(client: httpx.AsyncClient, replicas: list[Replica]) -
 
 
 # Gauges that are ratios: recomputed from the summed series they divide instead of summed.
-_RATIO_GAUGES = {"infer_prefix_cache_hit_rate": ("infer_prompt_tokens_cached_total", "infer_prompt_tokens_total"),
-                 "vllm:kv_cache_usage_perc": ("infer_kv_blocks_used", "infer_kv_blocks_total"),
-                 "infer_kv_cache_usage_ratio": ("infer_kv_blocks_used", "infer_kv_blocks_total"),
-                 "infer_spec_decode_mean_accepted_per_pass": ("infer_spec_decode_accepted_tokens_total",
-                                                              "infer_spec_decode_verify_passes_total")}
+_RATIO_GAUGES = {
+    "infer_prefix_cache_hit_rate": ("infer_prompt_tokens_cached_total", "infer_prompt_tokens_total"),
+    "vllm:kv_cache_usage_perc": ("infer_kv_blocks_used", "infer_kv_blocks_total"),
+    "infer_kv_cache_usage_ratio": ("infer_kv_blocks_used", "infer_kv_blocks_total"),
+    "infer_spec_decode_mean_accepted_per_pass": (
+        "infer_spec_decode_accepted_tokens_total",
+        "infer_spec_decode_verify_passes_total",
+    ),
+}
 
 
 def aggregate_metrics(texts: list[str]) -> str:

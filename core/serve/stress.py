@@ -23,22 +23,72 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-MALFORMED_VALUES = [None, "", "x" * 5000, -1, 0, 2**63, -(2**63), 1e308, -1e308, 0.5, True, [], {}, [1, "a"],
-                    {"a": 1}, "NaN"]
-FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed", "stream",
-          "logprobs", "min_tokens", "ignore_eos", "stream_options", "model", "user", "presence_penalty", "echo",
-          "best_of", "logit_bias", "suffix"]
+MALFORMED_VALUES = [
+    None,
+    "",
+    "x" * 5000,
+    -1,
+    0,
+    2**63,
+    -(2**63),
+    1e308,
+    -1e308,
+    0.5,
+    True,
+    [],
+    {},
+    [1, "a"],
+    {"a": 1},
+    "NaN",
+]
+FIELDS = [
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "stop",
+    "seed",
+    "stream",
+    "logprobs",
+    "min_tokens",
+    "ignore_eos",
+    "stream_options",
+    "model",
+    "user",
+    "presence_penalty",
+    "echo",
+    "best_of",
+    "logit_bias",
+    "suffix",
+]
 # Chat bodies' tool fields, each with values of the wrong shape, a schema the guide cannot compile, or names that
 # do not match.
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 MALFORMED_TOOL_FIELDS = {
-    "tools": [[{"type": "function"}], [{"type": "function", "function": {"name": ""}}], [TOOL, TOOL], [1],
-              [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "f"],
+    "tools": [
+        [{"type": "function"}],
+        [{"type": "function", "function": {"name": ""}}],
+        [TOOL, TOOL],
+        [1],
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+        "f",
+    ],
     "tool_choice": ["always", {"type": "function"}, {"type": "function", "function": {"name": "g"}}, 1],
     "logit_bias": [{"x": 1}, {"1": 1000}, {"-5": 1}, {"99999999999999999999": 1}, {"1": "a"}, [1]],
-    "messages": [[{"role": "tool", "content": "r"}], [{"role": "assistant", "tool_calls": [{"id": "1"}]}],
-                 [{"role": "assistant", "content": None, "tool_calls": [
-                     {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]],
+    "messages": [
+        [{"role": "tool", "content": "r"}],
+        [{"role": "assistant", "tool_calls": [{"id": "1"}]}],
+        [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}],
+            }
+        ],
+    ],
 }
 
 
@@ -59,8 +109,17 @@ class StressReport:
             self.server_errors += 1
 
 
-def run(url: str, api_key: str | None = None, concurrency: int = 64, disconnects: int = 16, fuzz: int = 200,
-        burst: int = 0, max_tokens: int = 16, seed: int = 0, time_limit_s: float = 600.0) -> StressReport:
+def run(
+    url: str,
+    api_key: str | None = None,
+    concurrency: int = 64,
+    disconnects: int = 16,
+    fuzz: int = 200,
+    burst: int = 0,
+    max_tokens: int = 16,
+    seed: int = 0,
+    time_limit_s: float = 600.0,
+) -> StressReport:
     """The whole run against the server at ``url``; ``burst`` > 0 sends that many at once to provoke 429s (set it
     above the server's ``max_waiting``)."""
     rng = random.Random(seed)
@@ -76,16 +135,21 @@ def run(url: str, api_key: str | None = None, concurrency: int = 64, disconnects
             list(pool.map(lambda i: _disconnect(url, headers, report, i), range(disconnects)))
             list(pool.map(lambda i: _malformed(client, report, random.Random(seed * 1000 + i)), range(fuzz)))
             if burst:
-                list(pool.map(lambda prompt: _complete(client, report, prompt, 64, expect_busy=True),
-                              [f"burst {i}" for i in range(burst)]))
+                list(
+                    pool.map(
+                        lambda prompt: _complete(client, report, prompt, 64, expect_busy=True),
+                        [f"burst {i}" for i in range(burst)],
+                    )
+                )
         _wrong_keys(url, report)
         report.kv_blocks_used_after = _settled_blocks(client, deadline)
         report.alive_after = client.get("/health").status_code == 200
     return report
 
 
-def _complete(client: httpx.Client, report: StressReport, prompt: str, max_tokens: int,
-              expect_busy: bool = False) -> str | None:
+def _complete(
+    client: httpx.Client, report: StressReport, prompt: str, max_tokens: int, expect_busy: bool = False
+) -> str | None:
     """One greedy completion; a well-behaved client retries a 429 after its Retry-After (a burst does not)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     for _ in range(50):
@@ -120,8 +184,13 @@ def _malformed(client: httpx.Client, report: StressReport, rng: random.Random) -
     if kind == 5:
         path = "/v1/chat/completions"
         name = rng.choice(sorted(MALFORMED_TOOL_FIELDS))
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": [TOOL],
-                "tool_choice": "required", name: rng.choice(MALFORMED_TOOL_FIELDS[name])}
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "tools": [TOOL],
+            "tool_choice": "required",
+            name: rng.choice(MALFORMED_TOOL_FIELDS[name]),
+        }
         content = json.dumps(body).encode()
     elif kind == 0:
         content = b'{"prompt": "hi", "max_tokens": ' + bytes(rng.choice([b"", b"}", b"[", b"1e999"]))
@@ -161,8 +230,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url")
     parser.add_argument("--api-key")
-    parser.add_argument("--launch", nargs="+", metavar="CONFIG_AND_OVERRIDES",
-                        help="start a server (config, then overrides), stress it, then SIGTERM it")
+    parser.add_argument(
+        "--launch",
+        nargs="+",
+        metavar="CONFIG_AND_OVERRIDES",
+        help="start a server (config, then overrides), stress it, then SIGTERM it",
+    )
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--fuzz", type=int, default=400)
     args = parser.parse_args()

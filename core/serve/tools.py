@@ -28,17 +28,26 @@ def select_tool_parser(registry, name: str, chat_template: str | None) -> ToolPa
         return registry.load("tool_parser", name)()
     if not chat_template:
         return None
-    parsers = sorted((registry.load("tool_parser", parser_name) for parser_name in registry.names("tool_parser")),
-                     key=lambda parser: -parser.auto_priority)
+    parsers = sorted(
+        (registry.load("tool_parser", parser_name) for parser_name in registry.names("tool_parser")),
+        key=lambda parser: -parser.auto_priority,
+    )
     return next((parser() for parser in parsers if parser.detects(chat_template)), None)
 
 
 def forced_call_schema(tools: list[dict], name: str | None) -> dict:
     """The JSON schema of one call of ``name`` (None: of any of ``tools``), arguments per the tool's parameters."""
+
     def call_of(function: dict) -> dict:
-        return {"type": "object", "properties": {"name": {"const": function["name"]},
-                                                 "arguments": function.get("parameters") or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False}
+        return {
+            "type": "object",
+            "properties": {
+                "name": {"const": function["name"]},
+                "arguments": function.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
 
     calls = [call_of(tool["function"]) for tool in tools if name is None or tool["function"]["name"] == name]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}

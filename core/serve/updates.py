@@ -85,8 +85,11 @@ class RequestProgress:
 
     def advance(self, engine, request) -> RequestUpdate | None:
         """``request`` is the engine's ``Request``; returns None when nothing new is there to send."""
-        deltas = [delta for seq, progress in zip(request.seqs, self.samples)
-                  if (delta := self._sample_delta(engine, seq, progress)) is not None]
+        deltas = [
+            delta
+            for seq, progress in zip(request.seqs, self.samples)
+            if (delta := self._sample_delta(engine, seq, progress)) is not None
+        ]
         if not request.finished:
             return RequestUpdate(deltas) if deltas else None
         return RequestUpdate(deltas, usage=self._usage(request), metrics=[request_metrics(request)])
@@ -97,8 +100,10 @@ class RequestProgress:
             logprobs = []
             if request.params.prompt_logprobs is not None:
                 first = request.prompt_token_ids[0]
-                logprobs = [TokenLogprob(self.token_text(first), None, None),
-                            *(self._token_logprob(entry) for entry in request.seqs[0].prompt_logprobs)]
+                logprobs = [
+                    TokenLogprob(self.token_text(first), None, None),
+                    *(self._token_logprob(entry) for entry in request.seqs[0].prompt_logprobs),
+                ]
             self._echo = (text, logprobs)
         return self._echo
 
@@ -111,8 +116,8 @@ class RequestProgress:
         else:
             text = engine.sequence_text(seq)
             end = _stable_length(text, seq.params.stop)
-        new_text = text[progress.num_chars_sent:end]
-        new_logprobs = [self._token_logprob(entry) for entry in seq.logprobs[progress.num_logprobs_sent:]]
+        new_text = text[progress.num_chars_sent : end]
+        new_logprobs = [self._token_logprob(entry) for entry in seq.logprobs[progress.num_logprobs_sent :]]
         finish_reason = seq.finish_reason if seq.is_finished else None
         if not new_text and not new_logprobs and finish_reason is None:
             return None
@@ -131,9 +136,11 @@ class RequestProgress:
 
     @staticmethod
     def _usage(request) -> Usage:
-        return Usage(prompt_tokens=len(request.prompt_token_ids),
-                     completion_tokens=sum(seq.num_output_tokens for seq in request.seqs),
-                     cached_tokens=request.seqs[0].num_cached_prompt_tokens)
+        return Usage(
+            prompt_tokens=len(request.prompt_token_ids),
+            completion_tokens=sum(seq.num_output_tokens for seq in request.seqs),
+            cached_tokens=request.seqs[0].num_cached_prompt_tokens,
+        )
 
 
 def _stable_length(text: str, stop_strings: list[str]) -> int:

@@ -95,8 +95,10 @@ class MeasuredCost(CostModel):
     @classmethod
     def load(cls, path: Path) -> MeasuredCost:
         if not path.is_file():
-            raise CostModelError(f"no measured cost model at {path}; make one with `infer simulate CONFIG --fit` "
-                                 f"(it runs real steps on this machine), or set simulate.cost=roofline")
+            raise CostModelError(
+                f"no measured cost model at {path}; make one with `infer simulate CONFIG --fit` "
+                f"(it runs real steps on this machine), or set simulate.cost=roofline"
+            )
         data = json.loads(path.read_text())
         if data.pop("version", None) != COST_FILE_VERSION:
             raise CostModelError(f"{path} was written by another version of infer; fit it again with --fit")
@@ -115,14 +117,25 @@ def default_cost_file(config) -> Path:
     from infer.host import cache_dir, cpu_signature
 
     model = config.model
-    key = json.dumps([cpu_signature(), model.path, model.dtype, model.quantization, model.max_model_len,
-                      config.cache.block_size, config.cache.memory_budget, config.cache.num_blocks,
-                      config.attention.name])
+    key = json.dumps(
+        [
+            cpu_signature(),
+            model.path,
+            model.dtype,
+            model.quantization,
+            model.max_model_len,
+            config.cache.block_size,
+            config.cache.memory_budget,
+            config.cache.num_blocks,
+            config.attention.name,
+        ]
+    )
     return cache_dir() / "simulate" / f"measured-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def fit_measured(steps: list[tuple[StepShape, float]], kv_pool_slots: int, kv_bytes_per_token: int,
-                 engine: dict[str, Any]) -> MeasuredCost:
+def fit_measured(
+    steps: list[tuple[StepShape, float]], kv_pool_slots: int, kv_bytes_per_token: int, engine: dict[str, Any]
+) -> MeasuredCost:
     """Non-negative least squares of step durations on the shape features, on relative error (each step weighted
     by its duration's inverse: a 10 ms decode step counts as much as a 1 s prefill), the steps with prefill tokens
     and the decode-only ones weighing the same in all (a run has far more decode steps, but its TTFTs are made of
@@ -136,15 +149,25 @@ def fit_measured(steps: list[tuple[StepShape, float]], kv_pool_slots: int, kv_by
     weights = 1.0 / np.maximum(durations, 1e-6)
     prefill = np.array([shape.num_prefill_tokens > 0 for shape, _ in steps])
     if 0 < prefill.sum() < len(steps):
-        weights *= np.where(prefill, np.sqrt(len(steps) / (2 * prefill.sum())),
-                            np.sqrt(len(steps) / (2 * (~prefill).sum())))
+        weights *= np.where(
+            prefill, np.sqrt(len(steps) / (2 * prefill.sum())), np.sqrt(len(steps) / (2 * (~prefill).sum()))
+        )
     solution = nonnegative_least_squares(features * weights[:, None], durations * weights)
     relative = np.abs(features @ solution - durations) / durations
-    quality = {"num_steps": float(len(steps)), "median_abs_relative_error": float(np.median(relative)),
-               "p90_abs_relative_error": float(np.quantile(relative, 0.9)),
-               "total_time_relative_error": float((features @ solution).sum() / durations.sum() - 1)}
-    return MeasuredCost(dict(zip(FEATURE_NAMES, map(float, solution))), kv_pool_slots, kv_bytes_per_token,
-                        machine_name(), engine, quality)
+    quality = {
+        "num_steps": float(len(steps)),
+        "median_abs_relative_error": float(np.median(relative)),
+        "p90_abs_relative_error": float(np.quantile(relative, 0.9)),
+        "total_time_relative_error": float((features @ solution).sum() / durations.sum() - 1),
+    }
+    return MeasuredCost(
+        dict(zip(FEATURE_NAMES, map(float, solution))),
+        kv_pool_slots,
+        kv_bytes_per_token,
+        machine_name(),
+        engine,
+        quality,
+    )
 
 
 def nonnegative_least_squares(matrix, target, sweeps: int = 5000):
@@ -224,10 +247,16 @@ class Geometry:
     @classmethod
     def from_hf_config(cls, data: dict[str, Any], name: str) -> Geometry:
         heads = data["num_attention_heads"]
-        return cls(name=name, num_layers=data["num_hidden_layers"], hidden_size=data["hidden_size"],
-                   intermediate_size=data["intermediate_size"], num_heads=heads,
-                   num_kv_heads=data.get("num_key_value_heads", heads),
-                   head_dim=data.get("head_dim") or data["hidden_size"] // heads, vocab_size=data["vocab_size"])
+        return cls(
+            name=name,
+            num_layers=data["num_hidden_layers"],
+            hidden_size=data["hidden_size"],
+            intermediate_size=data["intermediate_size"],
+            num_heads=heads,
+            num_kv_heads=data.get("num_key_value_heads", heads),
+            head_dim=data.get("head_dim") or data["hidden_size"] // heads,
+            vocab_size=data["vocab_size"],
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,15 +290,19 @@ class RooflineCost(CostModel):
             raise CostModelError(
                 f"{self.geometry.name} needs {self.weight_bytes / 1e9:.0f} GB of weights, more than "
                 f"{self.tensor_parallel_size} x {self.accelerator.name} hold at memory_utilization "
-                f"{self.memory_utilization}; raise simulate.tensor_parallel_size")
+                f"{self.memory_utilization}; raise simulate.tensor_parallel_size"
+            )
         return int(available // self.kv_bytes_per_token)
 
     def step_time(self, shape: StepShape) -> float:
         g, a, tp = self.geometry, self.accelerator, self.tensor_parallel_size
         tokens = shape.num_prefill_tokens + shape.num_decode_tokens
         attended = shape.decode_context_tokens + shape.prefill_attention_pairs
-        flops = (2 * tokens * g.num_layers * g.params_per_layer + 2 * shape.num_logit_rows * g.hidden_size
-                 * g.vocab_size + 4 * g.num_layers * g.num_heads * g.head_dim * attended)
+        flops = (
+            2 * tokens * g.num_layers * g.params_per_layer
+            + 2 * shape.num_logit_rows * g.hidden_size * g.vocab_size
+            + 4 * g.num_layers * g.num_heads * g.head_dim * attended
+        )
         kv_bytes = (shape.decode_context_tokens + tokens) * self.kv_bytes_per_token
         compute_s = flops / (tp * a.peak_flops * a.flops_efficiency)
         memory_s = (self.weight_bytes + kv_bytes) / (tp * a.memory_bandwidth * a.bandwidth_efficiency)
@@ -286,10 +319,12 @@ class RooflineCost(CostModel):
 
     def describe(self) -> str:
         a = self.accelerator
-        return (f"roofline cost: {self.geometry.name} ({self.geometry.num_params / 1e9:.1f}B params) on "
-                f"{self.tensor_parallel_size} x {a.description or a.name} ({a.peak_flops / 1e12:.0f} TFLOP/s at "
-                f"{a.flops_efficiency:.0%}, {a.memory_bandwidth / 1e12:.2f} TB/s at {a.bandwidth_efficiency:.0%}, "
-                f"{a.step_overhead_s * 1e3:.1f} ms per step)")
+        return (
+            f"roofline cost: {self.geometry.name} ({self.geometry.num_params / 1e9:.1f}B params) on "
+            f"{self.tensor_parallel_size} x {a.description or a.name} ({a.peak_flops / 1e12:.0f} TFLOP/s at "
+            f"{a.flops_efficiency:.0%}, {a.memory_bandwidth / 1e12:.2f} TB/s at {a.bandwidth_efficiency:.0%}, "
+            f"{a.step_overhead_s * 1e3:.1f} ms per step)"
+        )
 
 
 def _shipped(relative: str):
@@ -308,16 +343,19 @@ def load_accelerator(name: str) -> Accelerator:
         return _accelerator(data.pop("name", path.stem), data, str(path))
     shipped = yaml.safe_load(_shipped("accelerators.yaml").read_text())
     if name not in shipped:
-        raise CostModelError(f"unknown accelerator {name!r}: shipped ones are {', '.join(shipped)}, or give a YAML "
-                             f"file with peak_flops, memory_bandwidth, memory_bytes and link_bandwidth")
+        raise CostModelError(
+            f"unknown accelerator {name!r}: shipped ones are {', '.join(shipped)}, or give a YAML "
+            f"file with peak_flops, memory_bandwidth, memory_bytes and link_bandwidth"
+        )
     return _accelerator(name, shipped[name], "accelerators.yaml")
 
 
 def _accelerator(name: str, data: dict[str, Any], source: str) -> Accelerator:
     # YAML 1.1 reads 80.0e9 (no exponent sign) as a string: numbers are converted here.
     try:
-        return Accelerator(name=name, **{key: value if key == "description" else float(value)
-                                         for key, value in data.items()})
+        return Accelerator(
+            name=name, **{key: value if key == "description" else float(value) for key, value in data.items()}
+        )
     except (TypeError, ValueError) as error:
         raise CostModelError(f"{source}: accelerator {name!r}: {error}") from None
 
@@ -334,13 +372,15 @@ def load_geometry(name: str | None, model_path: str) -> Geometry:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        return Geometry.from_hf_config(json.loads(path.read_text()), path.parent.name if path.name == "config.json"
-                                       else path.stem)
+        return Geometry.from_hf_config(
+            json.loads(path.read_text()), path.parent.name if path.name == "config.json" else path.stem
+        )
     shipped = _shipped(f"geometry/{name}.json")
     if not shipped.is_file():
         names = sorted(item.name.removesuffix(".json") for item in _shipped("geometry").iterdir())
-        raise CostModelError(f"unknown geometry {name!r}: shipped ones are {', '.join(names)}, or give a path to a "
-                             f"HF config.json")
+        raise CostModelError(
+            f"unknown geometry {name!r}: shipped ones are {', '.join(names)}, or give a path to a HF config.json"
+        )
     return Geometry.from_hf_config(json.loads(shipped.read_text()), name)
 
 
@@ -349,7 +389,11 @@ def build_cost_model(config) -> CostModel:
     sim = config.simulate
     if sim.cost == "measured":
         return MeasuredCost.load(Path(sim.cost_file) if sim.cost_file else default_cost_file(config))
-    return RooflineCost(load_accelerator(sim.accelerator), load_geometry(sim.geometry, config.model.path),
-                        sim.tensor_parallel_size, sim.weight_bytes_per_param, sim.kv_bytes_per_element,
-                        sim.memory_utilization)
-
+    return RooflineCost(
+        load_accelerator(sim.accelerator),
+        load_geometry(sim.geometry, config.model.path),
+        sim.tensor_parallel_size,
+        sim.weight_bytes_per_param,
+        sim.kv_bytes_per_element,
+        sim.memory_utilization,
+    )

@@ -59,8 +59,9 @@ class SimulatedDrafter(Drafter):
 class SimulatedEngine(Engine):
     """An ``Engine`` whose steps cost what ``cost`` says and whose tokens are synthetic (see the module)."""
 
-    def __init__(self, config, registry=None, cost: CostModel | None = None,
-                 tokenizer: tuple[Any, list[int]] | None = None):
+    def __init__(
+        self, config, registry=None, cost: CostModel | None = None, tokenizer: tuple[Any, list[int]] | None = None
+    ):
         """``cost``: default ``build_cost_model(config)``; ``tokenizer``: (tokenizer, EOS ids), default
         ``model.path``'s (the weights are never loaded)."""
         from infer.registry import get_registry
@@ -83,15 +84,26 @@ class SimulatedEngine(Engine):
         self.attention_name = config.attention.name
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or self.cost.kv_pool_tokens(block_size) // block_size + 1
-        self.pool_plan = plan_kv_pool(budget_bytes=0, weight_bytes=0, activation_bytes=0,
-                                      bytes_per_token=int(self.cost.kv_bytes_per_token), block_size=block_size,
-                                      max_model_len=self.max_model_len, num_blocks_override=num_blocks)
+        self.pool_plan = plan_kv_pool(
+            budget_bytes=0,
+            weight_bytes=0,
+            activation_bytes=0,
+            bytes_per_token=int(self.cost.kv_bytes_per_token),
+            block_size=block_size,
+            max_model_len=self.max_model_len,
+            num_blocks_override=num_blocks,
+        )
         self._token_pool = self._synthetic_tokens()
-        self._init_scheduling(num_blocks, SimulatedDrafter(config.drafter, self._token_pool[DRAFT_TOKEN_INDEX],
-                                                           enabled=config.drafter.name != "none"))
+        self._init_scheduling(
+            num_blocks,
+            SimulatedDrafter(
+                config.drafter, self._token_pool[DRAFT_TOKEN_INDEX], enabled=config.drafter.name != "none"
+            ),
+        )
         # Grammars need real logits: constrained requests are refused, naming the guides a real run offers.
         self.guide = self.registry.load("guide", "none")(
-            TokenizerInfo(self.tokenizer, self.vocab_size, tuple(sorted(self.eos_token_ids))))
+            TokenizerInfo(self.tokenizer, self.vocab_size, tuple(sorted(self.eos_token_ids)))
+        )
 
     def _synthetic_tokens(self) -> list[int]:
         """Ordinary tokens to sample from: no EOS, no special token."""

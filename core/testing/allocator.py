@@ -43,11 +43,15 @@ class AllocatorStateMachine(RuleBasedStateMachine):
 
     @classmethod
     def bind(cls, factory: AllocatorFactory, supports_block_sharing: bool, may_fragment: bool) -> type:
-        return type(cls.__name__, (cls,), {
-            "make_allocator": staticmethod(factory),
-            "supports_block_sharing": supports_block_sharing,
-            "may_fragment": may_fragment,
-        })
+        return type(
+            cls.__name__,
+            (cls,),
+            {
+                "make_allocator": staticmethod(factory),
+                "supports_block_sharing": supports_block_sharing,
+                "may_fragment": may_fragment,
+            },
+        )
 
     def __init__(self):
         super().__init__()
@@ -87,8 +91,10 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         """A new owner shares blocks already held: the leading blocks of one owner (a prefix-cache hit, a fork), or
         a few from anywhere."""
         owner = data.draw(st.sampled_from(self.owners), label="owner")
-        blocks = data.draw(st.one_of(st.integers(1, len(owner)).map(lambda length: owner[:length]),
-                                     held_subsets(self.refcounts)), label="blocks")
+        blocks = data.draw(
+            st.one_of(st.integers(1, len(owner)).map(lambda length: owner[:length]), held_subsets(self.refcounts)),
+            label="blocks",
+        )
         self.allocator.retain(blocks)
         for block in blocks:
             self.refcounts[block] += 1
@@ -99,8 +105,9 @@ class AllocatorStateMachine(RuleBasedStateMachine):
     def release(self, data: st.DataObject) -> None:
         """One owner drops some of its references, in any order."""
         owner = data.draw(st.sampled_from(self.owners), label="owner")
-        blocks = data.draw(st.lists(st.sampled_from(owner), min_size=1, max_size=len(owner), unique=True),
-                           label="blocks")
+        blocks = data.draw(
+            st.lists(st.sampled_from(owner), min_size=1, max_size=len(owner), unique=True), label="blocks"
+        )
         self.release_references(owner, blocks)
 
     @precondition(lambda self: self.owners)
@@ -221,7 +228,10 @@ class AllocatorConformance(ConformanceSuite):
     # checks, and each distinct failure would be shrunk on its own (so one is reported), and the explain phase
     # replays the failure under a line tracer (several times the cost of finding and shrinking it; it is left out).
     hypothesis_settings: ClassVar[settings] = settings(
-        ConformanceSuite.hypothesis_settings, max_examples=30, stateful_step_count=50, report_multiple_bugs=False,
+        ConformanceSuite.hypothesis_settings,
+        max_examples=30,
+        stateful_step_count=50,
+        report_multiple_bugs=False,
         phases=[phase for phase in Phase if phase is not Phase.explain],
     )
 

@@ -43,11 +43,13 @@ def reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     return torch.einsum("hls,shd->lhd", weights, values)
 
 
-def build_metadata(block_tables: list[list[int]], shapes: list[Shape], block_size: int,
-                   device: torch.device) -> AttentionMetadata:
+def build_metadata(
+    block_tables: list[list[int]], shapes: list[Shape], block_size: int, device: torch.device
+) -> AttentionMetadata:
     """The batch metadata the engine's runner would build for sequences with these cached and query lengths."""
-    return AttentionMetadata.build(block_tables, [cached for cached, _ in shapes], [new for _, new in shapes],
-                                   block_size, device)
+    return AttentionMetadata.build(
+        block_tables, [cached for cached, _ in shapes], [new for _, new in shapes], block_size, device
+    )
 
 
 @dataclass
@@ -97,8 +99,9 @@ class PagedContext:
 
     def write_prefix(self, cached_lens: list[int]) -> None:
         """Store the first ``cached_lens[i]`` positions of each sequence with the reference ``write_kv``."""
-        metadata = build_metadata(self.block_tables, [(0, cached) for cached in cached_lens], self.backend.block_size,
-                                  self.backend.device)
+        metadata = build_metadata(
+            self.block_tables, [(0, cached) for cached in cached_lens], self.backend.block_size, self.backend.device
+        )
         write_kv(self.kv_cache, *self.new_kv([(0, cached) for cached in cached_lens]), metadata.slot_mapping)
 
     def new_kv(self, shapes: list[Shape]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +112,9 @@ class PagedContext:
 
     def forward(self, shapes: list[Shape], query: torch.Tensor) -> torch.Tensor:
         """One step through the backend: ``query`` [T, heads, D] for the given (cached, query length) shapes."""
-        metadata = self.backend.prepare(build_metadata(self.block_tables, shapes, self.backend.block_size,
-                                                       self.backend.device))
+        metadata = self.backend.prepare(
+            build_metadata(self.block_tables, shapes, self.backend.block_size, self.backend.device)
+        )
         keys, values = self.new_kv(shapes)
         return self.backend.forward(0, query, keys, values, self.kv_cache, metadata)
 
@@ -123,8 +127,11 @@ class PagedContext:
         outputs, start = [], 0
         for keys, values, (cached, query_len) in zip(self.keys, self.values, shapes):
             end = cached + query_len
-            outputs.append(reference_attention(query[start : start + query_len], keys[:end], values[:end],
-                                               self.backend.head_dim ** -0.5))
+            outputs.append(
+                reference_attention(
+                    query[start : start + query_len], keys[:end], values[:end], self.backend.head_dim**-0.5
+                )
+            )
             start += query_len
         return torch.cat(outputs)
 
@@ -197,14 +204,23 @@ class AttentionConformance(ConformanceSuite):
         implementation = self.load_implementation(name)
         config = self.implementation_config(name)
 
-        def make(block_size: int = 8, queries_per_kv_head: int = 1, dtype: torch.dtype = torch.float32,
-                 num_kv_heads: int | None = None, head_dim: int | None = None):
+        def make(
+            block_size: int = 8,
+            queries_per_kv_head: int = 1,
+            dtype: torch.dtype = torch.float32,
+            num_kv_heads: int | None = None,
+            head_dim: int | None = None,
+        ):
             num_kv_heads = num_kv_heads or self.num_kv_heads
             try:
                 return implementation(
-                    num_heads=num_kv_heads * queries_per_kv_head, num_kv_heads=num_kv_heads,
-                    head_dim=head_dim or self.head_dim, block_size=block_size, dtype=dtype,
-                    device=self.target_device(), config=config,
+                    num_heads=num_kv_heads * queries_per_kv_head,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim or self.head_dim,
+                    block_size=block_size,
+                    dtype=dtype,
+                    device=self.target_device(),
+                    config=config,
                 )
             except BackendUnavailableError as error:
                 pytest.skip(f"{name}: {error}")
@@ -221,8 +237,9 @@ class AttentionConformance(ConformanceSuite):
     @pytest.mark.parametrize("batch", sorted(BATCHES))
     @pytest.mark.parametrize("queries_per_kv_head", [1, 3])
     @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-    def test_matches_the_oracle_on_ragged_paged_batches(self, attention_factory, block_size, queries_per_kv_head,
-                                                          batch):
+    def test_matches_the_oracle_on_ragged_paged_batches(
+        self, attention_factory, block_size, queries_per_kv_head, batch
+    ):
         backend = attention_factory(block_size=block_size, queries_per_kv_head=queries_per_kv_head)
         self.check_against_oracle(backend, BATCHES[batch], seed=block_size * 10 + queries_per_kv_head)
 
@@ -233,13 +250,17 @@ class AttentionConformance(ConformanceSuite):
         backend = attention_factory(block_size=block_size, queries_per_kv_head=3)
         self.check_against_oracle(backend, [(0, 150), (37, 1), (70, 131), (5, 2)], seed=block_size + 101)
 
-    @pytest.mark.parametrize("num_kv_heads, queries_per_kv_head, head_dim", HEAD_LAYOUTS,
-                             ids=[f"kv{kv}x{q}-d{d}" for kv, q, d in HEAD_LAYOUTS])
+    @pytest.mark.parametrize(
+        "num_kv_heads, queries_per_kv_head, head_dim",
+        HEAD_LAYOUTS,
+        ids=[f"kv{kv}x{q}-d{d}" for kv, q, d in HEAD_LAYOUTS],
+    )
     def test_head_layouts_match_the_oracle(self, attention_factory, num_kv_heads, queries_per_kv_head, head_dim):
         """Multi-query (one KV head for 8 query heads), grouped with more KV heads, plain multi-head, and head
         dimensions of real models (64, SmolLM2's and Llama's; 128, Llama-3's; 80, not a power of two)."""
-        backend = attention_factory(block_size=16, queries_per_kv_head=queries_per_kv_head,
-                                    num_kv_heads=num_kv_heads, head_dim=head_dim)
+        backend = attention_factory(
+            block_size=16, queries_per_kv_head=queries_per_kv_head, num_kv_heads=num_kv_heads, head_dim=head_dim
+        )
         self.check_against_oracle(backend, [(0, 9), (21, 1), (40, 5), (3, 1)], seed=num_kv_heads * 7 + head_dim)
 
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -273,8 +294,9 @@ class AttentionConformance(ConformanceSuite):
             query = context.random_query(shapes)
             self.assert_close(context.forward(shapes, query), context.expected(shapes, query))
 
-    @pytest.mark.parametrize("block_size, dtype", [(8, torch.float32), (16, torch.float32), (16, torch.bfloat16)],
-                             ids=str)
+    @pytest.mark.parametrize(
+        "block_size, dtype", [(8, torch.float32), (16, torch.float32), (16, torch.bfloat16)], ids=str
+    )
     def test_sequences_sharing_prefix_blocks_match_the_oracle(self, attention_factory, block_size, dtype):
         backend = attention_factory(block_size=block_size, queries_per_kv_head=3, dtype=dtype)
         context = PagedContext.create_shared(backend, SHARED_GROUPS, seed=14)

@@ -60,8 +60,13 @@ def make_sequences(seed: int, count: int, vocab_size: int) -> list[Sequence]:
         phrases = [[generator.randrange(vocab_size) for _ in range(generator.randint(2, 5))] for _ in range(3)]
         prompt = [token for _ in range(4) for token in generator.choice(phrases)]
         output = generator.choice(phrases)[: generator.randint(0, 3)]
-        seq = Sequence(f"seq-{seed}-{index}", prompt, SamplingParams(max_tokens=64, temperature=0.0, seed=seed),
-                       output_token_ids=output, status=SequenceStatus.RUNNING)
+        seq = Sequence(
+            f"seq-{seed}-{index}",
+            prompt,
+            SamplingParams(max_tokens=64, temperature=0.0, seed=seed),
+            output_token_ids=output,
+            status=SequenceStatus.RUNNING,
+        )
         seq.num_computed_tokens = seq.num_tokens - 1  # the last sampled token is the next one to compute
         seq.block_table = list(range(1 + index * BLOCKS_PER_SEQUENCE, 1 + (index + 1) * BLOCKS_PER_SEQUENCE))
         sequences.append(seq)
@@ -147,10 +152,12 @@ class DrafterConformance(ConformanceSuite):
         """``engine_factory(use_drafter)`` returns a greedy ``generate(prompts) -> outputs`` inside an engine over
         ``target_model_dir``, with or without the drafter (``drafter_overrides``)."""
         if target_model_dir is None:
-            pytest.skip("no target model: override the target_model_dir fixture to check the target's output "
-                        "inside the engine")
-        return engine_generator(target_model_dir, self.drafter_overrides(getattr(drafter_factory, "name",
-                                                                                 self.impl_name)))
+            pytest.skip(
+                "no target model: override the target_model_dir fixture to check the target's output inside the engine"
+            )
+        return engine_generator(
+            target_model_dir, self.drafter_overrides(getattr(drafter_factory, "name", self.impl_name))
+        )
 
     def drafter_overrides(self, name: str) -> dict[str, Any]:
         """Config keys (dotted) that select drafter ``name`` in an engine."""
@@ -159,8 +166,10 @@ class DrafterConformance(ConformanceSuite):
     def make_drafter_factory(self, name: str | None, context: DrafterContext | None) -> DrafterFactory:
         implementation = self.load_implementation(name)
         if self.needs_target and context is None:
-            pytest.skip(f"drafter {name!r} needs a target model (it declares needs_target): override the "
-                        f"target_model_dir fixture (a model with vocab_size={self.vocab_size} tokens at most)")
+            pytest.skip(
+                f"drafter {name!r} needs a target model (it declares needs_target): override the "
+                f"target_model_dir fixture (a model with vocab_size={self.vocab_size} tokens at most)"
+            )
         config = self.implementation_config(name, num_speculative_tokens=self.num_speculative_tokens)
 
         def factory() -> Drafter:

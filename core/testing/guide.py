@@ -125,9 +125,11 @@ class GuideConformance(ConformanceSuite):
                 forbidden = next((t for t in rng.sample(range(vocab_size), 512) if t not in allowed_set), None)
                 if forbidden is not None:
                     assert matcher.accept([forbidden]) == 0, (
-                        f"{kind}: token {forbidden} is outside the mask but accepted")
+                        f"{kind}: token {forbidden} is outside the mask but accepted"
+                    )
                     assert allowed_tokens(matcher, vocab_size).tolist() == allowed.tolist(), (
-                        f"{kind}: refusing token {forbidden} changed the state")
+                        f"{kind}: refusing token {forbidden} changed the state"
+                    )
                 token = int(allowed[rng.randrange(len(allowed))])
                 assert matcher.accept([token]) == 1, f"{kind}: token {token} is in the mask but refused"
                 if matcher.is_terminated():
@@ -145,7 +147,8 @@ class GuideConformance(ConformanceSuite):
             assert matcher.accept(token_ids) == len(token_ids), f"{kind}: {text!r} is not accepted whole"
             assert not matcher.is_terminated(), f"{kind}: terminated before the stop token"
             assert allowed_tokens(matcher, self.vocab_size(guide)).tolist() == [STOP_TOKEN], (
-                f"{kind}: after the whole of {text!r} more than the stop token is allowed")
+                f"{kind}: after the whole of {text!r} more than the stop token is allowed"
+            )
             assert matcher.accept([STOP_TOKEN]) == 1 and matcher.is_terminated()
 
     @pytest.mark.parametrize("kind", sorted(EXAMPLES))
@@ -168,7 +171,8 @@ class GuideConformance(ConformanceSuite):
         for back in range(1, len(tokens) + 1):
             matcher.rollback(1)
             assert allowed_tokens(matcher, vocab_size).tolist() == masks[-back], (
-                f"{kind}: the mask after rolling back {back} tokens differs from the one seen before them")
+                f"{kind}: the mask after rolling back {back} tokens differs from the one seen before them"
+            )
         assert matcher.accept(tokens) == len(tokens), f"{kind}: the same tokens are refused after the rollback"
 
     @pytest.mark.parametrize("kind", sorted(EXAMPLES))

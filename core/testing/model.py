@@ -32,10 +32,19 @@ from infer.testing.suite import ConformanceSuite
 
 # Shared by the tiny configs so SmolLM2's tokenizer (saved beside the weights) serves every family.
 VOCAB_SIZE = 49152
-TINY_FIELDS: dict[str, Any] = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=512, initializer_range=0.2, bos_token_id=1,
-                                   eos_token_id=2, pad_token_id=2)
+TINY_FIELDS: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
 
 
 def random_prompt(length: int, seed: int) -> list[int]:
@@ -67,8 +76,15 @@ class PagedRunner:
     """A model over a paged pool, one batched call per step: shuffled pool blocks, per-sequence block tables, the
     attention backend ``backend_name`` (``sdpa``, ``cpu``, ...), infer's CPU kernels when ``kernels``."""
 
-    def __init__(self, model, backend_name: str = "sdpa", block_size: int = 4, num_blocks: int = 256,
-                 kernels: bool = False, seed: int = 0):
+    def __init__(
+        self,
+        model,
+        backend_name: str = "sdpa",
+        block_size: int = 4,
+        num_blocks: int = 256,
+        kernels: bool = False,
+        seed: int = 0,
+    ):
         from infer.execution.paths import Executor
         from infer.kernels import cpu as cpu_kernels
         from infer.registry import get_registry
@@ -77,9 +93,14 @@ class PagedRunner:
         self.block_size = block_size
         self.executor = Executor.for_model(model, cpu_kernels.load(True) if kernels else None)
         backend_class = get_registry().load("attention", backend_name)
-        self.backend = backend_class(num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-                                     head_dim=model.head_dim, block_size=block_size, dtype=torch.float32,
-                                     device=torch.device("cpu"))
+        self.backend = backend_class(
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            block_size=block_size,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
         self.backend.set_layers(model.layer_attention)
         self.kv_cache = self.backend.allocate_kv_cache(model.num_layers, num_blocks)
         generator = torch.Generator().manual_seed(seed)
@@ -95,12 +116,16 @@ class PagedRunner:
             table = self.block_tables.setdefault(name, [])
             needed = math.ceil((self.num_cached.get(name, 0) + len(new_tokens[name])) / self.block_size)
             table.extend(self.free_blocks.pop() for _ in range(needed - len(table)))
-        metadata = AttentionMetadata.build([self.block_tables[name] for name in names],
-                                           [self.num_cached.get(name, 0) for name in names],
-                                           [len(new_tokens[name]) for name in names], self.block_size)
+        metadata = AttentionMetadata.build(
+            [self.block_tables[name] for name in names],
+            [self.num_cached.get(name, 0) for name in names],
+            [len(new_tokens[name]) for name in names],
+            self.block_size,
+        )
         input_ids = torch.tensor([token for name in names for token in new_tokens[name]])
-        step = self.executor.step(self.model.rotary, self.backend.prepare(metadata), self.kv_cache, self.backend,
-                                  torch.float32)
+        step = self.executor.step(
+            self.model.rotary, self.backend.prepare(metadata), self.kv_cache, self.backend, torch.float32
+        )
         logits = self.model.compute_logits(self.model(input_ids, step)).split(metadata.query_lens_cpu)
         for name in names:
             self.num_cached[name] = self.num_cached.get(name, 0) + len(new_tokens[name])
@@ -160,8 +185,9 @@ class ModelConformance(ConformanceSuite):
         from infer.model.loader import load_model, read_safetensors
 
         if architecture is None:
-            return load_model(str(model_dir), torch.float32, max_positions=self.max_model_len,
-                              architecture=self.impl_name).model
+            return load_model(
+                str(model_dir), torch.float32, max_positions=self.max_model_len, architecture=self.impl_name
+            ).model
         from transformers import AutoConfig
 
         model = architecture.build(AutoConfig.from_pretrained(model_dir), max_positions=self.max_model_len)
@@ -174,12 +200,12 @@ class ModelConformance(ConformanceSuite):
         """The largest logit difference against HF over a mixed batch: each prompt prefilled in two chunks (the
         second alongside the others' decode steps), then decoded token by token past the window."""
         runner = self.last_runner = PagedRunner(model, backend, kernels=kernels)
-        prompts = {f"p{index}": random_prompt(length, seed=index)
-                   for index, length in enumerate(self.prompt_lengths())}
+        prompts = {f"p{index}": random_prompt(length, seed=index) for index, length in enumerate(self.prompt_lengths())}
         decode = {name: random_prompt(self.max_tokens, seed=100 + index) for index, name in enumerate(prompts)}
         got: dict[str, list[torch.Tensor]] = {name: [] for name in prompts}
-        halves = {name: (tokens[: len(tokens) // 2 + 1], tokens[len(tokens) // 2 + 1:])
-                  for name, tokens in prompts.items()}
+        halves = {
+            name: (tokens[: len(tokens) // 2 + 1], tokens[len(tokens) // 2 + 1 :]) for name, tokens in prompts.items()
+        }
         for phase in (0, 1):
             chunk = {name: parts[phase] for name, parts in halves.items() if parts[phase]}
             for name, logits in runner.step(chunk).items():
@@ -202,17 +228,27 @@ class ModelConformance(ConformanceSuite):
         for prompt in prompts:
             ids = torch.tensor([prompt])
             with torch.inference_mode():
-                out = hf_model.generate(ids, max_new_tokens=self.max_tokens, do_sample=False, pad_token_id=2,
-                                        attention_mask=torch.ones_like(ids))
-            outputs.append(out[0, len(prompt):].tolist())
+                out = hf_model.generate(
+                    ids,
+                    max_new_tokens=self.max_tokens,
+                    do_sample=False,
+                    pad_token_id=2,
+                    attention_mask=torch.ones_like(ids),
+                )
+            outputs.append(out[0, len(prompt) :].tolist())
         return outputs
 
     def engine(self, model_dir: Path, **overrides: Any):
         """An ``infer.LLM`` over ``model_dir`` in float32 with config ``overrides`` (``scheduler__...``)."""
         from infer import LLM
 
-        settings = {"model__path": str(model_dir), "model__dtype": "float32",
-                    "model__max_model_len": self.max_model_len, "model__architecture": self.impl_name, **overrides}
+        settings = {
+            "model__path": str(model_dir),
+            "model__dtype": "float32",
+            "model__max_model_len": self.max_model_len,
+            "model__architecture": self.impl_name,
+            **overrides,
+        }
         return LLM("baseline", **settings)
 
     def engine_greedy(self, llm, prompts: list[list[int]]) -> list[list[int]]:
@@ -227,7 +263,8 @@ class ModelConformance(ConformanceSuite):
         for index, (got, want) in enumerate(zip(self.engine_greedy(llm, prompts), expected)):
             # HF stops at EOS; the engine includes the EOS token it stopped on, as HF does.
             assert got == want[: len(got)] and (len(got) == len(want) or got[-1] == 2), (
-                f"prompt {index} ({len(prompts[index])} tokens): {got} != {want}")
+                f"prompt {index} ({len(prompts[index])} tokens): {got} != {want}"
+            )
 
     def available_backends(self) -> list[str]:
         from infer.kernels import cpu as cpu_kernels
@@ -276,8 +313,13 @@ class ModelConformance(ConformanceSuite):
         # 7 tokens a step cut every long prompt into chunks; a pool for the longest request and a few blocks more
         # holds fewer sequences than run at once.
         longest = -(-(max(lengths) + self.max_tokens) // 4)
-        with self.engine(model_dir, scheduler__max_num_batched_tokens=7, cache__block_size=4,
-                         cache__num_blocks=longest + 4, model__max_model_len=4 * longest) as llm:
+        with self.engine(
+            model_dir,
+            scheduler__max_num_batched_tokens=7,
+            cache__block_size=4,
+            cache__num_blocks=longest + 4,
+            model__max_model_len=4 * longest,
+        ) as llm:
             self.assert_greedy_matches(llm, hf_model, prompts)
             assert llm.engine.stats.num_preemptions > 0, "the pool was large enough that nothing was preempted"
 
@@ -289,4 +331,3 @@ class ModelConformance(ConformanceSuite):
                 self.assert_greedy_matches(llm, hf_model, prompts)
                 self.assert_greedy_matches(llm, hf_model, prompts)  # the shared prefix and each whole prompt hit
                 assert llm.engine.stats.num_cached_prompt_tokens >= len(prompts) * (len(shared) // 4 * 4)
-

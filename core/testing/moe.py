@@ -34,6 +34,7 @@ def replay_routing(model, calls: list[torch.Tensor]) -> None:
     replayed = iter(calls)
     for layer in model.layers:
         if isinstance(layer.mlp, MoE):
+
             def route(x, moe=layer.mlp):
                 experts = next(replayed)
                 probabilities = torch.softmax(moe.router(x), dim=-1)

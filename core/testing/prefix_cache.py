@@ -218,7 +218,8 @@ class PrefixCacheHarness:
         evictable = self.cache.num_evictable
         assert self.cache.can_evict(evictable) and not self.cache.can_evict(evictable + 1), (
             f"can_evict disagrees with num_evictable={evictable}: can_evict({evictable}) is "
-            f"{self.cache.can_evict(evictable)}, can_evict({evictable + 1}) is {self.cache.can_evict(evictable + 1)}")
+            f"{self.cache.can_evict(evictable)}, can_evict({evictable + 1}) is {self.cache.can_evict(evictable + 1)}"
+        )
         # A cache may protect more than the matched blocks (a whole tree node, say), but only while something is.
         assert protected or self.cache.num_evictable == len(cached), (
             f"num_evictable is {self.cache.num_evictable} with nothing locked or shared; the cache holds {len(cached)}"
@@ -234,10 +235,14 @@ class PrefixCacheStateMachine(RuleBasedStateMachine):
 
     @classmethod
     def bind(cls, allocator_factory: AllocatorFactory, cache_factory: PrefixCacheFactory) -> type:
-        return type(cls.__name__, (cls,), {
-            "make_allocator": staticmethod(allocator_factory),
-            "make_cache": staticmethod(cache_factory),
-        })
+        return type(
+            cls.__name__,
+            (cls,),
+            {
+                "make_allocator": staticmethod(allocator_factory),
+                "make_cache": staticmethod(cache_factory),
+            },
+        )
 
     def __init__(self):
         super().__init__()
@@ -251,8 +256,12 @@ class PrefixCacheStateMachine(RuleBasedStateMachine):
         prefix = self.prompts[base % len(self.prompts)][:cut] if self.prompts else []
         return ((prefix + extension) or [0])[: self.max_prompt_tokens]
 
-    @rule(base=st.integers(0, 50), cut=st.integers(0, 24), extension=st.lists(st.integers(0, 2), max_size=12),
-          namespace=NAMESPACES)
+    @rule(
+        base=st.integers(0, 50),
+        cut=st.integers(0, 24),
+        extension=st.lists(st.integers(0, 2), max_size=12),
+        namespace=NAMESPACES,
+    )
     def serve(self, base: int, cut: int, extension: list[int], namespace: str | None) -> None:
         tokens = self.compose(base, cut, extension)
         if self.harness.serve(tokens, namespace):
@@ -342,8 +351,9 @@ class PrefixCacheConformance(ConformanceSuite):
         """The same random protocol on one-token blocks and on blocks longer than most prompts, over pools whose
         sizes are not powers of two (the registered ``allocator_name`` underneath)."""
         allocator_class = get_registry().load("allocator", self.allocator_name)
-        machine = PrefixCacheStateMachine.bind(lambda: allocator_class(num_blocks, block_size, self.max_model_len),
-                                               prefix_cache_factory)
+        machine = PrefixCacheStateMachine.bind(
+            lambda: allocator_class(num_blocks, block_size, self.max_model_len), prefix_cache_factory
+        )
         run_state_machine_as_test(machine, settings=self.hypothesis_settings)
 
     def test_empty_cache_matches_nothing(self, harness):

@@ -26,8 +26,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long-running test (real model, benchmarks); deselect with -m 'not slow'")
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
     config.addinivalue_line(
-        "markers", "infer_conformance(kind=None, impl=None): a test from an infer conformance suite (the sweep "
-        "records which implementation it runs)"
+        "markers",
+        "infer_conformance(kind=None, impl=None): a test from an infer conformance suite (the sweep "
+        "records which implementation it runs)",
     )
 
 

@@ -79,8 +79,9 @@ class SimulatedEngine:
         self.num_scheduled_tokens = 0
         self.finish_step: dict[Sequence, int] = {}
         self.samples_of: dict[str, list[Sequence]] = {}
-        self.view = SchedulerView(self.waiting, self.running, kv, limits.max_num_seqs,
-                                  limits.max_num_batched_tokens, limits.max_model_len)
+        self.view = SchedulerView(
+            self.waiting, self.running, kv, limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len
+        )
 
     def run(self, workload: list[Request]) -> list[Sequence]:
         """Serve ``workload`` to the end; fails when it takes more than ``step_bound`` steps. Returns every sample,
@@ -172,13 +173,22 @@ def make_samples(index: int, request: Request) -> list[Sequence]:
     shared = min(request.shared_prefix_len, request.prompt_len)
     prompt = [2000 + position for position in range(shared)]
     prompt += [(index * 31 + position) % 1000 + 1 for position in range(request.prompt_len - shared)]
-    params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, n=request.n, priority=request.priority,
-                            tenant=request.tenant)
+    params = SamplingParams(
+        max_tokens=request.max_tokens, temperature=0.0, n=request.n, priority=request.priority, tenant=request.tenant
+    )
     samples: list[Sequence] = []
     for sample in range(request.n):
-        samples.append(Sequence(f"seq-{index}/{sample}", list(prompt), params, request_id=f"request-{index}",
-                                sample_index=sample, fork_of=samples[0] if samples else None,
-                                arrival_time=float(request.arrival_step)))
+        samples.append(
+            Sequence(
+                f"seq-{index}/{sample}",
+                list(prompt),
+                params,
+                request_id=f"request-{index}",
+                sample_index=sample,
+                fork_of=samples[0] if samples else None,
+                arrival_time=float(request.arrival_step),
+            )
+        )
     return samples
 
 
@@ -201,9 +211,20 @@ def scenarios(draw: st.DrawFn, chunked_prefill: bool) -> tuple[Limits, list[Requ
     max_model_len = 40
     budget = draw(st.integers(4, 48))
     max_prompt = 24 if chunked_prefill else min(24, budget)
-    requests = draw(st.lists(st.builds(
-        Request, st.integers(1, max_prompt), st.integers(1, 12), st.integers(0, 10), st.integers(1, 3),
-        st.integers(0, max_prompt)), min_size=1, max_size=8))
+    requests = draw(
+        st.lists(
+            st.builds(
+                Request,
+                st.integers(1, max_prompt),
+                st.integers(1, 12),
+                st.integers(0, 10),
+                st.integers(1, 3),
+                st.integers(0, max_prompt),
+            ),
+            min_size=1,
+            max_size=8,
+        )
+    )
     largest = max(request.prompt_len + request.max_tokens for request in requests)
     num_blocks = 1 + draw(st.integers(-(-largest // block_size), 2 * max_model_len // block_size))
     limits = Limits(num_blocks, block_size, max_model_len, draw(st.integers(1, 6)), budget)
@@ -265,8 +286,11 @@ class SchedulerConformance(ConformanceSuite):
         implementation = self.load_implementation(name)
 
         def make(limits: Limits) -> Scheduler:
-            return implementation(self.implementation_config(
-                name, max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens))
+            return implementation(
+                self.implementation_config(
+                    name, max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens
+                )
+            )
 
         return make
 
@@ -302,11 +326,13 @@ class SchedulerConformance(ConformanceSuite):
         """Requests whose first 16 tokens are cached arrive with them computed: the plan counts only what is left
         (a scheduler that plans the whole prompt writes past the sequence's tokens and blows the budget)."""
         limits = Limits(max_num_seqs=4, max_num_batched_tokens=24)
-        engine = SimulatedEngine(scheduler_factory(limits), self.make_kv_cache_factory(self.hit_prefix_cache_name)(
-            limits), limits)
+        engine = SimulatedEngine(
+            scheduler_factory(limits), self.make_kv_cache_factory(self.hit_prefix_cache_name)(limits), limits
+        )
         first = Request(prompt_len=20, max_tokens=4, shared_prefix_len=16)
-        later = [Request(prompt_len=18 + index, max_tokens=3, arrival_step=40, shared_prefix_len=16)
-                 for index in range(3)]
+        later = [
+            Request(prompt_len=18 + index, max_tokens=3, arrival_step=40, shared_prefix_len=16) for index in range(3)
+        ]
         sequences = engine.run([first, *later])
         assert [seq.num_output_tokens for seq in sequences] == expected_outputs([first, *later])
         hits = [seq.num_cached_prompt_tokens for seq in sequences[1:]]
@@ -326,7 +352,8 @@ class SchedulerConformance(ConformanceSuite):
         shared = 16 + 3 + 4 * (4 + 3)  # followers share 12 of the 16 prompt tokens (3 full blocks)
         assert engine.num_scheduled_tokens == shared, (
             f"{engine.num_scheduled_tokens} tokens computed for 5 samples ({shared} when followers wait for "
-            f"view.is_ready and share the leader's prompt, {alone} when each computes it)")
+            f"view.is_ready and share the leader's prompt, {alone} when each computes it)"
+        )
 
     def test_an_overload_of_favored_requests_does_not_starve_one(self, engine_factory):
         """60 short requests arrive every other step, more than two slots can serve, so a backlog builds; at step 10
@@ -344,7 +371,8 @@ class SchedulerConformance(ConformanceSuite):
         served_by_then = engine.finished.index(sequences[-1])
         assert engine.finish_step[sequences[-1]] < last_arrival, (
             f"the disfavored request finished at step {engine.finish_step[sequences[-1]]}, after the last of the "
-            f"stream arrived (step {last_arrival}; {served_by_then} stream requests were served before it)")
+            f"stream arrived (step {last_arrival}; {served_by_then} stream requests were served before it)"
+        )
 
     def test_random_workloads_finish_within_the_limits(self, any_cache_engine_factory):
         @self.hypothesis_settings

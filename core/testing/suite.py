@@ -34,8 +34,9 @@ class ConformanceSuite:
     impl_name: ClassVar[str | None] = None
     capability_flags: ClassVar[tuple[str, ...]] = ()
     expected_failures: ClassVar[dict[str, str]] = {}
-    hypothesis_settings: ClassVar[settings] = settings(max_examples=30, stateful_step_count=25, deadline=None,
-                                                       database=EXAMPLE_DATABASE)
+    hypothesis_settings: ClassVar[settings] = settings(
+        max_examples=30, stateful_step_count=25, deadline=None, database=EXAMPLE_DATABASE
+    )
 
     def load_implementation(self, name: str | None) -> type:
         """The class registered as ``name`` for this suite's kind; adopts the capability flags it declares."""

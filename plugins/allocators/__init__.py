@@ -11,7 +11,13 @@ INFER_PLUGIN_API = 2
 
 @hookimpl
 def register_allocators(register):
-    register("paged", "infer.plugins.allocators.paged:PagedAllocator",
-             description="On-demand fixed-size blocks from a free list (PagedAttention)")
-    register("contiguous", "infer.plugins.allocators.contiguous:ContiguousAllocator",
-             description="Reserves max_model_len of contiguous blocks per request at admission (pre-paging baseline)")
+    register(
+        "paged",
+        "infer.plugins.allocators.paged:PagedAllocator",
+        description="On-demand fixed-size blocks from a free list (PagedAttention)",
+    )
+    register(
+        "contiguous",
+        "infer.plugins.allocators.contiguous:ContiguousAllocator",
+        description="Reserves max_model_len of contiguous blocks per request at admission (pre-paging baseline)",
+    )

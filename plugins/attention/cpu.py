@@ -66,33 +66,43 @@ class CpuAttentionConfig(AttentionConfig):
 
     name: str = "cpu"
     prefill_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Sequences with at least prefill_min_tokens query tokens in a step: bfloat16 attends "
-                            "them with torch's flash attention in bf16 (fast where the CPU multiplies bf16 "
-                            "natively), float32 with the C kernel (exact). auto: bfloat16 when the model's weights "
-                            "are bf16 (model.quantization bf16), else float32.")
+        "auto",
+        description="Sequences with at least prefill_min_tokens query tokens in a step: bfloat16 attends "
+        "them with torch's flash attention in bf16 (fast where the CPU multiplies bf16 "
+        "natively), float32 with the C kernel (exact). auto: bfloat16 when the model's weights "
+        "are bf16 (model.quantization bf16), else float32.",
+    )
     prefill_min_tokens: int = Field(32, ge=1, description="Query tokens from which prefill_dtype applies.")
     prefill_kernel: Literal["auto", "infer", "torch"] = Field(
-        "auto", description="Which flash attention computes prefill_dtype bfloat16: infer (the C kernels' own, on "
-                            "AMX tiles where the CPU has them and the head size is 64, else AVX512-BF16 dot "
-                            "products), torch (scaled_dot_product_attention over the gathered context; oneDNN's AMX "
-                            "code where the CPU has AMX). auto: infer where the kernels have it, except on a CPU with "
-                            "AMX that infer's cannot use (then torch).")
+        "auto",
+        description="Which flash attention computes prefill_dtype bfloat16: infer (the C kernels' own, on "
+        "AMX tiles where the CPU has them and the head size is 64, else AVX512-BF16 dot "
+        "products), torch (scaled_dot_product_attention over the gathered context; oneDNN's AMX "
+        "code where the CPU has AMX). auto: infer where the kernels have it, except on a CPU with "
+        "AMX that infer's cannot use (then torch).",
+    )
     prefill_arithmetic: Literal["auto", "bf16", "float32"] = Field(
-        "auto", description="infer's flash attention (prefill_kernel infer): bf16 dot products (Q and the "
-                            "probabilities rounded to bf16) or float32 FMAs over the bf16 K/V (Q and the "
-                            "probabilities float32; faster where the CPU's float32 rate beats its bf16 dot "
-                            "products). auto: what execution.large_gemm chose for the projections.")
+        "auto",
+        description="infer's flash attention (prefill_kernel infer): bf16 dot products (Q and the "
+        "probabilities rounded to bf16) or float32 FMAs over the bf16 K/V (Q and the "
+        "probabilities float32; faster where the CPU's float32 rate beats its bf16 dot "
+        "products). auto: what execution.large_gemm chose for the projections.",
+    )
     decode_arithmetic: Literal["auto", "bf16", "float32"] = Field(
-        "auto", description="Decode and verification queries over a bfloat16 pool (head size 64, kernels with "
-                            "AVX512-BF16): bf16 dot products (the queries and the probabilities rounded to bf16, "
-                            "scores and sums float32, as the flash attention) or float32 (the K/V widened, queries "
-                            "and probabilities float32). auto: bf16 where prefill_arithmetic resolves to bf16 "
-                            "(the projections' large steps are bf16 arithmetic), else float32.")
+        "auto",
+        description="Decode and verification queries over a bfloat16 pool (head size 64, kernels with "
+        "AVX512-BF16): bf16 dot products (the queries and the probabilities rounded to bf16, "
+        "scores and sums float32, as the flash attention) or float32 (the K/V widened, queries "
+        "and probabilities float32). auto: bf16 where prefill_arithmetic resolves to bf16 "
+        "(the projections' large steps are bf16 arithmetic), else float32.",
+    )
     kv_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="The pool's dtype: bfloat16 halves its bytes (twice the tokens in a budget, half the "
-                            "bytes each decode step reads; K/V rounded to bf16 once, queries and sums float32), "
-                            "float32 keeps K/V exact. auto: bfloat16 when the model's weights are bf16, else "
-                            "float32.")
+        "auto",
+        description="The pool's dtype: bfloat16 halves its bytes (twice the tokens in a budget, half the "
+        "bytes each decode step reads; K/V rounded to bf16 once, queries and sums float32), "
+        "float32 keeps K/V exact. auto: bfloat16 when the model's weights are bf16, else "
+        "float32.",
+    )
 
 
 @dataclass(slots=True)
@@ -109,13 +119,14 @@ class PrefillQuery:
     first_block: int = 0
 
     @classmethod
-    def of(cls, metadata: AttentionMetadata, index: int, start: int, block_size: int,
-           window: int | None) -> PrefillQuery:
+    def of(
+        cls, metadata: AttentionMetadata, index: int, start: int, block_size: int, window: int | None
+    ) -> PrefillQuery:
         """Sequence ``index``'s query rows, from token row ``start``, under a sliding ``window`` (None: full)."""
         query_len, context = metadata.query_lens_cpu[index], metadata.seq_lens_cpu[index]
         first_key = max(0, context - query_len - window + 1) if window else 0  # the first row's window
         first_block = first_key // block_size
-        block_ids = metadata.block_tables[index, first_block: -(-context // block_size)].long()
+        block_ids = metadata.block_tables[index, first_block : -(-context // block_size)].long()
         keys = context - first_block * block_size
         positions = torch.arange(context - query_len, context)[:, None]
         key_positions = torch.arange(first_block * block_size, context)[None, :]
@@ -160,8 +171,11 @@ class CpuBackend(AttentionBackend):
         float32 FMAs (``environment.float_gemms``), else bf16; ``decode_arithmetic`` auto: bf16 with bf16 weights
         whose prefill arithmetic is bf16, else float32."""
         bf16_weights = environment.quantization == "bf16"
-        update = {key: "bfloat16" if bf16_weights else "float32"
-                  for key in ("prefill_dtype", "kv_dtype") if getattr(config, key) == "auto"}
+        update = {
+            key: "bfloat16" if bf16_weights else "float32"
+            for key in ("prefill_dtype", "kv_dtype")
+            if getattr(config, key) == "auto"
+        }
         if config.prefill_arithmetic == "auto":
             update["prefill_arithmetic"] = "float32" if environment.float_gemms else "bf16"
         prefill_arithmetic = update.get("prefill_arithmetic", config.prefill_arithmetic)
@@ -174,8 +188,9 @@ class CpuBackend(AttentionBackend):
         try:
             self.kernels = cpu_kernels.load(True)
         except cpu_kernels.KernelBuildError as error:
-            raise BackendUnavailableError(f"attention backend cpu needs infer's C kernels: {error}; use "
-                                          f"attention.name=sdpa") from error
+            raise BackendUnavailableError(
+                f"attention backend cpu needs infer's C kernels: {error}; use attention.name=sdpa"
+            ) from error
         # None: every query on the kernel (float32). auto, where the engine has not resolved it, counts as float32.
         bf16 = self.config.prefill_dtype == "bfloat16"
         self.prefill_min_tokens: int | None = self.config.prefill_min_tokens if bf16 else None
@@ -190,8 +205,12 @@ class CpuBackend(AttentionBackend):
         if self.config.kv_dtype == "bfloat16":
             self.kv_dtype = torch.bfloat16
         # decode and verification on the dot products (auto, where the engine has not resolved it, counts as float32)
-        self.decode_dots = (self.config.decode_arithmetic == "bf16" and self.kv_dtype == torch.bfloat16 and
-                            self.kernels.flash and self.head_dim == 64)
+        self.decode_dots = (
+            self.config.decode_arithmetic == "bf16"
+            and self.kv_dtype == torch.bfloat16
+            and self.kernels.flash
+            and self.head_dim == 64
+        )
         # each pool layer's sliding window for the fused stack (0: none); None while no layer has one
         self.windows: torch.Tensor | None = None
         self.one_scale = True  # every layer's softmax scale is self.scale, the one the fused stack takes
@@ -205,8 +224,10 @@ class CpuBackend(AttentionBackend):
 
     def check_supported(self) -> None:
         if self.device.type != "cpu" or self.dtype != torch.float32:
-            raise BackendUnavailableError(f"attention backend cpu runs float32 on a CPU, not {self.dtype} on "
-                                          f"{self.device}; use attention.name=sdpa (or auto, which picks for you)")
+            raise BackendUnavailableError(
+                f"attention backend cpu runs float32 on a CPU, not {self.dtype} on "
+                f"{self.device}; use attention.name=sdpa (or auto, which picks for you)"
+            )
 
     def _choose_prefill_kernel(self) -> str:
         own = self.kernels.flash and self.head_dim % 64 == 0
@@ -216,7 +237,8 @@ class CpuBackend(AttentionBackend):
                 f"attention.prefill_kernel=infer needs infer's flash attention, built only where the CPU has "
                 f"AVX512-BF16 and for a head size that is a multiple of 64 (this build: "
                 f"{'has it' if self.kernels.flash else 'has none'}, head size {self.head_dim}); use "
-                f"attention.prefill_kernel=torch or auto")
+                f"attention.prefill_kernel=torch or auto"
+            )
         if chosen == "auto":  # on AMX infer's only where its products run on the tiles
             chosen = "infer" if own and ("amx_bf16" not in cpu_flags() or self._flash_on_tiles) else "torch"
         return chosen
@@ -245,8 +267,13 @@ class CpuBackend(AttentionBackend):
                 kernel_rows.extend(range(start, start + query_len))
             start += query_len
         plan = every.of_rows(kernel_rows) if kernel_rows else None
-        return CpuMetadata(**fields, plan=plan, prefills=prefills, flash=FlashChunks.of(chunks) if chunks else None,
-                           window_prefills=window_prefills if prefills else {})
+        return CpuMetadata(
+            **fields,
+            plan=plan,
+            prefills=prefills,
+            flash=FlashChunks.of(chunks) if chunks else None,
+            window_prefills=window_prefills if prefills else {},
+        )
 
     def fused_attention(self, metadata: AttentionMetadata) -> KernelAttentionStep | None:
         """Every query of the step on the kernel, as the fused stack computes it (decode and verification are
@@ -256,8 +283,9 @@ class CpuBackend(AttentionBackend):
         if not self.one_scale:
             return None
         plan = metadata.plan if isinstance(metadata, CpuMetadata) else None
-        return KernelAttentionStep.from_metadata(metadata, self.num_heads, self.scale, self.decode_dots, plan,
-                                                 self.windows)
+        return KernelAttentionStep.from_metadata(
+            metadata, self.num_heads, self.scale, self.decode_dots, plan, self.windows
+        )
 
     def describe(self) -> str:
         """The bf16 prefill's flash attention and the decode arithmetic, where they are not float32's kernel."""
@@ -285,23 +313,33 @@ class CpuBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype)
         window, scale = self.layer_window(layer), self.layer_scale(layer)
         if metadata.plan is not None:
-            self.kernels.paged_attention(q, kv_cache, metadata.block_tables, metadata.plan, scale, out,
-                                         self.decode_dots, window)
+            self.kernels.paged_attention(
+                q, kv_cache, metadata.block_tables, metadata.plan, scale, out, self.decode_dots, window
+            )
         if metadata.flash is not None:
-            self.kernels.flash_attention(q, kv_cache, metadata.block_tables, metadata.flash, scale, out,
-                                         self.prefill_fma, window)
+            self.kernels.flash_attention(
+                q, kv_cache, metadata.block_tables, metadata.flash, scale, out, self.prefill_fma, window
+            )
         prefills = metadata.window_prefills[window] if window and metadata.prefills else metadata.prefills
         for prefill in prefills:
-            out[prefill.start:prefill.end] = self._flash(q[prefill.start:prefill.end], kv_cache, prefill, scale)
+            out[prefill.start : prefill.end] = self._flash(q[prefill.start : prefill.end], kv_cache, prefill, scale)
         return out
 
     def _flash(self, q: torch.Tensor, kv_cache: torch.Tensor, prefill: PrefillQuery, scale: float) -> torch.Tensor:
         """One sequence's query rows ``[n, heads, head_dim]`` by torch's flash attention in bf16 over its context
         (a bf16 pool is read as it is, a float32 one rounded)."""
         # [1, heads, tokens, head_dim]: with three dimensions torch takes its math path (13x slower here)
-        keys, values = (side[: prefill.context - prefill.first_block * self.block_size].transpose(0, 1)[None]
-                        for side in gather_blocks(kv_cache, prefill.block_ids, torch.bfloat16))
-        attended = F.scaled_dot_product_attention(q.to(torch.bfloat16).transpose(0, 1)[None], keys, values,
-                                                  attn_mask=prefill.mask, is_causal=prefill.mask is None,
-                                                  scale=scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        keys, values = (
+            side[: prefill.context - prefill.first_block * self.block_size].transpose(0, 1)[None]
+            for side in gather_blocks(kv_cache, prefill.block_ids, torch.bfloat16)
+        )
+        attended = F.scaled_dot_product_attention(
+            q.to(torch.bfloat16).transpose(0, 1)[None],
+            keys,
+            values,
+            attn_mask=prefill.mask,
+            is_causal=prefill.mask is None,
+            scale=scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
         return attended[0].transpose(0, 1).float()

@@ -169,8 +169,9 @@ class SdpaBackend(AttentionBackend):
         # V freshly allocated, 2.6 ms into a reused buffer. They grow to the largest gather seen.
         self._gather_buffers: dict[str, torch.Tensor] = {}
 
-    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype,
-                use: str) -> list[torch.Tensor]:
+    def _gather(
+        self, kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype, use: str
+    ) -> list[torch.Tensor]:
         """``gather_blocks`` into this backend's buffer for ``use`` (valid until the next gather for the same use)."""
         if dtype != kv_cache.dtype:
             return gather_blocks(kv_cache, block_ids, dtype)
@@ -189,8 +190,10 @@ class SdpaBackend(AttentionBackend):
         long = [i for i, length in enumerate(query_lens) if length > MAX_PADDED_QUERY_LEN]
 
         def plan(window: int | None) -> tuple[PaddedGroup | None, list[SequenceChunk]]:
-            return (self._padded_group(metadata, short, window) if short else None,
-                    [self._chunk(metadata, index, token_starts[index], window) for index in long])
+            return (
+                self._padded_group(metadata, short, window) if short else None,
+                [self._chunk(metadata, index, token_starts[index], window) for index in long],
+            )
 
         padded, chunks = plan(None)
         return SdpaMetadata(
@@ -198,8 +201,9 @@ class SdpaBackend(AttentionBackend):
             padded=padded,
             chunks=chunks,
             slots_valid=bool((metadata.slot_mapping >= 0).all()),
-            window_plans={window: plan(window) for window in sorted({layer.window for layer in self.layers
-                                                                     if layer.window})},
+            window_plans={
+                window: plan(window) for window in sorted({layer.window for layer in self.layers if layer.window})
+            },
         )
 
     def forward(
@@ -227,14 +231,14 @@ class SdpaBackend(AttentionBackend):
             out[chunk.token_start : chunk.token_end] = self._attend_chunk(q, kv_cache, chunk, scale)
         return out
 
-    def _attend_padded(self, q: torch.Tensor, kv_cache: torch.Tensor, group: PaddedGroup,
-                       scale: float) -> torch.Tensor:
+    def _attend_padded(self, q: torch.Tensor, kv_cache: torch.Tensor, group: PaddedGroup, scale: float) -> torch.Tensor:
         """q ``[G, L, heads, head_dim]`` -> ``[G * L, heads, head_dim]``."""
         num_seqs, query_len = q.shape[:2]
         per_kv_head = self.num_heads // self.num_kv_heads
         keys, values = (
-            tensor.view(num_seqs, -1, self.num_kv_heads, self.head_dim)[:, group.first_key : group.num_keys]
-            .transpose(1, 2)
+            tensor.view(num_seqs, -1, self.num_kv_heads, self.head_dim)[:, group.first_key : group.num_keys].transpose(
+                1, 2
+            )
             for tensor in self._gather(kv_cache, group.block_ids, q.dtype, "padded")
         )  # [G, kv_heads, S, D]
         folded = q.view(num_seqs, query_len, self.num_kv_heads, per_kv_head, self.head_dim)
@@ -246,8 +250,15 @@ class SdpaBackend(AttentionBackend):
         out = out.view(num_seqs, self.num_kv_heads, per_kv_head, query_len, self.head_dim).permute(0, 3, 1, 2, 4)
         return out.reshape(num_seqs * query_len, self.num_heads, self.head_dim)
 
-    def _attend_cascade(self, folded: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_cache: torch.Tensor,
-                        group: PaddedGroup, scale: float) -> torch.Tensor:
+    def _attend_cascade(
+        self,
+        folded: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        kv_cache: torch.Tensor,
+        group: PaddedGroup,
+        scale: float,
+    ) -> torch.Tensor:
         """Folded queries ``[G, kv_heads, R, D]`` over each row's own blocks, merged with its shared prefix's part."""
         shared, kv_heads, head_dim = group.shared, self.num_kv_heads, self.head_dim
         out, lse = attend_with_lse(folded, keys, values, scale, group.bias)  # [G, kv, R, D], [G, kv, R]
@@ -258,30 +269,40 @@ class SdpaBackend(AttentionBackend):
             tensor.view(shared.num_groups, -1, kv_heads, head_dim).transpose(1, 2)  # [N, kv, P * block_size, D]
             for tensor in self._gather(kv_cache, shared.block_ids, folded.dtype, "shared")
         )
-        prefix_out, prefix_lse = attend_with_lse(queries.reshape(shared.num_groups, kv_heads, -1, head_dim),
-                                                 prefix_keys, prefix_values, scale, shared.key_bias)
+        prefix_out, prefix_lse = attend_with_lse(
+            queries.reshape(shared.num_groups, kv_heads, -1, head_dim),
+            prefix_keys,
+            prefix_values,
+            scale,
+            shared.key_bias,
+        )
         # Back to one row per slot: [N * M, kv, R, D] and [N * M, kv, R].
         groups = shared.num_groups
         prefix_out = prefix_out.view(groups, kv_heads, slots, rows, head_dim).transpose(1, 2)
         prefix_out = prefix_out.reshape(-1, kv_heads, rows, head_dim)
         prefix_lse = prefix_lse.view(groups, kv_heads, slots, rows).transpose(1, 2).reshape(-1, kv_heads, rows)
-        merged = merge_attention(out.index_select(0, shared.member_rows), lse.index_select(0, shared.member_rows),
-                                 prefix_out, prefix_lse)
+        merged = merge_attention(
+            out.index_select(0, shared.member_rows), lse.index_select(0, shared.member_rows), prefix_out, prefix_lse
+        )
         if shared.real_slots is not None:
             merged = merged.index_select(0, shared.real_slots)
         return out.index_copy_(0, shared.rows, merged)
 
-    def _attend_chunk(self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: SequenceChunk,
-                      scale: float) -> torch.Tensor:
+    def _attend_chunk(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: SequenceChunk, scale: float
+    ) -> torch.Tensor:
         """One sequence's queries ``[L, heads, head_dim]`` against its context (its window's part of it)."""
         per_kv_head = self.num_heads // self.num_kv_heads
-        keys, values = (tensor[: chunk.seq_len - chunk.first_key].transpose(0, 1)  # [kv_heads, S, D]
-                        for tensor in self._gather(kv_cache, chunk.block_ids, q.dtype, "chunk"))
+        keys, values = (
+            tensor[: chunk.seq_len - chunk.first_key].transpose(0, 1)  # [kv_heads, S, D]
+            for tensor in self._gather(kv_cache, chunk.block_ids, q.dtype, "chunk")
+        )
         queries = q[chunk.token_start : chunk.token_end]
         if self.dtype != torch.float32:
             keys, values = (tensor.repeat_interleave(per_kv_head, dim=0) for tensor in (keys, values))
-            out = F.scaled_dot_product_attention(queries.transpose(0, 1), keys, values, attn_mask=chunk.mask,
-                                                 is_causal=chunk.mask is None, scale=scale)
+            out = F.scaled_dot_product_attention(
+                queries.transpose(0, 1), keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale
+            )
             return out.transpose(0, 1)
         # Query heads sharing a KV head side by side, [kv_heads, per_kv_head, L, D]: no copy of K/V per query head.
         query_len = queries.shape[0]
@@ -311,8 +332,9 @@ class SdpaBackend(AttentionBackend):
         visible = (ahead <= 0) & (ahead > -window)
         return torch.zeros(visible.shape, device=self.device).masked_fill_(~visible, float("-inf"))
 
-    def _padded_group(self, metadata: AttentionMetadata, seq_indices: list[int],
-                      window: int | None = None) -> PaddedGroup:
+    def _padded_group(
+        self, metadata: AttentionMetadata, seq_indices: list[int], window: int | None = None
+    ) -> PaddedGroup:
         device = metadata.positions.device
         query_lens_cpu = [metadata.query_lens_cpu[i] for i in seq_indices]
         query_len = max(query_lens_cpu)
@@ -329,8 +351,10 @@ class SdpaBackend(AttentionBackend):
                 for row in rows:
                     skipped[row] = depth
         elif window:  # each row's gather starts at the block of its first query's first visible key
-            skipped = [max(0, metadata.seq_lens_cpu[i] - metadata.query_lens_cpu[i] - window + 1) // self.block_size
-                       for i in seq_indices]
+            skipped = [
+                max(0, metadata.seq_lens_cpu[i] - metadata.query_lens_cpu[i] - window + 1) // self.block_size
+                for i in seq_indices
+            ]
         if skipped is not None and any(skipped):
             own_lens = [metadata.seq_lens_cpu[i] - skip * self.block_size for i, skip in zip(seq_indices, skipped)]
             num_blocks = -(-max(own_lens) // self.block_size)
@@ -360,8 +384,9 @@ class SdpaBackend(AttentionBackend):
             group.output_index = group.query_index.flatten()[group.output_rows]
         return group
 
-    def _shared_prefixes(self, metadata: AttentionMetadata, seq_indices: list[int],
-                         tables: torch.Tensor) -> list[tuple[int, list[int]]]:
+    def _shared_prefixes(
+        self, metadata: AttentionMetadata, seq_indices: list[int], tables: torch.Tensor
+    ) -> list[tuple[int, list[int]]]:
         """``(shared blocks, rows)`` of each prefix worth a cascade call among these rows of the padded group."""
         if not self.config.cascade or len(seq_indices) < 2:
             return []
@@ -373,8 +398,9 @@ class SdpaBackend(AttentionBackend):
         groups = shared_block_prefixes(tables.tolist(), limits)
         return [(depth, rows) for depth, rows in groups if depth >= min_blocks]
 
-    def _padded_mask(self, seq_lens: torch.Tensor, is_real: torch.Tensor, num_keys: int,
-                     window: int | None = None) -> torch.Tensor:
+    def _padded_mask(
+        self, seq_lens: torch.Tensor, is_real: torch.Tensor, num_keys: int, window: int | None = None
+    ) -> torch.Tensor:
         """Bottom-right causal mask ``[G, 1, heads_per_kv_head * L, num_keys]`` in the folded query layout, banded
         to the last ``window`` positions with a sliding window."""
         query_lens = is_real.sum(dim=1)
@@ -388,8 +414,9 @@ class SdpaBackend(AttentionBackend):
         per_kv_head = self.num_heads // self.num_kv_heads
         return mask[:, None].expand(-1, per_kv_head, -1, -1).reshape(mask.shape[0], 1, -1, num_keys)
 
-    def _chunk(self, metadata: AttentionMetadata, seq_index: int, token_start: int,
-               window: int | None = None) -> SequenceChunk:
+    def _chunk(
+        self, metadata: AttentionMetadata, seq_index: int, token_start: int, window: int | None = None
+    ) -> SequenceChunk:
         device = metadata.positions.device
         seq_len = metadata.seq_lens_cpu[seq_index]
         query_len = metadata.query_lens_cpu[seq_index]
@@ -432,8 +459,9 @@ def shared_block_prefixes(tables: list[list[int]], limits: list[int]) -> list[tu
     return [group for group in groups.values() if len(group[1]) > 1]
 
 
-def attend_with_lse(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_with_lse(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``queries`` [B, H, R, D] over ``keys``/``values`` [B, H, S, D] (``bias`` added to the
     scores) that also returns each row's log-sum-exp [B, H, R], so results over disjoint key sets merge exactly
     (``merge_attention``)."""
@@ -452,8 +480,7 @@ def attend_with_lse(queries: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     return torch.matmul(weights, values), lse
 
 
-def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                    lse_b: torch.Tensor) -> torch.Tensor:
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """The attention over the union of two disjoint key sets, from each set's output [..., R, D] and log-sum-exp
     [..., R]."""
     lse = torch.logaddexp(lse_a, lse_b).unsqueeze(-1)

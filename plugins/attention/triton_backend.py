@@ -172,4 +172,3 @@ def _next_power_of_2(value: int) -> int:
 
 def _previous_power_of_2(value: int) -> int:
     return 1 << (value.bit_length() - 1)
-

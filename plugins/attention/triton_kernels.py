@@ -190,9 +190,7 @@ def paged_attention_kernel(
         probabilities = tl.exp2(scores - safe_max[:, None])
         correction = tl.exp2(running_max - safe_max)
         running_sum = running_sum * correction + tl.sum(probabilities, axis=1)
-        accumulator = accumulator * correction[:, None] + matmul(
-            probabilities.to(value.dtype), value, DOT_IN_FLOAT32
-        )
+        accumulator = accumulator * correction[:, None] + matmul(probabilities.to(value.dtype), value, DOT_IN_FLOAT32)
         running_max = new_max
 
     if NUM_SPLITS == 1:

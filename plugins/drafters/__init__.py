@@ -11,9 +11,14 @@ INFER_PLUGIN_API = 2
 
 @hookimpl
 def register_drafters(register):
-    register("none", "infer.plugins.drafters.none:NoDrafter",
-             description="No speculative decoding")
-    register("ngram", "infer.plugins.drafters.ngram:NgramDrafter",
-             description="Prompt lookup: propose what followed the last n-gram earlier on")
-    register("model", "infer.plugins.drafters.model:ModelDrafter",
-             description="A small draft model with its own paged KV, or the target's first layers (self-speculative)")
+    register("none", "infer.plugins.drafters.none:NoDrafter", description="No speculative decoding")
+    register(
+        "ngram",
+        "infer.plugins.drafters.ngram:NgramDrafter",
+        description="Prompt lookup: propose what followed the last n-gram earlier on",
+    )
+    register(
+        "model",
+        "infer.plugins.drafters.model:ModelDrafter",
+        description="A small draft model with its own paged KV, or the target's first layers (self-speculative)",
+    )

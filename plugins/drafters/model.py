@@ -34,14 +34,24 @@ _DRAFT_SALT = 0x2545F4914F6CDD1D
 
 class ModelDrafterConfig(DrafterConfig):
     name: str = "model"
-    path: str | None = Field(None, description="Draft model (alias, HF folder or GGUF file) with the target's "
-                                               "tokenizer; unset: self-speculative, the target's first layers.")
-    layers: int | None = Field(None, ge=1, description="Self-speculative mode: draft with this many of the "
-                                                       "target's first layers, then its final norm and head "
-                                                       "(default: half of them).")
-    sampling: bool = Field(False, description="For sampled requests, sample guesses from the draft's own "
-                                              "distribution (the engine verifies with min(1, p/q)); false: guess "
-                                              "the draft's argmax.")
+    path: str | None = Field(
+        None,
+        description="Draft model (alias, HF folder or GGUF file) with the target's "
+        "tokenizer; unset: self-speculative, the target's first layers.",
+    )
+    layers: int | None = Field(
+        None,
+        ge=1,
+        description="Self-speculative mode: draft with this many of the "
+        "target's first layers, then its final norm and head "
+        "(default: half of them).",
+    )
+    sampling: bool = Field(
+        False,
+        description="For sampled requests, sample guesses from the draft's own "
+        "distribution (the engine verifies with min(1, p/q)); false: guess "
+        "the draft's argmax.",
+    )
 
 
 class TargetLayers:
@@ -105,12 +115,13 @@ class ModelDrafter(Drafter):
             return TargetLayers(context.target, layers), context.attention, context.executor
         model, tokenizer = context.load_model(self.config.path)
         if tokenizer.get_vocab() != context.tokenizer.get_vocab():
-            raise ValueError(f"drafter.path={self.config.path!r} does not use the target's tokenizer; a draft model "
-                             f"must share it token for token")
+            raise ValueError(
+                f"drafter.path={self.config.path!r} does not use the target's tokenizer; a draft model "
+                f"must share it token for token"
+            )
         draft = context.quantize(model)
         executor = context.executor.for_another(draft)  # the target's kernels and paths, if it runs on them
-        attention = context.build_attention(draft.num_heads, draft.num_kv_heads, draft.head_dim,
-                                            draft.layer_attention)
+        attention = context.build_attention(draft.num_heads, draft.num_kv_heads, draft.head_dim, draft.layer_attention)
         return draft, attention, executor
 
     # -- the draft pool ------------------------------------------------------------------------------------------
@@ -168,10 +179,12 @@ class ModelDrafter(Drafter):
     def _forward(self, seqs, token_lists: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Run the draft over each sequence's tokens (writing their KV); logits ``[len(seqs), vocab]`` of each
         sequence's last token."""
-        metadata = AttentionMetadata.build([seq.block_table for seq in seqs], starts, [len(t) for t in token_lists],
-                                           self.block_size, self.device)
-        step = self.executor.step(self.draft.rotary, self.attention.prepare(metadata), self.kv_cache, self.attention,
-                                  self.dtype)
+        metadata = AttentionMetadata.build(
+            [seq.block_table for seq in seqs], starts, [len(t) for t in token_lists], self.block_size, self.device
+        )
+        step = self.executor.step(
+            self.draft.rotary, self.attention.prepare(metadata), self.kv_cache, self.attention, self.dtype
+        )
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64, device=self.device)
         hidden = self.draft(input_ids, step)
         last = (metadata.query_start_loc[1:] - 1).to(torch.int64)

@@ -22,13 +22,13 @@ class NgramDrafter(Drafter):
     works_with_tensor_parallel = True  # reads token ids only
 
     def propose(self, sequences, k):
-        return [self.propose_one(seq.token_ids[-self.config.lookback:], k) for seq in sequences]
+        return [self.propose_one(seq.token_ids[-self.config.lookback :], k) for seq in sequences]
 
     def propose_one(self, tokens: list[int], k: int) -> list[int]:
         for n in range(min(self.config.max_n, len(tokens) - 1), self.config.min_n - 1, -1):
             start = self._last_earlier_occurrence(tokens, n)
             if start is not None:
-                return tokens[start + n: start + n + k]
+                return tokens[start + n : start + n + k]
         return []
 
     @staticmethod
@@ -37,6 +37,6 @@ class NgramDrafter(Drafter):
         suffix = tokens[-n:]
         first = suffix[0]
         for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start] == first and tokens[start:start + n] == suffix:
+            if tokens[start] == first and tokens[start : start + n] == suffix:
                 return start
         return None

@@ -11,9 +11,18 @@ INFER_PLUGIN_API = 2
 
 @hookimpl
 def register_guides(register):
-    register("none", "infer.plugins.guides.none:NoGuide",
-             description="No constrained decoding (requests with a constraint are refused)")
-    register("xgrammar", "infer.plugins.guides.xgrammar_guide:XGrammarGuide",
-             description="Constrained decoding with xgrammar (EBNF grammars)")
-    register("llguidance", "infer.plugins.guides.llguidance_guide:LLGuidanceGuide",
-             description="Constrained decoding with llguidance (Lark grammars)")
+    register(
+        "none",
+        "infer.plugins.guides.none:NoGuide",
+        description="No constrained decoding (requests with a constraint are refused)",
+    )
+    register(
+        "xgrammar",
+        "infer.plugins.guides.xgrammar_guide:XGrammarGuide",
+        description="Constrained decoding with xgrammar (EBNF grammars)",
+    )
+    register(
+        "llguidance",
+        "infer.plugins.guides.llguidance_guide:LLGuidanceGuide",
+        description="Constrained decoding with llguidance (Lark grammars)",
+    )

@@ -75,8 +75,9 @@ class LLGuidanceGuide(Guide):
         self._llg = require_library("llguidance", "llguidance", "llguidance")
         hf = require_library("llguidance.hf", "llguidance", "llguidance")
         self._torch = require_library("llguidance.torch", "llguidance", "llguidance")
-        self._tokenizer = hf.from_tokenizer(tokenizer.tokenizer, n_vocab=tokenizer.vocab_size,
-                                            eos_token=list(tokenizer.eos_token_ids))
+        self._tokenizer = hf.from_tokenizer(
+            tokenizer.tokenizer, n_vocab=tokenizer.vocab_size, eos_token=list(tokenizer.eos_token_ids)
+        )
         self._stop_token_ids = frozenset(tokenizer.eos_token_ids)
 
     def _compile(self, constraint: Constraint) -> str:

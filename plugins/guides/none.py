@@ -11,9 +11,11 @@ class NoGuide(Guide):
     supported_kinds = frozenset()
 
     def _compile(self, constraint):
-        raise GuideError(f"this request asks for a {constraint.kind} constraint but guide.name is none; start the "
-                         f"engine with guide.name=xgrammar or guide.name=llguidance "
-                         f"(pip install \"infer[xgrammar]\" or \"infer[llguidance]\")")
+        raise GuideError(
+            f"this request asks for a {constraint.kind} constraint but guide.name is none; start the "
+            f"engine with guide.name=xgrammar or guide.name=llguidance "
+            f'(pip install "infer[xgrammar]" or "infer[llguidance]")'
+        )
 
     def compile(self, constraint):
         return self._compile(constraint)

@@ -21,9 +21,12 @@ from infer.guide import (
 
 
 class XGrammarConfig(GuideConfig):
-    any_whitespace: bool = Field(False, description="JSON may put any whitespace between tokens (off: one space "
-                                                    "after , and :, which keeps a small model from looping on "
-                                                    "newlines).")
+    any_whitespace: bool = Field(
+        False,
+        description="JSON may put any whitespace between tokens (off: one space "
+        "after , and :, which keeps a small model from looping on "
+        "newlines).",
+    )
     max_threads: int = Field(2, ge=1, description="Threads compiling a grammar against the vocabulary.")
 
 
@@ -48,8 +51,9 @@ class XGrammarMatcher(Matcher):
         return self._matcher.is_terminated()
 
     def forced_tokens(self):
-        return list(self._matcher.find_jump_forward_tokens()) if hasattr(self._matcher, "find_jump_forward_tokens") \
-            else []
+        return (
+            list(self._matcher.find_jump_forward_tokens()) if hasattr(self._matcher, "find_jump_forward_tokens") else []
+        )
 
 
 class XGrammarGuide(Guide):
@@ -60,16 +64,18 @@ class XGrammarGuide(Guide):
     def __init__(self, tokenizer: TokenizerInfo, config: XGrammarConfig | None = None):
         super().__init__(tokenizer, config)
         self._xgr = require_library("xgrammar", "xgrammar", "xgrammar")
-        info = self._xgr.TokenizerInfo.from_huggingface(tokenizer.tokenizer, vocab_size=tokenizer.vocab_size,
-                                                        stop_token_ids=list(tokenizer.eos_token_ids))
+        info = self._xgr.TokenizerInfo.from_huggingface(
+            tokenizer.tokenizer, vocab_size=tokenizer.vocab_size, stop_token_ids=list(tokenizer.eos_token_ids)
+        )
         self._compiler = self._xgr.GrammarCompiler(info, max_threads=self.config.max_threads)
 
     def _compile(self, constraint: Constraint):
         compiler, kind = self._compiler, constraint.kind
         try:
             if kind == "json_schema":
-                return compiler.compile_json_schema(constraint.json_schema, any_whitespace=self.config.any_whitespace,
-                                                    strict_mode=self.config.strict)
+                return compiler.compile_json_schema(
+                    constraint.json_schema, any_whitespace=self.config.any_whitespace, strict_mode=self.config.strict
+                )
             if kind == "json_object":
                 return compiler.compile_builtin_json_grammar()
             if kind == "regex":

@@ -23,27 +23,33 @@ class Gemma3Architecture(ModelArchitecture):
     model_types = ("gemma3_text",)
     architectures = ("Gemma3ForCausalLM",)
     # Our pre-MLP norm is Llama's post_attention_layernorm; Gemma's post_attention_layernorm norms attention's output.
-    renamed = {"post_attention_layernorm": "pre_feedforward_layernorm",
-               "attn_output_norm": "post_attention_layernorm",
-               "mlp_output_norm": "post_feedforward_layernorm"}
+    renamed = {
+        "post_attention_layernorm": "pre_feedforward_layernorm",
+        "attn_output_norm": "post_attention_layernorm",
+        "mlp_output_norm": "post_feedforward_layernorm",
+    }
     unsupported_fields = ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention")
 
     @classmethod
     def decoder_spec(cls, hf_config: Any, max_positions: int | None = None) -> DecoderSpec:
         spec = super().decoder_spec(hf_config, max_positions)
-        scale = hf_config.query_pre_attn_scalar ** -0.5
+        scale = hf_config.query_pre_attn_scalar**-0.5
         layers = tuple(LayerAttention(window=layer.window, scale=scale) for layer in spec.layer_attention)
-        return spec.replace(head_norms=True, output_norms=True, embedding_scale=hf_config.hidden_size ** 0.5,
-                            layer_attention=layers)
+        return spec.replace(
+            head_norms=True, output_norms=True, embedding_scale=hf_config.hidden_size**0.5, layer_attention=layers
+        )
 
     @classmethod
-    def rotary_tables(cls, hf_config: Any, head_dim: int,
-                      max_positions: int) -> tuple[tuple[RotaryTable, ...], tuple[int, ...]]:
+    def rotary_tables(
+        cls, hf_config: Any, head_dim: int, max_positions: int
+    ) -> tuple[tuple[RotaryTable, ...], tuple[int, ...]]:
         """Two tables: the sliding layers' (local base) first, as most layers use it, then the global layers'."""
         types = list(hf_config.layer_types)
         kinds = sorted(set(types), key=lambda kind: kind != SLIDING)
-        tables = tuple(RotaryTable(*rope_inverse_frequencies(hf_config, head_dim, max_positions=max_positions,
-                                                             layer_type=kind)) for kind in kinds)
+        tables = tuple(
+            RotaryTable(*rope_inverse_frequencies(hf_config, head_dim, max_positions=max_positions, layer_type=kind))
+            for kind in kinds
+        )
         return tables, tuple(kinds.index(kind) for kind in types)
 
     @classmethod

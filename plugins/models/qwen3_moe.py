@@ -44,11 +44,16 @@ def experts_spec(hf_config: Any) -> ExpertsSpec:
     and ``i`` not in ``mlp_only_layers``)."""
     step = hf_config.decoder_sparse_step
     dense = set(hf_config.mlp_only_layers or ())
-    sparse = frozenset(index for index in range(hf_config.num_hidden_layers)
-                       if index not in dense and (index + 1) % step == 0)
-    return ExpertsSpec(num_experts=hf_config.num_experts, top_k=hf_config.num_experts_per_tok,
-                       intermediate_size=hf_config.moe_intermediate_size, sparse_layers=sparse,
-                       norm_topk_prob=bool(hf_config.norm_topk_prob))
+    sparse = frozenset(
+        index for index in range(hf_config.num_hidden_layers) if index not in dense and (index + 1) % step == 0
+    )
+    return ExpertsSpec(
+        num_experts=hf_config.num_experts,
+        top_k=hf_config.num_experts_per_tok,
+        intermediate_size=hf_config.moe_intermediate_size,
+        sparse_layers=sparse,
+        norm_topk_prob=bool(hf_config.norm_topk_prob),
+    )
 
 
 def split_stacked_experts(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -11,11 +11,14 @@ INFER_PLUGIN_API = 2
 
 @hookimpl
 def register_prefix_caches(register):
-    register("none", "infer.plugins.prefix_cache.none:NoPrefixCache",
-             description="No prefix caching")
-    register("hash", "infer.plugins.prefix_cache.hash:HashPrefixCache",
-             description="vLLM-style automatic prefix caching: full blocks keyed by chained SHA-256 hashes, LRU "
-                         "eviction")
-    register("radix", "infer.plugins.prefix_cache.radix:RadixPrefixCache",
-             description="SGLang-style RadixAttention: token radix tree, any prefix length at block granularity, LRU"
-                         " leaves")
+    register("none", "infer.plugins.prefix_cache.none:NoPrefixCache", description="No prefix caching")
+    register(
+        "hash",
+        "infer.plugins.prefix_cache.hash:HashPrefixCache",
+        description="vLLM-style automatic prefix caching: full blocks keyed by chained SHA-256 hashes, LRU eviction",
+    )
+    register(
+        "radix",
+        "infer.plugins.prefix_cache.radix:RadixPrefixCache",
+        description="SGLang-style RadixAttention: token radix tree, any prefix length at block granularity, LRU leaves",
+    )

@@ -150,8 +150,13 @@ class RadixPrefixCache(PrefixCache):
     def _split(self, node: _Node, num_blocks: int) -> _Node:
         """Cut ``node``'s edge after ``num_blocks`` blocks; returns the new node holding the first part."""
         cut = num_blocks * self.block_size
-        head = _Node(node.tokens[:cut], node.blocks[:num_blocks], node.parent, lock_ref=node.lock_ref,
-                     last_access=node.last_access)
+        head = _Node(
+            node.tokens[:cut],
+            node.blocks[:num_blocks],
+            node.parent,
+            lock_ref=node.lock_ref,
+            last_access=node.last_access,
+        )
         head.parent.children[head.tokens[: self.block_size]] = head
         node.tokens = node.tokens[cut:]
         node.blocks = node.blocks[num_blocks:]

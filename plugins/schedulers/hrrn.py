@@ -11,8 +11,11 @@ from infer.sequence import Sequence
 class HRRNSchedulerConfig(SchedulerConfig):
     name: str = "hrrn"
     prefill_token_cost: float = Field(
-        0.02, ge=0, description="Service time of one prompt token still to compute, in decode steps (a request's "
-                                "service is its remaining output tokens plus this times its uncomputed prompt).")
+        0.02,
+        ge=0,
+        description="Service time of one prompt token still to compute, in decode steps (a request's "
+        "service is its remaining output tokens plus this times its uncomputed prompt).",
+    )
 
 
 class HRRNScheduler(BudgetedScheduler):

@@ -72,8 +72,9 @@ class LPMScheduler(BudgetedScheduler):
         """Waiting sequences the policy chooses among (an n > 1 follower waits for its leader, not for the policy)."""
         return [seq for seq in view.waiting if view.is_ready(seq)]
 
-    def _hold_shared_prefixes(self, ordered: list[Sequence], cached: dict[Sequence, int],
-                              leaders: list[Sequence]) -> list[Sequence]:
+    def _hold_shared_prefixes(
+        self, ordered: list[Sequence], cached: dict[Sequence, int], leaders: list[Sequence]
+    ) -> list[Sequence]:
         """``ordered`` without the requests that share ``hold_min_prefix`` uncached tokens with a leader or with a
         request kept before them; those are recorded in ``self._held``."""
         # Any shared prefix this long starts with the same hold_min_prefix tokens: bucket by them, compare within.

@@ -10,8 +10,12 @@ from infer.sequence import Sequence
 
 class PrioritySchedulerConfig(SchedulerConfig):
     name: str = "priority"
-    aging_s: float = Field(10.0, gt=0, description="Seconds of waiting worth one priority level: a request one "
-                                                   "level lower is served as if it had arrived this much later.")
+    aging_s: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds of waiting worth one priority level: a request one "
+        "level lower is served as if it had arrived this much later.",
+    )
 
 
 class PriorityScheduler(BudgetedScheduler):

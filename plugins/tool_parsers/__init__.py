@@ -10,7 +10,13 @@ INFER_PLUGIN_API = 2
 
 @hookimpl
 def register_tool_parsers(register):
-    register("hermes", "infer.plugins.tool_parsers.hermes:HermesToolParser",
-             description="<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Hermes, Qwen 2.5 and 3)")
-    register("llama3_json", "infer.plugins.tool_parsers.llama3_json:Llama3JsonToolParser",
-             description="a bare JSON object {\"name\": ..., \"parameters\": {...}} (Llama 3.1-3.3)")
+    register(
+        "hermes",
+        "infer.plugins.tool_parsers.hermes:HermesToolParser",
+        description='<tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen 2.5 and 3)',
+    )
+    register(
+        "llama3_json",
+        "infer.plugins.tool_parsers.llama3_json:Llama3JsonToolParser",
+        description='a bare JSON object {"name": ..., "parameters": {...}} (Llama 3.1-3.3)',
+    )

@@ -29,7 +29,7 @@ class HermesToolParser(ToolParser):
             if call is None:
                 continue
             calls.append(call)
-            pieces.append(text[last:match.start()])
+            pieces.append(text[last : match.start()])
             last = match.end()
         if not calls:
             return ParsedMessage(text)

@@ -28,8 +28,11 @@ class Llama3JsonToolParser(ToolParser):
                 value, end = decoder.raw_decode(body, position)
             except json.JSONDecodeError:
                 return ParsedMessage(text)
-            call = call_from_object(value, "parameters" if "parameters" in value else "arguments") \
-                if isinstance(value, dict) else None
+            call = (
+                call_from_object(value, "parameters" if "parameters" in value else "arguments")
+                if isinstance(value, dict)
+                else None
+            )
             if call is None:
                 return ParsedMessage(text)
             calls.append(call)
@@ -41,6 +44,6 @@ class Llama3JsonToolParser(ToolParser):
     def content_end(self, text: str) -> int:
         # A call is the whole output: text that begins (after blanks) with "{" or the python tag waits for the end.
         stripped = text.lstrip()
-        if not stripped or stripped[0] == "{" or PYTHON_TAG.startswith(stripped[:len(PYTHON_TAG)]):
+        if not stripped or stripped[0] == "{" or PYTHON_TAG.startswith(stripped[: len(PYTHON_TAG)]):
             return 0
         return len(text)

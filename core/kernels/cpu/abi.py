@@ -30,8 +30,24 @@ _SIGNATURES = {
     "infer_linear_bf16": [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT],
     "infer_linear_i8": [_POINTER, _INT, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT],
     "infer_linear_blocks": [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT],
-    "infer_moe_experts": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
-                          _INT, _POINTER, _POINTER, _INT, _INT, _POINTER],
+    "infer_moe_experts": [
+        _POINTER,
+        _INT,
+        _INT,
+        _INT,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _INT,
+        _POINTER,
+        _POINTER,
+        _INT,
+        _INT,
+        _POINTER,
+    ],
     "infer_layer_attention_input": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER],
     "infer_layer_feed_forward": [_POINTER, _INT, _POINTER, _POINTER, _POINTER],
     "infer_add_rms_norm_mixed": [_POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT, _FLOAT],
@@ -40,16 +56,85 @@ _SIGNATURES = {
     "infer_rope": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_rope_widen": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_write_kv": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
-    "infer_paged_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER,
-                              _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT, _INT, _INT],
-    "infer_layers_few": [_POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
-                         _INT, _POINTER],
-    "infer_draft_head_step": [_POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
-                              _POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER],
+    "infer_paged_attention": [
+        _POINTER,
+        _INT,
+        _POINTER,
+        _POINTER,
+        _INT,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _INT,
+        _INT,
+        _INT,
+        _INT,
+        _INT,
+        _INT,
+        _INT,
+        _FLOAT,
+        _INT,
+        _INT,
+        _INT,
+    ],
+    "infer_layers_few": [
+        _POINTER,
+        _POINTER,
+        _INT,
+        _INT,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _INT,
+        _POINTER,
+    ],
+    "infer_draft_head_step": [
+        _POINTER,
+        _POINTER,
+        _INT,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _INT,
+        _POINTER,
+        _INT,
+        _POINTER,
+        _POINTER,
+    ],
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
     "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
-    "infer_flash_attention": [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT,
-                              _POINTER, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT, _INT, _INT],
+    "infer_flash_attention": [
+        _POINTER,
+        _INT,
+        _POINTER,
+        _POINTER,
+        _INT,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _INT,
+        _POINTER,
+        _INT,
+        _INT,
+        _INT,
+        _INT,
+        _INT,
+        _FLOAT,
+        _INT,
+        _INT,
+        _INT,
+    ],
 }
 
 
@@ -65,13 +150,44 @@ TILE_KINDS = {2: "AMX tiles", 1: "AVX512-BF16", 0: None}
 class LayerStruct(ctypes.Structure):
     """``infer_layer`` in the C source: one decoder layer's weights and shapes."""
 
-    _fields_ = [(name, _POINTER) for name in ("qkv", "o", "gate_up", "down", "qkv_scales", "o_scales",
-                                              "gate_up_scales", "down_scales", "qkv_bias", "o_bias", "gate_up_bias",
-                                              "down_bias", "input_norm", "post_norm")]
-    _fields_ += [("eps", _FLOAT)] + [(name, _INT) for name in ("hidden", "qkv_width", "q_width", "intermediate",
-                                                               "rotated_heads", "head_dim", "qkv_groups", "o_groups",
-                                                               "gate_up_groups", "down_groups", "qkv_kind",
-                                                               "o_kind", "gate_up_kind", "down_kind")]
+    _fields_ = [
+        (name, _POINTER)
+        for name in (
+            "qkv",
+            "o",
+            "gate_up",
+            "down",
+            "qkv_scales",
+            "o_scales",
+            "gate_up_scales",
+            "down_scales",
+            "qkv_bias",
+            "o_bias",
+            "gate_up_bias",
+            "down_bias",
+            "input_norm",
+            "post_norm",
+        )
+    ]
+    _fields_ += [("eps", _FLOAT)] + [
+        (name, _INT)
+        for name in (
+            "hidden",
+            "qkv_width",
+            "q_width",
+            "intermediate",
+            "rotated_heads",
+            "head_dim",
+            "qkv_groups",
+            "o_groups",
+            "gate_up_groups",
+            "down_groups",
+            "qkv_kind",
+            "o_kind",
+            "gate_up_kind",
+            "down_kind",
+        )
+    ]
     _fields_ += [(name, _POINTER) for name in ("qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")]
     _fields_ += [("tiles_fma", _INT), ("q_norm", _POINTER), ("k_norm", _POINTER)]
 
@@ -91,8 +207,10 @@ class AttentionStepStruct(ctypes.Structure):
 
     _fields_ = [("block_tables", _POINTER), ("table_stride", _INT)]
     _fields_ += [(name, _POINTER) for name in ("slots", "rows", "seq_of_query", "context_lens")]
-    _fields_ += [(name, _INT) for name in ("queries", "max_context", "num_heads", "num_kv_heads", "head_dim",
-                                           "block_size", "num_blocks")]
+    _fields_ += [
+        (name, _INT)
+        for name in ("queries", "max_context", "num_heads", "num_kv_heads", "head_dim", "block_size", "num_blocks")
+    ]
     _fields_ += [("scale", _FLOAT), ("kv_bf16", _INT), ("own_keys", _POINTER), ("dots", _INT), ("windows", _POINTER)]
 
 
@@ -119,17 +237,25 @@ class KernelAttentionPlan:
             seq_of_query = torch.arange(len(query_lens))
         else:
             # from a list: torch.repeat_interleave alone cost ~40 us, most of an EAGLE chain step's planning
-            seq_of_query = torch.tensor([seq for seq, count in enumerate(query_lens) for _ in range(count)],
-                                        dtype=torch.int64)
-        return cls(None, seq_of_query, metadata.positions + 1, metadata.num_tokens, metadata.max_seq_len,
-                   metadata.own_keys)
+            seq_of_query = torch.tensor(
+                [seq for seq, count in enumerate(query_lens) for _ in range(count)], dtype=torch.int64
+            )
+        return cls(
+            None, seq_of_query, metadata.positions + 1, metadata.num_tokens, metadata.max_seq_len, metadata.own_keys
+        )
 
     def of_rows(self, rows: list[int]) -> KernelAttentionPlan:
         """The plan of this every-token plan's queries at ``rows`` only (the step's others attended elsewhere)."""
         index = torch.tensor(rows, dtype=torch.int64)
         own = None if self.own_keys is None else self.own_keys[index].contiguous()
-        return KernelAttentionPlan(index, self.seq_of_query[index].contiguous(), self.context_lens[index].contiguous(),
-                                   len(rows), self.max_context, own)
+        return KernelAttentionPlan(
+            index,
+            self.seq_of_query[index].contiguous(),
+            self.context_lens[index].contiguous(),
+            len(rows),
+            self.max_context,
+            own,
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,9 +274,13 @@ class PackedExperts:
     tables: dict[str, torch.Tensor]  # int64 addresses: gate_up, down (and their scales' for int8)
 
     @classmethod
-    def of(cls, gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
-           gate_up_scales: Sequence[torch.Tensor] | None = None,
-           down_scales: Sequence[torch.Tensor] | None = None) -> PackedExperts:
+    def of(
+        cls,
+        gate_up: Sequence[torch.Tensor],
+        down: Sequence[torch.Tensor],
+        gate_up_scales: Sequence[torch.Tensor] | None = None,
+        down_scales: Sequence[torch.Tensor] | None = None,
+    ) -> PackedExperts:
         """Check every expert's packed weights (same shapes, same storage) and tabulate their addresses."""
         if not gate_up or len(gate_up) != len(down):
             raise ValueError(f"experts need gate_up and down weights each, got {len(gate_up)} and {len(down)}")
@@ -161,15 +291,26 @@ class PackedExperts:
         for index, (first, second) in enumerate(zip(gate_up, down, strict=True)):
             check_packed(first, None if gate_up_scales is None else gate_up_scales[index])
             check_packed(second, None if down_scales is None else down_scales[index])
-            if packed_shape(first) != (2 * width, hidden) or packed_shape(second) != (hidden, width) or \
-                    first.dtype != gate_up[0].dtype or second.dtype != gate_up[0].dtype:
+            if (
+                packed_shape(first) != (2 * width, hidden)
+                or packed_shape(second) != (hidden, width)
+                or first.dtype != gate_up[0].dtype
+                or second.dtype != gate_up[0].dtype
+            ):
                 raise ValueError(f"expert {index}'s weights differ in shape or storage from expert 0's")
         tables = {"gate_up": addresses(gate_up), "down": addresses(down)}
         if gate_up_scales is not None:
             tables["gate_up_scales"], tables["down_scales"] = addresses(gate_up_scales), addresses(down_scales)
-        return cls(tuple(gate_up), tuple(down), None if gate_up_scales is None else tuple(gate_up_scales),
-                   None if down_scales is None else tuple(down_scales), hidden, width, WEIGHT_KINDS[gate_up[0].dtype],
-                   tables)
+        return cls(
+            tuple(gate_up),
+            tuple(down),
+            None if gate_up_scales is None else tuple(gate_up_scales),
+            None if down_scales is None else tuple(down_scales),
+            hidden,
+            width,
+            WEIGHT_KINDS[gate_up[0].dtype],
+            tables,
+        )
 
     @property
     def num_experts(self) -> int:
@@ -218,8 +359,9 @@ class CpuKernels:
         flash = flash_kind()
         self.flash, self.flash_amx = flash > 0, flash == 2
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
-               bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """``x @ weight.T + bias`` for a few rows ``x`` ``[rows, k]`` (float32, contiguous) and weights packed by
         ``pack_weights``: fp16 or bf16 (``scales`` None), or int8 times ``scales`` (one per group of consecutive
         weights of a row, packed by ``pack_scales``); float32 ``[rows, n]``, accumulated in float32. Streams the
@@ -232,11 +374,19 @@ class CpuKernels:
         bias_pointer = address(bias)
         if scales is None:
             linear = self._linear_bf16 if packed.dtype == torch.bfloat16 else self._linear_f16
-            linear(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), bias_pointer, out.data_ptr(),
-                   out_features)
+            linear(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), bias_pointer, out.data_ptr(), out_features)
         else:
-            self._linear_i8(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), scales.data_ptr(),
-                            scales.shape[1], bias_pointer, out.data_ptr(), out_features)
+            self._linear_i8(
+                x.data_ptr(),
+                x.shape[0],
+                in_features,
+                packed.data_ptr(),
+                scales.data_ptr(),
+                scales.shape[1],
+                bias_pointer,
+                out.data_ptr(),
+                out_features,
+            )
         return out
 
     def linear_blocks(self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -246,21 +396,40 @@ class CpuKernels:
         read from memory once whatever the rows."""
         check_flat(x)
         data = weight.data
-        if data.dtype != torch.uint8 or data.dim() != 3 or not data.is_contiguous() or \
-                data.shape[2] != RECORD_BYTES[weight.kind] or data.shape[0] * 4 < weight.out_features:
-            raise ValueError(f"linear_blocks needs a {weight.kind} weight packed by pack_blocks, got "
-                             f"{data.dtype} {tuple(data.shape)}")
-        if x.shape[1] != weight.in_features or (bias is not None and (bias.dtype != torch.float32 or
-                                                                      bias.shape != (weight.out_features,))):
-            raise ValueError(f"linear_blocks: x {tuple(x.shape)} and bias do not fit weights "
-                             f"[{weight.out_features}, {weight.in_features}]")
+        if (
+            data.dtype != torch.uint8
+            or data.dim() != 3
+            or not data.is_contiguous()
+            or data.shape[2] != RECORD_BYTES[weight.kind]
+            or data.shape[0] * 4 < weight.out_features
+        ):
+            raise ValueError(
+                f"linear_blocks needs a {weight.kind} weight packed by pack_blocks, got "
+                f"{data.dtype} {tuple(data.shape)}"
+            )
+        if x.shape[1] != weight.in_features or (
+            bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.out_features,))
+        ):
+            raise ValueError(
+                f"linear_blocks: x {tuple(x.shape)} and bias do not fit weights "
+                f"[{weight.out_features}, {weight.in_features}]"
+            )
         out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)
-        self._linear_blocks(x.data_ptr(), x.shape[0], weight.in_features, data.data_ptr(), BLOCK_KINDS[weight.kind],
-                            address(bias), out.data_ptr(), weight.out_features)
+        self._linear_blocks(
+            x.data_ptr(),
+            x.shape[0],
+            weight.in_features,
+            data.data_ptr(),
+            BLOCK_KINDS[weight.kind],
+            address(bias),
+            out.data_ptr(),
+            weight.out_features,
+        )
         return out
 
-    def linear_tiles(self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None,
-                     fma: bool = False) -> torch.Tensor:
+    def linear_tiles(
+        self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None, fma: bool = False
+    ) -> torch.Tensor:
         """``x @ weight.T + bias`` for rows ``x`` ``[rows, k]`` (float32 or bfloat16, contiguous; rounded to bf16)
         and a bf16 weight packed by ``pack_tiles``, accumulated in float32, in ``x``'s dtype: on AMX's tiles or with
         AVX512-BF16's dot products (``tiles``), the same arithmetic in plain C elsewhere (slow: the reference). Any
@@ -274,18 +443,38 @@ class CpuKernels:
         if tiles.dtype != torch.bfloat16 or tiles.dim() != 6 or not tiles.is_contiguous():
             raise ValueError("linear_tiles needs a bf16 weight packed by pack_tiles")
         out_features, in_features = tiles_shape(tiles)
-        if x.shape[1] != in_features or (bias is not None and (bias.dtype != torch.float32 or
-                                                              bias.shape != (out_features,))):
-            raise ValueError(f"linear_tiles: x {tuple(x.shape)} and bias do not fit weights [{out_features}, "
-                             f"{in_features}]")
+        if x.shape[1] != in_features or (
+            bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,))
+        ):
+            raise ValueError(
+                f"linear_tiles: x {tuple(x.shape)} and bias do not fit weights [{out_features}, {in_features}]"
+            )
         out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
         bf16 = x.dtype == torch.bfloat16
-        self._linear_tiles(x.data_ptr(), bf16, x.shape[0], in_features, tiles.data_ptr(),
-                           address(bias), out.data_ptr(), bf16, out_features, fma)
+        self._linear_tiles(
+            x.data_ptr(),
+            bf16,
+            x.shape[0],
+            in_features,
+            tiles.data_ptr(),
+            address(bias),
+            out.data_ptr(),
+            bf16,
+            out_features,
+            fma,
+        )
         return out
 
-    def moe_experts(self, x: torch.Tensor, experts: PackedExperts, expert_ids: torch.Tensor, starts: torch.Tensor,
-                    tokens: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        experts: PackedExperts,
+        expert_ids: torch.Tensor,
+        starts: torch.Tensor,
+        tokens: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
         """``out[tokens[p]] += weights[p] * expert(x[tokens[p]])`` for a step's (token, expert) pairs grouped by
         expert: the ``i``-th group is expert ``expert_ids[i]``'s, pairs ``starts[i]`` to ``starts[i + 1] - 1`` (int64
         ``[groups + 1]``); each expert a SwiGLU MLP over ``experts``' packed weights (``PackedExperts``), read once
@@ -294,37 +483,67 @@ class CpuKernels:
         check_flat(x)
         check_flat(out)
         if x.shape[1] != experts.hidden or out.shape[1] != experts.hidden:
-            raise ValueError(f"moe_experts: x {tuple(x.shape)} and out {tuple(out.shape)} need {experts.hidden} "
-                             f"columns")
+            raise ValueError(
+                f"moe_experts: x {tuple(x.shape)} and out {tuple(out.shape)} need {experts.hidden} columns"
+            )
         groups = expert_ids.shape[0]
-        for name, tensor, dtype, length in (("expert_ids", expert_ids, torch.int64, groups),
-                                            ("starts", starts, torch.int64, groups + 1),
-                                            ("tokens", tokens, torch.int64, tokens.shape[0]),
-                                            ("weights", weights, torch.float32, tokens.shape[0])):
+        for name, tensor, dtype, length in (
+            ("expert_ids", expert_ids, torch.int64, groups),
+            ("starts", starts, torch.int64, groups + 1),
+            ("tokens", tokens, torch.int64, tokens.shape[0]),
+            ("weights", weights, torch.float32, tokens.shape[0]),
+        ):
             if tensor.dtype != dtype or tensor.dim() != 1 or tensor.shape[0] != length or not tensor.is_contiguous():
-                raise ValueError(f"moe_experts: {name} must be contiguous {dtype} [{length}], got {tensor.dtype} "
-                                 f"{tuple(tensor.shape)}")
-        if groups and (int(starts[0]) != 0 or int(starts[-1]) != tokens.shape[0] or
-                       int(expert_ids.min()) < 0 or int(expert_ids.max()) >= experts.num_experts):
+                raise ValueError(
+                    f"moe_experts: {name} must be contiguous {dtype} [{length}], got {tensor.dtype} "
+                    f"{tuple(tensor.shape)}"
+                )
+        if groups and (
+            int(starts[0]) != 0
+            or int(starts[-1]) != tokens.shape[0]
+            or int(expert_ids.min()) < 0
+            or int(expert_ids.max()) >= experts.num_experts
+        ):
             raise ValueError("moe_experts: starts must run from 0 to the number of pairs, expert ids index experts")
         if tokens.shape[0] and (int(tokens.min()) < 0 or int(tokens.max()) >= x.shape[0] or x.shape[0] != out.shape[0]):
             raise ValueError(f"moe_experts: tokens must index the {x.shape[0]} rows of x and out")
         tables = experts.tables
         gate_up_groups, down_groups = experts.scale_groups
-        self._moe_experts(x.data_ptr(), experts.hidden, experts.width, groups, expert_ids.data_ptr(),
-                          starts.data_ptr(), tokens.data_ptr(), weights.data_ptr(), tables["gate_up"].data_ptr(),
-                          address(tables.get("gate_up_scales")), gate_up_groups, tables["down"].data_ptr(),
-                          address(tables.get("down_scales")), down_groups, experts.kind, out.data_ptr())
+        self._moe_experts(
+            x.data_ptr(),
+            experts.hidden,
+            experts.width,
+            groups,
+            expert_ids.data_ptr(),
+            starts.data_ptr(),
+            tokens.data_ptr(),
+            weights.data_ptr(),
+            tables["gate_up"].data_ptr(),
+            address(tables.get("gate_up_scales")),
+            gate_up_groups,
+            tables["down"].data_ptr(),
+            address(tables.get("down_scales")),
+            down_groups,
+            experts.kind,
+            out.data_ptr(),
+        )
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension of ``x`` ``[rows, dim]``, in
         ``out_dtype`` (float32, or bfloat16 rounded to nearest: a bf16 GEMM's input)."""
         check_flat(x)
         return self._norm(x, None, weight, eps, out_dtype)
 
-    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                     eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def add_rms_norm(
+        self,
+        residual: torch.Tensor,
+        delta: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
         """``residual += delta`` in place, then the RMSNorm of the sum (a new tensor in ``out_dtype``). ``delta``
         float32, or bfloat16 (a bf16 GEMM's output, widened as it is added)."""
         check_flat(residual)
@@ -339,10 +558,17 @@ class CpuKernels:
         if out_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the CPU kernels' RMSNorm writes float32 or bfloat16, not {out_dtype}")
         out = torch.empty(residual.shape, dtype=out_dtype)
-        self._add_rms_norm_mixed(residual.data_ptr(), address(delta),
-                                 delta is not None and delta.dtype == torch.bfloat16, out.data_ptr(),
-                                 out_dtype == torch.bfloat16, weight.data_ptr(), residual.shape[0], residual.shape[1],
-                                 eps)
+        self._add_rms_norm_mixed(
+            residual.data_ptr(),
+            address(delta),
+            delta is not None and delta.dtype == torch.bfloat16,
+            out.data_ptr(),
+            out_dtype == torch.bfloat16,
+            weight.data_ptr(),
+            residual.shape[0],
+            residual.shape[1],
+            eps,
+        )
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -358,24 +584,55 @@ class CpuKernels:
         (self._silu_mul_bf16 if bf16 else self._silu_mul)(gate_up.data_ptr(), out.data_ptr(), rows, width)
         return out
 
-    def rope_(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              num_heads: int, head_dim: int) -> None:
+    def rope_(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        head_dim: int,
+    ) -> None:
         """Rotate the first ``num_heads`` heads of each row of ``qkv`` ``[T, width]`` in place, by the tables
         ``cos``/``sin`` ``[max_positions, head_dim]`` (``RotaryEmbedding``'s, sin's first half negated)."""
         if qkv.dtype != torch.float32 or qkv.stride(1) != 1 or positions.dtype != torch.int64:
             raise ValueError("the CPU kernels' RoPE needs float32 rows with contiguous columns and int64 positions")
-        self._rope(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
-                   qkv.stride(0), num_heads, head_dim)
+        self._rope(
+            qkv.data_ptr(),
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            qkv.shape[0],
+            qkv.stride(0),
+            num_heads,
+            head_dim,
+        )
 
-    def rope_widened(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     num_heads: int, head_dim: int) -> torch.Tensor:
+    def rope_widened(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        head_dim: int,
+    ) -> torch.Tensor:
         """``rope_`` over a bf16 GEMM's output ``qkv`` ``[T, width]`` (contiguous): a new float32 ``[T, width]``,
         ``qkv`` widened with its first ``num_heads`` heads rotated, in one pass."""
         if qkv.dtype != torch.bfloat16 or not qkv.is_contiguous() or positions.dtype != torch.int64:
             raise ValueError("rope_widened needs contiguous bfloat16 rows and int64 positions")
         out = torch.empty(qkv.shape, dtype=torch.float32)
-        self._rope_widen(qkv.data_ptr(), out.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                         qkv.shape[0], qkv.shape[1], num_heads, head_dim)
+        self._rope_widen(
+            qkv.data_ptr(),
+            out.data_ptr(),
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            qkv.shape[0],
+            qkv.shape[1],
+            num_heads,
+            head_dim,
+        )
         return out
 
     def apply_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
@@ -383,13 +640,25 @@ class CpuKernels:
         ``rows[i]`` (int64) of ``logits`` ``[N, vocab]`` (float32, contiguous columns), in place."""
         if logits.dtype != torch.float32 or logits.stride(1) != 1 or logits.device.type != "cpu":
             raise ValueError("the CPU kernels' bitmask needs float32 CPU logits with contiguous columns")
-        if bitmask.dtype != torch.int32 or not bitmask.is_contiguous() or rows.dtype != torch.int64 \
-                or len(rows) != len(bitmask) or -(-logits.shape[1] // 32) > bitmask.shape[1]:
+        if (
+            bitmask.dtype != torch.int32
+            or not bitmask.is_contiguous()
+            or rows.dtype != torch.int64
+            or len(rows) != len(bitmask)
+            or -(-logits.shape[1] // 32) > bitmask.shape[1]
+        ):
             raise ValueError("the bitmask must be contiguous int32 [rows, ceil(vocab / 32)] with int64 row indices")
         if len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < logits.shape[0]:
             raise ValueError("a bitmask row index is outside the logits")
-        self._apply_bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.shape[1],
-                            rows.data_ptr(), len(rows), logits.shape[1])
+        self._apply_bitmask(
+            logits.data_ptr(),
+            logits.stride(0),
+            bitmask.data_ptr(),
+            bitmask.shape[1],
+            rows.data_ptr(),
+            len(rows),
+            logits.shape[1],
+        )
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Token ``t``'s K/V ``[T, kv_heads, head_dim]`` (float32, rows may be strided) into one layer's pool
@@ -400,12 +669,30 @@ class CpuKernels:
         check_pool(kv_cache)
         check_slots(slots)
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-        self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache.data_ptr(), slots.data_ptr(),
-                       k.shape[0], k.shape[1] * k.shape[2], num_slots, kv_cache.dtype == torch.bfloat16)
+        self._write_kv(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            kv_cache.data_ptr(),
+            slots.data_ptr(),
+            k.shape[0],
+            k.shape[1] * k.shape[2],
+            num_slots,
+            kv_cache.dtype == torch.bfloat16,
+        )
 
-    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        plan: KernelAttentionPlan, scale: float, out: torch.Tensor, dots: bool = False,
-                        window: int | None = None) -> torch.Tensor:
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        plan: KernelAttentionPlan,
+        scale: float,
+        out: torch.Tensor,
+        dots: bool = False,
+        window: int | None = None,
+    ) -> torch.Tensor:
         """The rows of ``q`` ``[T, heads, head_dim]`` (rows may be strided) that ``plan`` names attend to their
         contexts, read through ``block_tables`` (int32) from one layer's pool; results land in the same rows of
         ``out`` ``[T, heads, head_dim]`` (contiguous), which is returned. ``dots`` (a bf16 pool, head size 64,
@@ -419,17 +706,42 @@ class CpuKernels:
         _, num_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         rows = address(plan.rows)
-        self._paged_attention(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
-                              block_tables.stride(0), rows, plan.seq_of_query.data_ptr(),
-                              plan.context_lens.data_ptr(), address(plan.own_keys), out.data_ptr(), plan.num_queries,
-                              num_heads,
-                              num_kv_heads, head_dim, block_size, num_blocks, plan.max_context, scale,
-                              kv_cache.dtype == torch.bfloat16, dots, window_arg(window))
+        self._paged_attention(
+            q.data_ptr(),
+            q.stride(0),
+            kv_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            rows,
+            plan.seq_of_query.data_ptr(),
+            plan.context_lens.data_ptr(),
+            address(plan.own_keys),
+            out.data_ptr(),
+            plan.num_queries,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            num_blocks,
+            plan.max_context,
+            scale,
+            kv_cache.dtype == torch.bfloat16,
+            dots,
+            window_arg(window),
+        )
         return out
 
-    def flash_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        chunks: FlashChunks, scale: float, out: torch.Tensor, fma: bool = False,
-                        window: int | None = None) -> torch.Tensor:
+    def flash_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        chunks: FlashChunks,
+        scale: float,
+        out: torch.Tensor,
+        fma: bool = False,
+        window: int | None = None,
+    ) -> torch.Tensor:
         """Causal attention for the prefill chunks ``chunks`` names (rows of ``q`` ``[T, heads, head_dim]``, rows
         may be strided) over their contexts in one layer's pool, at the precision of torch's bf16 flash attention
         (Q, K, V and the probabilities rounded to bf16, scores and sums float32); results land in the same rows of
@@ -445,15 +757,34 @@ class CpuKernels:
         _, num_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         if not self.flash or head_dim % 64:
-            raise ValueError(f"flash_attention needs an AVX512-BF16 build and head_dim a multiple of 64 (build: "
-                             f"{self.flash}, head_dim {head_dim})")
+            raise ValueError(
+                f"flash_attention needs an AVX512-BF16 build and head_dim a multiple of 64 (build: "
+                f"{self.flash}, head_dim {head_dim})"
+            )
         if not out.is_contiguous() or out.shape != q.shape or out.dtype != torch.float32:
             raise ValueError("flash_attention writes a contiguous float32 out of q's shape")
-        self._flash_attention(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
-                              block_tables.stride(0), chunks.starts.data_ptr(), chunks.query_lens.data_ptr(),
-                              chunks.contexts.data_ptr(), chunks.tables.data_ptr(), chunks.count, out.data_ptr(),
-                              num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-                              kv_cache.dtype == torch.bfloat16, fma, window_arg(window))
+        self._flash_attention(
+            q.data_ptr(),
+            q.stride(0),
+            kv_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            chunks.starts.data_ptr(),
+            chunks.query_lens.data_ptr(),
+            chunks.contexts.data_ptr(),
+            chunks.tables.data_ptr(),
+            chunks.count,
+            out.data_ptr(),
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            num_blocks,
+            scale,
+            kv_cache.dtype == torch.bfloat16,
+            fma,
+            window_arg(window),
+        )
         return out
 
 
@@ -499,8 +830,10 @@ def scale_groups(scales: torch.Tensor | None) -> int:
 def check_flat(x: torch.Tensor) -> None:
     """A matrix the kernels can read: float32 on the CPU, contiguous."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
-        raise ValueError(f"the CPU kernels need contiguous float32 CPU tensors, got {x.dtype} on {x.device} with "
-                         f"strides {x.stride()}")
+        raise ValueError(
+            f"the CPU kernels need contiguous float32 CPU tensors, got {x.dtype} on {x.device} with "
+            f"strides {x.stride()}"
+        )
 
 
 def check_packed(packed: torch.Tensor, scales: torch.Tensor | None) -> None:
@@ -514,11 +847,17 @@ def check_packed(packed: torch.Tensor, scales: torch.Tensor | None) -> None:
     out_features, in_features = packed_shape(packed)
     groups = scales.shape[1] if scales.dim() == 3 else 0
     usable = groups and in_features % groups == 0 and (in_features // groups) % 8 == 0
-    if not usable or scales.dtype != torch.float32 or scales.shape != (out_features // 4, groups, 4) or \
-            not scales.is_contiguous():
-        raise ValueError(f"int8 weights [{out_features}, {in_features}] need float32 scales packed by pack_scales "
-                         f"([{out_features // 4}, groups, 4], groups of a multiple of 8 weights), got {scales.dtype} "
-                         f"{tuple(scales.shape)}")
+    if (
+        not usable
+        or scales.dtype != torch.float32
+        or scales.shape != (out_features // 4, groups, 4)
+        or not scales.is_contiguous()
+    ):
+        raise ValueError(
+            f"int8 weights [{out_features}, {in_features}] need float32 scales packed by pack_scales "
+            f"([{out_features // 4}, groups, 4], groups of a multiple of 8 weights), got {scales.dtype} "
+            f"{tuple(scales.shape)}"
+        )
 
 
 def check_block_tables(block_tables: torch.Tensor) -> None:
@@ -539,5 +878,7 @@ def check_pool(kv_cache: torch.Tensor) -> None:
 def check_rows(x: torch.Tensor) -> None:
     """Rows of heads the kernels can read: float32 on the CPU, each row's heads contiguous."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-        raise ValueError(f"the CPU kernels need float32 CPU rows of contiguous heads, got {x.dtype} on {x.device} "
-                         f"with strides {x.stride()}")
+        raise ValueError(
+            f"the CPU kernels need float32 CPU rows of contiguous heads, got {x.dtype} on {x.device} "
+            f"with strides {x.stride()}"
+        )

@@ -59,14 +59,13 @@ def pack_blocks(raw: torch.Tensor | np.ndarray, kind: str, out_features: int) ->
     shape = groups.shape[:2]
     d = groups[..., 0:2].reshape(*shape, 8)  # the four rows' fp16 scales
     scales = torch.cat([d, groups[..., 2:4].reshape(*shape, 8)], dim=-1) if kind == "q4_1" else d  # then m
-    quants = groups[..., 4 if kind == "q4_1" else 2:]
+    quants = groups[..., 4 if kind == "q4_1" else 2 :]
     if kind == "q8_0":  # int8 plus 128: unsigned, as VNNI's dot products take them
         quants = quants ^ 0x80
     else:  # nibbles of columns j and 16 + j -> rows 0 and 2 (1 and 3) of column j in one byte
         values = torch.cat([quants & 0x0F, quants >> 4], dim=-1)  # [groups, blocks, 4, 32]
         quants = values[:, :, 0:2] | (values[:, :, 2:4] << 4)
-    return BlockWeight(torch.cat([scales, quants.reshape(*shape, -1)], dim=-1).contiguous(), kind,
-                       out_features)
+    return BlockWeight(torch.cat([scales, quants.reshape(*shape, -1)], dim=-1).contiguous(), kind, out_features)
 
 
 def quantize_blocks(weight: torch.Tensor, kind: str) -> BlockWeight:

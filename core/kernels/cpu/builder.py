@@ -41,8 +41,11 @@ class KernelBuildError(RuntimeError):
 def sources() -> dict[str, str]:
     """Every C source and header of the kernels, by file name (sorted): what one build compiles and its key covers."""
     folder = resources.files("infer.kernels.cpu").joinpath("csrc")
-    return {entry.name: entry.read_text() for entry in sorted(folder.iterdir(), key=lambda entry: entry.name)
-            if entry.name.endswith((".c", ".h"))}
+    return {
+        entry.name: entry.read_text()
+        for entry in sorted(folder.iterdir(), key=lambda entry: entry.name)
+        if entry.name.endswith((".c", ".h"))
+    }
 
 
 def source() -> str:

@@ -38,11 +38,21 @@ class FusedLayer:
     attention: norm, QKV projection and RoPE; then output projection, norm, gate/up, SiLU-and-multiply, down. Holds
     references to the tensors whose memory the C side reads."""
 
-    def __init__(self, kernels: CpuKernels, weights: list[torch.Tensor | BlockWeight],
-                 scales: list[torch.Tensor | None],
-                 biases: list[torch.Tensor | None], norms: tuple[torch.Tensor, torch.Tensor], eps: float,
-                 q_width: int, rotated_heads: int, head_dim: int, tiles: list[torch.Tensor | None] | None = None,
-                 tiles_fma: bool = False, head_norms: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        kernels: CpuKernels,
+        weights: list[torch.Tensor | BlockWeight],
+        scales: list[torch.Tensor | None],
+        biases: list[torch.Tensor | None],
+        norms: tuple[torch.Tensor, torch.Tensor],
+        eps: float,
+        q_width: int,
+        rotated_heads: int,
+        head_dim: int,
+        tiles: list[torch.Tensor | None] | None = None,
+        tiles_fma: bool = False,
+        head_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         """``weights``/``scales``/``biases``: packed by ``pack_weights`` (fp16, bf16, or int8 with scales packed by
         ``pack_scales``, else None) or GGUF's blocks (``BlockWeight``, no scales), and float32 (or None) for the QKV,
         output, gate/up and down projections, in that order; ``norms``: the input and post-attention RMSNorm weights;
@@ -66,24 +76,49 @@ class FusedLayer:
         groups = [scale_groups(scale) for scale in scales]
         kinds = [weight_kind(weight) for weight in weights]
         stored = [weight.data if isinstance(weight, BlockWeight) else weight for weight in weights]
-        self.struct = LayerStruct(*(address(tensor) for tensor in (*stored, *scales, *biases, *norms)), eps,
-                                   hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim, *groups, *kinds,
-                                   *(address(tile) for tile in tiles), tiles_fma,
-                                   *(address(norm) for norm in head_norms))
+        self.struct = LayerStruct(
+            *(address(tensor) for tensor in (*stored, *scales, *biases, *norms)),
+            eps,
+            hidden,
+            qkv_width,
+            q_width,
+            intermediate,
+            rotated_heads,
+            head_dim,
+            *groups,
+            *kinds,
+            *(address(tile) for tile in tiles),
+            tiles_fma,
+            *(address(norm) for norm in head_norms),
+        )
         self.hidden = hidden
         self.qkv_width = qkv_width
         self._attention_input = kernels._layer_attention_input
         self._feed_forward = kernels._layer_feed_forward
 
-    def attention_input(self, residual: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
-                        cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attention_input(
+        self,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
         """For ``T`` tokens: ``residual += delta`` (``[T, hidden]`` each, in place; no add when None), RMSNorm, QKV
         projection, each Q and K head's RMSNorm (with ``head_norms``), RoPE at ``positions`` with
         ``RotaryEmbedding``'s tables: returns the rotated ``[T, qkv_width]``."""
         tokens = residual.shape[0]
         qkv = torch.empty((tokens, self.qkv_width), dtype=torch.float32)
-        self._attention_input(ctypes.byref(self.struct), tokens, residual.data_ptr(), address(delta),
-                              positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.data_ptr())
+        self._attention_input(
+            ctypes.byref(self.struct),
+            tokens,
+            residual.data_ptr(),
+            address(delta),
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            qkv.data_ptr(),
+        )
         return qkv
 
     def feed_forward(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -91,23 +126,31 @@ class FusedLayer:
         sum's norm, returned as the layer's delta ``[T, hidden]``."""
         tokens = residual.shape[0]
         delta = torch.empty((tokens, self.hidden), dtype=torch.float32)
-        self._feed_forward(ctypes.byref(self.struct), tokens, attended.data_ptr(), residual.data_ptr(),
-                           delta.data_ptr())
+        self._feed_forward(
+            ctypes.byref(self.struct), tokens, attended.data_ptr(), residual.data_ptr(), delta.data_ptr()
+        )
         return delta
 
 
-def _check_head_norms(head_norms: tuple[torch.Tensor, torch.Tensor] | None,
-                     head_dim: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _check_head_norms(
+    head_norms: tuple[torch.Tensor, torch.Tensor] | None, head_dim: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(q_norm, k_norm)`` as the C side reads them (``(None, None)``: none), or ValueError saying what is wrong."""
     if head_norms is None:
         return None, None
     if len(head_norms) != 2:
         raise ValueError(f"head_norms must be (q_norm, k_norm), got {len(head_norms)} tensors")
     for name, norm in zip(("q_norm", "k_norm"), head_norms):
-        if norm.dtype != torch.float32 or norm.device.type != "cpu" or norm.shape != (head_dim,) or \
-                not norm.is_contiguous():
-            raise ValueError(f"head_norms' {name} must be a contiguous float32 CPU tensor [head_dim] = [{head_dim}], "
-                             f"got {norm.dtype} {tuple(norm.shape)} on {norm.device}")
+        if (
+            norm.dtype != torch.float32
+            or norm.device.type != "cpu"
+            or norm.shape != (head_dim,)
+            or not norm.is_contiguous()
+        ):
+            raise ValueError(
+                f"head_norms' {name} must be a contiguous float32 CPU tensor [head_dim] = [{head_dim}], "
+                f"got {norm.dtype} {tuple(norm.shape)} on {norm.device}"
+            )
     return head_norms[0], head_norms[1]
 
 
@@ -136,8 +179,15 @@ class FusedStack:
         self._keep = layers
         self._run = kernels._layers_few
 
-    def run(self, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            kv_cache: torch.Tensor, step: KernelAttentionStep) -> torch.Tensor:
+    def run(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        step: KernelAttentionStep,
+    ) -> torch.Tensor:
         """The layers over embeddings ``hidden`` ``[T, hidden]``, which become the residual stream (in place);
         returns the last layer's output ``[T, hidden]`` (the final norm adds the two). ``kv_cache``: all layers'
         pools ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` (float32 or bfloat16)."""
@@ -145,9 +195,20 @@ class FusedStack:
         check_pool(kv_cache)
         step.check()
         delta = torch.empty_like(hidden)
-        self._run(self.layers, self.kv_layers.data_ptr(), len(self.layers), hidden.shape[0], hidden.data_ptr(),
-                  delta.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
-                  kv_cache.stride(0), ctypes.byref(step.struct(kv_cache)))
+        self._run(
+            self.layers,
+            self.kv_layers.data_ptr(),
+            len(self.layers),
+            hidden.shape[0],
+            hidden.data_ptr(),
+            delta.data_ptr(),
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            kv_cache.data_ptr(),
+            kv_cache.stride(0),
+            ctypes.byref(step.struct(kv_cache)),
+        )
         return delta
 
 
@@ -157,9 +218,15 @@ class FusedDraftHead:
     each sequence's last row, the draft-vocabulary logits, their largest few and their softmax probabilities. A chain
     step is otherwise about twenty calls from Python around ~0.3 ms of C (docs/performance.md)."""
 
-    def __init__(self, kernels: CpuKernels, layer: FusedLayer, norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                 eps: float, fc: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-                 out: tuple[torch.Tensor, torch.Tensor | None]):
+    def __init__(
+        self,
+        kernels: CpuKernels,
+        layer: FusedLayer,
+        norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        eps: float,
+        fc: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+        out: tuple[torch.Tensor, torch.Tensor | None],
+    ):
         """``norms``: the embedding, feature and final RMSNorm weights (float32); ``fc``: the packed weight
         ``[hidden, 2 * hidden]``, its scales and float32 bias (or None); ``out``: the packed draft-vocabulary weight
         ``[vocab, hidden]`` and its scales (``pack_weights``/``pack_scales``)."""
@@ -167,23 +234,45 @@ class FusedDraftHead:
             check_packed(weight, scales)
         (hidden, pair_width), (vocab, out_width) = packed_shape(fc[0]), packed_shape(out[0])
         if pair_width != 2 * hidden or out_width != hidden or layer.hidden != hidden:
-            raise ValueError(f"a draft head needs fc [hidden, 2 * hidden] and output [vocab, hidden] around a layer "
-                             f"of hidden size {layer.hidden}, got fc {packed_shape(fc[0])} and output "
-                             f"{(vocab, out_width)}")
+            raise ValueError(
+                f"a draft head needs fc [hidden, 2 * hidden] and output [vocab, hidden] around a layer "
+                f"of hidden size {layer.hidden}, got fc {packed_shape(fc[0])} and output "
+                f"{(vocab, out_width)}"
+            )
         for tensor in (*norms, *(bias for bias in fc[2:] if bias is not None)):
             check_flat(tensor)
-        self.struct = DraftHeadStruct(*(address(norm) for norm in norms), eps, address(fc[0]), address(fc[1]),
-                                      address(fc[2]), scale_groups(fc[1]), WEIGHT_KINDS[fc[0].dtype],
-                                      address(out[0]), address(out[1]), scale_groups(out[1]),
-                                      WEIGHT_KINDS[out[0].dtype], vocab, hidden)
+        self.struct = DraftHeadStruct(
+            *(address(norm) for norm in norms),
+            eps,
+            address(fc[0]),
+            address(fc[1]),
+            address(fc[2]),
+            scale_groups(fc[1]),
+            WEIGHT_KINDS[fc[0].dtype],
+            address(out[0]),
+            address(out[1]),
+            scale_groups(out[1]),
+            WEIGHT_KINDS[out[0].dtype],
+            vocab,
+            hidden,
+        )
         self.layer = layer
         self.hidden = hidden
         self._keep = [*norms, *fc, *out]
         self._run = kernels._draft_head_step
 
-    def run(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor, kv_cache: torch.Tensor, step: KernelAttentionStep, last_rows: Sequence[int],
-            width: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        step: KernelAttentionStep,
+        last_rows: Sequence[int],
+        width: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The head over pairs ``embeds``/``features`` ``[T, hidden]`` at ``positions``, writing its K/V into its
         one-layer pool ``kv_cache`` ``[1, 2, num_blocks, block_size, kv_heads, head_dim]``: for the rows
         ``last_rows`` (one a sequence), the predicted features ``[S, hidden]``, the draft-vocabulary indices of the
@@ -192,8 +281,10 @@ class FusedDraftHead:
         for tensor in (embeds, features):
             check_flat(tensor)
         if embeds.shape != features.shape or embeds.shape[1] != self.hidden:
-            raise ValueError(f"a draft step needs embeddings and features [T, {self.hidden}], got "
-                             f"{tuple(embeds.shape)} and {tuple(features.shape)}")
+            raise ValueError(
+                f"a draft step needs embeddings and features [T, {self.hidden}], got "
+                f"{tuple(embeds.shape)} and {tuple(features.shape)}"
+            )
         check_pool(kv_cache)
         step.check()
         seqs = len(last_rows)
@@ -203,10 +294,24 @@ class FusedDraftHead:
         predicted = torch.empty((seqs, self.hidden), dtype=torch.float32)
         guesses = torch.empty((seqs, width), dtype=torch.int64)
         confidence = torch.empty((seqs, width), dtype=torch.float32)
-        self._run(ctypes.byref(self.struct), ctypes.byref(self.layer.struct), embeds.shape[0], embeds.data_ptr(),
-                  features.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
-                  ctypes.byref(step.struct(kv_cache)), rows.data_ptr(), seqs, predicted.data_ptr(), width,
-                  guesses.data_ptr(), confidence.data_ptr())
+        self._run(
+            ctypes.byref(self.struct),
+            ctypes.byref(self.layer.struct),
+            embeds.shape[0],
+            embeds.data_ptr(),
+            features.data_ptr(),
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            kv_cache.data_ptr(),
+            ctypes.byref(step.struct(kv_cache)),
+            rows.data_ptr(),
+            seqs,
+            predicted.data_ptr(),
+            width,
+            guesses.data_ptr(),
+            confidence.data_ptr(),
+        )
         return predicted, guesses, confidence
 
 
@@ -227,9 +332,15 @@ class KernelAttentionStep:
     windows: torch.Tensor | None = None
 
     @classmethod
-    def from_metadata(cls, metadata: AttentionMetadata, num_heads: int, scale: float, dots: bool = False,
-                      plan: KernelAttentionPlan | None = None,
-                      windows: torch.Tensor | None = None) -> KernelAttentionStep:
+    def from_metadata(
+        cls,
+        metadata: AttentionMetadata,
+        num_heads: int,
+        scale: float,
+        dots: bool = False,
+        plan: KernelAttentionPlan | None = None,
+        windows: torch.Tensor | None = None,
+    ) -> KernelAttentionStep:
         """The step's attention from the core metadata every backend receives (the model's shapes beside it);
         ``plan``: the step's every-token plan where the caller already built one (built here otherwise)."""
         if plan is None or plan.rows is not None:  # none, or only some tokens'
@@ -242,10 +353,25 @@ class KernelAttentionStep:
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[-4:]
         plan = self.plan
         return AttentionStepStruct(
-            self.block_tables.data_ptr(), self.block_tables.stride(0), self.slots.data_ptr(), address(plan.rows),
-            plan.seq_of_query.data_ptr(), plan.context_lens.data_ptr(), plan.num_queries, plan.max_context,
-            self.num_heads, num_kv_heads, head_dim, block_size, num_blocks, self.scale,
-            kv_cache.dtype == torch.bfloat16, address(plan.own_keys), self.dots, address(self.windows))
+            self.block_tables.data_ptr(),
+            self.block_tables.stride(0),
+            self.slots.data_ptr(),
+            address(plan.rows),
+            plan.seq_of_query.data_ptr(),
+            plan.context_lens.data_ptr(),
+            plan.num_queries,
+            plan.max_context,
+            self.num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            num_blocks,
+            self.scale,
+            kv_cache.dtype == torch.bfloat16,
+            address(plan.own_keys),
+            self.dots,
+            address(self.windows),
+        )
 
     def check(self) -> None:
         check_block_tables(self.block_tables)

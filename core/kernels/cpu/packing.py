@@ -20,8 +20,9 @@ def pack_weights(weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype not in (torch.float16, torch.bfloat16, torch.int8):
         raise ValueError(f"pack_weights takes fp16, bf16 or int8 weights, got {weight.dtype}")
     if not can_pack(out_features, in_features):
-        raise ValueError(f"pack_weights needs out_features % 4 == 0 and in_features % 8 == 0, got "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"pack_weights needs out_features % 4 == 0 and in_features % 8 == 0, got {tuple(weight.shape)}"
+        )
     blocks = weight.detach().view(out_features // 4, 4, in_features // 8, 8)
     return blocks.permute(0, 2, 1, 3).contiguous()
 
@@ -31,8 +32,9 @@ def pack_scales(scales: torch.Tensor) -> torch.Tensor:
     ``linear``'s layout: per block of four output rows, ``[groups, 4]``."""
     out_features, groups = scales.shape
     if scales.dtype != torch.float32 or out_features % 4:
-        raise ValueError(f"pack_scales takes float32 scales [n, groups] with n % 4 == 0, got "
-                         f"{scales.dtype} {tuple(scales.shape)}")
+        raise ValueError(
+            f"pack_scales takes float32 scales [n, groups] with n % 4 == 0, got {scales.dtype} {tuple(scales.shape)}"
+        )
     return scales.view(out_features // 4, 4, groups).permute(0, 2, 1).contiguous()
 
 
@@ -56,8 +58,10 @@ def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     one sequential stream. Needs ``n % 32 == 0`` and ``k % 32 == 0`` (``can_pack_tiles``)."""
     out_features, in_features = weight.shape
     if weight.dtype != torch.bfloat16 or not can_pack_tiles(out_features, in_features):
-        raise ValueError(f"pack_tiles takes bf16 weights [n, k] with n % {TILE} == 0 and k % {TILE} == 0, got "
-                         f"{weight.dtype} {tuple(weight.shape)}")
+        raise ValueError(
+            f"pack_tiles takes bf16 weights [n, k] with n % {TILE} == 0 and k % {TILE} == 0, got "
+            f"{weight.dtype} {tuple(weight.shape)}"
+        )
     view = weight.detach().reshape(out_features // TILE, 2, 16, in_features // TILE, 16, 2)
     return view.permute(0, 3, 1, 4, 2, 5).contiguous()
 

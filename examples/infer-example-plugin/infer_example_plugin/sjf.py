@@ -37,5 +37,8 @@ class SJFScheduler(BudgetedScheduler):
 
 @hookimpl
 def register_schedulers(register):
-    register("sjf", "infer_example_plugin.sjf:SJFScheduler",
-             description="Shortest job first: fewest uncached prompt tokens admitted first")
+    register(
+        "sjf",
+        "infer_example_plugin.sjf:SJFScheduler",
+        description="Shortest job first: fewest uncached prompt tokens admitted first",
+    )

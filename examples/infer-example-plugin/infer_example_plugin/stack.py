@@ -27,5 +27,8 @@ class StackAllocator(RefcountingAllocator):
 
 @hookimpl
 def register_allocators(register):
-    register("stack", "infer_example_plugin.stack:StackAllocator",
-             description="LIFO free list: the most recently freed block is reused first")
+    register(
+        "stack",
+        "infer_example_plugin.stack:StackAllocator",
+        description="LIFO free list: the most recently freed block is reused first",
+    )

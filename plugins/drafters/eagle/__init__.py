@@ -10,8 +10,11 @@ from infer import hookimpl
 
 @hookimpl
 def register_drafters(register):
-    register("eagle", "infer.plugins.drafters.eagle.drafter:EagleDrafter",
-             description="EAGLE: a one-layer head drafting from the target's features")
+    register(
+        "eagle",
+        "infer.plugins.drafters.eagle.drafter:EagleDrafter",
+        description="EAGLE: a one-layer head drafting from the target's features",
+    )
 
 
 @hookimpl

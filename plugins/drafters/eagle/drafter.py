@@ -44,39 +44,58 @@ SHIPPED_HEADS = "heads"  # package data of this plugin: heads/<model name>/head.
 
 class EagleDrafterConfig(DrafterConfig):
     name: str = "eagle"
-    head: str = Field("auto", description='Trained head: "auto" (the one shipped for the target model), a path to a '
-                                          '.safetensors head or its folder, or "random" (untrained, for tests).')
-    min_confidence: float = Field(0.8, ge=0.0, le=1.0, description="Chains: end a sequence's chain after a guess "
-                                                                    "whose probability under the head is below "
-                                                                    "this (0: always draft num_speculative_tokens). "
-                                                                    "Doubtful guesses are mostly rejected, and "
-                                                                    "each costs a draft step and a verified token.")
-    tree_width: int = Field(3, ge=1, le=8, description="Guesses each head run offers a greedy request: the "
-                                                        "likeliest continues the chain, the others are leaves beside "
-                                                        "it, and the tree_budget likeliest by path probability are "
-                                                        "verified (EAGLE-2's dynamic tree). 1: chains "
-                                                        "ended by min_confidence (sampled and structured-output "
-                                                        "requests always get chains, and so does every request where "
-                                                        "the attention backend does not attend draft trees).")
+    head: str = Field(
+        "auto",
+        description='Trained head: "auto" (the one shipped for the target model), a path to a '
+        '.safetensors head or its folder, or "random" (untrained, for tests).',
+    )
+    min_confidence: float = Field(
+        0.8,
+        ge=0.0,
+        le=1.0,
+        description="Chains: end a sequence's chain after a guess "
+        "whose probability under the head is below "
+        "this (0: always draft num_speculative_tokens). "
+        "Doubtful guesses are mostly rejected, and "
+        "each costs a draft step and a verified token.",
+    )
+    tree_width: int = Field(
+        3,
+        ge=1,
+        le=8,
+        description="Guesses each head run offers a greedy request: the "
+        "likeliest continues the chain, the others are leaves beside "
+        "it, and the tree_budget likeliest by path probability are "
+        "verified (EAGLE-2's dynamic tree). 1: chains "
+        "ended by min_confidence (sampled and structured-output "
+        "requests always get chains, and so does every request where "
+        "the attention backend does not attend draft trees).",
+    )
     tree_budget: int | Literal["auto"] = Field(
-        "auto", description="Trees: the most drafts a tree verifies (at most num_speculative_tokens). auto: the "
-                            "query rows the target computes for about one decode step's time on this CPU (measured "
-                            "once and cached: infer.execution.calibration.calibrate_rows), shared by the sequences "
-                            "drafting in a step, one row each for its own token: as many drafts a sequence as fit, "
-                            "none where none do (chains are capped alike).")
-    head_quantization: str = Field("auto", description='Weight packing of the head\'s layer, fc and draft-vocabulary '
-                                                       'output (any model.quantization), or "target" (the target\'s '
-                                                       'packing). "auto": int8_per_row where the target\'s '
-                                                       'projections run on infer\'s CPU kernels (half the bytes of '
-                                                       'bf16 or fp16 a draft step streams), else the target\'s. The '
-                                                       'head only guesses: its precision never changes the output.')
+        "auto",
+        description="Trees: the most drafts a tree verifies (at most num_speculative_tokens). auto: the "
+        "query rows the target computes for about one decode step's time on this CPU (measured "
+        "once and cached: infer.execution.calibration.calibrate_rows), shared by the sequences "
+        "drafting in a step, one row each for its own token: as many drafts a sequence as fit, "
+        "none where none do (chains are capped alike).",
+    )
+    head_quantization: str = Field(
+        "auto",
+        description="Weight packing of the head's layer, fc and draft-vocabulary "
+        'output (any model.quantization), or "target" (the target\'s '
+        'packing). "auto": int8_per_row where the target\'s '
+        "projections run on infer's CPU kernels (half the bytes of "
+        "bf16 or fp16 a draft step streams), else the target's. The "
+        "head only guesses: its precision never changes the output.",
+    )
 
     @field_validator("head_quantization")
     @classmethod
     def _known_packing(cls, value: str) -> str:
         if value not in ("auto", "target", *QUANTIZATIONS):
-            raise ValueError(f"unknown head_quantization {value!r}; choose auto, target or one of "
-                             f"{', '.join(QUANTIZATIONS)}")
+            raise ValueError(
+                f"unknown head_quantization {value!r}; choose auto, target or one of {', '.join(QUANTIZATIONS)}"
+            )
         return value
 
 
@@ -124,7 +143,7 @@ class FeatureLog:
         next ``propose`` re-runs (its output gives the first guess even when nothing new was committed)."""
         stacked = torch.cat(self.features) if len(self.features) > 1 else self.features[0]
         used = stacked[: end - self.num_computed]
-        self.features = [stacked[end - 1 - self.num_computed:]]
+        self.features = [stacked[end - 1 - self.num_computed :]]
         self.num_features = self.features[0].shape[0]
         self.num_computed = end - 1
         return used
@@ -161,8 +180,10 @@ class TreeGrowth:
         chosen = self._chosen()
         spine = sorted((depth, token) for _, depth, rank, token in chosen if rank == 0)
         leaves = sorted((depth, rank, token) for _, depth, rank, token in chosen if rank > 0)
-        return DraftTree([token for _, token in spine] + [token for _, _, token in leaves],
-                         [index - 1 for index in range(len(spine))] + [depth - 2 for depth, _, _ in leaves])
+        return DraftTree(
+            [token for _, token in spine] + [token for _, _, token in leaves],
+            [index - 1 for index in range(len(spine))] + [depth - 2 for depth, _, _ in leaves],
+        )
 
 
 class EagleDrafter(Drafter):
@@ -182,8 +203,9 @@ class EagleDrafter(Drafter):
         self.executor = context.executor  # the head runs on the target's kernels and paths
         self.head_quantization = head_packing(self.config.head_quantization, context)
         self.head = context.quantize(self._load_head(context), self.head_quantization)
-        self.draft_logits = context.projection(draft_head_weight(self.target, self.head.vocab_ids),
-                                               self.head_quantization)
+        self.draft_logits = context.projection(
+            draft_head_weight(self.target, self.head.vocab_ids), self.head_quantization
+        )
         for module in (self.head.layer, self.head.fc, self.draft_logits):  # one row per chain step: the GEMV
             self.executor.prepare(module)
         self._vocab_ids = self.head.vocab_ids.tolist()  # a draft-vocabulary index -> its target token id
@@ -219,10 +241,10 @@ class EagleDrafter(Drafter):
     def describe(self) -> str:
         if self.tree_budget is None:
             return f"eagle chains of up to {self.config.num_speculative_tokens} drafts"
-        measured = "" if self.rows is None else (f" (measured rows shared by the sequences drafting): "
-                                                 f"{self.rows.describe()}")
-        return (f"eagle trees of up to {self.tree_budget} drafts, {self.config.tree_width} guesses a run"
-                f"{measured}")
+        measured = (
+            "" if self.rows is None else (f" (measured rows shared by the sequences drafting): {self.rows.describe()}")
+        )
+        return f"eagle trees of up to {self.tree_budget} drafts, {self.config.tree_width} guesses a run{measured}"
 
     def _load_head(self, context: DrafterContext) -> EagleHead:
         choice = self.config.head
@@ -233,10 +255,14 @@ class EagleDrafter(Drafter):
         if path.is_dir():
             path = path / "head.safetensors"
         if not path.is_file():
-            hint = (f"no EAGLE head is shipped for model {context.model_name!r}" if choice == "auto"
-                    else f"drafter.head: no file at {path}")
-            raise FileNotFoundError(f"{hint}; train one with `infer train-eagle CONFIG --out DIR` and set "
-                                    f"drafter.head=DIR")
+            hint = (
+                f"no EAGLE head is shipped for model {context.model_name!r}"
+                if choice == "auto"
+                else f"drafter.head: no file at {path}"
+            )
+            raise FileNotFoundError(
+                f"{hint}; train one with `infer train-eagle CONFIG --out DIR` and set drafter.head=DIR"
+            )
         return load_head(path, config, self.dtype, self.device)
 
     # -- the head's pool -----------------------------------------------------------------------------------------
@@ -256,7 +282,7 @@ class EagleDrafter(Drafter):
             count = min(row.count, seq.num_computed_tokens - row.first_position)
             if seq.is_finished or count <= 0:
                 continue
-            rows = output.hidden_states[row.start: row.start + count].clone()
+            rows = output.hidden_states[row.start : row.start + count].clone()
             log = self._logs.get(seq.seq_id)
             if log is None:
                 self._logs[seq.seq_id] = log = FeatureLog(row.first_position)
@@ -314,25 +340,28 @@ class EagleDrafter(Drafter):
             log = self._logs[seq.seq_id]
             start, last_pair = log.num_computed, seq.num_tokens - 2
             starts.append(start)
-            tokens.append(seq.token_ids[start + 1: last_pair + 2])
+            tokens.append(seq.token_ids[start + 1 : last_pair + 2])
             features.append(log.take(last_pair + 1))
         return self._run(sequences, active, starts, tokens, torch.cat(features), width)
 
-    def _chain_step(self, sequences, active, features: torch.Tensor, chains, step: int,
-                    width: int) -> tuple[torch.Tensor, list[list[int]], list[list[float]]]:
+    def _chain_step(
+        self, sequences, active, features: torch.Tensor, chains, step: int, width: int
+    ) -> tuple[torch.Tensor, list[list[int]], list[list[float]]]:
         """Feed each active sequence the latest guess of its chain with the feature predicted for it."""
         starts = [sequences[i].num_tokens - 2 + step for i in active]
         return self._run(sequences, active, starts, [[chains[i][-1]] for i in active], features, width)
 
-    def _run(self, sequences, active, starts, tokens, features,
-             width: int) -> tuple[torch.Tensor, list[list[int]], list[list[float]]]:
+    def _run(
+        self, sequences, active, starts, tokens, features, width: int
+    ) -> tuple[torch.Tensor, list[list[int]], list[list[float]]]:
         """Run the head; for each active sequence, the feature it predicts for its guess (``[len(active), hidden]``)
         and its ``width`` likeliest guesses (target token ids, likeliest first) with their probabilities under the
         head."""
         seqs = [sequences[i] for i in active]
         lengths = [len(t) for t in tokens]
-        metadata = AttentionMetadata.build([seq.block_table for seq in seqs], starts, lengths, self.block_size,
-                                           self.device)
+        metadata = AttentionMetadata.build(
+            [seq.block_table for seq in seqs], starts, lengths, self.block_size, self.device
+        )
         input_ids = torch.tensor([t for row in tokens for t in row], dtype=torch.int64, device=self.device)
         embeds = self.target.embed(input_ids)
         last_rows = list(itertools.accumulate(lengths, initial=-1))[1:]  # each sequence's last pair
@@ -341,22 +370,31 @@ class EagleDrafter(Drafter):
         vocab_ids = self._vocab_ids
         return last, [[vocab_ids[index] for index in row] for row in choices.tolist()], probabilities.tolist()
 
-    def _run_fused(self, metadata, embeds, features, last_rows,
-                   width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _run_fused(
+        self, metadata, embeds, features, last_rows, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The head as one C call: the last rows' predicted features, their ``width`` likeliest guesses
         (draft-vocabulary indices, ``[rows, width]``) and the head's probability of each."""
         self.executor.count_fused()
         rotary = self.target.rotary
-        plan = KernelAttentionStep(KernelAttentionPlan.every_token(metadata), metadata.block_tables,
-                                   metadata.slot_mapping, self.attention.num_heads, self.attention.scale)
-        return self._fused_head.run(embeds, features, metadata.positions, rotary.cos, rotary.sin, self.kv_cache, plan,
-                                    last_rows, width)
+        plan = KernelAttentionStep(
+            KernelAttentionPlan.every_token(metadata),
+            metadata.block_tables,
+            metadata.slot_mapping,
+            self.attention.num_heads,
+            self.attention.scale,
+        )
+        return self._fused_head.run(
+            embeds, features, metadata.positions, rotary.cos, rotary.sin, self.kv_cache, plan, last_rows, width
+        )
 
-    def _run_layers(self, metadata, embeds, features, last_rows,
-                    width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _run_layers(
+        self, metadata, embeds, features, last_rows, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``_run_fused``'s results through the executor's path for the head's layer and the modules around it."""
-        step = self.executor.step(self.target.rotary, self.attention.prepare(metadata), self.kv_cache, self.attention,
-                                  embeds.dtype)
+        step = self.executor.step(
+            self.target.rotary, self.attention.prepare(metadata), self.kv_cache, self.attention, embeds.dtype
+        )
         predicted = self.head(embeds, features, step)
         last = predicted.index_select(0, torch.tensor(last_rows, dtype=torch.int64, device=self.device))
         probabilities, choices = torch.softmax(self.draft_logits(last).float(), dim=-1).topk(width, dim=-1)
@@ -367,14 +405,25 @@ class EagleDrafter(Drafter):
         GEMV, else None (torch, or the path the executor picks for the layer)."""
         head, out = self.head, self.draft_logits
         norms = (head.embed_norm, head.feature_norm, head.norm)
-        kernel_projections = all(isinstance(module, PackedLinear) and module.kernels is not None
-                                 for module in (head.fc, out))
-        if self.executor.kernels is None or head.layer.fused is None or not kernel_projections or \
-                len({norm.eps for norm in norms}) > 1 or any(norm.weight.dtype != torch.float32 for norm in norms):
+        kernel_projections = all(
+            isinstance(module, PackedLinear) and module.kernels is not None for module in (head.fc, out)
+        )
+        if (
+            self.executor.kernels is None
+            or head.layer.fused is None
+            or not kernel_projections
+            or len({norm.eps for norm in norms}) > 1
+            or any(norm.weight.dtype != torch.float32 for norm in norms)
+        ):
             return None
-        return FusedDraftHead(self.executor.kernels, head.layer.fused, tuple(norm.weight.detach() for norm in norms),
-                              head.norm.eps, (head.fc.kernel_weight, head.fc.kernel_scales, head.fc.bias),
-                              (out.kernel_weight, out.kernel_scales))
+        return FusedDraftHead(
+            self.executor.kernels,
+            head.layer.fused,
+            tuple(norm.weight.detach() for norm in norms),
+            head.norm.eps,
+            (head.fc.kernel_weight, head.fc.kernel_scales, head.fc.bias),
+            (out.kernel_weight, out.kernel_scales),
+        )
 
     def _takes_fused_head(self, metadata: AttentionMetadata, dtype: torch.dtype) -> bool:
         """Whether this head run takes ``FusedDraftHead``: the projections take the GEMV for its rows (the fused head
@@ -383,13 +432,16 @@ class EagleDrafter(Drafter):
         if self._fused_head is None:
             return False
         fc, out, kernels = self.head.fc, self.draft_logits, self.executor.kernels
-        limit = lambda module: module.gemv_rows if module.tile_weight is None else min(  # noqa: E731
-            module.gemv_rows, kernels.pass_rows)
+
+        def limit(module) -> int:
+            return module.gemv_rows if module.tile_weight is None else min(module.gemv_rows, kernels.pass_rows)
+
         if metadata.num_tokens > min(limit(fc), self.executor.fused_max_tokens) or metadata.num_seqs > limit(out):
             return False
         if self._fused_head_accepted is None:
-            step = self.executor.step(self.target.rotary, self.attention.prepare(metadata), self.kv_cache,
-                                      self.attention, dtype)
+            step = self.executor.step(
+                self.target.rotary, self.attention.prepare(metadata), self.kv_cache, self.attention, dtype
+            )
             self._fused_head_accepted = self.executor.fuses([self.head.layer], step)
         return self._fused_head_accepted
 

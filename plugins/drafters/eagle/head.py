@@ -35,8 +35,9 @@ class EagleHead(nn.Module):
     """``fc`` over the normalized ``[embed(x_{t+1}), f_t]``, one decoder layer, a final norm; outputs the predicted
     feature."""
 
-    def __init__(self, config, vocab_ids: torch.Tensor, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self, config, vocab_ids: torch.Tensor, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ):
         super().__init__()
         hidden = config.hidden_size
         with torch.device(device):
@@ -68,8 +69,15 @@ def head_layer_spec(config):
     """The head's decoder layer for a target of HF config ``config``: a Llama layer of the target's shapes (full
     attention, SwiGLU, the target's first RoPE table, which the head's steps rotate by)."""
     spec = ModelArchitecture.decoder_spec(config)
-    return spec.replace(num_layers=1, layer_attention=(FULL_ATTENTION,), layer_rotary=(0,), rotary=spec.rotary[:1],
-                        activation="silu", head_norms=False, output_norms=False)
+    return spec.replace(
+        num_layers=1,
+        layer_attention=(FULL_ATTENTION,),
+        layer_rotary=(0,),
+        rotary=spec.rotary[:1],
+        activation="silu",
+        head_norms=False,
+        output_norms=False,
+    )
 
 
 def draft_head_weight(target, vocab_ids: torch.Tensor) -> torch.Tensor:
@@ -81,11 +89,18 @@ def save_head(head: EagleHead, path: str | Path, target_name: str, summary: dict
     """Write the head as safetensors in bfloat16 (ids as int64), with what it was trained for in the metadata."""
     from safetensors.torch import save_file
 
-    tensors = {name: tensor.detach().to("cpu", torch.bfloat16).contiguous()
-               for name, tensor in head.state_dict().items() if name != "vocab_ids"}
+    tensors = {
+        name: tensor.detach().to("cpu", torch.bfloat16).contiguous()
+        for name, tensor in head.state_dict().items()
+        if name != "vocab_ids"
+    }
     tensors["vocab_ids"] = head.vocab_ids.detach().cpu().contiguous()
-    metadata = {"format": FORMAT, "target": target_name, "hidden_size": str(head.fc.out_features),
-                "summary": json.dumps(summary or {})}
+    metadata = {
+        "format": FORMAT,
+        "target": target_name,
+        "hidden_size": str(head.fc.out_features),
+        "summary": json.dumps(summary or {}),
+    }
     save_file(tensors, str(path), metadata=metadata)
 
 
@@ -99,8 +114,10 @@ def load_head(path: str | Path, config, dtype: torch.dtype, device: torch.device
     if metadata.get("format") != FORMAT:
         raise ValueError(f"{path} is not an infer EAGLE head (format {metadata.get('format')!r}, expected {FORMAT})")
     if int(metadata.get("hidden_size", -1)) != config.hidden_size:
-        raise ValueError(f"{path} was trained for hidden size {metadata.get('hidden_size')} (target "
-                         f"{metadata.get('target')!r}), but this target's is {config.hidden_size}")
+        raise ValueError(
+            f"{path} was trained for hidden size {metadata.get('hidden_size')} (target "
+            f"{metadata.get('target')!r}), but this target's is {config.hidden_size}"
+        )
     tensors = load_file(str(path))
     head = EagleHead(config, tensors["vocab_ids"], dtype, device)
     head.load_state_dict(tensors)
@@ -124,12 +141,12 @@ def initialize(head: EagleHead, target) -> None:
     hidden = head.fc.out_features
     for norm in (head.embed_norm, head.feature_norm, head.layer.input_layernorm, head.layer.post_attention_layernorm):
         norm.weight.fill_(1.0)
-    head.fc.weight[:, :hidden].normal_(0.0, hidden ** -0.5)
+    head.fc.weight[:, :hidden].normal_(0.0, hidden**-0.5)
     head.fc.weight[:, hidden:].copy_(torch.eye(hidden))
     head.fc.bias.zero_()
     attention, mlp = head.layer.self_attn, head.layer.mlp
     for projection in (attention.qkv_proj, mlp.gate_up_proj):
-        projection.weight.normal_(0.0, hidden ** -0.5)
+        projection.weight.normal_(0.0, hidden**-0.5)
     for projection in (attention.o_proj, mlp.down_proj):
         projection.weight.zero_()
     for module in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):

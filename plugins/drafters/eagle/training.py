@@ -28,50 +28,190 @@ from infer.plugins.drafters.eagle import head as head_api
 from infer.plugins.drafters.eagle.options import TrainEagleOptions
 
 TOPICS = [
-    "volcanoes", "the stock market", "photosynthesis", "chess openings", "the French Revolution", "black holes",
-    "machine learning", "gardening tomatoes", "climate change", "the human heart", "ancient Rome", "jazz music",
-    "electric cars", "coffee brewing", "the immune system", "plate tectonics", "cryptocurrency", "honeybees",
-    "the printing press", "renewable energy", "sleep", "the Great Wall of China", "quantum computing", "recycling",
-    "marathon training", "the moon landing", "vaccines", "deep sea creatures", "the internet", "bread baking",
-    "meditation", "dinosaurs", "solar panels", "the water cycle", "learning a new language", "public speaking",
-    "time management", "the Renaissance", "rainforests", "3D printing", "the Olympic Games", "antibiotics",
-    "video game design", "the Roman alphabet", "earthquakes", "nutrition", "origami", "the theory of evolution",
-    "submarines", "democracy", "the periodic table", "wind turbines", "sharks", "budgeting", "the Silk Road",
-    "hurricanes", "photography", "the Pyramids of Giza", "artificial satellites", "composting", "poetry",
-    "the speed of light", "friendship", "job interviews", "cloud computing", "penguins", "the Industrial Revolution",
-    "yoga", "glaciers", "chocolate", "the Moon", "bicycles", "Shakespeare", "vitamins", "the Amazon river",
-    "password security", "cats", "dogs", "trains", "mountains", "the ocean tides", "electricity", "magnets",
-    "the Vikings", "birds migrating", "smartphones", "the solar system", "tea", "rivers", "deserts", "robots",
-    "writing a resume", "running a small business", "saving money", "cooking pasta", "camping", "paper",
-    "the alphabet", "museums", "libraries", "trees", "snow", "fire safety", "bridges", "airplanes", "opera",
-    "statistics", "probability", "the Python programming language", "sorting algorithms", "databases",
-    "encryption", "operating systems", "compilers", "the history of mathematics", "prime numbers", "geometry",
+    "volcanoes",
+    "the stock market",
+    "photosynthesis",
+    "chess openings",
+    "the French Revolution",
+    "black holes",
+    "machine learning",
+    "gardening tomatoes",
+    "climate change",
+    "the human heart",
+    "ancient Rome",
+    "jazz music",
+    "electric cars",
+    "coffee brewing",
+    "the immune system",
+    "plate tectonics",
+    "cryptocurrency",
+    "honeybees",
+    "the printing press",
+    "renewable energy",
+    "sleep",
+    "the Great Wall of China",
+    "quantum computing",
+    "recycling",
+    "marathon training",
+    "the moon landing",
+    "vaccines",
+    "deep sea creatures",
+    "the internet",
+    "bread baking",
+    "meditation",
+    "dinosaurs",
+    "solar panels",
+    "the water cycle",
+    "learning a new language",
+    "public speaking",
+    "time management",
+    "the Renaissance",
+    "rainforests",
+    "3D printing",
+    "the Olympic Games",
+    "antibiotics",
+    "video game design",
+    "the Roman alphabet",
+    "earthquakes",
+    "nutrition",
+    "origami",
+    "the theory of evolution",
+    "submarines",
+    "democracy",
+    "the periodic table",
+    "wind turbines",
+    "sharks",
+    "budgeting",
+    "the Silk Road",
+    "hurricanes",
+    "photography",
+    "the Pyramids of Giza",
+    "artificial satellites",
+    "composting",
+    "poetry",
+    "the speed of light",
+    "friendship",
+    "job interviews",
+    "cloud computing",
+    "penguins",
+    "the Industrial Revolution",
+    "yoga",
+    "glaciers",
+    "chocolate",
+    "the Moon",
+    "bicycles",
+    "Shakespeare",
+    "vitamins",
+    "the Amazon river",
+    "password security",
+    "cats",
+    "dogs",
+    "trains",
+    "mountains",
+    "the ocean tides",
+    "electricity",
+    "magnets",
+    "the Vikings",
+    "birds migrating",
+    "smartphones",
+    "the solar system",
+    "tea",
+    "rivers",
+    "deserts",
+    "robots",
+    "writing a resume",
+    "running a small business",
+    "saving money",
+    "cooking pasta",
+    "camping",
+    "paper",
+    "the alphabet",
+    "museums",
+    "libraries",
+    "trees",
+    "snow",
+    "fire safety",
+    "bridges",
+    "airplanes",
+    "opera",
+    "statistics",
+    "probability",
+    "the Python programming language",
+    "sorting algorithms",
+    "databases",
+    "encryption",
+    "operating systems",
+    "compilers",
+    "the history of mathematics",
+    "prime numbers",
+    "geometry",
 ]
 TASKS = [
-    "Explain {topic} to a beginner.", "Write a short story about {topic}.",
-    "Give me three interesting facts about {topic}.", "What are the pros and cons of {topic}?",
+    "Explain {topic} to a beginner.",
+    "Write a short story about {topic}.",
+    "Give me three interesting facts about {topic}.",
+    "What are the pros and cons of {topic}?",
     "Write a short poem about {topic}.",
-    "Describe the history of {topic} in a few sentences.", "How does {topic} work?",
-    "Write a friendly email to a colleague about {topic}.", "What is a common misconception about {topic}?",
+    "Describe the history of {topic} in a few sentences.",
+    "How does {topic} work?",
+    "Write a friendly email to a colleague about {topic}.",
+    "What is a common misconception about {topic}?",
     "List five questions a student might ask about {topic}, with short answers.",
-    "Summarize what everyone should know about {topic}.", "Write a dialogue between two friends about {topic}.",
-    "Give me a step-by-step guide related to {topic}.", "Why is {topic} important?",
-    "Write a product description inspired by {topic}.", "Explain {topic} as if I were ten years old.",
+    "Summarize what everyone should know about {topic}.",
+    "Write a dialogue between two friends about {topic}.",
+    "Give me a step-by-step guide related to {topic}.",
+    "Why is {topic} important?",
+    "Write a product description inspired by {topic}.",
+    "Explain {topic} as if I were ten years old.",
 ]
 # Everyday requests, phrased the way people ask a chat assistant for help.
 EVERYDAY_TOPICS = [
-    "houseplants", "a first apartment", "a long flight", "a job offer", "a leaky faucet", "a noisy neighbor",
-    "a school science project", "a road trip", "a wedding toast", "a picky eater", "a rainy weekend", "a new puppy",
-    "a slow laptop", "a tight budget", "a morning routine", "a first date", "a group project", "a garden in spring",
-    "a sore back", "a language exam", "a birthday party", "a house move", "an online course", "a vegetable soup",
-    "a bike repair", "a winter coat", "a family reunion", "a marathon", "a study schedule", "a small balcony",
-    "a cover letter", "a team meeting", "a cold", "a sourdough starter", "an aquarium", "a camping trip",
+    "houseplants",
+    "a first apartment",
+    "a long flight",
+    "a job offer",
+    "a leaky faucet",
+    "a noisy neighbor",
+    "a school science project",
+    "a road trip",
+    "a wedding toast",
+    "a picky eater",
+    "a rainy weekend",
+    "a new puppy",
+    "a slow laptop",
+    "a tight budget",
+    "a morning routine",
+    "a first date",
+    "a group project",
+    "a garden in spring",
+    "a sore back",
+    "a language exam",
+    "a birthday party",
+    "a house move",
+    "an online course",
+    "a vegetable soup",
+    "a bike repair",
+    "a winter coat",
+    "a family reunion",
+    "a marathon",
+    "a study schedule",
+    "a small balcony",
+    "a cover letter",
+    "a team meeting",
+    "a cold",
+    "a sourdough starter",
+    "an aquarium",
+    "a camping trip",
 ]
 EVERYDAY_TASKS = [
-    "How do I get started with {topic}?", "What should I think about when dealing with {topic}?",
-    "Can you give me some practical tips for {topic}?", "What are common mistakes people make with {topic}?",
-    "I'm worried about {topic}. What can I do?", "Help me plan {topic}.",
-    "What do I need for {topic}?", "Could you suggest a checklist for {topic}?",
+    "How do I get started with {topic}?",
+    "What should I think about when dealing with {topic}?",
+    "Can you give me some practical tips for {topic}?",
+    "What are common mistakes people make with {topic}?",
+    "I'm worried about {topic}. What can I do?",
+    "Help me plan {topic}.",
+    "What do I need for {topic}?",
+    "Could you suggest a checklist for {topic}?",
 ]
 
 
@@ -121,13 +261,16 @@ def self_written_prompts(llm, count: int, seed: int, max_tokens: int = 64) -> li
     if count <= 0:
         return []
     marker = "\x00REQUEST\x00"
-    template = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                                        add_generation_prompt=True)
+    template = llm.engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+    )
     prefix = llm.engine.tokenizer.encode(template[: template.index(marker)], add_special_tokens=False)
     # A fifth more samples than asked for: some run past max_tokens and some repeat.
     samples = count + count // 5 + 1
-    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=seed * 1_000_003 + index)
-              for index in range(samples)]
+    params = [
+        SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=seed * 1_000_003 + index)
+        for index in range(samples)
+    ]
     texts = {}
     for output in llm.generate([prefix] * samples, params, use_tqdm=True):
         text = output.text.strip()
@@ -157,12 +300,13 @@ class FeatureRecorder(Drafter):
             buffer = self.features.get(seq.seq_id)
             if buffer is None:
                 # bfloat16 halves the memory of a large run; the features are inputs and targets, not weights.
-                buffer = torch.empty(seq.num_prompt_tokens + seq.params.max_tokens,
-                                     output.hidden_states.shape[1], dtype=torch.bfloat16)
+                buffer = torch.empty(
+                    seq.num_prompt_tokens + seq.params.max_tokens, output.hidden_states.shape[1], dtype=torch.bfloat16
+                )
                 self.features[seq.seq_id] = buffer
             end = row.first_position + row.count
             # A preempted sequence recomputes from an earlier position and overwrites what follows it.
-            buffer[row.first_position:end] = output.hidden_states[row.start:row.start + row.count]
+            buffer[row.first_position : end] = output.hidden_states[row.start : row.start + row.count]
             self.lengths[seq.seq_id] = end
 
     def take(self, seq_id: str, length: int) -> torch.Tensor:
@@ -198,21 +342,26 @@ def cached_examples(path: Path | None, generate) -> tuple[list[Example], float, 
     returns the seconds generation took and the number of self-written prompts."""
     if path is not None and path.is_file():
         saved = torch.load(path)
-        return ([Example(**fields) for fields in saved["examples"]], saved["generation_s"],
-                saved.get("num_self_prompts", 0))
+        return (
+            [Example(**fields) for fields in saved["examples"]],
+            saved["generation_s"],
+            saved.get("num_self_prompts", 0),
+        )
     start = time.monotonic()
     examples, num_self_prompts = generate()
     seconds = time.monotonic() - start
     if path is not None:
-        fields = [{"token_ids": e.token_ids, "features": e.features, "num_prompt_tokens": e.num_prompt_tokens}
-                  for e in examples]
+        fields = [
+            {"token_ids": e.token_ids, "features": e.features, "num_prompt_tokens": e.num_prompt_tokens}
+            for e in examples
+        ]
         torch.save({"examples": fields, "generation_s": seconds, "num_self_prompts": num_self_prompts}, path)
     return examples, seconds, num_self_prompts
 
 
 def draft_vocabulary(examples: list[Example], size: int) -> tuple[torch.Tensor, float]:
     """The ``size`` most frequent answer tokens (sorted ids), and the share of answer tokens they cover."""
-    answers = torch.cat([example.token_ids[example.num_prompt_tokens:] for example in examples])
+    answers = torch.cat([example.token_ids[example.num_prompt_tokens :] for example in examples])
     counts = torch.bincount(answers)
     size = min(size, int((counts > 0).sum()))
     top = torch.topk(counts, size).indices
@@ -235,9 +384,14 @@ class Batch:
 def make_batch(examples: list[Example], vocab_index: torch.Tensor) -> Batch:
     length = max(example.features.shape[0] for example in examples)
     size, hidden = len(examples), examples[0].features.shape[1]
-    batch = Batch(torch.zeros(size, length, dtype=torch.int64), torch.zeros(size, length, hidden),
-                  torch.zeros(size, length, hidden), torch.full((size, length), -1, dtype=torch.int64),
-                  torch.zeros(size, length, dtype=torch.bool), torch.zeros(size, length, dtype=torch.bool))
+    batch = Batch(
+        torch.zeros(size, length, dtype=torch.int64),
+        torch.zeros(size, length, hidden),
+        torch.zeros(size, length, hidden),
+        torch.full((size, length), -1, dtype=torch.int64),
+        torch.zeros(size, length, dtype=torch.bool),
+        torch.zeros(size, length, dtype=torch.bool),
+    )
     for row, example in enumerate(examples):
         num_pairs = example.features.shape[0]  # positions 0 .. n-2
         batch.next_tokens[row, :num_pairs] = example.token_ids[1:]
@@ -252,8 +406,9 @@ def make_batch(examples: list[Example], vocab_index: torch.Tensor) -> Batch:
     return batch
 
 
-def batches(examples: list[Example], tokens_per_batch: int, vocab_index: torch.Tensor, shuffle: random.Random | None
-            ) -> list[Batch]:
+def batches(
+    examples: list[Example], tokens_per_batch: int, vocab_index: torch.Tensor, shuffle: random.Random | None
+) -> list[Batch]:
     """Examples grouped by length (little padding) into batches of about ``tokens_per_batch`` padded tokens."""
     ordered = sorted(examples, key=lambda example: example.features.shape[0])
     groups, group = [], []
@@ -268,8 +423,9 @@ def batches(examples: list[Example], tokens_per_batch: int, vocab_index: torch.T
     return [make_batch(group, vocab_index) for group in groups]
 
 
-def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                       is_real: torch.Tensor) -> torch.Tensor:
+def unrolled_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], is_real: torch.Tensor
+) -> torch.Tensor:
     """Attention of unrolled step s = len(keys) - 1, as drafting sees it: the query at position t reads the
     true-feature KV of step 0 at positions <= t - s, and the KV of step j at position t - (s - j) along the chain.
 
@@ -278,7 +434,7 @@ def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     steps = len(keys) - 1
     length, heads, dim = q.shape[1:]
     group = heads // keys[0].shape[2]
-    scale = dim ** -0.5
+    scale = dim**-0.5
     query = q.transpose(1, 2)  # [B, heads, L, d]
     spread = [k.repeat_interleave(group, dim=2).transpose(1, 2) for k in keys]
     spread_values = [v.repeat_interleave(group, dim=2).transpose(1, 2) for v in values]
@@ -312,7 +468,8 @@ def unrolled_forward(head, target, batch: Batch, steps: int, noise: float) -> li
     for _ in range(steps):
         x = head.combine(embeds, features)
         q, k, v = attention.qkv_proj(layer.input_layernorm(x)).split(
-            [attention.q_size, attention.kv_size, attention.kv_size], dim=-1)
+            [attention.q_size, attention.kv_size, attention.kv_size], dim=-1
+        )
         q = apply_rotary(q.view(size, length, attention.num_heads, attention.head_dim), cos, sin)
         keys.append(apply_rotary(k.view(size, length, attention.num_kv_heads, attention.head_dim), cos, sin))
         values.append(v.view(size, length, attention.num_kv_heads, attention.head_dim))
@@ -330,8 +487,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotate(x, cos[None], sin[None])
 
 
-def unrolled_loss(outputs: list[torch.Tensor], batch: Batch, head_weight: torch.Tensor, feature_scale: float,
-                  ce_weight: float) -> torch.Tensor:
+def unrolled_loss(
+    outputs: list[torch.Tensor], batch: Batch, head_weight: torch.Tensor, feature_scale: float, ce_weight: float
+) -> torch.Tensor:
     """Feature regression plus cross-entropy against the target's own next-token distribution over the draft
     vocabulary (richer than its argmax alone), each unrolled step weighted 0.8 times the one before."""
     with torch.no_grad():
@@ -341,11 +499,12 @@ def unrolled_loss(outputs: list[torch.Tensor], batch: Batch, head_weight: torch.
     for step, predicted in enumerate(outputs):
         # The chain of step s starts s positions earlier, so its first s positions have no chain.
         has_target = batch.has_target & (torch.arange(length) >= step)
-        regression = F.smooth_l1_loss(predicted[has_target] / feature_scale,
-                                      batch.target_features[has_target] / feature_scale)
+        regression = F.smooth_l1_loss(
+            predicted[has_target] / feature_scale, batch.target_features[has_target] / feature_scale
+        )
         log_q = torch.log_softmax(predicted[has_target] @ head_weight.T, dim=-1)
         cross_entropy = -(teacher[has_target] * log_q).sum(-1).mean()
-        total = total + 0.8 ** step * (regression + ce_weight * cross_entropy)
+        total = total + 0.8**step * (regression + ce_weight * cross_entropy)
     return total
 
 
@@ -364,7 +523,7 @@ def acceptance(head, target, batches_: list[Batch], head_weight: torch.Tensor, n
         for step, predicted in enumerate(outputs):
             correct = (predicted @ head_weight.T).argmax(-1) == batch.labels
             # The chain that starts at position a makes its guess number s + 1 at position a + s.
-            run = run & F.pad(correct, (0, step), value=False)[:, step: step + length]
+            run = run & F.pad(correct, (0, step), value=False)[:, step : step + length]
             accepted += run
         for labels, row in zip(batch.labels.tolist(), accepted.tolist()):
             position = next((t for t, label in enumerate(labels) if label != -1), length)
@@ -377,8 +536,16 @@ def acceptance(head, target, batches_: list[Batch], head_weight: torch.Tensor, n
 
 
 # -- 3. the training loop -------------------------------------------------------------------------------------------
-def train_head(head, target, train_set: list[Example], held_out: list[Example], vocab_index: torch.Tensor,
-               head_weight: torch.Tensor, options: TrainEagleOptions, report: TrainReport) -> dict:
+def train_head(
+    head,
+    target,
+    train_set: list[Example],
+    held_out: list[Example],
+    vocab_index: torch.Tensor,
+    head_weight: torch.Tensor,
+    options: TrainEagleOptions,
+    report: TrainReport,
+) -> dict:
     """AdamW with a cosine schedule; returns the weights with the best held-out acceptance."""
     from tqdm import tqdm
 
@@ -391,8 +558,9 @@ def train_head(head, target, train_set: list[Example], held_out: list[Example], 
     # The cosine ends where training will: after every epoch, or at the time limit when that comes first (its step
     # estimated from the pace so far, evaluations included), so a run cut by the clock still anneals.
     horizon = [total_steps]
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (
-        1 + math.cos(math.pi * min(step / horizon[0], 1.0))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(step / horizon[0], 1.0)))
+    )
     best = _evaluate(head, target, held_out_batches, head_weight, options, report, 0, None)
     started = time.monotonic()
     deadline = started + options.max_minutes * 60
@@ -439,20 +607,33 @@ def _evaluate(head, target, held_out_batches, head_weight, options, report: Trai
 
 
 # -- the command ----------------------------------------------------------------------------------------------------
-def train_eagle(config, overrides: list[str], out: Path, prompts_path: Path | None, options: TrainEagleOptions,
-                data_path: Path | None = None) -> TrainReport:
+def train_eagle(
+    config,
+    overrides: list[str],
+    out: Path,
+    prompts_path: Path | None,
+    options: TrainEagleOptions,
+    data_path: Path | None = None,
+) -> TrainReport:
     """Generate, train, write; returns the report."""
     from infer.llm import LLM
     from infer.prompts import read_jsonl
 
     torch.manual_seed(options.seed)
-    settings = ["drafter.name=none", "prefix_cache.name=none", f"scheduler.max_num_seqs={options.generation_batch}",
-                *overrides]
+    settings = [
+        "drafter.name=none",
+        "prefix_cache.name=none",
+        f"scheduler.max_num_seqs={options.generation_batch}",
+        *overrides,
+    ]
     llm = LLM(config, dotlist=settings)
     target = llm.engine.model
     report = TrainReport(target=llm.engine.model_name)
-    prompts = [item.prompt for item in read_jsonl(prompts_path)] if prompts_path else builtin_prompts(
-        options.num_prompts, options.seed)
+    prompts = (
+        [item.prompt for item in read_jsonl(prompts_path)]
+        if prompts_path
+        else builtin_prompts(options.num_prompts, options.seed)
+    )
 
     def generate():
         written = self_written_prompts(llm, options.self_prompts, options.seed)
@@ -490,44 +671,75 @@ def _split(examples: list[Example], options: TrainEagleOptions) -> tuple[list[Ex
 def _count(report: TrainReport, train_set: list[Example], held_out: list[Example]) -> None:
     report.num_train_examples, report.num_held_out_examples = len(train_set), len(held_out)
     report.num_train_tokens = sum(int(example.token_ids.shape[0]) for example in train_set)
-    report.num_answer_tokens = sum(int(example.token_ids.shape[0]) - example.num_prompt_tokens
-                                   for example in train_set)
+    report.num_answer_tokens = sum(int(example.token_ids.shape[0]) - example.num_prompt_tokens for example in train_set)
 
 
 def model_card(report: TrainReport, options: TrainEagleOptions, config, overrides, prompts_path) -> str:
     """The README next to the head: data, training, measured acceptance, and how to reproduce it."""
-    source = str(prompts_path) if prompts_path else (f"the built-in set ({len(TOPICS)} topics x {len(TASKS)} tasks, "
-                                                      f"{len(EVERYDAY_TOPICS)} x {len(EVERYDAY_TASKS)} everyday)")
-    self_written = (f" and {report.num_self_prompts} requests the target wrote itself (sampled from its chat "
-                    f"template where a user's turn begins)" if report.num_self_prompts else "")
-    command = " ".join(["infer train-eagle", str(config), *overrides, "--out DIR", *_option_flags(options),
-                        *([f"--prompts {prompts_path}"] if prompts_path else [])])
-    return "\n".join([
-        f"# EAGLE draft head for {report.target}",
-        "",
-        "One decoder layer over `fc(concat(norm(embed(next token)), norm(target feature)))`, trained by",
-        "self-distillation with `infer train-eagle`; used by `drafter: eagle` (`configs/radix_lpm_eagle.yaml`).",
-        "",
-        (f"- Data: {report.num_train_examples} greedy answers of the target (max {options.max_tokens} tokens) to "
-         f"prompts from {source}{self_written}; {report.num_train_tokens} tokens ({report.num_answer_tokens} in "
-         f"answers), generated by infer's engine in {report.generation_s / 60:.1f} min."),
-        (f"- Draft vocabulary: the {report.draft_vocab_size} most frequent answer tokens, covering "
-         f"{report.draft_vocab_coverage:.1%} of answer tokens."),
-        (f"- Training: {report.steps} steps ({report.training_s / 60:.1f} min on CPU), {options.unroll_steps} "
-         f"unrolled steps, feature noise {options.feature_noise}, best at step {report.best_step}."),
-        (f"- Held-out acceptance ({report.num_held_out_examples} answers to unseen prompts, greedy chain of "
-         f"{options.eval_drafts} drafts, replayed as the engine verifies): **{report.held_out_acceptance:.2f} tokens "
-         f"per verify pass** (bonus included)."),
-        f"- Acceptance during training (step, tokens per pass): {report.acceptance_curve}",
-        "",
-        "Reproduce:",
-        "",
-        f"    OMP_NUM_THREADS={torch.get_num_threads()} {command}",
-        "",
-    ])
+    source = (
+        str(prompts_path)
+        if prompts_path
+        else (
+            f"the built-in set ({len(TOPICS)} topics x {len(TASKS)} tasks, "
+            f"{len(EVERYDAY_TOPICS)} x {len(EVERYDAY_TASKS)} everyday)"
+        )
+    )
+    self_written = (
+        f" and {report.num_self_prompts} requests the target wrote itself (sampled from its chat "
+        f"template where a user's turn begins)"
+        if report.num_self_prompts
+        else ""
+    )
+    command = " ".join(
+        [
+            "infer train-eagle",
+            str(config),
+            *overrides,
+            "--out DIR",
+            *_option_flags(options),
+            *([f"--prompts {prompts_path}"] if prompts_path else []),
+        ]
+    )
+    return "\n".join(
+        [
+            f"# EAGLE draft head for {report.target}",
+            "",
+            "One decoder layer over `fc(concat(norm(embed(next token)), norm(target feature)))`, trained by",
+            "self-distillation with `infer train-eagle`; used by `drafter: eagle` (`configs/radix_lpm_eagle.yaml`).",
+            "",
+            (
+                f"- Data: {report.num_train_examples} greedy answers of the target (max {options.max_tokens} tokens) "
+                f"to prompts from {source}{self_written}; {report.num_train_tokens} tokens "
+                f"({report.num_answer_tokens} in answers), generated by infer's engine in "
+                f"{report.generation_s / 60:.1f} min."
+            ),
+            (
+                f"- Draft vocabulary: the {report.draft_vocab_size} most frequent answer tokens, covering "
+                f"{report.draft_vocab_coverage:.1%} of answer tokens."
+            ),
+            (
+                f"- Training: {report.steps} steps ({report.training_s / 60:.1f} min on CPU), {options.unroll_steps} "
+                f"unrolled steps, feature noise {options.feature_noise}, best at step {report.best_step}."
+            ),
+            (
+                f"- Held-out acceptance ({report.num_held_out_examples} answers to unseen prompts, greedy chain of "
+                f"{options.eval_drafts} drafts, replayed as the engine verifies): "
+                f"**{report.held_out_acceptance:.2f} tokens per verify pass** (bonus included)."
+            ),
+            f"- Acceptance during training (step, tokens per pass): {report.acceptance_curve}",
+            "",
+            "Reproduce:",
+            "",
+            f"    OMP_NUM_THREADS={torch.get_num_threads()} {command}",
+            "",
+        ]
+    )
 
 
 def _option_flags(options: TrainEagleOptions) -> list[str]:
     defaults = TrainEagleOptions()
-    return [f"--{name.replace('_', '-')} {value}" for name, value in asdict(options).items()
-            if value != getattr(defaults, name)]
+    return [
+        f"--{name.replace('_', '-')} {value}"
+        for name, value in asdict(options).items()
+        if value != getattr(defaults, name)
+    ]

@@ -30,8 +30,9 @@ class ChoiceMatcher(Matcher):
         for token in self._allowed():
             words[token // 32] |= 1 << (token % 32)
         # The words are int32: a set sign bit reads as a negative number.
-        bitmask[row] = torch.tensor([word - (1 << 32) if word >= 1 << 31 else word for word in words],
-                                    dtype=torch.int32)
+        bitmask[row] = torch.tensor(
+            [word - (1 << 32) if word >= 1 << 31 else word for word in words], dtype=torch.int32
+        )
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
@@ -44,8 +45,11 @@ class ChoiceMatcher(Matcher):
         if self.is_terminated():
             return set(self._stop_tokens)
         accepted = tuple(self._accepted)
-        allowed = {choice[len(accepted)] for choice in self._choices
-                   if len(choice) > len(accepted) and choice[: len(accepted)] == accepted}
+        allowed = {
+            choice[len(accepted)]
+            for choice in self._choices
+            if len(choice) > len(accepted) and choice[: len(accepted)] == accepted
+        }
         if accepted in self._choices:
             allowed.update(self._stop_tokens)
         return allowed
