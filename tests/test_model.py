@@ -3,7 +3,6 @@ through the paged pool; the loader finds, fetches, converts and loads models."""
 
 from __future__ import annotations
 
-import math
 import subprocess
 import zipfile
 from types import SimpleNamespace
@@ -12,14 +11,11 @@ import pytest
 import torch
 import transformers
 
-from infer.attention import AttentionMetadata
-from infer.execution.paths import PATH_NAMES, Executor
-from infer.kernels import cpu as cpu_kernels
+from infer.execution.paths import PATH_NAMES
 from infer.model import CausalLM, loader, quantization, rope_parameters
 from infer.model.loader import PackagedGguf, load_model, resolve_dtype, resolve_model_path
-from infer.plugins.attention.cpu import CpuBackend
-from infer.plugins.attention.sdpa import SdpaBackend
 from infer.plugins.models.llama import LlamaArchitecture
+from infer.testing.model import PagedRunner
 from infer.testing.models import load_hf_reference, make_tiny_model_dir, tiny_llama_config
 
 SMALL_VOCAB = 256
@@ -83,59 +79,18 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([token_ids])).logits[0].float()
 
 
-class PagedPool:
-    """The runner's job in miniature: shuffled pool blocks, per-sequence block tables, one model call per step."""
-
-    def __init__(
-        self,
-        model: CausalLM,
-        block_size: int = 4,
-        num_blocks: int = 64,
-        seed: int = 0,
-        kernels: bool = False,
-        paths: tuple[str, ...] = PATH_NAMES,
-    ):
-        """With ``kernels``, the model runs on infer's CPU kernels (on the execution ``paths`` named, in order) and
-        attention on the ``cpu`` backend; else torch's ops and ``sdpa``."""
-        self.model = model
-        self.block_size = block_size
-        self.executor = Executor.for_model(model, cpu_kernels.load(True) if kernels else None, paths)
-        self.backend = (CpuBackend if kernels else SdpaBackend)(
-            num_heads=model.num_heads,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
-            block_size=block_size,
-            dtype=torch.float32,
-            device=torch.device("cpu"),
-        )
-        self.kv_cache = torch.zeros(self.backend.kv_cache_shape(model.num_layers, num_blocks))
-        generator = torch.Generator().manual_seed(seed)
-        self.free_blocks = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
-        self.block_tables: dict[str, list[int]] = {}
-        self.num_cached: dict[str, int] = {}
-
-    def step(self, new_tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        """Compute ``new_tokens`` of each sequence in one batch; return each sequence's logits ``[n, vocab]``."""
-        names = list(new_tokens)
-        for name in names:
-            table = self.block_tables.setdefault(name, [])
-            needed = math.ceil((self.num_cached.get(name, 0) + len(new_tokens[name])) / self.block_size)
-            table.extend(self.free_blocks.pop() for _ in range(needed - len(table)))
-        metadata = AttentionMetadata.build(
-            [self.block_tables[name] for name in names],
-            [self.num_cached.get(name, 0) for name in names],
-            [len(new_tokens[name]) for name in names],
-            self.block_size,
-        )
-        input_ids = torch.tensor([token for name in names for token in new_tokens[name]])
-        step = self.executor.step(
-            self.model.rotary, self.backend.prepare(metadata), self.kv_cache, self.backend, torch.float32
-        )
-        hidden = self.model(input_ids, step)
-        logits = self.model.compute_logits(hidden).split(metadata.query_lens_cpu)
-        for name in names:
-            self.num_cached[name] = self.num_cached.get(name, 0) + len(new_tokens[name])
-        return dict(zip(names, logits))
+def PagedPool(
+    model: CausalLM,
+    block_size: int = 4,
+    num_blocks: int = 64,
+    seed: int = 0,
+    kernels: bool = False,
+    paths: tuple[str, ...] = PATH_NAMES,
+) -> PagedRunner:
+    """The runner's job in miniature (``infer.testing.model.PagedRunner``): with ``kernels``, the model runs on infer's
+    CPU kernels (on the execution ``paths`` named, in order) and attention on the ``cpu`` backend; else torch's ops and
+    ``sdpa``."""
+    return PagedRunner(model, "cpu" if kernels else "sdpa", block_size, num_blocks, kernels, seed, paths)
 
 
 def random_tokens(count: int, seed: int, vocab_size: int = SMALL_VOCAB) -> list[int]:

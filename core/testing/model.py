@@ -21,6 +21,7 @@ to one value, which would hide a norm applied in the wrong place).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -74,7 +75,8 @@ def save_tiny_model(hf_model_class: str, config: Any, destination: Path, seed: i
 
 class PagedRunner:
     """A model over a paged pool, one batched call per step: shuffled pool blocks, per-sequence block tables, the
-    attention backend ``backend_name`` (``sdpa``, ``cpu``, ...), infer's CPU kernels when ``kernels``."""
+    attention backend ``backend_name`` (``sdpa``, ``cpu``, ...), infer's CPU kernels when ``kernels`` (on the
+    execution ``paths`` named, in order; default all)."""
 
     def __init__(
         self,
@@ -84,14 +86,15 @@ class PagedRunner:
         num_blocks: int = 256,
         kernels: bool = False,
         seed: int = 0,
+        paths: Sequence[str] | None = None,
     ):
-        from infer.execution.paths import Executor
+        from infer.execution.paths import PATH_NAMES, Executor
         from infer.kernels import cpu as cpu_kernels
         from infer.registry import get_registry
 
         self.model = model
         self.block_size = block_size
-        self.executor = Executor.for_model(model, cpu_kernels.load(True) if kernels else None)
+        self.executor = Executor.for_model(model, cpu_kernels.load(True) if kernels else None, paths or PATH_NAMES)
         backend_class = get_registry().load("attention", backend_name)
         self.backend = backend_class(
             num_heads=model.num_heads,
