@@ -37,8 +37,17 @@ class StepOps:
         self.rotary = rotary
         self.positions = positions
         self.gemm_dtype = gemm_dtype if kernels is not None else None
+        # cos/sin at this step's positions, by table and dtype: indexed once a step, whatever the layers that read them
+        self._tables: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         if kernels is None:
-            self.cos, self.sin = rotary(positions, dtype)
+            self.cos, self.sin = self.table(rotary, dtype)
+
+    def table(self, rotary: RotaryEmbedding, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary``'s cos and signed sin at this step's positions in ``dtype`` (``RotaryEmbedding.forward``)."""
+        key = (id(rotary), dtype)
+        if key not in self._tables:
+            self._tables[key] = rotary(self.positions, dtype)
+        return self._tables[key]
 
     def rotate(
         self, qkv: torch.Tensor, num_heads: int, head_dim: int, rotary: RotaryEmbedding | None = None
@@ -51,7 +60,7 @@ class StepOps:
         if rotary is not None or self.rotary.rotary_dim != head_dim:
             rotary = rotary or self.rotary
             qkv = qkv.float() if self.gemm_dtype is not None and qkv.dtype == self.gemm_dtype else qkv
-            cos, sin = rotary(self.positions, qkv.dtype)
+            cos, sin = self.table(rotary, qkv.dtype)
             heads = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
             return qkv, apply_rotary(heads, cos, sin)
         if self.gemm_dtype is not None and qkv.dtype == self.gemm_dtype:  # set only with the kernels
