@@ -1,8 +1,10 @@
 """Rotary position embeddings: the settings of a HF config, the inverse frequencies of every scaling type
-transformers knows (through its ``ROPE_INIT_FUNCTIONS``), and the precomputed cos/sin tables a step indexes."""
+transformers knows (YaRN computed here, the others through transformers' ``ROPE_INIT_FUNCTIONS``), and the
+precomputed cos/sin tables a step indexes."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,21 +38,70 @@ def default_inverse_frequencies(theta: float, dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
+def yarn_inverse_frequencies(config: Any, parameters: Mapping[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN's per-pair rotation speeds ``[rotary_dim // 2]`` (float32) and its cos/sin factor, for ``parameters``
+    (``rope_parameters``' dict of a ``yarn`` config), as transformers computes them (``_compute_yarn_parameters``).
+
+    Pairs that turn more than ``beta_fast`` times over the original context keep their speed, pairs that turn fewer
+    than ``beta_slow`` times are slowed by ``factor``, and a linear ramp over the pair index blends the two between
+    them; ``truncate`` (default true; gpt-oss sets it false) rounds the ramp's ends outward to whole pairs. cos and
+    sin are scaled by ``attention_factor``, else ``0.1 * ln(factor) + 1`` (with DeepSeek's ``mscale`` and
+    ``mscale_all_dim``, the ratio of two such terms). ``factor`` missing: ``max_position_embeddings`` over the
+    original context."""
+    base = parameters["rope_theta"]
+    dim = int(head_dim * parameters["partial_rotary_factor"])
+    # Phi-3-style configs keep the original context beside the RoPE settings, and it wins there (as transformers').
+    original = getattr(config, "original_max_position_embeddings", None) or parameters.get(
+        "original_max_position_embeddings", config.max_position_embeddings
+    )
+    factor = parameters.get("factor") or config.max_position_embeddings / original
+    scaling = parameters.get("attention_factor")
+    if scaling is None:
+        mscale, mscale_all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            scaling = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            scaling = _yarn_mscale(factor)
+    beta_fast, beta_slow = parameters.get("beta_fast") or 32, parameters.get("beta_slow") or 1
+
+    def pair_turning(turns: float) -> float:  # the (fractional) pair index that turns ``turns`` times over original
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_turning(beta_fast), pair_turning(beta_slow)
+    if parameters.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one step, not a division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    speeds = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    kept = 1 - ramp  # the share of each pair's original speed
+    inverse = 1.0 / (factor * speeds) * (1 - kept) + 1.0 / speeds * kept
+    return inverse, float(scaling)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def rope_inverse_frequencies(
     config: Any, head_dim: int, *, max_positions: int | None = None, layer_type: str | None = None
 ) -> tuple[torch.Tensor, float]:
     """Per-pair rotation speeds ``[rotary_dim // 2]`` (float32; ``rotary_dim`` is ``head_dim`` times the config's
     ``partial_rotary_factor``) and the factor cos/sin are scaled by (1.0 but for ``yarn`` and ``longrope``), for the
-    rope type of a HF config (of ``layer_type``'s entry where the config has one per layer type). Scaled types come
-    from transformers' ``ROPE_INIT_FUNCTIONS`` (``linear``, ``llama3``, ``yarn``, ``longrope``, ...), computed on the
-    CPU like the reference. ``longrope`` takes its long factors when ``max_positions`` exceeds the original context
-    and its short ones otherwise: one choice for the whole run, so one request's length never changes another's
-    rotation. ``dynamic`` rescales with the sequence length at run time, which precomputed tables cannot do."""
+    rope type of a HF config (of ``layer_type``'s entry where the config has one per layer type). ``yarn`` is
+    ``yarn_inverse_frequencies``; the other scaled types come from transformers' ``ROPE_INIT_FUNCTIONS``
+    (``linear``, ``llama3``, ``longrope``, ...), computed on the CPU like the reference. ``longrope`` takes its long
+    factors when ``max_positions`` exceeds the original context and its short ones otherwise: one choice for the
+    whole run, so one request's length never changes another's rotation. ``dynamic`` rescales with the sequence
+    length at run time, which precomputed tables cannot do."""
     parameters = rope_parameters(config, layer_type)
     rope_type = parameters["rope_type"]
     if rope_type == "default":
         dim = int(head_dim * parameters["partial_rotary_factor"])
         return default_inverse_frequencies(parameters["rope_theta"], dim), 1.0
+    if rope_type == "yarn":
+        return yarn_inverse_frequencies(config, parameters, head_dim)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     supported = sorted({"default", *ROPE_INIT_FUNCTIONS} - {"dynamic"})
