@@ -40,8 +40,10 @@ class LayerAttention:
 
     ``window``: sliding-window attention; the query at position ``p`` sees the keys at positions ``p - window + 1``
     to ``p`` (``window`` tokens, itself included: transformers' mask ``kv_idx > q_idx - window``). ``scale``: the
-    softmax scale (None: ``head_dim ** -0.5``). ``sinks``: a learned logit per head joins each row's softmax
-    denominator and takes probability without adding a value."""
+    softmax scale (None: ``head_dim ** -0.5``). ``sinks``: attention sinks (gpt-oss): a learned logit ``sink[h]`` per
+    query head joins each row's softmax denominator and takes probability without adding a value,
+    ``out = sum_j exp(s_j - m) v_j / (exp(sink[h] - m) + sum_j exp(s_j - m))`` with ``m`` the largest of the scores
+    and the sink. The logits are weights: the model hands them to ``AttentionBackend.set_layers``."""
 
     window: int | None = None
     scale: float | None = None
@@ -210,12 +212,18 @@ class AttentionBackend(ABC):
         self.scale = head_dim**-0.5
         self.kv_dtype = dtype  # the pool's dtype; a backend may store K/V narrower (``cpu``: bfloat16)
         self.layers: tuple[LayerAttention, ...] = ()  # per pool layer (``set_layers``); () : every layer full
+        self.sinks: tuple[torch.Tensor | None, ...] = ()  # per pool layer: its sink logits (``layer_sinks``)
         self.check_supported()
 
-    def set_layers(self, layers: Sequence[LayerAttention]) -> None:
+    def set_layers(self, layers: Sequence[LayerAttention], sinks: Sequence[torch.Tensor | None] | None = None) -> None:
         """Declare what each layer of the pool needs (``layers[i]`` for ``kv_cache[i]``), once, before any step.
         Raises ``BackendUnavailableError`` naming the features this backend lacks. A scale shared by every layer
-        becomes ``self.scale``; layers of different scales need a backend that reads ``layer_scale``."""
+        becomes ``self.scale``; layers of different scales need a backend that reads ``layer_scale``.
+
+        ``sinks[i]``: the sink logits of layer ``i`` (``[num_heads]``, this backend's query heads: a
+        tensor-parallel rank's own) where ``layers[i].sinks``, else None; the model's weights
+        (``infer.model.CausalLM.attention_sinks``), so call this once they are final. They are kept as float32
+        copies on the backend's device (``layer_sinks``); a backend that implements sinks reads them there."""
         layers = tuple(layers)
         missing = sorted(set().union(*(layer.needs for layer in layers)) - self.layer_features)
         if missing:
@@ -223,10 +231,27 @@ class AttentionBackend(ABC):
                 f"attention backend {type(self).__name__} does not implement {' and '.join(missing)} attention, "
                 f"which this model's layers need; choose a backend that does (infer plugins lists them)"
             )
+        sinks = tuple(sinks) if sinks is not None else (None,) * len(layers)
+        if len(sinks) != len(layers):
+            raise ValueError(f"set_layers got sink logits for {len(sinks)} layers and {len(layers)} layers")
+        for index, (layer, logits) in enumerate(zip(layers, sinks)):
+            if layer.sinks != (logits is not None):
+                raise ValueError(
+                    f"layer {index} {'declares' if layer.sinks else 'does not declare'} attention sinks but "
+                    f"set_layers got {'none' if logits is None else 'sink logits'} for it"
+                )
+            if logits is not None and tuple(logits.shape) != (self.num_heads,):
+                raise ValueError(
+                    f"layer {index}'s sink logits have shape {tuple(logits.shape)}; expected one per query head "
+                    f"({self.num_heads},)"
+                )
         scales = {layer.scale for layer in layers}
         if len(scales) == 1 and None not in scales:
             self.scale = scales.pop()
         self.layers = layers
+        self.sinks = tuple(
+            None if logits is None else logits.detach().to(self.device, torch.float32).contiguous() for logits in sinks
+        )
 
     def layer_window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window (None: it sees every earlier token)."""
@@ -236,6 +261,10 @@ class AttentionBackend(ABC):
         """Layer ``layer``'s softmax scale."""
         scale = self.layers[layer].scale if self.layers else None
         return self.scale if scale is None else scale
+
+    def layer_sinks(self, layer: int) -> torch.Tensor | None:
+        """Layer ``layer``'s sink logits, ``[num_heads]`` float32 on the device (None: the layer has no sinks)."""
+        return self.sinks[layer] if self.sinks else None
 
     def check_supported(self) -> None:
         """Raise ``BackendUnavailableError`` with a clear message when this backend cannot run with these settings."""

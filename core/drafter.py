@@ -196,11 +196,16 @@ class DrafterContext:
     load_model: Callable[[str], tuple[Any, Any]]
 
     def build_attention(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, layers: Sequence_[LayerAttention] = ()
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layers: Sequence_[LayerAttention] = (),
+        sinks: Sequence_[torch.Tensor | None] | None = None,
     ) -> AttentionBackend:
         """An attention backend of the target's kind and block size for layers of other shapes (a draft model),
         told what each of its layers needs (``layers``, one per pool layer: a draft model's ``layer_attention``;
-        empty: full attention in every layer)."""
+        empty: full attention in every layer) and their sink logits (``sinks``: its ``attention_sinks``)."""
         backend = type(self.attention)(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
@@ -211,7 +216,7 @@ class DrafterContext:
             config=self.attention.config,
         )
         if layers:
-            backend.set_layers(layers)
+            backend.set_layers(layers, sinks)
         return backend
 
 

@@ -413,7 +413,7 @@ def build_attention(
         device=environment.device,
         config=settings,
     )
-    backend.set_layers(model.layer_attention)
+    backend.set_layers(model.layer_attention, model.attention_sinks)
     return name, backend
 
 

@@ -48,6 +48,13 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.output_bias, dtype=dtype)
         self.q_norm = RMSNorm(head_dim, spec.rms_norm_eps, dtype) if spec.head_norms else None
         self.k_norm = RMSNorm(head_dim, spec.rms_norm_eps, dtype) if spec.head_norms else None
+        # Attention sinks (gpt-oss): one learned logit per query head, kept in float32 (a bf16 checkpoint's widen
+        # exactly); the attention backend gets them from ``CausalLM.attention_sinks`` (``AttentionBackend.set_layers``).
+        self.sinks = (
+            nn.Parameter(torch.zeros(spec.num_heads, dtype=torch.float32), requires_grad=False)
+            if spec.layer_attention[layer_index].sinks
+            else None
+        )
         # This layer's RoPE table when it is not the step's (``StepOps.rotary``); a plain attribute, not a
         # submodule: the model owns its tables.
         self.__dict__["rotary"] = rotary
@@ -260,6 +267,12 @@ class CausalLM(nn.Module):
     def layer_attention(self):
         """Each layer's ``infer.attention.LayerAttention`` (what its pool layer asks of the attention backend)."""
         return self.spec.layer_attention
+
+    @property
+    def attention_sinks(self) -> list[torch.Tensor | None]:
+        """Each layer's attention-sink logits (``[num_heads]``, this rank's heads) where its ``layer_attention``
+        declares sinks, else None: what ``AttentionBackend.set_layers`` takes beside ``layer_attention``."""
+        return [layer.self_attn.sinks for layer in self.layers]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, hidden]``, times the family's ``embedding_scale`` (rounded to the weights' dtype

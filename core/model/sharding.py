@@ -31,6 +31,8 @@ def shard_model(model: CausalLM, plan: ShardPlan, group: TensorParallelGroup) ->
             attn.qkv_proj, torch.cat([q_rows, attn.q_size + kv_rows, attn.q_size + attn.kv_size + kv_rows])
         )
         attn.o_proj = _take_columns(attn.o_proj, q_rows, keep_bias=plan.rank == 0)
+        if attn.sinks is not None:
+            attn.sinks = torch.nn.Parameter(attn.sinks[plan.q_heads.start : plan.q_heads.stop], requires_grad=False)
         attn.num_heads, attn.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
         attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         columns = torch.arange(plan.intermediate.start, plan.intermediate.stop)

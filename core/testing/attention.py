@@ -29,17 +29,32 @@ AttentionFactory = Callable[..., AttentionBackend]
 Shape = tuple[int, int]  # (cached tokens, query tokens) of one sequence
 
 
-def reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def reference_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The oracle: one sequence's ``query`` [L, heads, D] at its last L positions, over ``keys``/``values``
-    [S, kv_heads, D], bottom-right causal, in float64."""
+    [S, kv_heads, D], bottom-right causal, in float64. ``window``: position ``p`` sees only ``p - window + 1 .. p``.
+    ``sinks`` [heads]: each head's sink logit is one more column of the softmax, with no value (dropped after it)."""
     query_len, num_heads, _ = query.shape
     context_len, num_kv_heads, _ = keys.shape
     keys = keys.double().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [S, heads, D]
     values = values.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
     scores = torch.einsum("lhd,shd->hls", query.double(), keys) * scale  # [heads, L, S]
-    query_positions = torch.arange(context_len - query_len, context_len, device=query.device)
-    visible = torch.arange(context_len, device=query.device)[None, :] <= query_positions[:, None]  # [L, S]
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    query_positions = torch.arange(context_len - query_len, context_len, device=query.device)[:, None]
+    key_positions = torch.arange(context_len, device=query.device)[None, :]
+    visible = key_positions <= query_positions  # [L, S]
+    if window is not None:
+        visible &= key_positions > query_positions - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.double().to(query.device).view(num_heads, 1, 1).expand(-1, query_len, 1)
+        scores = torch.cat([scores, sink_column], dim=-1)
+    weights = scores.softmax(dim=-1)[..., :context_len]
     return torch.einsum("hls,shd->lhd", weights, values)
 
 
@@ -123,14 +138,15 @@ class PagedContext:
         return random_tensor((num_tokens, self.backend.num_heads, self.backend.head_dim), self.generator, self.backend)
 
     def expected(self, shapes: list[Shape], query: torch.Tensor) -> torch.Tensor:
-        """The oracle's output for ``query``, sequence by sequence."""
+        """The oracle's output for ``query``, sequence by sequence, as the backend's layer 0 is declared
+        (``set_layers``: its window, scale and sinks)."""
+        backend = self.backend
+        window, scale, sinks = backend.layer_window(0), backend.layer_scale(0), backend.layer_sinks(0)
         outputs, start = [], 0
         for keys, values, (cached, query_len) in zip(self.keys, self.values, shapes):
             end = cached + query_len
             outputs.append(
-                reference_attention(
-                    query[start : start + query_len], keys[:end], values[:end], self.backend.head_dim**-0.5
-                )
+                reference_attention(query[start : start + query_len], keys[:end], values[:end], scale, window, sinks)
             )
             start += query_len
         return torch.cat(outputs)

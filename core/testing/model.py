@@ -104,7 +104,7 @@ class PagedRunner:
             dtype=torch.float32,
             device=torch.device("cpu"),
         )
-        self.backend.set_layers(model.layer_attention)
+        self.backend.set_layers(model.layer_attention, model.attention_sinks)
         self.kv_cache = self.backend.allocate_kv_cache(model.num_layers, num_blocks)
         generator = torch.Generator().manual_seed(seed)
         self.free_blocks = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()

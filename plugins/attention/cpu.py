@@ -215,9 +215,9 @@ class CpuBackend(AttentionBackend):
         self.windows: torch.Tensor | None = None
         self.one_scale = True  # every layer's softmax scale is self.scale, the one the fused stack takes
 
-    def set_layers(self, layers: Sequence[LayerAttention]) -> None:
+    def set_layers(self, layers: Sequence[LayerAttention], sinks: Sequence[torch.Tensor | None] | None = None) -> None:
         """``AttentionBackend.set_layers``, and the windows and scale the fused stack reads."""
-        super().set_layers(layers)
+        super().set_layers(layers, sinks)
         windows = [self.layer_window(layer) or 0 for layer in range(len(self.layers))]
         self.windows = torch.tensor(windows, dtype=torch.int64) if any(windows) else None
         self.one_scale = all(self.layer_scale(layer) == self.scale for layer in range(len(self.layers)))

@@ -17,6 +17,12 @@ the full layers' one: each sequence's gather starts at the block that holds its 
 (blocks wholly before the window are not gathered) and the masks are banded. Cascade attention is off for them (a
 shared prefix lies mostly outside a long context's window, and the window's mask would have to reach into the
 prefix call); their short-query sequences take the plain padded call.
+
+Attention sinks (``LayerAttention.sinks``): a row's softmax with the sink logit ``z`` in its denominator equals the
+row's plain softmax output times ``sigmoid(lse - z)`` (``lse`` the row's log-sum-exp of its scores), so sink layers
+attend as every other layer does, through calls that also return the log-sum-exp (cascade included), and rescale
+each row (``apply_sinks``). Their float32 prefill tiles fold the sink into the softmax's normaliser directly; their
+prefill chunks in narrower dtypes take the same tiled path in float32.
 """
 
 from __future__ import annotations
@@ -118,6 +124,8 @@ class PaddedGroup:
     output_index: torch.Tensor | None  # [N] the token each of those rows belongs to
     shared: SharedPrefixes | None = None
     bias: torch.Tensor | None = None  # the mask as 0 / -inf, set when there are shared prefixes
+    # The mask as 0 / -inf in the queries' dtype for sink layers' log-sum-exp call, made by the first such layer.
+    sink_bias: torch.Tensor | None = None
     num_keys: int | None = None  # with no mask: the context length every row attends to
     first_key: int = 0  # with no mask: the first gathered key every row attends to (a sliding window's)
 
@@ -153,7 +161,7 @@ class SdpaBackend(AttentionBackend):
     """Paged attention in plain torch: the reference other backends are checked against."""
 
     config_model = SdpaConfig
-    layer_features = frozenset({"window"})
+    layer_features = frozenset({"window", "sinks"})
 
     @classmethod
     def auto_priority(cls, environment: AttentionEnvironment) -> int | None:
@@ -219,20 +227,22 @@ class SdpaBackend(AttentionBackend):
         if not isinstance(metadata, SdpaMetadata):
             metadata = self.prepare(metadata)
         write_kv(kv_cache, k, v, metadata.slot_mapping, metadata.slots_valid)
-        window, scale = self.layer_window(layer), self.layer_scale(layer)
+        window, scale, sinks = self.layer_window(layer), self.layer_scale(layer), self.layer_sinks(layer)
         group, chunks = metadata.window_plans[window] if window else (metadata.padded, metadata.chunks)
         if group is not None and group.query_index is None and not chunks:
-            return self._attend_padded(q.view(-1, group.query_len, *q.shape[1:]), kv_cache, group, scale)
+            return self._attend_padded(q.view(-1, group.query_len, *q.shape[1:]), kv_cache, group, scale, sinks)
         out = torch.zeros_like(q)
         if group is not None:
-            result = self._attend_padded(q[group.query_index], kv_cache, group, scale)
+            result = self._attend_padded(q[group.query_index], kv_cache, group, scale, sinks)
             out.index_copy_(0, group.output_index, result[group.output_rows])
         for chunk in chunks:
-            out[chunk.token_start : chunk.token_end] = self._attend_chunk(q, kv_cache, chunk, scale)
+            out[chunk.token_start : chunk.token_end] = self._attend_chunk(q, kv_cache, chunk, scale, sinks)
         return out
 
-    def _attend_padded(self, q: torch.Tensor, kv_cache: torch.Tensor, group: PaddedGroup, scale: float) -> torch.Tensor:
-        """q ``[G, L, heads, head_dim]`` -> ``[G * L, heads, head_dim]``."""
+    def _attend_padded(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, group: PaddedGroup, scale: float, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q ``[G, L, heads, head_dim]`` -> ``[G * L, heads, head_dim]``; ``sinks`` ``[heads]`` or None."""
         num_seqs, query_len = q.shape[:2]
         per_kv_head = self.num_heads // self.num_kv_heads
         keys, values = (
@@ -244,9 +254,16 @@ class SdpaBackend(AttentionBackend):
         folded = q.view(num_seqs, query_len, self.num_kv_heads, per_kv_head, self.head_dim)
         folded = folded.permute(0, 2, 3, 1, 4).reshape(num_seqs, self.num_kv_heads, -1, self.head_dim)
         if group.shared is not None:
-            out = self._attend_cascade(folded, keys, values, kv_cache, group, scale)
+            out, lse = self._attend_cascade(folded, keys, values, kv_cache, group, scale)
+        elif sinks is not None:
+            if group.mask is not None and group.sink_bias is None:
+                group.sink_bias = additive_mask(group.mask, folded.dtype)
+            out, lse = attend_with_lse(folded, keys, values, scale, group.sink_bias)
         else:
             out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=group.mask, scale=scale)
+        if sinks is not None:  # the folded rows of KV head h: its query heads in order, each over the L queries
+            row_sinks = sinks.view(self.num_kv_heads, per_kv_head, 1).expand(-1, -1, query_len)
+            out = apply_sinks(out, lse, row_sinks.reshape(self.num_kv_heads, -1))
         out = out.view(num_seqs, self.num_kv_heads, per_kv_head, query_len, self.head_dim).permute(0, 3, 1, 2, 4)
         return out.reshape(num_seqs * query_len, self.num_heads, self.head_dim)
 
@@ -258,8 +275,9 @@ class SdpaBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         group: PaddedGroup,
         scale: float,
-    ) -> torch.Tensor:
-        """Folded queries ``[G, kv_heads, R, D]`` over each row's own blocks, merged with its shared prefix's part."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Folded queries ``[G, kv_heads, R, D]`` over each row's own blocks, merged with its shared prefix's part,
+        and each row's log-sum-exp over both ``[G, kv_heads, R]``."""
         shared, kv_heads, head_dim = group.shared, self.num_kv_heads, self.head_dim
         out, lse = attend_with_lse(folded, keys, values, scale, group.bias)  # [G, kv, R, D], [G, kv, R]
         queries = folded.index_select(0, shared.member_rows)  # [N * M, kv, R, D]
@@ -281,24 +299,29 @@ class SdpaBackend(AttentionBackend):
         prefix_out = prefix_out.view(groups, kv_heads, slots, rows, head_dim).transpose(1, 2)
         prefix_out = prefix_out.reshape(-1, kv_heads, rows, head_dim)
         prefix_lse = prefix_lse.view(groups, kv_heads, slots, rows).transpose(1, 2).reshape(-1, kv_heads, rows)
-        merged = merge_attention(
-            out.index_select(0, shared.member_rows), lse.index_select(0, shared.member_rows), prefix_out, prefix_lse
-        )
+        own_lse = lse.index_select(0, shared.member_rows)
+        merged = merge_attention(out.index_select(0, shared.member_rows), own_lse, prefix_out, prefix_lse)
+        merged_lse = torch.logaddexp(own_lse, prefix_lse)
         if shared.real_slots is not None:
-            merged = merged.index_select(0, shared.real_slots)
-        return out.index_copy_(0, shared.rows, merged)
+            merged, merged_lse = (
+                merged.index_select(0, shared.real_slots),
+                merged_lse.index_select(0, shared.real_slots),
+            )
+        return out.index_copy_(0, shared.rows, merged), lse.index_copy(0, shared.rows, merged_lse)
 
     def _attend_chunk(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: SequenceChunk, scale: float
+        self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: SequenceChunk, scale: float, sinks: torch.Tensor | None
     ) -> torch.Tensor:
-        """One sequence's queries ``[L, heads, head_dim]`` against its context (its window's part of it)."""
+        """One sequence's queries ``[L, heads, head_dim]`` against its context (its window's part of it); ``sinks``
+        ``[heads]`` or None. Float32 queries, and sink layers' in any dtype, take explicit tiles in float32."""
         per_kv_head = self.num_heads // self.num_kv_heads
+        tiled = self.dtype == torch.float32 or sinks is not None
         keys, values = (
             tensor[: chunk.seq_len - chunk.first_key].transpose(0, 1)  # [kv_heads, S, D]
-            for tensor in self._gather(kv_cache, chunk.block_ids, q.dtype, "chunk")
+            for tensor in self._gather(kv_cache, chunk.block_ids, torch.float32 if tiled else q.dtype, "chunk")
         )
         queries = q[chunk.token_start : chunk.token_end]
-        if self.dtype != torch.float32:
+        if not tiled:
             keys, values = (tensor.repeat_interleave(per_kv_head, dim=0) for tensor in (keys, values))
             out = F.scaled_dot_product_attention(
                 queries.transpose(0, 1), keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale
@@ -306,7 +329,8 @@ class SdpaBackend(AttentionBackend):
             return out.transpose(0, 1)
         # Query heads sharing a KV head side by side, [kv_heads, per_kv_head, L, D]: no copy of K/V per query head.
         query_len = queries.shape[0]
-        queries = (queries * scale).view(query_len, self.num_kv_heads, per_kv_head, -1).permute(1, 2, 0, 3)
+        queries = (queries.float() * scale).view(query_len, self.num_kv_heads, per_kv_head, -1).permute(1, 2, 0, 3)
+        head_sinks = None if sinks is None else sinks.view(self.num_kv_heads, per_kv_head, 1)
         tiles = []
         for start in range(0, query_len, CAUSAL_TILE):
             end = min(start + CAUSAL_TILE, query_len)
@@ -320,10 +344,15 @@ class SdpaBackend(AttentionBackend):
                 scores.add_(self._band(rows, visible - first, chunk.window))
             else:
                 scores[..., visible - rows :].add_(self.causal_tile[:rows, :rows])  # the tile's own keys: causal
-            weights = torch.softmax(scores, dim=-1).view(self.num_kv_heads, per_kv_head * rows, -1)
+            if head_sinks is None:
+                weights = torch.softmax(scores, dim=-1)
+            else:  # the sink joins each row's normaliser: exp(s - logaddexp(lse, sink))
+                normaliser = torch.logaddexp(torch.logsumexp(scores, dim=-1), head_sinks)
+                weights = scores.sub_(normaliser.unsqueeze(-1)).exp_()
+            weights = weights.view(self.num_kv_heads, per_kv_head * rows, -1)
             tiles.append(torch.bmm(weights, values[:, first:visible]).view(self.num_kv_heads, per_kv_head, rows, -1))
         out = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=2)  # [kv_heads, per_kv_head, L, D]
-        return out.permute(2, 0, 1, 3).reshape(query_len, self.num_heads, -1)
+        return out.permute(2, 0, 1, 3).reshape(query_len, self.num_heads, -1).to(q.dtype)
 
     def _band(self, rows: int, keys: int, window: int) -> torch.Tensor:
         """``[rows, keys]`` 0 / -inf: row ``r`` sees keys ``keys - rows + r - window + 1 .. keys - rows + r`` (the
@@ -478,6 +507,18 @@ def attend_with_lse(
     lse = torch.logsumexp(scores, dim=-1)
     weights = scores.sub_(lse.unsqueeze(-1)).exp_().to(values.dtype)
     return torch.matmul(weights, values), lse
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: may attend) as 0 / -inf scores to add, in ``dtype``."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention output ``out`` [..., R, D] with sink logits ``sinks`` (broadcast to [..., R]) in each row's softmax
+    denominator, from the rows' log-sum-exp ``lse`` [..., R] over their keys: the sink's share of the probability
+    ``1 - sigmoid(lse - sink)`` is taken from every key alike."""
+    return (out * torch.sigmoid(lse - sinks).unsqueeze(-1)).to(out.dtype)
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:

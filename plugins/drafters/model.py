@@ -121,7 +121,9 @@ class ModelDrafter(Drafter):
             )
         draft = context.quantize(model)
         executor = context.executor.for_another(draft)  # the target's kernels and paths, if it runs on them
-        attention = context.build_attention(draft.num_heads, draft.num_kv_heads, draft.head_dim, draft.layer_attention)
+        attention = context.build_attention(
+            draft.num_heads, draft.num_kv_heads, draft.head_dim, draft.layer_attention, draft.attention_sinks
+        )
         return draft, attention, executor
 
     # -- the draft pool ------------------------------------------------------------------------------------------

@@ -1,0 +1,244 @@
+"""Attention sinks (gpt-oss) through the paged pool, in every attention backend that declares them: a learned logit
+per query head joins each row's softmax denominator and takes probability without adding a value, as a float64
+oracle with the sink as one more softmax column computes it. Prefill, decode, chunked prefill beside decodes, with
+and without a sliding window, GQA, distinct sinks per head (the largest taking most of each row's probability), and
+models whose layers carry different sinks.
+
+Triton runs in its CPU interpreter without CUDA (``TRITON_INTERPRET`` set before anything imports it, as in
+``test_triton_attention.py``), so its shapes stay tiny.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from infer.attention import AttentionBackend, BackendUnavailableError, LayerAttention  # noqa: E402
+from infer.plugins.attention.sdpa import SdpaBackend, SdpaConfig  # noqa: E402
+from infer.testing.attention import PagedContext, build_metadata, reference_attention  # noqa: E402
+
+NUM_KV_HEADS, QUERIES_PER_KV_HEAD, HEAD_DIM = 2, 2, 16  # GQA: two query heads per KV head
+NUM_HEADS = NUM_KV_HEADS * QUERIES_PER_KV_HEAD
+# One per query head, all distinct: scores here are about N(0, 1), so over a few dozen keys a sink of 3 takes about
+# a third of a row's probability and one of 8 nearly all of it.
+SINKS = torch.tensor([-1.5, 0.5, 3.0, 8.0])
+BACKENDS = {"sdpa": SdpaBackend}
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# (num_cached_tokens, num_new_tokens) per sequence.
+SCENARIOS = {
+    "prefill_from_zero": [(0, 70), (0, 9)],
+    "chunked_prefill_beside_decodes": [(29, 21), (40, 1), (53, 6), (7, 1)],
+    "decode": [(100, 1), (37, 1), (70, 1), (0, 1)],
+    "mixed_decode_and_prefill": [(0, 20), (45, 1), (30, 6), (90, 1), (9, 18), (0, 1)],
+}
+WINDOWS = [None, 3, 17]
+
+
+def make_backend(
+    name: str,
+    block_size: int,
+    layers: list[LayerAttention],
+    sinks: list[torch.Tensor | None],
+    *,
+    num_kv_heads: int = NUM_KV_HEADS,
+    queries_per_kv_head: int = QUERIES_PER_KV_HEAD,
+    head_dim: int = HEAD_DIM,
+    dtype: torch.dtype = torch.float32,
+    config=None,
+) -> AttentionBackend:
+    """Backend ``name`` with ``set_layers(layers, sinks)``; skipped where it cannot run here."""
+    if name == "triton" and importlib.util.find_spec("triton") is None:
+        pytest.skip("the triton backend needs the triton package (pip install 'infer[triton]')")
+    device = TRITON_DEVICE if name == "triton" else torch.device("cpu")
+    try:
+        backend = BACKENDS[name](
+            num_heads=num_kv_heads * queries_per_kv_head,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=dtype,
+            device=device,
+            config=config,
+        )
+    except BackendUnavailableError as error:
+        pytest.skip(f"attention backend {name} cannot run here: {error}")
+    backend.set_layers(layers, sinks)
+    return backend
+
+
+def attend_layer(context: PagedContext, shapes: list[tuple[int, int]], query: torch.Tensor, layer: int, metadata=None):
+    """Layer ``layer``'s forward over one step of ``shapes`` (its K/V written into ``context``'s pool first)."""
+    backend = context.backend
+    if metadata is None:
+        metadata = backend.prepare(build_metadata(context.block_tables, shapes, backend.block_size, backend.device))
+    return backend.forward(layer, query, *context.new_kv(shapes), context.kv_cache, metadata)
+
+
+def oracle(context: PagedContext, shapes, query, window, sinks, scale=HEAD_DIM**-0.5) -> torch.Tensor:
+    outputs, start = [], 0
+    for keys, values, (cached, query_len) in zip(context.keys, context.values, shapes):
+        end = cached + query_len
+        outputs.append(
+            reference_attention(query[start : start + query_len], keys[:end], values[:end], scale, window, sinks)
+        )
+        start += query_len
+    return torch.cat(outputs).cpu()
+
+
+def step_context(backend: AttentionBackend, shapes, seed: int) -> tuple[PagedContext, torch.Tensor]:
+    """A garbage-filled pool with each sequence's cached prefix written, and this step's queries."""
+    context = PagedContext.create(backend, [cached + new for cached, new in shapes], seed)
+    context.write_prefix([cached for cached, _ in shapes])
+    return context, context.random_query(shapes)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda window: f"window{window}")
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sink_layer_matches_the_oracle(backend, block_size, window, scenario):
+    shapes = SCENARIOS[scenario]
+    attention = make_backend(backend, block_size, [LayerAttention(window=window, sinks=True)], [SINKS])
+    context, query = step_context(attention, shapes, seed=block_size * 100 + (window or 0))
+    out = attend_layer(context, shapes, query, 0).cpu()
+    expected = oracle(context, shapes, query, window, SINKS)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+    # The sinks move every head's output: a backend that ignored them could not pass.
+    without_sinks = oracle(context, shapes, query, window, None)
+    assert ((expected - without_sinks).abs().amax(dim=(0, 2)) > 1e-3).all()
+
+
+@pytest.mark.parametrize("num_kv_heads, queries_per_kv_head, head_dim", [(1, 8, 16), (4, 1, 64), (2, 3, 64)], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_head_layouts_with_sinks_match_the_oracle(backend, num_kv_heads, queries_per_kv_head, head_dim):
+    """Multi-query (one KV head for eight query heads, each with its own sink), plain multi-head and GQA at a real
+    model's head size, with and without a window."""
+    num_heads = num_kv_heads * queries_per_kv_head
+    sinks = torch.linspace(-2.0, 7.0, num_heads)
+    layers = [LayerAttention(sinks=True), LayerAttention(window=6, sinks=True)]
+    attention = make_backend(
+        backend,
+        16,
+        layers,
+        [sinks, sinks.flip(0)],
+        num_kv_heads=num_kv_heads,
+        queries_per_kv_head=queries_per_kv_head,
+        head_dim=head_dim,
+    )
+    shapes = SCENARIOS["chunked_prefill_beside_decodes"]
+    context, query = step_context(attention, shapes, seed=num_heads * 10 + head_dim)
+    pool = context.kv_cache.clone()
+    for index, (layer, layer_sinks) in enumerate(zip(layers, [sinks, sinks.flip(0)])):
+        context.kv_cache = pool.clone()
+        out = attend_layer(context, shapes, query, index).cpu()
+        expected = oracle(context, shapes, query, layer.window, layer_sinks, head_dim**-0.5)
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_model_of_layers_with_their_own_sinks_attends_each_as_declared(backend):
+    """gpt-oss's pattern: windowed and full layers alternating, each with its own sinks, beside a layer without
+    sinks and one with its own scale; one ``prepare`` for the whole step, as the engine runs it."""
+    layers = [
+        LayerAttention(window=5, sinks=True),
+        LayerAttention(sinks=True),
+        LayerAttention(),
+        LayerAttention(window=9, scale=0.5, sinks=True),
+    ]
+    sinks = [SINKS, SINKS.flip(0) - 1.0, None, torch.tensor([4.0, -3.0, 0.0, 2.0])]
+    attention = make_backend(backend, 4, layers, sinks)
+    shapes = SCENARIOS["mixed_decode_and_prefill"]
+    context, query = step_context(attention, shapes, seed=7)
+    metadata = attention.prepare(build_metadata(context.block_tables, shapes, 4, attention.device))
+    pool = context.kv_cache.clone()
+    for index, (layer, layer_sinks) in enumerate(zip(layers, sinks)):
+        context.kv_cache = pool.clone()
+        out = attend_layer(context, shapes, query, index, metadata).cpu()
+        scale = HEAD_DIM**-0.5 if layer.scale is None else layer.scale
+        expected = oracle(context, shapes, query, layer.window, layer_sinks, scale)
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dominant_sink_leaves_little_and_a_negligible_one_changes_nothing(backend):
+    """A sink far above every score takes nearly all the probability (the output shrinks toward zero); one far
+    below leaves plain softmax attention."""
+    layers = [LayerAttention(sinks=True), LayerAttention()]
+    sinks = torch.tensor([40.0, -40.0, 40.0, -40.0])
+    attention = make_backend(backend, 16, layers, [sinks, None])
+    shapes = SCENARIOS["chunked_prefill_beside_decodes"]
+    context, query = step_context(attention, shapes, seed=9)
+    pool = context.kv_cache.clone()
+    with_sinks = attend_layer(context, shapes, query, 0).cpu()
+    context.kv_cache = pool
+    plain = attend_layer(context, shapes, query, 1).cpu()
+    assert with_sinks[:, 0::2].abs().max() < 1e-8
+    torch.testing.assert_close(with_sinks[:, 1::2], plain[:, 1::2], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cascade", [True, False])
+def test_sdpa_sinks_over_shared_prefix_blocks_match_the_oracle(cascade):
+    """Decodes and verifications on shared system-prompt blocks: with cascade attention the shared part and each
+    row's own part merge through their log-sum-exps before the sink takes its share."""
+    from infer.testing.attention import SHARED_GROUPS, SHARED_QUERY_LENS, shared_prefix_step
+
+    attention = make_backend("sdpa", 16, [LayerAttention(sinks=True)], [SINKS], config=SdpaConfig(cascade=cascade))
+    context = PagedContext.create_shared(attention, SHARED_GROUPS, seed=14)
+    for query_lens in (SHARED_QUERY_LENS, [1] * len(SHARED_QUERY_LENS)):
+        shapes = shared_prefix_step(SHARED_GROUPS, query_lens)
+        context.write_prefix([cached for cached, _ in shapes])
+        query = context.random_query(shapes)
+        metadata = attention.prepare(build_metadata(context.block_tables, shapes, 16, attention.device))
+        assert (metadata.padded.shared is not None) == cascade
+        out = attend_layer(context, shapes, query, 0, metadata)
+        torch.testing.assert_close(out.double(), oracle(context, shapes, query, None, SINKS), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=lambda window: f"window{window}")
+def test_sdpa_sinks_in_bfloat16_match_the_oracle(window):
+    """Narrower activations: decodes through the log-sum-exp call, prefill chunks through float32 tiles."""
+    attention = make_backend("sdpa", 16, [LayerAttention(window=window, sinks=True)], [SINKS], dtype=torch.bfloat16)
+    shapes = SCENARIOS["mixed_decode_and_prefill"]
+    context, query = step_context(attention, shapes, seed=21)
+    out = attend_layer(context, shapes, query, 0)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), oracle(context, shapes, query, window, SINKS), atol=2e-2, rtol=2e-2)
+
+
+def test_set_layers_takes_one_sink_logit_per_query_head_for_exactly_the_layers_that_declare_sinks():
+    attention = make_backend("sdpa", 4, [LayerAttention()], [None])
+    with pytest.raises(ValueError, match="layer 1 declares attention sinks but set_layers got none"):
+        attention.set_layers([LayerAttention(), LayerAttention(sinks=True)])
+    with pytest.raises(ValueError, match="layer 0 does not declare attention sinks"):
+        attention.set_layers([LayerAttention()], [SINKS])
+    with pytest.raises(ValueError, match=r"shape \(3,\); expected one per query head \(4,\)"):
+        attention.set_layers([LayerAttention(sinks=True)], [SINKS[:3]])
+    attention.set_layers([LayerAttention(sinks=True), LayerAttention()], [SINKS.double(), None])
+    assert attention.layer_sinks(0).dtype == torch.float32 and attention.layer_sinks(1) is None
+
+
+def test_a_backend_without_sinks_is_refused_by_set_layers_naming_what_is_missing():
+    class FullOnly(AttentionBackend):
+        layer_features = frozenset({"window"})
+
+        def forward(self, layer, q, k, v, kv_cache, metadata):
+            raise AssertionError("never called")
+
+    backend = FullOnly(
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    with pytest.raises(BackendUnavailableError, match="FullOnly does not implement sinks attention"):
+        backend.set_layers([LayerAttention(window=4, sinks=True)], [SINKS])
+    for name in BACKENDS:
+        assert "sinks" in BACKENDS[name].layer_features
