@@ -30,6 +30,7 @@ _SIGNATURES = {
     "infer_linear_bf16": [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT],
     "infer_linear_i8": [_POINTER, _INT, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT],
     "infer_linear_blocks": [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT],
+    "infer_gemm_blocks": [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT],
     "infer_moe_experts": [
         _POINTER,
         _INT,
@@ -144,6 +145,10 @@ WEIGHT_KINDS = {torch.float16: 0, torch.int8: 1, torch.bfloat16: 2}
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # What ``infer_simd_width`` reports: the instruction set the kernels were compiled for (``-march=native``).
 SIMD_NAMES = {512: "avx512", 256: "avx2", 0: "portable"}
+# How ``CpuKernels.gemm_blocks`` multiplies, by the C side's number (``infer_block_gemm_kind``).
+BLOCK_GEMM_DESIGNS = {2: "amx-bf16", 1: "int8", 0: "portable"}
+# The block kinds ``gemm_blocks`` multiplies (GGUF's blocks of 32).
+GEMM_BLOCK_KINDS = ("q4_0", "q4_1", "q8_0")
 TILE_KINDS = {2: "AMX tiles", 1: "AVX512-BF16", 0: None}
 
 
@@ -348,6 +353,12 @@ class CpuKernels:
         self.pass_rows = pass_rows()
         # The block GEMV (``linear_blocks``) keeps this many rows of x in registers over a group of weights.
         self.block_pass_rows = block_pass_rows()
+        # The designs ``gemm_blocks`` runs here (see there), and the one it takes by default.
+        gemm_kind, gemm_runs = library.infer_block_gemm_kind, library.infer_block_gemm_runs
+        gemm_kind.argtypes, gemm_kind.restype = [], _INT
+        gemm_runs.argtypes, gemm_runs.restype = [_INT], _INT
+        self.block_gemm = BLOCK_GEMM_DESIGNS[gemm_kind()]
+        self.block_gemm_designs = tuple(name for number, name in BLOCK_GEMM_DESIGNS.items() if gemm_runs(number))
         # How ``linear_tiles`` multiplies: "AMX tiles" (the build has AMX and the OS lets this process use it),
         # "AVX512-BF16" (its dot products), or None (plain C, the slow reference).
         self.tiles = TILE_KINDS[tile_kind()]
@@ -424,6 +435,40 @@ class CpuKernels:
             address(bias),
             out.data_ptr(),
             weight.out_features,
+        )
+        return out
+
+    def gemm_blocks(
+        self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None, design: str | None = None
+    ) -> torch.Tensor:
+        """``linear_blocks``' product for steps of many rows (prefill chunks, large decode batches): float32
+        ``[rows, n]``. ``design`` (default ``block_gemm``, one of ``block_gemm_designs``): ``amx-bf16`` multiplies on
+        AMX's bf16 tiles over the weights dequantized to bf16 a panel at a time, ``x`` rounded to bf16; ``int8`` with
+        integer dot products over ``x`` quantized per 32 columns as ``linear_blocks`` quantizes it (its arithmetic,
+        summed in another order); ``portable`` is ``linear_blocks`` itself."""
+        design = self.block_gemm if design is None else design
+        if design not in self.block_gemm_designs:
+            raise ValueError(
+                f"gemm_blocks design {design!r} does not run here; this {self.simd} build runs "
+                f"{', '.join(self.block_gemm_designs)}"
+            )
+        if weight.kind not in GEMM_BLOCK_KINDS:
+            raise ValueError(
+                f"gemm_blocks multiplies {', '.join(GEMM_BLOCK_KINDS)} blocks, not {weight.kind}; use linear_blocks"
+            )
+        check_blocks(x, weight, bias, "gemm_blocks")
+        out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)
+        number = {name: number for number, name in BLOCK_GEMM_DESIGNS.items()}[design]
+        self._gemm_blocks(
+            x.data_ptr(),
+            x.shape[0],
+            weight.in_features,
+            weight.data.data_ptr(),
+            BLOCK_KINDS[weight.kind],
+            address(bias),
+            out.data_ptr(),
+            weight.out_features,
+            number,
         )
         return out
 
@@ -825,6 +870,28 @@ def window_arg(window: int | None) -> int:
 def scale_groups(scales: torch.Tensor | None) -> int:
     """Scales per row of int8 weights packed by ``pack_scales`` (0: fp16 or bf16 weights, which take none)."""
     return 0 if scales is None else scales.shape[1]
+
+
+def check_blocks(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None, name: str) -> None:
+    """Rows ``x``, a weight kept as blocks and a bias that ``name`` (a block kernel) can read together."""
+    check_flat(x)
+    data = weight.data
+    if (
+        data.dtype != torch.uint8
+        or data.dim() != 3
+        or not data.is_contiguous()
+        or data.shape[2] != RECORD_BYTES[weight.kind]
+        or data.shape[0] * 4 < weight.out_features
+    ):
+        raise ValueError(
+            f"{name} needs a {weight.kind} weight packed by pack_blocks, got {data.dtype} {tuple(data.shape)}"
+        )
+    if x.shape[1] != weight.in_features or (
+        bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.out_features,))
+    ):
+        raise ValueError(
+            f"{name}: x {tuple(x.shape)} and bias do not fit weights [{weight.out_features}, {weight.in_features}]"
+        )
 
 
 def check_flat(x: torch.Tensor) -> None:

@@ -1,0 +1,597 @@
+/* The GEMM over GGUF's block weights (Q4_0, Q4_1, Q8_0, laid out as gemv_blocks.c describes) for steps of many rows:
+ * prefill chunks and large decode batches, where the block GEMV (infer_linear_blocks), which keeps a few rows of x
+ * in registers against each group of four weight rows and sums each product across a register, runs out of rows.
+ * Two designs, both here so that each CPU class takes the one measured faster (docs/performance.md):
+ *
+ * - int8 dot products (BLOCK_GEMM_INT8): x quantized per 32 columns to int8 as the GEMV quantizes it (the same
+ *   values), laid out so that one register holds LANES rows of x times 4 columns; a weight row's 4 quants are
+ *   broadcast against it, so every lane of every dot product is a distinct output (no horizontal sums). Per block
+ *   of 32 columns the int32 sums are scaled by d * dx into float32 ones and the offset c * s added, as in the GEMV.
+ *   AVX-512 VNNI's vpdpbusd, AVX-VNNI's on AVX2 registers, else vpmaddubsw and vpmaddwd (Q8_0 then multiplies its
+ *   signed quants, as the GEMV does); plain C builds run the GEMV itself, the same arithmetic.
+ * - AMX bf16 tiles over dequantized panels (BLOCK_GEMM_AMX_BF16): each thread dequantizes a panel of 32 weight rows
+ *   (all of k) into bf16 tiles, 16 weight rows each, the rows as AMX's A operand takes them, and multiplies every
+ *   row of x (rounded to bf16, laid out as B tiles once per call) over it with TDPBF16PS; results come out per
+ *   weight row and are transposed into y. The weights are rounded to bf16 (a Q4 weight's 15 significant bits to 8)
+ *   and so is x: the precision of a bf16 model, where the int8 design keeps the GEMV's.
+ *
+ * Rows of x go in chunks that stay in L2 while every panel or group of weights passes over them. */
+#include "common.h"
+
+#define BLOCK 32
+
+enum { BLOCK_GEMM_PORTABLE = 0, BLOCK_GEMM_INT8 = 1, BLOCK_GEMM_AMX_BF16 = 2 };
+
+/* Bytes of x (in the layout a design reads) one chunk of rows may take: it stays in L2 beside a panel of weights. */
+#define CHUNK_BYTES (1 << 20)
+
+static inline int64_t record_bytes(int kind) { return kind == KIND_Q8_0 ? 136 : kind == KIND_Q4_1 ? 80 : 72; }
+
+static inline int64_t quants_at(int kind) { return kind == KIND_Q4_1 ? 16 : 8; }
+
+/* A record's scales d and offsets c (weight row i's dot product with a block of x is d[i] dx sum(q_w q_x) + c[i] s;
+ * gemv_blocks.c's top comment), as floats. `q8_signed`: Q8_0's quants multiplied signed, c = 0. */
+static inline void record_scales(const uint8_t *record, int kind, int q8_signed, float d[4], float c[4]) {
+    const uint16_t *halves = (const uint16_t *)record;
+    for (int i = 0; i < 4; i++) {
+        d[i] = half_to_float(halves[i]);
+        c[i] = kind == KIND_Q4_1 ? half_to_float(halves[4 + i])
+               : kind == KIND_Q4_0 ? -8.0f * d[i]
+               : q8_signed ? 0.0f : -128.0f * d[i];
+    }
+}
+
+/* ---- int8 dot products ------------------------------------------------------------------------------------------ */
+
+#if INFER_AVX512 && defined(__AVX512BW__)
+#define INT8_SIMD 512
+#define LANES 16
+#define PASS_TILES 2 /* tiles of LANES rows a pass keeps in registers: 4 x 2 int32 and 4 x 2 float sums */
+#elif INFER_AVX2 && INFER_F16C
+#define INT8_SIMD 256
+#define LANES 8
+#define PASS_TILES 1 /* AVX2's 16 registers: 4 int32 and 4 float sums, x, the broadcast and the scales */
+#else
+#define INT8_SIMD 0
+#endif
+
+/* Whether the vector dot products multiply Q8_0's quants signed (no VNNI: vpmaddubsw's 16-bit pair sums would
+ * saturate on the unsigned ones; gemv_blocks.c). */
+#if (INT8_SIMD == 512 && !defined(__AVX512VNNI__)) || (INT8_SIMD == 256 && !defined(__AVXVNNI__))
+#define Q8_SIGNED 1
+#else
+#define Q8_SIGNED 0
+#endif
+
+#if INT8_SIMD
+/* x's rows as the int8 kernels read them: q [tiles][k / 4][LANES][4] (the 4 columns of LANES rows in a register),
+ * dx and s [tiles][k / 32][LANES]; rows past the last zero. */
+typedef struct {
+    int8_t *q;
+    float *dx, *s;
+    int64_t tiles, blocks;
+} int8_rows;
+
+/* One row's block of 32 floats quantized as gemv_blocks.c's quantize_activations does (dx = amax / 127, q rounded
+ * to nearest even; the same values), q into `out`, returning sum(q); dx into *dx. */
+static inline int quantize_block(const float *in, int8_t out[BLOCK], float *dx) {
+    int sum = 0;
+#if INFER_AVX512
+    const __m512 lo = _mm512_loadu_ps(in), hi = _mm512_loadu_ps(in + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 scale = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, scale)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, scale));
+    _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtepi32_epi8(qhi));
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < BLOCK; j++) amax = fmaxf(amax, fabsf(in[j]));
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int j = 0; j < BLOCK; j++) {
+        out[j] = (int8_t)nearbyintf(in[j] * inverse);
+        sum += out[j];
+    }
+#endif
+    *dx = amax / 127.0f;
+    return sum;
+}
+
+static int8_rows quantize_rows(const float *x, int64_t rows, int64_t k) {
+    int8_rows r;
+    r.tiles = (rows + LANES - 1) / LANES;
+    r.blocks = k / BLOCK;
+    r.q = calloc(r.tiles * LANES * k, 1);
+    r.dx = calloc(r.tiles * LANES * r.blocks, sizeof(float));
+    r.s = calloc(r.tiles * LANES * r.blocks, sizeof(float));
+#pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_ELEMENTS)
+    for (int64_t m = 0; m < rows; m++) {
+        const int64_t tile = m / LANES, lane = m % LANES;
+        for (int64_t b = 0; b < r.blocks; b++) {
+            int8_t q[BLOCK];
+            float dx;
+            const int sum = quantize_block(x + m * k + b * BLOCK, q, &dx);
+            for (int j = 0; j < BLOCK; j += 4)
+                memcpy(r.q + ((tile * (k / 4) + b * 8 + j / 4) * LANES + lane) * 4, q + j, 4);
+            r.dx[(tile * r.blocks + b) * LANES + lane] = dx;
+            r.s[(tile * r.blocks + b) * LANES + lane] = dx * (float)sum;
+        }
+    }
+    return r;
+}
+
+/* A group's Q4 quants as bytes, [blocks][4 rows][32] (Q8_0's records hold theirs so already). */
+static void unpack_group(const uint8_t *group, int64_t blocks, int kind, uint8_t *unpacked) {
+    const int64_t size = record_bytes(kind);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *quants = group + b * size + quants_at(kind);
+        uint8_t *out = unpacked + b * 128;
+#if INT8_SIMD == 512
+        const __m512i packed = _mm512_loadu_si512(quants), nibble = _mm512_set1_epi8(0x0F);
+        _mm512_storeu_si512(out, _mm512_and_si512(packed, nibble));                          /* rows 0, 1 */
+        _mm512_storeu_si512(out + 64, _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble)); /* rows 2, 3 */
+#else
+        for (int j = 0; j < 64; j++) {
+            out[j] = quants[j] & 0x0F;
+            out[64 + j] = quants[j] >> 4;
+        }
+#endif
+    }
+}
+#endif
+
+#if INT8_SIMD == 512
+/* acc + unsigned bytes times signed bytes, summed by fours. */
+static inline __m512i dot_512(__m512i acc, __m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
+/* sums[i][t] (lanes: the rows of tile t) = weight row i of the group . those rows of x, for `count` tiles (1 to
+ * PASS_TILES, a constant once inlined) from xq (tile stride q_stride bytes, scales' s_stride floats). */
+static inline __attribute__((always_inline)) void group_pass_512(const uint8_t *group, const uint8_t *unpacked,
+                                                                 int64_t blocks, const int8_t *xq, int64_t q_stride,
+                                                                 const float *dx, const float *s, int64_t s_stride,
+                                                                 __m512 sums[4][PASS_TILES], const int count,
+                                                                 const int kind) {
+    const int64_t size = record_bytes(kind);
+    for (int i = 0; i < 4; i++)
+        for (int t = 0; t < count; t++) sums[i][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *record = group + b * size;
+        const uint8_t *wq = kind == KIND_Q8_0 ? record + 8 : unpacked + b * 128;
+        __m512i acc[4][PASS_TILES];
+        for (int i = 0; i < 4; i++)
+            for (int t = 0; t < count; t++) acc[i][t] = _mm512_setzero_si512();
+        for (int step = 0; step < 8; step++) {
+            __m512i xv[PASS_TILES];
+            for (int t = 0; t < count; t++) xv[t] = _mm512_loadu_si512(xq + t * q_stride + (b * 8 + step) * 64);
+            for (int i = 0; i < 4; i++) {
+                int32_t word;
+                memcpy(&word, wq + i * 32 + step * 4, 4);
+                __m512i weights = _mm512_set1_epi32(word);
+                if (kind == KIND_Q8_0 && Q8_SIGNED) {  /* |q_w| times x carrying q_w's sign */
+                    weights = _mm512_xor_si512(weights, _mm512_set1_epi8((char)0x80));
+                    const __mmask64 negative = _mm512_movepi8_mask(weights);
+                    weights = _mm512_abs_epi8(weights);
+                    for (int t = 0; t < count; t++)
+                        acc[i][t] = dot_512(acc[i][t], weights,
+                                            _mm512_mask_sub_epi8(xv[t], negative, _mm512_setzero_si512(), xv[t]));
+                } else {
+                    for (int t = 0; t < count; t++) acc[i][t] = dot_512(acc[i][t], weights, xv[t]);
+                }
+            }
+        }
+        float d[4], c[4];
+        record_scales(record, kind, Q8_SIGNED, d, c);
+        for (int t = 0; t < count; t++) {
+            const __m512 dxv = _mm512_loadu_ps(dx + t * s_stride + b * LANES);
+            const __m512 sv = _mm512_loadu_ps(s + t * s_stride + b * LANES);
+            for (int i = 0; i < 4; i++) {
+                sums[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][t]), _mm512_mul_ps(_mm512_set1_ps(d[i]), dxv),
+                                             sums[i][t]);
+                if (kind != KIND_Q8_0 || !Q8_SIGNED) sums[i][t] = _mm512_fmadd_ps(_mm512_set1_ps(c[i]), sv, sums[i][t]);
+            }
+        }
+    }
+}
+
+/* Four output columns' sums over 16 rows (sums[i], lane: the row) plus bias into y at rows m.., columns n..n+3:
+ * transposed 4 x 4 within each 128-bit lane, so that each lane holds one row's four columns. */
+static inline void store_columns(__m512 sums[4], const float *bias, float *y, int64_t m, int64_t rows, int64_t n,
+                                 int64_t n_out) {
+    if (n + 4 > n_out || m + LANES > rows) {  /* the last group or tile: one value at a time */
+        float values[4][LANES];
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(values[i], sums[i]);
+        for (int64_t lane = 0; lane < LANES && m + lane < rows; lane++)
+            for (int64_t i = 0; i < 4 && n + i < n_out; i++)
+                y[(m + lane) * n_out + n + i] = values[i][lane] + (bias ? bias[n + i] : 0.0f);
+        return;
+    }
+    const __m512 t0 = _mm512_unpacklo_ps(sums[0], sums[1]), t1 = _mm512_unpackhi_ps(sums[0], sums[1]);
+    const __m512 t2 = _mm512_unpacklo_ps(sums[2], sums[3]), t3 = _mm512_unpackhi_ps(sums[2], sums[3]);
+    __m512 r[4];
+    r[0] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));  /* rows 0, 4, 8, 12 */
+    r[1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));  /* rows 1, 5, 9, 13 */
+    r[2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+    r[3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+    const __m512 add = bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(bias + n)) : _mm512_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        const __m512 out = _mm512_add_ps(r[j], add);
+        _mm_storeu_ps(y + (m + j) * n_out + n, _mm512_castps512_ps128(out));
+        _mm_storeu_ps(y + (m + 4 + j) * n_out + n, _mm512_extractf32x4_ps(out, 1));
+        _mm_storeu_ps(y + (m + 8 + j) * n_out + n, _mm512_extractf32x4_ps(out, 2));
+        _mm_storeu_ps(y + (m + 12 + j) * n_out + n, _mm512_extractf32x4_ps(out, 3));
+    }
+}
+#endif
+
+#if INT8_SIMD == 256
+static inline __m256i dot_256(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* group_pass_512 on AVX2 registers (8 rows a tile). */
+static inline __attribute__((always_inline)) void group_pass_256(const uint8_t *group, const uint8_t *unpacked,
+                                                                 int64_t blocks, const int8_t *xq, int64_t q_stride,
+                                                                 const float *dx, const float *s, int64_t s_stride,
+                                                                 __m256 sums[4][PASS_TILES], const int count,
+                                                                 const int kind) {
+    const int64_t size = record_bytes(kind);
+    for (int i = 0; i < 4; i++)
+        for (int t = 0; t < count; t++) sums[i][t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *record = group + b * size;
+        const uint8_t *wq = kind == KIND_Q8_0 ? record + 8 : unpacked + b * 128;
+        __m256i acc[4][PASS_TILES];
+        for (int i = 0; i < 4; i++)
+            for (int t = 0; t < count; t++) acc[i][t] = _mm256_setzero_si256();
+        for (int step = 0; step < 8; step++) {
+            __m256i xv[PASS_TILES];
+            for (int t = 0; t < count; t++)
+                xv[t] = _mm256_loadu_si256((const __m256i *)(xq + t * q_stride + (b * 8 + step) * 32));
+            for (int i = 0; i < 4; i++) {
+                int32_t word;
+                memcpy(&word, wq + i * 32 + step * 4, 4);
+                __m256i weights = _mm256_set1_epi32(word);
+                if (kind == KIND_Q8_0 && Q8_SIGNED) {  /* |q_w| times x carrying q_w's sign */
+                    weights = _mm256_xor_si256(weights, _mm256_set1_epi8((char)0x80));
+                    for (int t = 0; t < count; t++)
+                        acc[i][t] = dot_256(acc[i][t], _mm256_sign_epi8(weights, weights),
+                                            _mm256_sign_epi8(xv[t], weights));
+                } else {
+                    for (int t = 0; t < count; t++) acc[i][t] = dot_256(acc[i][t], weights, xv[t]);
+                }
+            }
+        }
+        float d[4], c[4];
+        record_scales(record, kind, Q8_SIGNED, d, c);
+        for (int t = 0; t < count; t++) {
+            const __m256 dxv = _mm256_loadu_ps(dx + t * s_stride + b * LANES);
+            const __m256 sv = _mm256_loadu_ps(s + t * s_stride + b * LANES);
+            for (int i = 0; i < 4; i++) {
+                sums[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][t]), _mm256_mul_ps(_mm256_set1_ps(d[i]), dxv),
+                                             sums[i][t]);
+                if (kind != KIND_Q8_0 || !Q8_SIGNED) sums[i][t] = _mm256_fmadd_ps(_mm256_set1_ps(c[i]), sv, sums[i][t]);
+            }
+        }
+    }
+}
+
+/* store_columns for 8 rows: each 128-bit half of the transposed registers one row's four columns. */
+static inline void store_columns(__m256 sums[4], const float *bias, float *y, int64_t m, int64_t rows, int64_t n,
+                                 int64_t n_out) {
+    if (n + 4 > n_out || m + LANES > rows) {
+        float values[4][LANES];
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(values[i], sums[i]);
+        for (int64_t lane = 0; lane < LANES && m + lane < rows; lane++)
+            for (int64_t i = 0; i < 4 && n + i < n_out; i++)
+                y[(m + lane) * n_out + n + i] = values[i][lane] + (bias ? bias[n + i] : 0.0f);
+        return;
+    }
+    const __m256 t0 = _mm256_unpacklo_ps(sums[0], sums[1]), t1 = _mm256_unpackhi_ps(sums[0], sums[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(sums[2], sums[3]), t3 = _mm256_unpackhi_ps(sums[2], sums[3]);
+    __m256 r[4];
+    r[0] = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t2)));  /* rows 0, 4 */
+    r[1] = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t2)));  /* rows 1, 5 */
+    r[2] = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(t1), _mm256_castps_pd(t3)));
+    r[3] = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t1), _mm256_castps_pd(t3)));
+    const __m128 add = bias ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        _mm_storeu_ps(y + (m + j) * n_out + n, _mm_add_ps(_mm256_castps256_ps128(r[j]), add));
+        _mm_storeu_ps(y + (m + 4 + j) * n_out + n, _mm_add_ps(_mm256_extractf128_ps(r[j], 1), add));
+    }
+}
+#endif
+
+#if INT8_SIMD
+/* Every group of weights over every chunk of x's tiles, the groups split across the threads. */
+static inline __attribute__((always_inline)) void gemm_int8(const int8_rows *r, int64_t rows, int64_t k,
+                                                            const uint8_t *w, const float *bias, float *y,
+                                                            int64_t n_out, const int kind) {
+    const int64_t blocks = r->blocks, groups = (n_out + 3) / 4, group_bytes = blocks * record_bytes(kind);
+    const int64_t q_stride = k * LANES, s_stride = blocks * LANES;
+    int64_t chunk = CHUNK_BYTES / q_stride;
+    chunk = chunk < PASS_TILES ? PASS_TILES : chunk / PASS_TILES * PASS_TILES;
+#pragma omp parallel if (r->tiles * n_out * k >= 65536)
+    {
+        uint8_t *unpacked = kind == KIND_Q8_0 ? NULL : malloc(blocks * 128);
+        for (int64_t first = 0; first < r->tiles; first += chunk) {
+            const int64_t last = first + chunk < r->tiles ? first + chunk : r->tiles;
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *group = w + g * group_bytes;
+                if (unpacked) unpack_group(group, blocks, kind, unpacked);
+                for (int64_t t = first; t < last; t += PASS_TILES) {
+                    const int count = last - t < PASS_TILES ? (int)(last - t) : PASS_TILES;
+                    const int8_t *xq = r->q + t * q_stride;
+                    const float *dx = r->dx + t * s_stride, *s = r->s + t * s_stride;
+#if INT8_SIMD == 512
+                    __m512 sums[4][PASS_TILES];
+                    if (count == PASS_TILES)
+                        group_pass_512(group, unpacked, blocks, xq, q_stride, dx, s, s_stride, sums, PASS_TILES, kind);
+                    else
+                        group_pass_512(group, unpacked, blocks, xq, q_stride, dx, s, s_stride, sums, 1, kind);
+                    for (int i = 0; i < count; i++) {
+                        __m512 columns[4] = {sums[0][i], sums[1][i], sums[2][i], sums[3][i]};
+                        store_columns(columns, bias, y, (t + i) * LANES, rows, g * 4, n_out);
+                    }
+#else
+                    __m256 sums[4][PASS_TILES];
+                    group_pass_256(group, unpacked, blocks, xq, q_stride, dx, s, s_stride, sums, PASS_TILES, kind);
+                    __m256 columns[4] = {sums[0][0], sums[1][0], sums[2][0], sums[3][0]};
+                    store_columns(columns, bias, y, t * LANES, rows, g * 4, n_out);
+                    (void)count;
+#endif
+                }
+            }
+        }
+        free(unpacked);
+    }
+}
+
+static void gemm_blocks_int8(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind,
+                             const float *bias, float *y, int64_t n_out) {
+    int8_rows r = quantize_rows(x, rows, k);
+    if (kind == KIND_Q4_0)  /* the kind a constant in each copy */
+        gemm_int8(&r, rows, k, w, bias, y, n_out, KIND_Q4_0);
+    else if (kind == KIND_Q4_1)
+        gemm_int8(&r, rows, k, w, bias, y, n_out, KIND_Q4_1);
+    else
+        gemm_int8(&r, rows, k, w, bias, y, n_out, KIND_Q8_0);
+    free(r.s);
+    free(r.dx);
+    free(r.q);
+}
+#endif
+
+/* ---- AMX bf16 tiles over dequantized panels --------------------------------------------------------------------- */
+
+#if INFER_AMX && INFER_AVX512_BF16
+/* 16 registers of 16 int32 each transposed: r[j][i] becomes r[i][j]. */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  /* u[i + q]: within each 128-bit lane L, column 4L + q of rows i..i+3 */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int q = 0; q < 4; q++) {
+        const __m512i even_low = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x88);
+        const __m512i odd_low = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xDD);
+        const __m512i even_high = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x88);
+        const __m512i odd_high = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xDD);
+        r[q] = _mm512_shuffle_i32x4(even_low, even_high, 0x88);
+        r[8 + q] = _mm512_shuffle_i32x4(even_low, even_high, 0xDD);
+        r[4 + q] = _mm512_shuffle_i32x4(odd_low, odd_high, 0x88);
+        r[12 + q] = _mm512_shuffle_i32x4(odd_low, odd_high, 0xDD);
+    }
+}
+
+/* x rounded to bf16 as B tiles, [tiles of 16 rows][k / 32][16 pairs p][16 rows][2] (row p of a tile: every row's
+ * columns 2p and 2p + 1), rows past the last zero: each 16 x 32 block of x a 16 x 16 transpose of pairs. */
+static uint16_t *rows_as_b_tiles(const float *x, int64_t rows, int64_t k, int64_t tiles) {
+    uint16_t *xb = malloc(sizeof(uint16_t) * tiles * 16 * k);
+    const int64_t k_tiles = k / 32;
+#pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_ELEMENTS)
+    for (int64_t job = 0; job < tiles * k_tiles; job++) {
+        const int64_t tile = job / k_tiles, kt = job % k_tiles;
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) {
+            const int64_t m = tile * 16 + i;
+            if (m >= rows) {
+                r[i] = _mm512_setzero_si512();
+                continue;
+            }
+            const float *in = x + m * k + kt * 32;
+            r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + 16), _mm512_loadu_ps(in));
+        }
+        transpose16(r);
+        uint16_t *out = xb + job * 512;
+        for (int p = 0; p < 16; p++) _mm512_storeu_si512(out + p * 32, r[p]);
+    }
+    return xb;
+}
+
+/* One record's four weight rows (32 columns each) as bf16, into rows `out`, `out + stride`, ... */
+static inline __attribute__((always_inline)) void dequantize_record(const uint8_t *record, uint16_t *out,
+                                                                    int64_t stride, const int kind) {
+    float d[4], c[4];
+    record_scales(record, kind, 0, d, c);
+    const uint8_t *quants = record + quants_at(kind);
+    if (kind == KIND_Q8_0) {  /* (u - 128) d as u d + c, exact in float32 */
+        for (int i = 0; i < 4; i++) {
+            const __m512 scale = _mm512_set1_ps(d[i]), offset = _mm512_set1_ps(c[i]);
+            const __m512 lo = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(quants + 32 * i)))), scale,
+                offset);
+            const __m512 hi = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(quants + 32 * i + 16)))),
+                scale, offset);
+            _mm512_storeu_si512(out + i * stride, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+        return;
+    }
+    /* Q4: a row's 16 possible weights (nibble * d + c) as a bf16 table, looked up by each of its 32 nibbles */
+    const __m512i packed = _mm512_loadu_si512(quants), nibble = _mm512_set1_epi8(0x0F);
+    const __m512i rows01 = _mm512_and_si512(packed, nibble);
+    const __m512i rows23 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    const __m256i nibbles[4] = {_mm512_castsi512_si256(rows01), _mm512_extracti64x4_epi64(rows01, 1),
+                                _mm512_castsi512_si256(rows23), _mm512_extracti64x4_epi64(rows23, 1)};
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int i = 0; i < 4; i++) {
+        const __m512 values = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[i]), _mm512_set1_ps(c[i]));
+        const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
+        _mm512_storeu_si512(out + i * stride, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles[i]), table));
+    }
+}
+
+/* Weight rows n0..n0+31 (groups n0 / 4 ..) as AMX A tiles: [k / 32][2 tiles][16 rows][32 bf16]; rows past the
+ * weights' groups zero. */
+static inline __attribute__((always_inline)) void dequantize_panel(const uint8_t *w, int64_t n0, int64_t groups,
+                                                                   int64_t k, uint16_t *panel, const int kind) {
+    const int64_t blocks = k / BLOCK, group_bytes = blocks * record_bytes(kind);
+    for (int64_t gl = 0; gl < 8; gl++) {
+        const int64_t g = n0 / 4 + gl;
+        uint16_t *rows = panel + (gl / 4) * 512 + (gl % 4) * 4 * 32;  /* tile gl / 4, its rows 4 (gl % 4) .. */
+        if (g >= groups) {
+            for (int64_t b = 0; b < blocks; b++) memset(rows + b * 1024, 0, 4 * 32 * sizeof(uint16_t));
+            continue;
+        }
+        const uint8_t *group = w + g * group_bytes;
+        for (int64_t b = 0; b < blocks; b++) dequantize_record(group + b * record_bytes(kind), rows + b * 1024, 32, kind);
+    }
+}
+
+/* A 16 x 16 tile of results (rows: weight rows n.., columns: rows m.. of x) transposed into y plus bias. */
+static inline void store_transposed(const float tile[16][16], const float *bias, float *y, int64_t m, int64_t rows,
+                                    int64_t n, int64_t n_out) {
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(tile[i]);
+    transpose16(r);
+    const __mmask16 columns = first_lanes(n_out - n);
+    const __m512 add = bias ? _mm512_maskz_loadu_ps(columns, bias + n) : _mm512_setzero_ps();
+    for (int j = 0; j < 16 && m + j < rows; j++)
+        _mm512_mask_storeu_ps(y + (m + j) * n_out + n, columns, _mm512_add_ps(_mm512_castsi512_ps(r[j]), add));
+}
+
+static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, int64_t rows, int64_t tiles,
+                                                           int64_t k, const uint8_t *w, const float *bias, float *y,
+                                                           int64_t n_out, const int kind) {
+    const int64_t k_tiles = k / 32, panels = (n_out + 31) / 32, groups = (n_out + 3) / 4;
+    int64_t chunk = CHUNK_BYTES / (16 * k * 2);  /* tiles of x */
+    chunk = chunk < 2 ? 2 : chunk / 2 * 2;
+#pragma omp parallel
+    {
+        load_full_tiles();
+        uint16_t *panel = malloc(sizeof(uint16_t) * 32 * k);
+        float results[4][16][16];
+        for (int64_t first = 0; first < tiles; first += chunk) {
+            const int64_t last = first + chunk < tiles ? first + chunk : tiles;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                const int64_t n = p * 32;
+                dequantize_panel(w, n, groups, k, panel, kind);
+                for (int64_t t = first; t < last; t += 2) {
+                    const int pair = t + 1 < last;
+                    const uint16_t *b0 = xb + t * k_tiles * 512, *b1 = b0 + k_tiles * 512;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t kt = 0; kt < k_tiles; kt++) {
+                        _tile_loadd(4, panel + kt * 1024, 64);
+                        _tile_loadd(5, panel + kt * 1024 + 512, 64);
+                        _tile_loadd(6, b0 + kt * 512, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (pair) {
+                            _tile_loadd(7, b1 + kt * 512, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    _tile_stored(0, results[0], 64);
+                    _tile_stored(2, results[2], 64);
+                    store_transposed(results[0], bias, y, t * 16, rows, n, n_out);
+                    if (n + 16 < n_out) store_transposed(results[2], bias, y, t * 16, rows, n + 16, n_out);
+                    if (pair) {
+                        _tile_stored(1, results[1], 64);
+                        _tile_stored(3, results[3], 64);
+                        store_transposed(results[1], bias, y, (t + 1) * 16, rows, n, n_out);
+                        if (n + 16 < n_out) store_transposed(results[3], bias, y, (t + 1) * 16, rows, n + 16, n_out);
+                    }
+                }
+            }
+        }
+        free(panel);
+        _tile_release();
+    }
+}
+
+static void gemm_blocks_amx(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind,
+                            const float *bias, float *y, int64_t n_out) {
+    const int64_t tiles = (rows + 15) / 16;
+    uint16_t *xb = rows_as_b_tiles(x, rows, k, tiles);
+    if (kind == KIND_Q4_0)
+        gemm_amx(xb, rows, tiles, k, w, bias, y, n_out, KIND_Q4_0);
+    else if (kind == KIND_Q4_1)
+        gemm_amx(xb, rows, tiles, k, w, bias, y, n_out, KIND_Q4_1);
+    else
+        gemm_amx(xb, rows, tiles, k, w, bias, y, n_out, KIND_Q8_0);
+    free(xb);
+}
+#endif
+
+/* ---- the entry -------------------------------------------------------------------------------------------------- */
+
+/* Which designs this build and machine run. */
+static int has_design(int64_t design) {
+    if (design == BLOCK_GEMM_AMX_BF16) {
+#if INFER_AMX && INFER_AVX512_BF16
+        return amx_available();
+#else
+        return 0;
+#endif
+    }
+    if (design == BLOCK_GEMM_INT8) return INT8_SIMD != 0;
+    return design == BLOCK_GEMM_PORTABLE;
+}
+
+int64_t infer_block_gemm_kind(void) {
+    if (has_design(BLOCK_GEMM_AMX_BF16)) return BLOCK_GEMM_AMX_BF16;
+    return has_design(BLOCK_GEMM_INT8) ? BLOCK_GEMM_INT8 : BLOCK_GEMM_PORTABLE;
+}
+
+int64_t infer_block_gemm_runs(int64_t design) { return has_design(design); }
+
+void infer_gemm_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind, const float *bias,
+                       float *y, int64_t n_out, int64_t design) {
+    if (kind != KIND_Q4_0 && kind != KIND_Q4_1 && kind != KIND_Q8_0) design = BLOCK_GEMM_PORTABLE;  /* K-quants */
+    else if (design < 0 || !has_design(design)) design = infer_block_gemm_kind();
+#if INFER_AMX && INFER_AVX512_BF16
+    if (design == BLOCK_GEMM_AMX_BF16) {
+        gemm_blocks_amx(x, rows, k, w, kind, bias, y, n_out);
+        return;
+    }
+#endif
+#if INT8_SIMD
+    if (design == BLOCK_GEMM_INT8) {
+        gemm_blocks_int8(x, rows, k, w, kind, bias, y, n_out);
+        return;
+    }
+#endif
+    infer_linear_blocks(x, rows, k, w, kind, bias, y, n_out);  /* plain C: the GEMV is the same arithmetic */
+}
