@@ -134,6 +134,33 @@ def test_auto_attention_asks_every_registered_backend_so_a_third_party_one_can_w
     assert choose_attention("auto", registry, environment) == "everywhere"
 
 
+def test_auto_attention_leaves_out_backends_that_lack_what_the_layers_need():
+    from infer.registry import Registry
+
+    class FullOnly(AttentionBackend):
+        @classmethod
+        def auto_priority(cls, environment):
+            return 10
+
+        def forward(self, layer, q, k, v, kv_cache, metadata):
+            raise NotImplementedError
+
+    class Plugin:
+        @hookimpl
+        def register_attention_backends(self, register):
+            register("full_only", FullOnly)
+
+    import infer.plugins.attention
+
+    registry = Registry.from_plugins([infer.plugins.attention, Plugin()])
+    environment = AttentionEnvironment(torch.device("cpu"), torch.float32, cpu_kernels=True)
+    assert choose_attention("auto", registry, environment) == "full_only"
+    chosen = choose_attention("auto", registry, environment, frozenset({"window", "sinks"}))
+    assert {"window", "sinks"} <= registry.load("attention", chosen).layer_features
+    with pytest.raises(ValueError, match="no registered attention backend that runs here with nothing attention"):
+        choose_attention("auto", registry, environment, frozenset({"nothing"}))
+
+
 def test_the_last_path_must_accept_every_step():
     from infer.execution.paths import FusedLayersPath
 

@@ -341,24 +341,28 @@ def _all_bf16_gemms(model: CausalLM) -> bool:
     )
 
 
-def choose_attention(name: str, registry, environment: AttentionEnvironment) -> str:
+def choose_attention(
+    name: str, registry, environment: AttentionEnvironment, needs: frozenset[str] = frozenset()
+) -> str:
     """The attention backend ``attention.name`` selects: ``auto`` is the registered backend whose ``auto_priority``
-    is highest in ``environment`` (ties: the first name in order; a backend whose class cannot be imported is left
-    out)."""
+    is highest in ``environment`` among those that implement ``needs`` (the model's layers' ``LayerAttention.needs``:
+    "window", "sinks"; ties: the first name in order; a backend whose class cannot be imported is left out)."""
     if name != "auto":
         return name
     best, best_priority = None, None
     for candidate in registry.names("attention"):
         try:
-            priority = registry.load("attention", candidate).auto_priority(environment)
+            backend_class = registry.load("attention", candidate)
+            priority = backend_class.auto_priority(environment) if needs <= backend_class.layer_features else None
         except Exception as error:  # a broken third-party backend must not stop auto from choosing another
             logger.debug("attention backend %s left out of auto: %s", candidate, error)
             continue
         if priority is not None and (best_priority is None or priority > best_priority):
             best, best_priority = candidate, priority
     if best is None:
+        asked = f" with {' and '.join(sorted(needs))} attention (this model's layers need it)" if needs else ""
         raise ValueError(
-            "attention.name=auto found no registered attention backend that runs here; name one "
+            f"attention.name=auto found no registered attention backend that runs here{asked}; name one "
             "(infer plugins lists them)"
         )
     return best
@@ -400,7 +404,8 @@ def build_attention(
     ``model``'s heads (a tensor-parallel rank's: its own), its ``auto`` settings resolved for ``environment`` by the
     backend itself (``AttentionBackend.resolve_config``), and its name."""
     configured = config.attention
-    name = choose_attention(configured.name, registry, environment)
+    needs = frozenset().union(*(layer.needs for layer in model.layer_attention))
+    name = choose_attention(configured.name, registry, environment, needs)
     backend_class = registry.load("attention", name)
     settings = configured if name == configured.name else registry.config_model("attention", name)()
     settings = backend_class.resolve_config(settings, environment)
