@@ -1,6 +1,7 @@
-"""The block GEMV (``csrc/gemv_blocks.c``) over GGUF's ``Q4_0``, ``Q4_1`` and ``Q8_0`` blocks: its repacking keeps
-gguf's weights bit for bit, its sums are float64's over the dequantized blocks and the int8 activations it computes
-with, on odd shapes, and every SIMD build agrees with the portable C."""
+"""The block GEMV (``csrc/gemv_blocks.c``, ``csrc/gemv_kquants.c``) over GGUF's ``Q4_0``, ``Q4_1`` and ``Q8_0`` blocks
+and ``Q4_K``/``Q6_K`` super-blocks: its repacking keeps gguf's weights bit for bit, its sums are float64's over the
+dequantized blocks and the int8 activations it computes with, on odd shapes, and every SIMD build agrees with the
+portable C (and, for the K-quants, with float64)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,20 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from infer.kernels import cpu as cpu_kernels
-from infer.kernels.cpu.blocks import BLOCK_KINDS, dequantize_blocks, pack_blocks, quantize_blocks
+from infer.kernels.cpu.blocks import (
+    K_KINDS,
+    dequantize_blocks,
+    pack_blocks,
+    pack_mixed_kquants,
+    quantize_blocks,
+)
+from infer.testing.kquants import QUANTIZERS
 
-KINDS = list(BLOCK_KINDS)
+KINDS = ["q4_0", "q4_1", "q8_0"]
 # k a multiple of 32 but not of 256 (Q4_K's super-blocks), and the model's; n odd, below and above a group of four.
 SHAPES = [(13, 96), (1, 288), (67, 576), (4, 1536)]
+# One to eight super-blocks a row; n odd, below and above a pass of rows.
+K_SHAPES = [(13, 256), (1, 512), (67, 768), (5, 2048)]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +41,16 @@ def gguf_tensor(kind: str, out_features: int, in_features: int, seed: int = 0) -
     weight = (generator.standard_normal((out_features, in_features)) * 0.05).astype(np.float32)
     weight[:, :32] += 0.1  # a block with an offset, where Q4_1's minimum matters
     raw = quantize(weight, GGMLQuantizationType[kind.upper()])
+    return raw, torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind.upper()]).copy())
+
+
+def kquant_tensor(kind: str, out_features: int, in_features: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """A random weight quantized by infer.testing's K-quant quantizer: its GGUF bytes, and gguf's float32 values."""
+    generator = np.random.default_rng(seed)
+    weight = (generator.standard_normal((out_features, in_features)) * 0.05).astype(np.float32)
+    weight[:, :32] += 0.1  # a sub-block with an offset, where Q4_K's minimum matters
+    weight[:, 256:288] *= 8  # sub-blocks far apart in scale: the high bits of the 6-bit and int8 scales
+    raw = QUANTIZERS[kind](weight)
     return raw, torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind.upper()]).copy())
 
 
@@ -82,6 +102,93 @@ def test_block_gemv_is_float64_over_the_blocks_and_the_int8_activations(kernels,
         assert float((out.double() - plain).norm() / plain.norm()) < 5e-2
 
 
+@pytest.mark.parametrize("kind", K_KINDS)
+def test_kquant_quantizer_writes_blocks_gguf_reads_as_the_weights(kind):
+    generator = np.random.default_rng(3)
+    weight = (generator.standard_normal((9, 512)) * 0.05).astype(np.float32)
+    values = dequantize(QUANTIZERS[kind](weight), GGMLQuantizationType[kind.upper()])
+    error = np.linalg.norm(values - weight) / np.linalg.norm(weight)
+    assert 0 < error < {"q4_k": 0.09, "q6_k": 0.025}[kind]  # 4.5 and 6.6 bits a weight
+
+
+@pytest.mark.parametrize("kind", K_KINDS)
+@pytest.mark.parametrize(("out_features", "in_features"), K_SHAPES)
+def test_pack_kquants_keeps_gguf_weights_bit_for_bit(kind, out_features, in_features):
+    raw, expected = kquant_tensor(kind, out_features, in_features)
+    packed = pack_blocks(raw, kind, out_features)
+    assert packed.data.shape == (out_features, in_features // 256, {"q4_k": 144, "q6_k": 210}[kind])
+    assert (packed.out_features, packed.in_features, packed.nbytes) == (out_features, in_features, raw.nbytes)
+    assert torch.equal(dequantize_blocks(packed), expected)
+
+
+@pytest.mark.parametrize("kind", K_KINDS)
+def test_pack_kquants_keeps_any_bytes_of_the_format(kind):
+    """Random bytes are valid super-blocks once their fp16 scales are finite: every bit of the quants and scales
+    lands where gguf's dequantizer reads it."""
+    generator = np.random.default_rng(4)
+    size = {"q4_k": 144, "q6_k": 210}[kind]
+    raw = generator.integers(0, 256, size=(7, 3, size), dtype=np.uint8)
+    halves = (generator.standard_normal((7, 3, 2)) * 0.01).astype(np.float16).view(np.uint8)  # [7, 3, 4]
+    if kind == "q4_k":
+        raw[..., 0:4] = halves  # d, dmin
+    else:
+        raw[..., 208:210] = halves[..., :2]  # d
+    raw = raw.reshape(7, -1)
+    expected = dequantize(raw, GGMLQuantizationType[kind.upper()])
+    assert torch.equal(dequantize_blocks(pack_blocks(raw, kind, 7)), torch.from_numpy(expected.copy()))
+
+
+def mixed_tensor(seed: int = 0):
+    """A projection of three parts stored as Q4_K, Q6_K and Q4_K (a Q4_K_M file's Q, V, and another Q4_K): the
+    packed weight, and gguf's float32 values of the parts."""
+    parts, values = [], []
+    for index, (kind, rows) in enumerate([("q4_k", 5), ("q6_k", 11), ("q4_k", 3)]):
+        raw, value = kquant_tensor(kind, rows, 768, seed + index)
+        parts.append((raw, kind, rows))
+        values.append(value)
+    return pack_mixed_kquants(parts), torch.cat(values)
+
+
+def test_mixed_kquants_keep_each_parts_weights():
+    packed, expected = mixed_tensor()
+    assert (packed.kind, packed.out_features, packed.in_features) == ("k_mixed", 19, 768)
+    assert torch.equal(dequantize_blocks(packed), expected)
+    raw, _ = kquant_tensor("q6_k", 4, 256)
+    assert pack_mixed_kquants([(raw[:2], "q6_k", 2), (raw[2:], "q6_k", 2)]).kind == "q6_k"  # one kind: no header
+    with pytest.raises(ValueError, match="K kinds"):
+        pack_mixed_kquants([(raw, "q6_k", 4), (raw, "q8_0", 4)])
+
+
+def assert_kquant_gemv_is_float64s(kernels, packed, weight: torch.Tensor, bias: torch.Tensor | None, rows_list):
+    for rows in rows_list:
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)) * 3
+        x[0, 32:64] = 0.0  # an all-zero block of x: scale 0
+        exact = quantized_activations(x) @ weight.double().T
+        if bias is not None:
+            exact += bias.double()
+        out = kernels.linear_blocks(x, packed, bias)
+        assert out.shape == (rows, weight.shape[0]) and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), exact, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", K_KINDS)
+@pytest.mark.parametrize(("out_features", "in_features"), K_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kquant_gemv_is_float64_over_the_super_blocks_and_the_int8_activations(
+    kernels, kind, out_features, in_features, bias
+):
+    raw, weight = kquant_tensor(kind, out_features, in_features)
+    packed = pack_blocks(raw, kind, out_features)
+    bias_values = torch.randn(out_features) if bias else None
+    # every count of a pass, passes of several counts, two sweeps of 64 rows
+    assert_kquant_gemv_is_float64s(kernels, packed, weight, bias_values, [*range(1, 10), 70])
+
+
+def test_mixed_kquant_gemv_is_float64_over_each_part(kernels):
+    packed, weight = mixed_tensor()
+    assert_kquant_gemv_is_float64s(kernels, packed, weight, torch.randn(19), [1, 2, 5, 9])
+
+
 def test_block_gemv_refuses_weights_it_cannot_read(kernels):
     raw, _ = gguf_tensor("q4_1", 8, 64)
     packed = pack_blocks(raw, "q4_1", 8)
@@ -89,6 +196,12 @@ def test_block_gemv_refuses_weights_it_cannot_read(kernels):
         kernels.linear_blocks(torch.randn(2, 96), packed, None)
     with pytest.raises(ValueError, match="packed by pack_blocks"):
         kernels.linear_blocks(torch.randn(2, 64), type(packed)(packed.data, "q8_0", 8), None)
+    raw, _ = kquant_tensor("q4_k", 8, 512)
+    packed = pack_blocks(raw, "q4_k", 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.linear_blocks(torch.randn(2, 256), packed, None)
+    with pytest.raises(ValueError, match="packed by pack_blocks"):
+        kernels.linear_blocks(torch.randn(2, 512), type(packed)(packed.data, "q6_k", 8), None)
 
 
 def without_amx() -> list[str]:
@@ -137,3 +250,9 @@ def test_each_simd_build_of_the_block_gemv_matches_the_portable_c(build, portabl
                 atol=1e-5,
                 rtol=1e-5,
             )
+    rows_list = (1, 2, 3, 4, 5, 8, 9, 17, 70)
+    for kind in K_KINDS:  # against float64, as the native build in the tests above
+        raw, weight = kquant_tensor(kind, 67, 768, seed=2)
+        assert_kquant_gemv_is_float64s(built, pack_blocks(raw, kind, 67), weight, None, rows_list)
+    packed, weight = mixed_tensor(seed=2)
+    assert_kquant_gemv_is_float64s(built, packed, weight, None, rows_list)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.kernels.cpu.blocks import BLOCK_KINDS, RECORD_BYTES, BlockWeight
+from infer.kernels.cpu.blocks import BLOCK_KINDS, BlockWeight, well_formed
 from infer.kernels.cpu.packing import packed_shape, tiles_shape
 
 if TYPE_CHECKING:
@@ -404,33 +404,15 @@ class CpuKernels:
         """``x @ weight.T + bias`` for rows ``x`` ``[rows, k]`` (float32, contiguous) and a weight kept as GGUF's
         blocks (``infer.kernels.cpu.blocks``): each row of ``x`` quantized per 32 columns to int8 (llama.cpp's
         ``Q8_1`` activations), integer dot products per block, float32 sums; float32 ``[rows, n]``. The weights are
-        read from memory once whatever the rows."""
-        check_flat(x)
-        data = weight.data
-        if (
-            data.dtype != torch.uint8
-            or data.dim() != 3
-            or not data.is_contiguous()
-            or data.shape[2] != RECORD_BYTES[weight.kind]
-            or data.shape[0] * 4 < weight.out_features
-        ):
-            raise ValueError(
-                f"linear_blocks needs a {weight.kind} weight packed by pack_blocks, got "
-                f"{data.dtype} {tuple(data.shape)}"
-            )
-        if x.shape[1] != weight.in_features or (
-            bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.out_features,))
-        ):
-            raise ValueError(
-                f"linear_blocks: x {tuple(x.shape)} and bias do not fit weights "
-                f"[{weight.out_features}, {weight.in_features}]"
-            )
+        read from memory once whatever the rows. K-quant super-blocks (``q4_k``, ``q6_k``, ``k_mixed``) take the same
+        activations, multiplied lane by lane within their sub-blocks (``csrc/gemv_kquants.c``)."""
+        check_blocks(x, weight, bias, "linear_blocks")
         out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)
         self._linear_blocks(
             x.data_ptr(),
             x.shape[0],
             weight.in_features,
-            data.data_ptr(),
+            weight.data.data_ptr(),
             BLOCK_KINDS[weight.kind],
             address(bias),
             out.data_ptr(),
@@ -876,13 +858,7 @@ def check_blocks(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
     """Rows ``x``, a weight kept as blocks and a bias that ``name`` (a block kernel) can read together."""
     check_flat(x)
     data = weight.data
-    if (
-        data.dtype != torch.uint8
-        or data.dim() != 3
-        or not data.is_contiguous()
-        or data.shape[2] != RECORD_BYTES[weight.kind]
-        or data.shape[0] * 4 < weight.out_features
-    ):
+    if not well_formed(weight):
         raise ValueError(
             f"{name} needs a {weight.kind} weight packed by pack_blocks, got {data.dtype} {tuple(data.shape)}"
         )

@@ -1,10 +1,16 @@
-"""Weights kept as GGUF's blocks of 32 (``Q4_0``, ``Q4_1``, ``Q8_0``) for the block GEMV (``csrc/gemv_blocks.c``).
+"""Weights kept as GGUF's blocks of 32 (``Q4_0``, ``Q4_1``, ``Q8_0``) for the block GEMV (``csrc/gemv_blocks.c``), and
+as its K-quant super-blocks of 256 (``Q4_K``, ``Q6_K``; ``csrc/gemv_kquants.c``).
 
 A GGUF tensor stores each row as blocks of 32 weights: an fp16 scale ``d`` (``Q4_1``: and an fp16 minimum ``m``)
 and 32 quants, 4-bit nibbles (byte ``j`` holds columns ``j`` and ``16 + j``) or int8. ``pack_blocks`` repacks such
 rows once at load into the layout the kernel streams: groups of four output rows, one record per 32 columns holding
 the four rows' scales and then their quants, the nibbles rearranged so that one 64-byte load gives two rows whole
 (the layout is described where the kernel reads it, at the top of ``gemv_blocks.c``). No float copy is kept.
+
+A K-quant row stays a row: its super-blocks in turn, each repacked in place into as many bytes (the quants in the
+order of the kernel's transposed activations, ``Q4_K``'s 6-bit scales re-encoded, ``Q6_K``'s scales even sub-blocks
+first; ``gemv_kquants.c`` describes it). A fused projection whose parts the file stores as both K types (a
+``Q4_K_M`` file's QKV where V is ``Q6_K``) is one ``k_mixed`` weight: a header naming the parts, then their rows.
 """
 
 from __future__ import annotations
@@ -15,17 +21,25 @@ import numpy as np
 import torch
 
 BLOCK = 32  # weights per block
+SUPER_BLOCK = 256  # weights per K-quant super-block
 # The block kinds by name, as the C side numbers them (``KIND_Q4_0`` ... in ``cpu_kernels.h``).
-BLOCK_KINDS = {"q4_0": 3, "q4_1": 4, "q8_0": 5}
-# Bytes of one GGUF block of each kind, and of the kernel's record of four rows' blocks.
-GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
-RECORD_BYTES = {"q4_0": 72, "q4_1": 80, "q8_0": 136}
+BLOCK_KINDS = {"q4_0": 3, "q4_1": 4, "q8_0": 5, "q4_k": 6, "q6_k": 7, "k_mixed": 8}
+K_KINDS = ("q4_k", "q6_k")
+# Bytes of one GGUF block of each kind, and of the kernel's record: four rows' blocks, or one row's super-block.
+GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_k": 144, "q6_k": 210}
+RECORD_BYTES = {"q4_0": 72, "q4_1": 80, "q8_0": 136, "q4_k": 144, "q6_k": 210}
+# Weights a record spans in a row, and output rows it holds.
+BLOCK_COLUMNS = {"q4_0": BLOCK, "q4_1": BLOCK, "q8_0": BLOCK, "q4_k": SUPER_BLOCK, "q6_k": SUPER_BLOCK}
+GROUP_ROWS = {"q4_0": 4, "q4_1": 4, "q8_0": 4, "q4_k": 1, "q6_k": 1}
+# A k_mixed weight's header: int64 [parts, (kind, rows) per part], zero-padded to this many bytes.
+MIXED_HEADER_BYTES = 128
 
 
 @dataclass(frozen=True, slots=True)
 class BlockWeight:
     """A linear layer's weight ``[out_features, in_features]`` in the block GEMV's layout: ``data`` is uint8
-    ``[ceil(out_features / 4), in_features / 32, RECORD_BYTES[kind]]``."""
+    ``[ceil(out_features / GROUP_ROWS[kind]), in_features / BLOCK_COLUMNS[kind], RECORD_BYTES[kind]]``; for
+    ``k_mixed``, the header and then each part's such bytes, flat."""
 
     data: torch.Tensor
     kind: str
@@ -33,11 +47,26 @@ class BlockWeight:
 
     @property
     def in_features(self) -> int:
-        return self.data.shape[1] * BLOCK
+        if self.kind == "k_mixed":
+            parts = mixed_parts(self.data)
+            row_bytes = sum(rows * RECORD_BYTES[kind] for kind, rows in parts)
+            return (self.data.numel() - MIXED_HEADER_BYTES) // row_bytes * SUPER_BLOCK
+        return self.data.shape[1] * BLOCK_COLUMNS[self.kind]
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+
+def well_formed(weight: BlockWeight) -> bool:
+    """Whether ``weight.data`` is laid out as its kind's kernel reads it (``pack_blocks``, ``pack_mixed_kquants``)."""
+    data, kind = weight.data, weight.kind
+    if data.dtype != torch.uint8 or not data.is_contiguous() or kind not in BLOCK_KINDS:
+        return False
+    if kind == "k_mixed":
+        return data.dim() == 1 and sum(rows for _, rows in mixed_parts(data)) == weight.out_features
+    rows = data.shape[0] * GROUP_ROWS[kind] if data.dim() == 3 else 0
+    return data.dim() == 3 and data.shape[2] == RECORD_BYTES[kind] and rows >= weight.out_features
 
 
 def gguf_rows(raw: torch.Tensor | np.ndarray, kind: str, out_features: int) -> torch.Tensor:
@@ -49,8 +78,10 @@ def gguf_rows(raw: torch.Tensor | np.ndarray, kind: str, out_features: int) -> t
 def pack_blocks(raw: torch.Tensor | np.ndarray, kind: str, out_features: int) -> BlockWeight:
     """A GGUF tensor's bytes (rows of blocks of ``kind``: ``q4_0``, ``q4_1`` or ``q8_0``) in the block GEMV's layout.
     Any ``out_features`` (the last group of four is padded with zero rows)."""
-    if kind not in BLOCK_KINDS:
-        raise ValueError(f"unknown block kind {kind!r}; choose one of {', '.join(BLOCK_KINDS)}")
+    if kind not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"unknown block kind {kind!r}; choose one of {', '.join(GGUF_BLOCK_BYTES)}")
+    if kind in K_KINDS:
+        return pack_kquants(raw, kind, out_features)
     blocks = gguf_rows(raw, kind, out_features)
     padded = -(-out_features // 4) * 4
     if padded != out_features:
@@ -83,6 +114,8 @@ def quantize_blocks(weight: torch.Tensor, kind: str) -> BlockWeight:
 
 def dequantize_blocks(weight: BlockWeight) -> torch.Tensor:
     """The float32 ``[out_features, in_features]`` weights a ``BlockWeight`` encodes."""
+    if weight.kind in (*K_KINDS, "k_mixed"):
+        return dequantize_kquants(weight)
     data, kind = weight.data, weight.kind
     groups, blocks, _ = data.shape
     scale_bytes = 16 if kind == "q4_1" else 8
@@ -100,3 +133,127 @@ def dequantize_blocks(weight: BlockWeight) -> torch.Tensor:
     elif kind == "q4_1":
         weights += halves[..., 4:, None]
     return weights.permute(0, 2, 1, 3).reshape(groups * 4, blocks * BLOCK)[: weight.out_features]
+
+
+# ---- K-quant super-blocks -------------------------------------------------------------------------------------------
+
+
+def _transposed_columns() -> np.ndarray:
+    """For each byte of the kernel's transposed super-block of x (64u + 4 lane + c, lane = 8h + j), its column:
+    32j + 8u + 4h + c."""
+    position = np.arange(SUPER_BLOCK)
+    u, lane, c = position // 64, position % 64 // 4, position % 4
+    return 32 * (lane % 8) + 8 * u + 4 * (lane // 8) + c
+
+
+COLUMN_AT = torch.from_numpy(_transposed_columns())  # [256]
+# Q6_K's sub-blocks as the record stores their scales: the even ones, then the odd ones.
+Q6_K_SCALE_ORDER = torch.tensor([*range(0, 16, 2), *range(1, 16, 2)])
+
+
+def _gguf_kquant_values(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """GGUF's quants of K-quant super-blocks ``[..., GGUF_BLOCK_BYTES[kind]]`` as uint8 ``[..., 256]`` in column order
+    (``Q4_K``: 0-15; ``Q6_K``: 0-63, the stored ``q + 32``)."""
+    if kind == "q4_k":
+        qs = blocks[..., 16:144].reshape(*blocks.shape[:-1], 4, 1, 32)  # sub-blocks 2c (low) and 2c + 1 (high)
+        return torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(*blocks.shape[:-1], SUPER_BLOCK)
+    low = blocks[..., 0:128].reshape(*blocks.shape[:-1], 2, 1, 2, 32)  # [half, shift, 32-byte run]
+    low = torch.cat([low & 0x0F, low >> 4], dim=-3).reshape(*blocks.shape[:-1], 2, 4, 32)
+    high = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 1, 32)
+    high = (high >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3  # [half, 4, 32]
+    return (low | (high << 4)).reshape(*blocks.shape[:-1], SUPER_BLOCK)
+
+
+def _gguf_q4_k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's 12 bytes of 6-bit scales and minima of a ``Q4_K`` super-block as ``sc``, ``m`` uint8 ``[..., 8]``."""
+    low, mid, high = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([low & 0x3F, (high & 0x0F) | ((low >> 6) << 4)], dim=-1)
+    m = torch.cat([mid & 0x3F, (high >> 4) | ((mid >> 6) << 4)], dim=-1)
+    return sc, m
+
+
+def pack_kquants(raw: torch.Tensor | np.ndarray, kind: str, out_features: int) -> BlockWeight:
+    """A GGUF ``Q4_K`` or ``Q6_K`` tensor's bytes, each super-block repacked in place into the kernel's record of as
+    many bytes (``gemv_kquants.c``): ``[out_features, in_features / 256, RECORD_BYTES[kind]]``."""
+    blocks = gguf_rows(raw, kind, out_features)
+    values = _gguf_kquant_values(blocks, kind)[..., COLUMN_AT]  # in the transposed order of x
+    quants = (values[..., :128] & 0x0F) | ((values[..., 128:] & 0x0F) << 4)
+    if kind == "q4_k":
+        sc, m = _gguf_q4_k_scales(blocks[..., 4:16])
+        high = (sc >> 4) | ((m >> 4) << 2)
+        scales = torch.cat([(sc & 0x0F) | ((m & 0x0F) << 4), high[..., :4] | (high[..., 4:] << 4)], dim=-1)
+        record = [blocks[..., 0:4], scales, quants]  # d, dmin, scales, quants
+    else:
+        top = (values >> 4).reshape(*values.shape[:-1], 4, 64)  # [u, byte]
+        high = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
+        record = [blocks[..., 208:210], blocks[..., 192:208][..., Q6_K_SCALE_ORDER], quants, high]
+    return BlockWeight(torch.cat(record, dim=-1).contiguous(), kind, out_features)
+
+
+def pack_mixed_kquants(parts: list[tuple[torch.Tensor | np.ndarray, str, int]]) -> BlockWeight:
+    """A projection whose consecutive row ranges are stored as different K types: ``parts`` are each range's GGUF bytes,
+    kind and rows, in order. One kind throughout gives that kind's weight; else a ``k_mixed`` one (runs of a kind
+    merged)."""
+    runs: list[list] = []
+    for raw, kind, rows in parts:
+        if kind not in K_KINDS:
+            raise ValueError(f"a mixed weight takes the K kinds {', '.join(K_KINDS)}, got {kind!r}")
+        data = gguf_rows(raw, kind, rows).reshape(rows, -1)
+        if runs and runs[-1][0] == kind:
+            runs[-1][1].append(data)
+        else:
+            runs.append([kind, [data]])
+    packed = [pack_kquants(torch.cat(datas), kind, sum(len(data) for data in datas)) for kind, datas in runs]
+    if len(packed) == 1:
+        return packed[0]
+    entries = [len(packed)] + [value for weight in packed for value in (BLOCK_KINDS[weight.kind], weight.out_features)]
+    if len(entries) * 8 > MIXED_HEADER_BYTES:
+        raise ValueError(f"a mixed weight holds at most {(MIXED_HEADER_BYTES // 8 - 1) // 2} runs, got {len(packed)}")
+    header = torch.zeros(MIXED_HEADER_BYTES // 8, dtype=torch.int64)
+    header[: len(entries)] = torch.tensor(entries)
+    data = torch.cat([header.view(torch.uint8), *(weight.data.reshape(-1) for weight in packed)])
+    return BlockWeight(data, "k_mixed", sum(weight.out_features for weight in packed))
+
+
+def mixed_parts(data: torch.Tensor) -> list[tuple[str, int]]:
+    """A ``k_mixed`` weight's parts, ``(kind, rows)`` each, from its header."""
+    header = data[:MIXED_HEADER_BYTES].view(torch.int64).tolist()
+    kinds = {number: name for name, number in BLOCK_KINDS.items()}
+    return [(kinds[header[1 + 2 * part]], header[2 + 2 * part]) for part in range(header[0])]
+
+
+def dequantize_kquants(weight: BlockWeight) -> torch.Tensor:
+    """The float32 weights of a ``q4_k``, ``q6_k`` or ``k_mixed`` ``BlockWeight``, computed as gguf's dequantizers
+    compute them (bit for bit)."""
+    if weight.kind == "k_mixed":
+        supers, at, rows = weight.in_features // SUPER_BLOCK, MIXED_HEADER_BYTES, []
+        for kind, count in mixed_parts(weight.data):
+            size = count * supers * RECORD_BYTES[kind]
+            part = weight.data[at : at + size].view(count, supers, RECORD_BYTES[kind])
+            rows.append(dequantize_kquants(BlockWeight(part, kind, count)))
+            at += size
+        return torch.cat(rows)
+    data, kind = weight.data, weight.kind
+    quants = data[..., 16:144] if kind == "q4_k" else data[..., 18:146]
+    values = torch.empty(*data.shape[:-1], SUPER_BLOCK, dtype=torch.uint8)
+    values[..., COLUMN_AT[:128]] = quants & 0x0F
+    values[..., COLUMN_AT[128:]] = quants >> 4
+    if kind == "q4_k":
+        d, dmin = (data[..., at : at + 2].contiguous().view(torch.float16).float() for at in (0, 2))
+        low, packed_high = data[..., 4:12], data[..., 12:16]
+        high = torch.cat([packed_high & 0x0F, packed_high >> 4], dim=-1)
+        sc = (low & 0x0F) | ((high & 3) << 4)
+        m = (low >> 4) | ((high >> 2) << 4)
+        scale = (d * sc.float()).repeat_interleave(32, dim=-1)
+        offset = (dmin * m.float()).repeat_interleave(32, dim=-1)
+        weights = scale * values.float() - offset
+    else:
+        top = data[..., 146:210]
+        for u in range(4):
+            values[..., COLUMN_AT[64 * u : 64 * (u + 1)]] |= ((top >> (2 * u)) & 3) << 4
+        d = data[..., 0:2].contiguous().view(torch.float16).float()
+        sc = torch.empty(*data.shape[:-1], 16, dtype=torch.int8)
+        sc[..., Q6_K_SCALE_ORDER] = data[..., 2:18].view(torch.int8)
+        scale = (d * sc.float()).repeat_interleave(16, dim=-1)
+        weights = scale * (values.to(torch.int8) - 32).float()
+    return weights.reshape(weight.out_features, -1)

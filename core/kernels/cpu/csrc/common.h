@@ -158,6 +158,10 @@ INFER_HIDDEN void silu_mul_rows(const float *gate_up, void *out, int64_t rows, i
 INFER_HIDDEN void block_sums(const float *x, int64_t rows, int64_t k, const void *block, const float *scales,
                              int64_t group, int kind, float *sums);
 
+/* infer_linear_blocks for the K-quant kinds (KIND_Q4_K, KIND_Q6_K, KIND_K_MIXED; gemv_kquants.c). */
+INFER_HIDDEN void linear_kquants(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind,
+                                 const float *bias, float *y, int64_t n_out);
+
 /* infer_rope with each of the num_heads heads RMSNormed over head_dim before its rotation (rowwise.c): the first
  * q_heads by q_norm, the rest by k_norm (both [head_dim], float32), eps as the layer norms'. Qwen3's and Gemma 3's
  * per-head q/k norms, in a fused layer's attention input. */

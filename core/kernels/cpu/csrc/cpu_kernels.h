@@ -16,9 +16,12 @@
 #include <stdint.h>
 
 /* How a packed weight is stored (the *_kind fields; abi.WEIGHT_KINDS): IEEE half, bfloat16 (a float's upper half:
- * converting is a shift, exact), or int8 with float scales; or GGUF's blocks of 32 (abi.BLOCK_KINDS), repacked as
- * gemv_blocks.c describes. */
-enum { KIND_F16 = 0, KIND_I8 = 1, KIND_BF16 = 2, KIND_Q4_0 = 3, KIND_Q4_1 = 4, KIND_Q8_0 = 5 };
+ * converting is a shift, exact), or int8 with float scales; or GGUF's blocks (abi.BLOCK_KINDS): of 32, repacked as
+ * gemv_blocks.c describes, or K-quant super-blocks of 256 (one kind, or parts of both), as gemv_kquants.c does. */
+enum {
+    KIND_F16 = 0, KIND_I8 = 1, KIND_BF16 = 2, KIND_Q4_0 = 3, KIND_Q4_1 = 4, KIND_Q8_0 = 5,
+    KIND_Q4_K = 6, KIND_Q6_K = 7, KIND_K_MIXED = 8
+};
 
 /* ---- what this build runs --------------------------------------------------------------------------------------- */
 
@@ -66,8 +69,9 @@ void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, 
 
 /* y [rows, n_out] = x [rows, k] . w^T (+ bias) for weights kept as GGUF's blocks of 32 (`kind`: KIND_Q4_0, KIND_Q4_1
  * or KIND_Q8_0), repacked by `infer.kernels.cpu.blocks.pack_blocks` into groups of four output rows (any n_out; the
- * last group padded), k % 32 == 0: x quantized per block of 32 to int8, integer dot products, float32 sums. Each
- * group's weights are read from memory once whatever the rows. */
+ * last group padded), k % 32 == 0, or as K-quant super-blocks (KIND_Q4_K, KIND_Q6_K, KIND_K_MIXED: a row's records
+ * in turn, k % 256 == 0): x quantized per block of 32 to int8, integer dot products, float32 sums. The weights are
+ * read from memory once whatever the rows. */
 void infer_linear_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind, const float *bias,
                          float *y, int64_t n_out);
 

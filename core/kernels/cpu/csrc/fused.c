@@ -21,7 +21,7 @@ static void layer_linear(const void *w, int64_t kind, const float *scales, int64
         infer_linear_i8(x, rows, k, w, scales, groups, bias, y, n_out);
     else if (kind == KIND_BF16)
         infer_linear_bf16(x, rows, k, w, bias, y, n_out);
-    else if (kind == KIND_Q4_0 || kind == KIND_Q4_1 || kind == KIND_Q8_0)  /* GGUF's blocks: any rows, one read */
+    else if (kind >= KIND_Q4_0 && kind <= KIND_K_MIXED)  /* GGUF's blocks: any rows, one read */
         infer_linear_blocks(x, rows, k, w, kind, bias, y, n_out);
     else
         infer_linear_f16(x, rows, k, w, bias, y, n_out);

@@ -340,6 +340,10 @@ static inline __attribute__((always_inline)) void linear_blocks(const int8_t *xq
 
 void infer_linear_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind, const float *bias,
                          float *y, int64_t n_out) {
+    if (kind == KIND_Q4_K || kind == KIND_Q6_K || kind == KIND_K_MIXED) {  /* super-blocks of 256 */
+        linear_kquants(x, rows, k, w, kind, bias, y, n_out);
+        return;
+    }
     const int64_t blocks = rows * (k / BLOCK);
     int8_t *xq = malloc(rows * k);
     float *dx = malloc(sizeof(float) * blocks), *s = malloc(sizeof(float) * blocks);
