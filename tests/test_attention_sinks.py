@@ -20,6 +20,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from infer.attention import AttentionBackend, BackendUnavailableError, LayerAttention  # noqa: E402
+from infer.kernels import cpu as cpu_kernels  # noqa: E402
+from infer.plugins.attention.cpu import CpuAttentionConfig, CpuBackend  # noqa: E402
 from infer.plugins.attention.sdpa import SdpaBackend, SdpaConfig  # noqa: E402
 from infer.testing.attention import PagedContext, build_metadata, reference_attention  # noqa: E402
 
@@ -28,7 +30,7 @@ NUM_HEADS = NUM_KV_HEADS * QUERIES_PER_KV_HEAD
 # One per query head, all distinct: scores here are about N(0, 1), so over a few dozen keys a sink of 3 takes about
 # a third of a row's probability and one of 8 nearly all of it.
 SINKS = torch.tensor([-1.5, 0.5, 3.0, 8.0])
-BACKENDS = {"sdpa": SdpaBackend}
+BACKENDS = {"sdpa": SdpaBackend, "cpu": CpuBackend}
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (num_cached_tokens, num_new_tokens) per sequence.
 SCENARIOS = {
@@ -242,3 +244,214 @@ def test_a_backend_without_sinks_is_refused_by_set_layers_naming_what_is_missing
         backend.set_layers([LayerAttention(window=4, sinks=True)], [SINKS])
     for name in BACKENDS:
         assert "sinks" in BACKENDS[name].layer_features
+
+
+# ---- the cpu backend's other paths: bf16 prefill, a bf16 pool's dot products, other builds, the fused stack -------
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    try:
+        return cpu_kernels.load(True)
+    except cpu_kernels.KernelBuildError as error:
+        pytest.skip(f"infer's C kernels do not build here: {error}")
+
+
+@pytest.mark.parametrize("window", [None, 7, 40], ids=lambda window: f"window{window}")
+@pytest.mark.parametrize(
+    "kernel, pool, arithmetic",
+    [
+        ("torch", torch.float32, "bf16"),
+        ("infer", torch.float32, "bf16"),
+        ("infer", torch.bfloat16, "bf16"),
+        ("infer", torch.float32, "float32"),
+        ("infer", torch.bfloat16, "float32"),
+    ],
+)
+def test_cpu_bf16_prefill_and_decode_take_the_sinks(kernels, kernel, pool, arithmetic, window):
+    """``prefill_dtype: bfloat16``: the long queries go to a flash attention (torch's, whose log-sum-exp rescales
+    the rows, or infer's on AMX tiles, the dot products or float32 FMAs), the rest to the kernel (on the dot
+    products over a bf16 pool), each within bf16's error of the oracle with sinks, and far from the one without."""
+    if kernel == "infer" and not kernels.flash:
+        pytest.skip("infer's flash attention is built only where the CPU has avx512_bf16, which this one lacks")
+    config = CpuAttentionConfig(
+        prefill_dtype="bfloat16",
+        prefill_min_tokens=8,
+        prefill_kernel=kernel,
+        prefill_arithmetic=arithmetic,
+        kv_dtype="bfloat16" if pool == torch.bfloat16 else "float32",
+        decode_arithmetic="bf16",
+    )
+    sinks = torch.tensor([-1.0, 2.0, 5.0, 0.5, 9.0, -4.0])  # six query heads on two KV heads
+    attention = make_backend(
+        "cpu",
+        16,
+        [LayerAttention(window=window, sinks=True)],
+        [sinks],
+        queries_per_kv_head=3,
+        head_dim=64,
+        config=config,
+    )
+    shapes = [(0, 70), (45, 1), (30, 6), (90, 1), (29, 40), (100, 33)]
+    context, query = step_context(attention, shapes, seed=window or 0)
+    metadata = attention.prepare(build_metadata(context.block_tables, shapes, 16, attention.device))
+    assert (metadata.flash is not None) == (kernel == "infer") and bool(metadata.prefills) == (kernel == "torch")
+    out = attend_layer(context, shapes, query, 0, metadata)
+    expected = oracle(context, shapes, query, window, sinks, 64**-0.5)
+    torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
+    assert (out.double() - oracle(context, shapes, query, window, None, 64**-0.5)).abs().max() > 0.2
+
+
+@pytest.mark.parametrize("build", ["avx2", "portable"])
+def test_cpu_kernel_sinks_in_the_avx2_and_portable_builds(build, tmp_path):
+    """The decode kernel's other instruction sets (built here with the flags that turn AVX-512, or all AVX, off)
+    merge the sinks into a mixed batch's rows as the oracle does, over float32 and bf16 pools, with a window."""
+    from infer.host import cpu_flags
+
+    flags = {"avx2": ["-mno-avx512f"], "portable": ["-mno-avx"]}[build]
+    if build == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU lacks AVX2 with FMA and F16C")
+    if "amx_tile" in cpu_flags():
+        flags.append("-mno-amx-tile")
+    try:
+        built = cpu_kernels.load_built(cpu_kernels.build(tmp_path, flags))
+    except cpu_kernels.KernelBuildError as error:
+        pytest.skip(f"infer's C kernels do not build here: {error}")
+    assert built.simd == build
+    shapes = SCENARIOS["mixed_decode_and_prefill"]
+    for kv_dtype, window in ((torch.float32, None), (torch.bfloat16, 5)):
+        attention = make_backend("sdpa", 4, [LayerAttention(window=window, sinks=True)], [SINKS])
+        context, query = step_context(attention, shapes, seed=13)
+        context.kv_cache = context.kv_cache.to(kv_dtype)  # a bf16 pool: what the oracle reads is rounded too
+        context.keys, context.values = (
+            [side.to(kv_dtype).float() for side in sides] for sides in (context.keys, context.values)
+        )
+        metadata = build_metadata(context.block_tables, shapes, 4, attention.device)
+        built.write_kv(context.kv_cache, *context.new_kv(shapes), metadata.slot_mapping)
+        plan = cpu_kernels.KernelAttentionPlan.every_token(metadata)
+        out = built.paged_attention(
+            query,
+            context.kv_cache,
+            metadata.block_tables,
+            plan,
+            HEAD_DIM**-0.5,
+            torch.empty(query.shape),
+            window=window,
+            sinks=SINKS,
+        )
+        torch.testing.assert_close(out.double(), oracle(context, shapes, query, window, SINKS), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype, dots", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_cpu_kernel_gives_a_query_with_sinks_the_same_bits_alone_or_beside_others(kernels, kv_dtype, dots):
+    """Verification rows of one sequence share the kernel's work items; the sinks join only each row's merge, so
+    each row still gets the bits it gets alone, and equals the oracle with its heads' sinks."""
+    if dots and not kernels.flash:
+        pytest.skip("the kernel's bf16 dot products are built only where the CPU has avx512_bf16")
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    generator = torch.Generator().manual_seed(3)
+    kv_cache = torch.randn(2, 48, block_size, num_kv_heads, head_dim, generator=generator).to(kv_dtype)
+    block_tables = torch.tensor([list(range(24))[::-1], list(range(24, 48))], dtype=torch.int32)
+    seqs, lengths = [0, 0, 0, 0, 1], [296, 297, 298, 299, 40]
+    sinks = torch.linspace(-3.0, 9.0, num_heads)
+    q = torch.randn(len(seqs), num_heads, head_dim, generator=generator)
+    together = cpu_kernels.KernelAttentionPlan(None, torch.tensor(seqs), torch.tensor(lengths), len(seqs), max(lengths))
+    out = kernels.paged_attention(q, kv_cache, block_tables, together, 0.125, torch.empty(q.shape), dots, sinks=sinks)
+    for row, (seq, length) in enumerate(zip(seqs, lengths)):
+        alone = cpu_kernels.KernelAttentionPlan(None, torch.tensor([seq]), torch.tensor([length]), 1, length)
+        single = kernels.paged_attention(
+            q[row : row + 1].contiguous(),
+            kv_cache,
+            block_tables,
+            alone,
+            0.125,
+            torch.empty(1, num_heads, head_dim),
+            dots,
+            sinks=sinks,
+        )
+        assert torch.equal(out[row], single[0]), row
+        keys, values = (kv_cache[half, block_tables[seq].long()].flatten(0, 1)[:length].float() for half in (0, 1))
+        query = q[row : row + 1].bfloat16().float() if dots else q[row : row + 1]
+        expected = reference_attention(query, keys, values, 0.125, None, sinks)
+        tolerance = 1e-2 if dots else 1e-5
+        torch.testing.assert_close(out[row : row + 1].double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_the_kernels_refuse_sinks_that_are_not_one_float32_per_query_head(kernels):
+    attention = make_backend("cpu", 4, [LayerAttention()], [None])
+    context, query = step_context(attention, [(3, 1)], seed=1)
+    metadata = build_metadata(context.block_tables, [(3, 1)], 4, attention.device)
+    plan = cpu_kernels.KernelAttentionPlan.every_token(metadata)
+    for wrong in (SINKS.double(), SINKS[:3], SINKS.repeat(2)[::2]):
+        with pytest.raises(ValueError, match="one per query head"):
+            kernels.paged_attention(
+                query, context.kv_cache, metadata.block_tables, plan, 0.25, torch.empty(query.shape), sinks=wrong
+            )
+
+
+def test_cpu_fused_stack_attends_each_layer_with_its_sinks(kernels):
+    """The cpu backend's ``fused_attention`` carries each pool layer's sinks (a row of -inf for a layer without)
+    into the one-call stack, whose layers then equal the same layers run one by one around the backend's own
+    attention; the same stack without the sinks gives another output."""
+    from infer.kernels.cpu import FusedLayer, FusedStack, pack_weights
+    from infer.model import RotaryEmbedding, default_inverse_frequencies
+
+    hidden, intermediate, head_dim, block_size = 128, 192, 32, 4
+    q_width, kv_width = NUM_HEADS * head_dim, NUM_KV_HEADS * head_dim
+    generator = torch.Generator().manual_seed(17)
+
+    def weight(rows: int, columns: int) -> torch.Tensor:
+        return pack_weights((torch.randn(rows, columns, generator=generator) * 0.2).bfloat16())
+
+    def layer() -> FusedLayer:
+        weights = [
+            weight(q_width + 2 * kv_width, hidden),
+            weight(hidden, q_width),
+            weight(2 * intermediate, hidden),
+            weight(hidden, intermediate),
+        ]
+        norms = (torch.rand(hidden, generator=generator) + 0.5, torch.rand(hidden, generator=generator) + 0.5)
+        return FusedLayer(
+            kernels, weights, [None] * 4, [None] * 4, norms, 1e-6, q_width, NUM_HEADS + NUM_KV_HEADS, head_dim
+        )
+
+    layers = [layer() for _ in range(3)]
+    declared = [LayerAttention(window=3, sinks=True), LayerAttention(), LayerAttention(sinks=True)]
+    attention = make_backend("cpu", block_size, declared, [SINKS, None, SINKS.flip(0)], head_dim=head_dim)
+    rotary = RotaryEmbedding(default_inverse_frequencies(10000.0, head_dim), 256, torch.device("cpu"))
+    shapes = [(30, 1), (21, 3)]  # a decode at 30 cached tokens and three verification rows after 21
+    context, _ = step_context(attention, shapes, seed=19)
+    metadata = attention.prepare(build_metadata(context.block_tables, shapes, block_size, attention.device))
+    fused = attention.fused_attention(metadata)
+    assert fused.sinks[1].eq(float("-inf")).all() and torch.equal(fused.sinks[2], SINKS.flip(0))
+    pools = context.kv_cache.expand(len(layers), *context.kv_cache.shape).contiguous()
+    hidden_states = torch.randn(4, hidden, generator=generator)
+    expected_pools, residual, delta = pools.clone(), hidden_states.clone(), None
+    for index, fused_layer in enumerate(layers):
+        qkv = fused_layer.attention_input(residual, delta, metadata.positions, rotary.cos, rotary.sin)
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=1)
+        attended = attention.forward(
+            index,
+            q.view(-1, NUM_HEADS, head_dim),
+            k.reshape(-1, NUM_KV_HEADS, head_dim),
+            v.reshape(-1, NUM_KV_HEADS, head_dim),
+            expected_pools[index],
+            metadata,
+        )
+        delta = fused_layer.feed_forward(attended.reshape(-1, q_width).contiguous(), residual)
+    stack = FusedStack(kernels, layers, [0, 1, 2])
+    stacked = hidden_states.clone()
+    out = stack.run(stacked, metadata.positions, rotary.cos, rotary.sin, pools, fused)
+    torch.testing.assert_close(pools, expected_pools, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, delta, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(stacked, residual, atol=1e-4, rtol=1e-4)
+    fused.sinks = None  # the same stack without sinks: another output, so the sinks above took effect
+    other = stack.run(
+        hidden_states.clone(),
+        metadata.positions,
+        rotary.cos,
+        rotary.sin,
+        context.kv_cache.expand(len(layers), *context.kv_cache.shape).contiguous(),
+        fused,
+    )
+    assert (other - out).abs().max() > 1e-3

@@ -165,6 +165,13 @@ class WrongScaleAttention(SdpaBackend):
         self.scale = 1.0 / self.head_dim
 
 
+class SinkBlindAttention(SdpaBackend):
+    """Declares attention sinks and is given them, but attends every layer as if it had none."""
+
+    def layer_sinks(self, layer):
+        return None
+
+
 class OverlongDrafter(NgramDrafter):
     """Proposes one token more than asked."""
 
@@ -310,6 +317,27 @@ class WrongScaleAttentionSuite(AttentionConformance):
 
             num_kv_heads = num_kv_heads or self.num_kv_heads
             return WrongScaleAttention(
+                num_heads=num_kv_heads * queries_per_kv_head,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim or self.head_dim,
+                block_size=block_size,
+                dtype=dtype or torch.float32,
+                device=torch.device("cpu"),
+            )
+
+        return make
+
+
+class SinkBlindAttentionSuite(AttentionConformance):
+    impl_name = "sdpa"
+
+    @pytest.fixture
+    def attention_factory(self):
+        def make(block_size=8, queries_per_kv_head=1, dtype=None, num_kv_heads=None, head_dim=None):
+            import torch
+
+            num_kv_heads = num_kv_heads or self.num_kv_heads
+            return SinkBlindAttention(
                 num_heads=num_kv_heads * queries_per_kv_head,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim or self.head_dim,
@@ -502,6 +530,17 @@ def test_attention_suite_catches_a_wrong_softmax_scale(pytester):
     result = run_suite(pytester, WrongScaleAttentionSuite, None, "-x")
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed") == 1, result.stdout.str()  # -x: the first oracle comparison already fails
+    result.stdout.fnmatch_lines(["*Mismatched elements*"])
+
+
+def test_attention_suite_catches_a_backend_that_ignores_its_sinks(pytester):
+    result = run_suite(pytester, SinkBlindAttentionSuite, None, "-k", "sinks")
+    failed = set(re.findall(r"^FAILED test_inner\.py::TestSuite::(\w+)", result.stdout.str(), re.MULTILINE))
+    assert failed == {
+        "test_attention_sinks_match_the_oracle",
+        "test_attention_sinks_over_shared_prefix_blocks_match_the_oracle",
+    }, result.stdout.str()
+    assert result.parseoutcomes() == {"failed": 5, "deselected": result.parseoutcomes()["deselected"]}
     result.stdout.fnmatch_lines(["*Mismatched elements*"])
 
 

@@ -5,6 +5,10 @@ ragged batches: decodes, prefills and prefill chunks after a cached prefix, grou
 are shuffled physical blocks, and a pool filled with garbage so that reading the wrong slot shows. A backend that
 cannot run here (``BackendUnavailableError``: no GPU, unsupported block size) is skipped with its own message.
 
+Layer features a backend declares (``AttentionBackend.layer_features``) are checked too: a backend with "sinks"
+against the oracle with each head's sink logit as one more softmax column (with a sliding window as well where it
+declares "window"); the checks of a feature a backend does not declare are skipped.
+
 A plugin author's whole test file::
 
     from infer.testing import AttentionConformance
@@ -22,7 +26,14 @@ from typing import ClassVar
 import pytest
 import torch
 
-from infer.attention import AttentionBackend, AttentionMetadata, BackendUnavailableError, write_kv
+from infer.attention import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionMetadata,
+    BackendUnavailableError,
+    LayerAttention,
+    write_kv,
+)
 from infer.testing.suite import ConformanceSuite
 
 AttentionFactory = Callable[..., AttentionBackend]
@@ -137,11 +148,17 @@ class PagedContext:
         num_tokens = sum(query_len for _, query_len in shapes)
         return random_tensor((num_tokens, self.backend.num_heads, self.backend.head_dim), self.generator, self.backend)
 
-    def expected(self, shapes: list[Shape], query: torch.Tensor) -> torch.Tensor:
-        """The oracle's output for ``query``, sequence by sequence, as the backend's layer 0 is declared
-        (``set_layers``: its window, scale and sinks)."""
-        backend = self.backend
-        window, scale, sinks = backend.layer_window(0), backend.layer_scale(0), backend.layer_sinks(0)
+    def expected(
+        self,
+        shapes: list[Shape],
+        query: torch.Tensor,
+        layer: LayerAttention = FULL_ATTENTION,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The oracle's output for ``query``, sequence by sequence, for a layer declared as ``layer`` with the sink
+        logits ``sinks`` (what the test gave ``set_layers``, never what the backend makes of it)."""
+        window, sinks = layer.window, sinks if layer.sinks else None
+        scale = self.backend.head_dim**-0.5 if layer.scale is None else layer.scale
         outputs, start = [], 0
         for keys, values, (cached, query_len) in zip(self.keys, self.values, shapes):
             end = cached + query_len
@@ -284,11 +301,20 @@ class AttentionConformance(ConformanceSuite):
         backend = attention_factory(block_size=16, queries_per_kv_head=3, dtype=dtype)
         self.check_against_oracle(backend, BATCHES["mixed_a"], seed=5)
 
-    def check_against_oracle(self, backend: AttentionBackend, shapes: list[Shape], seed: int) -> None:
+    def check_against_oracle(
+        self,
+        backend: AttentionBackend,
+        shapes: list[Shape],
+        seed: int,
+        layer: LayerAttention = FULL_ATTENTION,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        """One step of ``shapes`` through the backend against the oracle of ``layer`` (as the backend's layer 0
+        was declared, with ``sinks``)."""
         context = PagedContext.create(backend, [cached + query_len for cached, query_len in shapes], seed)
         context.write_prefix([cached for cached, _ in shapes])
         query = context.random_query(shapes)
-        self.assert_close(context.forward(shapes, query), context.expected(shapes, query))
+        self.assert_close(context.forward(shapes, query), context.expected(shapes, query, layer, sinks))
 
     def test_writes_this_steps_kv_into_its_slots_and_nowhere_else(self, attention_factory):
         backend = attention_factory(block_size=8, queries_per_kv_head=3)
@@ -323,6 +349,36 @@ class AttentionConformance(ConformanceSuite):
         decodes = shared_prefix_step(SHARED_GROUPS, [1] * len(shapes))  # a pure decode step over the same pool
         query = context.random_query(decodes)
         self.assert_close(context.forward(decodes, query), context.expected(decodes, query))
+
+    def declare_layer(self, backend: AttentionBackend, layer: LayerAttention, sinks: torch.Tensor | None = None):
+        """``backend.set_layers([layer], [sinks])``, or a skip naming the layer features the backend does not
+        declare."""
+        missing = sorted(layer.needs - backend.layer_features)
+        if missing:
+            pytest.skip(f"{type(backend).__name__} does not declare {' and '.join(missing)} attention")
+        backend.set_layers([layer], [sinks])
+
+    @pytest.mark.parametrize("window", [None, 5], ids=lambda window: f"window{window}")
+    @pytest.mark.parametrize("block_size", [1, 16])
+    def test_attention_sinks_match_the_oracle(self, attention_factory, block_size, window):
+        """A layer with attention sinks (gpt-oss): each query head's sink logit joins its rows' softmax
+        denominator, the largest here taking nearly all of a row's probability. Decodes, prefills, a prefill chunk
+        past the built-ins' tiles and chunks after a cached prefix, with GQA."""
+        backend = attention_factory(block_size=block_size, queries_per_kv_head=3)
+        layer, sinks = LayerAttention(window=window, sinks=True), torch.linspace(-2.0, 8.0, backend.num_heads)
+        self.declare_layer(backend, layer, sinks)
+        shapes = [(0, 70), (37, 1), (40, 21), (5, 2), (90, 1)]
+        self.check_against_oracle(backend, shapes, seed=block_size + 7, layer=layer, sinks=sinks)
+
+    def test_attention_sinks_over_shared_prefix_blocks_match_the_oracle(self, attention_factory):
+        backend = attention_factory(block_size=16, queries_per_kv_head=3)
+        layer, sinks = LayerAttention(sinks=True), torch.linspace(8.0, -2.0, backend.num_heads)
+        self.declare_layer(backend, layer, sinks)
+        context = PagedContext.create_shared(backend, SHARED_GROUPS, seed=15)
+        shapes = shared_prefix_step(SHARED_GROUPS, SHARED_QUERY_LENS)
+        context.write_prefix([cached for cached, _ in shapes])
+        query = context.random_query(shapes)
+        self.assert_close(context.forward(shapes, query), context.expected(shapes, query, layer, sinks))
 
     def test_prefix_hit_gives_the_same_output_as_a_miss(self, attention_factory):
         backend = attention_factory(block_size=16, queries_per_kv_head=1)

@@ -34,6 +34,12 @@ Sliding-window layers (``LayerAttention.window``) are attended by the same kerne
 decode kernel starts each query at the chunk of keys that holds its window's first, infer's flash attention packs
 and reads a chunk's keys from its first row's window on, and torch's gathers the blocks from there with a banded
 mask. The fused stack takes a window per pool layer. Blocks wholly before a window are never read.
+
+Attention sinks (``LayerAttention.sinks``) change only each row's final normaliser: the kernels (paged, infer's
+flash attention on dot products, FMAs or AMX tiles, and the fused stack, which takes a row of sinks per pool layer)
+add ``exp(sink - m)`` to the softmax's running denominator once its keys are done, ``m`` the larger of the row's
+maximum and the sink; torch's flash attention returns each row's log-sum-exp, and its output is rescaled by
+``sigmoid(lse - sink)``, the same thing.
 """
 
 from __future__ import annotations
@@ -156,7 +162,7 @@ class CpuBackend(AttentionBackend):
 
     config_model = CpuAttentionConfig
     draft_trees = True
-    layer_features = frozenset({"window"})
+    layer_features = frozenset({"window", "sinks"})
 
     @classmethod
     def auto_priority(cls, environment: AttentionEnvironment) -> int | None:
@@ -214,12 +220,18 @@ class CpuBackend(AttentionBackend):
         # each pool layer's sliding window for the fused stack (0: none); None while no layer has one
         self.windows: torch.Tensor | None = None
         self.one_scale = True  # every layer's softmax scale is self.scale, the one the fused stack takes
+        # each pool layer's sink logits for the fused stack ([layers, heads], -inf: none); None while no layer has any
+        self.sink_table: torch.Tensor | None = None
 
     def set_layers(self, layers: Sequence[LayerAttention], sinks: Sequence[torch.Tensor | None] | None = None) -> None:
-        """``AttentionBackend.set_layers``, and the windows and scale the fused stack reads."""
+        """``AttentionBackend.set_layers``, and the windows, sinks and scale the fused stack reads."""
         super().set_layers(layers, sinks)
         windows = [self.layer_window(layer) or 0 for layer in range(len(self.layers))]
         self.windows = torch.tensor(windows, dtype=torch.int64) if any(windows) else None
+        self.sink_table = None
+        if any(logits is not None for logits in self.sinks):
+            none = torch.full((self.num_heads,), float("-inf"))
+            self.sink_table = torch.stack([none if logits is None else logits for logits in self.sinks]).contiguous()
         self.one_scale = all(self.layer_scale(layer) == self.scale for layer in range(len(self.layers)))
 
     def check_supported(self) -> None:
@@ -278,13 +290,13 @@ class CpuBackend(AttentionBackend):
     def fused_attention(self, metadata: AttentionMetadata) -> KernelAttentionStep | None:
         """Every query of the step on the kernel, as the fused stack computes it (decode and verification are
         exactly this backend's; a step small enough for the stack attends on the kernel whatever
-        ``prefill_dtype`` says), each layer with its sliding window. None where the layers' softmax scales differ:
-        the stack takes one scale."""
+        ``prefill_dtype`` says), each layer with its sliding window and sinks. None where the layers' softmax scales
+        differ: the stack takes one scale."""
         if not self.one_scale:
             return None
         plan = metadata.plan if isinstance(metadata, CpuMetadata) else None
         return KernelAttentionStep.from_metadata(
-            metadata, self.num_heads, self.scale, self.decode_dots, plan, self.windows
+            metadata, self.num_heads, self.scale, self.decode_dots, plan, self.windows, self.sink_table
         )
 
     def describe(self) -> str:
@@ -311,35 +323,48 @@ class CpuBackend(AttentionBackend):
             metadata = self.prepare(metadata)
         self.kernels.write_kv(kv_cache, k, v, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)
-        window, scale = self.layer_window(layer), self.layer_scale(layer)
+        window, scale, sinks = self.layer_window(layer), self.layer_scale(layer), self.layer_sinks(layer)
         if metadata.plan is not None:
             self.kernels.paged_attention(
-                q, kv_cache, metadata.block_tables, metadata.plan, scale, out, self.decode_dots, window
+                q, kv_cache, metadata.block_tables, metadata.plan, scale, out, self.decode_dots, window, sinks
             )
         if metadata.flash is not None:
             self.kernels.flash_attention(
-                q, kv_cache, metadata.block_tables, metadata.flash, scale, out, self.prefill_fma, window
+                q, kv_cache, metadata.block_tables, metadata.flash, scale, out, self.prefill_fma, window, sinks
             )
         prefills = metadata.window_prefills[window] if window and metadata.prefills else metadata.prefills
         for prefill in prefills:
-            out[prefill.start : prefill.end] = self._flash(q[prefill.start : prefill.end], kv_cache, prefill, scale)
+            rows = q[prefill.start : prefill.end]
+            out[prefill.start : prefill.end] = self._flash(rows, kv_cache, prefill, scale, sinks)
         return out
 
-    def _flash(self, q: torch.Tensor, kv_cache: torch.Tensor, prefill: PrefillQuery, scale: float) -> torch.Tensor:
+    def _flash(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, prefill: PrefillQuery, scale: float, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
         """One sequence's query rows ``[n, heads, head_dim]`` by torch's flash attention in bf16 over its context
-        (a bf16 pool is read as it is, a float32 one rounded)."""
+        (a bf16 pool is read as it is, a float32 one rounded); with ``sinks`` (``[heads]``) each row rescaled by
+        ``sigmoid(lse - sink)`` from the log-sum-exp the CPU flash kernel returns."""
         # [1, heads, tokens, head_dim]: with three dimensions torch takes its math path (13x slower here)
         keys, values = (
             side[: prefill.context - prefill.first_block * self.block_size].transpose(0, 1)[None]
             for side in gather_blocks(kv_cache, prefill.block_ids, torch.bfloat16)
         )
-        attended = F.scaled_dot_product_attention(
-            q.to(torch.bfloat16).transpose(0, 1)[None],
-            keys,
-            values,
-            attn_mask=prefill.mask,
-            is_causal=prefill.mask is None,
-            scale=scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return attended[0].transpose(0, 1).float()
+        queries = q.to(torch.bfloat16).transpose(0, 1)[None]
+        if sinks is None:
+            attended = F.scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                attn_mask=prefill.mask,
+                is_causal=prefill.mask is None,
+                scale=scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            return attended[0].transpose(0, 1).float()
+        per_kv_head = self.num_heads // self.num_kv_heads
+        keys, values = (side.repeat_interleave(per_kv_head, dim=1) for side in (keys, values))
+        attended, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            queries, keys, values, is_causal=prefill.mask is None, attn_mask=prefill.mask, scale=scale
+        )  # [1, heads, n, head_dim], [1, heads, n]
+        attended = attended.float() * torch.sigmoid(lse - sinks[:, None]).unsqueeze(-1)
+        return attended[0].transpose(0, 1)

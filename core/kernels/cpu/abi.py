@@ -79,6 +79,7 @@ _SIGNATURES = {
         _INT,
         _INT,
         _INT,
+        _POINTER,
     ],
     "infer_layers_few": [
         _POINTER,
@@ -135,6 +136,7 @@ _SIGNATURES = {
         _INT,
         _INT,
         _INT,
+        _POINTER,
     ],
 }
 
@@ -217,6 +219,7 @@ class AttentionStepStruct(ctypes.Structure):
         for name in ("queries", "max_context", "num_heads", "num_kv_heads", "head_dim", "block_size", "num_blocks")
     ]
     _fields_ += [("scale", _FLOAT), ("kv_bf16", _INT), ("own_keys", _POINTER), ("dots", _INT), ("windows", _POINTER)]
+    _fields_ += [("sinks", _POINTER)]
 
 
 @dataclass(slots=True)
@@ -719,6 +722,7 @@ class CpuKernels:
         out: torch.Tensor,
         dots: bool = False,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The rows of ``q`` ``[T, heads, head_dim]`` (rows may be strided) that ``plan`` names attend to their
         contexts, read through ``block_tables`` (int32) from one layer's pool; results land in the same rows of
@@ -726,11 +730,14 @@ class CpuKernels:
         ``self.flash``'s AVX512-BF16 build; ignored elsewhere): the queries and the probabilities rounded to bf16
         and multiplied on the dot products, scores and sums float32 (the flash attention's precision); else
         float32 queries and probabilities over the widened K/V. ``window``: a sliding window, each query sees the
-        last ``window`` tokens of its context (blocks wholly before them are not read); None: all of them."""
+        last ``window`` tokens of its context (blocks wholly before them are not read); None: all of them.
+        ``sinks``: attention sinks, a float32 logit per query head (contiguous ``[heads]``; -inf: none) in each
+        row's softmax denominator; None: none."""
         check_rows(q)
         check_pool(kv_cache)
         check_block_tables(block_tables)
         _, num_heads, head_dim = q.shape
+        check_sinks(sinks, num_heads)
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         rows = address(plan.rows)
         self._paged_attention(
@@ -755,6 +762,7 @@ class CpuKernels:
             kv_cache.dtype == torch.bfloat16,
             dots,
             window_arg(window),
+            address(sinks),
         )
         return out
 
@@ -768,6 +776,7 @@ class CpuKernels:
         out: torch.Tensor,
         fma: bool = False,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention for the prefill chunks ``chunks`` names (rows of ``q`` ``[T, heads, head_dim]``, rows
         may be strided) over their contexts in one layer's pool, at the precision of torch's bf16 flash attention
@@ -777,11 +786,13 @@ class CpuKernels:
         else on AVX512-BF16's dot products. ``fma``: float32 FMAs over the widened K/V instead, Q and the
         probabilities not rounded (faster where the CPU's float32 rate beats its bf16 dot products, as
         ``linear_tiles``' ``fma``). ``window``: a sliding window, each row sees its own position and the
-        ``window - 1`` before it (keys before the window of a chunk's first row are not read); None: every one."""
+        ``window - 1`` before it (keys before the window of a chunk's first row are not read); None: every one.
+        ``sinks``: as ``paged_attention``'s."""
         check_rows(q)
         check_pool(kv_cache)
         check_block_tables(block_tables)
         _, num_heads, head_dim = q.shape
+        check_sinks(sinks, num_heads)
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         if not self.flash or head_dim % 64:
             raise ValueError(
@@ -811,6 +822,7 @@ class CpuKernels:
             kv_cache.dtype == torch.bfloat16,
             fma,
             window_arg(window),
+            address(sinks),
         )
         return out
 
@@ -847,6 +859,17 @@ def window_arg(window: int | None) -> int:
     if window is not None and window < 1:
         raise ValueError(f"a sliding window holds at least one token, got {window}")
     return window or 0
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    """Attention sinks as the C side reads them: None, or ``num_heads`` contiguous float32 logits."""
+    if sinks is not None and (
+        sinks.dtype != torch.float32 or not sinks.is_contiguous() or tuple(sinks.shape) != (num_heads,)
+    ):
+        raise ValueError(
+            f"attention sinks are {num_heads} contiguous float32 logits, one per query head; got "
+            f"{tuple(sinks.shape)} {sinks.dtype}"
+        )
 
 
 def scale_groups(scales: torch.Tensor | None) -> int:

@@ -321,7 +321,8 @@ class KernelAttentionStep:
     ``plan``, its K/V written at ``slots`` (int64, negative: skipped), contexts read through ``block_tables``;
     ``dots``: on the dot products over a bf16 pool (``CpuKernels.paged_attention``'s ``dots``); ``windows``: each
     pool layer's sliding window (int64, contiguous, 0: none; ``CpuKernels.paged_attention``'s ``window``), or None
-    when no layer has one."""
+    when no layer has one; ``sinks``: each pool layer's attention sinks (float32 ``[layers, heads]``, contiguous,
+    -inf: none; ``CpuKernels.paged_attention``'s ``sinks``), or None when no layer has them."""
 
     plan: KernelAttentionPlan
     block_tables: torch.Tensor
@@ -330,6 +331,7 @@ class KernelAttentionStep:
     scale: float
     dots: bool = False
     windows: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
 
     @classmethod
     def from_metadata(
@@ -340,12 +342,13 @@ class KernelAttentionStep:
         dots: bool = False,
         plan: KernelAttentionPlan | None = None,
         windows: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> KernelAttentionStep:
         """The step's attention from the core metadata every backend receives (the model's shapes beside it);
         ``plan``: the step's every-token plan where the caller already built one (built here otherwise)."""
         if plan is None or plan.rows is not None:  # none, or only some tokens'
             plan = KernelAttentionPlan.every_token(metadata)
-        return cls(plan, metadata.block_tables, metadata.slot_mapping, num_heads, scale, dots, windows)
+        return cls(plan, metadata.block_tables, metadata.slot_mapping, num_heads, scale, dots, windows, sinks)
 
     def struct(self, kv_cache: torch.Tensor) -> AttentionStepStruct:
         """The C side's view of this step over the pools ``kv_cache`` (``[..., num_blocks, block_size, kv_heads,
@@ -371,6 +374,7 @@ class KernelAttentionStep:
             address(plan.own_keys),
             self.dots,
             address(self.windows),
+            address(self.sinks),
         )
 
     def check(self) -> None:
@@ -378,3 +382,7 @@ class KernelAttentionStep:
         check_slots(self.slots)
         if self.windows is not None and (self.windows.dtype != torch.int64 or not self.windows.is_contiguous()):
             raise ValueError("a fused step's windows are contiguous int64, one per pool layer")
+        if self.sinks is not None and (
+            self.sinks.dtype != torch.float32 or not self.sinks.is_contiguous() or self.sinks.shape[-1] != self.num_heads
+        ):
+            raise ValueError("a fused step's sinks are contiguous float32 [pool layers, num_heads]")

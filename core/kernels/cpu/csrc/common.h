@@ -116,6 +116,16 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return total;
 }
 
+/* What divides a softmax row's weighted sums into its attention output when a sink logit joins the denominator
+ * (attention sinks): the sums and their exponentials' `total` are taken against the row's maximum `best`, so it is
+ * 1 / (total + exp(sink - best)), computed against the larger of `best` and `sink` so that no exponential
+ * overflows. A sink of -INFINITY adds nothing: 1 / total. */
+static inline float sink_inverse(float total, float best, float sink) {
+    if (!(sink > best)) return 1.0f / (total + expf(sink - best));
+    const float shrink = expf(best - sink);
+    return shrink / (total * shrink + 1.0f);
+}
+
 /* y[i] = exp(x[i] - shift) in place, returns the sum of y (a softmax's numerators and denominator). */
 static inline float exp_shifted_sum(float *x, int64_t n, float shift) {
     int64_t i = 0;

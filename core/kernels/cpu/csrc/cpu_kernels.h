@@ -154,14 +154,16 @@ void infer_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_
  * position while its K/V were written past the spine. With `dots` (a bf16 pool of 64-wide heads in an AVX512-BF16
  * build; ignored elsewhere) the queries and the probabilities are rounded to bf16 and multiplied on VDPBF16PS,
  * scores, maxima and sums float32 (the flash attention's precision). With a sliding `window` (> 0; 0: none) each
- * query sees only the last `window` of its context's tokens, and blocks wholly before them are not read.
- * max_context is not read. */
+ * query sees only the last `window` of its context's tokens, and blocks wholly before them are not read. With
+ * `sinks` (NULL: none; else num_heads floats, -INFINITY for a head without one) head h's sink logit joins its
+ * softmax's denominator: its probability mass is taken from every key alike, and it adds no value (gpt-oss's
+ * attention sinks). max_context is not read. */
 void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
                            int64_t table_stride, const int64_t *rows, const int64_t *seq_of_query,
                            const int64_t *context_lens, const int64_t *own_keys, float *out, int64_t queries,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                            int64_t num_blocks, int64_t max_context, float scale, int64_t kv_bf16, int64_t dots,
-                           int64_t window);
+                           int64_t window, const float *sinks);
 
 /* Causal attention for `count` prefill chunks: chunk i is token rows starts[i] .. starts[i] + query_lens[i] - 1 of
  * q [T, num_heads, head_dim] (float32, rows q_stride apart), positions contexts[i] - query_lens[i] onwards of the
@@ -170,13 +172,14 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
  * precision of torch's bf16 flash attention: Q, K, V and the probabilities rounded to bf16, the scores, the softmax
  * and the sums float32; with `fma`, float32 FMAs over the widened K/V instead, Q and the probabilities kept float32.
  * With a sliding `window` (> 0; 0: none) a row sees only its own position and the window - 1 before it, and keys
- * before the window of a chunk's first row are not read. head_dim must be a multiple of 64, and the build must have
- * it (infer_flash_kind() > 0; else this aborts). */
+ * before the window of a chunk's first row are not read. `sinks`: as infer_paged_attention's. head_dim must be a
+ * multiple of 64, and the build must have it (infer_flash_kind() > 0; else this aborts). */
 void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
                            int64_t table_stride, const int64_t *starts, const int64_t *query_lens,
                            const int64_t *contexts, const int64_t *tables, int64_t count, float *out,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           int64_t num_blocks, float scale, int64_t kv_bf16, int64_t fma, int64_t window);
+                           int64_t num_blocks, float scale, int64_t kv_bf16, int64_t fma, int64_t window,
+                           const float *sinks);
 
 /* ---- a few tokens through layers, attention included (fused.c) -------------------------------------------------- */
 
@@ -213,6 +216,8 @@ typedef struct {
     const int64_t *own_keys;  /* NULL, or a draft tree's leaves' own K/V (infer_paged_attention's own_keys) */
     int64_t dots;  /* a bf16 pool's queries on AVX512-BF16's dot products (infer_paged_attention's dots) */
     const int64_t *windows;  /* NULL, or each pool layer's sliding window (infer_paged_attention's; 0: none) */
+    const float *sinks;  /* NULL, or each pool layer's num_heads sink logits (infer_paged_attention's; -INFINITY:
+                          * none), layer after layer */
 } infer_attention_step;
 
 /* An EAGLE draft head (plugins/drafters/eagle): RMSNorm weights, its fc [hidden, 2 * hidden] and its

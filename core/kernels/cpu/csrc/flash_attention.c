@@ -298,7 +298,7 @@ static void softmax_tile(const flash_rows *buf, int64_t rows, int64_t per_kv, in
 
 /* One work item on the dot products (or the FMAs): its rows' online softmax over every tile of keys from the first
  * row's first (0, or its window's) up to the last row's position (keys beyond it are never seen), then each row's
- * result divided by its sum into out. */
+ * result divided by its sum (plus its head's sink, if any) into out. */
 static void flash_item_dots(const flash_call *call, const flash_rows *buf, int64_t item) {
     const int64_t per_kv = call->num_heads / call->num_kv_heads, head_dim = call->head_dim;
     const flash_item it = flash_item_at(call, item, call->num_kv_heads);
@@ -315,7 +315,8 @@ static void flash_item_dots(const flash_call *call, const flash_rows *buf, int64
     }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t token = call->starts[it.chunk] + it.first + r / per_kv, head = it.head * per_kv + r % per_kv;
-        const float inverse = 1.0f / buf->total[r];
+        const float inverse = call->sinks ? sink_inverse(buf->total[r], buf->best[r], call->sinks[head])
+                                          : 1.0f / buf->total[r];
         float *result = call->out + (token * call->num_heads + head) * head_dim;
         for (int64_t d = 0; d < head_dim; d++) result[d] = buf->acc[r * head_dim + d] * inverse;
     }
@@ -403,11 +404,12 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
                            int64_t table_stride, const int64_t *starts, const int64_t *query_lens,
                            const int64_t *contexts, const int64_t *tables, int64_t count, float *out,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           int64_t num_blocks, float scale, int64_t kv_bf16, int64_t fma, int64_t window) {
+                           int64_t num_blocks, float scale, int64_t kv_bf16, int64_t fma, int64_t window,
+                           const float *sinks) {
 #if INFER_AVX512_BF16
     flash_call call = {q, q_stride, kv, block_tables, table_stride, starts, query_lens, contexts, tables, count, out,
                        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, kv_bf16, fma, window,
-                       !fma && head_dim == 64 && amx_available(), NULL, NULL, NULL, NULL};
+                       sinks, !fma && head_dim == 64 && amx_available(), NULL, NULL, NULL, NULL};
     plan_chunks(&call);
 #pragma omp parallel
     {
@@ -426,7 +428,7 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
 #else
     (void)q; (void)q_stride; (void)kv; (void)block_tables; (void)table_stride; (void)starts; (void)query_lens;
     (void)contexts; (void)tables; (void)count; (void)out; (void)num_heads; (void)num_kv_heads; (void)head_dim;
-    (void)block_size; (void)num_blocks; (void)scale; (void)kv_bf16; (void)fma; (void)window;
+    (void)block_size; (void)num_blocks; (void)scale; (void)kv_bf16; (void)fma; (void)window; (void)sinks;
     abort();  /* the Python side asks infer_flash_kind first */
 #endif
 }

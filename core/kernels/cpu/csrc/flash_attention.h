@@ -30,6 +30,7 @@ typedef struct {
     float scale;
     int64_t kv_bf16, fma;
     int64_t window;  /* a sliding window: each row sees its last `window` positions (0: every earlier one) */
+    const float *sinks;  /* NULL, or a sink logit per query head in each row's denominator (-INFINITY: none) */
     int amx;  /* the bf16 products on AMX tiles (head_dim 64, the build and Linux allow): a work item per query head */
     int64_t *packed_at, *items_at;
     uint16_t *packed_keys, *packed_values;

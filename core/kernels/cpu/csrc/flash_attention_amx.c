@@ -133,10 +133,10 @@ static inline __attribute__((always_inline)) void weigh_tile(const uint16_t (*pr
     _tile_dpbf16ps(7, 5, 4);
 }
 
-/* O^T (tiles 2, 3, 6, 7) back to a row per token, divided by the token's sum (total), into out (rows out_stride
- * floats apart). */
-static inline __attribute__((always_inline)) void store_tokens(__m512 total, int64_t tokens, float *out,
-                                                               int64_t out_stride) {
+/* O^T (tiles 2, 3, 6, 7) back to a row per token, divided by the token's sum (total, against its maximum held),
+ * with the head's `sink` logit added (-INFINITY: none), into out (rows out_stride floats apart). */
+static inline __attribute__((always_inline)) void store_tokens(__m512 total, __m512 held, float sink, int64_t tokens,
+                                                               float *out, int64_t out_stride) {
     float results[HEAD_DIM][16];
     _tile_stored(2, &results[0][0], 64);
     _tile_stored(3, &results[16][0], 64);
@@ -144,6 +144,12 @@ static inline __attribute__((always_inline)) void store_tokens(__m512 total, int
     _tile_stored(7, &results[48][0], 64);
     float inverse[16];
     _mm512_storeu_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
+    if (sink > -INFINITY) {
+        float sums[16], maxima[16];
+        _mm512_storeu_ps(sums, total);
+        _mm512_storeu_ps(maxima, held);
+        for (int64_t t = 0; t < tokens; t++) inverse[t] = sink_inverse(sums[t], maxima[t], sink);
+    }
     const __m512i dim_rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1,
                                                                  0), _mm512_set1_epi32(16));
     for (int64_t t = 0; t < tokens; t++) {
@@ -156,13 +162,14 @@ static inline __attribute__((always_inline)) void store_tokens(__m512 total, int
 
 /* One work item: `tokens` (<= 16) query rows of one head, q_stride floats apart, positions offset onwards, against
  * the keys and values packed by flash_pack_key_amx from key `from` (a tile's first: the first any row sees) on,
- * with a sliding `window` (0: none), into out (rows out_stride floats apart). The caller has loaded the tile
+ * with a sliding `window` (0: none) and the head's `sink` logit (-INFINITY: none), into out (rows out_stride floats
+ * apart). The caller has loaded the tile
  * configuration (every tile 16 rows of 64 bytes). Each tile's scores are computed on the tile unit while the
  * previous tile's softmax runs on the vector units. A token that has seen no key yet (before its window) holds
  * -inf, and its probabilities are taken against 0 instead (all zero, not (-inf) - (-inf)). */
 static void flash_item_amx(const float *q, int64_t q_stride, int64_t tokens, int64_t offset, int64_t from,
-                           int64_t window, const uint16_t *keys, const uint16_t *values, float scale, float *out,
-                           int64_t out_stride) {
+                           int64_t window, const uint16_t *keys, const uint16_t *values, float scale, float sink,
+                           float *out, int64_t out_stride) {
     uint32_t q_t[HEAD_DIM / 2][16];         /* Q^T as B tiles: per dim pair, the 16 tokens' pairs */
     float scores[FLASH_KEYS][16];           /* S^T: a key per row, a token per lane */
     uint16_t probs[FLASH_KEYS / 2][16][2];  /* P^T as a B tile: per key pair, the 16 tokens' pairs */
@@ -196,7 +203,7 @@ static void flash_item_amx(const float *q, int64_t q_stride, int64_t tokens, int
         total = _mm512_add_ps(total, tile_probs(scores, shift, probs));
         weigh_tile(probs, values + (k0 - from) * HEAD_DIM);
     }
-    store_tokens(total, tokens, out, out_stride);
+    store_tokens(total, held, sink, tokens, out, out_stride);
 }
 
 void flash_items_amx(const flash_call *call) {
@@ -209,6 +216,7 @@ void flash_items_amx(const flash_call *call) {
         const int64_t row = call->starts[it.chunk] + it.first;
         flash_item_amx(call->q + row * call->q_stride + it.head * head_dim, call->q_stride, it.tokens, it.offset,
                        it.from, call->window, call->packed_keys + at, call->packed_values + at, call->scale,
+                       call->sinks ? call->sinks[it.head] : -INFINITY,
                        call->out + (row * call->num_heads + it.head) * head_dim, call->num_heads * head_dim);
     }
     _tile_release();

@@ -92,7 +92,8 @@ void infer_layers_few(const infer_layer *layers, const int64_t *kv_layers, int64
                               step->seq_of_query, step->context_lens, step->own_keys, attended, step->queries,
                               step->num_heads, step->num_kv_heads, step->head_dim, step->block_size,
                               step->num_blocks, step->max_context, step->scale, step->kv_bf16, step->dots,
-                              step->windows ? step->windows[kv_layers[l]] : 0);
+                              step->windows ? step->windows[kv_layers[l]] : 0,
+                              step->sinks ? step->sinks + kv_layers[l] * step->num_heads : NULL);
         infer_layer_feed_forward(&layers[l], tokens, attended, residual, delta);
     }
     free(attended);

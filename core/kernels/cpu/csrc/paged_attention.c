@@ -388,7 +388,8 @@ static inline void run_items(const decode_call *call, const decode_plan *plan, f
 
 /* ---- the merge -------------------------------------------------------------------------------------------------- */
 
-/* Query i's result: each head's chunks merged in order, each scaled to their common maximum. */
+/* Query i's result: each head's chunks merged in order, each scaled to their common maximum, the head's sink (if
+ * any) in the denominator. */
 static inline void merge_query(const decode_call *call, const decode_plan *plan, const float *partial, int64_t i) {
     const int64_t head_dim = call->head_dim, num_heads = call->num_heads, entry = head_dim + 2;
     const int64_t row = call->rows ? call->rows[i] : call->row_base + i;
@@ -397,7 +398,8 @@ static inline void merge_query(const decode_call *call, const decode_plan *plan,
         const float *own = partial + (plan->partial_at[i] + h * count) * entry;
         float *restrict result = call->out + (row * num_heads + h) * head_dim;
         if (count == 1) {  /* what the general case computes for one chunk: exp(0) = 1, 0 + x = x */
-            const float factor = 1.0f / own[head_dim + 1];
+            const float factor = call->sinks ? sink_inverse(own[head_dim + 1], own[head_dim], call->sinks[h])
+                                             : 1.0f / own[head_dim + 1];
             for (int64_t d = 0; d < head_dim; d++) result[d] = own[d] * factor;
             continue;
         }
@@ -407,9 +409,10 @@ static inline void merge_query(const decode_call *call, const decode_plan *plan,
             scales[c] = expf(own[c * entry + head_dim] - top);
             total += own[c * entry + head_dim + 1] * scales[c];
         }
+        const float inverse = call->sinks ? sink_inverse(total, top, call->sinks[h]) : 1.0f / total;
         for (int64_t d = 0; d < head_dim; d++) result[d] = 0.0f;
         for (int64_t c = 0; c < count; c++) {
-            const float factor = scales[c] / total;
+            const float factor = scales[c] * inverse;
             const float *restrict sums = own + c * entry;
             for (int64_t d = 0; d < head_dim; d++) result[d] += sums[d] * factor;
         }

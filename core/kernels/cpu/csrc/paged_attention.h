@@ -11,7 +11,10 @@
  * Sliding windows (`window` > 0): query i sees only its context's last `window` tokens, so its chunks start at the
  * one that holds its first key (first_key), and an item's rows start at its queries' earliest first key: blocks
  * wholly before every window are never read. A query scores its own keys only (those before its first key weigh
- * zero), so its result is the same alone or beside others. */
+ * zero), so its result is the same alone or beside others.
+ *
+ * Attention sinks (`sinks`, one logit per query head): the merge adds exp(sink - m) to each head's denominator, m
+ * the larger of its chunks' maximum and the sink; the work items do not change. */
 #ifndef INFER_PAGED_ATTENTION_H
 #define INFER_PAGED_ATTENTION_H
 
@@ -41,6 +44,7 @@ typedef struct {
     float scale;
     int64_t kv_bf16, dots;
     int64_t window;  /* 0: every earlier token */
+    const float *sinks;  /* NULL, or a sink logit per query head (-INFINITY: none) */
 } decode_call;
 
 static inline int64_t chunks_of(int64_t context) { return (context + DECODE_CHUNK - 1) / DECODE_CHUNK; }

@@ -156,7 +156,7 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
                            const int64_t *context_lens, const int64_t *own_keys, float *out, int64_t queries,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                            int64_t num_blocks, int64_t max_context, float scale, int64_t kv_bf16, int64_t dots,
-                           int64_t window) {
+                           int64_t window, const float *sinks) {
     (void)max_context;
     const int64_t entry = head_dim + 2;
     for (int64_t first = 0, last = 0; first < queries; first = last) {
@@ -169,7 +169,7 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
         const decode_call call = {q, q_stride, kv, block_tables, table_stride, rows ? rows + first : NULL, first,
                                   seq_of_query + first, context_lens + first, own_keys ? own_keys + first : NULL,
                                   out, last - first, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
-                                  scale, kv_bf16, dots, window};
+                                  scale, kv_bf16, dots, window, sinks};
         decode_plan plan = make_decode_plan(&call);
         run_decode_plan(&call, &plan);
         free_decode_plan(&plan);
