@@ -114,6 +114,35 @@ def test_rope_widened_is_the_bf16_rows_widened_then_rotated(kernels, tokens):
         kernels.rope_widened(qkv.float(), positions, rotary.cos, rotary.sin, num_heads, head_dim)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [5, 70])
+def test_rope_norms_are_each_head_rms_normed_then_rotated(kernels, tokens, dtype):
+    """Qwen3's q/k norms and RoPE in one pass: each Q head normed by q_norm, each K head by k_norm, then rotated;
+    V untouched; bf16 rows (a bf16 GEMM's output) widened into a float32 copy, float32 rows changed in place."""
+    head_dim, num_heads, num_kv_heads, eps = 64, 6, 2, 1e-6
+    rotary = RotaryEmbedding(default_inverse_frequencies(10000.0, head_dim), 4096, torch.device("cpu"))
+    qkv = randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, seed=6, scale=3.0).to(dtype)
+    q_norm, k_norm = randn(head_dim, seed=8), randn(head_dim, seed=9)
+    positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(7))
+    wide = qkv.float()
+    q = F.rms_norm(wide[:, : num_heads * head_dim].view(tokens, num_heads, head_dim), (head_dim,), q_norm, eps)
+    k_heads = wide[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    k = F.rms_norm(k_heads.reshape(tokens, num_kv_heads, head_dim), (head_dim,), k_norm, eps)
+    cos, sin = rotary(positions, torch.float32)
+    expected = apply_rotary(torch.cat((q, k), dim=1), cos, sin)
+    rotated = num_heads + num_kv_heads
+    out = kernels.rope_norms(qkv, positions, rotary.cos, rotary.sin, num_heads, rotated, head_dim, q_norm, k_norm, eps)
+    assert out.dtype == torch.float32 and (out is qkv) == (dtype == torch.float32)
+    torch.testing.assert_close(
+        out[:, : rotated * head_dim].view(tokens, rotated, head_dim), expected, atol=1e-5, rtol=1e-5
+    )
+    assert torch.equal(out[:, rotated * head_dim :], wide[:, rotated * head_dim :])
+    with pytest.raises(ValueError, match="norm weights"):
+        kernels.rope_norms(
+            qkv, positions, rotary.cos, rotary.sin, num_heads, rotated, head_dim, q_norm[:8], k_norm, eps
+        )
+
+
 def test_write_kv_reads_strided_rows_and_skips_padding_slots(kernels):
     kv_cache = torch.zeros(2, 4, 2, 3, 8)  # 8 slots of 3 heads x 8
     qkv = randn(3, 5 * 3 * 8, seed=6)  # K and V are strided views into a wider row, as the model passes them

@@ -166,7 +166,7 @@ def kernel_step(kernels):
 
     from infer.model.ops import StepOps
 
-    return SimpleNamespace(ops=StepOps(None, None, torch.float32, kernels))
+    return SimpleNamespace(ops=StepOps(None, None, kernels))
 
 
 @pytest.fixture(scope="module")

@@ -276,9 +276,7 @@ class Executor:
         kernels for float32 on a CPU."""
         usable = self.kernels is not None and dtype == torch.float32 and metadata.positions.device.type == "cpu"
         large = self.bf16_gemm_inputs and metadata.num_tokens > self.fused_max_tokens
-        ops = StepOps(
-            rotary, metadata.positions, dtype, self.kernels if usable else None, torch.bfloat16 if large else None
-        )
+        ops = StepOps(rotary, metadata.positions, self.kernels if usable else None, torch.bfloat16 if large else None)
         return ExecutionStep(metadata, kv_cache, attention, ops, self)
 
     def fuses(self, layers: Sequence[DecoderLayer], step: ExecutionStep) -> bool:

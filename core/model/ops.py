@@ -29,7 +29,6 @@ class StepOps:
         self,
         rotary: RotaryEmbedding,
         positions: torch.Tensor,
-        dtype: torch.dtype,
         kernels: CpuKernels | None = None,
         gemm_dtype: torch.dtype | None = None,
     ):
@@ -39,8 +38,6 @@ class StepOps:
         self.gemm_dtype = gemm_dtype if kernels is not None else None
         # cos/sin at this step's positions, by table and dtype: indexed once a step, whatever the layers that read them
         self._tables: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        if kernels is None:
-            self.cos, self.sin = self.table(rotary, dtype)
 
     def table(self, rotary: RotaryEmbedding, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``rotary``'s cos and signed sin at this step's positions in ``dtype`` (``RotaryEmbedding.forward``)."""
@@ -50,27 +47,46 @@ class StepOps:
         return self._tables[key]
 
     def rotate(
-        self, qkv: torch.Tensor, num_heads: int, head_dim: int, rotary: RotaryEmbedding | None = None
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding | None = None,
+        head_norms: tuple[RMSNorm, RMSNorm, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(qkv, heads)``: the QKV projection's output ``[T, width]`` in float32 (widened where this step narrows
         GEMM inputs), and its first ``num_heads`` heads rotated, ``[T, num_heads, head_dim]`` (with the
         kernels: rotated in place, a view of the returned ``qkv``; a bf16 output widened and rotated in one pass).
-        ``rotary``: a layer's own table instead of the step's; a table narrower than the heads (partial rotary) and
-        another table than the step's rotate in torch."""
-        if rotary is not None or self.rotary.rotary_dim != head_dim:
-            rotary = rotary or self.rotary
-            qkv = qkv.float() if self.gemm_dtype is not None and qkv.dtype == self.gemm_dtype else qkv
-            cos, sin = self.table(rotary, qkv.dtype)
+        ``rotary``: a layer's own table instead of the step's. ``head_norms`` ``(q_norm, k_norm, q_heads)``: each
+        head RMSNormed before its rotation (``head_norms``), in the same pass with the kernels. A table narrower
+        than the heads (partial rotary) rotates in torch."""
+        table = rotary or self.rotary
+        if self.kernels is None or table.rotary_dim != head_dim:
+            if head_norms is not None:
+                q_norm, k_norm, q_heads = head_norms
+                qkv = self.head_norms(qkv, q_norm, k_norm, q_heads, num_heads - q_heads)
+            if self.gemm_dtype is not None and qkv.dtype == self.gemm_dtype:
+                qkv = qkv.float()
+            cos, sin = self.table(table, qkv.dtype)
             heads = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
             return qkv, apply_rotary(heads, cos, sin)
-        if self.gemm_dtype is not None and qkv.dtype == self.gemm_dtype:  # set only with the kernels
-            qkv = self.kernels.rope_widened(qkv, self.positions, self.rotary.cos, self.rotary.sin, num_heads, head_dim)
-            return qkv, qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
-        heads = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
-        if self.kernels is None:
-            return qkv, apply_rotary(heads, self.cos, self.sin)
-        self.kernels.rope_(qkv, self.positions, self.rotary.cos, self.rotary.sin, num_heads, head_dim)
-        return qkv, heads
+        narrowed = self.gemm_dtype is not None and qkv.dtype == self.gemm_dtype  # set only with the kernels
+        if head_norms is not None and head_norms[0].eps == head_norms[1].eps:
+            q_norm, k_norm, q_heads = head_norms
+            qkv = self.kernels.rope_norms(
+                qkv if narrowed else qkv.float(), self.positions, table.cos, table.sin, q_heads, num_heads,
+                head_dim, q_norm.weight, k_norm.weight, q_norm.eps,
+            )  # fmt: skip
+        else:
+            if head_norms is not None:
+                q_norm, k_norm, q_heads = head_norms
+                qkv = self.head_norms(qkv, q_norm, k_norm, q_heads, num_heads - q_heads)
+                narrowed = False
+            if narrowed:
+                qkv = self.kernels.rope_widened(qkv, self.positions, table.cos, table.sin, num_heads, head_dim)
+            else:
+                self.kernels.rope_(qkv, self.positions, table.cos, table.sin, num_heads, head_dim)
+        return qkv, qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
 
     def norm(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None, gemm_input: bool = False

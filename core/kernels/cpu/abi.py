@@ -56,6 +56,8 @@ _SIGNATURES = {
     "infer_silu_mul_bf16": [_POINTER, _POINTER, _INT, _INT],
     "infer_rope": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_rope_widen": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
+    "infer_rope_norms": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT]
+    + [_POINTER, _POINTER, _FLOAT],
     "infer_write_kv": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_paged_attention": [
         _POINTER,
@@ -662,6 +664,50 @@ class CpuKernels:
             qkv.shape[1],
             num_heads,
             head_dim,
+        )
+        return out
+
+    def rope_norms(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_heads: int,
+        num_heads: int,
+        head_dim: int,
+        q_norm: torch.Tensor,
+        k_norm: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """``rope_`` with each rotated head RMSNormed first (the first ``q_heads`` of the ``num_heads`` by ``q_norm``,
+        the rest by ``k_norm``, float32 ``[head_dim]`` each), in one pass over ``qkv`` ``[T, width]`` (contiguous):
+        float32 rows normed and rotated in place and returned; bfloat16 rows (a bf16 GEMM's output) widened into a
+        new float32 ``[T, width]`` as they are."""
+        if (
+            qkv.dtype not in (torch.float32, torch.bfloat16)
+            or not qkv.is_contiguous()
+            or positions.dtype != torch.int64
+        ):
+            raise ValueError("rope_norms needs contiguous float32 or bfloat16 rows and int64 positions")
+        for norm in (q_norm, k_norm):
+            if norm.dtype != torch.float32 or not norm.is_contiguous() or norm.shape != (head_dim,):
+                raise ValueError(f"rope_norms needs contiguous float32 norm weights [{head_dim}]")
+        out = qkv if qkv.dtype == torch.float32 else torch.empty(qkv.shape, dtype=torch.float32)
+        self._rope_norms(
+            None if out is qkv else qkv.data_ptr(),
+            out.data_ptr(),
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            qkv.shape[0],
+            qkv.shape[1],
+            q_heads,
+            num_heads,
+            head_dim,
+            q_norm.data_ptr(),
+            k_norm.data_ptr(),
+            eps,
         )
         return out
 

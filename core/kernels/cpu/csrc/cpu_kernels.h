@@ -137,6 +137,14 @@ void infer_rope(float *qkv, const int64_t *positions, const float *cos_table, co
 void infer_rope_widen(const uint16_t *qkv, float *out, const int64_t *positions, const float *cos_table,
                       const float *sin_table, int64_t tokens, int64_t width, int64_t num_heads, int64_t head_dim);
 
+/* infer_rope with each of the num_heads heads RMSNormed over head_dim before its rotation, in the same pass: the
+ * first q_heads by q_norm, the rest by k_norm ([head_dim] float32 each), eps as the layer norms' (Qwen3's and Gemma
+ * 3's per-head q/k norms). `from` NULL: qkv rotated in place; else each row of `from` (bfloat16, a bf16 GEMM's
+ * output, tokens x row_stride) widened into qkv first. */
+void infer_rope_norms(const uint16_t *from, float *qkv, const int64_t *positions, const float *cos_table,
+                      const float *sin_table, int64_t tokens, int64_t row_stride, int64_t q_heads, int64_t num_heads,
+                      int64_t head_dim, const float *q_norm, const float *k_norm, float eps);
+
 /* Token t's K (width floats at k + t * k_stride) and V (at v + t * v_stride) into the layer's pool
  * kv (2 x num_slots x width; float32, or bfloat16 rounded to nearest when kv_bf16) at slot slots[t]; negative
  * slots are padding and skipped. */

@@ -201,6 +201,18 @@ void rope_head_norms(float *qkv, const int64_t *positions, const float *cos_tabl
                         sin_table + positions[t] * head_dim, q_heads, num_heads, head_dim, q_norm, k_norm, eps);
 }
 
+void infer_rope_norms(const uint16_t *from, float *qkv, const int64_t *positions, const float *cos_table,
+                      const float *sin_table, int64_t tokens, int64_t row_stride, int64_t q_heads, int64_t num_heads,
+                      int64_t head_dim, const float *q_norm, const float *k_norm, float eps) {
+#pragma omp parallel for if (tokens >= 16)
+    for (int64_t t = 0; t < tokens; t++) {
+        float *row = qkv + t * row_stride;
+        if (from) bf16_to_floats(from + t * row_stride, row, row_stride);
+        norm_rotate_row(row, cos_table + positions[t] * head_dim, sin_table + positions[t] * head_dim, q_heads,
+                        num_heads, head_dim, q_norm, k_norm, eps);
+    }
+}
+
 /* One pass: each row widened, then rotated while it is in L1. */
 void infer_rope_widen(const uint16_t *qkv, float *out, const int64_t *positions, const float *cos_table,
                       const float *sin_table, int64_t tokens, int64_t width, int64_t num_heads, int64_t head_dim) {
