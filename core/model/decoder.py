@@ -66,10 +66,10 @@ class Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, step: ForwardStep) -> torch.Tensor:  # hidden: [T, hidden]
         num_tokens = hidden.shape[0]
         # Q and K heads rotate together: one set of kernels for both (a bf16 output widened on the way).
-        qkv = self.qkv_proj(hidden)
-        if self.q_norm is not None:
-            qkv = step.ops.head_norms(qkv, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
-        qkv, heads = step.ops.rotate(qkv, self.num_heads + self.num_kv_heads, self.head_dim, self.rotary)
+        norms = None if self.q_norm is None else (self.q_norm, self.k_norm, self.num_heads)
+        qkv, heads = step.ops.rotate(
+            self.qkv_proj(hidden), self.num_heads + self.num_kv_heads, self.head_dim, self.rotary, norms
+        )
         q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         attended = step.attend(self.layer_index, q, k, v).reshape(num_tokens, self.q_size)
