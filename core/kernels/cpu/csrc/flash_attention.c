@@ -6,9 +6,9 @@
  * key pairs), then work items of FLASH_TOKENS query tokens times the query heads of one KV head run an online
  * softmax over tiles of 32 keys, the last tiles of each chunk (the most keys) first. With `fma` the products are
  * float32 FMAs over the widened K/V instead, Q and the probabilities kept float32 (for CPUs whose float32 rate beats
- * their bf16 dot products, as the tile GEMM's fma). Without fma, at head_dim 64 on a build and OS with AMX, the
- * products run on AMX tiles instead (K packed as rows, V transposed per tile, a work item per 16 query tokens of one
- * head). */
+ * their bf16 dot products, as the tile GEMM's fma). Without fma, at the head sizes FLASH_AMX_HEAD_DIMS on a build
+ * and OS with AMX, the products run on AMX tiles instead (K packed as rows, V transposed per tile, a work item per 16
+ * query tokens of one head). */
 #include "flash_attention.h"
 
 int64_t infer_flash_kind(void) {
@@ -409,7 +409,7 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
 #if INFER_AVX512_BF16
     flash_call call = {q, q_stride, kv, block_tables, table_stride, starts, query_lens, contexts, tables, count, out,
                        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, kv_bf16, fma, window,
-                       sinks, !fma && head_dim == 64 && amx_available(), NULL, NULL, NULL, NULL};
+                       sinks, !fma && flash_amx_head_dim(head_dim) && amx_available(), NULL, NULL, NULL, NULL};
     plan_chunks(&call);
 #pragma omp parallel
     {

@@ -11,8 +11,15 @@
 #define FLASH_TOKENS 16  /* query tokens per work item: times the query heads of one KV head, its rows */
 #define FLASH_KEYS 32    /* keys per step of the online softmax: two registers of scores per row */
 
-/* Whether the build can run the bf16 products on AMX tiles (where the OS allows: flash_call.amx). */
+/* Whether the build can run the bf16 products on AMX tiles (where the OS allows: flash_call.amx), and the head sizes
+ * the AMX kernel takes, X(size) each (a copy of it per size), the largest and whether a size is one of them. */
 #define FLASH_AMX INFER_AMX
+#define FLASH_AMX_HEAD_DIMS(X) X(64) X(128) X(256)
+#define FLASH_AMX_HEAD_DIM_MAX 256
+
+static inline int flash_amx_head_dim(int64_t head_dim) {
+    return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
 
 /* One call of infer_flash_attention: its arguments (cpu_kernels.h) and its plan. Chunk i's K/V of KV head kvh, its
  * keys flash_first_key onwards (their count rounded up to FLASH_KEYS), are packed at packed_at[i] + kvh * (that
@@ -31,7 +38,7 @@ typedef struct {
     int64_t kv_bf16, fma;
     int64_t window;  /* a sliding window: each row sees its last `window` positions (0: every earlier one) */
     const float *sinks;  /* NULL, or a sink logit per query head in each row's denominator (-INFINITY: none) */
-    int amx;  /* the bf16 products on AMX tiles (head_dim 64, the build and Linux allow): a work item per query head */
+    int amx;  /* the bf16 products on AMX tiles (FLASH_AMX_HEAD_DIMS; the build and Linux allow): an item per head */
     int64_t *packed_at, *items_at;
     uint16_t *packed_keys, *packed_values;
 } flash_call;

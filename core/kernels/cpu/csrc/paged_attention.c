@@ -1,13 +1,13 @@
 /* Paged attention's compute (paged_attention.h): each thread's run of work items, then the merge of each query
  * head's chunks. An item's key rows come straight from the pool through the block table: AVX-512 reads a bf16
- * pool's 64-wide rows in place and widens them in registers (paged_attention_avx512.c); elsewhere a bf16 pool's
- * rows are widened into a per-thread float buffer, and float32 pools are read in place. With `dots` (a bf16 pool of
- * 64-wide heads in an AVX512-BF16 build; ignored elsewhere) the queries and the probabilities are rounded to bf16
- * and multiplied on VDPBF16PS (score_dots_block, weigh_dots), scores, maxima and sums float32: the flash
- * attention's precision, at half the instructions of widening the K/V for float32 FMAs. Against one item per query
- * and KV head over its whole context with keys copied to floats per query, on 2 cores of an AMX Xeon, bf16 pool:
- * batch 1 at 300 keys 35.5 -> 14.7 us a call, two queries of it 65.3 -> 19.9, batch 64 at ~650 keys 2,568 -> 1,335
- * us (docs/performance.md). */
+ * pool's rows in place (head sizes DIRECT_HEAD_DIMS) and widens them in registers (paged_attention_avx512.c);
+ * elsewhere a bf16 pool's rows are widened into a per-thread float buffer, and float32 pools are read in place.
+ * With `dots` (a bf16 pool read in place in an AVX512-BF16 build; ignored elsewhere) the queries and the
+ * probabilities are rounded to bf16 and multiplied on VDPBF16PS (score_dots_block, weigh_dots), scores, maxima and
+ * sums float32: the flash attention's precision, at half the instructions of widening the K/V for float32 FMAs.
+ * Against one item per query and KV head over its whole context with keys copied to floats per query, on 2 cores of
+ * an AMX Xeon, bf16 pool: batch 1 at 300 keys 35.5 -> 14.7 us a call, two queries of it 65.3 -> 19.9, batch 64 at
+ * ~650 keys 2,568 -> 1,335 us (docs/performance.md). */
 #include "paged_attention.h"
 
 /* A buffer of at least `bytes` for this thread, kept from call to call in one of SCRATCH_SLOTS slots (its contents
@@ -145,7 +145,7 @@ static void weigh_values(const float *weights, const float *const *keys, ptrdiff
 
 /* results[h] = sum_j weights[h][j] * values[j] (values[j] at rows[j] + value_offset elements) for `heads` heads over
  * the same n value rows: weigh_values with factor 1 for each, several heads a pass where AVX-512 has the registers
- * (weigh_pass). The rows are floats, or, with `bf16` (AVX-512 and a head size of 64 only), a bf16 pool's rows
+ * (weigh_pass). The rows are floats, or, with `bf16` (AVX-512 and DIRECT_HEAD_DIMS only), a bf16 pool's rows
  * widened in registers once for all the heads of a pass. */
 static void weigh_heads(float *const *weights, int64_t heads, const void *const *rows, int bf16,
                         ptrdiff_t value_offset, int64_t n, int64_t head_dim, float *const *results) {
@@ -320,7 +320,7 @@ static inline __attribute__((always_inline)) void score_chunk(decode_workspace *
             float *scores[per_kv];
             for (int64_t b = 0; b < per_kv; b++) scores[b] = ws->weights[a + b] + skip;
             score_heads(ws->queries + a, per_kv, ws->raw + skip, ws->seen[a], call->scale, scores, ws->best + a,
-                        dots);
+                        dots, head_dim);
             continue;
         }
 #endif
@@ -349,7 +349,8 @@ static inline __attribute__((always_inline)) void attend_chunk(decode_workspace 
     score_chunk(ws, call, heads, keys, direct, dots);
 #if INFER_AVX512_BF16
     if (dots) {
-        weigh_dots(ws->weights, heads, (const void *const *)ws->raw, value_offset, keys, ws->pairs, ws->results);
+        weigh_dots(ws->weights, heads, (const void *const *)ws->raw, value_offset, keys, call->head_dim, ws->pairs,
+                   ws->results);
         return;
     }
 #endif
@@ -421,8 +422,8 @@ static inline void merge_query(const decode_call *call, const decode_plan *plan,
 
 void run_decode_plan(const decode_call *call, const decode_plan *plan) {
     float *partial = scratch(0, sizeof(float) * (plan->partials > 0 ? plan->partials : 1) * (call->head_dim + 2));
-    /* a bf16 pool's 64-wide rows read in place (AVX-512), and on the dot products (AVX512-BF16) when asked */
-    const int direct = INFER_AVX512 && call->kv_bf16 && call->head_dim == 64;
+    /* a bf16 pool's rows read in place (AVX-512), and on the dot products (AVX512-BF16) when asked */
+    const int direct = INFER_AVX512 && call->kv_bf16 && direct_head_dim(call->head_dim);
     const int dots = INFER_AVX512_BF16 && call->dots && direct;
 #pragma omp parallel if (plan->parallel)
     {

@@ -1,6 +1,6 @@
 /* Paged attention's parts (infer_paged_attention): the plan of one run of queries, its work items and how the
  * threads share them (paged_attention_plan.c), the run itself (paged_attention.c), and the AVX-512 kernels that
- * read a bf16 pool's 64-wide rows in place (paged_attention_avx512.c).
+ * read a bf16 pool's rows in place (paged_attention_avx512.c; head sizes DIRECT_HEAD_DIMS).
  *
  * Split decoding: the work items are (group, chunk of DECODE_CHUNK keys, its KV heads or one of them), where a group
  * is up to DECODE_GROUP consecutive queries of one sequence. An item lists its key rows once for the whole group,
@@ -27,6 +27,14 @@
 #define DECODE_GROUP 16
 /* Query heads of one pass of the AVX-512 kernels' value weighing (paged_attention_avx512.c). */
 #define WEIGH_HEADS 6
+/* The head sizes whose bf16 rows the AVX-512 kernels read in place, X(size) each (a copy of the scores' kernels per
+ * size, which holds the queries in registers), and the largest. */
+#define DIRECT_HEAD_DIMS(X) X(64) X(128) X(256)
+#define DIRECT_HEAD_DIM_MAX 256
+
+static inline int direct_head_dim(int64_t head_dim) {
+    return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
 
 /* One run of infer_paged_attention's queries: its arguments (cpu_kernels.h), query i being token row rows[i], or
  * row_base + i when rows is NULL. */
@@ -88,23 +96,23 @@ INFER_HIDDEN int64_t run_start(const int64_t *cost_before, int64_t items, int64_
 INFER_HIDDEN void run_decode_plan(const decode_call *call, const decode_plan *plan);
 
 #if INFER_AVX512
-/* paged_attention_avx512.c, over a bf16 pool's 64-wide rows read in place (keys[j], values at rows[j] + offset):
- * scores[h][j] = scale * queries[h] . keys[j] for `heads` query heads and j < n, best[h] their maxima, float32
- * FMAs over the widened keys or with `dots` (AVX512-BF16 builds) the queries rounded to bf16 on the dot products;
- * and results[h] = sum_j weights[h][j] * values[j] for WEIGH_HEADS heads or fewer (`count`), over float32 or bf16
- * (`bf16`) rows, 64 columns. */
+/* paged_attention_avx512.c, over a bf16 pool's rows read in place (keys[j], values at rows[j] + offset):
+ * scores[h][j] = scale * queries[h] . keys[j] for `heads` query heads of head_dim (one of DIRECT_HEAD_DIMS) and
+ * j < n, best[h] their maxima, float32 FMAs over the widened keys or with `dots` (AVX512-BF16 builds) the queries
+ * rounded to bf16 on the dot products; and results[h] = sum_j weights[h][j] * values[j] for WEIGH_HEADS heads or
+ * fewer (`count`), over float32 or bf16 (`bf16`) rows, 64 columns. */
 INFER_HIDDEN void score_heads(const float *const *queries, int64_t heads, const uint16_t *const *keys, int64_t n,
-                              float scale, float *const *scores, float *best, int dots);
+                              float scale, float *const *scores, float *best, int dots, int64_t head_dim);
 INFER_HIDDEN void weigh_pass(float *const *weights, const void *const *rows, ptrdiff_t offset, int64_t n,
                              float *const *results, int count, int bf16);
 #endif
 
 #if INFER_AVX512_BF16
 /* paged_attention_avx512.c: results[h] = sum_j weights[h][j] * values[j] for `heads` heads over a bf16 pool's
- * 64-wide value rows on the dot products, the probabilities (n <= DECODE_CHUNK a head, zero past its own keys)
- * rounded to bf16 pairs in `pairs` (this thread's, WEIGH_HEADS * DECODE_CHUNK / 2 words). */
+ * value rows of head_dim (a multiple of 64) on the dot products, the probabilities (n <= DECODE_CHUNK a head, zero
+ * past its own keys) rounded to bf16 pairs in `pairs` (this thread's, WEIGH_HEADS * DECODE_CHUNK / 2 words). */
 INFER_HIDDEN void weigh_dots(float *const *weights, int64_t heads, const void *const *rows, ptrdiff_t offset,
-                             int64_t n, uint32_t *pairs, float *const *results);
+                             int64_t n, int64_t head_dim, uint32_t *pairs, float *const *results);
 #endif
 
 #endif

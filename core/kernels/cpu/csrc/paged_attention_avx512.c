@@ -1,6 +1,8 @@
-/* Paged attention's AVX-512 kernels (paged_attention.h): a bf16 pool's 64-wide key and value rows read straight
- * from the pool and widened in registers once for all the query heads of a pass, or multiplied as they are on
- * AVX512-BF16's dot products (`dots`); and the value weighing of several heads a pass over float32 or bf16 rows. */
+/* Paged attention's AVX-512 kernels (paged_attention.h): a bf16 pool's key and value rows (DIRECT_HEAD_DIMS wide) read
+ * straight from the pool and widened in registers once for all the query heads of a pass, or multiplied as they
+ * are on AVX512-BF16's dot products (`dots`); and the value weighing of several heads a pass over float32 or bf16
+ * rows, 64 columns a pass. The scores' kernels hold a head's query in registers: a copy of each per head size, the
+ * size a constant in it (score_heads dispatches). */
 #include "paged_attention.h"
 
 #if INFER_AVX512
@@ -69,17 +71,18 @@ static inline __attribute__((always_inline)) void keep_scores(__m128 four, float
     }
 }
 
-/* scores[h][j] = scale * queries[h] . keys[j] for `count` (1 to 3, a constant once inlined) query heads and j < n,
- * each key widened once for all of them, four keys a pass; best[h] their maxima. The last pass repeats key n - 1
- * where fewer than four are left (a key's score never depends on the others of its pass). */
+/* scores[h][j] = scale * queries[h] . keys[j] for `count` (1 to 3) query heads of `head_dim` (64 to
+ * DIRECT_HEAD_DIM_MAX, a multiple of 64; both constants once inlined) and j < n, each key widened once for all of
+ * them, 64 columns at a time, four keys a pass; best[h] their maxima. The last pass repeats key n - 1 where fewer
+ * than four are left (a key's score never depends on the others of its pass). */
 static inline __attribute__((always_inline)) void score_bf16_block(const float *const *queries,
                                                                    const uint16_t *const *keys, int64_t n,
                                                                    float scale, float *const *scores, float *best,
-                                                                   const int count) {
-    __m512 qv[3][4];
+                                                                   const int count, const int head_dim) {
+    __m512 qv[3][DIRECT_HEAD_DIM_MAX / 16];
     __m128 top[3];
     for (int h = 0; h < count; h++) {
-        for (int i = 0; i < 4; i++) qv[h][i] = _mm512_loadu_ps(queries[h] + 16 * i);
+        for (int i = 0; i < head_dim / 16; i++) qv[h][i] = _mm512_loadu_ps(queries[h] + 16 * i);
         top[h] = _mm_set1_ps(-INFINITY);
     }
     const __m128 factor = _mm_set1_ps(scale);
@@ -87,11 +90,16 @@ static inline __attribute__((always_inline)) void score_bf16_block(const float *
         __m512 acc[3][4];
         for (int r = 0; r < 4; r++) {
             const uint16_t *key = keys[j + r < n ? j + r : n - 1];
-            const __m512 k0 = bf16x16_load(key), k1 = bf16x16_load(key + 16), k2 = bf16x16_load(key + 32),
-                         k3 = bf16x16_load(key + 48);
-            for (int h = 0; h < count; h++)
-                acc[h][r] = _mm512_fmadd_ps(qv[h][3], k3, _mm512_fmadd_ps(qv[h][2], k2, _mm512_fmadd_ps(
-                    qv[h][1], k1, _mm512_mul_ps(qv[h][0], k0))));
+            for (int c = 0; c < head_dim; c += 64) {
+                const __m512 k0 = bf16x16_load(key + c), k1 = bf16x16_load(key + c + 16),
+                             k2 = bf16x16_load(key + c + 32), k3 = bf16x16_load(key + c + 48);
+                for (int h = 0; h < count; h++) {
+                    const __m512 *q = qv[h] + c / 16;
+                    const __m512 first = c ? _mm512_fmadd_ps(q[0], k0, acc[h][r]) : _mm512_mul_ps(q[0], k0);
+                    acc[h][r] = _mm512_fmadd_ps(q[3], k3, _mm512_fmadd_ps(q[2], k2, _mm512_fmadd_ps(q[1], k1,
+                                                                                                   first)));
+                }
+            }
         }
         for (int h = 0; h < count; h++)
             keep_scores(_mm_mul_ps(sum4x16(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), factor), scores[h], j, n,
@@ -102,17 +110,17 @@ static inline __attribute__((always_inline)) void score_bf16_block(const float *
 #endif
 
 #if INFER_AVX512_BF16
-/* score_bf16_block on AVX512-BF16's dot products: the queries rounded to bf16 once, each key row's 64 bf16
- * multiplied as it is in the pool, two VDPBF16PS a query head where the float32 path widens four registers and runs
- * four FMAs. */
+/* score_bf16_block on AVX512-BF16's dot products: the queries rounded to bf16 once, each key row's bf16 multiplied
+ * as it is in the pool, two VDPBF16PS a query head per 64 columns where the float32 path widens four registers and
+ * runs four FMAs. */
 static inline __attribute__((always_inline)) void score_dots_block(const float *const *queries,
                                                                    const uint16_t *const *keys, int64_t n,
                                                                    float scale, float *const *scores, float *best,
-                                                                   const int count) {
-    __m512bh qb[3][2];
+                                                                   const int count, const int head_dim) {
+    __m512bh qb[3][DIRECT_HEAD_DIM_MAX / 32];
     __m128 top[3];
     for (int h = 0; h < count; h++) {
-        for (int i = 0; i < 2; i++)
+        for (int i = 0; i < head_dim / 32; i++)
             qb[h][i] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(queries[h] + 32 * i + 16),
                                            _mm512_loadu_ps(queries[h] + 32 * i));
         top[h] = _mm_set1_ps(-INFINITY);
@@ -122,9 +130,14 @@ static inline __attribute__((always_inline)) void score_dots_block(const float *
         __m512 acc[3][4];
         for (int r = 0; r < 4; r++) {
             const uint16_t *key = keys[j + r < n ? j + r : n - 1];
-            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(key), k1 = (__m512bh)_mm512_loadu_si512(key + 32);
-            for (int h = 0; h < count; h++)
-                acc[h][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qb[h][0], k0), qb[h][1], k1);
+            for (int h = 0; h < count; h++) acc[h][r] = _mm512_setzero_ps();
+            for (int c = 0; c < head_dim; c += 64) {
+                const __m512bh k0 = (__m512bh)_mm512_loadu_si512(key + c);
+                const __m512bh k1 = (__m512bh)_mm512_loadu_si512(key + c + 32);
+                for (int h = 0; h < count; h++)
+                    acc[h][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[h][r], qb[h][c / 32], k0), qb[h][c / 32 + 1],
+                                                 k1);
+            }
         }
         for (int h = 0; h < count; h++)
             keep_scores(_mm_mul_ps(sum4x16(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), factor), scores[h], j, n,
@@ -133,11 +146,11 @@ static inline __attribute__((always_inline)) void score_dots_block(const float *
     for (int h = 0; h < count; h++) best[h] = max4(top[h]);
 }
 
-/* weigh_heads_block on the dot products, for a bf16 pool's 64-wide value rows: results[h] = sum_j probs[h][j] *
- * values[j] with the probabilities rounded to bf16 (probs: pairs of consecutive keys; past an odd n's last key, a
- * probability 0 beside its row read again). Two value rows' words interleaved (VPUNPCKLWD/HWD) are the pairs
- * VDPBF16PS multiplies with a head's two probabilities broadcast: each sum register then holds 16 of the 64 columns
- * out of order, which one permute a 16 puts back on the store. */
+/* weigh_heads_block on the dot products, for 64 columns of a bf16 pool's value rows: results[h] = sum_j
+ * probs[h][j] * values[j] with the probabilities rounded to bf16 (probs: pairs of consecutive keys; past an odd n's
+ * last key, a probability 0 beside its row read again). Two value rows' words interleaved (VPUNPCKLWD/HWD) are the
+ * pairs VDPBF16PS multiplies with a head's two probabilities broadcast: each sum register then holds 16 of the 64
+ * columns out of order, which one permute a 16 puts back on the store. */
 static inline __attribute__((always_inline)) void weigh_dots_block(const uint32_t *const *probs,
                                                                    const void *const *rows, ptrdiff_t offset,
                                                                    int64_t n, float *const *results,
@@ -169,9 +182,10 @@ static inline __attribute__((always_inline)) void weigh_dots_block(const uint32_
 }
 
 /* Each head's float probabilities rounded to bf16 pairs in `pairs` (DECODE_CHUNK / 2 words a head of a pass, the
- * word past an odd n's last key zero), then weigh_dots_block over WEIGH_HEADS heads at a time. */
+ * word past an odd n's last key zero), then weigh_dots_block over WEIGH_HEADS heads and 64 of head_dim's columns
+ * at a time. */
 void weigh_dots(float *const *weights, int64_t heads, const void *const *rows, ptrdiff_t offset, int64_t n,
-                uint32_t *pairs, float *const *results) {
+                int64_t head_dim, uint32_t *pairs, float *const *results) {
     const uint32_t *rounded[WEIGH_HEADS];
     for (int64_t h = 0; h < heads; h += WEIGH_HEADS) {
         const int count = heads - h < WEIGH_HEADS ? (int)(heads - h) : WEIGH_HEADS;
@@ -185,35 +199,54 @@ void weigh_dots(float *const *weights, int64_t heads, const void *const *rows, p
             }
             rounded[i] = own;
         }
-        switch (count) {
-#define DOTS_CASE(k) case k: weigh_dots_block(rounded, rows, offset, n, results + h, k); break;
-            DOTS_CASE(1) DOTS_CASE(2) DOTS_CASE(3) DOTS_CASE(4) DOTS_CASE(5)
-            default: weigh_dots_block(rounded, rows, offset, n, results + h, WEIGH_HEADS);
+        for (int64_t c = 0; c < head_dim; c += 64) {
+            float *at[WEIGH_HEADS];
+            for (int i = 0; i < count; i++) at[i] = results[h + i] + c;
+            switch (count) {
+#define DOTS_CASE(k) case k: weigh_dots_block(rounded, rows, offset + c, n, at, k); break;
+                DOTS_CASE(1) DOTS_CASE(2) DOTS_CASE(3) DOTS_CASE(4) DOTS_CASE(5)
+                default: weigh_dots_block(rounded, rows, offset + c, n, at, WEIGH_HEADS);
 #undef DOTS_CASE
+            }
         }
     }
 }
 #endif
 
 #if INFER_AVX512
-/* score_bf16_block's heads three at a time, or with `dots` (AVX512-BF16 builds) score_dots_block's. */
-void score_heads(const float *const *queries, int64_t heads, const uint16_t *const *keys, int64_t n, float scale,
-                 float *const *scores, float *best, int dots) {
+/* score_bf16_block's heads three at a time, or with `dots` (AVX512-BF16 builds) score_dots_block's, for one head
+ * size (a constant once inlined). */
+static inline __attribute__((always_inline)) void score_heads_sized(const float *const *queries, int64_t heads,
+                                                                    const uint16_t *const *keys, int64_t n,
+                                                                    float scale, float *const *scores, float *best,
+                                                                    int dots, const int head_dim) {
     (void)dots;
     for (int64_t h = 0; h < heads; h += 3) {
         const int count = heads - h < 3 ? (int)(heads - h) : 3;
 #define SCORE_CASE(block, k) \
-    case k: block(queries + h, keys, n, scale, scores + h, best + h, k); break;
+    case k: block(queries + h, keys, n, scale, scores + h, best + h, k, head_dim); break;
 #if INFER_AVX512_BF16
         if (dots) {
             switch (count) { SCORE_CASE(score_dots_block, 1) SCORE_CASE(score_dots_block, 2)
-                             default: score_dots_block(queries + h, keys, n, scale, scores + h, best + h, 3); }
+                             default: score_dots_block(queries + h, keys, n, scale, scores + h, best + h, 3,
+                                                       head_dim); }
             continue;
         }
 #endif
         switch (count) { SCORE_CASE(score_bf16_block, 1) SCORE_CASE(score_bf16_block, 2)
-                         default: score_bf16_block(queries + h, keys, n, scale, scores + h, best + h, 3); }
+                         default: score_bf16_block(queries + h, keys, n, scale, scores + h, best + h, 3, head_dim); }
 #undef SCORE_CASE
+    }
+}
+
+void score_heads(const float *const *queries, int64_t heads, const uint16_t *const *keys, int64_t n, float scale,
+                 float *const *scores, float *best, int dots, int64_t head_dim) {
+    switch (head_dim) {
+#define SIZED_CASE(size) \
+    case size: score_heads_sized(queries, heads, keys, n, scale, scores, best, dots, size); break;
+        DIRECT_HEAD_DIMS(SIZED_CASE)
+#undef SIZED_CASE
+        default: abort();  /* the caller asks direct_head_dim first */
     }
 }
 #endif
