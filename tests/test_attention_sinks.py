@@ -23,6 +23,7 @@ from infer.attention import AttentionBackend, BackendUnavailableError, LayerAtte
 from infer.kernels import cpu as cpu_kernels  # noqa: E402
 from infer.plugins.attention.cpu import CpuAttentionConfig, CpuBackend  # noqa: E402
 from infer.plugins.attention.sdpa import SdpaBackend, SdpaConfig  # noqa: E402
+from infer.plugins.attention.triton_backend import TritonAttentionConfig, TritonBackend  # noqa: E402
 from infer.testing.attention import PagedContext, build_metadata, reference_attention  # noqa: E402
 
 NUM_KV_HEADS, QUERIES_PER_KV_HEAD, HEAD_DIM = 2, 2, 16  # GQA: two query heads per KV head
@@ -30,7 +31,7 @@ NUM_HEADS = NUM_KV_HEADS * QUERIES_PER_KV_HEAD
 # One per query head, all distinct: scores here are about N(0, 1), so over a few dozen keys a sink of 3 takes about
 # a third of a row's probability and one of 8 nearly all of it.
 SINKS = torch.tensor([-1.5, 0.5, 3.0, 8.0])
-BACKENDS = {"sdpa": SdpaBackend, "cpu": CpuBackend}
+BACKENDS = {"sdpa": SdpaBackend, "cpu": CpuBackend, "triton": TritonBackend}
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (num_cached_tokens, num_new_tokens) per sequence.
 SCENARIOS = {
@@ -182,6 +183,20 @@ def test_a_dominant_sink_leaves_little_and_a_negligible_one_changes_nothing(back
     plain = attend_layer(context, shapes, query, 1).cpu()
     assert with_sinks[:, 0::2].abs().max() < 1e-8
     torch.testing.assert_close(with_sinks[:, 1::2], plain[:, 1::2], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 40], ids=lambda window: f"window{window}")
+def test_triton_merges_split_decodes_with_the_sinks_once(window):
+    """Decode rows far past the window with the KV axis split (flash-decoding): each split's partial softmax leaves
+    the sink out, and the merge adds it once, against every split's maximum and the sink's."""
+    config = TritonAttentionConfig(max_kv_splits=4, min_tokens_per_split=4)
+    attention = make_backend("triton", 16, [LayerAttention(window=window, sinks=True)], [SINKS], config=config)
+    shapes = [(150, 1), (97, 1)]
+    context, query = step_context(attention, shapes, seed=5)
+    metadata = build_metadata(context.block_tables, shapes, 16, attention.device)
+    assert attention.num_kv_splits(metadata, attention.rows_per_program(metadata), window) > 1
+    out = attend_layer(context, shapes, query, 0, metadata).cpu()
+    torch.testing.assert_close(out.double(), oracle(context, shapes, query, window, SINKS), atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("cascade", [True, False])

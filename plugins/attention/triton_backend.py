@@ -45,11 +45,13 @@ class TritonBackend(AttentionBackend):
     be shown to help.
 
     Sliding-window layers run the same kernel with the layer's window: each program starts at its first query's
-    first visible position, and the KV splits divide the window's range instead of the context.
+    first visible position, and the KV splits divide the window's range instead of the context. Layers with
+    attention sinks add each head's sink to its rows' denominators where a row's softmax ends (the split merge, when
+    the KV axis is split).
     """
 
     config_model = TritonAttentionConfig
-    layer_features = frozenset({"window"})
+    layer_features = frozenset({"window", "sinks"})
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -119,6 +121,7 @@ class TritonBackend(AttentionBackend):
             num_splits=self.num_kv_splits(metadata, block_m, window),
             window=window,
             max_query_len=metadata.max_query_len,
+            sinks=self.layer_sinks(layer),
         )
 
     def rows_per_program(self, metadata: AttentionMetadata) -> int:

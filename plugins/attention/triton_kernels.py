@@ -14,6 +14,10 @@ an online softmax. With ``NUM_SPLITS > 1`` the KV axis is cut into that many ran
 Sliding windows (``HAS_WINDOW``, ``window`` positions): a row sees only its own position and the ``window - 1``
 before it, and a program's walk starts at its first row's first visible position, so the blocks wholly before the
 window are never loaded; the splits divide that shorter range.
+
+Attention sinks (``HAS_SINKS``, a logit per query head): once a row's keys are done its sink joins the softmax's
+denominator, ``exp2(sink - m)`` with ``m`` the larger of the row's maximum and the sink (the accumulator rescaled to
+``m`` too); with split KV ranges the merge adds it once, over every split's maximum.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import triton.language as tl
 
 TILE_N = 32  # KV positions per inner-loop step; a multiple of 16 so tl.dot accepts it on every GPU.
 LOG2_E = 1.4426950408889634  # scores are scaled by this so the kernel can use exp2, the native GPU exponent.
+LOG2_E_JIT = tl.constexpr(LOG2_E)  # the same, as the kernels read a global
 
 
 @triton.jit
@@ -103,6 +108,7 @@ def paged_attention_kernel(
     partial_output_ptr,  # [T, num_heads, NUM_SPLITS, head_dim] fp32, unnormalised, when NUM_SPLITS > 1
     partial_max_ptr,  # [T, num_heads, NUM_SPLITS] fp32, running max in log2 units
     partial_sum_ptr,  # [T, num_heads, NUM_SPLITS] fp32, softmax denominator
+    sinks_ptr,  # [num_heads] fp32 sink logits, read when HAS_SINKS
     query_start_loc_ptr,  # [B + 1]
     seq_lens_ptr,  # [B]
     block_tables_ptr,  # [B, max_blocks]
@@ -128,6 +134,7 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_IN_FLOAT32: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Attention of one query tile x one KV-head group over one KV range (see the module docstring)."""
     tile_index = tl.program_id(0)
@@ -194,6 +201,12 @@ def paged_attention_kernel(
         running_max = new_max
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:  # the sink joins the denominator, against the larger of the row's maximum and the sink
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * LOG2_E_JIT
+            final_max = tl.maximum(running_max, sink)
+            shrink = tl.exp2(running_max - final_max)
+            running_sum = running_sum * shrink + tl.exp2(sink - final_max)
+            accumulator = accumulator * shrink[:, None]
         output = accumulator / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
         tl.store(
             output_ptr + token[:, None] * output_stride_token + head[:, None] * output_stride_head + dims[None, :],
@@ -217,13 +230,16 @@ def merge_splits_kernel(
     partial_output_ptr,  # [T, num_heads, NUM_SPLITS, head_dim]
     partial_max_ptr,  # [T, num_heads, NUM_SPLITS]
     partial_sum_ptr,  # [T, num_heads, NUM_SPLITS]
+    sinks_ptr,  # [num_heads] fp32 sink logits, read when HAS_SINKS
     num_heads,
     output_stride_token,
     output_stride_head,
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """One program per (token, head): rescale each split's partial softmax to the common max and normalise.
+    """One program per (token, head): rescale each split's partial softmax to the common max and normalise, the
+    head's sink (with ``HAS_SINKS``) in the denominator and in the common max.
 
     Some split holds each query's own position, which it sees, so the common max is finite; splits that saw nothing
     (past the query, or before its window) carry max -inf and weigh exactly 0.
@@ -233,10 +249,17 @@ def merge_splits_kernel(
     partial_index = (token * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     split_max = tl.load(partial_max_ptr + partial_index)
     split_sum = tl.load(partial_sum_ptr + partial_index)
-    weight = tl.exp2(split_max - tl.max(split_max, axis=0))
+    common_max = tl.max(split_max, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * LOG2_E_JIT
+        common_max = tl.maximum(common_max, sink)
+    weight = tl.exp2(split_max - common_max)
     dims = tl.arange(0, HEAD_DIM)
     partial = tl.load(partial_output_ptr + partial_index[:, None] * HEAD_DIM + dims[None, :])
-    output = tl.sum(partial * weight[:, None], axis=0) / tl.sum(split_sum * weight, axis=0)
+    denominator = tl.sum(split_sum * weight, axis=0)
+    if HAS_SINKS:
+        denominator += tl.exp2(sink - common_max)
+    output = tl.sum(partial * weight[:, None], axis=0) / denominator
     tl.store(
         output_ptr + token * output_stride_token + head * output_stride_head + dims,
         output.to(output_ptr.dtype.element_ty),
@@ -286,10 +309,11 @@ def paged_attention(
     num_splits: int,
     window: int | None = None,
     max_query_len: int = 1,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal paged attention for a varlen batch; ``num_splits`` (a power of two) > 1 splits the KV axis (each
     sequence's range, up to ``max_seq_len`` positions, or with a sliding ``window`` up to ``window + max_query_len -
-    1``)."""
+    1``); ``sinks``: a float32 sink logit per query head (``[num_heads]``) in each row's denominator, or None."""
     query = _last_dim_contiguous(query)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     num_tokens, num_heads, head_dim = query.shape
@@ -313,6 +337,7 @@ def paged_attention(
         partial_output,
         partial_max,
         partial_sum,
+        output if sinks is None else sinks,  # a placeholder without sinks: never read
         query_start_loc,
         seq_lens,
         block_tables,
@@ -338,6 +363,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         DOT_IN_FLOAT32=INTERPRETED and query.dtype == torch.bfloat16,
         HAS_WINDOW=bool(window),
+        HAS_SINKS=sinks is not None,
     )
     if num_splits > 1:
         merge_splits_kernel[(num_tokens, num_heads)](
@@ -345,11 +371,13 @@ def paged_attention(
             partial_output,
             partial_max,
             partial_sum,
+            output if sinks is None else sinks,
             num_heads,
             output.stride(0),
             output.stride(1),
             NUM_SPLITS=num_splits,
             HEAD_DIM=head_dim,
+            HAS_SINKS=sinks is not None,
         )
     return output
 
