@@ -495,6 +495,144 @@ def test_a_real_calibration_times_both_paths_at_every_size(tiny_model_dir, tmp_p
     assert len(output.token_ids) == 6
 
 
+class _FakeMachine:
+    """A clock whose every reading moves on by the next of ``steps_ms`` (cycled), and ``/proc/stat`` times in which
+    infer's ``threads`` and ``others`` other cores ran busy all along: a calibration's passes take what the test
+    says, with no load put on the machine. The clock is read once as a ``Timer`` is made, then twice a pass: the
+    steps alternate a gap and a pass's time."""
+
+    def __init__(self, steps_ms: list[float], threads: int, others: float = 0.0):
+        self.steps_ms, self.threads, self.others = steps_ms, threads, others
+        self.readings, self.now, self.read = 0, 0.0, 0.0
+
+    def clock(self) -> float:
+        self.read = self.now
+        self.now += self.steps_ms[self.readings % len(self.steps_ms)] / 1e3
+        self.readings += 1
+        return self.read
+
+    def cpu_times(self) -> tuple[float, float]:
+        """As at the clock's last reading."""
+        return self.read * (self.threads + self.others), self.read * self.threads
+
+
+def test_a_spread_between_repeats_or_other_processes_busy_marks_the_passes_disturbed(monkeypatch):
+    """Repeats within a few percent and no other load: nothing to say. One step size whose median repeat took 3x its
+    fastest (its slowest pass alone would not count), or other processes busy on one core of a machine whose cores
+    infer's threads fill: disturbed, and the reason names the spread or the cores."""
+    from infer.execution import calibration
+
+    def timed(machine: _FakeMachine, passes: dict[object, int]) -> calibration.Timer:
+        monkeypatch.setattr(calibration, "clock", machine.clock)
+        monkeypatch.setattr(calibration, "cpu_times", machine.cpu_times)
+        timer = calibration.Timer()
+        for key, count in passes.items():
+            for _ in range(count):
+                timer.time(key, lambda: None)
+        return timer
+
+    quiet = timed(_FakeMachine([5.0, 100.0, 5.0, 103.0], threads=2, others=0.2), {1: 7, 2: 7})
+    assert quiet.spread() == pytest.approx(1.03) and quiet.others_cores() == pytest.approx(0.2)
+    assert calibration.disturbance(quiet, threads=2, cores=2) == ""
+    one_slow_pass = timed(_FakeMachine([5.0, 100.0] * 6 + [5.0, 900.0], threads=2), {1: 7})
+    assert one_slow_pass.spread() == pytest.approx(1.0) and calibration.disturbance(one_slow_pass, 2, 2) == ""
+    slowed = timed(_FakeMachine([5.0, 100.0] * 3 + [5.0, 300.0] * 4, threads=2), {1: 7, 2: 7})
+    assert slowed.spread() == pytest.approx(3.0)
+    assert "a step's median repeat took 3.00x its fastest, over 1.5x" == calibration.disturbance(slowed, 2, 2)
+    loaded = timed(_FakeMachine([5.0, 100.0], threads=2, others=1.0), {1: 7, 2: 7})
+    assert loaded.spread() == pytest.approx(1.0)
+    assert calibration.disturbance(loaded, threads=2, cores=2) == (
+        "other processes kept 1.00 cores busy beside infer's 2 threads (0 cores free)"
+    )
+    assert calibration.disturbance(loaded, threads=2, cores=4) == ""  # two cores were free for them
+    # under LOAD_MIN_SECONDS the ticks of /proc/stat cannot tell
+    assert timed(_FakeMachine([1.0], threads=2, others=5.0), {1: 7}).others_cores() is None
+
+
+@needs_kernels
+@needs_fbgemm
+def test_a_disturbed_calibration_serves_its_run_and_is_measured_again_at_the_next_start(
+    tiny_model_dir, tmp_path, monkeypatch, caplog
+):
+    """Real calibration passes timed by a fake clock: repeats spread 1-5x apart are used for the run (the threshold
+    they give is the executor's) and not cached, with one warning that names the spread and says infer measures
+    again; the next start measures again, and steady repeats are cached and read back. Steady repeats while other
+    processes kept a core busy on a machine infer's threads fill are not cached either."""
+    from functools import partial
+
+    from infer.execution import calibration
+
+    monkeypatch.setattr(calibration, "calibration_path", lambda digest: tmp_path / f"{digest}.json")
+    measured = []
+    real_measure = partial(calibration.measure, candidates=(1, 2, 4), repeats=5)
+    monkeypatch.setattr(
+        calibration, "measure", lambda *args, **kwargs: measured.append(1) or real_measure(*args, **kwargs)
+    )
+
+    def start(machine: _FakeMachine, *overrides: str):
+        monkeypatch.setattr(calibration, "clock", machine.clock)
+        monkeypatch.setattr(calibration, "cpu_times", machine.cpu_times)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="infer.execution"):
+            engine = _auto_llm(tiny_model_dir, *overrides).engine
+        return engine, [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+
+    threads = torch.get_num_threads()
+    # passes of 10, 40 and 25 ms in turn: each step size's repeats 2.5x apart at their median
+    disturbed = _FakeMachine([1.0, 10.0, 1.0, 40.0, 1.0, 25.0], threads)
+    engine, warnings = start(disturbed)
+    times = engine.calibration.times_ms
+    assert measured == [1] and not engine.calibration.cached and sorted(times) == [1, 2, 4]
+    assert engine.executor.fused_max_tokens == engine.calibration.fused_max_tokens == calibration.threshold(times)
+    assert list(tmp_path.glob("*.json")) == []
+    (warning,) = warnings
+    assert warning.startswith("the execution calibration measured on a busy machine (a step's median repeat took ")
+    assert warning.endswith(
+        "x its fastest, over 1.5x): used for this run, not cached; infer measures again at the next start"
+    )
+    engine, _ = start(_FakeMachine([1.0, 100.0], threads))
+    assert measured == [1, 1] and not engine.calibration.cached
+    assert all(pair == pytest.approx((100.0, 100.0)) for pair in engine.calibration.times_ms.values())
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    engine, warnings = start(_FakeMachine([1.0, 100.0], threads))
+    assert measured == [1, 1] and engine.calibration.cached and warnings == []
+    free = max(0, os.cpu_count() - threads)  # other processes may use these freely
+    engine, warnings = start(_FakeMachine([1.0, 100.0], threads, others=free + 1.0), "execution.recalibrate=true")
+    assert measured == [1, 1, 1]
+    assert warnings == [
+        f"the execution calibration measured on a busy machine (other processes kept {free + 1.0:.2f} cores busy "
+        f"beside infer's {threads} threads ({free} cores free)): used for this run, not cached; infer measures again "
+        "at the next start"
+    ]
+    assert len(list(tmp_path.glob("*.json"))) == 1  # the steady measurement before it stays
+
+
+@pytest.mark.parametrize("kind", ["gemm", "rows"])
+def test_disturbed_gemm_and_rows_calibrations_are_not_cached(kind, tmp_path, monkeypatch, caplog):
+    """``choose_gemm``'s and ``calibrate_rows``' measurements are kept or not by the same rule."""
+    from infer.drafter import RowsCalibration
+    from infer.execution import calibration
+
+    monkeypatch.setattr(calibration, "calibration_path", lambda digest: tmp_path / f"{digest}.json")
+    record = (
+        calibration.GemmChoice("bf16", "gemm-0", {64: (1.0, 2.0)}, reason="measured")
+        if kind == "gemm"
+        else RowsCalibration(2, "rows-0", {1: 1.0, 2: 1.0})
+    )
+    for steps, kept in (([1.0, 10.0, 1.0, 30.0, 1.0, 30.0], False), ([1.0, 10.0], True)):
+        machine = _FakeMachine(steps, threads=1)
+        monkeypatch.setattr(calibration, "clock", machine.clock)
+        monkeypatch.setattr(calibration, "cpu_times", machine.cpu_times)
+        timer = calibration.Timer()
+        for _ in range(3):
+            timer.time(1, lambda: None)
+        with caplog.at_level(logging.WARNING, logger="infer.execution"):
+            calibration.keep(record, timer, f"the {kind} calibration")
+        assert calibration.calibration_path(record.signature).is_file() == kept
+    (warning,) = [record.getMessage() for record in caplog.records]
+    assert warning.startswith(f"the {kind} calibration measured on a busy machine (a step's median repeat took 3.00x")
+
+
 def test_free_rows_is_the_most_rows_within_the_margin_of_one():
     from infer.execution.calibration import free_rows
 
@@ -514,7 +652,8 @@ def test_eagle_trees_hold_one_draft_fewer_than_the_rows_a_decode_step_verifies(t
     measured, measure_rows = [], calibration.measure_rows
     fake = {1: 10.0, 2: 10.0, 3: 10.2, 4: 10.3, 5: 10.4, 6: 11.5, 7: 12.0, 8: 13.0}
     monkeypatch.setattr(calibration, "measure_rows", lambda *args, **kwargs: measured.append(1) or fake)
-    eagle = ["drafter.name=eagle", "drafter.head=random"]
+    # a fixed threshold: the rows' signature names it, and a calibration disturbed by other processes is not cached
+    eagle = ["drafter.name=eagle", "drafter.head=random", "execution.fused_max_tokens=8"]
     llm = _auto_llm(tiny_model_dir, *eagle, "drafter.num_speculative_tokens=6")
     drafter = llm.engine.drafter
     assert drafter.tree_budget == 4 and measured == [1]

@@ -29,6 +29,12 @@ A third, ``calibrate_rows``, asked for by a drafter that verifies trees (``eagle
 query rows of one sequence a step computes for about the time of one (within ``ROW_MARGIN``), at a context of
 ``ROW_CONTEXT`` tokens. The GEMV streams the weights once for several rows, so extra verification rows are nearly free
 until its arithmetic catches up with the memory. Cached as ``calibration/rows-<signature>.json``.
+
+A measurement taken while other processes loaded the machine is used for the run that made it and not cached
+(``keep``): the next start measures again, and a warning on the ``infer.execution`` logger says why. Disturbed means a
+step size whose median repeat took over ``DISTURBED_SPREAD`` times its fastest, or other processes busy on more cores
+than infer's threads leave free (``disturbance``): a 1-token step measured at 150.7 ms on a loaded machine (15.8 ms
+quiet) would otherwise have set the choice for every later run.
 """
 
 from __future__ import annotations
@@ -36,10 +42,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -177,6 +186,103 @@ def save(calibration: Calibration | GemmChoice | RowsCalibration) -> None:
         logger.warning("could not cache the execution calibration at %s: %s", path, error)
 
 
+# A measurement is disturbed, used for the run that made it but not cached, where at some step size the median of
+# its repeats took more than DISTURBED_SPREAD times the fastest (on the 2-core Xeon of docs/performance.md the worst
+# step size's median stayed within 1.10x of its fastest on a quiet machine and reached 2.0-78x while other processes
+# kept one to two cores busy), or where other processes kept more than DISTURBED_CORES cores busy beyond those infer's
+# threads leave free (quiet: 0.0-0.35 cores; busy: 1.4). A median moves only when most repeats of a step were slowed,
+# so one slow pass (the fastest is kept) does not count.
+DISTURBED_SPREAD = 1.5
+DISTURBED_CORES = 0.75
+# Below this many seconds /proc/stat's 10 ms ticks say too little to judge other processes' load.
+LOAD_MIN_SECONDS = 1.0
+
+
+def clock() -> float:
+    """Seconds on the clock that times the passes (``time.perf_counter``)."""
+    return time.perf_counter()
+
+
+def cpu_times() -> tuple[float, float] | None:
+    """(seconds every core of the machine has run busy or been taken by the hypervisor for other guests, seconds this
+    process has run on all its threads), from Linux's ``/proc/stat``; None elsewhere. The 1-minute load average is no
+    measure of a few seconds' passes: it read 2.5 on a 2-core machine through a 3-second calibration in which other
+    processes ran 0.0 cores, because the minute before had been busy."""
+    try:
+        ticks = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        per_second = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = ticks
+    process = os.times()
+    return (user + nice + system + irq + softirq + steal) / per_second, process.user + process.system
+
+
+@dataclass(slots=True)
+class Timer:
+    """Times repeated passes and keeps every repeat's milliseconds per key (a step size and a path), so the fastest
+    pass and the spread between repeats come from the same passes; and the machine's CPU time from its making, for
+    the cores other processes kept busy meanwhile."""
+
+    samples_ms: dict[object, list[float]] = field(default_factory=dict)
+    started: tuple[float, tuple[float, float] | None] = field(default_factory=lambda: (clock(), cpu_times()))
+
+    def time(self, key: object, run: Callable[[], object], keep: bool = True) -> None:
+        """One pass of ``run``, its time kept under ``key`` (``keep`` false: a warm-up, not kept)."""
+        began = clock()
+        run()
+        if keep:
+            self.samples_ms.setdefault(key, []).append((clock() - began) * 1e3)
+
+    def fastest(self, key: object) -> float:
+        return min(self.samples_ms[key])
+
+    def spread(self) -> float:
+        """The largest over keys of a key's median repeat divided by its fastest (1.0 where nothing was timed)."""
+        ratios = [statistics.median(times) / min(times) for times in self.samples_ms.values() if min(times) > 0]
+        return max(ratios, default=1.0)
+
+    def others_cores(self) -> float | None:
+        """The cores other processes (and the hypervisor's other guests) kept busy on average since the timer was
+        made; None without ``/proc/stat`` or under ``LOAD_MIN_SECONDS``."""
+        began, before = self.started
+        seconds, after = clock() - began, cpu_times()
+        if before is None or after is None or seconds < LOAD_MIN_SECONDS:
+            return None
+        return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / seconds
+
+
+def disturbance(timer: Timer, threads: int, cores: int | None = None) -> str:
+    """Why ``timer``'s passes cannot stand for this machine ('' where nothing says so): a step size whose median
+    repeat took over ``DISTURBED_SPREAD`` times its fastest, or other processes busy on more than ``DISTURBED_CORES``
+    cores beyond the ``cores`` (the machine's) that infer's ``threads`` leave free."""
+    reasons = []
+    spread = timer.spread()
+    if spread > DISTURBED_SPREAD:
+        reasons.append(f"a step's median repeat took {spread:.2f}x its fastest, over {DISTURBED_SPREAD}x")
+    others = timer.others_cores()
+    free = max(0, (cores or os.cpu_count() or threads) - threads)
+    if others is not None and others > free + DISTURBED_CORES:
+        reasons.append(
+            f"other processes kept {others:.2f} cores busy beside infer's {threads} threads ({free} cores free)"
+        )
+    return "; ".join(reasons)
+
+
+def keep(calibration: Calibration | GemmChoice | RowsCalibration, timer: Timer, what: str) -> None:
+    """Cache ``calibration`` unless ``timer`` says its passes were disturbed: then it serves this run only, the next
+    start measures again, and one warning says why."""
+    disturbed = disturbance(timer, torch.get_num_threads())
+    if disturbed:
+        logger.warning(
+            "%s measured on a busy machine (%s): used for this run, not cached; infer measures again at the next start",
+            what,
+            disturbed,
+        )
+    else:
+        save(calibration)
+
+
 def calibrate(
     model, attention, executor, quantization: str, device: torch.device, dtype: torch.dtype, recalibrate: bool = False
 ) -> Calibration:
@@ -188,10 +294,10 @@ def calibrate(
         cached = load_cached(digest)
         if cached is not None:
             return cached
-    began = time.perf_counter()
-    times = measure(model, attention, executor, device, dtype)
+    began, timer = time.perf_counter(), Timer()
+    times = measure(model, attention, executor, device, dtype, timer=timer)
     calibration = Calibration(threshold(times), cpu, digest, times)
-    save(calibration)
+    keep(calibration, timer, "the execution calibration")
     logger.info("execution calibration (%.1f s): %s", time.perf_counter() - began, calibration.describe())
     return calibration
 
@@ -221,9 +327,10 @@ def measure(
     dtype: torch.dtype,
     candidates: tuple[int, ...] = CANDIDATES,
     repeats: int = REPEATS,
+    timer: Timer | None = None,
 ) -> dict[int, tuple[float, float]]:
     """Per step size: the fastest of ``repeats`` decode forward passes on the fused path and on the GEMM (ms), the
-    first loss of the fused path confirmed (``confirm_first_loss``)."""
+    first loss of the fused path confirmed (``confirm_first_loss``); every pass's time is kept in ``timer``."""
     from infer.attention import AttentionMetadata
 
     block_size = attention.block_size
@@ -232,20 +339,18 @@ def measure(
     scratch = attention.allocate_kv_cache(model.num_layers, 1 + largest * blocks_per_seq)
     tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(largest)]
     restore = executor.fused_max_tokens
+    timer = Timer() if timer is None else timer
 
     def time_size(tokens: int) -> tuple[float, float]:
         metadata = AttentionMetadata.build(tables[:tokens], [CONTEXT_TOKENS] * tokens, [1] * tokens, block_size, device)
         input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         indices = torch.arange(tokens, device=device)
-        best = {tokens: float("inf"), 0: float("inf")}
         for repeat in range(repeats + 1):
             for limit in (tokens, 0):
                 executor.set_fused_max_tokens(model, limit)
-                began = time.perf_counter()
-                forward_pass(model, attention, executor, scratch, dtype, input_ids, metadata, indices)
-                if repeat:  # the first round warms up
-                    best[limit] = min(best[limit], (time.perf_counter() - began) * 1e3)
-        return best[tokens], best[0]
+                run = partial(forward_pass, model, attention, executor, scratch, dtype, input_ids, metadata, indices)
+                timer.time((tokens, limit), run, keep=repeat > 0)  # the first round warms up
+        return timer.fastest((tokens, tokens)), timer.fastest((tokens, 0))
 
     try:
         times = confirm_first_loss({tokens: time_size(tokens) for tokens in candidates}, time_size)
@@ -330,27 +435,34 @@ def choose_gemm(setting: str, model, kernels, recalibrate: bool = False) -> Gemm
     )
     if cached is not None:
         return cached
-    times = measure_gemm(*shape, kernels)
+    timer = Timer()
+    times = measure_gemm(*shape, kernels, timer=timer)
     faster = all(f32 < bf16 * GEMM_MARGIN for bf16, f32 in times.values())
     choice = GemmChoice("float32" if faster else "bf16", digest, times, reason="measured")
-    save(choice)
+    keep(choice, timer, "the GEMM calibration")
     logger.info("GEMM calibration: %s", choice.describe())
     return choice
 
 
 @torch.inference_mode()
 def measure_gemm(
-    hidden: int, intermediate: int, kernels, rows: tuple[int, ...] = GEMM_ROWS, repeats: int = REPEATS
+    hidden: int,
+    intermediate: int,
+    kernels,
+    rows: tuple[int, ...] = GEMM_ROWS,
+    repeats: int = REPEATS,
+    timer: Timer | None = None,
 ) -> dict[int, tuple[float, float]]:
     """Per row count, the fastest of ``repeats`` gate/up projections (the model's largest; random weights, rounded
     to bf16 and packed for the tiles) with bf16 arithmetic as a ``PackedLinear`` runs it there (the tiles with float32
     rows up to ``TILE_MAX_ROWS``, oneDNN's GEMM with bf16 rows beyond) and on the tiles' float32 FMAs, alternately
-    (ms)."""
+    (ms); every pass's time is kept in ``timer``."""
     from infer.kernels.cpu import pack_tiles
     from infer.model.quantization import TILE_MAX_ROWS, bf16_gemm_weight, bf16_linear
 
     weight = (torch.randn(2 * intermediate, hidden) * 0.02).bfloat16()
     tiles, packed = pack_tiles(weight), bf16_gemm_weight(weight.float())
+    timer = Timer() if timer is None else timer
     times = {}
     for count in rows:
         x = torch.randn(count, hidden)
@@ -360,15 +472,11 @@ def measure_gemm(
             if count <= TILE_MAX_ROWS
             else (lambda: bf16_linear(x_bf16, packed))
         )
-        candidates = bf16, lambda: kernels.linear_tiles(x, tiles, None, fma=True)
-        best = [float("inf"), float("inf")]
+        candidates = {"bf16": bf16, "float32": lambda: kernels.linear_tiles(x, tiles, None, fma=True)}
         for repeat in range(repeats + 1):
-            for index, run in enumerate(candidates):
-                began = time.perf_counter()
-                run()
-                if repeat:  # the first round warms up
-                    best[index] = min(best[index], (time.perf_counter() - began) * 1e3)
-        times[count] = (best[0], best[1])
+            for name, run in candidates.items():
+                timer.time((count, name), run, keep=repeat > 0)  # the first round warms up
+        times[count] = (timer.fastest((count, "bf16")), timer.fastest((count, "float32")))
     return times
 
 
@@ -415,10 +523,10 @@ def calibrate_rows(
         )
         if cached is not None:
             return cached
-    began = time.perf_counter()
-    times = measure_rows(model, attention, executor, device, dtype)
+    began, timer = time.perf_counter(), Timer()
+    times = measure_rows(model, attention, executor, device, dtype, timer=timer)
     calibration = RowsCalibration(free_rows(times), digest, times)
-    save(calibration)
+    keep(calibration, timer, "the verification rows calibration")
     logger.info("verification rows calibration (%.1f s): %s", time.perf_counter() - began, calibration.describe())
     return calibration
 
@@ -432,10 +540,11 @@ def measure_rows(
     dtype: torch.dtype,
     candidates: tuple[int, ...] = ROW_CANDIDATES,
     repeats: int = ROW_REPEATS,
+    timer: Timer | None = None,
 ) -> dict[int, float]:
     """Per row count, the fastest of ``repeats`` forward passes (the layers on the executor's own path, then the
     logits of every row) of one sequence computing that many tokens after ``ROW_CONTEXT`` cached ones, the counts
-    alternating (ms)."""
+    alternating (ms); every pass's time is kept in ``timer``."""
     from infer.attention import AttentionMetadata
 
     block_size = attention.block_size
@@ -450,14 +559,12 @@ def measure_rows(
         )
         for rows in candidates
     }
-    best = dict.fromkeys(candidates, float("inf"))
+    timer = Timer() if timer is None else timer
     try:
         for repeat in range(repeats + 1):
             for rows, (metadata, input_ids, indices) in steps.items():
-                began = time.perf_counter()
-                forward_pass(model, attention, executor, scratch, dtype, input_ids, metadata, indices)
-                if repeat:  # the first round warms up
-                    best[rows] = min(best[rows], (time.perf_counter() - began) * 1e3)
+                run = partial(forward_pass, model, attention, executor, scratch, dtype, input_ids, metadata, indices)
+                timer.time(rows, run, keep=repeat > 0)  # the first round warms up
     finally:
         executor.counts.clear()
-    return best
+    return {rows: timer.fastest(rows) for rows in candidates}
