@@ -303,9 +303,15 @@ class CausalLM(nn.Module):
         and their addresses. The execution layer calls it (``infer.execution.paths.Executor``)."""
         for layer in self.layers:
             layer.use_cpu_kernels(kernels, gemv_rows, tile_fma)
-        # int8 modes, and bf16 (its tiles beat oneDNN from a dozen rows); fp16: fbgemm as fast on the head
-        if getattr(self.lm_head, "scales", None) is not None or getattr(self.lm_head, "mode", None) == "bf16":
-            self.lm_head.use_cpu_kernels(kernels, gemv_rows, tile_fma)
+        # int8 modes, bf16 (its tiles beat oneDNN from a dozen rows) and blocks (the GEMV for a few rows, the block
+        # GEMM for more); fp16: fbgemm as fast on the head
+        head = self.lm_head
+        if (
+            getattr(head, "scales", None) is not None
+            or getattr(head, "mode", None) == "bf16"
+            or getattr(head, "blocks", None) is not None
+        ):
+            head.use_cpu_kernels(kernels, gemv_rows, tile_fma)
 
     def compile_dense_parts(self) -> None:
         """``torch.compile`` each layer's feed-forward half (norm, gate/up, SiLU, down, residual), with dynamic

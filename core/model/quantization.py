@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from infer.kernels.cpu.abi import GEMM_BLOCK_KINDS
 from infer.kernels.cpu.blocks import BlockWeight, dequantize_blocks, quantize_blocks
 from infer.kernels.cpu.packing import can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, unpack_tiles
 from infer.model import Linear
@@ -281,12 +282,17 @@ class PackedLinear(nn.Module):
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def block_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """Block modes: ``x @ weight.T + bias`` on the block GEMV, or (no C compiler here) over the dequantized
-        weights, slowly."""
+        """Block modes: ``x @ weight.T + bias`` on the block GEMV for inputs of up to ``gemv_rows`` rows and at most
+        one of its passes (``kernels.block_pass_rows``: beyond, it reads the weights again for every pass), on the
+        block GEMM for more (``kernels.gemm_blocks``: from one pass and a row on, it measured faster on every shape of
+        docs/performance.md), or (no C compiler here) over the dequantized weights, slowly."""
         rows = x.float().contiguous()
-        if self.kernels is not None:
+        if self.kernels is None:
+            return torch.nn.functional.linear(rows, dequantize_blocks(self.blocks), self.bias)
+        few = rows.shape[0] <= min(self.gemv_rows, self.kernels.block_pass_rows)
+        if few or self.blocks.kind not in GEMM_BLOCK_KINDS:
             return self.kernels.linear_blocks(rows, self.blocks, self.bias)
-        return torch.nn.functional.linear(rows, dequantize_blocks(self.blocks), self.bias)
+        return self.kernels.gemm_blocks(rows, self.blocks, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
