@@ -133,32 +133,35 @@ def infer_flash_or_skip() -> None:
 
 
 @pytest.mark.parametrize(
-    "kernel, pool",
+    "kernel, pool, head_dim",
     [
-        ("torch", torch.float32),
-        ("infer", torch.float32),
-        ("infer", torch.bfloat16),
-        ("infer-fma", torch.float32),
-        ("infer-fma", torch.bfloat16),
+        ("torch", torch.float32, HEAD_DIM),
+        ("infer", torch.float32, 64),
+        ("infer", torch.bfloat16, 64),
+        ("infer", torch.float32, 128),
+        ("infer", torch.bfloat16, 128),
+        ("infer-fma", torch.float32, 64),
+        ("infer-fma", torch.bfloat16, 64),
+        ("infer-fma", torch.bfloat16, 128),
     ],
 )
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("num_heads, num_kv_heads", HEAD_LAYOUTS)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_cpu_bf16_prefill_attends_long_queries_in_bf16_and_keeps_the_rest_exact(
-    scenario, num_heads, num_kv_heads, block_size, kernel, pool
+    scenario, num_heads, num_kv_heads, block_size, kernel, pool, head_dim
 ):
     """``prefill_dtype: bfloat16``: sequences of at least ``prefill_min_tokens`` query tokens go to a flash
-    attention in bf16, torch's or infer's own (AVX512-BF16, head sizes a multiple of 64; skipped where the CPU lacks
-    it; on bf16 dot products or float32 FMAs), within bf16's error of the oracle, cached prefix or not, from a float32
-    or a bf16 pool; every other row stays the kernel's float32 (exact over the pool's K/V)."""
+    attention in bf16, torch's or infer's own (AVX512-BF16, head sizes a multiple of 64, SmolLM2's 64 and Qwen3's
+    128 here; AMX tiles where the CPU has them; skipped where the CPU lacks it; on bf16 products or float32 FMAs),
+    within bf16's error of the oracle, cached prefix or not, from a float32 or a bf16 pool; every other row stays the
+    kernel's float32 (exact over the pool's K/V)."""
     from infer.plugins.attention.cpu import CpuAttentionConfig
 
     arithmetic = "float32" if kernel == "infer-fma" else "bf16"
     kernel = kernel.removesuffix("-fma")
     if kernel == "infer":
         infer_flash_or_skip()
-    head_dim = 64 if kernel == "infer" else HEAD_DIM
     heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
     step = make_step(SCENARIOS[scenario], head_dim=head_dim, **heads)
     if pool == torch.bfloat16:  # the oracle sees the K/V the pool holds
@@ -200,8 +203,9 @@ def test_cpu_prefill_kernel_auto_takes_infers_flash_where_it_is_built_unless_amx
     monkeypatch,
 ):
     """``prefill_kernel: auto``: infer's flash attention with this build's AVX512-BF16 code and a head size it
-    takes; on a CPU with AMX only where its products run on the tiles (head size 64), else torch's (oneDNN's AMX
-    code), as where the kernel is missing; asking for infer's where it cannot run names what is missing."""
+    takes; on a CPU with AMX only where its products run on the tiles (head sizes 64, 128 and 256), else torch's
+    (oneDNN's AMX code), as where the kernel is missing; asking for infer's where it cannot run names what is
+    missing."""
     from infer.attention import BackendUnavailableError
     from infer.plugins.attention import cpu as cpu_plugin
 
@@ -235,7 +239,8 @@ def test_cpu_prefill_kernel_auto_takes_infers_flash_where_it_is_built_unless_amx
     assert backend(64).prefill_kernel == "torch"
     monkeypatch.setattr(kernels, "flash_amx", built)  # the tiles, where the kernel is built at all
     assert backend(64).prefill_kernel == ("infer" if built else "torch")
-    assert backend(128).prefill_kernel == "torch"  # the tile kernel takes head size 64 only
+    assert backend(128).prefill_kernel == ("infer" if built else "torch")  # Qwen3's and Llama 3's head size
+    assert backend(192).prefill_kernel == "torch"  # a multiple of 64 the tile kernel does not take
     assert backend(64, "torch").prefill_kernel == "torch"
     with pytest.raises(BackendUnavailableError, match="head size 32"):
         backend(32, "infer")

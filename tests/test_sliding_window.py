@@ -328,6 +328,7 @@ def kernels():
 
 
 @pytest.mark.parametrize("window", [1, 7, 16, 33, LARGER_THAN_ANY_CONTEXT])
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(
     "kernel, pool, arithmetic",
     [
@@ -338,13 +339,13 @@ def kernels():
         ("infer", torch.bfloat16, "float32"),
     ],
 )
-def test_cpu_bf16_prefill_and_decode_honour_the_window(kernels, kernel, pool, arithmetic, window):
+def test_cpu_bf16_prefill_and_decode_honour_the_window(kernels, kernel, pool, arithmetic, head_dim, window):
     """``prefill_dtype: bfloat16``: the long queries go to a flash attention (torch's, or infer's on AMX tiles or
     the dot products, or its float32 FMAs), the rest to the kernel (on the dot products over a bf16 pool), every
-    one within bf16's error of the windowed oracle, and none reading a block before its window."""
+    one within bf16's error of the windowed oracle, and none reading a block before its window, at SmolLM2's and
+    Qwen3's head sizes."""
     if kernel == "infer" and not kernels.flash:
         pytest.skip("infer's flash attention is built only where the CPU has avx512_bf16, which this one lacks")
-    head_dim = 64
     config = CpuAttentionConfig(
         prefill_dtype="bfloat16",
         prefill_min_tokens=8,
@@ -395,20 +396,23 @@ def test_cpu_kernel_windows_in_the_avx2_and_portable_builds(build, tmp_path):
 
 
 @pytest.mark.parametrize("kv_dtype, dots", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [1, 5, 64, 100])
-def test_cpu_kernel_gives_a_windowed_query_the_same_bits_alone_or_beside_others(kernels, kv_dtype, dots, window):
+def test_cpu_kernel_gives_a_windowed_query_the_same_bits_alone_or_beside_others(
+    kernels, kv_dtype, dots, head_dim, window
+):
     """Verification rows of one sequence share the kernel's work items, which start at the earliest window among
     them: each row still gets the bits it gets alone (a verified draft equals the decode row it stands for)."""
     if dots and not kernels.flash:
         pytest.skip("the kernel's bf16 dot products are built only where the CPU has avx512_bf16")
-    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    num_heads, num_kv_heads, block_size, scale = 9, 3, 16, head_dim**-0.5
     generator = torch.Generator().manual_seed(window)
     kv_cache = torch.randn(2, 48, block_size, num_kv_heads, head_dim, generator=generator).to(kv_dtype)
     block_tables = torch.tensor([list(range(24))[::-1], list(range(24, 48))], dtype=torch.int32)
     seqs, lengths = [0, 0, 0, 0, 0, 1], [296, 297, 298, 299, 300, 129]
     q = torch.randn(len(seqs), num_heads, head_dim, generator=generator)
     together = cpu_kernels.KernelAttentionPlan(None, torch.tensor(seqs), torch.tensor(lengths), len(seqs), max(lengths))
-    out = kernels.paged_attention(q, kv_cache, block_tables, together, 0.125, torch.empty(q.shape), dots, window)
+    out = kernels.paged_attention(q, kv_cache, block_tables, together, scale, torch.empty(q.shape), dots, window)
     for row, (seq, length) in enumerate(zip(seqs, lengths)):
         alone = cpu_kernels.KernelAttentionPlan(None, torch.tensor([seq]), torch.tensor([length]), 1, length)
         single = kernels.paged_attention(
@@ -416,7 +420,7 @@ def test_cpu_kernel_gives_a_windowed_query_the_same_bits_alone_or_beside_others(
             kv_cache,
             block_tables,
             alone,
-            0.125,
+            scale,
             torch.empty(1, num_heads, head_dim),
             dots,
             window,
@@ -424,7 +428,7 @@ def test_cpu_kernel_gives_a_windowed_query_the_same_bits_alone_or_beside_others(
         assert torch.equal(out[row], single[0]), row
         keys, values = (kv_cache[half, block_tables[seq].long()].flatten(0, 1)[:length].float() for half in (0, 1))
         expected = windowed_attention(
-            q[row : row + 1].bfloat16().float() if dots else q[row : row + 1], keys, values, window, 0.125
+            q[row : row + 1].bfloat16().float() if dots else q[row : row + 1], keys, values, window, scale
         )
         tolerance = 1e-2 if dots else 1e-5
         torch.testing.assert_close(out[row : row + 1].double(), expected, atol=tolerance, rtol=tolerance)

@@ -13,8 +13,9 @@ bf16``, whose large steps already run at bf16 precision), and keeps float32 ever
 on the kernel. Which flash attention, ``prefill_kernel``: ``infer``'s own (``infer_flash_attention``: K/V packed
 once per layer from the pool, an online softmax over tiles of 32 keys; AVX512-BF16 dot products, 512 fresh tokens
 4.0-4.8 ms a layer against torch's 8.4 on an Intel Xeon without AMX; on AMX tiles where the CPU has them and the
-head size is 64, 16 tokens of one head as the lanes of every register, four 512-token prompts 5.4-6.2 ms a layer
-against torch's 12.1-14.8 measured side by side on an AMX Xeon) or ``torch``'s (``scaled_dot_product_attention``
+head size is 64, 128 or 256, 16 tokens of one head as the lanes of every register, four 512-token prompts 5.4-6.2 ms
+a layer against torch's 12.1-14.8 measured side by side on an AMX Xeon at head size 64, and a 512-token prompt of
+Qwen3-0.6B's layout (head size 128) about half torch's time) or ``torch``'s (``scaled_dot_product_attention``
 over the context gathered from the pool; oneDNN's AMX code where the CPU has AMX). ``auto``: infer's where the
 kernels have it, except on an AMX CPU whose tiles infer's cannot use (another head size), where torch's is faster.
 infer's runs on bf16 products or, with ``prefill_arithmetic: float32`` (what ``auto`` resolves to where the
@@ -64,7 +65,7 @@ from infer.attention import (
 )
 from infer.host import cpu_flags
 from infer.kernels import cpu as cpu_kernels
-from infer.kernels.cpu import FlashChunks, KernelAttentionPlan, KernelAttentionStep
+from infer.kernels.cpu import DIRECT_HEAD_DIMS, FlashChunks, KernelAttentionPlan, KernelAttentionStep
 
 
 class CpuAttentionConfig(AttentionConfig):
@@ -82,8 +83,8 @@ class CpuAttentionConfig(AttentionConfig):
     prefill_kernel: Literal["auto", "infer", "torch"] = Field(
         "auto",
         description="Which flash attention computes prefill_dtype bfloat16: infer (the C kernels' own, on "
-        "AMX tiles where the CPU has them and the head size is 64, else AVX512-BF16 dot "
-        "products), torch (scaled_dot_product_attention over the gathered context; oneDNN's AMX "
+        "AMX tiles where the CPU has them and the head size is 64, 128 or 256, else AVX512-BF16 "
+        "dot products), torch (scaled_dot_product_attention over the gathered context; oneDNN's AMX "
         "code where the CPU has AMX). auto: infer where the kernels have it, except on a CPU with "
         "AMX that infer's cannot use (then torch).",
     )
@@ -96,8 +97,8 @@ class CpuAttentionConfig(AttentionConfig):
     )
     decode_arithmetic: Literal["auto", "bf16", "float32"] = Field(
         "auto",
-        description="Decode and verification queries over a bfloat16 pool (head size 64, kernels with "
-        "AVX512-BF16): bf16 dot products (the queries and the probabilities rounded to bf16, "
+        description="Decode and verification queries over a bfloat16 pool (head size 64, 128 or 256, "
+        "kernels with AVX512-BF16): bf16 dot products (the queries and the probabilities rounded to bf16, "
         "scores and sums float32, as the flash attention) or float32 (the K/V widened, queries "
         "and probabilities float32). auto: bf16 where prefill_arithmetic resolves to bf16 "
         "(the projections' large steps are bf16 arithmetic), else float32.",
@@ -201,7 +202,7 @@ class CpuBackend(AttentionBackend):
         bf16 = self.config.prefill_dtype == "bfloat16"
         self.prefill_min_tokens: int | None = self.config.prefill_min_tokens if bf16 else None
         # infer's flash attention can multiply on AMX tiles here (what the C side picks for its bf16 mode)
-        self._flash_on_tiles = self.kernels.flash_amx and self.head_dim == 64
+        self._flash_on_tiles = self.kernels.flash_amx and self.head_dim in DIRECT_HEAD_DIMS
         # "infer" or "torch": whose flash attention takes those sequences (None: no sequence is taken)
         self.prefill_kernel: str | None = self._choose_prefill_kernel() if bf16 else None
         # infer's flash attention on float32 FMAs (auto, where the engine has not resolved it, counts as bf16)
@@ -215,7 +216,7 @@ class CpuBackend(AttentionBackend):
             self.config.decode_arithmetic == "bf16"
             and self.kv_dtype == torch.bfloat16
             and self.kernels.flash
-            and self.head_dim == 64
+            and self.head_dim in DIRECT_HEAD_DIMS
         )
         # each pool layer's sliding window for the fused stack (0: none); None while no layer has one
         self.windows: torch.Tensor | None = None

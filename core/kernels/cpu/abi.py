@@ -154,6 +154,10 @@ BLOCK_GEMM_DESIGNS = {2: "amx-bf16", 1: "int8", 0: "portable"}
 # The block kinds ``gemm_blocks`` multiplies (GGUF's blocks of 32).
 GEMM_BLOCK_KINDS = ("q4_0", "q4_1", "q8_0")
 TILE_KINDS = {2: "AMX tiles", 1: "AVX512-BF16", 0: None}
+# The head sizes whose bf16 K/V the attention kernels multiply as the pool holds them: the flash attention on AMX
+# tiles (FLASH_AMX_HEAD_DIMS in the C source) and the decode kernel's rows read in place, widened in registers or on
+# the dot products (DIRECT_HEAD_DIMS). Other sizes take the kernels' general paths.
+DIRECT_HEAD_DIMS = (64, 128, 256)
 
 
 class LayerStruct(ctypes.Structure):
@@ -772,13 +776,13 @@ class CpuKernels:
     ) -> torch.Tensor:
         """The rows of ``q`` ``[T, heads, head_dim]`` (rows may be strided) that ``plan`` names attend to their
         contexts, read through ``block_tables`` (int32) from one layer's pool; results land in the same rows of
-        ``out`` ``[T, heads, head_dim]`` (contiguous), which is returned. ``dots`` (a bf16 pool, head size 64,
-        ``self.flash``'s AVX512-BF16 build; ignored elsewhere): the queries and the probabilities rounded to bf16
-        and multiplied on the dot products, scores and sums float32 (the flash attention's precision); else
-        float32 queries and probabilities over the widened K/V. ``window``: a sliding window, each query sees the
-        last ``window`` tokens of its context (blocks wholly before them are not read); None: all of them.
-        ``sinks``: attention sinks, a float32 logit per query head (contiguous ``[heads]``; -inf: none) in each
-        row's softmax denominator; None: none."""
+        ``out`` ``[T, heads, head_dim]`` (contiguous), which is returned. ``dots`` (a bf16 pool, a head size in
+        ``DIRECT_HEAD_DIMS``, ``self.flash``'s AVX512-BF16 build; ignored elsewhere): the queries and the probabilities
+        rounded to bf16 and multiplied on the dot products, scores and sums float32 (the flash attention's precision);
+        else float32 queries and probabilities over the widened K/V. ``window``: a sliding window, each query sees the
+        last ``window`` tokens of its context (blocks wholly before them are not read); None: all of them. ``sinks``:
+        attention sinks, a float32 logit per query head (contiguous ``[heads]``; -inf: none) in each row's softmax
+        denominator; None: none."""
         check_rows(q)
         check_pool(kv_cache)
         check_block_tables(block_tables)
@@ -828,12 +832,12 @@ class CpuKernels:
         may be strided) over their contexts in one layer's pool, at the precision of torch's bf16 flash attention
         (Q, K, V and the probabilities rounded to bf16, scores and sums float32); results land in the same rows of
         ``out`` ``[T, heads, head_dim]`` (contiguous), which is returned. Needs ``self.flash`` and a head size that
-        is a multiple of 64. The bf16 products run on AMX tiles where ``self.flash_amx`` and the head size is 64,
-        else on AVX512-BF16's dot products. ``fma``: float32 FMAs over the widened K/V instead, Q and the
-        probabilities not rounded (faster where the CPU's float32 rate beats its bf16 dot products, as
-        ``linear_tiles``' ``fma``). ``window``: a sliding window, each row sees its own position and the
-        ``window - 1`` before it (keys before the window of a chunk's first row are not read); None: every one.
-        ``sinks``: as ``paged_attention``'s."""
+        is a multiple of 64. The bf16 products run on AMX tiles where ``self.flash_amx`` and the head size is in
+        ``DIRECT_HEAD_DIMS``, else on AVX512-BF16's dot products. ``fma``: float32 FMAs over the widened K/V instead, Q
+        and the probabilities not rounded (faster where the CPU's float32 rate beats its bf16 dot products, as
+        ``linear_tiles``' ``fma``). ``window``: a sliding window, each row sees its own position and the ``window - 1``
+        before it (keys before the window of a chunk's first row are not read); None: every one. ``sinks``: as
+        ``paged_attention``'s."""
         check_rows(q)
         check_pool(kv_cache)
         check_block_tables(block_tables)
