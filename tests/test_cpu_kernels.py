@@ -15,6 +15,9 @@ from infer.model import RotaryEmbedding, apply_rotary, default_inverse_frequenci
 
 # Widths on both sides of the 8-float vectors and the 64-float register tiles, and odd ones for the tail loops.
 DIMS = [7, 64, 576, 131]
+# The head sizes whose bf16 rows the attention kernels multiply as the pool holds them (SmolLM2's 64, Qwen3's and
+# Llama 3's 128, Gemma 3's 256; cpu_kernels.DIRECT_HEAD_DIMS), each its own copy of the kernels.
+HEAD_DIMS = list(cpu_kernels.DIRECT_HEAD_DIMS)
 
 
 @pytest.fixture(scope="module")
@@ -189,12 +192,13 @@ def close_to_reference(out, q, keys, values, scale, dots: bool) -> None:
     )
 
 
-def test_decode_attention_on_bf16_dot_products(kernels):
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_decode_attention_on_bf16_dot_products(kernels, head_dim):
     """``dots``: the queries and the probabilities rounded to bf16 and multiplied on AVX512-BF16's dot products over
     a bf16 pool, for key counts odd and even, on both sides of the 64-key chunks and the 4-key score groups: each
     query within the roundings of softmax attention, and not the float32 arithmetic's bits (the other path ran)."""
     dots_or_skip(kernels, True)
-    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    num_heads, num_kv_heads, block_size, scale = 9, 3, 16, head_dim**-0.5
     lengths = [1, 2, 3, 5, 63, 64, 65, 127, 130, 301]
     tables, blocks = [], 1
     for length in lengths:
@@ -206,11 +210,11 @@ def test_decode_attention_on_bf16_dot_products(kernels):
     kv_cache = randn(2, blocks, block_size, num_kv_heads, head_dim, seed=31, scale=2.0).bfloat16()
     q = randn(len(lengths), num_heads, head_dim, seed=32)
     plan = KernelAttentionPlan(None, torch.arange(len(lengths)), torch.tensor(lengths), len(lengths), max(lengths))
-    out = kernels.paged_attention(q, kv_cache, block_tables, plan, 0.125, torch.empty(q.shape), True)
-    widened = kernels.paged_attention(q, kv_cache, block_tables, plan, 0.125, torch.empty(q.shape))
+    out = kernels.paged_attention(q, kv_cache, block_tables, plan, scale, torch.empty(q.shape), True)
+    widened = kernels.paged_attention(q, kv_cache, block_tables, plan, scale, torch.empty(q.shape))
     for index, (length, table) in enumerate(zip(lengths, tables)):
         keys, values = (kv_cache[half, table].flatten(0, 1)[:length].float() for half in (0, 1))
-        close_to_reference(out[index], q[index], keys, values, 0.125, True)
+        close_to_reference(out[index], q[index], keys, values, scale, True)
     assert not torch.equal(out[1:], widened[1:])  # (one key: both give its value row)
 
 
@@ -266,20 +270,21 @@ def dots_or_skip(kernels, dots: bool) -> None:
 ARITHMETIC = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize(("kv_dtype", "dots"), ARITHMETIC)
-def test_paged_attention_gives_a_query_the_same_bits_alone_or_beside_others(kernels, kv_dtype, dots):
+def test_paged_attention_gives_a_query_the_same_bits_alone_or_beside_others(kernels, kv_dtype, dots, head_dim):
     """A query's result depends on its own context only: verification rows of one sequence (which share work items),
     queries of other sequences, and contexts across several of the kernel's key chunks give each row exactly what it
     gets as the only query of its step, so a verified draft equals the decode row it stands for."""
     dots_or_skip(kernels, dots)
-    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    num_heads, num_kv_heads, block_size, scale = 9, 3, 16, head_dim**-0.5
     kv_cache = randn(2, 48, block_size, num_kv_heads, head_dim, seed=11).to(kv_dtype)
     block_tables = torch.tensor([list(range(24))[::-1], list(range(24, 48))], dtype=torch.int32)
     # sequence 0: five verification rows ending at 300 keys; sequence 1: one decode row over 129 keys
     seqs, lengths = [0, 0, 0, 0, 0, 1], [296, 297, 298, 299, 300, 129]
     q = randn(len(seqs), num_heads, head_dim, seed=12)
     together = KernelAttentionPlan(None, torch.tensor(seqs), torch.tensor(lengths), len(seqs), max(lengths))
-    out = kernels.paged_attention(q, kv_cache, block_tables, together, 0.125, torch.empty(q.shape), dots)
+    out = kernels.paged_attention(q, kv_cache, block_tables, together, scale, torch.empty(q.shape), dots)
     for row, (seq, length) in enumerate(zip(seqs, lengths)):
         alone = KernelAttentionPlan(None, torch.tensor([seq]), torch.tensor([length]), 1, length)
         single = kernels.paged_attention(
@@ -287,14 +292,14 @@ def test_paged_attention_gives_a_query_the_same_bits_alone_or_beside_others(kern
             kv_cache,
             block_tables,
             alone,
-            0.125,
+            scale,
             torch.empty(1, num_heads, head_dim),
             dots,
         )
         assert torch.equal(out[row], single[0])
         table = block_tables[seq].long()
         keys, values = (kv_cache[half, table].flatten(0, 1)[:length].float() for half in (0, 1))
-        close_to_reference(out[row], q[row], keys, values, 0.125, dots)
+        close_to_reference(out[row], q[row], keys, values, scale, dots)
 
 
 def test_paged_attention_over_a_long_chunk_matches_each_query_alone(kernels):
@@ -323,14 +328,15 @@ def test_paged_attention_over_a_long_chunk_matches_each_query_alone(kernels):
         )
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("kv_dtype", "dots"), ARITHMETIC)
 @pytest.mark.parametrize("root", [60, 126, 300])
-def test_a_draft_trees_leaf_gets_the_bits_of_its_key_at_its_own_position(kernels, kv_dtype, dots, root):
+def test_a_draft_trees_leaf_gets_the_bits_of_its_key_at_its_own_position(kernels, kv_dtype, dots, root, head_dim):
     """A draft tree's leaf reads its own K/V from the slot it was written to (past the spine) in place of its
     position's: exactly what a query at that position computes when the leaf's K/V sit there, bit for bit, beside the
     spine's rows and another sequence's (roots on both sides of the kernel's 64-key chunks)."""
     dots_or_skip(kernels, dots)
-    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    num_heads, num_kv_heads, block_size, scale = 9, 3, 16, head_dim**-0.5
     kv_cache = randn(2, 64, block_size, num_kv_heads, head_dim, seed=21).to(kv_dtype)
     block_tables = torch.tensor([list(range(1, 32))[::-1], list(range(32, 63))], dtype=torch.int32)
     # sequence 0: the root, a spine of three drafts, leaves at depths 1, 2 and 4 (tokens root + 4 .. root + 6);
@@ -343,7 +349,7 @@ def test_a_draft_trees_leaf_gets_the_bits_of_its_key_at_its_own_position(kernels
     plan = KernelAttentionPlan(
         None, torch.tensor(seqs), torch.tensor(lengths), len(seqs), max(lengths), torch.tensor(own)
     )
-    out = kernels.paged_attention(q, kv_cache, block_tables, plan, 0.125, torch.empty(q.shape), dots)
+    out = kernels.paged_attention(q, kv_cache, block_tables, plan, scale, torch.empty(q.shape), dots)
     slots = [int(block_tables[0, t // block_size]) * block_size + t % block_size for t in range(root + 8)]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
     for row in range(len(seqs)):
@@ -352,13 +358,13 @@ def test_a_draft_trees_leaf_gets_the_bits_of_its_key_at_its_own_position(kernels
             moved.view(2, -1, num_kv_heads, head_dim)[:, slots[lengths[row] - 1]] = flat[:, slots[own[row]]]
         alone = KernelAttentionPlan(None, torch.tensor([seqs[row]]), torch.tensor([lengths[row]]), 1, lengths[row])
         single = kernels.paged_attention(
-            q[row : row + 1].contiguous(), moved, block_tables, alone, 0.125, torch.empty(1, num_heads, head_dim), dots
+            q[row : row + 1].contiguous(), moved, block_tables, alone, scale, torch.empty(1, num_heads, head_dim), dots
         )
         assert torch.equal(out[row], single[0]), row
         keys, values = (
             moved[half, block_tables[seqs[row]].long()].flatten(0, 1)[: lengths[row]].float() for half in (0, 1)
         )
-        close_to_reference(out[row], q[row], keys, values, 0.125, dots)
+        close_to_reference(out[row], q[row], keys, values, scale, dots)
 
 
 def test_build_is_cached_per_source_and_reused(tmp_path, monkeypatch):
@@ -732,11 +738,9 @@ def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path
             atol=1e-6,
             rtol=8e-3,
         )
-    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 14
-    pool = randn(2, num_blocks, block_size, num_kv_heads, head_dim, seed=7)
+    num_heads, num_kv_heads, block_size, num_blocks = 9, 3, 16, 14
     block_tables = torch.tensor([[3, 1, 6, 0, 8, 9, 10], [2, 5, 7, 4, 11, 13, 12]], dtype=torch.int32)
     # three rows of sequence 1 (verification), over one or two key chunks, and a draft tree's leaf beside the second
-    q = randn(5, num_heads, head_dim, seed=8)
     plan = KernelAttentionPlan(
         None,
         torch.tensor([0, 1, 1, 1, 1]),
@@ -745,27 +749,41 @@ def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path
         101,
         torch.tensor([-1, -1, -1, -1, 105]),
     )
-    for kv in (pool, pool.to(torch.bfloat16)):
-        outs = [
-            kernels_.paged_attention(q, kv, block_tables, plan, 0.125, torch.zeros_like(q))
-            for kernels_ in (built, portable_kernels)
-        ]
-        close(*outs)
+    for head_dim in (64, 128):  # a bf16 pool's rows read in place by the AVX-512 kernels, one copy per head size
+        pool = randn(2, num_blocks, block_size, num_kv_heads, head_dim, seed=7)
+        q = randn(5, num_heads, head_dim, seed=8)
+        for kv in (pool, pool.to(torch.bfloat16)):
+            outs = [
+                kernels_.paged_attention(q, kv, block_tables, plan, head_dim**-0.5, torch.zeros_like(q))
+                for kernels_ in (built, portable_kernels)
+            ]
+            close(*outs)
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_flash_attention_on_amx_tiles_matches_its_avx512_bf16_dot_products(kernels, block_size, tmp_path):
-    """infer's flash attention in its bf16 mode multiplies on AMX tiles where the build and the OS allow (head size
-    64: S^T = K Q^T and O^T = V^T P^T, a token per lane); the same chunks on the AVX512-BF16 build's dot products
-    (AMX kept out) give the same results within bf16's rounding of the probabilities, fresh prompts and cached
-    prefixes, partial tiles of tokens and keys, grouped heads, float32 and bf16 pools. Runs where the CPU has AMX."""
-    from infer.kernels.cpu import FlashChunks
-
+@pytest.fixture(scope="module")
+def kernels_without_amx(kernels, tmp_path_factory):
+    """The AVX512-BF16 build with AMX kept out, beside the tile kernels (skipped where the CPU or OS has no tiles)."""
     if not kernels.flash_amx:
         pytest.skip("this CPU (or this OS) gives no AMX tiles to infer's flash attention")
-    dots = cpu_kernels.load_built(cpu_kernels.build(tmp_path, without_amx()))
-    assert dots.flash and not dots.flash_amx
-    num_heads, num_kv_heads, head_dim = 6, 2, 64
+    built = cpu_kernels.load_built(cpu_kernels.build(tmp_path_factory.mktemp("dots"), without_amx()))
+    assert built.flash and not built.flash_amx
+    return built
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_flash_attention_on_amx_tiles_matches_its_avx512_bf16_dot_products(
+    kernels, kernels_without_amx, block_size, head_dim
+):
+    """infer's flash attention in its bf16 mode multiplies on AMX tiles where the build and the OS allow (S^T = K Q^T
+    and O^T = V^T P^T, a token per lane; beyond 64 dims the results pass through memory): every row within bf16's
+    rounding of the probabilities of float64 causal attention over the bf16-rounded Q, K and V, and the same chunks
+    on the AVX512-BF16 build's dot products (AMX kept out) within the same, for fresh prompts and cached prefixes,
+    partial tiles of tokens and keys, grouped heads, float32 and bf16 pools, at each head size the tiles take. Runs
+    where the CPU has AMX."""
+    from infer.kernels.cpu import FlashChunks
+
+    num_heads, num_kv_heads, scale = 6, 2, head_dim**-0.5
     # (query tokens, context): a fresh prompt, one after a cached prefix, a short one, partial tiles everywhere
     chunks = [(70, 70), (33, 100), (5, 5), (16, 47)]
     num_blocks = sum(-(-context // block_size) for _, context in chunks) + 1
@@ -782,6 +800,16 @@ def test_flash_attention_on_amx_tiles_matches_its_avx512_bf16_dot_products(kerne
     plan = FlashChunks.of(
         [(at, tokens, context, index) for index, (at, (tokens, context)) in enumerate(zip(starts, chunks))]
     )
+    rounded = q.bfloat16().float()
     for kv in (pool, pool.to(torch.bfloat16)):
-        amx, dot = (built.flash_attention(q, kv, tables, plan, 0.125, torch.zeros_like(q)) for built in (kernels, dots))
+        amx, dot = (
+            built.flash_attention(q, kv, tables, plan, scale, torch.zeros_like(q))
+            for built in (kernels, kernels_without_amx)
+        )
         torch.testing.assert_close(amx, dot, atol=4e-3, rtol=1e-2)
+        for index, (at, (tokens, context)) in enumerate(zip(starts, chunks)):
+            keys, values = (kv[half, tables[index].long()].flatten(0, 1)[:context].bfloat16() for half in (0, 1))
+            for row in range(tokens):
+                seen = context - tokens + row + 1
+                expected = reference_attention(rounded[at + row], keys[:seen], values[:seen], scale)
+                torch.testing.assert_close(amx[at + row].double(), expected, atol=1e-2, rtol=1e-2)

@@ -159,13 +159,13 @@ void infer_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_
  * layer's pool kv (2 x num_blocks x block_size x num_kv_heads x head_dim; float32, or bfloat16 when kv_bf16). With
  * own_keys (NULL: none) and own_keys[i] >= 0, the last of those tokens, its own position, is read from the
  * sequence's token own_keys[i] instead: a leaf of a draft tree, which stands beside the spine's draft at that
- * position while its K/V were written past the spine. With `dots` (a bf16 pool of 64-wide heads in an AVX512-BF16
- * build; ignored elsewhere) the queries and the probabilities are rounded to bf16 and multiplied on VDPBF16PS,
- * scores, maxima and sums float32 (the flash attention's precision). With a sliding `window` (> 0; 0: none) each
- * query sees only the last `window` of its context's tokens, and blocks wholly before them are not read. With
- * `sinks` (NULL: none; else num_heads floats, -INFINITY for a head without one) head h's sink logit joins its
- * softmax's denominator: its probability mass is taken from every key alike, and it adds no value (gpt-oss's
- * attention sinks). max_context is not read. */
+ * position while its K/V were written past the spine. With `dots` (a bf16 pool of heads 64, 128 or 256 wide in an
+ * AVX512-BF16 build; ignored elsewhere) the queries and the probabilities are rounded to bf16 and multiplied on
+ * VDPBF16PS, scores, maxima and sums float32 (the flash attention's precision). With a sliding `window` (> 0; 0: none)
+ * each query sees only the last `window` of its context's tokens, and blocks wholly before them are not read. With
+ * `sinks` (NULL: none; else num_heads floats, -INFINITY for a head without one) head h's sink logit joins its softmax's
+ * denominator: its probability mass is taken from every key alike, and it adds no value (gpt-oss's attention sinks).
+ * max_context is not read. */
 void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
                            int64_t table_stride, const int64_t *rows, const int64_t *seq_of_query,
                            const int64_t *context_lens, const int64_t *own_keys, float *out, int64_t queries,
@@ -181,7 +181,8 @@ void infer_paged_attention(const float *q, int64_t q_stride, const void *kv, con
  * and the sums float32; with `fma`, float32 FMAs over the widened K/V instead, Q and the probabilities kept float32.
  * With a sliding `window` (> 0; 0: none) a row sees only its own position and the window - 1 before it, and keys
  * before the window of a chunk's first row are not read. `sinks`: as infer_paged_attention's. head_dim must be a
- * multiple of 64, and the build must have it (infer_flash_kind() > 0; else this aborts). */
+ * multiple of 64 (the bf16 products on AMX tiles at 64, 128 and 256), and the build must have it
+ * (infer_flash_kind() > 0; else this aborts). */
 void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, const int32_t *block_tables,
                            int64_t table_stride, const int64_t *starts, const int64_t *query_lens,
                            const int64_t *contexts, const int64_t *tables, int64_t count, float *out,
