@@ -434,14 +434,18 @@ def test_cpu_kernel_gives_a_windowed_query_the_same_bits_alone_or_beside_others(
         torch.testing.assert_close(out[row : row + 1].double(), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_cpu_fused_stack_attends_each_layer_with_its_window(kernels):
+@pytest.mark.parametrize("head_dim, pool", [(32, torch.float32), (128, torch.bfloat16)])
+def test_cpu_fused_stack_attends_each_layer_with_its_window(kernels, head_dim, pool):
     """The cpu backend's ``fused_attention`` carries each pool layer's window into the one-call stack, whose layers
-    then equal the same layers run one by one around the backend's own attention; a model whose layers' scales
-    differ keeps attention per layer (None: the stack takes one scale)."""
+    then equal the same layers run one by one around the backend's own attention (over a bf16 pool at Qwen3's head
+    size on the dot products, where the kernels have them); a model whose layers' scales differ keeps attention per
+    layer (None: the stack takes one scale)."""
     from infer.kernels.cpu import FusedLayer, FusedStack, pack_weights
     from infer.model import RotaryEmbedding, default_inverse_frequencies
 
-    hidden, intermediate, head_dim, block_size = 128, 192, 32, 4
+    hidden, intermediate, block_size = 128, 192, 4
+    bf16 = pool == torch.bfloat16
+    config = CpuAttentionConfig(kv_dtype="bfloat16", decode_arithmetic="bf16") if bf16 else None
     q_width, kv_width = NUM_HEADS * head_dim, NUM_KV_HEADS * head_dim
     generator = torch.Generator().manual_seed(17)
 
@@ -462,13 +466,14 @@ def test_cpu_fused_stack_attends_each_layer_with_its_window(kernels):
 
     layers = [layer() for _ in range(3)]
     windows = [LayerAttention(window=3), LayerAttention(), LayerAttention(window=6)]
-    attention = make_backend("cpu", block_size, windows, head_dim=head_dim)
+    attention = make_backend("cpu", block_size, windows, head_dim=head_dim, config=config)
     rotary = RotaryEmbedding(default_inverse_frequencies(10000.0, head_dim), 256, torch.device("cpu"))
     # a decode at 30 cached tokens and three verification rows after 21
-    step = make_step([(30, 1), (21, 3)], block_size, seed=19, head_dim=head_dim)
+    step = make_step([(30, 1), (21, 3)], block_size, seed=19, head_dim=head_dim, kv_dtype=pool)
     metadata = attention.prepare(step.metadata)
     fused = attention.fused_attention(metadata)
     assert fused.windows.tolist() == [3, 0, 6]
+    assert fused.dots == (bf16 and kernels.flash)
     pools = step.kv_cache.expand(len(layers), *step.kv_cache.shape).contiguous()
     hidden_states = torch.randn(4, hidden, generator=generator)
     expected_pools, residual, delta = pools.clone(), hidden_states.clone(), None
