@@ -470,3 +470,36 @@ def test_cpu_fused_stack_attends_each_layer_with_its_sinks(kernels):
         fused,
     )
     assert (other - out).abs().max() > 1e-3
+
+
+def test_the_decoder_holds_each_sink_layers_logits_and_a_tensor_parallel_rank_keeps_its_heads():
+    """A layer declared with sinks gets ``self_attn.sinks`` (the HF tensor name, loaded like any weight), the model
+    hands each layer's logits to ``set_layers`` (None for a layer without), and a tensor-parallel rank keeps the
+    logits of its own query heads."""
+    from transformers import LlamaConfig
+
+    from infer.distributed.shards import plan_shards
+    from infer.model import CausalLM, ModelArchitecture
+    from infer.model.sharding import shard_model
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        max_position_embeddings=64,
+    )
+    spec = ModelArchitecture.decoder_spec(config)
+    model = CausalLM(spec.replace(layer_attention=(LayerAttention(sinks=True), LayerAttention())))
+    assert [name for name, _ in model.named_parameters() if "sinks" in name] == ["layers.0.self_attn.sinks"]
+    assert ModelArchitecture.hf_names("layers.0.self_attn.sinks") == ["model.layers.0.self_attn.sinks"]
+    with torch.no_grad():
+        model.layers[0].self_attn.sinks.copy_(SINKS)
+    attention = make_backend("sdpa", 4, list(model.layer_attention), model.attention_sinks)
+    assert torch.equal(attention.layer_sinks(0), SINKS) and attention.layer_sinks(1) is None
+    second_rank = plan_shards(NUM_HEADS, NUM_KV_HEADS, 96, 64, 2)[1]
+    shard_model(model, second_rank, group=None)
+    assert torch.equal(model.attention_sinks[0], SINKS[second_rank.q_heads.start : second_rank.q_heads.stop])
+    assert model.attention_sinks[1] is None
