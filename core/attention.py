@@ -229,7 +229,7 @@ class AttentionBackend(ABC):
         if missing:
             raise BackendUnavailableError(
                 f"attention backend {type(self).__name__} does not implement {' and '.join(missing)} attention, "
-                f"which this model's layers need; choose a backend that does (infer plugins lists them)"
+                f"which this model's layers need; use attention.name=auto, which picks a backend that does"
             )
         sinks = tuple(sinks) if sinks is not None else (None,) * len(layers)
         if len(sinks) != len(layers):

@@ -360,8 +360,8 @@ def choose_attention(
     if best is None:
         asked = f" with {' and '.join(sorted(needs))} attention (this model's layers need it)" if needs else ""
         raise ValueError(
-            f"attention.name=auto found no registered attention backend that runs here{asked}; name one "
-            "(infer plugins lists them)"
+            f"attention.name=auto found no registered attention backend that runs here{asked}; install one that "
+            "does (infer plugins lists those registered)"
         )
     return best
 
