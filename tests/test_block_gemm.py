@@ -1,0 +1,201 @@
+"""The block GEMM (``csrc/gemm_blocks.c``) over GGUF's ``Q4_0``, ``Q4_1`` and ``Q8_0`` blocks, for steps of many rows:
+each design's sums are float64's over the values it multiplies (the dequantized blocks and the int8 activations the
+GEMV computes with, or both rounded to bf16 on AMX) on odd shapes, every SIMD build's int8 products agree with the
+portable C, and a model's prefill and 32-row decode steps give the GEMV's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_block_kernels import BLOCK_BUILDS, KINDS, gguf_tensor, quantized_activations, without_amx
+
+from infer.kernels import cpu as cpu_kernels
+from infer.kernels.cpu.blocks import dequantize_blocks, pack_blocks
+
+# n odd and not a multiple of 16 or 32 (the designs' panels), k a multiple of 32 but not of 64 or 256.
+SHAPES = [(13, 96), (67, 288), (150, 576), (35, 1504)]
+# Rows below, at and past the designs' tiles of 16 and pairs of tiles, and a prefill-sized step.
+ROWS = (1, 9, 16, 17, 33, 70, 300)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if cpu_kernels.compiler() is None:
+        pytest.skip("the CPU kernels need a C compiler")
+    return cpu_kernels.load(True)
+
+
+def exact_product(design: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """In float64, what ``design`` multiplies: x rounded to bf16 times the weights rounded to bf16 (``amx-bf16``), or
+    x's int8 blocks times the weights (the int8 designs and the GEMV)."""
+    if design == "amx-bf16":
+        exact = x.bfloat16().double() @ weight.bfloat16().double().T
+    else:
+        exact = quantized_activations(x) @ weight.double().T
+    return exact if bias is None else exact + bias.double()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_block_gemm_is_float64_over_what_each_design_multiplies(kernels, kind, out_features, in_features):
+    raw, weight = gguf_tensor(kind, out_features, in_features)
+    packed = pack_blocks(raw, kind, out_features)
+    for design in kernels.block_gemm_designs:
+        for rows in ROWS:
+            x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+            x[0, 32:64] = 0.0  # an all-zero block of x: scale 0
+            bias = torch.randn(out_features) if rows % 2 else None
+            out = kernels.gemm_blocks(x, packed, bias, design)
+            assert out.shape == (rows, out_features) and out.dtype == torch.float32
+            torch.testing.assert_close(
+                out.double(), exact_product(design, x, weight, bias), atol=1e-5, rtol=1e-5, msg=f"{design}, {rows} rows"
+            )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_block_gemm_gives_the_block_gemvs_sums(kernels, kind):
+    raw, _ = gguf_tensor(kind, 67, 1504, seed=3)
+    packed = pack_blocks(raw, kind, 67)
+    for rows in (9, 33, 70):
+        x = torch.randn(rows, 1504, generator=torch.Generator().manual_seed(rows)) * 3
+        # the same products summed in another order in float32: results of about 6 differ by ulps of it
+        torch.testing.assert_close(
+            kernels.gemm_blocks(x, packed, None, "int8"), kernels.linear_blocks(x, packed, None), atol=1e-4, rtol=1e-5
+        )
+
+
+def test_block_gemm_refuses_what_it_cannot_multiply(kernels):
+    raw, _ = gguf_tensor("q4_1", 8, 64)
+    packed = pack_blocks(raw, "q4_1", 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.gemm_blocks(torch.randn(20, 96), packed, None)
+    with pytest.raises(ValueError, match="does not run here"):
+        kernels.gemm_blocks(torch.randn(20, 64), packed, None, "tiles")
+    with pytest.raises(ValueError, match="use linear_blocks"):
+        kernels.gemm_blocks(torch.randn(20, 64), type(packed)(packed.data, "q4_k", 8), None)
+
+
+@pytest.fixture(scope="module")
+def portable_kernels(tmp_path_factory):
+    if cpu_kernels.compiler() is None:
+        pytest.skip("the CPU kernels need a C compiler")
+    built = cpu_kernels.load_built(cpu_kernels.build(tmp_path_factory.mktemp("portable"), ["-mno-avx", *without_amx()]))
+    assert built.simd == "portable" and built.block_gemm_designs == ("portable",)
+    return built
+
+
+@pytest.mark.parametrize("build", list(BLOCK_BUILDS))
+def test_each_simd_build_of_the_int8_block_gemm_matches_the_portable_c(build, portable_kernels, tmp_path):
+    from infer.host import cpu_flags
+
+    needed, flags = BLOCK_BUILDS[build]
+    missing = needed - cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(sorted(missing))} for the {build} block GEMM")
+    built = cpu_kernels.load_built(cpu_kernels.build(tmp_path, [*flags, *without_amx()]))
+    assert built.simd == build.removesuffix("_vnni") and built.block_gemm == "int8"
+    for kind in KINDS:
+        raw, _ = gguf_tensor(kind, 67, 288, seed=2)
+        packed = pack_blocks(raw, kind, 67)
+        bias = torch.randn(67)
+        for rows in (9, 16, 17, 33, 70):
+            x = torch.randn(rows, 288, generator=torch.Generator().manual_seed(rows)) * 3
+            torch.testing.assert_close(
+                built.gemm_blocks(x, packed, bias),
+                portable_kernels.gemm_blocks(x, packed, bias),
+                atol=1e-5,
+                rtol=1e-5,
+                msg=f"{kind}, {rows} rows",
+            )
+
+
+class CountingGemm:
+    """``kernels.gemm_blocks`` with one design, counting its calls."""
+
+    def __init__(self, gemm, design: str):
+        self.gemm, self.design, self.calls = gemm, design, 0
+
+    def __call__(self, x, weight, bias, design=None):
+        self.calls += 1
+        return self.gemm(x, weight, bias, self.design)
+
+
+def float64_product(x, weight, bias, design=None):
+    """A block projection in float64 over the dequantized blocks and x as it is: the float model's product."""
+    exact = torch.nn.functional.linear(x.double(), dequantize_blocks(weight).double())
+    return (exact if bias is None else exact + bias.double()).float()
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_and_a_32_row_decode_step_give_the_gemvs_logits(kernels, tiny_model_dir, monkeypatch, kind):
+    """A paged batch of 32 sequences, prefill then one decode token each (32 rows, past the GEMV's pass), with every
+    block projection on the GEMM against the same steps with every projection on the GEMV, and on float64 over the
+    dequantized blocks. The int8 design computes the GEMV's products (summed in another order, which can flip an
+    int8 activation's rounding downstream: 0.2% apart at the logits where measured). AMX's bf16 tiles round x to
+    bf16 where the GEMV rounds it to int8 per block: 2% from the GEMV, and closer to the float model than the GEMV
+    (0.7% against 1.8%)."""
+    from infer.model.loader import load_model
+    from infer.model.quantization import PackedLinear, quantize_model
+    from infer.testing.model import PagedRunner
+
+    model = quantize_model(load_model(tiny_model_dir, torch.float32).model, kind)
+    assert all(module.blocks is not None for module in model.modules() if isinstance(module, PackedLinear))
+    generator = torch.Generator().manual_seed(0)
+    prompts = {f"s{i}": torch.randint(0, 1000, (3 + i % 7,), generator=generator).tolist() for i in range(32)}
+    gemm = kernels.gemm_blocks
+
+    def run(projection, gemv=None) -> list[torch.Tensor]:
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "gemm_blocks", projection)
+            if gemv is not None:
+                patch.setattr(kernels, "linear_blocks", gemv)
+            return run_prefill_and_decode(PagedRunner(model, kernels=True), prompts)
+
+    float_model = run(float64_product, float64_product)
+    expected = run(lambda x, weight, bias, design=None: kernels.linear_blocks(x, weight, bias))
+    for design in [name for name in kernels.block_gemm_designs if name != "portable"]:
+        counting = CountingGemm(gemm, design)
+        actual = run(counting)
+        assert counting.calls >= 2 * (4 * model.num_layers + 1), design  # every projection, both steps
+        for step in range(2):
+            error = relative_error(actual[step], expected[step])
+            same = float((actual[step].argmax(dim=-1) == expected[step].argmax(dim=-1)).float().mean())
+            where = f"{design}, step {step}: relative error {error:.2e}, {same:.0%} same tokens"
+            if design == "int8":
+                assert error < 5e-3 and same >= 31 / 32, where
+            else:
+                assert error < 3e-2 and same >= 0.9, where
+                from_float = relative_error(actual[step], float_model[step])
+                assert from_float < relative_error(expected[step], float_model[step]), f"{where}; {from_float:.2e}"
+
+
+def run_prefill_and_decode(runner, prompts: dict[str, list[int]]) -> list[torch.Tensor]:
+    """The last row's logits of every sequence after its prefill, then after one more token each (the same tokens
+    whatever the prefill's logits, so that both runs compute the same step)."""
+    prefill = runner.step(prompts)
+    decode = runner.step({name: [(7 * len(tokens)) % 1000] for name, tokens in prompts.items()})
+    return [torch.stack([logits[-1] for logits in prefill.values()]), torch.cat(list(decode.values()))]
+
+
+def test_a_block_projection_takes_the_gemm_past_one_gemv_pass(kernels, monkeypatch):
+    """A packed projection's inputs of up to one GEMV pass (and ``gemv_rows``) take the GEMV, larger ones the GEMM."""
+    from infer.model import Linear
+    from infer.model.quantization import PackedLinear
+
+    linear = Linear(64, 40, bias=True)
+    torch.nn.init.normal_(linear.weight, std=0.1)
+    packed = PackedLinear(linear, "q4_1")
+    packed.use_cpu_kernels(kernels, gemv_rows=64)
+    calls = []
+    monkeypatch.setattr(kernels, "gemm_blocks", lambda *args, **kwargs: calls.append("gemm") or torch.zeros(1))
+    monkeypatch.setattr(kernels, "linear_blocks", lambda *args, **kwargs: calls.append("gemv") or torch.zeros(1))
+    pass_rows = kernels.block_pass_rows
+    for rows in (1, pass_rows, pass_rows + 1, 64):
+        packed.block_linear(torch.randn(rows, 64))
+    packed.use_cpu_kernels(kernels, gemv_rows=0)
+    packed.block_linear(torch.randn(1, 64))
+    assert calls == ["gemv", "gemv", "gemm", "gemm", "gemm"]
