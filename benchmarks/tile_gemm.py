@@ -6,6 +6,7 @@ oneDNN wins.
 
     OMP_NUM_THREADS=2 python benchmarks/tile_gemm.py
     python benchmarks/tile_gemm.py --rows 17 64 --repeats 50
+    python benchmarks/tile_gemm.py --shapes qwen3-0.6b --rows 512 1024 2048 --repeats 3
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ import torch
 from infer.kernels import cpu as cpu_kernels
 from infer.model.quantization import bf16_gemm_available, bf16_gemm_weight, bf16_linear
 
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+# The projections' (out_features, in_features): the default model (SmolLM2-135M) and Qwen3-0.6B.
+MODEL_SHAPES = {
+    "smollm2-135m": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
+    "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},
+}
 
 
 def best_ms(call, repeats: int) -> float:
@@ -36,17 +41,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[17, 64, 256, 512, 2048])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--shapes", choices=list(MODEL_SHAPES), default="smollm2-135m")
     args = parser.parse_args()
+    shapes = MODEL_SHAPES[args.shapes]
     kernels = cpu_kernels.load(True)
     if not kernels.tiles or not bf16_gemm_available():
         raise SystemExit("needs AMX or AVX512-BF16 and oneDNN's bf16 GEMM: this CPU or build has neither")
     print(f"infer's kernel: {kernels.tiles}")
-    print("| rows | io | " + " | ".join(f"{name} tiles / oneDNN" for name in SHAPES) + " |")
-    print("|---" * (len(SHAPES) + 2) + "|")
+    print("| rows | io | " + " | ".join(f"{name} tiles / oneDNN" for name in shapes) + " |")
+    print("|---" * (len(shapes) + 2) + "|")
     for rows in args.rows:
         for dtype in (torch.float32, torch.bfloat16):
             cells = []
-            for n, k in SHAPES.values():
+            for n, k in shapes.values():
                 weight = torch.randn(n, k).to(torch.bfloat16)
                 tiles, packed = cpu_kernels.pack_tiles(weight), bf16_gemm_weight(weight.float())
                 x = torch.randn(rows, k).to(dtype)

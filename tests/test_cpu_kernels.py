@@ -525,9 +525,10 @@ def test_the_tile_gemm_is_the_fastest_this_cpu_has(kernels):
 
 
 def test_fused_layer_multiplies_large_steps_on_the_tiles(kernels):
-    """A fused layer with tiles beside its bf16 GEMV weights: steps of up to one GEMV pass give exactly the GEMV's
-    result, larger ones the tiles' (activations rounded to bf16, within bf16 of the float32 GEMV; with the tiles'
-    float32 FMAs, where built, the GEMV's float32 products up to the sums' order)."""
+    """A fused layer whose bf16 weights come only as tiles (as a model packs them) against one over the GEMV's
+    layout: steps of up to one GEMV pass take the tiles' GEMV, float32 rows times the bf16 weights, the GEMV's
+    products up to the sums' order; larger ones the tiles (activations rounded to bf16, within bf16 of the float32
+    GEMV; with the tiles' float32 FMAs, where built, the GEMV's float32 products up to the sums' order)."""
     from infer.kernels.cpu import FusedLayer
 
     hidden, intermediate, head_dim = 64, 128, 16
@@ -535,20 +536,23 @@ def test_fused_layer_multiplies_large_steps_on_the_tiles(kernels):
     plain = [randn(*shape, seed=30 + i, scale=0.1).to(torch.bfloat16) for i, shape in enumerate(shapes)]
     weights = [cpu_kernels.pack_weights(weight) for weight in plain]
     norms = (randn(hidden, seed=40).abs() + 0.5, randn(hidden, seed=41).abs() + 0.5)
-    args = (weights, [None] * 4, [None] * 4, norms, 1e-5, hidden, (hidden + 64) // head_dim, head_dim)
+    rest = ([None] * 4, [None] * 4, norms, 1e-5, hidden, (hidden + 64) // head_dim, head_dim)
     tiles = [cpu_kernels.pack_tiles(w) for w in plain]
-    layers = [FusedLayer(kernels, *args), FusedLayer(kernels, *args, tiles)]
+    layers = [FusedLayer(kernels, weights, *rest), FusedLayer(kernels, [None] * 4, *rest, tiles)]
     if kernels.tile_fma:  # float32 FMAs on the same tiles: float32 rows times the bf16 weights, as the GEMV's
-        layers.append(FusedLayer(kernels, *args, tiles, tiles_fma=True))
-    for tokens in (kernels.pass_rows, kernels.pass_rows + 5):
+        layers.append(FusedLayer(kernels, [None] * 4, *rest, tiles, tiles_fma=True))
+    for tokens in (1, kernels.pass_rows, kernels.pass_rows + 5):
         residual, attended = randn(tokens, hidden, seed=42), randn(tokens, hidden, seed=43)
         outs = []
         for layer in layers:
             stream = residual.clone()
             outs.append((layer.feed_forward(attended, stream), stream))
         (gemv, gemv_stream), (tiled, tiled_stream) = outs[:2]
-        if tokens <= kernels.pass_rows:
-            assert all(torch.equal(gemv, out) and torch.equal(gemv_stream, stream) for out, stream in outs)
+        if tokens <= kernels.pass_rows and kernels.tile_fma:  # the tiles' GEMV, with or without tiles_fma
+            for out, stream in outs[1:]:
+                torch.testing.assert_close(out, gemv, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(stream, gemv_stream, atol=1e-5, rtol=1e-5)
+                assert torch.equal(out, tiled) and torch.equal(stream, tiled_stream)
             continue
         torch.testing.assert_close(tiled, gemv, atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(tiled_stream, gemv_stream, atol=3e-2, rtol=3e-2)
@@ -557,7 +561,9 @@ def test_fused_layer_multiplies_large_steps_on_the_tiles(kernels):
             torch.testing.assert_close(out, gemv, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(stream, gemv_stream, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="packed by pack_tiles"):
-        FusedLayer(kernels, *args, [cpu_kernels.pack_tiles(plain[1])] * 4)
+        FusedLayer(kernels, weights, *rest, [cpu_kernels.pack_tiles(plain[1])] * 4)
+    with pytest.raises(ValueError, match="packed by pack_tiles"):
+        FusedLayer(kernels, [None] * 4, *rest)
 
 
 def test_linear_refuses_int8_weights_without_their_scales(kernels):
@@ -583,7 +589,8 @@ def test_linear_refuses_int8_weights_without_their_scales(kernels):
 @pytest.mark.parametrize(("mode", "bytes_per_weight"), [("fp16", 2), ("bf16", 2), ("int8", 1), ("int8_per_row", 1)])
 def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes_per_weight):
     """The kernels' copy (fp16 or bf16, or int8 with its scales) takes up to ``gemv_rows`` rows, the GEMM (fbgemm's,
-    bf16: oneDNN's) the rest."""
+    bf16: oneDNN's) the rest. bf16 where the kernels have tiles keeps one copy, in the tiles' layout: their GEMV
+    (float32 rows) takes a few rows, the tiles more."""
     from infer.model.quantization import PackedLinear
 
     gemv_rows = 8
@@ -592,31 +599,38 @@ def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes
     rows = randn(gemv_rows + 1, 576, seed=14)
     before_bytes, expected = packed.nbytes, packed(rows)
     packed.use_cpu_kernels(kernels, gemv_rows)
-    copies = 2 if packed.tile_weight is not None else 1  # bf16 on AMX: the GEMV's copy and the tiles'
-    assert packed.nbytes == before_bytes + copies * 960 * 576 * bytes_per_weight  # the kernels' copies count
-    assert packed.kernel_weight.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode, torch.int8)
+    tiled = packed.tile_weight is not None
+    assert packed.nbytes == before_bytes + 960 * 576 * bytes_per_weight  # the kernels' one copy counts
+    copy = packed.tile_weight if tiled else packed.kernel_weight
+    assert copy.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode, torch.int8)
+    assert not tiled or packed.kernel_weight is None
     calls = []
-    original = kernels.linear
-    kernels.linear = lambda *args: calls.append(1) or original(*args)
+    originals = {name: getattr(kernels, name) for name in ("linear", "linear_tiles")}
+    for name, original in originals.items():
+        setattr(kernels, name, lambda *args, name=name, original=original: calls.append(name) or original(*args))
     try:
         few = packed(rows[1 : gemv_rows + 1])
-        large = packed(rows)  # one row more: fbgemm, as before
-        assert calls == [1]
-        if packed.tile_weight is not None:  # bf16 on AMX: the tiles, inputs rounded as oneDNN's, float32 out
+        large = packed(rows)  # one row more: fbgemm, as before (bf16 with tiles: the tiles)
+        assert calls == (["linear_tiles"] * 2 if tiled else ["linear"])
+        if tiled:  # the tiles, inputs rounded as oneDNN's, float32 out; their GEMV the float32 rows' product
             weight = cpu_kernels.unpack_tiles(packed.tile_weight).double()
             exact = rows.to(torch.bfloat16).double() @ weight.T + linear.bias.double()
             torch.testing.assert_close(large.double(), exact, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(large, expected, atol=1e-2, rtol=1e-2)  # oneDNN's sums come out in bf16
+            if kernels.tile_fma:
+                exact = rows[1 : gemv_rows + 1].double() @ weight.T + linear.bias.double()
+                torch.testing.assert_close(few.double(), exact, atol=1e-5, rtol=1e-5)
         else:
             assert torch.equal(large, expected)
     finally:
-        del kernels.linear
+        for name in originals:
+            delattr(kernels, name)
     # int8: the same weights on both paths (the scales make them exact in fp16), so only the sums' order differs;
     # bf16: the same weights, but the GEMM rounds its inputs to bf16 (8 bits) where the GEMV keeps float32's
     tolerance = 2e-2 if mode == "bf16" else 1e-4
     torch.testing.assert_close(few, expected[1:], atol=tolerance, rtol=tolerance)
     packed.use_cpu_kernels(None)
-    assert packed.nbytes == before_bytes and packed.kernel_weight is None
+    assert packed.nbytes == before_bytes and packed.kernel_weight is None and packed.tile_weight is None
     odd = PackedLinear(torch.nn.Linear(32, 6), mode)  # shapes pack_weights cannot lay out stay on fbgemm
     odd.use_cpu_kernels(kernels, gemv_rows)
     assert odd.kernel_weight is None and odd.kernels is None
@@ -768,6 +782,42 @@ def kernels_without_amx(kernels, tmp_path_factory):
     built = cpu_kernels.load_built(cpu_kernels.build(tmp_path_factory.mktemp("dots"), without_amx()))
     assert built.flash and not built.flash_amx
     return built
+
+
+# Builds whose GEMV over the tiles' layout differs: this CPU's own (AMX where it has it), AVX-512 with AVX512-BF16's
+# dot products and AMX kept out, and AVX-512 without AVX512-BF16 (the FMAs only; bf16-rounded rows in plain C).
+TILE_GEMV_BUILDS = {
+    "native": (set(), None),
+    "avx512_bf16": ({"avx512f", "avx512_bf16"}, without_amx()),
+    "avx512_no_bf16": ({"avx512f"}, ["-mno-avx512bf16", *without_amx()]),
+}
+
+
+@pytest.mark.parametrize("build", list(TILE_GEMV_BUILDS))
+def test_tiles_gemv_is_the_float64_product_on_odd_shapes(build, kernels, tmp_path):
+    """Up to one GEMV pass of rows over ``pack_tiles``' layout, on shapes of odd numbers of 32-column blocks and
+    k tiles: float32 rows (``fma``) against float64's product of the same values, rows rounded to bf16 (the dot
+    products, else plain C) against float64's product of the rounded values; up to the sums' order."""
+    from infer.host import cpu_flags
+
+    needed, flags = TILE_GEMV_BUILDS[build]
+    if needed - cpu_flags():
+        pytest.skip(f"this CPU lacks {', '.join(sorted(needed - cpu_flags()))} for the {build} kernels")
+    built = kernels if flags is None else cpu_kernels.load_built(cpu_kernels.build(tmp_path, flags))
+    for n, k in ((32, 32), (96, 160), (224, 1056)):
+        weight = randn(n, k, seed=n + k, scale=0.1).to(torch.bfloat16)
+        tiles, bias = cpu_kernels.pack_tiles(weight), randn(n, seed=k)
+        for rows in range(1, built.pass_rows + 1):
+            x = randn(rows, k, seed=rows)
+            rounded = torch.nn.functional.linear(x.to(torch.bfloat16).double(), weight.double(), bias.double())
+            out = built.linear_tiles(x, tiles, bias)
+            torch.testing.assert_close(out.double(), rounded, atol=1e-5, rtol=1e-5)
+            if built.tile_fma:
+                exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+                out = built.linear_tiles(x, tiles, bias, fma=True)
+                torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)
+                narrow = built.linear_tiles(x.to(torch.bfloat16), tiles, bias, fma=True)
+                torch.testing.assert_close(narrow.double(), rounded, atol=1e-4, rtol=8e-3)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)

@@ -174,8 +174,10 @@ class DecoderLayer(nn.Module):
             getattr(projection, "blocks", None) or getattr(projection, "kernel_weight", None)  # GGUF's blocks
             for projection in projections
         ]
+        tiles = [getattr(projection, "tile_weight", None) for projection in projections]  # bf16's only copy
+        unpacked = any(weight is None and tile is None for weight, tile in zip(weights, tiles))
         # A sharded layer all-reduces between its projections, which the fused C calls run back to back.
-        if kernels is None or any(weight is None for weight in weights) or attn.tensor_parallel is not None:
+        if kernels is None or unpacked or attn.tensor_parallel is not None:
             self.fused = None
             return
         if not self.kernel_shaped:
@@ -202,7 +204,7 @@ class DecoderLayer(nn.Module):
             attn.q_size,
             attn.num_heads + attn.num_kv_heads,
             attn.head_dim,
-            [projection.tile_weight for projection in projections],
+            tiles,
             any(projection.tile_fma for projection in projections),
             **extra,
         )

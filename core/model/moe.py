@@ -166,7 +166,7 @@ class MoE(nn.Module):
         for pair in projections:
             for projection in pair:
                 if hasattr(projection, "use_cpu_kernels"):  # PackedLinear
-                    projection.use_cpu_kernels(kernels, gemv_rows, tile_fma)
+                    projection.use_cpu_kernels(kernels, gemv_rows, tile_fma, streams=True)  # the C call's layout
         self.packed = None
         if kernels is None or any(
             getattr(projection, "kernel_weight", None) is None for pair in projections for projection in pair

@@ -189,8 +189,8 @@ class PackedLinear(nn.Module):
         # their scales in pack_scales' layout.
         self.kernel_weight: torch.Tensor | None = None
         self.kernel_scales: torch.Tensor | None = None
-        # bf16 on kernels with AMX or AVX512-BF16: the weights in pack_tiles' layout, for inputs of 9 to TILE_MAX_ROWS
-        # rows.
+        # bf16 on kernels with AMX or AVX512-BF16: the weights in pack_tiles' layout, for inputs of up to TILE_MAX_ROWS
+        # rows (kernel_weight then None).
         self.tile_weight: torch.Tensor | None = None
         # bf16 with tiles where float32 FMAs outrun the bf16 dot products (``use_cpu_kernels``' ``tile_fma``): every
         # input the GEMV does not take multiplies on the tiles with float32 FMAs; oneDNN's copy (``packed``) is dropped.
@@ -200,18 +200,20 @@ class PackedLinear(nn.Module):
 
             self.kernels = load("auto")
 
-    def use_cpu_kernels(self, kernels, gemv_rows: int = 0, tile_fma: bool = False) -> None:
+    def use_cpu_kernels(self, kernels, gemv_rows: int = 0, tile_fma: bool = False, streams: bool = False) -> None:
         """Compute inputs of up to ``gemv_rows`` rows (decode at small batches, verification: the execution layer's
         ``fused_max_tokens``) with ``kernels.linear`` (``fp16`` and the int8 modes, shapes ``pack_weights`` takes), over
         a copy of the weights in its layout beside fbgemm's packed one: fp16, or the int8 weights and their scales. The
         streaming GEMV has no fixed per-call cost, where fbgemm pays 20-45 us at one row (docs/performance.md). Costs
-        the copy's bytes (counted in ``nbytes``). bf16 on kernels with AMX or AVX512-BF16 (``kernels.tiles``): inputs of
-        more rows than one GEMV pass (``kernels.pass_rows``), up to ``TILE_MAX_ROWS``, take ``kernels.linear_tiles``
-        over a third copy in ``pack_tiles``' layout (docs/performance.md). ``tile_fma`` (bf16 with tiles, kernels with
-        ``tile_fma``): every input of more rows than one GEMV pass takes the tiles with float32 FMAs (float32 inputs,
-        not rounded), whatever its rows, and oneDNN's copy is dropped: for CPUs where that beats the bf16 dot products
-        and oneDNN (``infer.execution.calibration.choose_gemm``). Applied when the kernels are first set. ``kernels``
-        None undoes it."""
+        the copy's bytes (counted in ``nbytes``). bf16 on kernels with AMX or AVX512-BF16 (``kernels.tiles``): one copy
+        in ``pack_tiles``' layout instead, which ``kernels.linear_tiles`` reads for every input of up to
+        ``TILE_MAX_ROWS`` rows: up to one GEMV pass (``kernels.pass_rows``) its GEMV (float32 inputs and FMAs, as fast
+        as the GEMV over ``pack_weights``' layout), more on the tiles (docs/performance.md); ``streams`` keeps
+        ``pack_weights``' layout beside it too, for callers that read that (a mixture of experts' C call).
+        ``tile_fma`` (bf16 with tiles, kernels with ``tile_fma``): every input of more rows than one GEMV pass takes
+        the tiles with float32 FMAs (float32 inputs, not rounded), whatever its rows, and oneDNN's copy is dropped:
+        for CPUs where that beats the bf16 dot products and oneDNN (``infer.execution.calibration.choose_gemm``).
+        Applied when the kernels are first set. ``kernels`` None undoes it."""
         self.gemv_rows = gemv_rows if kernels is not None else 0
         if self.blocks is not None:  # on the block GEMV from construction (``kernels`` None: still)
             return
@@ -231,7 +233,6 @@ class PackedLinear(nn.Module):
             return
         if self.mode == "bf16":
             plain = self.bf16_weight()
-            self.kernel_weight = pack_weights(plain)
             if kernels.tiles and can_pack_tiles(self.out_features, self.in_features):
                 self.tile_weight = pack_tiles(plain)
                 self.nbytes += self.tile_weight.numel() * 2
@@ -241,12 +242,15 @@ class PackedLinear(nn.Module):
         else:
             weight, _ = torch.ops.quantized.linear_unpack_fp16(self.packed)
             if self.scales is not None:  # the fp16 weights are the int8 ones times their scales, exactly
+            if self.tile_weight is None or streams:
+                self.kernel_weight = pack_weights(plain)
                 groups = weight.float().view(self.out_features, self.scales.shape[1], -1) / self.scales[:, :, None]
                 self.kernel_weight = pack_weights(torch.round(groups).to(torch.int8).view(weight.shape))
                 self.kernel_scales = pack_scales(self.scales)
             else:
                 self.kernel_weight = pack_weights(weight.to(torch.float16))
-        self.nbytes += self.kernel_weight.numel() * self.kernel_weight.element_size()
+        if self.kernel_weight is not None:
+            self.nbytes += self.kernel_weight.numel() * self.kernel_weight.element_size()
         self.kernels = kernels
 
     def bf16_weight(self) -> torch.Tensor:
@@ -260,16 +264,12 @@ class PackedLinear(nn.Module):
         rows = flat.shape[0]
         if self.blocks is not None:
             out = self.block_linear(flat)
-        elif (
-            self.kernels is not None
-            and rows <= self.gemv_rows
-            and (self.tile_weight is None or rows <= self.kernels.pass_rows)
-        ):
-            out = self.kernels.linear(flat.float(), self.kernel_weight, self.kernel_scales, self.bias).to(x.dtype)
         elif self.tile_weight is not None and (self.tile_fma or rows <= TILE_MAX_ROWS):  # float32 or bf16 rows
-            out = self.kernels.linear_tiles(
-                flat if flat.dtype == torch.bfloat16 else flat.float(), self.tile_weight, self.bias, self.tile_fma
-            )
+            fma = self.tile_fma or (rows <= self.kernels.pass_rows and self.kernels.tile_fma)  # the GEMV: float32
+            rows_in = flat if flat.dtype == torch.bfloat16 else flat.float()
+            out = self.kernels.linear_tiles(rows_in, self.tile_weight, self.bias, fma)
+        elif self.kernels is not None and rows <= self.gemv_rows and self.kernel_weight is not None:
+            out = self.kernels.linear(flat.float(), self.kernel_weight, self.kernel_scales, self.bias).to(x.dtype)
         elif self.mode == "bf16":  # bf16 rows in, bf16 rows out (``StepOps.gemm_dtype``); else float32
             out = bf16_linear(flat, self.packed)
             if self.bias is not None:

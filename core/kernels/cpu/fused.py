@@ -56,14 +56,19 @@ class FusedLayer:
         """``weights``/``scales``/``biases``: packed by ``pack_weights`` (fp16, bf16, or int8 with scales packed by
         ``pack_scales``, else None) or GGUF's blocks (``BlockWeight``, no scales), and float32 (or None) for the QKV,
         output, gate/up and down projections, in that order; ``norms``: the input and post-attention RMSNorm weights;
-        ``tiles``: bf16 weights may also come packed by ``pack_tiles`` (or None), which steps of more rows than one GEMV
-        pass (``pass_rows``) multiply on (``kernels.tiles``: AMX tiles or AVX512-BF16; ``tiles_fma``: float32 FMAs,
-        ``linear_tiles``' ``fma``); ``head_norms``: Qwen3's (and Gemma 3's) per-head RMSNorm weights ``(q_norm,
+        ``tiles``: bf16 weights may come packed by ``pack_tiles`` instead (their ``weights`` entry None) or beside
+        them, and every step then multiplies on the tiles (``linear_tiles``: its GEMV with float32 FMAs for up to one
+        GEMV pass, ``pass_rows``; more on ``kernels.tiles``, AMX tiles or AVX512-BF16, or with ``tiles_fma`` float32
+        FMAs, ``linear_tiles``' ``fma``); ``head_norms``: Qwen3's (and Gemma 3's) per-head RMSNorm weights ``(q_norm,
         k_norm)``, float32 ``[head_dim]`` each, applied to every Q head and every K head before RoPE (None: a Llama
         layer, none)."""
         tiles = tiles or [None] * 4
         head_norms = _check_head_norms(head_norms, head_dim)
         for weight, scale, tile in zip(weights, scales, tiles):
+            if weight is None:
+                if tile is None or tile.dtype != torch.bfloat16 or tile.dim() != 6 or scale is not None:
+                    raise ValueError("a projection without GEMV weights needs its bf16 weight packed by pack_tiles")
+                continue
             if isinstance(weight, BlockWeight):
                 if scale is not None or tile is not None:
                     raise ValueError("a projection kept as blocks takes no scales or tiles")
@@ -72,9 +77,10 @@ class FusedLayer:
             if tile is not None and (tile.dtype != torch.bfloat16 or tiles_shape(tile) != packed_shape(weight)):
                 raise ValueError("a projection's tiles must be its bf16 weight packed by pack_tiles")
         self._keep = [*weights, *scales, *biases, *norms, *tiles, *head_norms]
-        (qkv_width, _), (hidden, _), _, (_, intermediate) = (weight_shape(weight) for weight in weights)
+        shapes = [tiles_shape(tile) if weight is None else weight_shape(weight) for weight, tile in zip(weights, tiles)]
+        (qkv_width, _), (hidden, _), _, (_, intermediate) = shapes
         groups = [scale_groups(scale) for scale in scales]
-        kinds = [weight_kind(weight) for weight in weights]
+        kinds = [WEIGHT_KINDS[torch.bfloat16] if weight is None else weight_kind(weight) for weight in weights]
         stored = [weight.data if isinstance(weight, BlockWeight) else weight for weight in weights]
         self.struct = LayerStruct(
             *(address(tensor) for tensor in (*stored, *scales, *biases, *norms)),

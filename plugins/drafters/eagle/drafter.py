@@ -405,8 +405,8 @@ class EagleDrafter(Drafter):
         GEMV, else None (torch, or the path the executor picks for the layer)."""
         head, out = self.head, self.draft_logits
         norms = (head.embed_norm, head.feature_norm, head.norm)
-        kernel_projections = all(
-            isinstance(module, PackedLinear) and module.kernels is not None for module in (head.fc, out)
+        kernel_projections = all(  # the C head reads pack_weights' layout (bf16 on tiles holds only theirs)
+            isinstance(module, PackedLinear) and module.kernel_weight is not None for module in (head.fc, out)
         )
         if (
             self.executor.kernels is None

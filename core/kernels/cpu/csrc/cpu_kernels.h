@@ -63,7 +63,8 @@ void infer_linear_i8(const float *x, int64_t rows, int64_t k, const int8_t *w, c
  * each), row p holding the pairs (w[n][2p], w[n][2p + 1]) of the tile's 16 n: [n_out / 32][k / 32][2][16][16][2]
  * (n_out % 32 == 0, k % 32 == 0). x is float32, or bf16 when `x_bf16`, rounded to bf16; products accumulate in
  * float32; y is float32, or bf16 (rounded once) when `y_bf16`. With `fma` (AVX-512 builds) x is not rounded: float32
- * FMAs over the widened weights instead. */
+ * FMAs over the widened weights instead. Up to infer_pass_rows() rows (AVX-512 builds, with `fma` or AVX512-BF16) a
+ * GEMV streams each block of weights once for all of them, as infer_linear_bf16 does its layout. */
 void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, const uint16_t *w,
                         const float *bias, void *y, int64_t y_bf16, int64_t n_out, int64_t fma);
 
@@ -196,7 +197,7 @@ void infer_flash_attention(const float *q, int64_t q_stride, const void *kv, con
  * infer_linear_f16 and infer_linear_i8) with their optional float32 biases, its two RMSNorm weights and its
  * shapes (abi.LayerStruct). */
 typedef struct {
-    const void *qkv, *o, *gate_up, *down;  /* stored as their *_kind says */
+    const void *qkv, *o, *gate_up, *down;  /* stored as their *_kind says; NULL for bf16 ones with tiles */
     const float *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
     const float *input_norm, *post_norm;
@@ -204,8 +205,8 @@ typedef struct {
     int64_t hidden, qkv_width, q_width, intermediate, rotated_heads, head_dim;
     int64_t qkv_groups, o_groups, gate_up_groups, down_groups;  /* int8: scales per row */
     int64_t qkv_kind, o_kind, gate_up_kind, down_kind;  /* KIND_F16, KIND_I8 or KIND_BF16 */
-    /* bf16 only, optional (NULL: none): the same weights laid out by pack_tiles for the tile GEMM (AMX or
-     * AVX512-BF16), which takes steps of more rows than one pass of the GEMV */
+    /* bf16 only, optional (NULL: none): the weights laid out by pack_tiles, which then take every step (the tile
+     * GEMM on AMX or AVX512-BF16; its GEMV for steps of up to one GEMV pass) */
     const uint16_t *qkv_tiles, *o_tiles, *gate_up_tiles, *down_tiles;
     int64_t tiles_fma;  /* the tiles multiply float32 rows with FMAs (infer_linear_tiles' fma) */
     /* Qwen3's and Gemma 3's per-head RMSNorm weights [head_dim], for every Q head and every K head; both or neither

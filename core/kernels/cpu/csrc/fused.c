@@ -1,8 +1,8 @@
 /* A few tokens through whole layers in one call each: a layer's dense parts around attention
  * (infer_layer_attention_input, infer_layer_feed_forward), a stack of layers with their KV writes and paged
  * attention (infer_layers_few), and an EAGLE head's draft step (infer_draft_head_step). Each chains the other
- * files' kernels; a projection takes the packed-weight GEMV (gemv.c) for up to PASS_ROWS rows, the tile GEMM
- * (gemm_tiles.c) for more where the layer has its weights laid out so. */
+ * files' kernels; a projection takes the packed-weight GEMV (gemv.c), or where the layer has its weights laid out
+ * for the tile GEMM (gemm_tiles.c) that for any rows (its GEMV up to PASS_ROWS). */
 #include "common.h"
 
 /* Whether layer_linear multiplies `rows` rows on `tiles` with bf16 dot products, which round its input to bf16: then
@@ -11,12 +11,14 @@ static inline int tiles_take_bf16(const uint16_t *tiles, int64_t tiles_fma, int6
     return tiles && !tiles_fma && rows > PASS_ROWS;
 }
 
-/* A projection of a layer, its weights stored as `kind` (`x` float32, or bf16 where tiles_take_bf16). */
+/* A projection of a layer, its weights stored as `kind` (`x` float32, or bf16 where tiles_take_bf16). A bf16
+ * projection with tiles has them as its only copy (`w` NULL): up to PASS_ROWS rows take their GEMV (float32 x and
+ * FMAs, the arithmetic of infer_linear_bf16), more the tile GEMM. */
 static void layer_linear(const void *w, int64_t kind, const float *scales, int64_t groups, const uint16_t *tiles,
                          int64_t tiles_fma, const void *x, int x_bf16, int64_t rows, int64_t k, const float *bias,
                          float *y, int64_t n_out) {
-    if (tiles && rows > PASS_ROWS)
-        infer_linear_tiles(x, x_bf16, rows, k, tiles, bias, y, 0, n_out, tiles_fma);
+    if (tiles)
+        infer_linear_tiles(x, x_bf16, rows, k, tiles, bias, y, 0, n_out, tiles_fma || rows <= PASS_ROWS);
     else if (kind == KIND_I8)
         infer_linear_i8(x, rows, k, w, scales, groups, bias, y, n_out);
     else if (kind == KIND_BF16)

@@ -281,6 +281,103 @@ static void tiles_portable(const uint16_t *xb, int64_t rows, int64_t k, const ui
     }
 }
 
+/* ---- a few rows: the GEMV over the same layout ------------------------------------------------------------------ */
+
+#if INFER_AVX512
+/* Software prefetch of the GEMV's weight stream, as gemv.c's: each thread reads its blocks of 32 columns in order,
+ * one sequential stream, the two 1 KB halves of a k tile side by side; `line` (the first half's 64 bytes at a pair
+ * of k) is asked for 2 KB (the next k tile) ahead into L1 and INFER_GEMV_L2_AHEAD further into L2. */
+#ifndef INFER_GEMV_L2_AHEAD
+#define INFER_GEMV_L2_AHEAD 6144
+#endif
+static inline __attribute__((always_inline)) void tiles_stream_prefetch(const char *line) {
+    __builtin_prefetch(line + 2048, 0, 3);
+    __builtin_prefetch(line + 3072, 0, 3);
+#if INFER_GEMV_L2_AHEAD
+    __builtin_prefetch(line + 2048 + INFER_GEMV_L2_AHEAD, 0, 2);
+    __builtin_prefetch(line + 3072 + INFER_GEMV_L2_AHEAD, 0, 2);
+#endif
+}
+
+/* acc[r] = rows 0..count-1 of x (float32, k each) times one block of 32 output columns (both 16-column halves):
+ * each 64-byte tile row widened to its even and odd k (widen_pairs), two float32 FMAs per row of x with x[2p] and
+ * x[2p + 1] broadcast. Every output is a lane of its own: no horizontal sums. */
+static inline __attribute__((always_inline)) void gemv_block_fma(const float *x, int64_t k, const uint16_t *wb,
+                                                                 __m512 (*acc)[2], const int count) {
+    for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < k / 32; t++) {
+        const uint16_t *tile = wb + t * 1024;
+        for (int p = 0; p < 16; p++) {
+            tiles_stream_prefetch((const char *)(tile + p * 32));
+            __m512 even0, odd0, even1, odd1;
+            widen_pairs(_mm512_loadu_si512(tile + p * 32), &even0, &odd0);
+            widen_pairs(_mm512_loadu_si512(tile + 512 + p * 32), &even1, &odd1);
+            for (int r = 0; r < count; r++) {
+                const __m512 xe = _mm512_set1_ps(x[r * k + t * 32 + 2 * p]);
+                const __m512 xo = _mm512_set1_ps(x[r * k + t * 32 + 2 * p + 1]);
+                acc[r][0] = _mm512_fmadd_ps(xo, odd0, _mm512_fmadd_ps(xe, even0, acc[r][0]));
+                acc[r][1] = _mm512_fmadd_ps(xo, odd1, _mm512_fmadd_ps(xe, even1, acc[r][1]));
+            }
+        }
+    }
+}
+#endif
+
+#if INFER_AVX512_BF16
+/* gemv_block_fma's sums with VDPBF16PS: x rounded to bf16 (xb), each pair of x broadcast against a 64-byte tile row
+ * of 16 columns' pairs, one instruction per row of x and half. */
+static inline __attribute__((always_inline)) void gemv_block_dot(const uint16_t *xb, int64_t k, const uint16_t *wb,
+                                                                 __m512 (*acc)[2], const int count) {
+    for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < k / 32; t++) {
+        const uint16_t *tile = wb + t * 1024;
+        for (int p = 0; p < 16; p++) {
+            tiles_stream_prefetch((const char *)(tile + p * 32));
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + p * 32);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(tile + 512 + p * 32);
+            for (int r = 0; r < count; r++) {
+                int32_t pair;
+                memcpy(&pair, xb + r * k + t * 32 + 2 * p, sizeof pair);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+            }
+        }
+    }
+}
+#endif
+
+#if INFER_AVX512
+/* Up to PASS_ROWS rows over pack_tiles' layout, each block of 32 output columns streamed from memory once for all
+ * of them (gemv.c's GEMV over this layout): float32 x with float32 FMAs (`fma`), else x rounded to bf16 (xb) on
+ * VDPBF16PS. OpenMP over the blocks, as the GEMV. */
+static void tiles_gemv(const float *x, const uint16_t *xb, int fma, int64_t rows, int64_t k, const uint16_t *w,
+                       const float *bias, void *y, int y_bf16, int64_t n_out) {
+    const int64_t blocks = n_out / 32;
+    (void)xb;
+#pragma omp parallel for schedule(static) if (rows * n_out * k >= 65536)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *wb = w + b * (k / 32) * 1024;
+        const float *own_bias = bias ? bias + b * 32 : NULL;
+        __m512 acc[PASS_ROWS][2];
+        switch (rows) {  /* a constant count per copy: its accumulators stay in registers */
+#if INFER_AVX512_BF16
+#define GEMV_CASE(c) \
+            case c: \
+                if (fma) gemv_block_fma(x, k, wb, acc, c); \
+                else gemv_block_dot(xb, k, wb, acc, c); \
+                break;
+#else
+#define GEMV_CASE(c) case c: gemv_block_fma(x, k, wb, acc, c); break;
+#endif
+            GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4) GEMV_CASE(5) GEMV_CASE(6) GEMV_CASE(7) GEMV_CASE(8)
+#undef GEMV_CASE
+        }
+        store_block(acc, (int)rows, own_bias, y, b * 32, n_out, y_bf16);
+    }
+}
+#endif
+
 /* ---- the entry -------------------------------------------------------------------------------------------------- */
 
 int64_t infer_tile_kind(void) {
@@ -311,6 +408,18 @@ static uint16_t *rows_as_bf16(const void *x, int64_t x_bf16, int64_t rows, int64
 void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, const uint16_t *w,
                         const float *bias, void *y, int64_t y_bf16, int64_t n_out, int64_t fma) {
 #if INFER_AVX512
+    if (rows <= PASS_ROWS && (fma || INFER_AVX512_BF16)) {  /* the GEMV: x as its arithmetic takes it, then once */
+        const int convert = !x_bf16 == !fma;  /* bf16 rows for the FMAs or float32 ones for the dot products */
+        void *copy = convert ? malloc((fma ? sizeof(float) : sizeof(uint16_t)) * rows * k) : NULL;
+        if (copy && fma) bf16_to_floats((const uint16_t *)x, copy, rows * k);
+        if (copy && !fma) floats_to_bf16((const float *)x, copy, rows * k);
+        if (!convert || copy) {
+            tiles_gemv(fma && copy ? copy : x, !fma && copy ? copy : x, (int)fma, rows, k, w, bias, y, (int)y_bf16,
+                       n_out);
+            free(copy);
+            return;
+        }
+    }
     if (fma) {  /* float32 rows as they are (bf16 ones widened, exactly) */
         float *widened = x_bf16 ? malloc(sizeof(float) * rows * k) : NULL;
         if (widened) bf16_to_floats((const uint16_t *)x, widened, rows * k);
