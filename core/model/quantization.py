@@ -239,11 +239,11 @@ class PackedLinear(nn.Module):
                 if tile_fma and kernels.tile_fma:
                     self.tile_fma, self.packed = True, None
                     self.nbytes -= plain.numel() * 2
+            if self.tile_weight is None or streams:
+                self.kernel_weight = pack_weights(plain)
         else:
             weight, _ = torch.ops.quantized.linear_unpack_fp16(self.packed)
             if self.scales is not None:  # the fp16 weights are the int8 ones times their scales, exactly
-            if self.tile_weight is None or streams:
-                self.kernel_weight = pack_weights(plain)
                 groups = weight.float().view(self.out_features, self.scales.shape[1], -1) / self.scales[:, :, None]
                 self.kernel_weight = pack_weights(torch.round(groups).to(torch.int8).view(weight.shape))
                 self.kernel_scales = pack_scales(self.scales)
