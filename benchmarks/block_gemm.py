@@ -1,0 +1,120 @@
+"""GGUF's block weights (q4_0, q4_1, q8_0) against the float formats (bf16, fp16) on one projection at a time, at
+decode and prefill row counts, as ``PackedLinear`` runs each (the GEMV up to one of its passes, then the block GEMM,
+the tiles or fbgemm), and the block GEMM's designs side by side.
+
+Weights: the default model's projections (SmolLM2-135M: QKV 960 x 576, output 576 x 576, gate/up 3072 x 576, down
+576 x 1536) and a Qwen3-0.6B-shaped down projection (1024 x 3072), random values. Per shape and row count, every
+arm is called in turn, ``--repeats`` rounds, and each arm's fastest call is kept (a busy machine only slows calls);
+``--clock cpu`` times thread CPU time instead of wall time (one thread: a call descheduled by other jobs does not
+count). Prints two markdown tables, milliseconds per call: the formats as the engine runs them, and for each block
+kind its GEMV and every GEMM design this build runs (``CpuKernels.block_gemm_designs``).
+
+    OMP_NUM_THREADS=2 python benchmarks/block_gemm.py
+    OMP_NUM_THREADS=1 python benchmarks/block_gemm.py --clock cpu --rows 16 64 --repeats 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from infer.kernels import cpu as cpu_kernels
+from infer.model import Linear
+from infer.model.quantization import PackedLinear
+
+SHAPES = {
+    "qkv 960x576": (960, 576),
+    "o 576x576": (576, 576),
+    "gate_up 3072x576": (3072, 576),
+    "down 576x1536": (576, 1536),
+    "qwen3-0.6b down 1024x3072": (1024, 3072),
+}
+BLOCK_KINDS = ("q4_0", "q4_1", "q8_0")
+FLOAT_MODES = ("bf16", "fp16")
+
+
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 512])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    return parser.parse_args()
+
+
+def projections(kernels, shape: tuple[int, int]) -> dict[str, PackedLinear]:
+    """One weight of ``shape`` packed in every format, each taking the GEMV for up to one of its passes."""
+    linear = Linear(shape[1], shape[0], bias=False)
+    torch.nn.init.normal_(linear.weight, std=0.05)
+    packed = {}
+    for mode in (*BLOCK_KINDS, *FLOAT_MODES):
+        module = PackedLinear(linear, mode)
+        module.use_cpu_kernels(kernels, kernels.block_pass_rows if mode in BLOCK_KINDS else kernels.pass_rows)
+        packed[mode] = module
+    return packed
+
+
+def fastest_ms(arms: dict[str, object], repeats: int, clock) -> dict[str, float]:
+    """Each arm's fastest call over ``repeats`` rounds that call every arm in turn (after one warm-up round)."""
+    best = dict.fromkeys(arms, float("inf"))
+    for round_index in range(repeats + 1):
+        for name, call in arms.items():
+            began = clock()
+            call()
+            if round_index:
+                best[name] = min(best[name], (clock() - began) * 1e3)
+    return best
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
+
+
+@torch.inference_mode()
+def main() -> None:
+    args = parse_arguments()
+    kernels = cpu_kernels.load(True)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    designs = [name for name in kernels.block_gemm_designs if name != "portable"]
+    print(
+        f"{cpu_name()}; kernels {kernels.simd}, block GEMM {kernels.block_gemm} (runs {', '.join(designs)}); "
+        f"threads {torch.get_num_threads()}; {args.clock} clock; load average {os.getloadavg()[0]:.1f} at the start"
+    )
+    engine_rows, design_rows = [], []
+    for shape_name in args.shapes:
+        packed = projections(kernels, SHAPES[shape_name])
+        for rows in args.rows:
+            x = torch.randn(rows, SHAPES[shape_name][1])
+            arms = {mode: (lambda module=module: module(x)) for mode, module in packed.items()}
+            for kind in BLOCK_KINDS:
+                blocks = packed[kind].blocks
+                arms[f"{kind} gemv"] = lambda blocks=blocks: kernels.linear_blocks(x, blocks, None)
+                for design in designs:
+                    arms[f"{kind} {design}"] = lambda blocks=blocks, design=design: kernels.gemm_blocks(
+                        x, blocks, None, design
+                    )
+            best = fastest_ms(arms, args.repeats, clock)
+            path = "GEMV" if rows <= kernels.block_pass_rows else "GEMM"
+            cells = " | ".join(f"{best[mode]:.3f}" for mode in (*BLOCK_KINDS, *FLOAT_MODES))
+            engine_rows.append(f"| {shape_name} | {rows} | {path} | {cells} |")
+            for kind in BLOCK_KINDS:
+                cells = " | ".join(f"{best[f'{kind} {arm}']:.3f}" for arm in ("gemv", *designs))
+                design_rows.append(f"| {shape_name} | {rows} | {kind} | {cells} |")
+    print("\n| projection | rows | blocks on | " + " | ".join((*BLOCK_KINDS, *FLOAT_MODES)) + " |")
+    print("|---" * (3 + len(BLOCK_KINDS) + len(FLOAT_MODES)) + "|")
+    print("\n".join(engine_rows))
+    print("\n| projection | rows | kind | GEMV | " + " | ".join(f"GEMM {design}" for design in designs) + " |")
+    print("|---" * (4 + len(designs)) + "|")
+    print("\n".join(design_rows))
+    print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
+
+
+if __name__ == "__main__":
+    main()
