@@ -1,5 +1,5 @@
 """The layer kinds of infer's decoder in plain torch: uninitialized linear and embedding layers, RMSNorm, and the
-gated activations (SwiGLU's, GeGLU's)."""
+gated activations (SwiGLU's, GeGLU's, gpt-oss's clamped SwiGLU)."""
 
 from __future__ import annotations
 
@@ -52,3 +52,13 @@ def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         return silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's experts' activation for ``gate_up`` ``[..., 2 * width]``, gate first: gate clamped to at most
+    ``limit``, up to ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)`` (transformers' order of
+    operations, so float32 results are bit-identical)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

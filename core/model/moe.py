@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.kernels.cpu import PackedExperts
-from infer.model.layers import Linear, gated_activation
+from infer.model.layers import Linear, clamped_swiglu, gated_activation
 
 # The most tokens an expert takes in the one C call, whose GEMV streams its weights once and reuses them from L1 for
 # passes of 8 rows (AVX-512): on 2 shared cores of a Xeon with AMX (qwen3-moe-3.3b's shape, bf16), batch 64 (8 tokens
@@ -27,7 +27,7 @@ KERNEL_MAX_TOKENS = 64
 
 if TYPE_CHECKING:
     from infer.kernels.cpu import CpuKernels
-    from infer.model.spec import DecoderSpec
+    from infer.model.spec import DecoderSpec, ExpertsSpec
     from infer.model.step import ForwardStep
 
 
@@ -80,30 +80,39 @@ class ExpertGroups:
 
 
 class Router(nn.Module):
-    """The router's linear layer (``[num_experts, hidden]``, no bias). Not an ``nn.Linear``, so weight packing leaves
-    it in the model's dtype: a rounded router score can change which experts a token takes, and the layer is small
-    (one row per expert)."""
+    """The router's linear layer (``[num_experts, hidden]``, with a bias in gpt-oss). Not an ``nn.Linear``, so weight
+    packing leaves it in the model's dtype: a rounded router score can change which experts a token takes, and the
+    layer is small (one row per expert)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, num_experts: int, dtype: torch.dtype, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits ``[T, num_experts]`` in float32."""
-        return F.linear(x.to(self.weight.dtype), self.weight).float()
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).float()
 
 
 class Expert(nn.Module):
-    """One expert: a SwiGLU MLP with gate and up fused into one projection (as ``infer.model.MLP``)."""
+    """One expert: a gated MLP with gate and up fused into one projection, gate's rows first (as
+    ``infer.model.MLP``): SwiGLU, or gpt-oss's clamped SwiGLU with biases (``ExpertsSpec``)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, spec: ExpertsSpec, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_up_proj = Linear(hidden_size, 2 * spec.intermediate_size, bias=spec.bias, dtype=dtype)
+        self.down_proj = Linear(spec.intermediate_size, hidden_size, bias=spec.bias, dtype=dtype)
+        self.activation = spec.activation
+        self.limit, self.alpha = spec.swiglu_limit, spec.swiglu_alpha
 
     def forward(self, x: torch.Tensor, step: ForwardStep | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        activated = gated_activation(gate_up, "silu") if step is None else step.ops.gated_activation(gate_up, "silu")
+        if self.activation == "clamped_swiglu":  # in float32 whatever the GEMMs' dtype, then back to it
+            activated = clamped_swiglu(gate_up.float(), self.limit, self.alpha).to(gate_up.dtype)
+        elif step is None:
+            activated = gated_activation(gate_up, "silu")
+        else:
+            activated = step.ops.gated_activation(gate_up, "silu")
         return self.down_proj(activated)
 
 
@@ -114,24 +123,38 @@ class MoE(nn.Module):
     def __init__(self, spec: DecoderSpec, dtype: torch.dtype):
         super().__init__()
         experts = spec.experts
+        self.spec = experts
         self.num_experts = experts.num_experts
         self.top_k = experts.top_k
         self.norm_topk_prob = experts.norm_topk_prob
-        self.router = Router(spec.hidden_size, experts.num_experts, dtype)
-        self.experts = nn.ModuleList(
-            Expert(spec.hidden_size, experts.intermediate_size, dtype) for _ in range(experts.num_experts)
-        )
+        self.router = Router(spec.hidden_size, experts.num_experts, dtype, experts.bias)
+        self.experts = nn.ModuleList(Expert(spec.hidden_size, experts, dtype) for _ in range(experts.num_experts))
         # The experts' packed weights for the kernels' one-call path (``use_cpu_kernels``).
         self.packed: PackedExperts | None = None
 
     def route(self, x: torch.Tensor) -> Routing:
-        """Each token's ``top_k`` experts: softmax in float32 over all experts, the best ``top_k``, renormalized
-        to sum to one when ``norm_topk_prob`` (Qwen3-MoE's router)."""
-        probabilities = torch.softmax(self.router(x), dim=-1)
+        """Each token's ``top_k`` experts and their weights, as ``ExpertsSpec.router`` says: the best ``top_k``
+        router scores (``topk_softmax``, gpt-oss) or the best ``top_k`` of the softmax over all experts
+        (``softmax_topk``, Qwen3-MoE), weighted by ``weigh``."""
+        logits = self.router(x)
+        if self.spec.router == "topk_softmax":
+            scores, experts = torch.topk(logits, self.top_k, dim=-1)
+            return Routing(experts, torch.softmax(scores, dim=-1))
+        probabilities = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probabilities, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return Routing(experts, weights)
+
+    def weigh(self, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The routing weights ``[T, top_k]`` (float32) of the chosen ``experts`` ``[T, top_k]`` under router logits
+        ``[T, num_experts]``: softmax over the chosen scores (``topk_softmax``), or their share of the softmax over
+        all experts, renormalized when ``norm_topk_prob`` (``softmax_topk``). What ``route`` gives for its own
+        choices; a test replaying another model's choices weighs them with this."""
+        if self.spec.router == "topk_softmax":
+            return torch.softmax(logits.gather(1, experts), dim=-1)
+        weights = torch.softmax(logits, dim=-1).gather(1, experts)
+        return weights / weights.sum(dim=-1, keepdim=True) if self.norm_topk_prob else weights
 
     def forward(self, x: torch.Tensor, step: ForwardStep | None = None) -> torch.Tensor:
         """``x`` ``[T, hidden]`` (the normed hidden states) through each token's experts; float32 ``[T, hidden]``
@@ -171,6 +194,8 @@ class MoE(nn.Module):
         if kernels is None or any(
             getattr(projection, "kernel_weight", None) is None for pair in projections for projection in pair
         ):
+            return
+        if self.spec.bias or self.spec.activation != "silu":  # the C call computes bias-free SwiGLU experts
             return
         gate_ups, downs = zip(*projections, strict=True)
         int8 = gate_ups[0].kernel_scales is not None

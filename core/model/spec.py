@@ -32,15 +32,25 @@ class ExpertsSpec:
     is the weighted sum of its ``top_k`` best (``infer.model.moe.MoE``).
 
     ``router``: how the scores become weights. ``softmax_topk`` (Qwen3-MoE): softmax in float32 over all experts,
-    then the top ``top_k``, renormalized to sum to one when ``norm_topk_prob``. ``sparse_layers``: the layers whose
-    feed-forward is the experts; the others keep the dense MLP of ``DecoderSpec.intermediate_size``."""
+    then the top ``top_k``, renormalized to sum to one when ``norm_topk_prob``; ``topk_softmax`` (gpt-oss): the top
+    ``top_k`` raw scores, then softmax over those. ``sparse_layers``: the layers whose feed-forward is the experts;
+    the others keep the dense MLP of ``DecoderSpec.intermediate_size``. ``bias``: the router and every expert's
+    projections carry biases (gpt-oss).
+
+    ``activation``: an expert's, on its gate and up halves. ``silu``: SwiGLU, ``silu(gate) * up``.
+    ``clamped_swiglu`` (gpt-oss): gate clamped to at most ``swiglu_limit``, up to ``[-swiglu_limit,
+    swiglu_limit]``, then ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     sparse_layers: frozenset[int]
     norm_topk_prob: bool = False
-    router: Literal["softmax_topk"] = "softmax_topk"
+    router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    bias: bool = False
+    activation: Literal["silu", "clamped_swiglu"] = "silu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.num_experts:

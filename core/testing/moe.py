@@ -37,11 +37,7 @@ def replay_routing(model, calls: list[torch.Tensor]) -> None:
 
             def route(x, moe=layer.mlp):
                 experts = next(replayed)
-                probabilities = torch.softmax(moe.router(x), dim=-1)
-                weights = probabilities.gather(1, experts)
-                if moe.norm_topk_prob:
-                    weights = weights / weights.sum(dim=-1, keepdim=True)
-                return Routing(experts, weights)
+                return Routing(experts, moe.weigh(moe.router(x), experts))
 
             layer.mlp.route = route
 
