@@ -11,8 +11,14 @@ together, is the "layers, one call" column; with a backend that keeps attention 
 parts as two C calls (``fused-layers``, ``FusedLayer``), the "fused dense" column. Prints a markdown table,
 milliseconds per step and shares.
 
+``--clock cpu`` times every part by the calling thread's CPU time instead (``time.thread_time``: with
+``OMP_NUM_THREADS=1`` the whole step, and robust while other processes share the cores); ``--kernels PATH`` runs the
+engine on another build of the C kernels (another checkout's library of the same interface), for a before/after.
+
     OMP_NUM_THREADS=2 python benchmarks/step_profile.py
     python benchmarks/step_profile.py model.quantization=none       # any config override
+    OMP_NUM_THREADS=1 python benchmarks/step_profile.py model.path=DIR --clock cpu --decode-batches 64 \
+        --prefills 1x256 --no-shared-prefix                           # one thread, a model folder's steps
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ import argparse
 import gc
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from drain import drain  # beside this script
 
 from infer import LLM, SamplingParams
-from infer.kernels.cpu import FusedLayer, FusedStack
+from infer.kernels.cpu import FusedLayer, FusedStack, builder, load_built
 from infer.model.quantization import PackedLinear
+
+clock = time.perf_counter  # --clock cpu: time.thread_time
 
 PARTS = [
     "scheduling",
@@ -55,11 +64,11 @@ class Timers:
             if timers.depth:  # nested inside a timed part: counted there
                 return original(*args, **kwargs)
             timers.depth += 1
-            began = time.perf_counter()
+            began = clock()
             try:
                 return original(*args, **kwargs)
             finally:
-                timers.seconds[part] += time.perf_counter() - began
+                timers.seconds[part] += clock() - began
                 timers.depth -= 1
 
         setattr(owner, name, timed)
@@ -100,10 +109,10 @@ def timed_decode(engine, timers: Timers, steps: int) -> tuple[float, dict]:
     for _ in range(3):
         engine.step()
     timers.seconds.clear()
-    began = time.perf_counter()
+    began = clock()
     for _ in range(steps):
         engine.step()
-    total = time.perf_counter() - began
+    total = clock() - began
     parts = dict(timers.seconds)
     drain(engine)
     return total / steps, {part: value / steps for part, value in parts.items()}
@@ -131,9 +140,9 @@ def prefill_case(llm: LLM, timers: Timers, batch: int, length: int, repeats: int
             prompt = torch.randint(1000, 20000, (length,), generator=generator).tolist()
             engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
         timers.seconds.clear()
-        began = time.perf_counter()
+        began = clock()
         engine.step()
-        totals += time.perf_counter() - began
+        totals += clock() - began
         for part, value in timers.seconds.items():
             parts[part] += value
         drain(engine)
@@ -148,27 +157,43 @@ def row(label: str, total: float, parts: dict, tokens: int) -> str:
 
 
 def main() -> None:
+    global clock
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="wall time or this thread's CPU time")
+    parser.add_argument("--kernels", type=Path, help="a build of the C kernels (.so) to run instead of this tree's")
+    parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 16, 64])
+    parser.add_argument("--prefills", nargs="*", default=["1x512", "4x512"], help="prompts x tokens, one step each")
+    parser.add_argument("--no-shared-prefix", action="store_true", help="skip the shared-prefix decode rows")
     args = parser.parse_args()
+    if args.clock == "cpu":
+        clock = time.thread_time
+    if args.kernels:  # every caller of infer.kernels.cpu.load gets this build
+        kernels = load_built(args.kernels)
+        builder._load = lambda: kernels
     llm = LLM("baseline", dotlist=args.overrides)
     llm.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0.0))
     timers = instrument(llm)
     lines = ["| step | ms | tok/s | " + " | ".join(PARTS) + " |", "|---" * (len(PARTS) + 3) + "|"]
-    for batch in (1, 16, 64):
+    for batch in args.decode_batches:
         total, parts = decode_case(llm, timers, batch, args.steps)
         lines.append(row(f"decode, batch {batch}", total, parts, batch))
         print(lines[-1], flush=True)
-    for batch, length in ((1, 512), (4, 512)):
+    for prefill in args.prefills:
+        batch, length = (int(number) for number in prefill.split("x"))
         total, parts = prefill_case(llm, timers, batch, length, repeats=3)
         lines.append(row(f"prefill {batch} x {length}", total, parts, batch * length))
         print(lines[-1], flush=True)
-    variants = {
-        "CPU kernel": ["attention.name=cpu"],
-        "torch, cascade on": ["attention.name=sdpa"],
-        "torch, cascade off": ["attention.name=sdpa", "attention.cascade=false"],
-    }
+    variants = (
+        {}
+        if args.no_shared_prefix
+        else {
+            "CPU kernel": ["attention.name=cpu"],
+            "torch, cascade on": ["attention.name=sdpa"],
+            "torch, cascade off": ["attention.name=sdpa", "attention.cascade=false"],
+        }
+    )
     for label, overrides in variants.items():
         shared = LLM("radix_lpm", dotlist=[*args.overrides, *overrides])
         total, parts = shared_prefix_decode_case(shared, instrument(shared), args.steps)
@@ -179,7 +204,8 @@ def main() -> None:
     engine = llm.engine
     print(
         f"\n{engine.model_name}, dtype {str(engine.dtype).removeprefix('torch.')}, quantization "
-        f"{engine.quantization}, attention {type(engine.attention).__name__}, threads {torch.get_num_threads()}\n"
+        f"{engine.quantization}, attention {type(engine.attention).__name__} ({engine.attention.describe()}), "
+        f"threads {torch.get_num_threads()}, {args.clock} time\n"
     )
     print("\n".join(lines))
 
