@@ -4,7 +4,8 @@
   adapter to ``DecoderSpec``, its weight-name map, each layer's attention).
 - ``spec``: ``DecoderSpec``, the decoder as a family configures it (and its RoPE tables, ``RotaryTable``).
 - ``layers``: the layer kinds (uninitialized ``Linear``/``Embedding``, ``RMSNorm``, the gated activations).
-- ``rotary``: RoPE settings, inverse frequencies (transformers' scaling types), cos/sin tables.
+- ``rotary``: RoPE settings, inverse frequencies (YaRN's computed here, transformers' other scaling types),
+  cos/sin tables.
 - ``ops``: ``StepOps``, a step's small ops in torch or in infer's CPU kernels.
 - ``decoder``: attention, MLP, decoder layer and ``CausalLM``.
 - ``hf_weights``: loading HF-named tensors into the decoder's fused layout.

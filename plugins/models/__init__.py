@@ -1,6 +1,6 @@
 """infer's built-in model families, registered as lazy ``"module:Class"`` targets: Llama (with Mistral and Qwen2),
-Qwen3, Qwen3-MoE, Gemma 3 (text) and Phi-3 (Phi-3.5, Phi-4-mini). Each is a ``infer.model.ModelArchitecture`` that
-adapts its HF config to infer's decoder and maps its tensor names."""
+Qwen3, Qwen3-MoE, gpt-oss, Gemma 3 (text) and Phi-3 (Phi-3.5, Phi-4-mini). Each is a
+``infer.model.ModelArchitecture`` that adapts its HF config to infer's decoder and maps its tensor names."""
 
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ def register_models(register):
         "qwen3_moe",
         "infer.plugins.models.qwen3_moe:Qwen3MoeArchitecture",
         description="Qwen3-MoE: Qwen3's attention, a mixture of experts (softmax router, top-k) in the sparse layers",
+    )
+    register(
+        "gpt_oss",
+        "infer.plugins.models.gpt_oss:GptOssArchitecture",
+        description="gpt-oss: attention sinks, sliding and full layers alternating, YaRN, a mixture of experts "
+        "(top-k then softmax, clamped SwiGLU, biases) in every layer",
     )
     register(
         "gemma3",

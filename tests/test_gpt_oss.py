@@ -1,0 +1,247 @@
+"""gpt-oss through the mixture-of-experts model suite against HF transformers (8 experts top-2 and 16 experts top-4,
+sliding and full layers alternating with a window of 8, attention sinks, YaRN, biases perturbed away from
+transformers' zeros, a clamp limit the activations reach), planted bugs the suite must catch, and MXFP4 expert
+weights dequantized as transformers does."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from infer.testing import MoeConformance
+from infer.testing.model import save_tiny_model
+
+GPT_OSS = {
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "intermediate_size": 32,
+    "sliding_window": 8,
+    # gpt-oss's YaRN settings over a short original context (the ramp not truncated)
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 150_000.0,
+        "factor": 8.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+    },
+}
+
+
+def save_gpt_oss(suite_class, destination: Path) -> Path:
+    """The suite's tiny model with its biases drawn at random (transformers starts the experts' at zero, which would
+    hide a bias in the wrong place) and sink logits large enough to take a visible share of each row."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = save_tiny_model(suite_class.hf_model_class, suite_class.tiny_config(), destination)
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    generator = torch.Generator().manual_seed(5)
+    for name, tensor in tensors.items():
+        if name.endswith("bias"):
+            tensor.normal_(0.0, 0.5, generator=generator)
+        elif name.endswith("sinks"):
+            tensor.normal_(1.0, 1.0, generator=generator)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return model_dir
+
+
+class GptOssSuite(MoeConformance):
+    impl_name = "gpt_oss"
+    hf_model_class = "GptOssForCausalLM"
+    # bf16's rounding through four layers with large biases and the clamps: 0.37 (torch's ops) to 0.54 (the kernels,
+    # which also round large steps' activations to bf16) under the float32 model's expert choices; fp16's is 0.04
+    packed_tolerance = 1.0
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_dir(cls, tmp_path_factory):
+        return save_gpt_oss(cls, tmp_path_factory.mktemp(cls.__name__))
+
+
+class TestGptOss8Experts(GptOssSuite):
+    # swiglu_limit 2: the clamps on gate and up change many activations of this tiny model
+    config_fields = {**GPT_OSS, "num_local_experts": 8, "num_experts_per_tok": 2, "swiglu_limit": 2.0}
+
+
+@pytest.mark.slow  # the router over more experts; the 8-expert model covers the rest in the default run
+class TestGptOss16Experts(GptOssSuite):
+    config_fields = {**GPT_OSS, "num_local_experts": 16, "num_experts_per_tok": 4}
+
+
+def test_the_tiny_model_reaches_the_clamps_and_the_sinks_take_a_share(tmp_path):
+    """The suite's model exercises what gpt-oss adds: gate and up activations beyond the clamp limit, and sink logits
+    far from zero."""
+    import transformers
+
+    model_dir = save_gpt_oss(TestGptOss8Experts, tmp_path)
+    hf_model = transformers.GptOssForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gate_ups = []
+    experts = hf_model.model.layers[0].mlp.experts
+    hook = experts.register_forward_hook(lambda module, args, out: gate_ups.append(args[0]))
+    with torch.no_grad():
+        hf_model(torch.tensor([list(range(100, 140))]))
+        gate_up = gate_ups[0] @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
+    hook.remove()
+    assert (gate_up.abs() > 2.0).float().mean() > 0.05
+    assert hf_model.model.layers[0].self_attn.sinks.abs().max() > 1.0
+
+
+# -- planted bugs: each must move the logits beyond the suite's tolerance ---------------------------------------------
+
+
+def assert_planted_bug_fails(tmp_path, architecture, plant=None) -> None:
+    """The suite's logit check passes the family as it is and fails ``architecture`` (after ``plant()``)."""
+    import transformers
+
+    model_dir = save_gpt_oss(TestGptOss8Experts, tmp_path)
+    hf_model = transformers.GptOssForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    suite = TestGptOss8Experts()
+    correct = suite.logit_errors(suite.load(model_dir), hf_model)
+    if plant is not None:
+        plant()
+    planted = suite.logit_errors(suite.load(model_dir, architecture), hf_model)
+    assert correct < suite.tolerance < planted, (correct, planted)
+
+
+def test_gate_and_up_left_interleaved_fail_the_suite(tmp_path, monkeypatch):
+    from infer.plugins.models import gpt_oss
+
+    assert_planted_bug_fails(
+        tmp_path, gpt_oss.GptOssArchitecture, plant=lambda: monkeypatch.setattr(gpt_oss, "gate_first", lambda t: t)
+    )
+
+
+def test_softmax_before_top_k_fails_the_suite(tmp_path):
+    from infer.plugins.models.gpt_oss import GptOssArchitecture
+
+    class SoftmaxFirst(GptOssArchitecture):
+        @classmethod
+        def decoder_spec(cls, hf_config, max_positions=None):
+            spec = super().decoder_spec(hf_config, max_positions)
+            return spec.replace(experts=dataclasses.replace(spec.experts, router="softmax_topk"))
+
+    assert_planted_bug_fails(tmp_path, SoftmaxFirst)
+
+
+def test_activations_without_the_clamps_fail_the_suite(tmp_path):
+    from infer.plugins.models.gpt_oss import GptOssArchitecture
+
+    class Unclamped(GptOssArchitecture):
+        @classmethod
+        def decoder_spec(cls, hf_config, max_positions=None):
+            spec = super().decoder_spec(hf_config, max_positions)
+            return spec.replace(experts=dataclasses.replace(spec.experts, swiglu_limit=math.inf))
+
+    assert_planted_bug_fails(tmp_path, Unclamped)
+
+
+def test_sinks_left_out_of_the_softmax_fail_the_suite(tmp_path):
+    from infer.plugins.models.gpt_oss import GptOssArchitecture
+
+    class NoSinks(GptOssArchitecture):
+        @classmethod
+        def convert_weight(cls, name, tensor):
+            return torch.full_like(tensor, -1e30) if name.endswith("sinks") else tensor
+
+    assert_planted_bug_fails(tmp_path, NoSinks)
+
+
+def test_yarn_with_its_ramp_truncated_fails_the_suite(tmp_path):
+    """gpt-oss's ``truncate: false``: rounding the ramp's ends to whole pairs (YaRN's default) moves the logits."""
+    from infer.plugins.models.gpt_oss import GptOssArchitecture
+
+    class Truncated(GptOssArchitecture):
+        @classmethod
+        def rotary_tables(cls, hf_config, head_dim, max_positions):
+            config = copy.deepcopy(hf_config)
+            config.rope_parameters["truncate"] = True
+            return super().rotary_tables(config, head_dim, max_positions)
+
+    assert_planted_bug_fails(tmp_path, Truncated)
+
+
+# -- MXFP4 experts -----------------------------------------------------------------------------------------------------
+
+
+def random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 ``blocks`` ``[*shape[:-1], shape[-1] // 32, 16]`` and ``scales`` of random values (scales 2^-8..2^2)."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = shape[-1] // 32
+    blocks = torch.randint(0, 256, (*shape[:-1], groups, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(119, 130, (*shape[:-1], groups), generator=generator, dtype=torch.uint8)
+    return blocks, scales
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from infer.plugins.models.gpt_oss import dequantize_mxfp4
+
+    blocks, scales = random_mxfp4((4, 96, 64), seed=0)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [experts, in, out]
+    ours = dequantize_mxfp4(blocks, scales, torch.float32)  # [experts, out, in]
+    assert torch.equal(ours, theirs.transpose(1, 2))
+    assert torch.equal(dequantize_mxfp4(blocks, scales).float(), ours)  # bfloat16 holds every MXFP4 value
+
+
+def test_a_checkpoint_with_mxfp4_experts_loads_as_its_dequantized_weights(tmp_path):
+    """OpenAI's checkpoints' layout (``_blocks`` and ``_scales`` per projection, ``quantization_config`` mxfp4) loads
+    the same model as the float checkpoint holding transformers' dequantization of those weights."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from infer.model.loader import load_model
+
+    suite = TestGptOss8Experts()
+    float_dir = save_gpt_oss(TestGptOss8Experts, tmp_path / "float")
+    mxfp4_dir = save_gpt_oss(TestGptOss8Experts, tmp_path / "mxfp4")
+    config = suite.tiny_config()
+    experts, hidden, width = config.num_local_experts, config.hidden_size, config.intermediate_size
+    float_tensors = load_file(float_dir / "model.safetensors")
+    mxfp4_tensors = load_file(mxfp4_dir / "model.safetensors")
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        for seed, (projection, out_features, in_features) in enumerate(
+            (("gate_up_proj", 2 * width, hidden), ("down_proj", hidden, width))
+        ):
+            blocks, scales = random_mxfp4((experts, out_features, in_features), seed=10 * layer + seed)
+            float_tensors[prefix + projection] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            del mxfp4_tensors[prefix + projection]
+            mxfp4_tensors[prefix + projection + "_blocks"] = blocks
+            mxfp4_tensors[prefix + projection + "_scales"] = scales
+    save_file(float_tensors, float_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(mxfp4_tensors, mxfp4_dir / "model.safetensors", metadata={"format": "pt"})
+    config_file = mxfp4_dir / "config.json"
+    saved = json.loads(config_file.read_text())
+    saved["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config_file.write_text(json.dumps(saved))
+
+    dequantized = load_model(str(float_dir), torch.float32, architecture="gpt_oss").model.state_dict()
+    loaded = load_model(str(mxfp4_dir), torch.float32, architecture="gpt_oss").model.state_dict()
+    assert dequantized.keys() == loaded.keys()
+    for name, tensor in dequantized.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_mxfp4_blocks_without_their_scales_are_refused_naming_them(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from infer.model.loader import load_model
+
+    model_dir = save_gpt_oss(TestGptOss8Experts, tmp_path)
+    tensors = load_file(model_dir / "model.safetensors")
+    name = "model.layers.0.mlp.experts.down_proj"
+    config = TestGptOss8Experts.tiny_config()
+    tensors[name + "_blocks"] = random_mxfp4((8, config.hidden_size, config.intermediate_size), seed=0)[0]
+    del tensors[name]
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing \['model.layers.0.mlp.experts.0.down_proj.weight'.*_blocks"):
+        load_model(str(model_dir), torch.float32, architecture="gpt_oss")
