@@ -9,6 +9,9 @@ import json
 import os
 import random
 import statistics
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -330,6 +333,184 @@ def test_bench_runs_vllms_cpu_backend_on_the_same_requests(tmp_path):
     data = json.loads(out.read_text())
     assert data["vllm"]["output_tokens"] == data["infer"]["output_tokens"]
     assert data["vllm"]["greedy_agreement"] >= 0.75
+
+
+# -- llama.cpp's server as a baseline -----------------------------------------------------------------------------
+class FakeLlamaServer:
+    """A loopback HTTP server speaking llama-server's ``/completion`` as the real one streams it (chunked
+    server-sent events, one ``data:`` line per token, then one with ``stop`` and the timings): it answers prompt
+    ``p`` with tokens ``p[-1] + 1, p[-1] + 2, ...``, the first after ``first_delay_s``, the next ``token_delay_s``
+    apart, and records each body and the most requests it held at once."""
+
+    def __init__(self, first_delay_s: float, token_delay_s: float):
+        import http.server
+        import threading
+
+        self.bodies, self.in_flight, self.most_in_flight = [], 0, 0
+        lock, fake = threading.Lock(), self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    fake.bodies.append(body)
+                    fake.in_flight += 1
+                    fake.most_in_flight = max(fake.most_in_flight, fake.in_flight)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                time.sleep(first_delay_s)
+                for index in range(body["n_predict"]):
+                    if index:
+                        time.sleep(token_delay_s)
+                    self.event({"content": "x", "tokens": [body["prompt"][-1] + 1 + index], "stop": False})
+                with lock:  # done before the client can know it: its next request cannot overlap this one
+                    fake.in_flight -= 1
+                self.event({"content": "", "tokens": [], "stop": True, "timings": {"predicted_n": index + 1}})
+                self.wfile.write(b"0\r\n\r\n")
+
+            def event(self, data: dict) -> None:
+                chunk = f"data: {json.dumps(data)}\n\n".encode()
+                self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                self.wfile.flush()
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_llamacpp_baseline_streams_token_ids_at_the_workloads_concurrency_and_times_each_token():
+    """Six requests, two at a time, against a fake llama-server: each body carries the prompt's token ids, greedy,
+    its max_tokens, EOS ignored and no prompt cache; the server never holds more than two and does hold two; the
+    tokens come back in request order, and TTFT and TPOT add up to at least the server's delays."""
+    from infer.bench.llamacpp_baseline import run_requests, summarize_completions
+
+    server = FakeLlamaServer(first_delay_s=0.3, token_delay_s=0.02)
+    requests = [
+        TokenizedRequest(f"r{index}", [7, 100 * index], SamplingParams(max_tokens=2 + index, ignore_eos=True), 0.0)
+        for index in range(6)
+    ]
+    try:
+        completions, wall = run_requests(server.port, requests, concurrency=2)
+    finally:
+        server.close()
+    assert server.most_in_flight == 2
+    assert sorted(body["prompt"] for body in server.bodies) == sorted(r.prompt_token_ids for r in requests)
+    assert {tuple(body["prompt"]) for body in server.bodies[:2]} == {(7, 0), (7, 100)}  # sent in arrival order
+    assert all(
+        body["temperature"] == 0.0 and body["ignore_eos"] and not body["cache_prompt"] and body["stream"]
+        for body in server.bodies
+    )
+    assert {tuple(body["prompt"]): body["n_predict"] for body in server.bodies} == {
+        tuple(r.prompt_token_ids): r.params.max_tokens for r in requests
+    }
+    assert [c.token_ids for c in completions] == [
+        [100 * index + 1 + step for step in range(2 + index)] for index in range(6)
+    ]
+    # the client may read a token late, never early: the first no sooner than 0.3 s after sending, the last no sooner
+    # than 0.02 s a token after that
+    assert all(c.ttft_s >= 0.3 for c in completions)
+    assert all(c.ttft_s + c.tpot_s * (len(c.token_ids) - 1) >= 0.3 + 0.02 * (len(c.token_ids) - 1) for c in completions)
+    summary = summarize_completions(completions, requests, wall)
+    assert summary["output_tokens"] == sum(2 + index for index in range(6)) == 27
+    assert summary["output_tok_per_s"] == pytest.approx(27 / wall) and wall >= 3 * 0.3
+    assert summary["ttft_p50_s"] >= 0.3 and summary["ttft_p99_s"] >= summary["ttft_p50_s"]
+
+
+def test_llamacpp_baseline_ttft_and_tpot_count_as_infers_request_metrics():
+    from infer.bench.llamacpp_baseline import StreamedCompletion, summarize_completions
+
+    completions = [
+        StreamedCompletion(10.0, [1, 2, 3], [10.5, 11.0, 11.5]),  # TTFT 0.5, TPOT 0.5
+        StreamedCompletion(10.0, [4, 5], [11.0, 11.2]),  # TTFT 1.0, TPOT 0.2
+        StreamedCompletion(10.0, [6], [12.0]),  # TTFT 2.0, no TPOT
+    ]
+    requests = [TokenizedRequest(str(i), [1] * (i + 1), SamplingParams(max_tokens=3), 0.0) for i in range(3)]
+    summary = summarize_completions(completions, requests, wall_time_s=2.0)
+    assert summary["ttft_p50_s"] == pytest.approx(1.0) and summary["ttft_p99_s"] == pytest.approx(1.98)
+    assert summary["tpot_p50_s"] == pytest.approx(0.35) and summary["tpot_p99_s"] == pytest.approx(0.497)
+    assert summary["output_tokens"] == 6 and summary["output_tok_per_s"] == 3.0 and summary["prompt_tok_per_s"] == 3
+    assert summary["output_token_ids"] == [[1, 2, 3], [4, 5], [6]]
+
+
+def test_llamacpp_server_command_and_context_hold_every_slots_longest_request():
+    from infer.bench.llamacpp_baseline import context_size, server_command
+
+    requests = [
+        TokenizedRequest("a", [1] * 40, SamplingParams(max_tokens=200), 0.0),
+        TokenizedRequest("b", [1] * 90, SamplingParams(max_tokens=100), 0.0),
+    ]
+    assert context_size(requests, slots=4) == 4 * 240
+    command = server_command("/bin/llama-server", Path("/m/x.gguf"), 8123, threads=3, slots=4, context=960)
+    options = dict(zip(command[1::2], command[2::2]))
+    assert command[0] == "/bin/llama-server" and options["--model"] == "/m/x.gguf"
+    assert options["--host"] == "127.0.0.1" and options["--port"] == "8123"
+    assert options["--threads"] == options["--threads-batch"] == "3"
+    assert options["--parallel"] == "4" and options["--ctx-size"] == "960"
+
+
+def test_llamacpp_baseline_without_a_binary_or_a_gguf_model_is_one_clear_usage_error(tiny_overrides, monkeypatch):
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    result = CliRunner().invoke(main, ["bench", "baseline", *tiny_overrides, "--baseline", "llamacpp"])
+    assert result.exit_code == 2
+    assert "--llama-server PATH" in result.output and "LLAMA_SERVER" in result.output
+    result = CliRunner().invoke(
+        main, ["bench", "baseline", *tiny_overrides, "--baseline", "llamacpp", "--llama-server", "/no/such/binary"]
+    )
+    assert result.exit_code == 2 and "'/no/such/binary' is not an executable file" in result.output
+    result = CliRunner().invoke(
+        main, ["bench", "baseline", *tiny_overrides, "--baseline", "llamacpp", "--llama-server", sys.executable]
+    )
+    assert result.exit_code == 2 and "is a HF folder; set model.path to a .gguf file" in result.output
+
+
+@pytest.mark.skipif(
+    not os.environ.get("LLAMA_SERVER"),
+    reason="no llama.cpp to compare with: set LLAMA_SERVER to a llama-server binary built from llama.cpp's source",
+)
+def test_bench_runs_llama_server_on_the_default_models_gguf_file(tmp_path):
+    """The default model's GGUF file through infer (its blocks kept) and the real llama-server, two requests at a
+    time: llama.cpp produces as many tokens as infer (every request's max_tokens), with TTFT and TPOT measured."""
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "baseline",
+            "model.quantization=gguf",
+            "--workload",
+            "chat",
+            "--num-requests",
+            "4",
+            "--min-output-len",
+            "4",
+            "--output-len",
+            "8",
+            "--batch-size",
+            "2",
+            "--baseline",
+            "llamacpp",
+            "--json",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "llama.cpp llama-server" in result.output and "infer / llama.cpp output tok/s" in result.output
+    data = json.loads(out.read_text())
+    llamacpp = data["llamacpp"]
+    assert llamacpp["slots"] == 2 and llamacpp["output_tokens"] == data["infer"]["output_tokens"]
+    assert llamacpp["ttft_p50_s"] > 0 and llamacpp["tpot_p50_s"] > 0 and llamacpp["model"].endswith(".gguf")
+    assert len(llamacpp["output_token_ids"]) == 4 and all(4 <= len(t) <= 8 for t in llamacpp["output_token_ids"])
 
 
 def test_bench_rejects_an_option_the_workload_does_not_have(tiny_overrides):

@@ -79,9 +79,11 @@ def environment() -> dict[str, Any]:
 
 
 # -- infer bench -------------------------------------------------------------------------------------------------
-def format_bench(workload_name: str, summary: dict, baseline: dict | None, vllm: dict | None = None) -> str:
-    """The bench table: the engine's summary, then the HF baseline (``baseline``) and vLLM's (``vllm``) with the
-    throughput ratios, when there are any."""
+def format_bench(
+    workload_name: str, summary: dict, baseline: dict | None, vllm: dict | None = None, llamacpp: dict | None = None
+) -> str:
+    """The bench table: the engine's summary, then the HF baseline (``baseline``), vLLM's (``vllm``) and llama.cpp's
+    server's (``llamacpp``) with the throughput ratios, when there are any."""
     batch = summary.get("batch_size")
     lines = [
         f"workload {workload_name}" + (f", at most {batch} in flight" if batch else ""),
@@ -112,7 +114,26 @@ def format_bench(workload_name: str, summary: dict, baseline: dict | None, vllm:
             f"  same tokens as infer    {vllm['greedy_agreement']:.0%} of requests",
             f"infer / vLLM output tok/s {throughput_ratio(summary, vllm):.2f}x",
         ]
+    if llamacpp is not None:
+        lines += [
+            "",
+            f"llama.cpp llama-server {llamacpp['version']} ({llamacpp['slots']} slots, {llamacpp['threads']} threads, "
+            "the same GGUF file, greedy):",
+            f"  output tok/s            {llamacpp['output_tok_per_s']:.1f}",
+            f"  prompt tok/s            {llamacpp['prompt_tok_per_s']:.1f}",
+            f"  requests/s              {llamacpp['requests_per_s']:.2f}",
+            f"  wall time               {llamacpp['wall_time_s']:.2f} s",
+            f"  TTFT p50 / p99          {_ms(llamacpp['ttft_p50_s'])} / {_ms(llamacpp['ttft_p99_s'])}",
+            f"  TPOT p50 / p99          {_ms(llamacpp['tpot_p50_s'])} / {_ms(llamacpp['tpot_p99_s'])}",
+            f"  output tokens           {llamacpp['output_tokens']}",
+            f"  same tokens as infer    {llamacpp['greedy_agreement']:.0%} of requests",
+            f"infer / llama.cpp output tok/s {throughput_ratio(summary, llamacpp):.2f}x",
+        ]
     return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
 def throughput_ratio(summary: dict, baseline: dict) -> float:

