@@ -133,15 +133,21 @@ class CountingKernels:
         return self.kernels.moe_experts(*args)
 
 
-def packed_moe(mode: str, num_experts: int = 8, top_k: int = 2, hidden: int = 64, width: int = 32):
-    """A random ``MoE`` packed as ``mode``, and a float32 one whose weights are the packed weights' values."""
+# gpt-oss's experts: biases, the clamped SwiGLU (a limit the tests' activations pass), top-k then softmax
+GPT_OSS_EXPERTS = {"router": "topk_softmax", "bias": True, "activation": "clamped_swiglu", "swiglu_limit": 1.0}
+
+
+def packed_moe(mode: str, num_experts: int = 8, top_k: int = 2, hidden: int = 64, width: int = 32, **kind):
+    """A random ``MoE`` packed as ``mode``, and a float32 one whose weights are the packed weights' values; ``kind``:
+    ``ExpertsSpec`` fields beyond the shapes (``GPT_OSS_EXPERTS``)."""
     from types import SimpleNamespace
 
     from infer.model.moe import MoE
     from infer.model.quantization import quantize_linears
     from infer.model.spec import ExpertsSpec
 
-    spec = SimpleNamespace(hidden_size=hidden, experts=ExpertsSpec(num_experts, top_k, width, frozenset({0}), True))
+    experts = ExpertsSpec(num_experts, top_k, width, frozenset({0}), True, **kind)
+    spec = SimpleNamespace(hidden_size=hidden, experts=experts)
     torch.manual_seed(0)
     reference = MoE(spec, torch.float32)
     with torch.no_grad():
@@ -179,9 +185,10 @@ def kernels():
     return loaded
 
 
+@pytest.mark.parametrize("kind", [{}, GPT_OSS_EXPERTS], ids=["swiglu", "gpt_oss"])
 @pytest.mark.parametrize("mode", ["fp16", "bf16", "int8"])
-def test_the_experts_on_the_kernels_equal_float32_experts_with_the_same_weights(kernels, mode):
-    moe, reference = packed_moe(mode)
+def test_the_experts_on_the_kernels_equal_float32_experts_with_the_same_weights(kernels, mode, kind):
+    moe, reference = packed_moe(mode, **kind)
     moe.use_cpu_kernels(kernels, gemv_rows=8)
     counting = CountingKernels(kernels)
     for rows in (1, 6, 40):

@@ -195,8 +195,6 @@ class MoE(nn.Module):
             getattr(projection, "kernel_weight", None) is None for pair in projections for projection in pair
         ):
             return
-        if self.spec.bias or self.spec.activation != "silu":  # the C call computes bias-free SwiGLU experts
-            return
         gate_ups, downs = zip(*projections, strict=True)
         int8 = gate_ups[0].kernel_scales is not None
         self.packed = PackedExperts.of(
@@ -204,4 +202,9 @@ class MoE(nn.Module):
             [projection.kernel_weight for projection in downs],
             [projection.kernel_scales for projection in gate_ups] if int8 else None,
             [projection.kernel_scales for projection in downs] if int8 else None,
+            gate_up_bias=[projection.bias for projection in gate_ups] if self.spec.bias else None,
+            down_bias=[projection.bias for projection in downs] if self.spec.bias else None,
+            activation=self.spec.activation,
+            limit=self.spec.swiglu_limit,
+            alpha=self.spec.swiglu_alpha,
         )

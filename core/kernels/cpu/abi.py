@@ -48,6 +48,11 @@ _SIGNATURES = {
         _INT,
         _INT,
         _POINTER,
+        _POINTER,
+        _INT,
+        _FLOAT,
+        _FLOAT,
+        _POINTER,
     ],
     "infer_layer_attention_input": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER],
     "infer_layer_feed_forward": [_POINTER, _INT, _POINTER, _POINTER, _POINTER],
@@ -145,6 +150,8 @@ _SIGNATURES = {
 
 # How the C side reads a packed weight (``KIND_*`` in the source), by the packed tensor's dtype.
 WEIGHT_KINDS = {torch.float16: 0, torch.int8: 1, torch.bfloat16: 2}
+# An expert's activation (cpu_kernels.h's ACTIVATION_*, ``infer.model.spec.ExpertsSpec.activation``).
+EXPERT_ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 # The pool dtypes the KV write and paged attention read (queries and results stay float32).
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # What ``infer_simd_width`` reports: the instruction set the kernels were compiled for (``-march=native``).
@@ -275,8 +282,9 @@ class KernelAttentionPlan:
 @dataclass(frozen=True, eq=False)
 class PackedExperts:
     """``num_experts`` experts of ``hidden`` x ``width``: ``gate_up[i]`` ``[2 * width, hidden]`` (gate's rows first)
-    and ``down[i]`` ``[hidden, width]`` packed, int8 ones with their packed scales. Keeps the tensors alive while the
-    tables hold their addresses."""
+    and ``down[i]`` ``[hidden, width]`` packed, int8 ones with their packed scales, and their float32 biases where
+    they have them; ``activation`` (``EXPERT_ACTIVATIONS``), with ``limit`` and ``alpha`` for ``clamped_swiglu``.
+    Keeps the tensors alive while the tables hold their addresses."""
 
     gate_up: tuple[torch.Tensor, ...]
     down: tuple[torch.Tensor, ...]
@@ -285,7 +293,11 @@ class PackedExperts:
     hidden: int
     width: int
     kind: int
-    tables: dict[str, torch.Tensor]  # int64 addresses: gate_up, down (and their scales' for int8)
+    tables: dict[str, torch.Tensor]  # int64 addresses: gate_up, down (their scales' for int8, their biases')
+    biases: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None  # gate_up's, down's
+    activation: str = "silu"
+    limit: float = 0.0
+    alpha: float = 0.0
 
     @classmethod
     def of(
@@ -294,8 +306,15 @@ class PackedExperts:
         down: Sequence[torch.Tensor],
         gate_up_scales: Sequence[torch.Tensor] | None = None,
         down_scales: Sequence[torch.Tensor] | None = None,
+        *,
+        gate_up_bias: Sequence[torch.Tensor] | None = None,
+        down_bias: Sequence[torch.Tensor] | None = None,
+        activation: str = "silu",
+        limit: float = 0.0,
+        alpha: float = 0.0,
     ) -> PackedExperts:
-        """Check every expert's packed weights (same shapes, same storage) and tabulate their addresses."""
+        """Check every expert's packed weights (same shapes, same storage) and biases (float32, contiguous,
+        ``[2 * width]`` and ``[hidden]``; both or neither), and tabulate their addresses."""
         if not gate_up or len(gate_up) != len(down):
             raise ValueError(f"experts need gate_up and down weights each, got {len(gate_up)} and {len(down)}")
         width2, hidden = packed_shape(gate_up[0])
@@ -315,6 +334,20 @@ class PackedExperts:
         tables = {"gate_up": addresses(gate_up), "down": addresses(down)}
         if gate_up_scales is not None:
             tables["gate_up_scales"], tables["down_scales"] = addresses(gate_up_scales), addresses(down_scales)
+        biases = None
+        if gate_up_bias is not None or down_bias is not None:
+            biases = (tuple(gate_up_bias or ()), tuple(down_bias or ()))
+            for name, tensors, length in (("gate_up", biases[0], 2 * width), ("down", biases[1], hidden)):
+                if len(tensors) != len(gate_up) or any(
+                    bias.dtype != torch.float32 or not bias.is_contiguous() or tuple(bias.shape) != (length,)
+                    for bias in tensors
+                ):
+                    raise ValueError(f"every expert needs a contiguous float32 {name} bias [{length}]")
+            tables["gate_up_bias"], tables["down_bias"] = addresses(biases[0]), addresses(biases[1])
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(
+                f"unknown expert activation {activation!r}; the kernel has {', '.join(EXPERT_ACTIVATIONS)}"
+            )
         return cls(
             tuple(gate_up),
             tuple(down),
@@ -324,6 +357,10 @@ class PackedExperts:
             width,
             WEIGHT_KINDS[gate_up[0].dtype],
             tables,
+            biases,
+            activation,
+            limit,
+            alpha,
         )
 
     @property
@@ -513,8 +550,8 @@ class CpuKernels:
     ) -> None:
         """``out[tokens[p]] += weights[p] * expert(x[tokens[p]])`` for a step's (token, expert) pairs grouped by
         expert: the ``i``-th group is expert ``expert_ids[i]``'s, pairs ``starts[i]`` to ``starts[i + 1] - 1`` (int64
-        ``[groups + 1]``); each expert a SwiGLU MLP over ``experts``' packed weights (``PackedExperts``), read once
-        for all its tokens. ``x`` and ``out`` ``[tokens, hidden]`` float32, contiguous; ``out`` is added to in
+        ``[groups + 1]``); each expert a gated MLP over ``experts``' packed weights and biases (``PackedExperts``),
+        read once for all its tokens. ``x`` and ``out`` ``[tokens, hidden]`` float32, contiguous; ``out`` is added to in
         place, each of its columns by one thread, experts in the order given."""
         check_flat(x)
         check_flat(out)
@@ -561,6 +598,11 @@ class CpuKernels:
             address(tables.get("down_scales")),
             down_groups,
             experts.kind,
+            address(tables.get("gate_up_bias")),
+            address(tables.get("down_bias")),
+            EXPERT_ACTIVATIONS[experts.activation],
+            experts.limit,
+            experts.alpha,
             out.data_ptr(),
         )
 

@@ -95,17 +95,24 @@ int64_t infer_block_gemm_runs(int64_t design);
 
 /* ---- a mixture of experts (moe.c) ------------------------------------------------------------------------------- */
 
-/* out[tokens[p]] += weights[p] * down(silu(gate(x[tokens[p]])) * up(x[tokens[p]])) for a step's (token, expert)
+/* An expert's activation of its gate g and up u (abi.EXPERT_ACTIVATIONS): SwiGLU, silu(g) * u; or gpt-oss's clamped
+ * SwiGLU, g clamped to at most `limit`, u to [-limit, limit], then (u + 1) * g * sigmoid(alpha * g). */
+enum { ACTIVATION_SILU = 0, ACTIVATION_CLAMPED_SWIGLU = 1 };
+
+/* out[tokens[p]] += weights[p] * down(act(gate(x[tokens[p]]), up(x[tokens[p]]))) for a step's (token, expert)
  * pairs grouped by expert: the e-th of `experts` active experts is expert_ids[e] and takes pairs starts[e] to
  * starts[e + 1] - 1 (starts [experts + 1]). gate_up[i] and down[i] are the addresses of expert i's weights packed as
  * infer_linear_f16 takes them, stored as `kind` (KIND_F16, KIND_BF16 or KIND_I8 with the addresses of their packed
  * scales, `groups` a row, in *_scales; else those are NULL): gate_up [2 * width, hidden], gate's rows first, and
- * down [hidden, width]. x [.., hidden] and out [.., hidden] float32; out is added to. Each expert's weights are
- * read once for all its tokens (passes of infer_pass_rows rows): meant for a few tokens an expert. */
+ * down [hidden, width]; gate_up_bias[i] [2 * width] (gate's first) and down_bias[i] [hidden] the addresses of their
+ * float32 biases (the tables NULL: none). `activation` and limit, alpha as above. x [.., hidden] and out [.., hidden]
+ * float32; out is added to. Each expert's weights are read once for all its tokens (passes of infer_pass_rows
+ * rows): meant for a few tokens an expert. */
 void infer_moe_experts(const float *x, int64_t hidden, int64_t width, int64_t experts, const int64_t *expert_ids,
                        const int64_t *starts, const int64_t *tokens, const float *weights, const int64_t *gate_up,
                        const int64_t *gate_up_scales, int64_t gate_up_groups, const int64_t *down,
-                       const int64_t *down_scales, int64_t down_groups, int64_t kind, float *out);
+                       const int64_t *down_scales, int64_t down_groups, int64_t kind, const int64_t *gate_up_bias,
+                       const int64_t *down_bias, int64_t activation, float limit, float alpha, float *out);
 
 /* ---- row-wise ops (rowwise.c) ----------------------------------------------------------------------------------- */
 
