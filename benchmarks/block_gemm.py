@@ -7,7 +7,10 @@ Weights: the default model's projections (SmolLM2-135M: QKV 960 x 576, output 57
 arm is called in turn, ``--repeats`` rounds, and each arm's fastest call is kept (a busy machine only slows calls);
 ``--clock cpu`` times thread CPU time instead of wall time (one thread: a call descheduled by other jobs does not
 count). Prints two markdown tables, milliseconds per call: the formats as the engine runs them, and for each block
-kind its GEMV and every GEMM design this build runs (``CpuKernels.block_gemm_designs``).
+kind its GEMV and every GEMM design this build runs (``CpuKernels.block_gemm_designs``). ``--kernels PATH`` runs the
+block formats on another build of the kernels (``python -c "from infer.kernels import cpu; from pathlib import Path;
+print(cpu.build(Path('/tmp/avx2'), ['-mno-avx512f']))"`` builds the AVX2 code on an AVX-512 CPU); the float formats
+keep torch's own kernels (oneDNN and fbgemm pick their code from the CPU, not from these flags).
 
     OMP_NUM_THREADS=2 python benchmarks/block_gemm.py
     OMP_NUM_THREADS=1 python benchmarks/block_gemm.py --clock cpu --rows 16 64 --repeats 40
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -42,17 +46,23 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--kernels", type=Path, help="a build of the C kernels (.so) for the block formats")
     return parser.parse_args()
 
 
-def projections(kernels, shape: tuple[int, int]) -> dict[str, PackedLinear]:
-    """One weight of ``shape`` packed in every format, each taking the GEMV for up to one of its passes."""
+def projections(kernels, block_kernels, shape: tuple[int, int]) -> dict[str, PackedLinear]:
+    """One weight of ``shape`` packed in every format, each taking the GEMV for up to one of its passes (the block
+    formats on ``block_kernels``)."""
     linear = Linear(shape[1], shape[0], bias=False)
     torch.nn.init.normal_(linear.weight, std=0.05)
     packed = {}
     for mode in (*BLOCK_KINDS, *FLOAT_MODES):
         module = PackedLinear(linear, mode)
-        module.use_cpu_kernels(kernels, kernels.block_pass_rows if mode in BLOCK_KINDS else kernels.pass_rows)
+        if mode in BLOCK_KINDS:
+            module.kernels = block_kernels  # a block weight keeps the kernels it was built with
+            module.use_cpu_kernels(block_kernels, block_kernels.block_pass_rows)
+        else:
+            module.use_cpu_kernels(kernels, kernels.pass_rows)
         packed[mode] = module
     return packed
 
@@ -81,27 +91,29 @@ def cpu_name() -> str:
 def main() -> None:
     args = parse_arguments()
     kernels = cpu_kernels.load(True)
+    block_kernels = cpu_kernels.load_built(args.kernels) if args.kernels else kernels
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    designs = [name for name in kernels.block_gemm_designs if name != "portable"]
+    designs = [name for name in block_kernels.block_gemm_designs if name != "portable"]
     print(
-        f"{cpu_name()}; kernels {kernels.simd}, block GEMM {kernels.block_gemm} (runs {', '.join(designs)}); "
+        f"{cpu_name()}; block kernels {block_kernels.simd}, block GEMM {block_kernels.block_gemm} (runs "
+        f"{', '.join(designs)}); "
         f"threads {torch.get_num_threads()}; {args.clock} clock; load average {os.getloadavg()[0]:.1f} at the start"
     )
     engine_rows, design_rows = [], []
     for shape_name in args.shapes:
-        packed = projections(kernels, SHAPES[shape_name])
+        packed = projections(kernels, block_kernels, SHAPES[shape_name])
         for rows in args.rows:
             x = torch.randn(rows, SHAPES[shape_name][1])
             arms = {mode: (lambda module=module: module(x)) for mode, module in packed.items()}
             for kind in BLOCK_KINDS:
                 blocks = packed[kind].blocks
-                arms[f"{kind} gemv"] = lambda blocks=blocks: kernels.linear_blocks(x, blocks, None)
+                arms[f"{kind} gemv"] = lambda blocks=blocks: block_kernels.linear_blocks(x, blocks, None)
                 for design in designs:
-                    arms[f"{kind} {design}"] = lambda blocks=blocks, design=design: kernels.gemm_blocks(
+                    arms[f"{kind} {design}"] = lambda blocks=blocks, design=design: block_kernels.gemm_blocks(
                         x, blocks, None, design
                     )
             best = fastest_ms(arms, args.repeats, clock)
-            path = "GEMV" if rows <= kernels.block_pass_rows else "GEMM"
+            path = "GEMV" if rows <= block_kernels.block_pass_rows else "GEMM"
             cells = " | ".join(f"{best[mode]:.3f}" for mode in (*BLOCK_KINDS, *FLOAT_MODES))
             engine_rows.append(f"| {shape_name} | {rows} | {path} | {cells} |")
             for kind in BLOCK_KINDS:
