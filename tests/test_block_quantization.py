@@ -1,11 +1,14 @@
 """GGUF's block formats as packed weights: ``model.quantization`` ``q4_0``/``q4_1``/``q8_0`` (``q4``, ``q8``) quantize a
 float checkpoint, ``gguf`` keeps a GGUF file's own blocks (the default model's ``Q4_1`` projections and ``Q8_0``
-output head) and answers as the dequantized float model does, within the int8 activations' rounding."""
+output head; a tiny model's ``Q4_K``/``Q6_K`` ones, as a ``Q4_K_M`` file mixes them) and answers as the dequantized
+float model does, within the int8 activations' rounding."""
 
 from __future__ import annotations
 
 import copy
+import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,7 +58,9 @@ def test_short_names_and_gguf_resolve():
     assert resolve_quantization("q4", "float32", torch.float32, CPU) == "q4_1"
     assert resolve_quantization("q8", "auto", torch.float32, CPU) == "q8_0"
     assert resolve_quantization("gguf", "auto", torch.float32, CPU) == "gguf"
-    assert set(BLOCK_MODES) == {"q4_0", "q4_1", "q8_0"}
+    assert set(BLOCK_MODES) == {"q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "k_mixed"}
+    with pytest.raises(ValueError, match="unknown model.quantization"):
+        resolve_quantization("q4_k", "auto", torch.float32, CPU)  # K-quants come from a GGUF file only
 
 
 def test_gguf_mode_refuses_a_float_checkpoint_clearly(tiny_model_dir):
@@ -172,3 +177,150 @@ def test_block_weights_join_the_fused_one_call_stack_with_the_same_tokens(tiny_m
         answers[paths[0]] = [output.token_ids for output in llm.generate(prompts, params)]
         assert llm.engine.executor.counts[paths[0]] > 0, llm.engine.executor.counts
     assert answers["fused-stack"] == answers["fused-layers"] == answers["torch"]
+
+
+# A tiny Llama stored as a Q4_K_M file stores it: Q4_K, with V and the down projection Q6_K (so the fused QKV mixes
+# both), the tied token embedding Q6_K; and one up projection Q8_0 beside its Q4_K gate, which the block kernels do
+# not take together.
+TINY_SHAPE = {
+    "llama.block_count": 2,
+    "llama.embedding_length": 256,
+    "llama.feed_forward_length": 512,
+    "llama.attention.head_count": 4,
+    "llama.attention.head_count_kv": 2,
+    "llama.rope.dimension_count": 64,
+    "llama.context_length": 2048,
+}
+
+
+def write_kquant_gguf(path, template) -> None:
+    """A GGUF file of random weights in TINY_SHAPE with the tokenizer (and the rest of the metadata) of ``template``."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import quantize
+
+    from infer.testing.kquants import QUANTIZERS
+
+    reader = GGUFReader(template)
+    writer = GGUFWriter(path, "llama")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type", *TINY_SHAPE):
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(name, field.contents(), vtype, field.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    for name, value in TINY_SHAPE.items():
+        writer.add_uint32(name, value)
+    generator = np.random.default_rng(0)
+
+    def add(name: str, kind: str, rows: int, columns: int, std: float = 0.05) -> None:
+        weight = (generator.standard_normal((rows, columns)) * std).astype(np.float32)
+        if kind == "f32":  # a norm's weight
+            writer.add_tensor(name, weight[0] + 1.0)
+            return
+        quantized = QUANTIZERS[kind](weight) if kind in QUANTIZERS else quantize(weight, GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, quantized, raw_dtype=GGMLQuantizationType[kind.upper()])
+
+    hidden, width = TINY_SHAPE["llama.embedding_length"], TINY_SHAPE["llama.feed_forward_length"]
+    heads, kv_heads = TINY_SHAPE["llama.attention.head_count"], TINY_SHAPE["llama.attention.head_count_kv"]
+    head_dim = TINY_SHAPE["llama.rope.dimension_count"]
+    add("token_embd.weight", "q6_k", int(reader.fields["llama.vocab_size"].contents()), hidden, std=0.5)
+    add("output_norm.weight", "f32", 1, hidden)
+    for layer in range(TINY_SHAPE["llama.block_count"]):
+        block = f"blk.{layer}"
+        add(f"{block}.attn_norm.weight", "f32", 1, hidden)
+        add(f"{block}.ffn_norm.weight", "f32", 1, hidden)
+        add(f"{block}.attn_q.weight", "q4_k", heads * head_dim, hidden)
+        add(f"{block}.attn_k.weight", "q4_k", kv_heads * head_dim, hidden)
+        add(f"{block}.attn_v.weight", "q6_k", kv_heads * head_dim, hidden)
+        add(f"{block}.attn_output.weight", "q4_k", hidden, heads * head_dim)
+        add(f"{block}.ffn_gate.weight", "q4_k", width, hidden)
+        add(f"{block}.ffn_up.weight", "q4_k" if layer == 0 else "q8_0", width, hidden)
+        add(f"{block}.ffn_down.weight", "q6_k", hidden, width)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kquants") / "tiny-q4_k_m.gguf"
+    write_kquant_gguf(path, resolve_model_path(DEFAULT_MODEL))
+    return path
+
+
+@pytest.fixture(scope="module")
+def kquant_models(kquant_gguf):
+    """The tiny file's float model (transformers' dequantized weights), and the same with its blocks kept."""
+    float_model = load_model(str(kquant_gguf), torch.float32).model
+    return float_model, quantize_model(copy.deepcopy(float_model), "gguf", kquant_gguf)
+
+
+def test_gguf_keeps_k_quant_blocks_which_are_the_float_models_weights(kquant_gguf, kquant_models, caplog):
+    float_model, packed = kquant_models
+    float_modules = dict(float_model.named_modules())
+    kinds = {}
+    for name, module in packed.named_modules():
+        if isinstance(module, PackedLinear):
+            kinds[name] = module.blocks.kind
+            if module.blocks.kind != "q8_0":
+                assert torch.equal(dequantize_blocks(module.blocks), float_modules[name].weight.float()), name
+    assert kinds == {
+        "layers.0.self_attn.qkv_proj": "k_mixed",  # Q and K Q4_K, V Q6_K
+        "layers.0.self_attn.o_proj": "q4_k",
+        "layers.0.mlp.gate_up_proj": "q4_k",
+        "layers.0.mlp.down_proj": "q6_k",
+        "layers.1.self_attn.qkv_proj": "k_mixed",
+        "layers.1.self_attn.o_proj": "q4_k",
+        "layers.1.mlp.gate_up_proj": "q8_0",  # Q4_K beside Q8_0: dequantized, packed as q8_0
+        "layers.1.mlp.down_proj": "q6_k",
+        "lm_head": "q6_k",  # the tied token embedding's
+    }
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        quantize_model(copy.deepcopy(float_model), "gguf", kquant_gguf)
+    assert "Q4_K+Q8_0: 1 (layers.1.mlp.gate_up_proj)" in caplog.text
+    assert "Q4_K:" not in caplog.text and "Q6_K" not in caplog.text
+
+
+@pytest.mark.parametrize("paths", [(), ("fused-stack", "torch"), ("fused-layers", "torch")])
+def test_k_quant_logits_match_the_dequantized_float_models(kquant_models, paths):
+    """The packed model's logits against the float model's over the same (dequantized) weights, a prompt and then
+    single-token steps: op by op, and in the fused C layers (where the mixed QKV's parts run in one call). The
+    difference is the int8 activations' rounding."""
+    from test_model import PagedPool
+
+    float_model, packed = kquant_models
+    tokens = torch.randint(1000, (28,), generator=torch.Generator().manual_seed(0)).tolist()
+    logits = {}
+    for name, runner in [
+        ("float", PagedPool(float_model)),
+        ("packed", PagedPool(packed, kernels=True, paths=paths) if paths else PagedPool(packed)),
+    ]:
+        steps = [runner.step({"a": tokens[:20]})["a"]]
+        steps += [runner.step({"a": [token]})["a"] for token in tokens[20:]]  # decode steps: the fused paths' own
+        logits[name] = torch.cat(steps)
+        if paths and name == "packed":
+            assert runner.executor.counts[paths[0]] == 8, runner.executor.counts
+    assert relative_error(logits["packed"], logits["float"]) < 2.5e-2
+    assert (logits["packed"].argmax(dim=-1) == logits["float"].argmax(dim=-1)).float().mean() >= 0.9
+
+
+def test_engine_runs_a_k_quant_gguf_file(kquant_gguf):
+    llm = LLM(
+        "baseline",
+        model__path=str(kquant_gguf),
+        model__dtype="float32",
+        model__quantization="gguf",
+        model__max_model_len=256,
+        cache__num_blocks=64,
+    )
+    assert {module.blocks.kind for module in llm.engine.model.modules() if isinstance(module, PackedLinear)} == {
+        "k_mixed",
+        "q4_k",
+        "q6_k",
+        "q8_0",
+    }
+    outputs = llm.generate(
+        ["The tide comes in and the tide goes out"] * 2, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    )
+    assert [len(output.token_ids) for output in outputs] == [8, 8]
+    assert outputs[0].token_ids == outputs[1].token_ids

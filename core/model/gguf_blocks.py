@@ -1,10 +1,12 @@
 """A GGUF file's quantized projections kept as its blocks (``model.quantization: gguf``).
 
 The loader builds the model from the file's dequantized float weights (``infer.model.loader``); this module reads
-the same file's ``Q4_0``, ``Q4_1`` and ``Q8_0`` tensors again as raw blocks, for each of the model's projections
-(our fused QKV and gate/up concatenate the file's rows, as the family's weight-name map says), repacked for the block
-GEMV (``infer.kernels.cpu.blocks``). Rows are reordered where the file reorders them: ``convert_hf_to_gguf.py``
-interleaves the rotary halves of Llama's Q and K heads, and transformers undoes that for the float weights.
+the same file's ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q4_K`` and ``Q6_K`` tensors again as raw blocks, for each of the
+model's projections (our fused QKV and gate/up concatenate the file's rows, as the family's weight-name map says),
+repacked for the block GEMV (``infer.kernels.cpu.blocks``). A fused projection whose parts are stored as both K
+types (a ``Q4_K_M`` file gives half its layers' V ``Q6_K`` beside ``Q4_K`` Q and K) is kept as a ``k_mixed`` weight.
+Rows are reordered where the file reorders them: ``convert_hf_to_gguf.py`` interleaves the rotary halves of Llama's
+Q and K heads, and transformers undoes that for the float weights.
 """
 
 from __future__ import annotations
@@ -16,20 +18,20 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from infer.kernels.cpu.blocks import BlockWeight, pack_blocks
+from infer.kernels.cpu.blocks import K_KINDS, BlockWeight, pack_blocks, pack_mixed_kquants
 
 logger = logging.getLogger("infer")
 
 # GGUF types kept as blocks, by the block GEMV's name for them.
-BLOCK_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+BLOCK_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
 # Architectures whose Q and K rows convert_hf_to_gguf.py permutes (transformers' LlamaTensorProcessor undoes it).
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
 def read_projections(path: Path, model: nn.Module) -> tuple[dict[str, BlockWeight], dict[str, str]]:
     """For each ``nn.Linear`` of ``model`` (its module name: ``layers.0.self_attn.qkv_proj``, ``lm_head``), the
-    file's blocks where every tensor it concatenates is of one ``BLOCK_TYPES`` type; and, for the others, the GGUF
-    type(s) they are stored as (``F32``, ``Q6_K``, ...)."""
+    file's blocks where every tensor it concatenates is of one ``BLOCK_TYPES`` type, or each of a K type; and, for the
+    others, the GGUF type(s) they are stored as (``F32``, ``Q5_K``, ``Q4_K+Q8_0``, ...)."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -54,12 +56,15 @@ def read_projections(path: Path, model: nn.Module) -> tuple[dict[str, BlockWeigh
                 f"{path.name}: no tensor {[part for part in parts if part not in tensors]} for {module_name}"
             )
         types = sorted({tensor.tensor_type.name for tensor in found})
-        if len(types) != 1 or types[0] not in BLOCK_TYPES:
+        kinds = [BLOCK_TYPES.get(tensor.tensor_type.name) for tensor in found]
+        if None in kinds or (len(types) > 1 and not all(kind in K_KINDS for kind in kinds)):
             others[module_name] = "+".join(types)
             continue
         rows = [_rows(tensor, permuted, model) for tensor in found]
-        kind = BLOCK_TYPES[types[0]]
-        blocks[module_name] = pack_blocks(np.concatenate(rows), kind, sum(len(part) for part in rows))
+        if len(types) == 1:
+            blocks[module_name] = pack_blocks(np.concatenate(rows), kinds[0], sum(len(part) for part in rows))
+        else:
+            blocks[module_name] = pack_mixed_kquants([(part, kind, len(part)) for part, kind in zip(rows, kinds)])
     return blocks, others
 
 

@@ -27,8 +27,10 @@ fbgemm, which ships inside torch's x86 builds, multiplies float32 activations by
   minimum): 4.5, 5 and 8.5 bits a weight. Every step multiplies through infer's block GEMV (``infer.kernels.cpu``:
   activations quantized per block to int8, integer dot products, as llama.cpp). ``q4`` and ``q8`` quantize a float
   checkpoint so (``q4``: ``q4_1``, whose minimum keeps closer to float32's answers; ``q8``: ``q8_0``), as
-  llama.cpp's quantizers do; ``gguf`` keeps a GGUF file's own ``Q4_0``/``Q4_1``/``Q8_0`` tensors as they are
-  (``infer.model.gguf_blocks``), no float copy kept, and packs its other projections as ``q8_0`` with a warning.
+  llama.cpp's quantizers do; ``gguf`` keeps a GGUF file's own ``Q4_0``/``Q4_1``/``Q8_0`` tensors and its K-quant
+  ``Q4_K``/``Q6_K`` ones (super-blocks of 256 with 6-bit or int8 sub-block scales: 4.5 and 6.6 bits a weight, the
+  two a ``Q4_K_M`` file mixes) as they are (``infer.model.gguf_blocks``), no float copy kept, and packs its other
+  projections as ``q8_0`` with a warning.
 
 On an AVX2 CPU fp16 runs this model's projections about 3x faster than float32 at one row and 1.4x at 64; w8a8
 about 1.2x faster than fp16; torch's own bfloat16 and weight-only int8/int4 kernels were slower than fp16 there (the
@@ -50,8 +52,9 @@ from infer.kernels.cpu.packing import can_pack, can_pack_tiles, pack_scales, pac
 from infer.model import Linear
 
 QUANTIZATIONS = ("none", "fp16", "bf16", "int8", "int8_per_row", "w8a8", "q4_0", "q4_1", "q8_0", "gguf")
-# GGUF's block kinds (``PackedLinear`` modes, run on the block GEMV), and the config's short names for two of them.
-BLOCK_MODES = ("q4_0", "q4_1", "q8_0")
+# GGUF's block kinds (``PackedLinear`` modes, run on the block GEMV; the K-quant ones only as a GGUF file stores
+# them), and the config's short names for two of them.
+BLOCK_MODES = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "k_mixed")
 BLOCK_ALIASES = {"q4": "q4_1", "q8": "q8_0"}
 # Weights per int8 scale in mode int8 (int8_per_row: a whole row).
 INT8_GROUP = 32

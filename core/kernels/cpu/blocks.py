@@ -105,6 +105,10 @@ def quantize_blocks(weight: torch.Tensor, kind: str) -> BlockWeight:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
+    if kind not in GROUP_ROWS or GROUP_ROWS[kind] != 4:
+        raise ValueError(
+            f"infer quantizes float weights as q4_0, q4_1 or q8_0, not {kind!r} (K-quants come from a GGUF file)"
+        )
     out_features, in_features = weight.shape
     if in_features % BLOCK:
         raise ValueError(f"block quantization needs in_features % {BLOCK} == 0, got {tuple(weight.shape)}")
@@ -148,46 +152,60 @@ def _transposed_columns() -> np.ndarray:
 
 COLUMN_AT = torch.from_numpy(_transposed_columns())  # [256]
 # Q6_K's sub-blocks as the record stores their scales: the even ones, then the odd ones.
-Q6_K_SCALE_ORDER = torch.tensor([*range(0, 16, 2), *range(1, 16, 2)])
+Q6_K_SCALE_ORDER = np.array([*range(0, 16, 2), *range(1, 16, 2)])
 
 
-def _gguf_kquant_values(blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """GGUF's quants of K-quant super-blocks ``[..., GGUF_BLOCK_BYTES[kind]]`` as uint8 ``[..., 256]`` in column order
+def _gguf_kquant_values(blocks: np.ndarray, kind: str) -> np.ndarray:
+    """GGUF's quants of K-quant super-blocks ``[N, GGUF_BLOCK_BYTES[kind]]`` as uint8 ``[N, 256]`` in column order
     (``Q4_K``: 0-15; ``Q6_K``: 0-63, the stored ``q + 32``)."""
+    count = len(blocks)
     if kind == "q4_k":
-        qs = blocks[..., 16:144].reshape(*blocks.shape[:-1], 4, 1, 32)  # sub-blocks 2c (low) and 2c + 1 (high)
-        return torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(*blocks.shape[:-1], SUPER_BLOCK)
-    low = blocks[..., 0:128].reshape(*blocks.shape[:-1], 2, 1, 2, 32)  # [half, shift, 32-byte run]
-    low = torch.cat([low & 0x0F, low >> 4], dim=-3).reshape(*blocks.shape[:-1], 2, 4, 32)
-    high = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 1, 32)
-    high = (high >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3  # [half, 4, 32]
-    return (low | (high << 4)).reshape(*blocks.shape[:-1], SUPER_BLOCK)
+        qs = blocks[:, 16:144].reshape(count, 4, 1, 32)  # byte l of run c: sub-block 2c (low nibble), 2c + 1 (high)
+        return np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(count, SUPER_BLOCK)
+    low = blocks[:, 0:128].reshape(count, 2, 2, 32)  # [half, run, l]: columns 128 half + 32 (run + 2 shift) + l
+    low = np.concatenate([low & 0x0F, low >> 4], axis=2)  # [half, t, l]
+    high = blocks[:, 128:192].reshape(count, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    return (low | ((high & 3) << 4)).reshape(count, SUPER_BLOCK)
 
 
-def _gguf_q4_k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF's 12 bytes of 6-bit scales and minima of a ``Q4_K`` super-block as ``sc``, ``m`` uint8 ``[..., 8]``."""
-    low, mid, high = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
-    sc = torch.cat([low & 0x3F, (high & 0x0F) | ((low >> 6) << 4)], dim=-1)
-    m = torch.cat([mid & 0x3F, (high >> 4) | ((mid >> 6) << 4)], dim=-1)
+def _transposed(values: np.ndarray) -> np.ndarray:
+    """Super-blocks' values ``[N, 256]`` in column order as ``[N, 4, 64]``: by the kernel's 64-byte steps of x, byte
+    4 lane + c of step u holding column 32j + 8u + 4h + c (lane = 8h + j)."""
+    return values.reshape(-1, 8, 4, 2, 4).transpose(0, 2, 3, 1, 4).reshape(-1, 4, 64)
+
+
+def _gguf_q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF's 12 bytes of 6-bit scales and minima of ``Q4_K`` super-blocks ``[N, 12]`` as ``sc``, ``m`` ``[N, 8]``."""
+    low, mid, high = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([low & 0x3F, (high & 0x0F) | ((low >> 6) << 4)], axis=1)
+    m = np.concatenate([mid & 0x3F, (high >> 4) | ((mid >> 6) << 4)], axis=1)
     return sc, m
 
 
 def pack_kquants(raw: torch.Tensor | np.ndarray, kind: str, out_features: int) -> BlockWeight:
     """A GGUF ``Q4_K`` or ``Q6_K`` tensor's bytes, each super-block repacked in place into the kernel's record of as
     many bytes (``gemv_kquants.c``): ``[out_features, in_features / 256, RECORD_BYTES[kind]]``."""
-    blocks = gguf_rows(raw, kind, out_features)
-    values = _gguf_kquant_values(blocks, kind)[..., COLUMN_AT]  # in the transposed order of x
-    quants = (values[..., :128] & 0x0F) | ((values[..., 128:] & 0x0F) << 4)
+    blocks = _byte_rows(raw, out_features).reshape(-1, GGUF_BLOCK_BYTES[kind])  # [N super-blocks, bytes]
+    steps = _transposed(_gguf_kquant_values(blocks, kind))  # [N, 4, 64]
+    quants = ((steps[:, 0:2] & 0x0F) | (steps[:, 2:4] << 4)).reshape(-1, 128)  # uint8: Q6_K's top bits shift out
     if kind == "q4_k":
-        sc, m = _gguf_q4_k_scales(blocks[..., 4:16])
+        sc, m = _gguf_q4_k_scales(blocks[:, 4:16])
         high = (sc >> 4) | ((m >> 4) << 2)
-        scales = torch.cat([(sc & 0x0F) | ((m & 0x0F) << 4), high[..., :4] | (high[..., 4:] << 4)], dim=-1)
-        record = [blocks[..., 0:4], scales, quants]  # d, dmin, scales, quants
+        scales = [(sc & 0x0F) | ((m & 0x0F) << 4), high[:, :4] | (high[:, 4:] << 4)]
+        record = [blocks[:, 0:4], *scales, quants]  # d, dmin, scales, quants
     else:
-        top = (values >> 4).reshape(*values.shape[:-1], 4, 64)  # [u, byte]
-        high = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
-        record = [blocks[..., 208:210], blocks[..., 192:208][..., Q6_K_SCALE_ORDER], quants, high]
-    return BlockWeight(torch.cat(record, dim=-1).contiguous(), kind, out_features)
+        top = steps >> 4
+        high = top[:, 0] | (top[:, 1] << 2) | (top[:, 2] << 4) | (top[:, 3] << 6)
+        record = [blocks[:, 208:210], blocks[:, 192:208][:, Q6_K_SCALE_ORDER], quants, high]  # d, sc, quants, high
+    data = torch.from_numpy(np.concatenate(record, axis=1)).view(out_features, -1, RECORD_BYTES[kind])
+    return BlockWeight(data, kind, out_features)
+
+
+def _byte_rows(raw: torch.Tensor | np.ndarray, out_features: int) -> np.ndarray:
+    """A tensor's bytes as a uint8 array ``[out_features, bytes]`` (a read-only memory map stays one)."""
+    if isinstance(raw, torch.Tensor):
+        raw = raw.contiguous().view(torch.uint8).numpy()
+    return np.ascontiguousarray(raw).view(np.uint8).reshape(out_features, -1)
 
 
 def pack_mixed_kquants(parts: list[tuple[torch.Tensor | np.ndarray, str, int]]) -> BlockWeight:
@@ -198,12 +216,12 @@ def pack_mixed_kquants(parts: list[tuple[torch.Tensor | np.ndarray, str, int]]) 
     for raw, kind, rows in parts:
         if kind not in K_KINDS:
             raise ValueError(f"a mixed weight takes the K kinds {', '.join(K_KINDS)}, got {kind!r}")
-        data = gguf_rows(raw, kind, rows).reshape(rows, -1)
+        data = _byte_rows(raw, rows)
         if runs and runs[-1][0] == kind:
             runs[-1][1].append(data)
         else:
             runs.append([kind, [data]])
-    packed = [pack_kquants(torch.cat(datas), kind, sum(len(data) for data in datas)) for kind, datas in runs]
+    packed = [pack_kquants(np.concatenate(datas), kind, sum(len(data) for data in datas)) for kind, datas in runs]
     if len(packed) == 1:
         return packed[0]
     entries = [len(packed)] + [value for weight in packed for value in (BLOCK_KINDS[weight.kind], weight.out_features)]
@@ -253,7 +271,7 @@ def dequantize_kquants(weight: BlockWeight) -> torch.Tensor:
             values[..., COLUMN_AT[64 * u : 64 * (u + 1)]] |= ((top >> (2 * u)) & 3) << 4
         d = data[..., 0:2].contiguous().view(torch.float16).float()
         sc = torch.empty(*data.shape[:-1], 16, dtype=torch.int8)
-        sc[..., Q6_K_SCALE_ORDER] = data[..., 2:18].view(torch.int8)
+        sc[..., torch.from_numpy(Q6_K_SCALE_ORDER)] = data[..., 2:18].view(torch.int8)
         scale = (d * sc.float()).repeat_interleave(16, dim=-1)
         weights = scale * (values.to(torch.int8) - 32).float()
     return weights.reshape(weight.out_features, -1)
