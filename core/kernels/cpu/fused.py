@@ -389,6 +389,8 @@ class KernelAttentionStep:
         if self.windows is not None and (self.windows.dtype != torch.int64 or not self.windows.is_contiguous()):
             raise ValueError("a fused step's windows are contiguous int64, one per pool layer")
         if self.sinks is not None and (
-            self.sinks.dtype != torch.float32 or not self.sinks.is_contiguous() or self.sinks.shape[-1] != self.num_heads
+            self.sinks.dtype != torch.float32
+            or not self.sinks.is_contiguous()
+            or self.sinks.shape[-1] != self.num_heads
         ):
             raise ValueError("a fused step's sinks are contiguous float32 [pool layers, num_heads]")
