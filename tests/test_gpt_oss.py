@@ -74,6 +74,9 @@ class TestGptOss8Experts(GptOssSuite):
 @pytest.mark.slow  # the router over more experts; the 8-expert model covers the rest in the default run
 class TestGptOss16Experts(GptOssSuite):
     config_fields = {**GPT_OSS, "num_local_experts": 16, "num_experts_per_tok": 4}
+    # bf16 weights swap 7.1% of this model's routings: with 4 of 16 chosen, the 4th and 5th scores are often closer
+    # than bf16's rounding moves them
+    max_swapped_share = 0.1
 
 
 def test_the_tiny_model_reaches_the_clamps_and_the_sinks_take_a_share(tmp_path):
