@@ -4,9 +4,11 @@ Weights: the default model's 30 layers of projections (QKV 960 x 576, output 576
 576 x 1536; random values, ~106M weights), or ``--shape N K`` matrices (``--copies`` of them, so that a pass reads
 more than the caches hold), in fp16, int8 (a scale per 32), GGUF's blocks q4_0, q4_1, q8_0 and its K-quant
 super-blocks q4_k, q6_k (where K is a multiple of 256; infer.testing.kquants quantizes them). For each format and
-row count, the best of a few passes over all matrices (formats alternated, repeats interleaved, so a busy machine
-disturbs them alike): milliseconds, weight bytes, and bytes / time. The bandwidth line is a streaming read of 1 GiB
-(torch's sum over float32 with the same threads): the floor a decode step's weight reads can approach.
+row count, the sum over the matrices of each one's best call in a few passes over all of them (formats alternated,
+repeats interleaved, so a busy machine disturbs them alike; a call is short enough to run between other jobs'
+time slices, where a whole pass is not): milliseconds, weight bytes, and bytes / time. The bandwidth line is a
+streaming read of 1 GiB (torch's sum over float32 with the same threads): the floor a decode step's weight reads can
+approach.
 
     OMP_NUM_THREADS=2 python benchmarks/block_gemv.py
     python benchmarks/block_gemv.py --rows 1 8 64 --repeats 5
@@ -65,23 +67,20 @@ def width(weight) -> int:
     return weight.shape[1] * 8 if isinstance(weight, torch.Tensor) else weight.in_features
 
 
-def pass_seconds(kernels, matrices, rows: int) -> float:
-    """One pass over every matrix with ``rows`` rows of x: the best of three."""
+def call_seconds(kernels, matrices, rows: int) -> list[float]:
+    """Each matrix's best call with ``rows`` rows of x over three passes over all of them (a pass reads every matrix
+    in turn, so none is still in the caches from its last call)."""
     inputs = {k: torch.randn(rows, k) for k in {width(weight) for weight, _, _ in matrices}}
-
-    def once() -> None:
-        for weight, scales, _ in matrices:
-            if isinstance(weight, torch.Tensor):
-                kernels.linear(inputs[width(weight)], weight, scales, None)
-            else:
-                kernels.linear_blocks(inputs[width(weight)], weight, None)
-
-    once()
-    best = float("inf")
+    best = [float("inf")] * len(matrices)
     for _ in range(3):
-        began = time.perf_counter()
-        once()
-        best = min(best, time.perf_counter() - began)
+        for index, (weight, scales, _) in enumerate(matrices):
+            x = inputs[width(weight)]
+            began = time.perf_counter()
+            if isinstance(weight, torch.Tensor):
+                kernels.linear(x, weight, scales, None)
+            else:
+                kernels.linear_blocks(x, weight, None)
+            best[index] = min(best[index], time.perf_counter() - began)
     return best
 
 
@@ -118,11 +117,12 @@ def main() -> None:
         print(f"(no {', '.join(sorted(set(args.formats) - set(names)))}: a K not a multiple of 256)")
     print("| rows | weights | MB | ms | GB/s |\n|---|---|---|---|---|")
     for rows in args.rows:
-        seconds = {name: float("inf") for name in names}
+        calls = {name: [float("inf")] * len(matrices) for name, matrices in formats.items()}
         for _ in range(args.repeats):
             for name, matrices in formats.items():
-                seconds[name] = min(seconds[name], pass_seconds(kernels, matrices, rows))
+                calls[name] = list(map(min, calls[name], call_seconds(kernels, matrices, rows)))
             bandwidth.append(read_bandwidth())
+        seconds = {name: sum(best) for name, best in calls.items()}
         for name, matrices in formats.items():
             total = sum(size for _, _, size in matrices)
             print(
