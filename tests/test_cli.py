@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import click
 import pytest
@@ -338,3 +339,14 @@ def test_train_eagle_comes_from_the_eagle_plugin_through_register_commands():
     core = Path(infer.cli.__file__).parent
     assert not any("plugins.drafters.eagle" in path.read_text() for path in core.rglob("*.py"))
     assert not (core / "assets").exists()
+
+
+def test_run_refuses_a_max_model_len_past_the_models_limit_in_one_line(runner, tiny_model_dir):
+    limit = json.loads((Path(tiny_model_dir) / "config.json").read_text())["max_position_embeddings"]
+    too_long = f"model.max_model_len={limit + 1}"
+    result = runner.invoke(main, ["run", "baseline", f"model.path={tiny_model_dir}", "model.dtype=float32", too_long])
+    assert result.exit_code != 0
+    assert result.output.endswith(
+        f"  model.max_model_len: {limit + 1} exceeds the model's limit (max_position_embeddings={limit}); "
+        "lower model.max_model_len\n"
+    )

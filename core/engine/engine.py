@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from infer.config import ConfigError
 from infer.distributed import SingleProcess
 from infer.drafter import Drafter, DrafterContext
 from infer.engine.detokenizer import Detokenizer
@@ -295,10 +296,12 @@ class Engine:
 
     def _check_max_model_len(self, loaded) -> None:
         limit = getattr(loaded.hf_config, "max_position_embeddings", None)
-        if limit is not None and self.max_model_len > limit:
-            raise ValueError(
-                f"model.max_model_len={self.max_model_len} exceeds the model's limit "
-                f"(max_position_embeddings={limit}); lower model.max_model_len"
+        if limit is not None and self.max_model_len > limit:  # a config mistake: one line from the CLI
+            raise ConfigError(
+                [
+                    f"model.max_model_len: {self.max_model_len} exceeds the model's limit "
+                    f"(max_position_embeddings={limit}); lower model.max_model_len"
+                ]
             )
 
     def _size_pool(self, drafter: Drafter):
