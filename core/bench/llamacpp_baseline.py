@@ -5,7 +5,10 @@
 llama-server``), named by ``--llama-server`` or ``$LLAMA_SERVER``. It is started on a free loopback port with
 ``model.path``'s GGUF file (the default model's alias names one; a HF folder has none to give it), as many threads as
 infer's torch uses (``-t``, ``-tb``), one slot (``-np``) per request in flight at once and a context of that many
-times the longest prompt plus output (each slot holds ``-c / -np`` tokens), so no request is cut short.
+times the longest prompt plus output (each slot holds ``-c / -np`` tokens), so no request is cut short; further
+arguments the user gives (``--llama-server-args``) follow. llama.cpp builds before ggml-org/llama.cpp#19925 compute
+``Q4_0``/``Q4_1`` weights wrongly on their AMX path (an Intel Xeon with AMX: the default model's perplexity 260
+instead of 15.1); ``--no-repack`` keeps such a build off it.
 
 Each request goes to ``/completion`` as its prompt's token ids (a list of ids gets no BOS added), greedy
 (``temperature`` 0), ``n_predict`` its ``max_tokens``, ``ignore_eos`` as the request has it (every synthetic workload's
@@ -88,8 +91,11 @@ def context_size(requests: list[TokenizedRequest], slots: int) -> int:
     return slots * longest
 
 
-def server_command(binary: str, gguf: Path, port: int, threads: int, slots: int, context: int) -> list[str]:
-    """The command line that serves ``gguf`` on loopback ``port`` with ``threads`` threads and ``slots`` slots."""
+def server_command(
+    binary: str, gguf: Path, port: int, threads: int, slots: int, context: int, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """The command line that serves ``gguf`` on loopback ``port`` with ``threads`` threads and ``slots`` slots, then
+    the ``extra`` arguments the user gave."""
     return [
         binary,
         "--model",
@@ -107,6 +113,7 @@ def server_command(binary: str, gguf: Path, port: int, threads: int, slots: int,
         "--ctx-size",
         str(context),
         "--no-webui",
+        *extra,
     ]
 
 
@@ -262,16 +269,18 @@ def run_llamacpp_baseline(
     requests: list[TokenizedRequest],
     num_threads: int,
     batch_size: int | None = None,
+    extra_args: tuple[str, ...] = (),
     timeout_s: float = 3600.0,
 ) -> dict:
-    """Serve ``model_path``'s GGUF file with ``binary`` and stream ``requests`` through it, ``batch_size`` at a
-    time (None: all at once); returns ``summarize_completions``' summary with the server's settings."""
+    """Serve ``model_path``'s GGUF file with ``binary`` (and ``extra_args``) and stream ``requests`` through it,
+    ``batch_size`` at a time (None: all at once); returns ``summarize_completions``' summary with the server's
+    command and settings."""
     if any(request.params.max_tokens is None for request in requests):
         raise LlamaCppBaselineError("llama.cpp's baseline needs every request's max_tokens (a prompts line's is null)")
     gguf = gguf_file(model_path)
     slots = min(batch_size or len(requests), len(requests))
     context, port = context_size(requests, slots), free_port()
-    command = server_command(binary, gguf, port, num_threads, slots, context)
+    command = server_command(binary, gguf, port, num_threads, slots, context, extra_args)
     with running_server(command, port):
         warm_up = SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0, ignore_eos=True)
         stream_completion(port, TokenizedRequest("warm-up", requests[0].prompt_token_ids, warm_up, 0.0), timeout_s)
@@ -282,5 +291,6 @@ def run_llamacpp_baseline(
         "threads": num_threads,
         "slots": slots,
         "context": context,
+        "command": command,
         **summarize_completions(completions, requests, wall_time_s),
     }

@@ -106,6 +106,11 @@ def command_line() -> str:
     help="dtype of vLLM's baseline.",
 )
 @click.option("--llama-server", help="llama.cpp's baseline: the llama-server binary (default: $LLAMA_SERVER).")
+@click.option(
+    "--llama-server-args",
+    default="",
+    help='llama.cpp\'s baseline: more llama-server arguments, as shell words (e.g. "--no-repack").',
+)
 @click.option("--hf-batch-size", type=int, default=16, show_default=True, help="Static batch size of the HF baseline.")
 @click.option(
     "--hf-dtype",
@@ -123,6 +128,7 @@ def bench(
     vllm_python: str | None,
     vllm_dtype: str,
     llama_server: str | None,
+    llama_server_args: str,
     hf_batch_size: int,
     hf_dtype: str,
     json_path: Path | None,
@@ -181,7 +187,7 @@ def bench(
     if "vllm" in baseline:
         vllm = run_vllm(vllm_python, vllm_dtype, resolved, engine, workload, result)
     if "llamacpp" in baseline:
-        llamacpp = run_llamacpp(llama_server, resolved, engine, workload, result)
+        llamacpp = run_llamacpp(llama_server, shlex.split(llama_server_args), resolved, engine, workload, result)
     click.echo(format_bench(workload_name, summary, hf, vllm, llamacpp))
     if json_path is not None:
         write_json(
@@ -228,7 +234,7 @@ def run_vllm(python: str, dtype: str, config, engine, workload, result) -> dict:
     return vllm
 
 
-def run_llamacpp(binary: str, config, engine, workload, result) -> dict:
+def run_llamacpp(binary: str, extra_args: list[str], config, engine, workload, result) -> dict:
     """llama.cpp's baseline over the workload's requests at its concurrency, with how many of them got infer's very
     tokens."""
     import torch
@@ -245,7 +251,9 @@ def run_llamacpp(binary: str, config, engine, workload, result) -> dict:
         err=True,
     )
     try:
-        llamacpp = run_llamacpp_baseline(binary, config.model.path, requests, threads, workload.batch_size)
+        llamacpp = run_llamacpp_baseline(
+            binary, config.model.path, requests, threads, workload.batch_size, tuple(extra_args)
+        )
     except LlamaCppBaselineError as error:
         raise click.ClickException(str(error)) from None
     ours = {output.request_id: output.token_ids for output in result.outputs}
