@@ -99,7 +99,8 @@ class ModelConfig(BaseModel):
         '(one scale per row: faster at batch 1, further from float32), "w8a8" (fbgemm\'s int8 '
         'weights and per-call int8 activations; this small model\'s answers change), "q4_0", '
         '"q4_1", "q8_0" (GGUF\'s blocks of 32 with fp16 scales, 4.5 / 5 / 8.5 bits a weight, on '
-        'the CPU kernels\' block GEMV with int8 activations, as llama.cpp), "q4" and "q8" (q4_1 '
+        "the CPU kernels' block GEMV with int8 activations as llama.cpp for a few tokens, their "
+        'block GEMM for more), "q4" and "q8" (q4_1 '
         'and q8_0), "gguf" (a GGUF model.path\'s own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors kept as they are, '
         'other projections as q8_0), "none". '
         '"auto": with dtype auto on an x86 CPU, bf16 where it multiplies bf16 natively, else '

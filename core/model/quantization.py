@@ -24,8 +24,10 @@ fbgemm, which ships inside torch's x86 builds, multiplies float32 activations by
   135M model's greedy answers change from the first tokens (``benchmarks/quantization.py`` counts them).
 
 - ``q4_0``, ``q4_1``, ``q8_0``: GGUF's blocks of 32 weights, each block with an fp16 scale (``q4_1``: and a
-  minimum): 4.5, 5 and 8.5 bits a weight. Every step multiplies through infer's block GEMV (``infer.kernels.cpu``:
-  activations quantized per block to int8, integer dot products, as llama.cpp). ``q4`` and ``q8`` quantize a float
+  minimum): 4.5, 5 and 8.5 bits a weight. Steps of a few rows multiply through infer's block GEMV
+  (``infer.kernels.cpu``: activations quantized per block to int8, integer dot products, as llama.cpp), larger ones
+  through its block GEMM (AMX's bf16 tiles over panels dequantized to bf16 where AMX runs, else the GEMV's int8
+  arithmetic with every output a lane of its own; docs/performance.md). ``q4`` and ``q8`` quantize a float
   checkpoint so (``q4``: ``q4_1``, whose minimum keeps closer to float32's answers; ``q8``: ``q8_0``), as
   llama.cpp's quantizers do; ``gguf`` keeps a GGUF file's own ``Q4_0``/``Q4_1``/``Q8_0`` tensors and its K-quant
   ``Q4_K``/``Q6_K`` ones (super-blocks of 256 with 6-bit or int8 sub-block scales: 4.5 and 6.6 bits a weight, the
@@ -52,7 +54,7 @@ from infer.kernels.cpu.packing import can_pack, can_pack_tiles, pack_scales, pac
 from infer.model import Linear
 
 QUANTIZATIONS = ("none", "fp16", "bf16", "int8", "int8_per_row", "w8a8", "q4_0", "q4_1", "q8_0", "gguf")
-# GGUF's block kinds (``PackedLinear`` modes, run on the block GEMV; the K-quant ones only as a GGUF file stores
+# GGUF's block kinds (``PackedLinear`` modes, run on the block kernels; the K-quant ones only as a GGUF file stores
 # them), and the config's short names for two of them.
 BLOCK_MODES = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "k_mixed")
 BLOCK_ALIASES = {"q4": "q4_1", "q8": "q8_0"}
@@ -198,7 +200,7 @@ class PackedLinear(nn.Module):
         # bf16 with tiles where float32 FMAs outrun the bf16 dot products (``use_cpu_kernels``' ``tile_fma``): every
         # input the GEMV does not take multiplies on the tiles with float32 FMAs; oneDNN's copy (``packed``) is dropped.
         self.tile_fma = False
-        if self.blocks is not None:  # the block GEMV is these weights' only fast path, whatever the step
+        if self.blocks is not None:  # the block kernels are these weights' only fast path, whatever the step
             from infer.kernels.cpu.builder import load
 
             self.kernels = load("auto")
@@ -218,7 +220,7 @@ class PackedLinear(nn.Module):
         for CPUs where that beats the bf16 dot products and oneDNN (``infer.execution.calibration.choose_gemm``).
         Applied when the kernels are first set. ``kernels`` None undoes it."""
         self.gemv_rows = gemv_rows if kernels is not None else 0
-        if self.blocks is not None:  # on the block GEMV from construction (``kernels`` None: still)
+        if self.blocks is not None:  # on the block kernels from construction (``kernels`` None: still)
             return
         if self.mode not in KERNEL_MODES or (kernels is None) == (self.kernels is None):
             return
