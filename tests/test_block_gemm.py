@@ -64,6 +64,15 @@ def test_int8_block_gemm_gives_the_block_gemvs_sums(kernels, kind):
         )
 
 
+def test_block_gemm_takes_int8_up_to_16_rows_and_its_large_step_design_past_them(kernels):
+    raw, _ = gguf_tensor("q4_1", 67, 288)
+    packed = pack_blocks(raw, "q4_1", 67)
+    small_design = "int8" if "int8" in kernels.block_gemm_designs else kernels.block_gemm
+    for rows, design in ((16, small_design), (17, kernels.block_gemm)):
+        x = torch.randn(rows, 288, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(kernels.gemm_blocks(x, packed, None), kernels.gemm_blocks(x, packed, None, design)), rows
+
+
 def test_block_gemm_refuses_what_it_cannot_multiply(kernels):
     raw, _ = gguf_tensor("q4_1", 8, 64)
     packed = pack_blocks(raw, "q4_1", 8)

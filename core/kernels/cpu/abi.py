@@ -399,7 +399,8 @@ class CpuKernels:
         self.pass_rows = pass_rows()
         # The block GEMV (``linear_blocks``) keeps this many rows of x in registers over a group of weights.
         self.block_pass_rows = block_pass_rows()
-        # The designs ``gemm_blocks`` runs here (see there), and the one it takes by default.
+        # The designs ``gemm_blocks`` runs here (see there), and the one it takes by default past 16 rows (int8 up to
+        # 16 where it runs: AMX's dequantized panels pay back only over more rows).
         gemm_kind, gemm_runs = library.infer_block_gemm_kind, library.infer_block_gemm_runs
         gemm_kind.argtypes, gemm_kind.restype = [], _INT
         gemm_runs.argtypes, gemm_runs.restype = [_INT], _INT
@@ -470,12 +471,12 @@ class CpuKernels:
         self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None, design: str | None = None
     ) -> torch.Tensor:
         """``linear_blocks``' product for steps of many rows (prefill chunks, large decode batches): float32
-        ``[rows, n]``. ``design`` (default ``block_gemm``, one of ``block_gemm_designs``): ``amx-bf16`` multiplies on
-        AMX's bf16 tiles over the weights dequantized to bf16 a panel at a time, ``x`` rounded to bf16; ``int8`` with
-        integer dot products over ``x`` quantized per 32 columns as ``linear_blocks`` quantizes it (its arithmetic,
-        summed in another order); ``portable`` is ``linear_blocks`` itself."""
-        design = self.block_gemm if design is None else design
-        if design not in self.block_gemm_designs:
+        ``[rows, n]``. ``design`` (one of ``block_gemm_designs``; default: ``int8`` for up to 16 rows where it runs,
+        else ``block_gemm``): ``amx-bf16`` multiplies on AMX's bf16 tiles over the weights dequantized to bf16 a panel
+        at a time, ``x`` rounded to bf16; ``int8`` with integer dot products over ``x`` quantized per 32 columns as
+        ``linear_blocks`` quantizes it (its arithmetic, summed in another order); ``portable`` is ``linear_blocks``
+        itself."""
+        if design is not None and design not in self.block_gemm_designs:
             raise ValueError(
                 f"gemm_blocks design {design!r} does not run here; this {self.simd} build runs "
                 f"{', '.join(self.block_gemm_designs)}"
@@ -486,7 +487,7 @@ class CpuKernels:
             )
         check_blocks(x, weight, bias, "gemm_blocks")
         out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)
-        number = {name: number for number, name in BLOCK_GEMM_DESIGNS.items()}[design]
+        number = -1 if design is None else {name: number for number, name in BLOCK_GEMM_DESIGNS.items()}[design]
         self._gemm_blocks(
             x.data_ptr(),
             x.shape[0],

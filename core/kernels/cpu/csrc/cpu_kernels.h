@@ -82,12 +82,13 @@ int64_t infer_block_pass_rows(void);
 /* infer_linear_blocks' product for steps of many rows (gemm_blocks.c): `design` 2 multiplies on AMX's bf16 tiles over
  * panels of the weights dequantized to bf16 (x rounded to bf16), 1 with int8 dot products over x quantized as the
  * GEMV quantizes it (the GEMV's arithmetic, every output a lane of its own), 0 through infer_linear_blocks itself;
- * -1 (or a design this build or machine lacks) takes infer_block_gemm_kind(). */
+ * -1 (or a design this build or machine lacks) takes 1 for up to 16 rows where it runs, else
+ * infer_block_gemm_kind(). */
 void infer_gemm_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind, const float *bias,
                        float *y, int64_t n_out, int64_t design);
 
-/* The design infer_gemm_blocks takes by default here: 2 where AMX runs, else 1 where the build has AVX2 or AVX-512,
- * else 0. */
+/* The design infer_gemm_blocks takes by default here past 16 rows: 2 where AMX runs, else 1 where the build has
+ * AVX2 or AVX-512, else 0. */
 int64_t infer_block_gemm_kind(void);
 
 /* 1 when infer_gemm_blocks can run `design` in this build on this machine. */

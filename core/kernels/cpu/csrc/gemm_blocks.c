@@ -22,6 +22,11 @@
 
 enum { BLOCK_GEMM_PORTABLE = 0, BLOCK_GEMM_INT8 = 1, BLOCK_GEMM_AMX_BF16 = 2 };
 
+/* Rows from which the default takes AMX's tiles over the int8 dot products where both run: a panel's dequantization
+ * pays back only over more than one tile of 16 rows (at 16 rows the int8 design took 0.66-1.02x AMX's time on the
+ * projections of docs/performance.md, at 64 AMX took 0.62-0.99x the int8 design's). */
+#define AMX_MIN_ROWS 17
+
 /* Bytes of x (in the layout a design reads) one chunk of rows may take: it stays in L2 beside a panel of weights. */
 #define CHUNK_BYTES (1 << 20)
 
@@ -580,7 +585,8 @@ int64_t infer_block_gemm_runs(int64_t design) { return has_design(design); }
 void infer_gemm_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind, const float *bias,
                        float *y, int64_t n_out, int64_t design) {
     if (kind != KIND_Q4_0 && kind != KIND_Q4_1 && kind != KIND_Q8_0) design = BLOCK_GEMM_PORTABLE;  /* K-quants */
-    else if (design < 0 || !has_design(design)) design = infer_block_gemm_kind();
+    else if (design < 0 || !has_design(design))
+        design = rows < AMX_MIN_ROWS && has_design(BLOCK_GEMM_INT8) ? BLOCK_GEMM_INT8 : infer_block_gemm_kind();
 #if INFER_AMX && INFER_AVX512_BF16
     if (design == BLOCK_GEMM_AMX_BF16) {
         gemm_blocks_amx(x, rows, k, w, kind, bias, y, n_out);
