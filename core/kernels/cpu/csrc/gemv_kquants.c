@@ -63,6 +63,17 @@ static inline float record_half(const uint8_t *record, int at) {
     return half_to_float(bits);
 }
 
+/* The weight stream's software prefetch, as the other GEMVs' (into L1 1 KB ahead, into L2 6 KB ahead), a line at a
+ * time over the record's bytes: a record spans 2.25 (Q4_K) or 3.3 (Q6_K) lines, and prefetching one line a record
+ * left the others to the hardware's prefetchers (the 28 down projections of Qwen3-0.6B at one row, one thread: 4.6 ms
+ * for Q4_K against 3.9 with every line). */
+static inline __attribute__((always_inline)) void kquant_prefetch(const uint8_t *record, const int64_t size) {
+    for (int64_t line = 0; line < size; line += 64) {
+        __builtin_prefetch(record + 1024 + line, 0, 3);
+        __builtin_prefetch(record + 6144 + line, 0, 2);
+    }
+}
+
 /* ---- activations ------------------------------------------------------------------------------------------------ */
 
 /* Row-major x [rows, k] into q [rows, k] (int8, transposed per 256 columns as the top of the file says), dx2 and
@@ -135,8 +146,7 @@ static inline __attribute__((always_inline)) void row_dot_avx512(const uint8_t *
     for (int r = 0; r < count; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < supers; b++) {
         const uint8_t *record = row + b * size, *quants = record + kquant_quants_at(kind);
-        __builtin_prefetch(record + 1024, 0, 3);
-        __builtin_prefetch(record + 6144, 0, 2);
+        kquant_prefetch(record, size);
         /* per lane: the weights' scale over the first two steps and the last two, and what s is multiplied by */
         __m512 scale_first, scale_last, offset;
         if (kind == KIND_Q4_K) {
@@ -217,8 +227,7 @@ static inline __attribute__((always_inline)) void row_dot_avx2(const uint8_t *ro
     for (int r = 0; r < count; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < supers; b++) {
         const uint8_t *record = row + b * size, *quants = record + kquant_quants_at(kind);
-        __builtin_prefetch(record + 1024, 0, 3);
-        __builtin_prefetch(record + 6144, 0, 2);
+        kquant_prefetch(record, size);
         __m256 scale_first, scale_last, offset_first, offset_last;
         if (kind == KIND_Q4_K) {
             uint64_t sc, m;
