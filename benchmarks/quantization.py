@@ -7,14 +7,28 @@ batch 16 (all prompts at once), with infer's CPU kernels where the mode takes th
 torch's bfloat16 compute (``model.dtype=bfloat16``), for comparison; when it runs, a last table gives each mode's
 agreement with its answers as well.
 
+Perplexity: each mode's on ``benchmarks/data/perplexity.txt`` (about 1,600 words of plain English prose written for
+infer, so no license binds it; 1,807 tokens, tokenized alike by transformers and llama.cpp) as llama.cpp's
+``llama-perplexity`` computes it: the text cut into chunks of ``--context`` tokens, each computed from its start, and
+the mean negative log-likelihood of every token in a chunk's second half given the chunk's tokens before it,
+exponentiated. With ``--llama-perplexity PATH`` (a binary built from llama.cpp's source, or ``$LLAMA_PERPLEXITY``)
+llama.cpp's own figure on the default model's GGUF file, the same text and context, is printed beside them.
+
     OMP_NUM_THREADS=2 python benchmarks/quantization.py
     python benchmarks/quantization.py --modes none fp16 --max-tokens 64
+    python benchmarks/quantization.py --modes none gguf q4_0 --perplexity-only --llama-perplexity PATH
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
+import shlex
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -57,11 +71,27 @@ MODES = {
 }
 
 
+TEXT = Path(__file__).with_name("data") / "perplexity.txt"
+
+
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-1-prompts", type=int, default=4, help="prompts timed one at a time")
+    parser.add_argument("--text", type=Path, default=TEXT, help="the text perplexity is measured on")
+    parser.add_argument("--context", type=int, default=256, help="tokens per perplexity chunk")
+    parser.add_argument("--perplexity-only", action="store_true", help="skip the answers and their speed")
+    parser.add_argument(
+        "--llama-perplexity",
+        default=os.environ.get("LLAMA_PERPLEXITY"),
+        help="llama.cpp's llama-perplexity binary (default: $LLAMA_PERPLEXITY): its figure on the same GGUF file",
+    )
+    parser.add_argument(
+        "--llama-perplexity-args",
+        default="",
+        help='more llama-perplexity arguments, as shell words ("--no-repack": see docs/research.md)',
+    )
     return parser.parse_args()
 
 
@@ -70,9 +100,14 @@ def main() -> None:
     prompts = [[{"role": "user", "content": text}] for text in BUILTIN_PROMPTS + EXTRA_PROMPTS]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     modes = ["none", *(mode for mode in args.modes if mode != "none")]
+    text = args.text.read_text()
+    perplexities = {}
     rows, reference, answers_by_mode = [], None, {}
     for mode in modes:
         llm = LLM("baseline", dotlist=MODES[mode])
+        perplexities[mode] = perplexity(llm, llm.engine.tokenizer(text)["input_ids"], args.context)
+        if args.perplexity_only:
+            continue
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
         began = time.perf_counter()
         outputs = [llm.generate([prompt], params)[0] for prompt in prompts[: args.batch_1_prompts]]
@@ -92,7 +127,44 @@ def main() -> None:
             agree, same, total = agreement(answers, answers_by_mode["bfloat16"])
             print(f"| {mode} | {agree:.1%} | {same}/{total} |")
         print()
+    print(f"| weights | perplexity ({args.text.name}, {args.context}-token chunks) |\n|---|---|")
+    for mode, value in perplexities.items():
+        print(f"| {mode} | {value:.4f} |")
+    if args.llama_perplexity:
+        from infer.model.loader import DEFAULT_MODEL, resolve_model_path
+
+        gguf = resolve_model_path(DEFAULT_MODEL)
+        extra = shlex.split(args.llama_perplexity_args)
+        threads = torch.get_num_threads()
+        value = llama_cpp_perplexity(args.llama_perplexity, gguf, args.text, args.context, threads, extra)
+        print(f"| llama.cpp on {gguf.name} {' '.join(extra)} | {value:.4f} |")
+    print()
     print(f"max_tokens={args.max_tokens}, threads {torch.get_num_threads()}")
+
+
+def perplexity(llm: LLM, token_ids: list[int], context: int) -> float:
+    """``llama-perplexity``'s figure for ``token_ids`` on ``llm``: chunks of ``context`` tokens, each scored from its
+    start; every token after the chunk's first ``context // 2`` adds the negative log-probability the model gave it
+    given the chunk's tokens before it."""
+    first = context // 2
+    chunks = [token_ids[start : start + context] for start in range(0, len(token_ids) - context + 1, context)]
+    outputs = llm.generate(chunks, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    losses = [-entry["logprob"] for output in outputs for entry in output.prompt_logprobs[first + 1 :]]
+    return math.exp(sum(losses) / len(losses))
+
+
+def llama_cpp_perplexity(
+    binary: str, gguf: Path, text: Path, context: int, threads: int, extra: list[str] | None = None
+) -> float:
+    """llama.cpp's ``llama-perplexity`` on ``gguf`` over ``text`` in chunks of ``context`` tokens (one chunk a
+    batch), from its ``Final estimate: PPL = ...`` line."""
+    command = [binary, "-m", str(gguf), "-f", str(text), "-c", str(context), "-b", str(context), "-t", str(threads)]
+    command += extra or []
+    finished = subprocess.run(command, capture_output=True, text=True, check=True)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", finished.stdout + finished.stderr)
+    if found is None:
+        raise RuntimeError(f"llama-perplexity printed no final estimate:\n{finished.stderr[-2000:]}")
+    return float(found.group(1))
 
 
 def agreement(answers: list[list[int]], reference: list[list[int]]) -> tuple[float, int, int]:
