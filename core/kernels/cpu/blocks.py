@@ -39,17 +39,18 @@ MIXED_HEADER_BYTES = 128
 class BlockWeight:
     """A linear layer's weight ``[out_features, in_features]`` in the block GEMV's layout: ``data`` is uint8
     ``[ceil(out_features / GROUP_ROWS[kind]), in_features / BLOCK_COLUMNS[kind], RECORD_BYTES[kind]]``; for
-    ``k_mixed``, the header and then each part's such bytes, flat."""
+    ``k_mixed``, the header and then each part's such bytes, flat, and ``parts`` the header's ``(kind, rows)`` (read
+    on every call, where parsing the header took longer than checking the rest)."""
 
     data: torch.Tensor
     kind: str
     out_features: int
+    parts: tuple[tuple[str, int], ...] = ()
 
     @property
     def in_features(self) -> int:
         if self.kind == "k_mixed":
-            parts = mixed_parts(self.data)
-            row_bytes = sum(rows * RECORD_BYTES[kind] for kind, rows in parts)
+            row_bytes = sum(rows * RECORD_BYTES[kind] for kind, rows in self.parts)
             return (self.data.numel() - MIXED_HEADER_BYTES) // row_bytes * SUPER_BLOCK
         return self.data.shape[1] * BLOCK_COLUMNS[self.kind]
 
@@ -64,7 +65,7 @@ def well_formed(weight: BlockWeight) -> bool:
     if data.dtype != torch.uint8 or not data.is_contiguous() or kind not in BLOCK_KINDS:
         return False
     if kind == "k_mixed":
-        return data.dim() == 1 and sum(rows for _, rows in mixed_parts(data)) == weight.out_features
+        return data.dim() == 1 and bool(weight.parts) and sum(rows for _, rows in weight.parts) == weight.out_features
     rows = data.shape[0] * GROUP_ROWS[kind] if data.dim() == 3 else 0
     return data.dim() == 3 and data.shape[2] == RECORD_BYTES[kind] and rows >= weight.out_features
 
@@ -230,14 +231,8 @@ def pack_mixed_kquants(parts: list[tuple[torch.Tensor | np.ndarray, str, int]]) 
     header = torch.zeros(MIXED_HEADER_BYTES // 8, dtype=torch.int64)
     header[: len(entries)] = torch.tensor(entries)
     data = torch.cat([header.view(torch.uint8), *(weight.data.reshape(-1) for weight in packed)])
-    return BlockWeight(data, "k_mixed", sum(weight.out_features for weight in packed))
-
-
-def mixed_parts(data: torch.Tensor) -> list[tuple[str, int]]:
-    """A ``k_mixed`` weight's parts, ``(kind, rows)`` each, from its header."""
-    header = data[:MIXED_HEADER_BYTES].view(torch.int64).tolist()
-    kinds = {number: name for name, number in BLOCK_KINDS.items()}
-    return [(kinds[header[1 + 2 * part]], header[2 + 2 * part]) for part in range(header[0])]
+    parts = tuple((weight.kind, weight.out_features) for weight in packed)
+    return BlockWeight(data, "k_mixed", sum(weight.out_features for weight in packed), parts)
 
 
 def dequantize_kquants(weight: BlockWeight) -> torch.Tensor:
@@ -245,7 +240,7 @@ def dequantize_kquants(weight: BlockWeight) -> torch.Tensor:
     compute them (bit for bit)."""
     if weight.kind == "k_mixed":
         supers, at, rows = weight.in_features // SUPER_BLOCK, MIXED_HEADER_BYTES, []
-        for kind, count in mixed_parts(weight.data):
+        for kind, count in weight.parts:
             size = count * supers * RECORD_BYTES[kind]
             part = weight.data[at : at + size].view(count, supers, RECORD_BYTES[kind])
             rows.append(dequantize_kquants(BlockWeight(part, kind, count)))
