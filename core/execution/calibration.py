@@ -187,11 +187,12 @@ def save(calibration: Calibration | GemmChoice | RowsCalibration) -> None:
 
 
 # A measurement is disturbed, used for the run that made it but not cached, where at some step size the median of
-# its repeats took more than DISTURBED_SPREAD times the fastest (on the 2-core Xeon of docs/performance.md the worst
-# step size's median stayed within 1.10x of its fastest on a quiet machine and reached 2.0-78x while other processes
-# kept one to two cores busy), or where other processes kept more than DISTURBED_CORES cores busy beyond those infer's
-# threads leave free (quiet: 0.0-0.35 cores; busy: 1.4). A median moves only when most repeats of a step were slowed,
-# so one slow pass (the fastest is kept) does not count.
+# its repeats took more than DISTURBED_SPREAD times the fastest, or where other processes kept more than
+# DISTURBED_CORES cores busy beyond those infer's threads leave free. On the 2-core Xeon of docs/performance.md (the
+# default model), quiet: the worst step size's median within 1.08-1.10x of its fastest in `measure`, 1.04-1.27x in
+# `measure_rows` (passes of 10 ms), other processes on 0.0-0.35 cores; busy (other jobs on the machine): 1.9-148x,
+# other processes on 1.3-1.7 cores. A median moves only when most repeats of a step were slowed, so one slow pass
+# (the fastest is kept) does not count.
 DISTURBED_SPREAD = 1.5
 DISTURBED_CORES = 0.75
 # Below this many seconds /proc/stat's 10 ms ticks say too little to judge other processes' load.
