@@ -46,11 +46,12 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const char *ahe
 
 #if INFER_AMX
 /* Over xb (bf16, `padded` rows in tiles_of_rows' layout): each thread takes blocks of 32 output columns, 2 x 2 tiles
- * of results per pass. A block's first pass reads its weights from memory and every later pass (32 rows each) from L2, so with more than
- * 32 rows the passes over L2 would leave memory idle: every pass asks for a slice of the next block's weights into
- * L2 (prefetch_ahead, as tiles_avx512), and the block's first pass finds them there too. Over cold weights of
- * Qwen3-0.6B's projections (1 thread) that takes 1.1-1.4x less time at 16-128 rows than leaving the streaming to the
- * hardware's prefetchers, and a 64-sequence decode step of that model 1.23x less (219.6 -> 178.9 ms). */
+ * of results per pass. A block's first pass reads its weights from memory and every later pass (32 rows each) from
+ * L2, so with more than 32 rows the passes over L2 would leave memory idle: every pass asks for a slice of the next
+ * block's weights into L2 (prefetch_ahead, as tiles_avx512), and the block's first pass finds them there too. Over
+ * cold weights of Qwen3-0.6B's projections (1 thread) that takes 1.1-1.4x less time at 16-128 rows than leaving the
+ * streaming to the hardware's prefetchers, and a 64-sequence decode step of that model 1.23x less (219.6 -> 178.9
+ * ms). */
 static void tiles_amx(const uint16_t *xb, int64_t rows, int64_t padded, int64_t k, const uint16_t *w,
                       const float *bias, void *y, int y_bf16, int64_t n_out) {
     const int64_t k_tiles = k / 32, blocks = n_out / 32, block_bytes = k_tiles * 2048;
