@@ -19,6 +19,22 @@ class ShardPlan:
     vocab_chunk: int
     vocab_size: int
 
+    def expert_columns(self, intermediate_size: int) -> range:
+        """This rank's columns of each expert ``intermediate_size`` wide: an even split as ``intermediate``'s, in
+        whole blocks of the largest of 32, 16, 8 or 4 columns that divides the width and leaves every rank a block,
+        so each rank's gate, up and down weights keep the packed layouts' shapes (AMX tiles take 32 columns, the
+        GEMV's rows 4 and its inputs 8)."""
+        unit = next(
+            (
+                size
+                for size in (32, 16, 8, 4)
+                if intermediate_size % size == 0 and intermediate_size // size >= self.world_size
+            ),
+            1,
+        )
+        blocks = _even_split(intermediate_size // unit, self.world_size, self.rank)
+        return range(blocks.start * unit, blocks.stop * unit)
+
     def describe(self) -> str:
         return (
             f"rank {self.rank}: query heads {_span(self.q_heads)}, KV heads {_span(self.kv_heads)}, MLP "

@@ -26,6 +26,7 @@ from infer.model.layers import Linear, clamped_swiglu, gated_activation
 KERNEL_MAX_TOKENS = 64
 
 if TYPE_CHECKING:
+    from infer.distributed import TensorParallelGroup
     from infer.kernels.cpu import CpuKernels
     from infer.model.spec import DecoderSpec, ExpertsSpec
     from infer.model.step import ForwardStep
@@ -131,6 +132,9 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(spec.hidden_size, experts, dtype) for _ in range(experts.num_experts))
         # The experts' packed weights for the kernels' one-call path (``use_cpu_kernels``).
         self.packed: PackedExperts | None = None
+        # Sharded by ``infer.model.sharding.shard_model``: this rank's columns of every expert, the partial sums
+        # all-reduced in float32.
+        self.tensor_parallel: TensorParallelGroup | None = None
 
     def route(self, x: torch.Tensor) -> Routing:
         """Each token's ``top_k`` experts and their weights, as ``ExpertsSpec.router`` says: the best ``top_k``
@@ -177,6 +181,8 @@ class MoE(nn.Module):
             tokens = groups.tokens[start:end]
             expert_out = self.experts[groups.active[index]](x[tokens], step)
             out.index_add_(0, tokens, expert_out.float() * groups.weights[start:end, None])
+        if self.tensor_parallel is not None:
+            out = self.tensor_parallel.all_reduce(out)
         if x.dtype != torch.float32 and kernels is None:
             return out.to(x.dtype)
         return out

@@ -1,4 +1,5 @@
-"""Sharding a model's weights for tensor parallelism: a rank keeps its plan's heads, MLP columns and vocabulary."""
+"""Sharding a model's weights for tensor parallelism: a rank keeps its plan's heads, MLP and expert columns and
+vocabulary."""
 
 from __future__ import annotations
 
@@ -7,23 +8,22 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer.distributed import ShardPlan, TensorParallelGroup
-from infer.model.architecture import UnsupportedModelError
 from infer.model.layers import Linear
+from infer.model.moe import MoE
 
 if TYPE_CHECKING:
-    from infer.model.decoder import CausalLM
+    from infer.model.decoder import MLP, CausalLM
+    from infer.model.moe import Expert
 
 
 @torch.no_grad()
 def shard_model(model: CausalLM, plan: ShardPlan, group: TensorParallelGroup) -> CausalLM:
     """Keep ``plan``'s share of ``model``'s weights (in place, before quantization): each layer's heads and MLP
-    columns, the output head's vocabulary rows (untied from the embedding, which stays whole). Raises
-    ``UnsupportedModelError`` for a mixture of experts, which is not sharded yet."""
-    if model.spec.experts is not None:
-        raise UnsupportedModelError(
-            "tensor parallelism does not shard mixture-of-experts layers yet; run this model "
-            "with parallel.tensor_parallel_size=1"
-        )
+    columns, the output head's vocabulary rows (untied from the embedding, which stays whole). A mixture of experts
+    keeps every expert and its whole router, with the rank's columns of each expert (``ShardPlan.expert_columns``):
+    every rank routes each token alike, and the layer's output is a partial sum all-reduced as a dense MLP's."""
+    experts = model.spec.experts
+    expert_columns = None if experts is None else plan.expert_columns(experts.intermediate_size)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         q_rows, kv_rows = _head_rows(plan.q_heads, attn.head_dim), _head_rows(plan.kv_heads, attn.head_dim)
@@ -35,16 +35,31 @@ def shard_model(model: CausalLM, plan: ShardPlan, group: TensorParallelGroup) ->
             attn.sinks = torch.nn.Parameter(attn.sinks[plan.q_heads.start : plan.q_heads.stop], requires_grad=False)
         attn.num_heads, attn.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
         attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        columns = torch.arange(plan.intermediate.start, plan.intermediate.stop)
-        width = mlp.gate_up_proj.out_features // 2
-        mlp.gate_up_proj = _take_rows(mlp.gate_up_proj, torch.cat([columns, width + columns]))
-        mlp.down_proj = _take_columns(mlp.down_proj, columns, keep_bias=plan.rank == 0)
+        if isinstance(mlp, MoE):
+            for expert in mlp.experts:
+                _shard_gated(expert, expert_columns, plan.rank, zero_bias=True)
+        else:
+            _shard_gated(mlp, plan.intermediate, plan.rank)
         attn.tensor_parallel = mlp.tensor_parallel = group
     model.lm_head = _take_rows(model.lm_head, torch.arange(plan.vocab.start, plan.vocab.stop))
     model.tie_word_embeddings = False
     model.num_heads, model.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
     model.tensor_parallel = group
     return model
+
+
+def _shard_gated(mlp: MLP | Expert, columns: range, rank: int, zero_bias: bool = False) -> None:
+    """Keep ``columns`` of a gated MLP's intermediate width: those rows of gate's and of up's (one fused
+    projection, gate's rows first), those input columns of down, whose bias is added on rank 0. ``zero_bias``: the
+    other ranks keep a zeroed down bias instead of none (the expert kernel's table takes every expert's two biases
+    or neither)."""
+    indices = torch.arange(columns.start, columns.stop)
+    width = mlp.gate_up_proj.out_features // 2
+    mlp.gate_up_proj = _take_rows(mlp.gate_up_proj, torch.cat([indices, width + indices]))
+    down = _take_columns(mlp.down_proj, indices, keep_bias=rank == 0 or zero_bias)
+    if rank != 0 and down.bias is not None:
+        down.bias.zero_()
+    mlp.down_proj = down
 
 
 def _head_rows(heads: range, head_dim: int) -> torch.Tensor:
