@@ -1,7 +1,7 @@
 """Save random-weight models of the shapes CPU users run (Qwen3 0.6B and 1.7B, Llama 3.2 1B, Gemma 3 1B, a 3.3B
-Qwen3-MoE) as HF folders, for ``infer bench`` against vLLM's CPU backend on the same folder: with fixed output
-lengths (``ignore_eos``) throughput does not depend on the weights' values. The tokenizer is SmolLM2's (its ids lie
-inside every family's vocabulary).
+Qwen3-MoE and its two dense twins) as HF folders, for ``infer bench`` against vLLM's CPU backend on the same
+folder: with fixed output lengths (``ignore_eos``) throughput does not depend on the weights' values. The tokenizer
+is SmolLM2's (its ids lie inside every family's vocabulary).
 
     python benchmarks/random_models.py qwen3-0.6b ~/models/qwen3-0.6b-random
     infer bench baseline model.path=~/models/qwen3-0.6b-random --baseline vllm --num-requests 64
@@ -115,6 +115,14 @@ SHAPES = {
         ),
     ),
 }
+
+
+# Dense twins of the MoE shape (its attention, embeddings and layers; one MLP a layer): as many parameters as a token
+# activates (4 routed experts of 512 columns: an MLP of 2,048) and as many as the MoE holds (32 x 512: 16,384).
+_MOE_ONLY = ("moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob")
+_DENSE = {key: value for key, value in SHAPES["qwen3-moe-3.3b"][1].items() if key not in _MOE_ONLY}
+SHAPES["qwen3-moe-3.3b-dense-active"] = ("Qwen3ForCausalLM", {**_DENSE, "intermediate_size": 4 * 512})
+SHAPES["qwen3-moe-3.3b-dense-total"] = ("Qwen3ForCausalLM", {**_DENSE, "intermediate_size": 32 * 512})
 
 
 def save_random_model(shape: str, destination: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
