@@ -1,21 +1,37 @@
-"""The block GEMM (``csrc/gemm_blocks.c``) over GGUF's ``Q4_0``, ``Q4_1`` and ``Q8_0`` blocks, for steps of many rows:
-each design's sums are float64's over the values it multiplies (the dequantized blocks and the int8 activations the
-GEMV computes with, or both rounded to bf16 on AMX) on odd shapes, every SIMD build's int8 products agree with the
-portable C, and a model's prefill and 32-row decode steps give the GEMV's logits."""
+"""The block GEMM (``csrc/gemm_blocks.c``) over GGUF's ``Q4_0``, ``Q4_1`` and ``Q8_0`` blocks and ``Q4_K``/``Q6_K``
+super-blocks (alone and mixed in one weight), for steps of many rows: each design's sums are float64's over the values
+it multiplies (the dequantized blocks and the int8 activations the GEMV computes with, or both rounded to bf16 on AMX)
+on odd shapes, every SIMD build's int8 products agree with the portable C (and its K-quants with float64), and a
+model's prefill and 32-row decode steps give the GEMV's logits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_block_kernels import BLOCK_BUILDS, KINDS, gguf_tensor, quantized_activations, without_amx
+from test_block_kernels import (
+    BLOCK_BUILDS,
+    KINDS,
+    gguf_tensor,
+    kquant_tensor,
+    mixed_tensor,
+    quantized_activations,
+    without_amx,
+)
 
 from infer.kernels import cpu as cpu_kernels
-from infer.kernels.cpu.blocks import dequantize_blocks, pack_blocks
+from infer.kernels.cpu.blocks import K_KINDS, dequantize_blocks, pack_blocks
 
 # n odd and not a multiple of 16 or 32 (the designs' panels), k a multiple of 32 but not of 64 or 256.
 SHAPES = [(13, 96), (67, 288), (150, 576), (35, 1504)]
 # Rows below, at and past the designs' tiles of 16 and pairs of tiles, and a prefill-sized step.
 ROWS = (1, 9, 16, 17, 33, 70, 300)
+# K-quants: k one to twelve super-blocks (at 3072, 300 rows are two chunks of x); n odd and not a multiple of 16 or
+# 32; and a mixed weight (19 x 768, its three parts in one panel).
+K_CASES = [
+    *[(kind, shape) for kind in K_KINDS for shape in [(13, 256), (67, 768), (35, 3072)]],
+    ("k_mixed", (19, 768)),
+]
+K_ROWS = (1, 5, 16, 17, 33, 70, 300)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +89,43 @@ def test_block_gemm_takes_int8_up_to_16_rows_and_its_large_step_design_past_them
         assert torch.equal(kernels.gemm_blocks(x, packed, None), kernels.gemm_blocks(x, packed, None, design)), rows
 
 
+def kquant_weight(kind: str, out_features: int, in_features: int, seed: int = 0):
+    """A ``q4_k`` or ``q6_k`` weight of the shape, or (``k_mixed``) a Q4_K, Q6_K, Q4_K weight of 19 x 768: the packed
+    weight and gguf's float32 values."""
+    if kind == "k_mixed":
+        return mixed_tensor(seed)
+    raw, weight = kquant_tensor(kind, out_features, in_features, seed)
+    return pack_blocks(raw, kind, out_features), weight
+
+
+@pytest.mark.parametrize(("kind", "shape"), K_CASES)
+def test_kquant_block_gemm_is_float64_over_what_each_design_multiplies(kernels, kind, shape):
+    packed, weight = kquant_weight(kind, *shape)
+    for design in kernels.block_gemm_designs:
+        for rows in K_ROWS:
+            x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)) * 3
+            x[0, 32:64] = 0.0  # an all-zero block of x: scale 0
+            bias = torch.randn(weight.shape[0], generator=torch.Generator().manual_seed(7)) if rows % 2 else None
+            out = kernels.gemm_blocks(x, packed, bias, design)
+            assert out.shape == (rows, weight.shape[0]) and out.dtype == torch.float32
+            torch.testing.assert_close(
+                out.double(), exact_product(design, x, weight, bias), atol=2e-5, rtol=1e-5, msg=f"{design}, {rows} rows"
+            )
+
+
+@pytest.mark.parametrize("kind", [*K_KINDS, "k_mixed"])
+def test_kquant_block_gemm_keeps_the_gemv_up_to_16_rows_and_takes_its_large_step_design_past_them(kernels, kind):
+    packed, weight = kquant_weight(kind, 67, 768, seed=1)
+    for rows in (9, 16, 17, 40):
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+        expected = kernels.linear_blocks(x, packed, None) if rows <= 16 else None
+        if expected is None:
+            expected = kernels.gemm_blocks(x, packed, None, kernels.block_gemm)
+        assert torch.equal(kernels.gemm_blocks(x, packed, None), expected), rows
+        if "int8" in kernels.block_gemm_designs:  # K-quants' int8 design is their GEMV
+            assert torch.equal(kernels.gemm_blocks(x, packed, None, "int8"), kernels.linear_blocks(x, packed, None))
+
+
 def test_block_gemm_refuses_what_it_cannot_multiply(kernels):
     raw, _ = gguf_tensor("q4_1", 8, 64)
     packed = pack_blocks(raw, "q4_1", 8)
@@ -80,7 +133,7 @@ def test_block_gemm_refuses_what_it_cannot_multiply(kernels):
         kernels.gemm_blocks(torch.randn(20, 96), packed, None)
     with pytest.raises(ValueError, match="does not run here"):
         kernels.gemm_blocks(torch.randn(20, 64), packed, None, "tiles")
-    with pytest.raises(ValueError, match="use linear_blocks"):
+    with pytest.raises(ValueError, match="packed by pack_blocks"):
         kernels.gemm_blocks(torch.randn(20, 64), type(packed)(packed.data, "q4_k", 8), None)
 
 
@@ -113,6 +166,17 @@ def test_each_simd_build_of_the_int8_block_gemm_matches_the_portable_c(build, po
                 built.gemm_blocks(x, packed, bias),
                 portable_kernels.gemm_blocks(x, packed, bias),
                 atol=1e-5,
+                rtol=1e-5,
+                msg=f"{kind}, {rows} rows",
+            )
+    for kind in [*K_KINDS, "k_mixed"]:  # the K-quant GEMV, against float64 as the native build's
+        packed, weight = kquant_weight(kind, 67, 768, seed=2)
+        for rows in (9, 16, 17, 33, 70):
+            x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
+            torch.testing.assert_close(
+                built.gemm_blocks(x, packed, None).double(),
+                exact_product("int8", x, weight, None),
+                atol=2e-5,
                 rtol=1e-5,
                 msg=f"{kind}, {rows} rows",
             )

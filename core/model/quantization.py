@@ -48,7 +48,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from infer.kernels.cpu.abi import GEMM_BLOCK_KINDS
 from infer.kernels.cpu.blocks import BlockWeight, dequantize_blocks, quantize_blocks
 from infer.kernels.cpu.packing import can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, unpack_tiles
 from infer.model import Linear
@@ -290,12 +289,13 @@ class PackedLinear(nn.Module):
         """Block modes: ``x @ weight.T + bias`` on the block GEMV for inputs of up to ``gemv_rows`` rows and at most
         one of its passes (``kernels.block_pass_rows``: beyond, it reads the weights again for every pass), on the
         block GEMM for more (``kernels.gemm_blocks``: from one pass and a row on, it measured faster on every shape of
-        docs/performance.md), or (no C compiler here) over the dequantized weights, slowly."""
+        docs/performance.md; K-quant weights stay on their GEMV there up to 16 rows), or (no C compiler here) over the
+        dequantized weights, slowly."""
         rows = x.float().contiguous()
         if self.kernels is None:
             return torch.nn.functional.linear(rows, dequantize_blocks(self.blocks), self.bias)
         few = rows.shape[0] <= min(self.gemv_rows, self.kernels.block_pass_rows)
-        if few or self.blocks.kind not in GEMM_BLOCK_KINDS:
+        if few:
             return self.kernels.linear_blocks(rows, self.blocks, self.bias)
         return self.kernels.gemm_blocks(rows, self.blocks, self.bias)
 

@@ -158,8 +158,6 @@ KV_DTYPES = (torch.float32, torch.bfloat16)
 SIMD_NAMES = {512: "avx512", 256: "avx2", 0: "portable"}
 # How ``CpuKernels.gemm_blocks`` multiplies, by the C side's number (``infer_block_gemm_kind``).
 BLOCK_GEMM_DESIGNS = {2: "amx-bf16", 1: "int8", 0: "portable"}
-# The block kinds ``gemm_blocks`` multiplies (GGUF's blocks of 32).
-GEMM_BLOCK_KINDS = ("q4_0", "q4_1", "q8_0")
 TILE_KINDS = {2: "AMX tiles", 1: "AVX512-BF16", 0: None}
 # The head sizes whose bf16 K/V the attention kernels multiply as the pool holds them: the flash attention on AMX
 # tiles (FLASH_AMX_HEAD_DIMS in the C source) and the decode kernel's rows read in place, widened in registers or on
@@ -475,15 +473,12 @@ class CpuKernels:
         else ``block_gemm``): ``amx-bf16`` multiplies on AMX's bf16 tiles over the weights dequantized to bf16 a panel
         at a time, ``x`` rounded to bf16; ``int8`` with integer dot products over ``x`` quantized per 32 columns as
         ``linear_blocks`` quantizes it (its arithmetic, summed in another order); ``portable`` is ``linear_blocks``
-        itself."""
+        itself. K-quant weights (``q4_k``, ``q6_k``, ``k_mixed``) take ``amx-bf16`` the same way; their ``int8`` is
+        ``linear_blocks``, whose K-quant GEMV already multiplies int8 products over passes of rows."""
         if design is not None and design not in self.block_gemm_designs:
             raise ValueError(
                 f"gemm_blocks design {design!r} does not run here; this {self.simd} build runs "
                 f"{', '.join(self.block_gemm_designs)}"
-            )
-        if weight.kind not in GEMM_BLOCK_KINDS:
-            raise ValueError(
-                f"gemm_blocks multiplies {', '.join(GEMM_BLOCK_KINDS)} blocks, not {weight.kind}; use linear_blocks"
             )
         check_blocks(x, weight, bias, "gemm_blocks")
         out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)

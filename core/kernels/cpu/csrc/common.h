@@ -168,6 +168,19 @@ INFER_HIDDEN void silu_mul_rows(const float *gate_up, void *out, int64_t rows, i
 INFER_HIDDEN void block_sums(const float *x, int64_t rows, int64_t k, const void *block, const float *scales,
                              int64_t group, int kind, float *sums);
 
+/* A Q4_K record's 12 bytes of scales as sc[0..7] and m[0..7], a byte each (gemv_kquants.c's top comment): for the
+ * K-quant GEMV and the block GEMM's dequantized panels. */
+static inline void q4k_scales(const uint8_t *packed, uint64_t *sc, uint64_t *m) {
+    const uint64_t nibbles = 0x0F0F0F0F0F0F0F0FULL;
+    uint64_t low;
+    uint32_t high32;
+    memcpy(&low, packed, 8);
+    memcpy(&high32, packed + 8, 4);
+    const uint64_t high = ((uint64_t)high32 | ((uint64_t)(high32 >> 4) << 32)) & nibbles;  /* byte j: hi(j) */
+    *sc = (low & nibbles) | ((high & 0x0303030303030303ULL) << 4);
+    *m = ((low >> 4) & nibbles) | ((high & 0x0C0C0C0C0C0C0C0CULL) << 2);
+}
+
 /* infer_linear_blocks for the K-quant kinds (KIND_Q4_K, KIND_Q6_K, KIND_K_MIXED; gemv_kquants.c). */
 INFER_HIDDEN void linear_kquants(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind,
                                  const float *bias, float *y, int64_t n_out);

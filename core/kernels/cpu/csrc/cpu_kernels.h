@@ -83,7 +83,7 @@ int64_t infer_block_pass_rows(void);
  * panels of the weights dequantized to bf16 (x rounded to bf16), 1 with int8 dot products over x quantized as the
  * GEMV quantizes it (the GEMV's arithmetic, every output a lane of its own), 0 through infer_linear_blocks itself;
  * -1 (or a design this build or machine lacks) takes 1 for up to 16 rows where it runs, else
- * infer_block_gemm_kind(). */
+ * infer_block_gemm_kind(). K-quant weights (KIND_Q4_K, KIND_Q6_K, KIND_K_MIXED) take 2 alike; their 1 is their GEMV. */
 void infer_gemm_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind, const float *bias,
                        float *y, int64_t n_out, int64_t design);
 

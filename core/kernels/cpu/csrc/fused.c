@@ -24,7 +24,7 @@ static void layer_linear(const void *w, int64_t kind, const float *scales, int64
     else if (kind == KIND_BF16)
         infer_linear_bf16(x, rows, k, w, bias, y, n_out);
     else if (kind >= KIND_Q4_0 && kind <= KIND_K_MIXED && rows > infer_block_pass_rows())  /* GGUF's blocks */
-        infer_gemm_blocks(x, rows, k, w, kind, bias, y, n_out, -1);  /* past one GEMV pass (K-quants: the GEMV) */
+        infer_gemm_blocks(x, rows, k, w, kind, bias, y, n_out, -1);  /* past one GEMV pass */
     else if (kind >= KIND_Q4_0 && kind <= KIND_K_MIXED)
         infer_linear_blocks(x, rows, k, w, kind, bias, y, n_out);
     else

@@ -1,6 +1,7 @@
-/* The GEMM over GGUF's block weights (Q4_0, Q4_1, Q8_0, laid out as gemv_blocks.c describes) for steps of many rows:
- * prefill chunks and large decode batches, where the block GEMV (infer_linear_blocks), which keeps a few rows of x
- * in registers against each group of four weight rows and sums each product across a register, runs out of rows.
+/* The GEMM over GGUF's block weights (Q4_0, Q4_1, Q8_0, laid out as gemv_blocks.c describes; Q4_K, Q6_K and mixed
+ * K-quant weights, as gemv_kquants.c describes) for steps of many rows: prefill chunks and large decode batches, where
+ * the block GEMV (infer_linear_blocks), which keeps a few rows of x in registers against each group of four weight
+ * rows and sums each product across a register, runs out of rows.
  * Two designs, both here so that each CPU class takes the one measured faster (docs/performance.md):
  *
  * - int8 dot products (BLOCK_GEMM_INT8): x quantized per 32 columns to int8 as the GEMV quantizes it (the same
@@ -13,7 +14,13 @@
  *   (all of k) into bf16 tiles, 16 weight rows each, the rows as AMX's A operand takes them, and multiplies every
  *   row of x (rounded to bf16, laid out as B tiles once per call) over it with TDPBF16PS; results come out per
  *   weight row and are transposed into y. The weights are rounded to bf16 (a Q4 weight's 15 significant bits to 8)
- *   and so is x: the precision of a bf16 model, where the int8 design keeps the GEMV's.
+ *   and so is x: the precision of a bf16 model, where the int8 design keeps the GEMV's. K-quant weights dequantize
+ *   a row's super-blocks in their records' order (d sc q - dmin m, or d sc (q - 32)), and x's B tiles take each 256
+ *   columns in that order too: the sums over k are the same, and neither side is shuffled per weight.
+ *
+ * K-quant weights have no int8 design here: their GEMV (gemv_kquants.c) already multiplies int8 products over
+ * passes of 8 rows of x against blocks of 16 weight rows, so steps of up to 16 rows, and steps where AMX does not
+ * run, take it. Past 16 rows AMX's panels took 0.3-0.5x its time (docs/performance.md).
  *
  * Rows of x go in chunks that stay in L2 while every panel or group of weights passes over them. */
 #include "common.h"
@@ -406,8 +413,10 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
 }
 
 /* x rounded to bf16 as B tiles, [tiles of 16 rows][k / 32][16 pairs p][16 rows][2] (row p of a tile: every row's
- * columns 2p and 2p + 1), rows past the last zero: each 16 x 32 block of x a 16 x 16 transpose of pairs. */
-static uint16_t *rows_as_b_tiles(const float *x, int64_t rows, int64_t k, int64_t tiles) {
+ * columns 2p and 2p + 1), rows past the last zero: each 16 x 32 block of x a 16 x 16 transpose of pairs. With
+ * `super_order`, each 256 columns in the order a K-quant record stores its weights (gemv_kquants.c's top comment:
+ * position 32t + 4j + c holds column 32j + 4t + c), so that a panel dequantized in its records' order meets them. */
+static uint16_t *rows_as_b_tiles(const float *x, int64_t rows, int64_t k, int64_t tiles, int super_order) {
     uint16_t *xb = malloc(sizeof(uint16_t) * tiles * 16 * k);
     const int64_t k_tiles = k / 32;
 #pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_ELEMENTS)
@@ -418,6 +427,13 @@ static uint16_t *rows_as_b_tiles(const float *x, int64_t rows, int64_t k, int64_
             const int64_t m = tile * 16 + i;
             if (m >= rows) {
                 r[i] = _mm512_setzero_si512();
+                continue;
+            }
+            if (super_order) {  /* positions 32t .. 32t + 31 of super-block kt / 8, t = kt % 8 */
+                const __m512i columns = _mm512_set_epi32(99, 98, 97, 96, 67, 66, 65, 64, 35, 34, 33, 32, 3, 2, 1, 0);
+                const float *in = x + m * k + (kt / 8) * 256 + 4 * (kt % 8);
+                r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_i32gather_ps(columns, in + 128, 4),
+                                                    _mm512_i32gather_ps(columns, in, 4));
                 continue;
             }
             const float *in = x + m * k + kt * 32;
@@ -463,6 +479,111 @@ static inline __attribute__((always_inline)) void dequantize_record(const uint8_
     }
 }
 
+/* A K-quant weight (gemv_kquants.c) as parts of one kind each: KIND_Q4_K or KIND_Q6_K alone, or a KIND_K_MIXED
+ * weight's header's parts (at most 7 fit its 128 bytes), each part's rows `ends[p - 1]` to `ends[p]`. */
+typedef struct {
+    int64_t count, kinds[7], ends[7];
+    const uint8_t *data[7];
+} kquant_parts;
+
+static inline int64_t kquant_bytes(int64_t kind) { return kind == KIND_Q6_K ? 210 : 144; }
+
+static kquant_parts read_kquant_parts(const uint8_t *w, int64_t kind, int64_t n_out, int64_t k) {
+    kquant_parts parts = {.count = 1, .kinds = {kind}, .ends = {n_out}, .data = {w}};
+    if (kind != KIND_K_MIXED) return parts;
+    const int64_t *header = (const int64_t *)w;
+    const uint8_t *data = w + 128;
+    parts.count = header[0];
+    for (int64_t p = 0, end = 0; p < parts.count; p++) {
+        parts.kinds[p] = header[1 + 2 * p];
+        parts.ends[p] = end += header[2 + 2 * p];
+        parts.data[p] = data;
+        data += header[2 + 2 * p] * (k / 256) * kquant_bytes(parts.kinds[p]);
+    }
+    return parts;
+}
+
+/* One super-block of a K-quant row as bf16 in its record's order (position p at out[(p / 32) * stride + p % 32]:
+ * 32 positions a tile row, a row of each of 8 k-tiles). Per 64-byte step u of the record, 32-bit lane l of the
+ * quants belongs to block j = l % 8 (gemv_kquants.c): its 16-byte quarters take blocks 0-3 and 4-7 in turn. */
+static inline __attribute__((always_inline)) void dequantize_super(const uint8_t *record, uint16_t *out,
+                                                                   int64_t stride, int64_t kind) {
+    const __m512i lanes_low = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i lanes_high = _mm512_add_epi32(lanes_low, _mm512_set1_epi32(4));
+    const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    uint16_t halves[2];
+    memcpy(halves, record, 4);
+    __m512 scaled;  /* per sub-block: Q4_K d sc[0..7], dmin m[0..7]; Q6_K d sc[0, 2, .., 14], d sc[1, 3, .., 15] */
+    if (kind == KIND_Q4_K) {
+        uint64_t sc, m;
+        q4k_scales(record + 4, &sc, &m);
+        const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x((long long)m, (long long)sc)));
+        scaled = _mm512_mul_ps(values, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_to_float(halves[0])),
+                                                            _mm512_set1_ps(half_to_float(halves[1]))));
+    } else {
+        scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(record + 2)))),
+                               _mm512_set1_ps(half_to_float(halves[0])));
+    }
+    const uint8_t *quants = record + (kind == KIND_Q6_K ? 18 : 16);
+    const __m512i packed[2] = {_mm512_loadu_si512(quants), _mm512_loadu_si512(quants + 64)};
+    const __m512i high = kind == KIND_Q6_K ? _mm512_loadu_si512(quants + 128) : _mm512_setzero_si512();
+    for (int u = 0; u < 4; u++) {
+        __m512i w = _mm512_and_si512(u < 2 ? packed[u & 1] : _mm512_srli_epi16(packed[u & 1], 4), nibble);
+        __m512 scale[2], offset[2];  /* weight = q scale - offset, quarters 0, 2 and 1, 3 */
+        if (kind == KIND_Q6_K) {  /* q's top two bits to bits 4-5; sub-blocks 2j (u < 2) or 2j + 1 */
+            const __m512i shifted = u == 0   ? _mm512_slli_epi16(high, 4)
+                                    : u == 1 ? _mm512_slli_epi16(high, 2)
+                                    : u == 2 ? high
+                                             : _mm512_srli_epi16(high, 2);
+            w = _mm512_ternarylogic_epi32(w, shifted, top, 0xF8);
+            const __m512i base = _mm512_set1_epi32(u < 2 ? 0 : 8);
+            scale[0] = _mm512_permutexvar_ps(_mm512_add_epi32(lanes_low, base), scaled);
+            scale[1] = _mm512_permutexvar_ps(_mm512_add_epi32(lanes_high, base), scaled);
+            offset[0] = _mm512_mul_ps(scale[0], _mm512_set1_ps(32.0f));
+            offset[1] = _mm512_mul_ps(scale[1], _mm512_set1_ps(32.0f));
+        } else {
+            scale[0] = _mm512_permutexvar_ps(lanes_low, scaled);
+            scale[1] = _mm512_permutexvar_ps(lanes_high, scaled);
+            offset[0] = _mm512_permutexvar_ps(_mm512_add_epi32(lanes_low, _mm512_set1_epi32(8)), scaled);
+            offset[1] = _mm512_permutexvar_ps(_mm512_add_epi32(lanes_high, _mm512_set1_epi32(8)), scaled);
+        }
+        const __m128i quarters[4] = {_mm512_castsi512_si128(w), _mm512_extracti32x4_epi32(w, 1),
+                                     _mm512_extracti32x4_epi32(w, 2), _mm512_extracti32x4_epi32(w, 3)};
+        for (int half = 0; half < 2; half++) {  /* positions 64u + 32 half .. + 31: one tile row */
+            const __m512 lo = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(quarters[2 * half])), scale[0],
+                                              offset[0]);
+            const __m512 hi = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(quarters[2 * half + 1])),
+                                              scale[1], offset[1]);
+            _mm512_storeu_si512(out + (2 * u + half) * stride, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
+/* Weight rows n0..n0+31 of a K-quant weight as AMX A tiles, [k / 32][2 tiles][16 rows][32 bf16], each super-block
+ * in its records' order (x's B tiles take the same); rows past n_out zero. */
+static void dequantize_kquant_panel(const kquant_parts *parts, int64_t n0, int64_t n_out, int64_t k,
+                                    uint16_t *panel) {
+    const int64_t supers = k / 256;
+    for (int64_t r = 0; r < 32; r++) {
+        const int64_t n = n0 + r;
+        uint16_t *rows = panel + (r / 16) * 512 + (r % 16) * 32;
+        if (n >= n_out) {
+            for (int64_t kt = 0; kt < k / 32; kt++) memset(rows + kt * 1024, 0, 32 * sizeof(uint16_t));
+            continue;
+        }
+        int64_t p = 0;
+        while (n >= parts->ends[p]) p++;
+        const int64_t kind = parts->kinds[p], size = kquant_bytes(kind), first = p ? parts->ends[p - 1] : 0;
+        const uint8_t *row = parts->data[p] + (n - first) * supers * size;
+        for (int64_t b = 0; b < supers; b++) {
+            if (kind == KIND_Q4_K)
+                dequantize_super(row + b * size, rows + b * 8 * 1024, 1024, KIND_Q4_K);
+            else
+                dequantize_super(row + b * size, rows + b * 8 * 1024, 1024, KIND_Q6_K);
+        }
+    }
+}
+
 /* Weight rows n0..n0+31 (groups n0 / 4 ..) as AMX A tiles: [k / 32][2 tiles][16 rows][32 bf16]; rows past the
  * weights' groups zero. */
 static inline __attribute__((always_inline)) void dequantize_panel(const uint8_t *w, int64_t n0, int64_t groups,
@@ -492,9 +613,11 @@ static inline void store_transposed(const float tile[16][16], const float *bias,
         _mm512_mask_storeu_ps(y + (m + j) * n_out + n, columns, _mm512_add_ps(_mm512_castsi512_ps(r[j]), add));
 }
 
+/* `kind` a constant per copy: a block kind, or KIND_K_MIXED for any K-quant weight (its `parts`). */
 static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, int64_t rows, int64_t tiles,
-                                                           int64_t k, const uint8_t *w, const float *bias, float *y,
-                                                           int64_t n_out, const int kind) {
+                                                           int64_t k, const uint8_t *w, const kquant_parts *parts,
+                                                           const float *bias, float *y, int64_t n_out,
+                                                           const int kind) {
     const int64_t k_tiles = k / 32, panels = (n_out + 31) / 32, groups = (n_out + 3) / 4;
     int64_t chunk = CHUNK_BYTES / (16 * k * 2);  /* tiles of x */
     chunk = chunk < 2 ? 2 : chunk / 2 * 2;
@@ -508,7 +631,10 @@ static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, i
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
                 const int64_t n = p * 32;
-                dequantize_panel(w, n, groups, k, panel, kind);
+                if (kind == KIND_K_MIXED)
+                    dequantize_kquant_panel(parts, n, n_out, k, panel);
+                else
+                    dequantize_panel(w, n, groups, k, panel, kind);
                 for (int64_t t = first; t < last; t += 2) {
                     const int pair = t + 1 < last;
                     const uint16_t *b0 = xb + t * k_tiles * 512, *b1 = b0 + k_tiles * 512;
@@ -549,13 +675,17 @@ static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, i
 static void gemm_blocks_amx(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind,
                             const float *bias, float *y, int64_t n_out) {
     const int64_t tiles = (rows + 15) / 16;
-    uint16_t *xb = rows_as_b_tiles(x, rows, k, tiles);
-    if (kind == KIND_Q4_0)
-        gemm_amx(xb, rows, tiles, k, w, bias, y, n_out, KIND_Q4_0);
+    const int kquant = kind == KIND_Q4_K || kind == KIND_Q6_K || kind == KIND_K_MIXED;
+    uint16_t *xb = rows_as_b_tiles(x, rows, k, tiles, kquant);
+    if (kquant) {
+        const kquant_parts parts = read_kquant_parts(w, kind, n_out, k);
+        gemm_amx(xb, rows, tiles, k, w, &parts, bias, y, n_out, KIND_K_MIXED);
+    } else if (kind == KIND_Q4_0)
+        gemm_amx(xb, rows, tiles, k, w, NULL, bias, y, n_out, KIND_Q4_0);
     else if (kind == KIND_Q4_1)
-        gemm_amx(xb, rows, tiles, k, w, bias, y, n_out, KIND_Q4_1);
+        gemm_amx(xb, rows, tiles, k, w, NULL, bias, y, n_out, KIND_Q4_1);
     else
-        gemm_amx(xb, rows, tiles, k, w, bias, y, n_out, KIND_Q8_0);
+        gemm_amx(xb, rows, tiles, k, w, NULL, bias, y, n_out, KIND_Q8_0);
     free(xb);
 }
 #endif
@@ -584,9 +714,11 @@ int64_t infer_block_gemm_runs(int64_t design) { return has_design(design); }
 
 void infer_gemm_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind, const float *bias,
                        float *y, int64_t n_out, int64_t design) {
-    if (kind != KIND_Q4_0 && kind != KIND_Q4_1 && kind != KIND_Q8_0) design = BLOCK_GEMM_PORTABLE;  /* K-quants */
-    else if (design < 0 || !has_design(design))
+    const int kquant = kind == KIND_Q4_K || kind == KIND_Q6_K || kind == KIND_K_MIXED;
+    if (design < 0 || !has_design(design))
         design = rows < AMX_MIN_ROWS && has_design(BLOCK_GEMM_INT8) ? BLOCK_GEMM_INT8 : infer_block_gemm_kind();
+    if (kquant && design == BLOCK_GEMM_INT8)  /* the K-quant GEMV: int8 products over passes of rows already */
+        design = BLOCK_GEMM_PORTABLE;
 #if INFER_AMX && INFER_AVX512_BF16
     if (design == BLOCK_GEMM_AMX_BF16) {
         gemm_blocks_amx(x, rows, k, w, kind, bias, y, n_out);
@@ -599,5 +731,5 @@ void infer_gemm_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w
         return;
     }
 #endif
-    infer_linear_blocks(x, rows, k, w, kind, bias, y, n_out);  /* plain C: the GEMV is the same arithmetic */
+    infer_linear_blocks(x, rows, k, w, kind, bias, y, n_out);  /* plain C, K-quants' int8: the GEMV's arithmetic */
 }

@@ -46,18 +46,6 @@ static inline int64_t kquant_record_bytes(int64_t kind) { return kind == KIND_Q6
 /* Where a record's quants start: after d, dmin and the scales (Q4_K), after d and sc (Q6_K). */
 static inline int64_t kquant_quants_at(int kind) { return kind == KIND_Q6_K ? 18 : 16; }
 
-/* Q4_K's 12 bytes of scales as sc[0..7] and m[0..7], a byte each (see the top of the file). */
-static inline void q4k_scales(const uint8_t *packed, uint64_t *sc, uint64_t *m) {
-    const uint64_t nibbles = 0x0F0F0F0F0F0F0F0FULL;
-    uint64_t low;
-    uint32_t high32;
-    memcpy(&low, packed, 8);
-    memcpy(&high32, packed + 8, 4);
-    const uint64_t high = ((uint64_t)high32 | ((uint64_t)(high32 >> 4) << 32)) & nibbles;  /* byte j: hi(j) */
-    *sc = (low & nibbles) | ((high & 0x0303030303030303ULL) << 4);
-    *m = ((low >> 4) & nibbles) | ((high & 0x0C0C0C0C0C0C0C0CULL) << 2);
-}
-
 static inline float record_half(const uint8_t *record, int at) {
     uint16_t bits;
     memcpy(&bits, record + at, 2);
