@@ -176,7 +176,11 @@ def kernels():
 
 @pytest.mark.parametrize("kind", [{}, GPT_OSS_EXPERTS], ids=["swiglu", "gpt_oss"])
 @pytest.mark.parametrize("mode", ["fp16", "bf16", "int8"])
-def test_the_experts_on_the_kernels_equal_float32_experts_with_the_same_weights(kernels, mode, kind):
+def test_the_experts_on_the_kernels_equal_float32_experts_with_the_same_weights(kernels, mode, kind, monkeypatch):
+    from infer.kernels.cpu import abi
+
+    # bf16 experts on the tiles: float32 FMAs for every expert (AMX's bf16 rows are held to their own reference below)
+    monkeypatch.setattr(abi, "MOE_TILE_ROWS", 1 << 30)
     moe, reference = packed_moe(mode, **kind)
     moe.use_cpu_kernels(kernels, gemv_rows=8)
     counting = CountingKernels(kernels)
@@ -224,7 +228,8 @@ def test_experts_with_more_tokens_than_the_kernel_takes_run_expert_by_expert(ker
 @pytest.mark.parametrize("build", ["avx2", "portable"])
 def test_the_expert_kernel_on_each_simd_build_matches_this_cpus(kernels, build, tmp_path):
     """The kernel's AVX2 code and its portable C against the build this CPU runs (where it has the flags), every
-    weight storage, experts taking 1 to 11 tokens (several GEMV passes)."""
+    weight storage (bf16 on the tiles where this CPU's kernels have them, and in ``pack_weights``' layout as the
+    other build packs it), experts taking 1 to 12 tokens (several GEMV passes)."""
     from infer.host import cpu_flags
     from infer.kernels import cpu as cpu_kernels
     from infer.model.moe import ExpertGroups, Routing
@@ -238,10 +243,107 @@ def test_the_expert_kernel_on_each_simd_build_matches_this_cpus(kernels, build, 
     x = torch.randn(12, 64, generator=torch.Generator().manual_seed(1))
     experts = torch.tensor([[0, 6]] * 11 + [[2, 6]])  # expert 0: 11 tokens, 2: one, 6: all twelve
     groups = ExpertGroups.of(Routing(experts, torch.rand(12, 2)), 8)
-    for mode in ("fp16", "bf16", "int8"):
+    for mode, packer in (("fp16", kernels), ("bf16", kernels), ("bf16", other), ("int8", kernels)):
         moe, _ = packed_moe(mode)
-        moe.use_cpu_kernels(kernels, gemv_rows=8)
+        moe.use_cpu_kernels(packer, gemv_rows=8)
         outs = [torch.zeros(12, 64), torch.zeros(12, 64)]
         for built, out in zip((kernels, other), outs, strict=True):
             built.moe_experts(x, moe.packed, *groups.pick([0, 1, 2]), out)
         torch.testing.assert_close(*outs, atol=2e-5, rtol=2e-5)
+
+
+def expert_reference(reference, x, routing, rounded: set[int] = frozenset()):
+    """The layer in float64 over ``reference``'s weights (the packed ones' values) for a given routing; experts in
+    ``rounded`` take their rows and their activations rounded to bf16, as AMX's tiles multiply them."""
+    spec = reference.spec
+
+    def bf16(t):
+        return t.float().to(torch.bfloat16).double()
+
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for token in range(x.shape[0]):
+        for slot in range(routing.experts.shape[1]):
+            index = int(routing.experts[token, slot])
+            expert = reference.experts[index]
+            row = bf16(x[token]) if index in rounded else x[token].double()
+            gate_up = expert.gate_up_proj.weight.double() @ row
+            if expert.gate_up_proj.bias is not None:
+                gate_up += expert.gate_up_proj.bias.double()
+            gate, up = gate_up.chunk(2)
+            if spec.activation == "clamped_swiglu":
+                gate, up = gate.clamp(max=spec.swiglu_limit), up.clamp(-spec.swiglu_limit, spec.swiglu_limit)
+                activated = (up + 1) * gate * torch.sigmoid(spec.swiglu_alpha * gate)
+            else:
+                activated = torch.nn.functional.silu(gate) * up
+            if index in rounded:
+                activated = bf16(activated)
+            down = expert.down_proj.weight.double() @ activated
+            if expert.down_proj.bias is not None:
+                down += expert.down_proj.bias.double()
+            out[token] += float(routing.weights[token, slot]) * down
+    return out
+
+
+def routings(num_experts: int):
+    """Routings that exercise the tile kernel's cases: an odd number of tokens over six of the experts (the last two
+    take none), one expert taking every token, and one token."""
+    from infer.model.moe import Routing
+
+    generator = torch.Generator().manual_seed(3)
+    spread = torch.stack(
+        [torch.randint(0, 3, (37,), generator=generator), torch.randint(3, 6, (37,), generator=generator)], 1
+    )
+    favourite = torch.stack([torch.full((33,), 5), torch.randint(0, 5, (33,), generator=generator)], 1)
+    single = torch.tensor([[7, 2]])
+    assert int(spread.max()) < num_experts - 2
+    return [Routing(experts, torch.rand(experts.shape, generator=generator)) for experts in (spread, favourite, single)]
+
+
+@pytest.mark.parametrize("tile_rows", [1, 8, 1 << 30], ids=["amx", "both", "fma"])
+@pytest.mark.parametrize("kind", [{}, GPT_OSS_EXPERTS], ids=["swiglu", "gpt_oss"])
+def test_experts_on_the_tiles_equal_the_float64_reference(kernels, kind, tile_rows):
+    """bf16 experts in pack_tiles' layout, one C call: experts of at least ``tile_rows`` tokens on AMX's tiles equal
+    the float64 layer over bf16-rounded rows and activations; the others (float32 FMAs) the float64 layer itself."""
+    from infer.model.moe import ExpertGroups
+
+    if kernels.tiles is None:
+        pytest.skip("this CPU's kernels have no tiles (AMX or AVX512-BF16): bf16 experts stay in pack_weights' layout")
+    if tile_rows < 1 << 30 and not kernels.amx:
+        pytest.skip("AMX's tiles are not available here (the CPU, the build or the OS): experts run on FMAs")
+    moe, reference = packed_moe("bf16", **kind)
+    moe.use_cpu_kernels(kernels, gemv_rows=8)
+    assert moe.packed.tiles
+    for routing in routings(moe.num_experts):
+        x = torch.randn(routing.experts.shape[0], 64)
+        groups = ExpertGroups.of(routing, moe.num_experts)
+        rounded = {groups.active[index] for index in range(len(groups.active)) if groups.count(index) >= tile_rows}
+        got = torch.zeros(x.shape)
+        kernels.moe_experts(x, moe.packed, *groups.pick(list(range(len(groups.active)))), got, tile_rows)
+        want = expert_reference(reference, x, routing, rounded)
+        torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
+        if rounded:  # and bf16's rounding keeps AMX's layer near the exact one
+            exact = expert_reference(reference, x, routing)
+            assert (got.double() - exact).abs().max() <= 0.03 * exact.abs().max()
+
+
+def test_bf16_experts_on_the_tiles_keep_one_copy_and_run_in_one_call(kernels):
+    """With tiles, every expert (more tokens than KERNEL_MAX_TOKENS too) runs in the one C call over the tiles' copy,
+    the only copy each projection keeps; without the kernels, oneDNN's copy comes back from the tiles."""
+    from infer.model import moe as moe_module
+
+    if kernels.tiles is None:
+        pytest.skip("this CPU's kernels have no tiles (AMX or AVX512-BF16): bf16 experts stay in pack_weights' layout")
+    moe, reference = packed_moe("bf16", num_experts=4, top_k=2)
+    plain_bytes = sum(projection.nbytes for expert in moe.experts for projection in expert.children())
+    moe.use_cpu_kernels(kernels, gemv_rows=8)
+    projections = [projection for expert in moe.experts for projection in (expert.gate_up_proj, expert.down_proj)]
+    assert all(p.tile_weight is not None and p.kernel_weight is None and p.packed is None for p in projections)
+    assert sum(projection.nbytes for projection in projections) == plain_bytes
+    counting = CountingKernels(kernels)
+    x = torch.randn(moe_module.KERNEL_MAX_TOKENS + 11, 64)  # 150 pairs over 4 experts: some take more than 64
+    got = moe(x, kernel_step(counting))
+    assert counting.moe_calls == 1
+    assert (got - reference(x)).abs().max() <= 0.03 * reference(x).abs().max()
+    moe.use_cpu_kernels(None)
+    assert all(p.packed is not None and p.tile_weight is None for p in projections)
+    assert (moe(x) - reference(x)).abs().max() <= 0.03 * reference(x).abs().max()

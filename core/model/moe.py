@@ -17,12 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.kernels.cpu import PackedExperts
+from infer.kernels.cpu.packing import can_pack_tiles
 from infer.model.layers import Linear, clamped_swiglu, gated_activation
 
-# The most tokens an expert takes in the one C call, whose GEMV streams its weights once and reuses them from L1 for
-# passes of 8 rows (AVX-512): on 2 shared cores of a Xeon with AMX (qwen3-moe-3.3b's shape, bf16), batch 64 (8 tokens
-# an expert on average) took 36-43 ms a layer with every expert in the call against 84 ms with those above one pass
-# on the tile GEMM from Python, and batch 256 (32 an expert) 118 against 144 ms (``benchmarks/moe_layer.py``).
+# The most tokens an expert takes in the one C call over ``pack_weights``' layout (kernels without tiles, int8
+# experts), whose GEMV streams its weights once and reuses them from L1 for passes of 8 rows (AVX-512): on 2 shared
+# cores of a Xeon with AMX (qwen3-moe-3.3b's shape, bf16), batch 64 (8 tokens an expert on average) took 36-43 ms a
+# layer with every expert in the call against 84 ms with those above one pass on the tile GEMM from Python, and batch
+# 256 (32 an expert) 118 against 144 ms (``benchmarks/moe_layer.py``).
 KERNEL_MAX_TOKENS = 64
 
 if TYPE_CHECKING:
@@ -164,16 +166,17 @@ class MoE(nn.Module):
         """``x`` ``[T, hidden]`` (the normed hidden states) through each token's experts; float32 ``[T, hidden]``
         where the step runs on the CPU kernels (the next norm widens what it adds), else in ``x``'s dtype.
 
-        On the kernels, the experts that take up to ``KERNEL_MAX_TOKENS`` tokens run in one C call
-        (``CpuKernels.moe_experts``), the others (a prefill chunk's) expert by expert through their packed
-        projections (the tile GEMM or oneDNN's)."""
+        On the kernels, every expert runs in one C call (``CpuKernels.moe_experts``) where the experts are on the
+        tiles; over ``pack_weights``' layout, the experts that take up to ``KERNEL_MAX_TOKENS`` tokens do, the others
+        (a prefill chunk's) expert by expert through their packed projections."""
         groups = ExpertGroups.of(self.route(x), self.num_experts)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         kernels = None if step is None else step.ops.kernels
         rest = range(len(groups.active))
         if kernels is not None and self.packed is not None:
-            few = [index for index in rest if groups.count(index) <= KERNEL_MAX_TOKENS]
-            rest = [index for index in rest if groups.count(index) > KERNEL_MAX_TOKENS]
+            most = groups.starts[-1] if self.packed.tiles else KERNEL_MAX_TOKENS  # the tiles take any number
+            few = [index for index in rest if groups.count(index) <= most]
+            rest = [index for index in rest if groups.count(index) > most]
             if few:
                 kernels.moe_experts(x.float().contiguous(), self.packed, *groups.pick(few), out)
         for index in rest:
@@ -190,27 +193,49 @@ class MoE(nn.Module):
     def use_cpu_kernels(self, kernels: CpuKernels | None, gemv_rows: int = 0, tile_fma: bool = False) -> None:
         """Let each expert's packed projections take the kernels' GEMV for inputs of up to ``gemv_rows`` rows (see
         ``infer.model.quantization.PackedLinear``), and when every one has a packed copy, tabulate them for the
-        C call (``self.packed``). ``kernels`` None undoes it."""
+        C call (``self.packed``). bf16 experts on kernels with tiles keep the tiles' copy alone (the C call reads it
+        for any number of tokens); others ``pack_weights``' beside their own. ``kernels`` None undoes it."""
         projections = [(expert.gate_up_proj, expert.down_proj) for expert in self.experts]
+        tiles = (
+            kernels is not None
+            and kernels.tiles is not None
+            and all(
+                getattr(projection, "mode", None) == "bf16"
+                and can_pack_tiles(projection.out_features, projection.in_features)
+                for pair in projections
+                for projection in pair
+            )
+        )
         for pair in projections:
             for projection in pair:
                 if hasattr(projection, "use_cpu_kernels"):  # PackedLinear
-                    projection.use_cpu_kernels(kernels, gemv_rows, tile_fma, streams=True)  # the C call's layout
+                    projection.use_cpu_kernels(kernels, gemv_rows, tile_fma, streams=not tiles, tiles_only=tiles)
         self.packed = None
+        gate_ups, downs = zip(*projections, strict=True)
+        options = {  # biases and activation, the same for either layout
+            "gate_up_bias": [projection.bias for projection in gate_ups] if self.spec.bias else None,
+            "down_bias": [projection.bias for projection in downs] if self.spec.bias else None,
+            "activation": self.spec.activation,
+            "limit": self.spec.swiglu_limit,
+            "alpha": self.spec.swiglu_alpha,
+        }
+        if tiles:
+            self.packed = PackedExperts.of(
+                [projection.tile_weight for projection in gate_ups],
+                [projection.tile_weight for projection in downs],
+                tiles=True,
+                **options,
+            )
+            return
         if kernels is None or any(
             getattr(projection, "kernel_weight", None) is None for pair in projections for projection in pair
         ):
             return
-        gate_ups, downs = zip(*projections, strict=True)
         int8 = gate_ups[0].kernel_scales is not None
         self.packed = PackedExperts.of(
             [projection.kernel_weight for projection in gate_ups],
             [projection.kernel_weight for projection in downs],
             [projection.kernel_scales for projection in gate_ups] if int8 else None,
             [projection.kernel_scales for projection in downs] if int8 else None,
-            gate_up_bias=[projection.bias for projection in gate_ups] if self.spec.bias else None,
-            down_bias=[projection.bias for projection in downs] if self.spec.bias else None,
-            activation=self.spec.activation,
-            limit=self.spec.swiglu_limit,
-            alpha=self.spec.swiglu_alpha,
+            **options,
         )

@@ -204,7 +204,9 @@ class PackedLinear(nn.Module):
 
             self.kernels = load("auto")
 
-    def use_cpu_kernels(self, kernels, gemv_rows: int = 0, tile_fma: bool = False, streams: bool = False) -> None:
+    def use_cpu_kernels(
+        self, kernels, gemv_rows: int = 0, tile_fma: bool = False, streams: bool = False, tiles_only: bool = False
+    ) -> None:
         """Compute inputs of up to ``gemv_rows`` rows (decode at small batches, verification: the execution layer's
         ``fused_max_tokens``) with ``kernels.linear`` (``fp16`` and the int8 modes, shapes ``pack_weights`` takes), over
         a copy of the weights in its layout beside fbgemm's packed one: fp16, or the int8 weights and their scales. The
@@ -217,6 +219,8 @@ class PackedLinear(nn.Module):
         ``tile_fma`` (bf16 with tiles, kernels with ``tile_fma``): every input of more rows than one GEMV pass takes
         the tiles with float32 FMAs (float32 inputs, not rounded), whatever its rows, and oneDNN's copy is dropped:
         for CPUs where that beats the bf16 dot products and oneDNN (``infer.execution.calibration.choose_gemm``).
+        ``tiles_only`` (bf16 with tiles): oneDNN's copy is dropped too, the tiles' the only one, for a caller that
+        multiplies every input over them (a mixture of experts' C call); inputs of any rows then take the tiles.
         Applied when the kernels are first set. ``kernels`` None undoes it."""
         self.gemv_rows = gemv_rows if kernels is not None else 0
         if self.blocks is not None:  # on the block kernels from construction (``kernels`` None: still)
@@ -240,8 +244,9 @@ class PackedLinear(nn.Module):
             if kernels.tiles and can_pack_tiles(self.out_features, self.in_features):
                 self.tile_weight = pack_tiles(plain)
                 self.nbytes += self.tile_weight.numel() * 2
-                if tile_fma and kernels.tile_fma:
-                    self.tile_fma, self.packed = True, None
+                self.tile_fma = tile_fma and kernels.tile_fma
+                if self.tile_fma or tiles_only:
+                    self.packed = None
                     self.nbytes -= plain.numel() * 2
             if self.tile_weight is None or streams:
                 self.kernel_weight = pack_weights(plain)
@@ -268,7 +273,7 @@ class PackedLinear(nn.Module):
         rows = flat.shape[0]
         if self.blocks is not None:
             out = self.block_linear(flat)
-        elif self.tile_weight is not None and (self.tile_fma or rows <= TILE_MAX_ROWS):  # float32 or bf16 rows
+        elif self.tile_weight is not None and (self.packed is None or rows <= TILE_MAX_ROWS):  # float32 or bf16 rows
             fma = self.tile_fma or (rows <= self.kernels.pass_rows and self.kernels.tile_fma)  # the GEMV: float32
             rows_in = flat if flat.dtype == torch.bfloat16 else flat.float()
             out = self.kernels.linear_tiles(rows_in, self.tile_weight, self.bias, fma)

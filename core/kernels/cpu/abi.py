@@ -54,6 +54,8 @@ _SIGNATURES = {
         _FLOAT,
         _POINTER,
     ],
+    "infer_moe_experts_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER]
+    + [_POINTER, _POINTER, _POINTER, _INT, _FLOAT, _FLOAT, _INT, _POINTER],
     "infer_layer_attention_input": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER],
     "infer_layer_feed_forward": [_POINTER, _INT, _POINTER, _POINTER, _POINTER],
     "infer_add_rms_norm_mixed": [_POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT, _FLOAT],
@@ -152,6 +154,10 @@ _SIGNATURES = {
 WEIGHT_KINDS = {torch.float16: 0, torch.int8: 1, torch.bfloat16: 2}
 # An expert's activation (cpu_kernels.h's ACTIVATION_*, ``infer.model.spec.ExpertsSpec.activation``).
 EXPERT_ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
+# Experts over ``pack_tiles``' layout that take at least this many tokens multiply on AMX tiles (x and the
+# activations rounded to bf16), fewer with float32 FMAs over the widened weights, a pass of 8 rows at a time
+# (``moe_experts``' ``tile_rows``; docs/performance.md gives the measurement).
+MOE_TILE_ROWS = 16
 # The pool dtypes the KV write and paged attention read (queries and results stay float32).
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # What ``infer_simd_width`` reports: the instruction set the kernels were compiled for (``-march=native``).
@@ -280,9 +286,10 @@ class KernelAttentionPlan:
 @dataclass(frozen=True, eq=False)
 class PackedExperts:
     """``num_experts`` experts of ``hidden`` x ``width``: ``gate_up[i]`` ``[2 * width, hidden]`` (gate's rows first)
-    and ``down[i]`` ``[hidden, width]`` packed, int8 ones with their packed scales, and their float32 biases where
-    they have them; ``activation`` (``EXPERT_ACTIVATIONS``), with ``limit`` and ``alpha`` for ``clamped_swiglu``.
-    Keeps the tensors alive while the tables hold their addresses."""
+    and ``down[i]`` ``[hidden, width]`` packed by ``pack_weights`` (int8 ones with their packed scales) or, with
+    ``tiles``, bf16 ones by ``pack_tiles``; their float32 biases where they have them; ``activation``
+    (``EXPERT_ACTIVATIONS``), with ``limit`` and ``alpha`` for ``clamped_swiglu``. Keeps the tensors alive while the
+    tables hold their addresses."""
 
     gate_up: tuple[torch.Tensor, ...]
     down: tuple[torch.Tensor, ...]
@@ -296,6 +303,7 @@ class PackedExperts:
     activation: str = "silu"
     limit: float = 0.0
     alpha: float = 0.0
+    tiles: bool = False
 
     @classmethod
     def of(
@@ -310,21 +318,30 @@ class PackedExperts:
         activation: str = "silu",
         limit: float = 0.0,
         alpha: float = 0.0,
+        tiles: bool = False,
     ) -> PackedExperts:
-        """Check every expert's packed weights (same shapes, same storage) and biases (float32, contiguous,
-        ``[2 * width]`` and ``[hidden]``; both or neither), and tabulate their addresses."""
+        """Check every expert's packed weights (same shapes, same storage; ``tiles``: bf16 from ``pack_tiles``, no
+        scales) and biases (float32, contiguous, ``[2 * width]`` and ``[hidden]``; both or neither), and tabulate
+        their addresses."""
         if not gate_up or len(gate_up) != len(down):
             raise ValueError(f"experts need gate_up and down weights each, got {len(gate_up)} and {len(down)}")
-        width2, hidden = packed_shape(gate_up[0])
+        shape = tiles_shape if tiles else packed_shape
+        width2, hidden = shape(gate_up[0])
         width = width2 // 2
-        if width % 4:
-            raise ValueError(f"an expert's width {width} must be a multiple of 4 (gate's and up's blocks apart)")
+        if width % (32 if tiles else 4):
+            raise ValueError(
+                f"an expert's width {width} must be a multiple of {32 if tiles else 4} (gate's and up's blocks apart)"
+            )
         for index, (first, second) in enumerate(zip(gate_up, down, strict=True)):
-            check_packed(first, None if gate_up_scales is None else gate_up_scales[index])
-            check_packed(second, None if down_scales is None else down_scales[index])
+            if tiles:
+                check_tiles(first, gate_up_scales)
+                check_tiles(second, down_scales)
+            else:
+                check_packed(first, None if gate_up_scales is None else gate_up_scales[index])
+                check_packed(second, None if down_scales is None else down_scales[index])
             if (
-                packed_shape(first) != (2 * width, hidden)
-                or packed_shape(second) != (hidden, width)
+                shape(first) != (2 * width, hidden)
+                or shape(second) != (hidden, width)
                 or first.dtype != gate_up[0].dtype
                 or second.dtype != gate_up[0].dtype
             ):
@@ -359,6 +376,7 @@ class PackedExperts:
             activation,
             limit,
             alpha,
+            tiles,
         )
 
     @property
@@ -543,12 +561,16 @@ class CpuKernels:
         tokens: torch.Tensor,
         weights: torch.Tensor,
         out: torch.Tensor,
+        tile_rows: int | None = None,
     ) -> None:
         """``out[tokens[p]] += weights[p] * expert(x[tokens[p]])`` for a step's (token, expert) pairs grouped by
         expert: the ``i``-th group is expert ``expert_ids[i]``'s, pairs ``starts[i]`` to ``starts[i + 1] - 1`` (int64
         ``[groups + 1]``); each expert a gated MLP over ``experts``' packed weights and biases (``PackedExperts``),
         read once for all its tokens. ``x`` and ``out`` ``[tokens, hidden]`` float32, contiguous; ``out`` is added to in
-        place, each of its columns by one thread, experts in the order given."""
+        place, each of its columns by one thread, experts in the order given. Experts on the tiles
+        (``experts.tiles``) of at least ``tile_rows`` tokens (None: ``MOE_TILE_ROWS``) multiply on AMX where it runs
+        (rows rounded to bf16), others with float32 FMAs; ``pack_weights``' layout streams them in passes of
+        ``pass_rows`` rows (meant for a few tokens an expert)."""
         check_flat(x)
         check_flat(out)
         if x.shape[1] != experts.hidden or out.shape[1] != experts.hidden:
@@ -577,6 +599,27 @@ class CpuKernels:
         if tokens.shape[0] and (int(tokens.min()) < 0 or int(tokens.max()) >= x.shape[0] or x.shape[0] != out.shape[0]):
             raise ValueError(f"moe_experts: tokens must index the {x.shape[0]} rows of x and out")
         tables = experts.tables
+        if experts.tiles:
+            self._moe_experts_tiles(
+                x.data_ptr(),
+                experts.hidden,
+                experts.width,
+                groups,
+                expert_ids.data_ptr(),
+                starts.data_ptr(),
+                tokens.data_ptr(),
+                weights.data_ptr(),
+                tables["gate_up"].data_ptr(),
+                tables["down"].data_ptr(),
+                address(tables.get("gate_up_bias")),
+                address(tables.get("down_bias")),
+                EXPERT_ACTIVATIONS[experts.activation],
+                experts.limit,
+                experts.alpha,
+                MOE_TILE_ROWS if tile_rows is None else tile_rows,
+                out.data_ptr(),
+            )
+            return
         gate_up_groups, down_groups = experts.scale_groups
         self._moe_experts(
             x.data_ptr(),
@@ -988,6 +1031,12 @@ def check_flat(x: torch.Tensor) -> None:
             f"the CPU kernels need contiguous float32 CPU tensors, got {x.dtype} on {x.device} with "
             f"strides {x.stride()}"
         )
+
+
+def check_tiles(tiles: torch.Tensor, scales: object) -> None:
+    """A bf16 weight from ``pack_tiles`` (which takes no scales)."""
+    if tiles.dim() != 6 or not tiles.is_contiguous() or tiles.dtype != torch.bfloat16 or scales is not None:
+        raise ValueError("experts on the tiles need bf16 weights packed by pack_tiles, without scales")
 
 
 def check_packed(packed: torch.Tensor, scales: torch.Tensor | None) -> None:

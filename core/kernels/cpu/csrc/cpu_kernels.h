@@ -115,6 +115,16 @@ void infer_moe_experts(const float *x, int64_t hidden, int64_t width, int64_t ex
                        const int64_t *down_scales, int64_t down_groups, int64_t kind, const int64_t *gate_up_bias,
                        const int64_t *down_bias, int64_t activation, float limit, float alpha, float *out);
 
+/* infer_moe_experts over bf16 weights laid out by pack_tiles (gate_up[i] [2 * width, hidden], down[i] [hidden, width];
+ * hidden and width multiples of 32), for any number of tokens an expert: an expert of at least `tile_rows` tokens
+ * multiplies on AMX tiles (its rows and its activations rounded to bf16) where AMX runs, others with float32 FMAs over
+ * the widened weights (x not rounded). Every output column summed by one thread, experts in the order given. */
+void infer_moe_experts_tiles(const float *x, int64_t hidden, int64_t width, int64_t experts,
+                             const int64_t *expert_ids, const int64_t *starts, const int64_t *tokens,
+                             const float *weights, const int64_t *gate_up, const int64_t *down,
+                             const int64_t *gate_up_bias, const int64_t *down_bias, int64_t activation, float limit,
+                             float alpha, int64_t tile_rows, float *out);
+
 /* ---- row-wise ops (rowwise.c) ----------------------------------------------------------------------------------- */
 
 /* For each of `rows` rows of `dim` floats: if delta (NULL: none), residual += delta (in place); then

@@ -6,7 +6,13 @@
  * Work is split by weight blocks, not by experts: each thread takes its share of every active expert's gate/up
  * blocks, then its share of the output columns (the down projection's blocks) for every expert in turn, so both
  * cores stay busy whatever the routing (one expert taking every token included), and each output column is summed
- * by one thread, experts in ascending order: no atomics, the same sums whatever the thread count. */
+ * by one thread, experts in ascending order: no atomics, the same sums whatever the thread count.
+ *
+ * Over pack_tiles' layout (infer_moe_experts_tiles: bf16 experts where the kernels have tiles, which then hold that
+ * copy alone) the same split runs in blocks of 32 output columns for any number of tokens an expert: gate's and up's
+ * blocks of a thread's columns, the activation on their sums, then its share of down's columns with the
+ * routing-weighted add. An expert of many tokens multiplies on AMX's tiles (its rows rounded to bf16, in chunks that
+ * stay in L2), one of few with float32 FMAs over the widened weights, a GEMV pass of 8 rows at a time. */
 #include "common.h"
 
 /* Blocks [*first, *last) of `blocks` that thread `thread` of `threads` takes. */
@@ -95,4 +101,281 @@ void infer_moe_experts(const float *x, int64_t hidden, int64_t width, int64_t ex
     }
     free(rows);
     free(activated);
+}
+
+/* ---- over pack_tiles' layout (infer_moe_experts_tiles) ---------------------------------------------------------- */
+
+/* Rows of an expert's tokens taken at a time: their bf16 rows (hidden 2048: 1 MB) stay in L2 while each block of
+ * weights passes over them, as the tile GEMM's TILE_CHUNK_ROWS; a multiple of 32 (AMX's two 16-row tiles). */
+#define EXPERT_CHUNK_ROWS 256
+
+/* uint16s of one block of 32 output columns over k inputs in pack_tiles' layout. */
+static inline int64_t tile_block(int64_t k) { return k / 32 * 1024; }
+
+#if INFER_AVX512
+/* The weight stream's prefetch, as the tile GEMV's: `line` is the first half's 64 bytes at a pair of k; the next k
+ * tile's two halves (2 KB on) into L1, 6 KB further into L2. */
+static inline __attribute__((always_inline)) void stream_prefetch(const char *line) {
+    __builtin_prefetch(line + 2048, 0, 3);
+    __builtin_prefetch(line + 3072, 0, 3);
+    __builtin_prefetch(line + 2048 + 6144, 0, 2);
+    __builtin_prefetch(line + 3072 + 6144, 0, 2);
+}
+
+/* y[r][0..31] = row r of x (float32, k each) times one block of 32 output columns, rows 0..count-1: each 64-byte
+ * tile row widened to its even and odd k (exact), two float32 FMAs per row with x[2p] and x[2p + 1] broadcast. The
+ * sums stay in registers (a constant count per copy: pass_fma). */
+static inline __attribute__((always_inline)) void block_fma(const float *x, int64_t k, const uint16_t *wb, float *y,
+                                                            const int count) {
+    __m512 acc[PASS_ROWS][2];
+    for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < k / 32; t++) {
+        const uint16_t *tile = wb + t * 1024;
+        for (int p = 0; p < 16; p++) {
+            stream_prefetch((const char *)(tile + p * 32));
+            __m512 even0, odd0, even1, odd1;
+            widen_pairs(_mm512_loadu_si512(tile + p * 32), &even0, &odd0);
+            widen_pairs(_mm512_loadu_si512(tile + 512 + p * 32), &even1, &odd1);
+            for (int r = 0; r < count; r++) {
+                const __m512 xe = _mm512_set1_ps(x[r * k + t * 32 + 2 * p]);
+                const __m512 xo = _mm512_set1_ps(x[r * k + t * 32 + 2 * p + 1]);
+                acc[r][0] = _mm512_fmadd_ps(xo, odd0, _mm512_fmadd_ps(xe, even0, acc[r][0]));
+                acc[r][1] = _mm512_fmadd_ps(xo, odd1, _mm512_fmadd_ps(xe, even1, acc[r][1]));
+            }
+        }
+    }
+    for (int r = 0; r < count; r++) {
+        _mm512_storeu_ps(y + r * 32, acc[r][0]);
+        _mm512_storeu_ps(y + r * 32 + 16, acc[r][1]);
+    }
+}
+
+static void pass_fma(const float *x, int64_t k, const uint16_t *wb, float *y, int count) {
+    switch (count) {
+#define FMA_CASE(c) case c: block_fma(x, k, wb, y, c); break;
+        FMA_CASE(1) FMA_CASE(2) FMA_CASE(3) FMA_CASE(4) FMA_CASE(5) FMA_CASE(6) FMA_CASE(7) FMA_CASE(8)
+#undef FMA_CASE
+    }
+}
+#endif
+
+#if INFER_AMX
+/* y[r][0..31] for rows 0..padded-1 (a multiple of 32) of xb (bf16, k each) times one block, on AMX tiles: 2 x 2
+ * tiles of results per 32 rows, the block's two B tiles per 32 k loaded once for both row tiles. The calling thread
+ * has configured its tiles (load_full_tiles). */
+static void block_amx(const uint16_t *xb, int64_t padded, int64_t k, const uint16_t *wb, float *y) {
+    for (int64_t m = 0; m < padded; m += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const uint16_t *x0 = xb + m * k, *x1 = x0 + 16 * k;
+        for (int64_t t = 0; t < k / 32; t++) {
+            _tile_loadd(4, x0 + t * 32, k * 2);
+            _tile_loadd(5, x1 + t * 32, k * 2);
+            _tile_loadd(6, wb + t * 1024, 64);
+            _tile_loadd(7, wb + t * 1024 + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        float *at = y + m * 32;
+        _tile_stored(0, at, 128);
+        _tile_stored(1, at + 16, 128);
+        _tile_stored(2, at + 16 * 32, 128);
+        _tile_stored(3, at + 16 * 32 + 16, 128);
+    }
+}
+#endif
+
+#if !INFER_AVX512
+/* block_fma's sums in plain C (builds without AVX-512, which have no tiles: the reference the tests compare). */
+static void block_portable(const float *x, int64_t count, int64_t k, const uint16_t *wb, float *y) {
+    for (int64_t r = 0; r < count; r++)
+        for (int c = 0; c < 32; c++) {
+            float sum = 0.0f;
+            for (int64_t t = 0; t < k / 32; t++)
+                for (int p = 0; p < 16; p++) {
+                    const uint16_t *pair = wb + t * 1024 + (c / 16) * 512 + p * 32 + (c % 16) * 2;
+                    sum += x[r * k + t * 32 + 2 * p] * bf16_to_float(pair[0]) +
+                           x[r * k + t * 32 + 2 * p + 1] * bf16_to_float(pair[1]);
+                }
+            y[r * 32 + c] = sum;
+        }
+}
+#endif
+
+/* y [rows][32] = an expert's rows times one block of 32 output columns: on AMX from xb (bf16, zero rows past `rows`
+ * up to a multiple of 32) where `amx`, else from x (float32) in passes of PASS_ROWS rows, each pass reading the block
+ * again (from L2 after the first). */
+static void block_product(const float *x, const uint16_t *xb, int64_t rows, int amx, int64_t k, const uint16_t *wb,
+                          float *y) {
+#if INFER_AMX
+    if (amx) {
+        block_amx(xb, (rows + 31) / 32 * 32, k, wb, y);
+        return;
+    }
+#endif
+    (void)xb;
+    (void)amx;
+#if INFER_AVX512
+    for (int64_t m = 0; m < rows; m += PASS_ROWS)
+        pass_fma(x + m * k, k, wb, y + m * 32, (int)(rows - m < PASS_ROWS ? rows - m : PASS_ROWS));
+#else
+    block_portable(x, rows, k, wb, y);
+#endif
+}
+
+/* One row's 32 activated columns from its gate and up sums (plus their biases; NULL: none) into y (float32) or yb
+ * (rounded to bf16: the AMX down projection's input). */
+static void activate_block(const float *gate, const float *up, const float *gate_bias, const float *up_bias,
+                           int64_t activation, float limit, float alpha, float *y, uint16_t *yb) {
+#if INFER_AVX512
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    for (int h = 0; h < 32; h += 16) {
+        __m512 g = _mm512_loadu_ps(gate + h), u = _mm512_loadu_ps(up + h), value;
+        if (gate_bias) {
+            g = _mm512_add_ps(g, _mm512_loadu_ps(gate_bias + h));
+            u = _mm512_add_ps(u, _mm512_loadu_ps(up_bias + h));
+        }
+        if (activation == ACTIVATION_CLAMPED_SWIGLU) {
+            const __m512 top = _mm512_set1_ps(limit);
+            g = _mm512_min_ps(g, top);
+            u = _mm512_min_ps(_mm512_max_ps(u, _mm512_sub_ps(zero, top)), top);
+            const __m512 scaled = _mm512_sub_ps(zero, _mm512_mul_ps(g, _mm512_set1_ps(alpha)));
+            const __m512 sigmoid = _mm512_div_ps(one, _mm512_add_ps(one, exp16(scaled)));
+            value = _mm512_mul_ps(_mm512_add_ps(u, one), _mm512_mul_ps(g, sigmoid));
+        } else {
+            const __m512 sigmoid = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, g))));
+            value = _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
+        }
+        if (yb)
+            _mm256_storeu_si256((__m256i *)(yb + h), bf16x16_from(value));
+        else
+            _mm512_storeu_ps(y + h, value);
+    }
+#else
+    for (int c = 0; c < 32; c++) {
+        const float g = gate[c] + (gate_bias ? gate_bias[c] : 0.0f), u = up[c] + (up_bias ? up_bias[c] : 0.0f);
+        const float value = activate(g, u, activation, limit, alpha);
+        if (yb)
+            yb[c] = float_to_bf16(value);
+        else
+            y[c] = value;
+    }
+#endif
+}
+
+void infer_moe_experts_tiles(const float *x, int64_t hidden, int64_t width, int64_t experts,
+                             const int64_t *expert_ids, const int64_t *starts, const int64_t *tokens,
+                             const float *weights, const int64_t *gate_up, const int64_t *down,
+                             const int64_t *gate_up_bias, const int64_t *down_bias, int64_t activation, float limit,
+                             float alpha, int64_t tile_rows, float *out) {
+    const int64_t pairs = starts[experts];
+#if INFER_AMX
+    const int amx = amx_available();
+#else
+    const int amx = 0;
+#endif
+    /* the experts on AMX: their bf16 rows from padded_start[e], each expert's padded to a multiple of 32 */
+    int64_t *padded_start = malloc(sizeof(int64_t) * (experts + 1));
+    int64_t *bf16_row = malloc(sizeof(int64_t) * (pairs + 1));  /* each pair's bf16 row, -1: none */
+    int64_t most = 0;
+    padded_start[0] = 0;
+    for (int64_t e = 0; e < experts; e++) {
+        const int64_t count = starts[e + 1] - starts[e], padded = (count + 31) / 32 * 32;
+        const int on_tiles = amx && count >= tile_rows;
+        padded_start[e + 1] = padded_start[e] + (on_tiles ? padded : 0);
+        for (int64_t r = 0; r < count; r++) bf16_row[starts[e] + r] = on_tiles ? padded_start[e] + r : -1;
+        if (padded > most) most = padded;
+    }
+    if (most > EXPERT_CHUNK_ROWS) most = EXPERT_CHUNK_ROWS;
+    const int64_t padded_rows = padded_start[experts];
+    float *rows = malloc(sizeof(float) * pairs * hidden);         /* x's rows, grouped by expert */
+    float *activated = malloc(sizeof(float) * pairs * width);     /* act(gate, up), grouped by expert */
+    uint16_t *rows_bf16 = padded_rows ? malloc(sizeof(uint16_t) * padded_rows * hidden) : NULL;
+    uint16_t *activated_bf16 = padded_rows ? malloc(sizeof(uint16_t) * padded_rows * width) : NULL;
+    const int64_t gate_up_block = tile_block(hidden), down_block = tile_block(width), up_offset = width / 32;
+#pragma omp parallel
+    {
+        int thread = 0, threads = 1;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+        threads = omp_get_num_threads();
+#endif
+        float *gate = malloc(sizeof(float) * 2 * 32 * most), *up = gate + 32 * most;
+#if INFER_AMX
+        if (padded_rows) load_full_tiles();
+#endif
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            memcpy(rows + p * hidden, x + tokens[p] * hidden, sizeof(float) * hidden);
+            if (bf16_row[p] >= 0) floats_to_bf16(rows + p * hidden, rows_bf16 + bf16_row[p] * hidden, hidden);
+        }
+#pragma omp for schedule(static)
+        for (int64_t e = 0; e < experts; e++) {  /* the AMX experts' padding rows: zero */
+            const int64_t count = starts[e + 1] - starts[e], end = padded_start[e + 1];
+            for (int64_t r = padded_start[e] + count; r < end; r++) {
+                memset(rows_bf16 + r * hidden, 0, sizeof(uint16_t) * hidden);
+                memset(activated_bf16 + r * width, 0, sizeof(uint16_t) * width);
+            }
+        }
+        int64_t first, last;
+        thread_share(width / 32, thread, threads, &first, &last);
+        for (int64_t e = 0; e < experts; e++) {
+            const int64_t id = expert_ids[e], on_tiles = padded_start[e + 1] > padded_start[e];
+            const uint16_t *weight = (const uint16_t *)(intptr_t)gate_up[id];
+            const float *bias = gate_up_bias ? (const float *)(intptr_t)gate_up_bias[id] : NULL;
+            for (int64_t chunk = starts[e]; chunk < starts[e + 1]; chunk += EXPERT_CHUNK_ROWS) {
+                const int64_t count = starts[e + 1] - chunk < EXPERT_CHUNK_ROWS ? starts[e + 1] - chunk
+                                                                                 : EXPERT_CHUNK_ROWS;
+                const int64_t row_bf16 = padded_start[e] + (chunk - starts[e]);
+                const float *xf = rows + chunk * hidden;
+                const uint16_t *xb = on_tiles ? rows_bf16 + row_bf16 * hidden : NULL;
+                for (int64_t b = first; b < last; b++) {
+                    block_product(xf, xb, count, (int)on_tiles, hidden, weight + b * gate_up_block, gate);
+                    block_product(xf, xb, count, (int)on_tiles, hidden, weight + (b + up_offset) * gate_up_block, up);
+                    for (int64_t r = 0; r < count; r++)
+                        activate_block(gate + r * 32, up + r * 32, bias ? bias + b * 32 : NULL,
+                                       bias ? bias + width + b * 32 : NULL, activation, limit, alpha,
+                                       activated + (chunk + r) * width + b * 32,
+                                       on_tiles ? activated_bf16 + (row_bf16 + r) * width + b * 32 : NULL);
+                }
+            }
+        }
+#pragma omp barrier
+        thread_share(hidden / 32, thread, threads, &first, &last);
+        for (int64_t e = 0; e < experts; e++) {
+            const int64_t id = expert_ids[e], on_tiles = padded_start[e + 1] > padded_start[e];
+            const uint16_t *weight = (const uint16_t *)(intptr_t)down[id];
+            const float *bias = down_bias ? (const float *)(intptr_t)down_bias[id] : NULL;
+            for (int64_t chunk = starts[e]; chunk < starts[e + 1]; chunk += EXPERT_CHUNK_ROWS) {
+                const int64_t count = starts[e + 1] - chunk < EXPERT_CHUNK_ROWS ? starts[e + 1] - chunk
+                                                                                 : EXPERT_CHUNK_ROWS;
+                const int64_t row_bf16 = padded_start[e] + (chunk - starts[e]);
+                const uint16_t *ab = on_tiles ? activated_bf16 + row_bf16 * width : NULL;
+                for (int64_t b = first; b < last; b++) {
+                    block_product(activated + chunk * width, ab, count, (int)on_tiles, width,
+                                  weight + b * down_block, gate);
+                    for (int64_t r = 0; r < count; r++) {
+                        float *y = out + tokens[chunk + r] * hidden + b * 32;
+                        const float routed = weights[chunk + r];
+                        for (int c = 0; c < 32; c++)
+                            y[c] += routed * (gate[r * 32 + c] + (bias ? bias[b * 32 + c] : 0.0f));
+                    }
+                }
+            }
+        }
+#if INFER_AMX
+        if (padded_rows) _tile_release();
+#endif
+        free(gate);
+    }
+    free(padded_start);
+    free(bf16_row);
+    free(rows);
+    free(activated);
+    free(rows_bf16);
+    free(activated_bf16);
 }
