@@ -6,8 +6,10 @@ the floor of reading the step's active experts' weights once at this machine's s
   bf16 matmuls), the reference.
 - ``grouped``: ``infer.model.moe.MoE`` packed as ``model.quantization=bf16`` packs it, expert by expert through
   each expert's packed projections on infer's kernels (GEMV, tile GEMM) from Python.
-- ``infer``: the same ``MoE`` as the engine runs it: the experts of few tokens in one C call
-  (``CpuKernels.moe_experts``), any others as ``grouped``.
+- ``infer``: the same ``MoE`` as the engine runs it: every expert in one C call (``CpuKernels.moe_experts``) over
+  the tiles' layout where the kernels have tiles (AMX or AVX512-BF16), else over ``pack_weights``' layout for the
+  experts of few tokens and any others as ``grouped``.
+- ``pack_weights``: the C call over ``pack_weights``' layout (the kernels' path without tiles) on this machine.
 - ``floor``: the active experts' bytes over the best rate at which infer's GEMV streamed a bf16 weight (one row of
   x) in reads sampled through the run.
 
@@ -17,7 +19,14 @@ includes steps where the scheduler held one of the kernel's threads.
 Each step takes the next of ``--layers`` distinct layers (random weights, random inputs), so the weights come from
 memory, not from a cache that a smaller working set would fit.
 
+``--cpu-time`` times by the calling thread's CPU time (run it with ``OMP_NUM_THREADS=1``): on a machine that other
+jobs load, two threads' times are mostly one thread spinning while the scheduler holds the other. ``--switch``
+instead times the tile kernel for one expert taking 1 to 64 tokens, on AMX's tiles and on float32 FMAs
+(``moe_experts``' ``tile_rows``): where AMX starts to win is ``MOE_TILE_ROWS``.
+
     OMP_NUM_THREADS=2 python benchmarks/moe_layer.py
+    OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --cpu-time
+    OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --switch --cpu-time
 """
 
 from __future__ import annotations
@@ -70,10 +79,53 @@ class StreamingRate:
         return max(self.samples)
 
 
+class WithoutTiles:
+    """The kernels as a build without tiles sees them: experts packed through this take ``pack_weights``' layout."""
+
+    tiles = None
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def __getattr__(self, name):
+        return getattr(self.kernels, name)
+
+
+def switch_point(kernels, layers, counts: list[int], repeats: int = 12) -> None:
+    """Median ms of the tile kernel over one expert taking ``count`` tokens (each call another layer's and expert's,
+    so its weights come from memory), on AMX's tiles and on float32 FMAs."""
+    hidden = layers[0].packed.hidden
+    print("| tokens | FMAs ms | AMX ms | AMX / FMAs |")
+    print("|---|---|---|---|")
+    for count in counts:
+        times = {"fma": [], "amx": []}
+        x = torch.randn(count, hidden)
+        for index in range(repeats * 2):
+            layer = layers[index % len(layers)]
+            path = "amx" if index % 2 else "fma"
+            call = (
+                torch.tensor([(index // len(layers)) % layer.packed.num_experts]),
+                torch.tensor([0, count]),
+                torch.arange(count),
+                torch.rand(count),
+            )
+            out = torch.zeros(count, hidden)
+            tile_rows = 1 if path == "amx" else 1 << 30
+            times[path].append(timed(lambda: kernels.moe_experts(x, layer.packed, *call, out, tile_rows)) * 1e3)
+        fma, amx = statistics.median(times["fma"]), statistics.median(times["amx"])
+        print(f"| {count} | {fma:.3f} | {amx:.3f} | {amx / fma:.2f} |")
+
+
+# The clock of ``timed``: wall time, or with ``--cpu-time`` the calling thread's CPU time (one thread,
+# OMP_NUM_THREADS=1: on a machine other jobs share, the time the kernel ran rather than the time it waited).
+CLOCK = {"clock": time.perf_counter}
+
+
 def timed(call) -> float:
-    began = time.perf_counter()
+    clock = CLOCK["clock"]
+    began = clock()
     call()
-    return time.perf_counter() - began
+    return clock() - began
 
 
 def build_layers(config, count: int, seed: int):
@@ -108,6 +160,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--layers", type=int, default=8, help="distinct layers cycled through (weights from memory)")
     parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--switch", action="store_true", help="time AMX against FMAs per expert's tokens instead")
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="time by the calling thread's CPU time (run with OMP_NUM_THREADS=1)"
+    )
     parser.add_argument(
         "--gemv-rows",
         type=int,
@@ -117,18 +173,32 @@ def main() -> None:
     args = parser.parse_args()
     import transformers
 
+    if args.cpu_time:
+        CLOCK["clock"] = time.thread_time
     kernels = cpu_kernels.load(True)
     class_name, fields = SHAPES[args.shape]
     config = getattr(transformers, class_name).config_class(**fields)
     hidden, width = config.hidden_size, config.moe_intermediate_size
     expert_bytes = 3 * hidden * width * 2
     pairs = build_layers(config, args.layers, seed=0)
+    if args.switch:
+        if not kernels.amx:
+            raise SystemExit("--switch needs AMX's tiles (this CPU, build or OS has none)")
+        for _, ours in pairs:
+            ours.use_cpu_kernels(kernels, args.gemv_rows)
+        with torch.inference_mode():
+            switch_point(kernels, [ours for _, ours in pairs], [1, 4, 8, 12, 16, 24, 32, 48, 64])
+        return
+    # beside every layer, one packed in pack_weights' layout (the kernels' path without tiles)
+    streamed = build_layers(config, args.layers, seed=0) if kernels.tiles else None
     rate = StreamingRate(kernels)
     for _ in range(32):
         rate.sample()
     for _, ours in pairs:
         ours.use_cpu_kernels(kernels, args.gemv_rows)
-    step = SimpleNamespace(ops=StepOps(None, None, torch.float32, kernels))
+    for _, ours in streamed or []:
+        ours.use_cpu_kernels(WithoutTiles(kernels), args.gemv_rows)
+    step = SimpleNamespace(ops=StepOps(None, None, kernels))
     print(
         f"{cpu_name()}, {torch.get_num_threads()} threads; {args.shape}: {config.num_experts} experts of "
         f"{hidden} x {width}, top {config.num_experts_per_tok}, bf16"
@@ -137,7 +207,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for batch in args.batches:
-            torch_ms, grouped_ms, infer_ms, active = [], [], [], []
+            torch_ms, grouped_ms, infer_ms, streamed_ms, active = [], [], [], [], []
             for index in range(args.steps):
                 # each variant on another layer than the one the last call read, so no call finds its experts in
                 # the cache the previous one filled
@@ -153,6 +223,9 @@ def main() -> None:
                 packed, grouped.packed = grouped.packed, None
                 grouped_ms.append(timed(lambda: grouped(x, step)) * 1e3)
                 grouped.packed = packed
+                if streamed:
+                    other = streamed[(index + len(pairs) // 4) % len(pairs)][1]
+                    streamed_ms.append(timed(lambda: other(x, step)) * 1e3)
             rows.append(
                 (
                     batch,
@@ -161,19 +234,23 @@ def main() -> None:
                     statistics.median(grouped_ms),
                     statistics.median(infer_ms),
                     min(infer_ms),
+                    statistics.median(streamed_ms) if streamed_ms else float("nan"),
                 )
             )
     print(
         f"floor: the active experts' bytes at {rate.best:.1f} GB/s, the GEMV's best streaming rate of "
         f"{len(rate.samples)} samples (median {statistics.median(rate.samples):.1f})"
     )
-    print("| batch | active experts | floor ms | torch loop ms | grouped ms | infer ms (best) | infer / floor (best) |")
-    print("|---|---|---|---|---|---|---|")
-    for batch, experts, torch_loop, grouped, infer, best in rows:
+    print(
+        "| batch | active experts | floor ms | torch loop ms | grouped ms | pack_weights ms | infer ms (best) "
+        "| infer / floor (best) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for batch, experts, torch_loop, grouped, infer, best, streamed_median in rows:
         floor = experts * expert_bytes / rate.best / 1e6
         print(
-            f"| {batch} | {experts:.0f} | {floor:.2f} | {torch_loop:.2f} | {grouped:.2f} | {infer:.2f} ({best:.2f}) "
-            f"| {infer / floor:.2f} ({best / floor:.2f}) |"
+            f"| {batch} | {experts:.0f} | {floor:.2f} | {torch_loop:.2f} | {grouped:.2f} | {streamed_median:.2f} "
+            f"| {infer:.2f} ({best:.2f}) | {infer / floor:.2f} ({best / floor:.2f}) |"
         )
 
 

@@ -156,8 +156,10 @@ WEIGHT_KINDS = {torch.float16: 0, torch.int8: 1, torch.bfloat16: 2}
 EXPERT_ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 # Experts over ``pack_tiles``' layout that take at least this many tokens multiply on AMX tiles (x and the
 # activations rounded to bf16), fewer with float32 FMAs over the widened weights, a pass of 8 rows at a time
-# (``moe_experts``' ``tile_rows``; docs/performance.md gives the measurement).
-MOE_TILE_ROWS = 16
+# (``moe_experts``' ``tile_rows``). One expert of qwen3-moe-3.3b's shape from memory, one thread, AMX's time over the
+# FMAs': 1.26 at 1 token, 1.07 at 8, 0.79 at 12, 0.40 at 32 (``benchmarks/moe_layer.py --switch``): past one FMA
+# pass, AMX.
+MOE_TILE_ROWS = 9
 # The pool dtypes the KV write and paged attention read (queries and results stay float32).
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # What ``infer_simd_width`` reports: the instruction set the kernels were compiled for (``-march=native``).
