@@ -248,7 +248,7 @@ def test_the_expert_kernel_on_each_simd_build_matches_this_cpus(kernels, build, 
         moe.use_cpu_kernels(packer, gemv_rows=8)
         outs = [torch.zeros(12, 64), torch.zeros(12, 64)]
         for built, out in zip((kernels, other), outs, strict=True):
-            built.moe_experts(x, moe.packed, *groups.pick([0, 1, 2]), out)
+            built.moe_experts(x, moe.packed, *groups.pick([0, 1, 2]), out, 1 << 30)  # the tiles: FMAs, as elsewhere
         torch.testing.assert_close(*outs, atol=2e-5, rtol=2e-5)
 
 
