@@ -36,8 +36,7 @@ def shard_model(model: CausalLM, plan: ShardPlan, group: TensorParallelGroup) ->
         attn.num_heads, attn.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
         attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         if isinstance(mlp, MoE):
-            for expert in mlp.experts:
-                _shard_gated(expert, expert_columns, plan.rank, zero_bias=True)
+            shard_mixture(mlp, expert_columns, plan.rank)
         else:
             _shard_gated(mlp, plan.intermediate, plan.rank)
         attn.tensor_parallel = mlp.tensor_parallel = group
@@ -46,6 +45,15 @@ def shard_model(model: CausalLM, plan: ShardPlan, group: TensorParallelGroup) ->
     model.num_heads, model.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
     model.tensor_parallel = group
     return model
+
+
+@torch.no_grad()
+def shard_mixture(moe: MoE, columns: range, rank: int) -> MoE:
+    """Keep ``columns`` of every expert of ``moe`` (in place, before quantization; ``ShardPlan.expert_columns``),
+    the router whole; the down biases are added on rank 0. Its output is then this rank's partial sum."""
+    for expert in moe.experts:
+        _shard_gated(expert, columns, rank, zero_bias=True)
+    return moe
 
 
 def _shard_gated(mlp: MLP | Expert, columns: range, rank: int, zero_bias: bool = False) -> None:
