@@ -148,9 +148,11 @@ static void weigh_values(const float *weights, const float *const *keys, ptrdiff
  * (weigh_pass). The rows are floats, or, with `bf16` (AVX-512 and DIRECT_HEAD_DIMS only), a bf16 pool's rows
  * widened in registers once for all the heads of a pass. */
 static void weigh_heads(float *const *weights, int64_t heads, const void *const *rows, int bf16,
-                        ptrdiff_t value_offset, int64_t n, int64_t head_dim, float *const *results) {
+                        ptrdiff_t value_offset, int64_t n, int64_t head_dim, float *const *results,
+                        kv_stream *stream) {
     int64_t h = 0;
     (void)bf16;  /* never set without AVX-512 */
+    (void)stream;
 #if INFER_AVX512
     if (head_dim % 64 == 0) {
         for (; h < heads; h += WEIGH_HEADS) {
@@ -158,7 +160,7 @@ static void weigh_heads(float *const *weights, int64_t heads, const void *const 
             for (int64_t c = 0; c < head_dim; c += 64) {
                 float *at[WEIGH_HEADS];
                 for (int i = 0; i < count; i++) at[i] = results[h + i] + c;
-                weigh_pass(weights + h, rows, value_offset + c, n, at, count, bf16);
+                weigh_pass(weights + h, rows, value_offset + c, n, at, count, bf16, stream);
             }
         }
     }
@@ -220,6 +222,7 @@ typedef struct {
     float *best;
     float *converted;  /* a bf16 pool's keys, then values, widened (not on the direct path) */
     uint32_t *pairs;  /* dots' probabilities (AVX512-BF16 builds) */
+    kv_stream stream;  /* the next item's lines, on the direct path */
 } decode_workspace;
 
 static inline void workspace_buffers(decode_workspace *ws, const decode_call *call) {
@@ -320,7 +323,7 @@ static inline __attribute__((always_inline)) void score_chunk(decode_workspace *
             float *scores[per_kv];
             for (int64_t b = 0; b < per_kv; b++) scores[b] = ws->weights[a + b] + skip;
             score_heads(ws->queries + a, per_kv, ws->raw + skip, ws->seen[a], call->scale, scores, ws->best + a,
-                        dots, head_dim);
+                        dots, head_dim, &ws->stream);
             continue;
         }
 #endif
@@ -350,21 +353,39 @@ static inline __attribute__((always_inline)) void attend_chunk(decode_workspace 
 #if INFER_AVX512_BF16
     if (dots) {
         weigh_dots(ws->weights, heads, (const void *const *)ws->raw, value_offset, keys, call->head_dim, ws->pairs,
-                   ws->results);
+                   ws->results, &ws->stream);
         return;
     }
 #endif
     weigh_heads(ws->weights, heads, direct ? (const void *const *)ws->raw : (const void *const *)ws->keys, direct,
-                value_offset, keys, call->head_dim, ws->results);
+                value_offset, keys, call->head_dim, ws->results, &ws->stream);
+}
+
+/* Points the stream at KV heads first_kv_head + from .. first_kv_head + to - 1 of an item's tokens (a bf16 pool). */
+static inline void stream_item(kv_stream *stream, const decode_call *call, const decode_item *it, int64_t from,
+                               int64_t to) {
+    const int64_t slot_width = call->num_kv_heads * call->head_dim, block_size = call->block_size;
+    const int32_t *table = call->block_tables + call->seq_of_query[it->first_query] * call->table_stride;
+    const char *pool = (const char *)call->kv + (it->first_kv_head + from) * call->head_dim * 2;
+    for (int64_t j = it->start; j < it->end; j++) {
+        const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
+        stream->rows[j - it->start] = pool + slot * slot_width * 2;
+    }
+    stream->tokens = it->end - it->start;
+    stream->token = stream->offset = 0;
+    stream->run_bytes = (to - from) * call->head_dim * 2;
+    stream->values = (ptrdiff_t)call->num_blocks * block_size * slot_width * 2;
 }
 
 /* This thread's contiguous run of items (of about equal cost). It asks for its next item's K/V lines while the
- * current one computes, a KV head's share before each of the current one's KV heads (the blocks of a busy engine's
- * pool are scattered, and a run of requests at once stalls the loads behind it). */
+ * current one computes, a KV head's share with each of the current one's KV heads (the blocks of a busy engine's
+ * pool are scattered): on the direct path streamed from inside the share's loops (kv_stream), the rest requested
+ * when they end; elsewhere all at once before it. */
 static inline void run_items(const decode_call *call, const decode_plan *plan, float *partial, int direct,
                              int dots) {
     decode_workspace ws;
     workspace_buffers(&ws, call);
+    ws.stream.tokens = ws.stream.token = 0;
 #ifdef _OPENMP
     const int64_t team = omp_get_num_threads(), member = omp_get_thread_num();
 #else
@@ -380,9 +401,11 @@ static inline void run_items(const decode_call *call, const decode_plan *plan, f
                 const int64_t share = kvh - it->first_kv_head;
                 const int64_t from = share * next->kv_heads / it->kv_heads;
                 const int64_t to = (share + 1) * next->kv_heads / it->kv_heads;
-                if (to > from) prefetch_item(call, next, from, to);
+                if (to > from && direct) stream_item(&ws.stream, call, next, from, to);
+                else if (to > from) prefetch_item(call, next, from, to);
             }
             attend_chunk(&ws, call, plan, it, kvh, partial, direct, dots);
+            stream_lines(&ws.stream, INT64_MAX);  /* what the loops left */
         }
     }
 }

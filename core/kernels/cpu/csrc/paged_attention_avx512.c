@@ -14,11 +14,12 @@
 static inline __attribute__((always_inline)) void weigh_heads_block(float *const *weights, const void *const *rows,
                                                                     ptrdiff_t offset, int64_t n,
                                                                     float *const *results, const int count,
-                                                                    const int bf16) {
+                                                                    const int bf16, kv_stream *stream) {
     __m512 acc[WEIGH_HEADS][4];
     for (int h = 0; h < count; h++)
         for (int i = 0; i < 4; i++) acc[h][i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
+        if (j % 2 == 0) stream_lines(stream, STREAM_LINES);
         __m512 v[4];
         for (int i = 0; i < 4; i++)
             v[i] = bf16 ? bf16x16_load((const uint16_t *)rows[j] + offset + 16 * i)
@@ -35,11 +36,11 @@ static inline __attribute__((always_inline)) void weigh_heads_block(float *const
 /* weigh_heads_block for `count` heads, the count and the rows' type constants in each copy (the accumulators stay in
  * registers). */
 void weigh_pass(float *const *weights, const void *const *rows, ptrdiff_t offset, int64_t n, float *const *results,
-                int count, int bf16) {
+                int count, int bf16, kv_stream *stream) {
 #define WEIGH_CASE(k) \
     case k: \
-        if (bf16) weigh_heads_block(weights, rows, offset, n, results, k, 1); \
-        else weigh_heads_block(weights, rows, offset, n, results, k, 0); \
+        if (bf16) weigh_heads_block(weights, rows, offset, n, results, k, 1, stream); \
+        else weigh_heads_block(weights, rows, offset, n, results, k, 0, stream); \
         break;
     switch (count) {
         WEIGH_CASE(1)
@@ -48,8 +49,8 @@ void weigh_pass(float *const *weights, const void *const *rows, ptrdiff_t offset
         WEIGH_CASE(4)
         WEIGH_CASE(5)
         default:
-            if (bf16) weigh_heads_block(weights, rows, offset, n, results, WEIGH_HEADS, 1);
-            else weigh_heads_block(weights, rows, offset, n, results, WEIGH_HEADS, 0);
+            if (bf16) weigh_heads_block(weights, rows, offset, n, results, WEIGH_HEADS, 1, stream);
+            else weigh_heads_block(weights, rows, offset, n, results, WEIGH_HEADS, 0, stream);
     }
 #undef WEIGH_CASE
 }
@@ -78,7 +79,8 @@ static inline __attribute__((always_inline)) void keep_scores(__m128 four, float
 static inline __attribute__((always_inline)) void score_bf16_block(const float *const *queries,
                                                                    const uint16_t *const *keys, int64_t n,
                                                                    float scale, float *const *scores, float *best,
-                                                                   const int count, const int head_dim) {
+                                                                   const int count, const int head_dim,
+                                                                   kv_stream *stream) {
     __m512 qv[3][DIRECT_HEAD_DIM_MAX / 16];
     __m128 top[3];
     for (int h = 0; h < count; h++) {
@@ -88,6 +90,7 @@ static inline __attribute__((always_inline)) void score_bf16_block(const float *
     const __m128 factor = _mm_set1_ps(scale);
     for (int64_t j = 0; j < n; j += 4) {
         __m512 acc[3][4];
+        stream_lines(stream, STREAM_LINES);
         for (int r = 0; r < 4; r++) {
             const uint16_t *key = keys[j + r < n ? j + r : n - 1];
             for (int c = 0; c < head_dim; c += 64) {
@@ -116,7 +119,8 @@ static inline __attribute__((always_inline)) void score_bf16_block(const float *
 static inline __attribute__((always_inline)) void score_dots_block(const float *const *queries,
                                                                    const uint16_t *const *keys, int64_t n,
                                                                    float scale, float *const *scores, float *best,
-                                                                   const int count, const int head_dim) {
+                                                                   const int count, const int head_dim,
+                                                                   kv_stream *stream) {
     __m512bh qb[3][DIRECT_HEAD_DIM_MAX / 32];
     __m128 top[3];
     for (int h = 0; h < count; h++) {
@@ -128,6 +132,7 @@ static inline __attribute__((always_inline)) void score_dots_block(const float *
     const __m128 factor = _mm_set1_ps(scale);
     for (int64_t j = 0; j < n; j += 4) {
         __m512 acc[3][4];
+        stream_lines(stream, STREAM_LINES);
         for (int r = 0; r < 4; r++) {
             const uint16_t *key = keys[j + r < n ? j + r : n - 1];
             for (int h = 0; h < count; h++) acc[h][r] = _mm512_setzero_ps();
@@ -154,11 +159,12 @@ static inline __attribute__((always_inline)) void score_dots_block(const float *
 static inline __attribute__((always_inline)) void weigh_dots_block(const uint32_t *const *probs,
                                                                    const void *const *rows, ptrdiff_t offset,
                                                                    int64_t n, float *const *results,
-                                                                   const int count) {
+                                                                   const int count, kv_stream *stream) {
     __m512 acc[WEIGH_HEADS][4];
     for (int h = 0; h < count; h++)
         for (int i = 0; i < 4; i++) acc[h][i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 2) {
+        stream_lines(stream, STREAM_LINES);
         const uint16_t *first = (const uint16_t *)rows[j] + offset;
         const uint16_t *second = (const uint16_t *)rows[j + 1 < n ? j + 1 : j] + offset;
         const __m512i a0 = _mm512_loadu_si512(first), a1 = _mm512_loadu_si512(first + 32);
@@ -185,7 +191,7 @@ static inline __attribute__((always_inline)) void weigh_dots_block(const uint32_
  * word past an odd n's last key zero), then weigh_dots_block over WEIGH_HEADS heads and 64 of head_dim's columns
  * at a time. */
 void weigh_dots(float *const *weights, int64_t heads, const void *const *rows, ptrdiff_t offset, int64_t n,
-                int64_t head_dim, uint32_t *pairs, float *const *results) {
+                int64_t head_dim, uint32_t *pairs, float *const *results, kv_stream *stream) {
     const uint32_t *rounded[WEIGH_HEADS];
     for (int64_t h = 0; h < heads; h += WEIGH_HEADS) {
         const int count = heads - h < WEIGH_HEADS ? (int)(heads - h) : WEIGH_HEADS;
@@ -203,9 +209,9 @@ void weigh_dots(float *const *weights, int64_t heads, const void *const *rows, p
             float *at[WEIGH_HEADS];
             for (int i = 0; i < count; i++) at[i] = results[h + i] + c;
             switch (count) {
-#define DOTS_CASE(k) case k: weigh_dots_block(rounded, rows, offset + c, n, at, k); break;
+#define DOTS_CASE(k) case k: weigh_dots_block(rounded, rows, offset + c, n, at, k, stream); break;
                 DOTS_CASE(1) DOTS_CASE(2) DOTS_CASE(3) DOTS_CASE(4) DOTS_CASE(5)
-                default: weigh_dots_block(rounded, rows, offset + c, n, at, WEIGH_HEADS);
+                default: weigh_dots_block(rounded, rows, offset + c, n, at, WEIGH_HEADS, stream);
 #undef DOTS_CASE
             }
         }
@@ -219,31 +225,33 @@ void weigh_dots(float *const *weights, int64_t heads, const void *const *rows, p
 static inline __attribute__((always_inline)) void score_heads_sized(const float *const *queries, int64_t heads,
                                                                     const uint16_t *const *keys, int64_t n,
                                                                     float scale, float *const *scores, float *best,
-                                                                    int dots, const int head_dim) {
+                                                                    int dots, const int head_dim,
+                                                                    kv_stream *stream) {
     (void)dots;
     for (int64_t h = 0; h < heads; h += 3) {
         const int count = heads - h < 3 ? (int)(heads - h) : 3;
 #define SCORE_CASE(block, k) \
-    case k: block(queries + h, keys, n, scale, scores + h, best + h, k, head_dim); break;
+    case k: block(queries + h, keys, n, scale, scores + h, best + h, k, head_dim, stream); break;
 #if INFER_AVX512_BF16
         if (dots) {
             switch (count) { SCORE_CASE(score_dots_block, 1) SCORE_CASE(score_dots_block, 2)
                              default: score_dots_block(queries + h, keys, n, scale, scores + h, best + h, 3,
-                                                       head_dim); }
+                                                       head_dim, stream); }
             continue;
         }
 #endif
         switch (count) { SCORE_CASE(score_bf16_block, 1) SCORE_CASE(score_bf16_block, 2)
-                         default: score_bf16_block(queries + h, keys, n, scale, scores + h, best + h, 3, head_dim); }
+                         default: score_bf16_block(queries + h, keys, n, scale, scores + h, best + h, 3, head_dim,
+                                                   stream); }
 #undef SCORE_CASE
     }
 }
 
 void score_heads(const float *const *queries, int64_t heads, const uint16_t *const *keys, int64_t n, float scale,
-                 float *const *scores, float *best, int dots, int64_t head_dim) {
+                 float *const *scores, float *best, int dots, int64_t head_dim, kv_stream *stream) {
     switch (head_dim) {
 #define SIZED_CASE(size) \
-    case size: score_heads_sized(queries, heads, keys, n, scale, scores, best, dots, size); break;
+    case size: score_heads_sized(queries, heads, keys, n, scale, scores, best, dots, size, stream); break;
         DIRECT_HEAD_DIMS(SIZED_CASE)
 #undef SIZED_CASE
         default: abort();  /* the caller asks direct_head_dim first */
