@@ -1,19 +1,22 @@
 """GGUF's block weights (q4_0, q4_1, q8_0) against the float formats (bf16, fp16) on one projection at a time, at
 decode and prefill row counts, as ``PackedLinear`` runs each (the GEMV up to one of its passes, then the block GEMM,
-the tiles or fbgemm), and the block GEMM's designs side by side.
+the tiles or fbgemm), and the block GEMM's designs side by side, K-quants (q4_k, q6_k) too.
 
-Weights: the default model's projections (SmolLM2-135M: QKV 960 x 576, output 576 x 576, gate/up 3072 x 576, down
-576 x 1536) and a Qwen3-0.6B-shaped down projection (1024 x 3072), random values. Per shape and row count, every
-arm is called in turn, ``--repeats`` rounds, and each arm's fastest call is kept (a busy machine only slows calls);
-``--clock cpu`` times thread CPU time instead of wall time (one thread: a call descheduled by other jobs does not
-count). Prints two markdown tables, milliseconds per call: the formats as the engine runs them, and for each block
-kind its GEMV and every GEMM design this build runs (``CpuKernels.block_gemm_designs``). ``--kernels PATH`` runs the
-block formats on another build of the kernels (``python -c "from infer.kernels import cpu; from pathlib import Path;
-print(cpu.build(Path('/tmp/avx2'), ['-mno-avx512f']))"`` builds the AVX2 code on an AVX-512 CPU); the float formats
-keep torch's own kernels (oneDNN and fbgemm pick their code from the CPU, not from these flags).
+Weights: the default model's projections (SmolLM2-135M: QKV 960 x 576, output 576 x 576, gate/up 3072 x 576, down 576 x
+1536) and Qwen3-0.6B's (QKV 4096 x 1024, output 1024 x 2048, gate/up 6144 x 1024, down 1024 x 3072), random values; the
+K-quants (quantized by ``infer.testing.kquants``) on the shapes whose k is a multiple of 256. Per shape and row count,
+every arm is called in turn, ``--repeats`` rounds, and each arm's fastest call is kept (a busy machine only slows
+calls); ``--clock cpu`` times thread CPU time instead of wall time (one thread: a call descheduled by other jobs does
+not count). Prints two markdown tables, milliseconds per call: the formats as the engine runs them, and for each block
+kind its GEMV, every GEMM design this build runs (``CpuKernels.block_gemm_designs``) and the GEMM's default at that many
+rows (what a block projection takes past one GEMV pass). ``--kernels PATH`` runs the block formats on another build of
+the kernels (``python -c "from infer.kernels import cpu; from pathlib import Path; print(cpu.build(Path('/tmp/avx2'),
+['-mno-avx512f']))"`` builds the AVX2 code on an AVX-512 CPU); the float formats keep torch's own kernels (oneDNN and
+fbgemm pick their code from the CPU, not from these flags).
 
     OMP_NUM_THREADS=2 python benchmarks/block_gemm.py
     OMP_NUM_THREADS=1 python benchmarks/block_gemm.py --clock cpu --rows 16 64 --repeats 40
+    OMP_NUM_THREADS=1 python benchmarks/block_gemm.py --clock cpu --rows 16 64 256 --shapes 'qwen3-0.6b down 1024x3072'
 """
 
 from __future__ import annotations
@@ -26,14 +29,19 @@ from pathlib import Path
 import torch
 
 from infer.kernels import cpu as cpu_kernels
+from infer.kernels.cpu.blocks import K_KINDS, BlockWeight, pack_blocks
 from infer.model import Linear
 from infer.model.quantization import PackedLinear
+from infer.testing.kquants import QUANTIZERS
 
 SHAPES = {
     "qkv 960x576": (960, 576),
     "o 576x576": (576, 576),
     "gate_up 3072x576": (3072, 576),
     "down 576x1536": (576, 1536),
+    "qwen3-0.6b qkv 4096x1024": (4096, 1024),
+    "qwen3-0.6b o 1024x2048": (1024, 2048),
+    "qwen3-0.6b gate_up 6144x1024": (6144, 1024),
     "qwen3-0.6b down 1024x3072": (1024, 3072),
 }
 BLOCK_KINDS = ("q4_0", "q4_1", "q8_0")
@@ -50,11 +58,15 @@ def parse_arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def projections(kernels, block_kernels, shape: tuple[int, int]) -> dict[str, PackedLinear]:
+def projections(kernels, block_kernels, shape: tuple[int, int]) -> tuple[dict[str, PackedLinear], dict]:
     """One weight of ``shape`` packed in every format, each taking the GEMV for up to one of its passes (the block
-    formats on ``block_kernels``)."""
+    formats on ``block_kernels``); and its K-quant blocks (none where k is not a multiple of 256)."""
     linear = Linear(shape[1], shape[0], bias=False)
     torch.nn.init.normal_(linear.weight, std=0.05)
+    kquants: dict[str, BlockWeight] = {}
+    if shape[1] % 256 == 0:
+        for kind in K_KINDS:
+            kquants[kind] = pack_blocks(QUANTIZERS[kind](linear.weight.detach().numpy()), kind, shape[0])
     packed = {}
     for mode in (*BLOCK_KINDS, *FLOAT_MODES):
         module = PackedLinear(linear, mode)
@@ -64,7 +76,7 @@ def projections(kernels, block_kernels, shape: tuple[int, int]) -> dict[str, Pac
         else:
             module.use_cpu_kernels(kernels, kernels.pass_rows)
         packed[mode] = module
-    return packed
+    return packed, kquants
 
 
 def fastest_ms(arms: dict[str, object], repeats: int, clock) -> dict[str, float]:
@@ -101,13 +113,14 @@ def main() -> None:
     )
     engine_rows, design_rows = [], []
     for shape_name in args.shapes:
-        packed = projections(kernels, block_kernels, SHAPES[shape_name])
+        packed, kquants = projections(kernels, block_kernels, SHAPES[shape_name])
+        weights = {**{kind: packed[kind].blocks for kind in BLOCK_KINDS}, **kquants}
         for rows in args.rows:
             x = torch.randn(rows, SHAPES[shape_name][1])
             arms = {mode: (lambda module=module: module(x)) for mode, module in packed.items()}
-            for kind in BLOCK_KINDS:
-                blocks = packed[kind].blocks
+            for kind, blocks in weights.items():
                 arms[f"{kind} gemv"] = lambda blocks=blocks: block_kernels.linear_blocks(x, blocks, None)
+                arms[f"{kind} default"] = lambda blocks=blocks: block_kernels.gemm_blocks(x, blocks, None)
                 for design in designs:
                     arms[f"{kind} {design}"] = lambda blocks=blocks, design=design: block_kernels.gemm_blocks(
                         x, blocks, None, design
@@ -116,14 +129,18 @@ def main() -> None:
             path = "GEMV" if rows <= block_kernels.block_pass_rows else "GEMM"
             cells = " | ".join(f"{best[mode]:.3f}" for mode in (*BLOCK_KINDS, *FLOAT_MODES))
             engine_rows.append(f"| {shape_name} | {rows} | {path} | {cells} |")
-            for kind in BLOCK_KINDS:
-                cells = " | ".join(f"{best[f'{kind} {arm}']:.3f}" for arm in ("gemv", *designs))
+            for kind in weights:
+                cells = " | ".join(f"{best[f'{kind} {arm}']:.3f}" for arm in ("gemv", *designs, "default"))
                 design_rows.append(f"| {shape_name} | {rows} | {kind} | {cells} |")
     print("\n| projection | rows | blocks on | " + " | ".join((*BLOCK_KINDS, *FLOAT_MODES)) + " |")
     print("|---" * (3 + len(BLOCK_KINDS) + len(FLOAT_MODES)) + "|")
     print("\n".join(engine_rows))
-    print("\n| projection | rows | kind | GEMV | " + " | ".join(f"GEMM {design}" for design in designs) + " |")
-    print("|---" * (4 + len(designs)) + "|")
+    print(
+        "\n| projection | rows | kind | GEMV | "
+        + " | ".join(f"GEMM {design}" for design in designs)
+        + " | GEMM default |"
+    )
+    print("|---" * (5 + len(designs)) + "|")
     print("\n".join(design_rows))
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
 
