@@ -324,3 +324,21 @@ def test_engine_runs_a_k_quant_gguf_file(kquant_gguf):
     )
     assert [len(output.token_ids) for output in outputs] == [8, 8]
     assert outputs[0].token_ids == outputs[1].token_ids
+
+
+@pytest.mark.parametrize("path", ["fused-stack", "fused-layers"])
+def test_k_quant_prompt_in_the_fused_c_layers_takes_the_block_gemm_as_op_by_op(kquant_models, path):
+    """A 20-token prompt (past the 16 rows K-quants keep on their GEMV) through the fused C layers, their token limit
+    raised past it: each K-quant projection there takes the block GEMM as op by op does (AMX's bf16 tiles where they
+    run), so both give the same logits up to attention's summation order, and stay the float model's."""
+    from test_model import PagedPool
+
+    float_model, packed = kquant_models
+    tokens = torch.randint(1000, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    op_by_op = PagedPool(packed, kernels=True, paths=("torch",)).step({"a": tokens})["a"]
+    runner = PagedPool(packed, kernels=True, paths=(path, "torch"))
+    runner.executor.set_fused_max_tokens(packed, 32)
+    fused = runner.step({"a": tokens})["a"]
+    assert runner.executor.counts[path] == 1, runner.executor.counts
+    assert relative_error(fused, op_by_op) < 1e-3
+    assert relative_error(fused, PagedPool(float_model).step({"a": tokens})["a"]) < 2.5e-2
