@@ -346,6 +346,7 @@ def _moe_rank(rank: int, port: int, models: list[tuple[str, Path, str]], errors)
 
     from infer.distributed import model_shard_plans
     from infer.model.moe import MoE
+    from infer.testing.moe import record_routing
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -359,7 +360,10 @@ def _moe_rank(rank: int, port: int, models: list[tuple[str, Path, str]], errors)
                 model = load_moe(model_dir, architecture, mode, plan)
                 if rank != 0:
                     model.compute_logits = placeholder_logits(model.compute_logits)
+                routings = record_routing(model)
                 got = mixed_batch_logits(model, backend, kernels=backend == "cpu")
+                if name == "favourite":
+                    assert all((experts == FAVOURITE).any(dim=1).all() for experts in routings)
                 if mode is not None:  # the experts of few tokens ran in the C call, on this rank's packed columns
                     assert all(layer.mlp.packed is not None for layer in model.layers if isinstance(layer.mlp, MoE))
                 if rank == 0:
