@@ -94,11 +94,14 @@ def instrument(llm: LLM) -> Timers:
     return timers
 
 
-def decode_case(llm: LLM, timers: Timers, batch: int, steps: int) -> tuple[float, dict]:
+def decode_case(llm: LLM, timers: Timers, batch: int, steps: int, repeats: int = 1) -> tuple[float, dict]:
+    """Decode at ``batch`` sequences, each prompt a chat message of its sentence ``repeats`` times (1: about 40
+    tokens with the template; 10: about 145)."""
     engine = llm.engine
     params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request([{"role": "user", "content": f"Tell me a long story about lighthouse number {i}."}], params)
+        sentence = f"Tell me a long story about lighthouse number {i}. "
+        engine.add_request([{"role": "user", "content": (sentence * repeats).strip()}], params)
     return timed_decode(engine, timers, steps)
 
 
@@ -166,6 +169,9 @@ def main() -> None:
     parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 16, 64])
     parser.add_argument("--prefills", nargs="*", default=["1x512", "4x512"], help="prompts x tokens, one step each")
     parser.add_argument("--no-shared-prefix", action="store_true", help="skip the shared-prefix decode rows")
+    parser.add_argument(
+        "--prompt-repeats", type=int, default=1, help="decode rows' prompts: their sentence this many times"
+    )
     args = parser.parse_args()
     if args.clock == "cpu":
         clock = time.thread_time
@@ -177,7 +183,7 @@ def main() -> None:
     timers = instrument(llm)
     lines = ["| step | ms | tok/s | " + " | ".join(PARTS) + " |", "|---" * (len(PARTS) + 3) + "|"]
     for batch in args.decode_batches:
-        total, parts = decode_case(llm, timers, batch, args.steps)
+        total, parts = decode_case(llm, timers, batch, args.steps, args.prompt_repeats)
         lines.append(row(f"decode, batch {batch}", total, parts, batch))
         print(lines[-1], flush=True)
     for prefill in args.prefills:
