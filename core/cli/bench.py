@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import shlex
 import sys
 from pathlib import Path
@@ -167,27 +168,32 @@ def bench(
     click.echo(f"running {len(workload.requests)} {workload_name} requests ...", err=True)
     result = run_workload(engine, workload, show_progress=True)
     summary = result.summary
+    requests = tokenize_workload(engine, workload)
+    engine_dtype, device, eos_token_ids, quantization = (
+        engine.dtype,
+        engine.device,
+        engine.eos_token_ids,
+        engine.quantization,
+    )
+    if baseline:  # the engine's weights and KV pool freed first: a baseline loads the same model again
+        engine.close()
+        del engine
+        gc.collect()
     hf = vllm = llamacpp = None
     if "hf" in baseline:
         import torch
 
         from infer.bench.hf_baseline import run_hf_baseline
 
-        dtype = engine.dtype if hf_dtype == "same" else getattr(torch, hf_dtype)
+        dtype = engine_dtype if hf_dtype == "same" else getattr(torch, hf_dtype)
         click.echo(f"running the HF transformers baseline (static batches of {hf_batch_size}, {dtype}) ...", err=True)
         hf = run_hf_baseline(
-            resolved.model.path,
-            dtype,
-            engine.device,
-            tokenize_workload(engine, workload),
-            hf_batch_size,
-            engine.eos_token_ids,
-            show_progress=True,
+            resolved.model.path, dtype, device, requests, hf_batch_size, eos_token_ids, show_progress=True
         )
     if "vllm" in baseline:
-        vllm = run_vllm(vllm_python, vllm_dtype, resolved, engine, workload, result)
+        vllm = run_vllm(vllm_python, vllm_dtype, resolved, requests, workload, result)
     if "llamacpp" in baseline:
-        llamacpp = run_llamacpp(llama_server, shlex.split(llama_server_args), resolved, engine, workload, result)
+        llamacpp = run_llamacpp(llama_server, shlex.split(llama_server_args), resolved, requests, workload, result)
     click.echo(format_bench(workload_name, summary, hf, vllm, llamacpp))
     if json_path is not None:
         write_json(
@@ -196,8 +202,8 @@ def bench(
                 "command": command_line(),
                 **environment(),
                 "config": resolved.to_dict(),
-                "dtype": str(engine.dtype).removeprefix("torch."),
-                "quantization": engine.quantization,
+                "dtype": str(engine_dtype).removeprefix("torch."),
+                "quantization": quantization,
                 "workload": {"name": workload_name, "options": workload.options},
                 "infer": summary,
                 "hf": hf,
@@ -211,14 +217,12 @@ def bench(
         click.echo(f"wrote {json_path}", err=True)
 
 
-def run_vllm(python: str, dtype: str, config, engine, workload, result) -> dict:
-    """vLLM's baseline over the workload's requests, with how many of them got infer's very tokens."""
+def run_vllm(python: str, dtype: str, config, requests, workload, result) -> dict:
+    """vLLM's baseline over the workload's requests (tokenized), with how many of them got infer's very tokens."""
     import torch
 
-    from infer.bench.runner import tokenize_workload
     from infer.bench.vllm_baseline import VllmBaselineError, greedy_agreement, run_vllm_baseline
 
-    requests = tokenize_workload(engine, workload)
     at_once = workload.batch_size or len(requests)
     click.echo(f"running vLLM's CPU backend ({dtype}, {len(requests)} requests, {at_once} at a time) ...", err=True)
     try:
@@ -234,16 +238,14 @@ def run_vllm(python: str, dtype: str, config, engine, workload, result) -> dict:
     return vllm
 
 
-def run_llamacpp(binary: str, extra_args: list[str], config, engine, workload, result) -> dict:
-    """llama.cpp's baseline over the workload's requests at its concurrency, with how many of them got infer's very
-    tokens."""
+def run_llamacpp(binary: str, extra_args: list[str], config, requests, workload, result) -> dict:
+    """llama.cpp's baseline over the workload's requests (tokenized) at its concurrency, with how many of them got
+    infer's very tokens."""
     import torch
 
     from infer.bench.llamacpp_baseline import LlamaCppBaselineError, run_llamacpp_baseline
-    from infer.bench.runner import tokenize_workload
     from infer.bench.vllm_baseline import greedy_agreement
 
-    requests = tokenize_workload(engine, workload)
     at_once = workload.batch_size or len(requests)
     threads = torch.get_num_threads()
     click.echo(

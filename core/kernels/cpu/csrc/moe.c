@@ -173,8 +173,8 @@ static void block_amx(const uint16_t *xb, int64_t padded, int64_t k, const uint1
         for (int64_t t = 0; t < k / 32; t++) {
             if (m == 0) /* the first rows stream the block from memory: its lines asked for 2 and 8 k tiles ahead */
                 for (int line = 0; line < 32; line++) {
-                    _mm_prefetch((const char *)(wb + (t + 2) * 1024) + line * 64, _MM_HINT_T0);
-                    _mm_prefetch((const char *)(wb + (t + 8) * 1024) + line * 64, _MM_HINT_T1);
+                    __builtin_prefetch((const char *)(wb + (t + 2) * 1024) + line * 64, 0, 3);
+                    __builtin_prefetch((const char *)(wb + (t + 8) * 1024) + line * 64, 0, 2);
                 }
             _tile_loadd(4, x0 + t * 32, k * 2);
             _tile_loadd(5, x1 + t * 32, k * 2);
