@@ -14,6 +14,7 @@
  * routing-weighted add. An expert of many tokens multiplies on AMX's tiles (its rows rounded to bf16, in chunks that
  * stay in L2), one of few with float32 FMAs over the widened weights, a GEMV pass of 8 rows at a time. */
 #include "common.h"
+#include "tiles.h"
 
 /* Blocks [*first, *last) of `blocks` that thread `thread` of `threads` takes. */
 static inline void thread_share(int64_t blocks, int thread, int threads, int64_t *first, int64_t *last) {
@@ -113,37 +114,13 @@ void infer_moe_experts(const float *x, int64_t hidden, int64_t width, int64_t ex
 static inline int64_t tile_block(int64_t k) { return k / 32 * 1024; }
 
 #if INFER_AVX512
-/* The weight stream's prefetch, as the tile GEMV's: `line` is the first half's 64 bytes at a pair of k; the next k
- * tile's two halves (2 KB on) into L1, 6 KB further into L2. */
-static inline __attribute__((always_inline)) void stream_prefetch(const char *line) {
-    __builtin_prefetch(line + 2048, 0, 3);
-    __builtin_prefetch(line + 3072, 0, 3);
-    __builtin_prefetch(line + 2048 + 6144, 0, 2);
-    __builtin_prefetch(line + 3072 + 6144, 0, 2);
-}
-
-/* y[r][0..31] = row r of x (float32, k each) times one block of 32 output columns, rows 0..count-1: each 64-byte
- * tile row widened to its even and odd k (exact), two float32 FMAs per row with x[2p] and x[2p + 1] broadcast. The
- * sums stay in registers (a constant count per copy: pass_fma). */
+/* y[r][0..31] = row r of x (float32, k each) times one block of 32 output columns, rows 0..count-1: the tile
+ * GEMV's sums (gemv_block_fma, tiles.h), exact widened weights and float32 FMAs, kept in registers (a constant count
+ * per copy: pass_fma). */
 static inline __attribute__((always_inline)) void block_fma(const float *x, int64_t k, const uint16_t *wb, float *y,
                                                             const int count) {
     __m512 acc[PASS_ROWS][2];
-    for (int r = 0; r < count; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < k / 32; t++) {
-        const uint16_t *tile = wb + t * 1024;
-        for (int p = 0; p < 16; p++) {
-            stream_prefetch((const char *)(tile + p * 32));
-            __m512 even0, odd0, even1, odd1;
-            widen_pairs(_mm512_loadu_si512(tile + p * 32), &even0, &odd0);
-            widen_pairs(_mm512_loadu_si512(tile + 512 + p * 32), &even1, &odd1);
-            for (int r = 0; r < count; r++) {
-                const __m512 xe = _mm512_set1_ps(x[r * k + t * 32 + 2 * p]);
-                const __m512 xo = _mm512_set1_ps(x[r * k + t * 32 + 2 * p + 1]);
-                acc[r][0] = _mm512_fmadd_ps(xo, odd0, _mm512_fmadd_ps(xe, even0, acc[r][0]));
-                acc[r][1] = _mm512_fmadd_ps(xo, odd1, _mm512_fmadd_ps(xe, even1, acc[r][1]));
-            }
-        }
-    }
+    gemv_block_fma(x, k, wb, acc, count);
     for (int r = 0; r < count; r++) {
         _mm512_storeu_ps(y + r * 32, acc[r][0]);
         _mm512_storeu_ps(y + r * 32 + 16, acc[r][1]);
