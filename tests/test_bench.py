@@ -8,7 +8,9 @@ import itertools
 import json
 import os
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -441,6 +443,43 @@ def test_llamacpp_baseline_ttft_and_tpot_count_as_infers_request_metrics():
     assert summary["tpot_p50_s"] == pytest.approx(0.35) and summary["tpot_p99_s"] == pytest.approx(0.497)
     assert summary["output_tokens"] == 6 and summary["output_tok_per_s"] == 3.0 and summary["prompt_tok_per_s"] == 3
     assert summary["output_token_ids"] == [[1, 2, 3], [4, 5], [6]]
+
+
+# A stand-in for llama-server: answers /health with 200 and writes its pid beside it.
+FAKE_SERVER = """
+import http.server, os, sys
+open(sys.argv[2], "w").write(str(os.getpid()))
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+# infer's side: the server started, then this process sent SIGTERM while the server runs.
+STOPPED_WHILE_SERVING = """
+import os, signal, sys, time
+from infer.bench.llamacpp_baseline import free_port, running_server
+port = free_port()
+with running_server([sys.executable, "-c", sys.argv[1], str(port), sys.argv[2]], port):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+"""
+
+
+def test_a_sigterm_while_llama_server_runs_stops_the_server_too(tmp_path):
+    """infer stopped with SIGTERM during the llama.cpp baseline exits (143) and takes llama-server with it instead of
+    leaving it running."""
+    pid_file = tmp_path / "server.pid"
+    finished = subprocess.run(
+        [sys.executable, "-c", STOPPED_WHILE_SERVING, FAKE_SERVER, str(pid_file)], timeout=120, capture_output=True
+    )
+    assert finished.returncode == 128 + signal.SIGTERM, finished.stderr.decode()[-2000:]
+    server_pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)
 
 
 def test_llamacpp_server_command_and_context_hold_every_slots_longest_request():

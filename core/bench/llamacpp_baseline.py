@@ -28,9 +28,11 @@ import contextlib
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -245,9 +247,29 @@ def log_tail(log: Path, lines: int = 15) -> str:
 
 
 @contextlib.contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises SystemExit while the block runs (in the main thread), so that its ``finally`` clauses run: by
+    default the signal ends Python at once and a child process started in the block outlives it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
 def running_server(command: list[str], port: int) -> Iterator[None]:
-    """``command`` (a llama-server on ``port``) running and ready while the block runs, stopped after it."""
-    with tempfile.TemporaryDirectory(prefix="infer-llamacpp-") as folder:
+    """``command`` (a llama-server on ``port``) running and ready while the block runs, stopped after it, also when
+    infer is stopped with SIGTERM or Ctrl-C meanwhile."""
+    with tempfile.TemporaryDirectory(prefix="infer-llamacpp-") as folder, exit_on_sigterm():
         log = Path(folder) / "server.log"
         with log.open("w") as output:
             server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
