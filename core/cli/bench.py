@@ -168,7 +168,7 @@ def bench(
     click.echo(f"running {len(workload.requests)} {workload_name} requests ...", err=True)
     result = run_workload(engine, workload, show_progress=True)
     summary = result.summary
-    requests = tokenize_workload(engine, workload)
+    requests = tokenize_workload(engine, workload) if baseline else []  # the baselines' prompts, as token ids
     engine_dtype, device, eos_token_ids, quantization = (
         engine.dtype,
         engine.device,
