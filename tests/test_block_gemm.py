@@ -21,8 +21,9 @@ from test_block_kernels import (
 from infer.kernels import cpu as cpu_kernels
 from infer.kernels.cpu.blocks import K_KINDS, dequantize_blocks, pack_blocks
 
-# n odd and not a multiple of 16 or 32 (the designs' panels), k a multiple of 32 but not of 64 or 256.
-SHAPES = [(13, 96), (67, 288), (150, 576), (35, 1504)]
+# n odd and not a multiple of 16 or 32 (the designs' panels), k a multiple of 32 but not of 64 or 256; at 3040 x's
+# 300 rows are two chunks, each running every panel of a thread's share (the next one dequantized alongside).
+SHAPES = [(13, 96), (67, 288), (150, 576), (35, 1504), (99, 3040)]
 # Rows below, at and past the designs' tiles of 16 and pairs of tiles, and a prefill-sized step.
 ROWS = (1, 9, 16, 17, 33, 70, 300)
 # K-quants: k one to twelve super-blocks (at 3072, 300 rows are two chunks of x); n odd and not a multiple of 16 or

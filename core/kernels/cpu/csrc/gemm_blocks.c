@@ -13,10 +13,13 @@
  * - AMX bf16 tiles over dequantized panels (BLOCK_GEMM_AMX_BF16): each thread dequantizes a panel of 32 weight rows
  *   (all of k) into bf16 tiles, 16 weight rows each, the rows as AMX's A operand takes them, and multiplies every
  *   row of x (rounded to bf16, laid out as B tiles once per call) over it with TDPBF16PS; results come out per
- *   weight row and are transposed into y. The weights are rounded to bf16 (a Q4 weight's 15 significant bits to 8)
- *   and so is x: the precision of a bf16 model, where the int8 design keeps the GEMV's. K-quant weights dequantize
- *   a row's super-blocks in their records' order (d sc q - dmin m, or d sc (q - 32)), and x's B tiles take each 256
- *   columns in that order too: the sums over k are the same, and neither side is shuffled per weight.
+ *   weight row and are transposed into y. While the tiles multiply one panel, the vector units dequantize the
+ *   thread's next one (gemm_amx). The weights are rounded to bf16 (a Q4 weight's 15 significant bits to 8) and so
+ *   is x: the precision of a bf16 model, where the int8 design keeps the GEMV's. Weights are dequantized in the
+ *   order that costs least, and x's B tiles take its columns in the same order (the sums over k are the same, and
+ *   neither side is shuffled per weight): K-quant rows their super-blocks' in their records' order (d sc q - dmin m,
+ *   or d sc (q - 32)); Q4 rows each block's even columns, then its odd ones, which a record's nibbles give as
+ *   16-bit indices in place.
  *
  * K-quant weights have no int8 design here: their GEMV (gemv_kquants.c) already multiplies int8 products over
  * passes of 8 rows of x against blocks of 16 weight rows, so steps of up to 16 rows, and steps where AMX does not
@@ -412,11 +415,17 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
     }
 }
 
+/* Orders of k within a block of 32 (Q4: ORDER_NIBBLES) or of 256 (K-quants: ORDER_SUPER) in which a dequantized panel
+ * holds its weights, and x's B tiles their columns to meet them. */
+enum { ORDER_COLUMNS = 0, ORDER_SUPER = 1, ORDER_NIBBLES = 2 };
+
 /* x rounded to bf16 as B tiles, [tiles of 16 rows][k / 32][16 pairs p][16 rows][2] (row p of a tile: every row's
- * columns 2p and 2p + 1), rows past the last zero: each 16 x 32 block of x a 16 x 16 transpose of pairs. With
- * `super_order`, each 256 columns in the order a K-quant record stores its weights (gemv_kquants.c's top comment:
- * position 32t + 4j + c holds column 32j + 4t + c), so that a panel dequantized in its records' order meets them. */
-static uint16_t *rows_as_b_tiles(const float *x, int64_t rows, int64_t k, int64_t tiles, int super_order) {
+ * positions 2p and 2p + 1), rows past the last zero: each 16 x 32 block of x a 16 x 16 transpose of pairs. Position
+ * p of a block holds column p (ORDER_COLUMNS); with ORDER_SUPER, each 256 columns in the order a K-quant record stores
+ * its weights (gemv_kquants.c's top comment: position 32t + 4j + c holds column 32j + 4t + c); with ORDER_NIBBLES,
+ * each 32 columns' even ones, then their odd ones (position p < 16 holds column 2p, p >= 16 column 2p - 31), the
+ * order dequantize_record looks a Q4 record's nibbles up in. */
+static uint16_t *rows_as_b_tiles(const float *x, int64_t rows, int64_t k, int64_t tiles, int order) {
     uint16_t *xb = malloc(sizeof(uint16_t) * tiles * 16 * k);
     const int64_t k_tiles = k / 32;
 #pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_ELEMENTS)
@@ -429,7 +438,7 @@ static uint16_t *rows_as_b_tiles(const float *x, int64_t rows, int64_t k, int64_
                 r[i] = _mm512_setzero_si512();
                 continue;
             }
-            if (super_order) {  /* positions 32t .. 32t + 31 of super-block kt / 8, t = kt % 8 */
+            if (order == ORDER_SUPER) {  /* positions 32t .. 32t + 31 of super-block kt / 8, t = kt % 8 */
                 const __m512i columns = _mm512_set_epi32(99, 98, 97, 96, 67, 66, 65, 64, 35, 34, 33, 32, 3, 2, 1, 0);
                 const float *in = x + m * k + (kt / 8) * 256 + 4 * (kt % 8);
                 r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_i32gather_ps(columns, in + 128, 4),
@@ -437,7 +446,15 @@ static uint16_t *rows_as_b_tiles(const float *x, int64_t rows, int64_t k, int64_
                 continue;
             }
             const float *in = x + m * k + kt * 32;
-            r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + 16), _mm512_loadu_ps(in));
+            const __m512 low = _mm512_loadu_ps(in), high = _mm512_loadu_ps(in + 16);
+            if (order == ORDER_NIBBLES) {
+                const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+                const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+                r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(low, odd, high),
+                                                    _mm512_permutex2var_ps(low, even, high));
+                continue;
+            }
+            r[i] = (__m512i)_mm512_cvtne2ps_pbh(high, low);
         }
         transpose16(r);
         uint16_t *out = xb + job * 512;
@@ -446,13 +463,14 @@ static uint16_t *rows_as_b_tiles(const float *x, int64_t rows, int64_t k, int64_
     return xb;
 }
 
-/* One record's four weight rows (32 columns each) as bf16, into rows `out`, `out + stride`, ... */
+/* One record's four weight rows (32 columns each) as bf16, into rows `out`, `out + stride`, ...: Q8_0's in the order
+ * of their columns, Q4's in ORDER_NIBBLES (rows_as_b_tiles). */
 static inline __attribute__((always_inline)) void dequantize_record(const uint8_t *record, uint16_t *out,
                                                                     int64_t stride, const int kind) {
-    float d[4], c[4];
-    record_scales(record, kind, 0, d, c);
     const uint8_t *quants = record + quants_at(kind);
     if (kind == KIND_Q8_0) {  /* (u - 128) d as u d + c, exact in float32 */
+        float d[4], c[4];
+        record_scales(record, kind, 0, d, c);
         for (int i = 0; i < 4; i++) {
             const __m512 scale = _mm512_set1_ps(d[i]), offset = _mm512_set1_ps(c[i]);
             const __m512 lo = _mm512_fmadd_ps(
@@ -465,17 +483,37 @@ static inline __attribute__((always_inline)) void dequantize_record(const uint8_
         }
         return;
     }
-    /* Q4: a row's 16 possible weights (nibble * d + c) as a bf16 table, looked up by each of its 32 nibbles */
-    const __m512i packed = _mm512_loadu_si512(quants), nibble = _mm512_set1_epi8(0x0F);
-    const __m512i rows01 = _mm512_and_si512(packed, nibble);
-    const __m512i rows23 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-    const __m256i nibbles[4] = {_mm512_castsi512_si256(rows01), _mm512_extracti64x4_epi64(rows01, 1),
-                                _mm512_castsi512_si256(rows23), _mm512_extracti64x4_epi64(rows23, 1)};
+    /* Q4: per pair of rows, both rows' 16 possible weights (nibble * d + c) as one table of 32 bf16s, looked up by
+     * the nibbles read in place as 16-bit indices: word w of the quants holds (bits 0-3, 4-7, 8-11, 12-15) row
+     * 0's column 2w, row 2's 2w, row 0's 2w + 1, row 2's 2w + 1 (words 16-31: rows 1 and 3), so masking a shift of
+     * them looks up the even columns of two rows, or the odd ones, in one permutation (row 1's and 3's indices
+     * raised by 16 to their half of the table). Each lookup's halves are a row's even or odd columns. */
+    float dc[8];  /* d[0..3], c[0..3] */
+    if (kind == KIND_Q4_1) {
+        _mm256_storeu_ps(dc, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)record)));
+    } else {
+        const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)record));
+        _mm_storeu_ps(dc, d);
+        _mm_storeu_ps(dc + 4, _mm_mul_ps(d, _mm_set1_ps(-8.0f)));
+    }
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int i = 0; i < 4; i++) {
-        const __m512 values = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[i]), _mm512_set1_ps(c[i]));
-        const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
-        _mm512_storeu_si512(out + i * stride, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles[i]), table));
+    __m512i tables[2];
+    for (int pair = 0; pair < 2; pair++) {  /* rows 2 pair and 2 pair + 1 */
+        const __m512 first = _mm512_fmadd_ps(iota, _mm512_set1_ps(dc[2 * pair]), _mm512_set1_ps(dc[4 + 2 * pair]));
+        const __m512 second =
+            _mm512_fmadd_ps(iota, _mm512_set1_ps(dc[2 * pair + 1]), _mm512_set1_ps(dc[5 + 2 * pair]));
+        tables[pair] = (__m512i)_mm512_cvtne2ps_pbh(second, first);
+    }
+    const __m512i packed = _mm512_loadu_si512(quants), nibble = _mm512_set1_epi16(0x000F);
+    const __m512i upper = _mm512_maskz_set1_epi16(0xFFFF0000u, 16);
+    const int shifts[4] = {0, 8, 4, 12};  /* rows 0, 1 even and odd columns; rows 2, 3 even and odd */
+    for (int j = 0; j < 4; j++) {
+        const __m512i indices =
+            _mm512_ternarylogic_epi32(_mm512_srli_epi16(packed, shifts[j]), nibble, upper, 0xEA); /* a & b | c */
+        const __m512i looked = _mm512_permutexvar_epi16(indices, tables[j / 2]);
+        uint16_t *row = out + (j / 2) * 2 * stride + (j % 2) * 16;  /* even columns at 0..15, odd at 16..31 */
+        _mm256_storeu_si256((__m256i *)row, _mm512_castsi512_si256(looked));
+        _mm256_storeu_si256((__m256i *)(row + stride), _mm512_extracti64x4_epi64(looked, 1));
     }
 }
 
@@ -559,47 +597,43 @@ static inline __attribute__((always_inline)) void dequantize_super(const uint8_t
     }
 }
 
-/* Weight rows n0..n0+31 of a K-quant weight as AMX A tiles, [k / 32][2 tiles][16 rows][32 bf16], each super-block
- * in its records' order (x's B tiles take the same); rows past n_out zero. */
-static void dequantize_kquant_panel(const kquant_parts *parts, int64_t n0, int64_t n_out, int64_t k,
-                                    uint16_t *panel) {
-    const int64_t supers = k / 256;
-    for (int64_t r = 0; r < 32; r++) {
-        const int64_t n = n0 + r;
-        uint16_t *rows = panel + (r / 16) * 512 + (r % 16) * 32;
+/* Unit u of the dequantization of weight rows n0..n0+31 into AMX A tiles, [k / 32][2 tiles][16 rows][32 bf16]
+ * (panel_units of them, in any order): for the 32-blocks one record, group u / (k / 32) at k-tile u % (k / 32); for
+ * K-quants one super-block, row u / (k / 256)'s super-block u % (k / 256), in its records' order (x's B tiles take the
+ * same). Units in turn read the panel's bytes in the order they lie in memory; rows past the weight's are zero. Units
+ * are small, so that the tile loop over one panel can run the next panel's in its gaps (gemm_amx). */
+static inline __attribute__((always_inline)) void dequantize_unit(const uint8_t *w, const kquant_parts *parts,
+                                                                  int64_t n0, int64_t n_out, int64_t k, int64_t u,
+                                                                  uint16_t *panel, const int kind) {
+    if (kind == KIND_K_MIXED) {
+        const int64_t r = u / (k / 256), b = u % (k / 256), n = n0 + r;
+        uint16_t *rows = panel + b * 8 * 1024 + (r / 16) * 512 + (r % 16) * 32;
         if (n >= n_out) {
-            for (int64_t kt = 0; kt < k / 32; kt++) memset(rows + kt * 1024, 0, 32 * sizeof(uint16_t));
-            continue;
+            for (int64_t t = 0; t < 8; t++) memset(rows + t * 1024, 0, 32 * sizeof(uint16_t));
+            return;
         }
         int64_t p = 0;
         while (n >= parts->ends[p]) p++;
-        const int64_t kind = parts->kinds[p], size = kquant_bytes(kind), first = p ? parts->ends[p - 1] : 0;
-        const uint8_t *row = parts->data[p] + (n - first) * supers * size;
-        for (int64_t b = 0; b < supers; b++) {
-            if (kind == KIND_Q4_K)
-                dequantize_super(row + b * size, rows + b * 8 * 1024, 1024, KIND_Q4_K);
-            else
-                dequantize_super(row + b * size, rows + b * 8 * 1024, 1024, KIND_Q6_K);
-        }
+        const int64_t part = parts->kinds[p], size = kquant_bytes(part), first = p ? parts->ends[p - 1] : 0;
+        const uint8_t *record = parts->data[p] + ((n - first) * (k / 256) + b) * size;
+        if (part == KIND_Q4_K)
+            dequantize_super(record, rows, 1024, KIND_Q4_K);
+        else
+            dequantize_super(record, rows, 1024, KIND_Q6_K);
+        return;
     }
+    const int64_t gl = u / (k / 32), kt = u % (k / 32), g = n0 / 4 + gl;
+    uint16_t *rows = panel + kt * 1024 + (gl / 4) * 512 + (gl % 4) * 4 * 32;  /* tile gl / 4, its rows 4 (gl % 4) .. */
+    if (g >= (n_out + 3) / 4) {
+        memset(rows, 0, 4 * 32 * sizeof(uint16_t));
+        return;
+    }
+    const uint8_t *record = w + (g * (k / BLOCK) + kt) * record_bytes(kind);
+    __builtin_prefetch(record + 4 * 136);  /* the stream a few records on */
+    dequantize_record(record, rows, 32, kind);
 }
 
-/* Weight rows n0..n0+31 (groups n0 / 4 ..) as AMX A tiles: [k / 32][2 tiles][16 rows][32 bf16]; rows past the
- * weights' groups zero. */
-static inline __attribute__((always_inline)) void dequantize_panel(const uint8_t *w, int64_t n0, int64_t groups,
-                                                                   int64_t k, uint16_t *panel, const int kind) {
-    const int64_t blocks = k / BLOCK, group_bytes = blocks * record_bytes(kind);
-    for (int64_t gl = 0; gl < 8; gl++) {
-        const int64_t g = n0 / 4 + gl;
-        uint16_t *rows = panel + (gl / 4) * 512 + (gl % 4) * 4 * 32;  /* tile gl / 4, its rows 4 (gl % 4) .. */
-        if (g >= groups) {
-            for (int64_t b = 0; b < blocks; b++) memset(rows + b * 1024, 0, 4 * 32 * sizeof(uint16_t));
-            continue;
-        }
-        const uint8_t *group = w + g * group_bytes;
-        for (int64_t b = 0; b < blocks; b++) dequantize_record(group + b * record_bytes(kind), rows + b * 1024, 32, kind);
-    }
-}
+static inline int64_t panel_units(int64_t k, int kind) { return kind == KIND_K_MIXED ? 32 * (k / 256) : 8 * (k / 32); }
 
 /* A 16 x 16 tile of results (rows: weight rows n.., columns: rows m.. of x) transposed into y plus bias. */
 static inline void store_transposed(const float tile[16][16], const float *bias, float *y, int64_t m, int64_t rows,
@@ -613,28 +647,41 @@ static inline void store_transposed(const float tile[16][16], const float *bias,
         _mm512_mask_storeu_ps(y + (m + j) * n_out + n, columns, _mm512_add_ps(_mm512_castsi512_ps(r[j]), add));
 }
 
-/* `kind` a constant per copy: a block kind, or KIND_K_MIXED for any K-quant weight (its `parts`). */
+/* `kind` a constant per copy: a block kind, or KIND_K_MIXED for any K-quant weight (its `parts`).
+ * Each thread takes a contiguous share of the panels and, per chunk of x's tiles, runs each of its panels over them.
+ * The tile loop waits on AMX's multiplier and on loading x's tiles from L2 while the vector units idle, so it
+ * dequantizes the thread's next panel into a second buffer in its gaps, a few units per k-tile spread evenly over
+ * the panel's passes: only a thread's first panel is dequantized alone. */
 static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, int64_t rows, int64_t tiles,
                                                            int64_t k, const uint8_t *w, const kquant_parts *parts,
                                                            const float *bias, float *y, int64_t n_out,
                                                            const int kind) {
-    const int64_t k_tiles = k / 32, panels = (n_out + 31) / 32, groups = (n_out + 3) / 4;
+    const int64_t k_tiles = k / 32, panels = (n_out + 31) / 32, units = panel_units(k, kind);
     int64_t chunk = CHUNK_BYTES / (16 * k * 2);  /* tiles of x */
     chunk = chunk < 2 ? 2 : chunk / 2 * 2;
+    const int64_t chunks = (tiles + chunk - 1) / chunk;
 #pragma omp parallel
     {
-        load_full_tiles();
-        uint16_t *panel = malloc(sizeof(uint16_t) * 32 * k);
-        float results[4][16][16];
-        for (int64_t first = 0; first < tiles; first += chunk) {
-            const int64_t last = first + chunk < tiles ? first + chunk : tiles;
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++) {
-                const int64_t n = p * 32;
-                if (kind == KIND_K_MIXED)
-                    dequantize_kquant_panel(parts, n, n_out, k, panel);
-                else
-                    dequantize_panel(w, n, groups, k, panel, kind);
+        int64_t thread = 0, threads = 1;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+        threads = omp_get_num_threads();
+#endif
+        const int64_t first_panel = panels * thread / threads, count = panels * (thread + 1) / threads - first_panel;
+        if (count > 0) {
+            load_full_tiles();
+            uint16_t *buffers = malloc(sizeof(uint16_t) * 2 * 32 * k), *panel = buffers, *next = buffers + 32 * k;
+            float results[4][16][16];
+            for (int64_t u = 0; u < units; u++)
+                dequantize_unit(w, parts, first_panel * 32, n_out, k, u, panel, kind);
+            /* item i: panel first_panel + i % count over chunk i / count of x's tiles */
+            for (int64_t i = 0; i < count * chunks; i++) {
+                const int64_t n = (first_panel + i % count) * 32, n_next = (first_panel + (i + 1) % count) * 32;
+                const int64_t first = i / count * chunk, last = first + chunk < tiles ? first + chunk : tiles;
+                /* the next item's panel, unless there is none or it is this one (a share of one panel) */
+                const int64_t todo = i + 1 < count * chunks && count > 1 ? units : 0;
+                const int64_t steps = (last - first + 1) / 2 * k_tiles;
+                int64_t done = 0, owed = 0;  /* units dequantized; todo per step, counted against steps */
                 for (int64_t t = first; t < last; t += 2) {
                     const int pair = t + 1 < last;
                     const uint16_t *b0 = xb + t * k_tiles * 512, *b1 = b0 + k_tiles * 512;
@@ -653,6 +700,8 @@ static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, i
                             _tile_dpbf16ps(1, 4, 7);
                             _tile_dpbf16ps(3, 5, 7);
                         }
+                        for (owed += todo; owed >= steps; owed -= steps)
+                            dequantize_unit(w, parts, n_next, n_out, k, done++, next, kind);
                     }
                     _tile_stored(0, results[0], 64);
                     _tile_stored(2, results[2], 64);
@@ -665,10 +714,16 @@ static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, i
                         if (n + 16 < n_out) store_transposed(results[3], bias, y, (t + 1) * 16, rows, n + 16, n_out);
                     }
                 }
+                for (; done < todo; done++) dequantize_unit(w, parts, n_next, n_out, k, done, next, kind);
+                if (todo) {
+                    uint16_t *swap = panel;
+                    panel = next;
+                    next = swap;
+                }
             }
+            free(buffers);
+            _tile_release();
         }
-        free(panel);
-        _tile_release();
     }
 }
 
@@ -676,7 +731,8 @@ static void gemm_blocks_amx(const float *x, int64_t rows, int64_t k, const uint8
                             const float *bias, float *y, int64_t n_out) {
     const int64_t tiles = (rows + 15) / 16;
     const int kquant = kind == KIND_Q4_K || kind == KIND_Q6_K || kind == KIND_K_MIXED;
-    uint16_t *xb = rows_as_b_tiles(x, rows, k, tiles, kquant);
+    uint16_t *xb = rows_as_b_tiles(x, rows, k, tiles,
+                                   kquant ? ORDER_SUPER : kind == KIND_Q8_0 ? ORDER_COLUMNS : ORDER_NIBBLES);
     if (kquant) {
         const kquant_parts parts = read_kquant_parts(w, kind, n_out, k);
         gemm_amx(xb, rows, tiles, k, w, &parts, bias, y, n_out, KIND_K_MIXED);
