@@ -139,7 +139,7 @@ class FusedLayersPath(ExecutionPath):
             return "tensor-parallel layers (an all-reduce follows the output and the down projection)"
         if not layers or any(layer.fused is None for layer in layers):
             if layers and not all(layer.kernel_shaped for layer in layers):
-                return "layers the fused C layer does not compute (GeGLU, output norms, a second or partial RoPE)"
+                return "layers the fused C layer does not compute (experts, another activation, norms of two eps)"
             return "projections not packed for the kernels (model.quantization fp16 or int8, shapes the GEMV takes)"
         return None
 

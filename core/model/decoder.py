@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infer.kernels.cpu import FusedLayer
+from infer.kernels.cpu import ACTIVATIONS, FusedLayer
 from infer.model.hf_weights import WeightMap, load_hf_state_dict
 from infer.model.layers import Embedding, Linear, RMSNorm, gated_activation
 from infer.model.moe import MoE
@@ -146,15 +146,14 @@ class DecoderLayer(nn.Module):
 
     @property
     def kernel_shaped(self) -> bool:
-        """Whether the CPU kernels' fused layer computes this layer: a Llama-shaped layer (a dense SwiGLU MLP, no
-        output norms, its RoPE table the step's and rotating whole heads; q/k head norms the kernels apply)."""
-        attn = self.self_attn
+        """Whether the CPU kernels' fused layer computes this layer: a dense gated MLP (SwiGLU or GeGLU), its norms
+        (q/k head norms and output norms included) of one eps; any RoPE table, whole or partial heads."""
+        attn, eps = self.self_attn, self.input_layernorm.eps
+        norms = [self.post_attention_layernorm, attn.q_norm, attn.k_norm, self.attn_output_norm, self.mlp_output_norm]
         return (
             isinstance(self.mlp, MLP)
-            and self.mlp.activation == "silu"
-            and self.attn_output_norm is None
-            and attn.rotary is None
-            and attn.rotary_dim == attn.head_dim
+            and self.mlp.activation in ACTIVATIONS
+            and all(norm is None or norm.eps == eps for norm in norms)
         )
 
     def use_cpu_kernels(self, kernels: CpuKernels | None, gemv_rows: int = 0, tile_fma: bool = False) -> None:
@@ -184,16 +183,16 @@ class DecoderLayer(nn.Module):
             self.fused = None
             return
         norms = (self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach())
-        extra = (
-            {}
-            if attn.q_norm is None
-            else {
-                "head_norms": (
-                    attn.q_norm.weight.detach().float().contiguous(),
-                    attn.k_norm.weight.detach().float().contiguous(),
-                )
-            }
-        )
+        extra: dict[str, Any] = {"rotary_dim": attn.rotary_dim, "activation": self.mlp.activation}
+        if attn.q_norm is not None:
+            extra["head_norms"] = (float32_vector(attn.q_norm.weight), float32_vector(attn.k_norm.weight))
+        if self.attn_output_norm is not None:
+            extra["output_norms"] = (
+                float32_vector(self.attn_output_norm.weight),
+                float32_vector(self.mlp_output_norm.weight),
+            )
+        if attn.rotary is not None:  # the layer's own table (Gemma 3's global layers)
+            extra["rotary"] = (attn.rotary.cos, attn.rotary.sin)
         self.fused = FusedLayer(
             kernels,
             weights,
@@ -208,6 +207,11 @@ class DecoderLayer(nn.Module):
             any(projection.tile_fma for projection in projections),
             **extra,
         )
+
+
+def float32_vector(weight: torch.Tensor) -> torch.Tensor:
+    """A norm's weight as the CPU kernels read it: contiguous float32."""
+    return weight.detach().float().contiguous()
 
 
 class CausalLM(nn.Module):

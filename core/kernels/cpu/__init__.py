@@ -17,7 +17,14 @@ docs/performance.md and ``benchmarks/cpu_kernels.py``).
 Which step runs on which of them is decided in one place, ``infer.execution.paths``.
 """
 
-from infer.kernels.cpu.abi import DIRECT_HEAD_DIMS, CpuKernels, FlashChunks, KernelAttentionPlan, PackedExperts
+from infer.kernels.cpu.abi import (
+    ACTIVATIONS,
+    DIRECT_HEAD_DIMS,
+    CpuKernels,
+    FlashChunks,
+    KernelAttentionPlan,
+    PackedExperts,
+)
 from infer.kernels.cpu.builder import KernelBuildError, build, compiler, load, load_built, source
 from infer.kernels.cpu.fused import FusedDraftHead, FusedLayer, FusedStack, KernelAttentionStep
 from infer.kernels.cpu.packing import (
@@ -32,6 +39,7 @@ from infer.kernels.cpu.packing import (
 )
 
 __all__ = [
+    "ACTIVATIONS",
     "DIRECT_HEAD_DIMS",
     "CpuKernels",
     "FlashChunks",

@@ -60,6 +60,7 @@ _SIGNATURES = {
     "infer_layer_feed_forward": [_POINTER, _INT, _POINTER, _POINTER, _POINTER],
     "infer_add_rms_norm_mixed": [_POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT, _FLOAT],
     "infer_silu_mul": [_POINTER, _POINTER, _INT, _INT],
+    "infer_gelu_tanh_mul": [_POINTER, _POINTER, _INT, _INT],
     "infer_silu_mul_bf16": [_POINTER, _POINTER, _INT, _INT],
     "infer_rope": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_rope_widen": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
@@ -152,6 +153,8 @@ _SIGNATURES = {
 
 # How the C side reads a packed weight (``KIND_*`` in the source), by the packed tensor's dtype.
 WEIGHT_KINDS = {torch.float16: 0, torch.int8: 1, torch.bfloat16: 2}
+# A gated MLP's activation as the C side names it (``ACT_*``), by ``DecoderSpec.activation``.
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # An expert's activation (cpu_kernels.h's ACTIVATION_*, ``infer.model.spec.ExpertsSpec.activation``).
 EXPERT_ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 # Experts over ``pack_tiles``' layout that take at least this many tokens multiply on AMX tiles (x and the
@@ -216,6 +219,8 @@ class LayerStruct(ctypes.Structure):
     ]
     _fields_ += [(name, _POINTER) for name in ("qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")]
     _fields_ += [("tiles_fma", _INT), ("q_norm", _POINTER), ("k_norm", _POINTER)]
+    _fields_ += [(name, _POINTER) for name in ("attn_out_norm", "mlp_out_norm", "cos_table", "sin_table")]
+    _fields_ += [("rotary_dim", _INT), ("activation", _INT)]
 
 
 class DraftHeadStruct(ctypes.Structure):
@@ -701,6 +706,15 @@ class CpuKernels:
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((rows, width), dtype=gate_up.dtype)
         (self._silu_mul_bf16 if bf16 else self._silu_mul)(gate_up.data_ptr(), out.data_ptr(), rows, width)
+        return out
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` for float32 ``gate_up`` ``[rows, 2 * width]`` (gate first) -> ``[rows, width]``:
+        GeGLU's activation, computed as ``gate * sigmoid(2u)`` with ``u`` GELU's tanh argument."""
+        check_flat(gate_up)
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, width), dtype=torch.float32)
+        self._gelu_tanh_mul(gate_up.data_ptr(), out.data_ptr(), rows, width)
         return out
 
     def rope_(

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer.kernels.cpu.abi import (
+    ACTIVATIONS,
     WEIGHT_KINDS,
     AttentionStepStruct,
     CpuKernels,
@@ -35,8 +36,9 @@ if TYPE_CHECKING:
 
 class FusedLayer:
     """A decoder layer's dense parts for a few tokens (decode at small batches, verification) as two C calls around
-    attention: norm, QKV projection and RoPE; then output projection, norm, gate/up, SiLU-and-multiply, down. Holds
-    references to the tensors whose memory the C side reads."""
+    attention: norm, QKV projection, the q/k head norms where the family has them, RoPE; then output projection
+    (normed, with Gemma 3's output norms), norm, gate/up, SwiGLU's or GeGLU's activation, down (normed, with
+    them). Holds references to the tensors whose memory the C side reads."""
 
     def __init__(
         self,
@@ -52,6 +54,10 @@ class FusedLayer:
         tiles: list[torch.Tensor | None] | None = None,
         tiles_fma: bool = False,
         head_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotary_dim: int | None = None,
+        activation: str = "silu",
     ):
         """``weights``/``scales``/``biases``: packed by ``pack_weights`` (fp16, bf16, or int8 with scales packed by
         ``pack_scales``, else None) or GGUF's blocks (``BlockWeight``, no scales), and float32 (or None) for the QKV,
@@ -61,9 +67,21 @@ class FusedLayer:
         GEMV pass, ``pass_rows``; more on ``kernels.tiles``, AMX tiles or AVX512-BF16, or with ``tiles_fma`` float32
         FMAs, ``linear_tiles``' ``fma``); ``head_norms``: Qwen3's (and Gemma 3's) per-head RMSNorm weights ``(q_norm,
         k_norm)``, float32 ``[head_dim]`` each, applied to every Q head and every K head before RoPE (None: a Llama
-        layer, none)."""
+        layer, none); ``output_norms``: Gemma 3's RMSNorm weights ``(attention output, MLP output)``, float32
+        ``[hidden]`` each, applied to the output projection's and the down projection's results before they join the
+        residual stream (None: none); ``rotary``: the layer's own ``(cos, sin)`` tables (``RotaryEmbedding``'s,
+        float32 ``[positions, rotary_dim]``) instead of the step's (Gemma 3's global layers; None: the step's);
+        ``rotary_dim``: how many of each head's values rotate (Phi-4-mini's 3/4 of the head; None: all);
+        ``activation``: the gated MLP's, ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU)."""
         tiles = tiles or [None] * 4
         head_norms = _check_head_norms(head_norms, head_dim)
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim = {head_dim}], got {rotary_dim}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"the fused layer's activation is one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+        output_norms = _check_vectors("output_norms", ("attention output", "MLP output"), output_norms)
+        rotary = _check_vectors("rotary", ("cos", "sin"), rotary)
         for weight, scale, tile in zip(weights, scales, tiles):
             if weight is None:
                 if tile is None or tile.dtype != torch.bfloat16 or tile.dim() != 6 or scale is not None:
@@ -76,9 +94,13 @@ class FusedLayer:
             check_packed(weight, scale)
             if tile is not None and (tile.dtype != torch.bfloat16 or tiles_shape(tile) != packed_shape(weight)):
                 raise ValueError("a projection's tiles must be its bf16 weight packed by pack_tiles")
-        self._keep = [*weights, *scales, *biases, *norms, *tiles, *head_norms]
+        self._keep = [*weights, *scales, *biases, *norms, *tiles, *head_norms, *output_norms, *rotary]
         shapes = [tiles_shape(tile) if weight is None else weight_shape(weight) for weight, tile in zip(weights, tiles)]
         (qkv_width, _), (hidden, _), _, (_, intermediate) = shapes
+        if output_norms[0] is not None and any(norm.numel() != hidden for norm in output_norms):
+            raise ValueError(f"output_norms must be [hidden] = [{hidden}] each")
+        if rotary[0] is not None and any(table.dim() != 2 or table.shape[1] != rotary_dim for table in rotary):
+            raise ValueError(f"rotary's tables must be [positions, rotary_dim] = [*, {rotary_dim}]")
         groups = [scale_groups(scale) for scale in scales]
         kinds = [WEIGHT_KINDS[torch.bfloat16] if weight is None else weight_kind(weight) for weight in weights]
         stored = [weight.data if isinstance(weight, BlockWeight) else weight for weight in weights]
@@ -96,6 +118,9 @@ class FusedLayer:
             *(address(tile) for tile in tiles),
             tiles_fma,
             *(address(norm) for norm in head_norms),
+            *(address(tensor) for tensor in (*output_norms, *rotary)),
+            rotary_dim,
+            ACTIVATIONS[activation],
         )
         self.hidden = hidden
         self.qkv_width = qkv_width
@@ -112,7 +137,8 @@ class FusedLayer:
     ) -> torch.Tensor:
         """For ``T`` tokens: ``residual += delta`` (``[T, hidden]`` each, in place; no add when None), RMSNorm, QKV
         projection, each Q and K head's RMSNorm (with ``head_norms``), RoPE at ``positions`` with
-        ``RotaryEmbedding``'s tables: returns the rotated ``[T, qkv_width]``."""
+        ``RotaryEmbedding``'s tables (the layer's own ``rotary`` where it has them): returns the rotated
+        ``[T, qkv_width]``."""
         tokens = residual.shape[0]
         qkv = torch.empty((tokens, self.qkv_width), dtype=torch.float32)
         self._attention_input(
@@ -128,14 +154,31 @@ class FusedLayer:
         return qkv
 
     def feed_forward(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """From attention's output ``[T, q_width]``: ``residual +=`` its projection (in place), then the MLP of the
-        sum's norm, returned as the layer's delta ``[T, hidden]``."""
+        """From attention's output ``[T, q_width]``: ``residual +=`` its projection (in place; normed first with
+        ``output_norms``), then the MLP of the sum's norm (normed with ``output_norms``), returned as the layer's
+        delta ``[T, hidden]``."""
         tokens = residual.shape[0]
         delta = torch.empty((tokens, self.hidden), dtype=torch.float32)
         self._feed_forward(
             ctypes.byref(self.struct), tokens, attended.data_ptr(), residual.data_ptr(), delta.data_ptr()
         )
         return delta
+
+
+def _check_vectors(
+    argument: str, names: tuple[str, str], pair: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``pair`` as the C side reads it (``(None, None)``: none): two contiguous float32 CPU tensors, or ValueError."""
+    if pair is None:
+        return None, None
+    if len(pair) != 2:
+        raise ValueError(f"{argument} must be ({', '.join(names)}), got {len(pair)} tensors")
+    for name, tensor in zip(names, pair):
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(
+                f"{argument}' {name} must be a contiguous float32 CPU tensor, got {tensor.dtype} on {tensor.device}"
+            )
+    return pair[0], pair[1]
 
 
 def _check_head_norms(

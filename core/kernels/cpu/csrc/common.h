@@ -158,9 +158,11 @@ static inline float exp_shifted_sum(float *x, int64_t n, float shift) {
 
 /* ---- shared between operations ---------------------------------------------------------------------------------- */
 
-/* infer_silu_mul into float32 rows or, with `bf16_out`, bf16 ones (rowwise.c): a fused layer's activation, the
- * next bf16 GEMM's input where that rounds it anyway. */
-INFER_HIDDEN void silu_mul_rows(const float *gate_up, void *out, int64_t rows, int64_t width, int bf16_out);
+/* infer_silu_mul (activation ACT_SILU) or infer_gelu_tanh_mul (ACT_GELU_TANH) into float32 rows or, with
+ * `bf16_out`, bf16 ones (rowwise.c): a fused layer's activation, the next bf16 GEMM's input where that rounds it
+ * anyway. */
+INFER_HIDDEN void gated_mul_rows(const float *gate_up, void *out, int64_t rows, int64_t width, int64_t activation,
+                                 int bf16_out);
 
 /* The GEMV's sums for one block of four output rows of a packed weight (gemv.c's layout, stored as `kind`; int8 with
  * the block's `scales`, a scale per `group` weights of a row) and `rows` rows of x (k floats each): sums [rows][4].
@@ -185,11 +187,13 @@ static inline void q4k_scales(const uint8_t *packed, uint64_t *sc, uint64_t *m) 
 INFER_HIDDEN void linear_kquants(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind,
                                  const float *bias, float *y, int64_t n_out);
 
-/* infer_rope with each of the num_heads heads RMSNormed over head_dim before its rotation (rowwise.c): the first
- * q_heads by q_norm, the rest by k_norm (both [head_dim], float32), eps as the layer norms'. Qwen3's and Gemma 3's
- * per-head q/k norms, in a fused layer's attention input. */
-INFER_HIDDEN void rope_head_norms(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
-                                  int64_t tokens, int64_t row_stride, int64_t q_heads, int64_t num_heads,
-                                  int64_t head_dim, const float *q_norm, const float *k_norm, float eps);
+/* A fused layer's RoPE (rowwise.c): infer_rope over the first num_heads heads of each row, rotating each head's
+ * first rotary_dim values by tables of rotary_dim columns (partial rotary where it is less than head_dim); with
+ * q_norm and k_norm (both [head_dim], float32; NULL: none) each head RMSNormed over head_dim before its rotation,
+ * the first q_heads by q_norm, the rest by k_norm, eps as the layer norms' (Qwen3's and Gemma 3's q/k norms). */
+INFER_HIDDEN void rope_layer_heads(float *qkv, const int64_t *positions, const float *cos_table,
+                                   const float *sin_table, int64_t tokens, int64_t row_stride, int64_t q_heads,
+                                   int64_t num_heads, int64_t head_dim, int64_t rotary_dim, const float *q_norm,
+                                   const float *k_norm, float eps);
 
 #endif

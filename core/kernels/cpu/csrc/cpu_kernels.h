@@ -23,6 +23,10 @@ enum {
     KIND_Q4_K = 6, KIND_Q6_K = 7, KIND_K_MIXED = 8
 };
 
+/* A gated MLP's activation (infer_layer's `activation`; abi.ACTIVATIONS): SiLU (SwiGLU) or tanh-approximated GELU
+ * (GeGLU). */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
 /* ---- what this build runs --------------------------------------------------------------------------------------- */
 
 /* The SIMD the kernels were built with: 512 (AVX-512), 256 (AVX2 with F16C and FMA) or 0 (portable C). */
@@ -141,6 +145,9 @@ void infer_add_rms_norm_mixed(float *residual, const void *delta, int64_t delta_
 /* gate_up: rows x (2 * width), gate first; out: rows x width = silu(gate) * up. */
 void infer_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width);
 
+/* infer_silu_mul with GELU's tanh form for SiLU: gelu_tanh(gate) * up (GeGLU's activation). */
+void infer_gelu_tanh_mul(const float *gate_up, float *out, int64_t rows, int64_t width);
+
 /* infer_silu_mul over bfloat16 rows (a bf16 GEMM's output) into bfloat16 (the next one's input), computed in
  * float. */
 void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width);
@@ -230,6 +237,13 @@ typedef struct {
     /* Qwen3's and Gemma 3's per-head RMSNorm weights [head_dim], for every Q head and every K head; both or neither
      * (NULL: the Llama layer, none) */
     const float *q_norm, *k_norm;
+    /* Gemma 3's output norms (NULL: none): RMSNorm weights [hidden] applied to the output projection's result and
+     * to the MLP's before each joins the residual stream */
+    const float *attn_out_norm, *mlp_out_norm;
+    /* the layer's own RoPE tables [positions, rotary_dim] (Gemma 3's global layers; NULL: the step's) */
+    const float *cos_table, *sin_table;
+    int64_t rotary_dim;  /* each head rotates its first rotary_dim values, the rest pass (Phi-4-mini's 3/4) */
+    int64_t activation;  /* ACT_SILU or ACT_GELU_TANH */
 } infer_layer;
 
 /* One step's attention as infer_paged_attention runs it (see there), with the slots its tokens' K/V go to
@@ -264,13 +278,15 @@ typedef struct {
 
 /* The layer's first half up to attention for `tokens` tokens: residual += delta (none for the first layer),
  * RMSNorm, the QKV projection into qkv [tokens, qkv_width], each Q and K head's RMSNorm where the layer has q_norm
- * and k_norm (over head_dim, eps the layer's), RoPE on its Q and K heads at `positions`. */
+ * and k_norm (over head_dim, eps the layer's), RoPE on its Q and K heads at `positions` (by the layer's own tables
+ * where it has them, else cos_table and sin_table, the step's). */
 void infer_layer_attention_input(const infer_layer *layer, int64_t tokens, float *residual, const float *delta,
                                  const int64_t *positions, const float *cos_table, const float *sin_table,
                                  float *qkv);
 
-/* The layer's second half from attention's output [tokens, q_width]: the output projection, residual += it,
- * RMSNorm, gate/up projection, SiLU-and-multiply, down projection into delta [tokens, hidden] (the next norm adds
+/* The layer's second half from attention's output [tokens, q_width]: the output projection (RMSNormed by
+ * attn_out_norm where the layer has it), residual += it, RMSNorm, gate/up projection, the gated activation, down
+ * projection (RMSNormed by mlp_out_norm where the layer has it) into delta [tokens, hidden] (the next norm adds
  * it). */
 void infer_layer_feed_forward(const infer_layer *layer, int64_t tokens, const float *attended, float *residual,
                               float *delta);
@@ -303,5 +319,11 @@ void infer_draft_head_step(const infer_draft_head *head, const infer_layer *laye
  * rows[i] (vocab floats, row_stride apart): forbidden tokens become -inf. */
 void infer_apply_bitmask(float *logits, int64_t row_stride, const int32_t *bitmask, int64_t words,
                          const int64_t *rows, int64_t num_rows, int64_t vocab);
+
+/* ---- greedy choice (argmax.c) ----------------------------------------------------------------------------------- */
+
+/* out[r] = the index of the first maximum of logits row r (cols >= 1 floats, rows row_stride apart); a row with a
+ * NaN gives its first NaN. */
+void infer_argmax_rows(const float *logits, int64_t rows, int64_t cols, int64_t row_stride, int64_t *out);
 
 #endif

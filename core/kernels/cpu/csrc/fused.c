@@ -41,13 +41,12 @@ void infer_layer_attention_input(const infer_layer *layer, int64_t tokens, float
     infer_add_rms_norm_mixed(residual, delta, 0, normed, bf16, layer->input_norm, tokens, layer->hidden, layer->eps);
     layer_linear(layer->qkv, layer->qkv_kind, layer->qkv_scales, layer->qkv_groups, layer->qkv_tiles,
                  layer->tiles_fma, normed, bf16, tokens, layer->hidden, layer->qkv_bias, qkv, layer->qkv_width);
-    if (layer->q_norm)
-        rope_head_norms(qkv, positions, cos_table, sin_table, tokens, layer->qkv_width,
-                        layer->q_width / layer->head_dim, layer->rotated_heads, layer->head_dim, layer->q_norm,
-                        layer->k_norm, layer->eps);
-    else
-        infer_rope(qkv, positions, cos_table, sin_table, tokens, layer->qkv_width, layer->rotated_heads,
-                   layer->head_dim);
+    const int own_table = layer->cos_table != NULL;
+    rope_layer_heads(qkv, positions, own_table ? layer->cos_table : cos_table,
+                     own_table ? layer->sin_table : sin_table, tokens, layer->qkv_width,
+                     layer->q_width / layer->head_dim, layer->rotated_heads, layer->head_dim,
+                     layer->rotary_dim ? layer->rotary_dim : layer->head_dim, layer->q_norm, layer->k_norm,
+                     layer->eps);
     free(normed);
 }
 
@@ -62,14 +61,17 @@ void infer_layer_feed_forward(const infer_layer *layer, int64_t tokens, const fl
     void *activated = malloc((activated_bf16 ? sizeof(uint16_t) : sizeof(float)) * tokens * intermediate);
     layer_linear(layer->o, layer->o_kind, layer->o_scales, layer->o_groups, layer->o_tiles, layer->tiles_fma,
                  attended, 0, tokens, layer->q_width, layer->o_bias, projected, hidden);
+    if (layer->attn_out_norm)  /* normed in place: without a delta the rows are read before they are written */
+        infer_add_rms_norm(projected, NULL, projected, layer->attn_out_norm, tokens, hidden, layer->eps);
     infer_add_rms_norm_mixed(residual, projected, 0, normed, normed_bf16, layer->post_norm, tokens, hidden,
                              layer->eps);
     layer_linear(layer->gate_up, layer->gate_up_kind, layer->gate_up_scales, layer->gate_up_groups,
                  layer->gate_up_tiles, layer->tiles_fma, normed, normed_bf16, tokens, hidden, layer->gate_up_bias,
                  gate_up, 2 * intermediate);
-    silu_mul_rows(gate_up, activated, tokens, intermediate, activated_bf16);
+    gated_mul_rows(gate_up, activated, tokens, intermediate, layer->activation, activated_bf16);
     layer_linear(layer->down, layer->down_kind, layer->down_scales, layer->down_groups, layer->down_tiles,
                  layer->tiles_fma, activated, activated_bf16, tokens, intermediate, layer->down_bias, delta, hidden);
+    if (layer->mlp_out_norm) infer_add_rms_norm(delta, NULL, delta, layer->mlp_out_norm, tokens, hidden, layer->eps);
     free(activated);
     free(gate_up);
     free(normed);

@@ -56,12 +56,18 @@ void infer_add_rms_norm_mixed(float *residual, const void *delta, int64_t delta_
         add_rms_norm(residual, delta, (int)delta_bf16, out, weight, rows, dim, eps, 0);
 }
 
-/* ---- SiLU(gate) * up -------------------------------------------------------------------------------------------- */
+/* ---- act(gate) * up: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU) -------------------------------------------- */
 
-/* gate_up: rows x (2 * width), gate first; out: rows x width, as floats or, with `bf16_out`, each value rounded to
- * bfloat16 as it is stored (the next bf16 GEMM's input; the same values as rounding the float result). */
-static inline __attribute__((always_inline)) void silu_mul(const float *gate_up, void *out, int64_t rows,
-                                                           int64_t width, const int bf16_out) {
+/* gelu_tanh(g) = g / 2 * (1 + tanh(u)), u = sqrt(2 / pi) * (g + 0.044715 g^3), is g * sigmoid(2u): SiLU's form with
+ * sigmoid's argument 2u in place of g. These are 2 sqrt(2 / pi) and 2 sqrt(2 / pi) * 0.044715. */
+#define GELU_C1 1.5957691216057308f
+#define GELU_C3 0.07135481627159589f
+
+/* gate_up: rows x (2 * width), gate first; out: rows x width, act(gate) * up with act SiLU or, with `gelu`, GELU's
+ * tanh form, as floats or, with `bf16_out`, each value rounded to bfloat16 as it is stored (the next bf16 GEMM's
+ * input; the same values as rounding the float result). */
+static inline __attribute__((always_inline)) void gated_mul(const float *gate_up, void *out, int64_t rows,
+                                                            int64_t width, const int gelu, const int bf16_out) {
 #pragma omp parallel for if (rows * width >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * width, *up = gate + width;
@@ -72,7 +78,10 @@ static inline __attribute__((always_inline)) void silu_mul(const float *gate_up,
         for (; i + 16 <= width; i += 16) {
             const __m512 g = _mm512_loadu_ps(gate + i);
             const __m512 one = _mm512_set1_ps(1.0f);
-            const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            const __m512 z = gelu ? _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_mul_ps(g, g), _mm512_set1_ps(GELU_C3),
+                                                                     _mm512_set1_ps(GELU_C1)))
+                                  : g;
+            const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
             const __m512 value = _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_loadu_ps(up + i));
             if (bf16_out)
                 _mm256_storeu_si256((__m256i *)(yb + i), bf16x16_from(value));
@@ -84,7 +93,10 @@ static inline __attribute__((always_inline)) void silu_mul(const float *gate_up,
         const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
         for (; i + 8 <= width; i += 8) {
             __m256 g = _mm256_loadu_ps(gate + i);
-            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+            const __m256 z = gelu ? _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(GELU_C3),
+                                                                     _mm256_set1_ps(GELU_C1)))
+                                  : g;
+            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, z))));
             const __m256 value = _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i));
             if (bf16_out) {
                 float values[8];
@@ -96,7 +108,8 @@ static inline __attribute__((always_inline)) void silu_mul(const float *gate_up,
         }
 #endif
         for (; i < width; i++) {
-            const float value = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+            const float g = gate[i], z = gelu ? g * (g * g * GELU_C3 + GELU_C1) : g;
+            const float value = g / (1.0f + expf(-z)) * up[i];
             if (bf16_out)
                 yb[i] = float_to_bf16(value);
             else
@@ -106,14 +119,23 @@ static inline __attribute__((always_inline)) void silu_mul(const float *gate_up,
 }
 
 void infer_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width) {
-    silu_mul(gate_up, out, rows, width, 0);
+    gated_mul(gate_up, out, rows, width, 0, 0);
 }
 
-void silu_mul_rows(const float *gate_up, void *out, int64_t rows, int64_t width, int bf16_out) {
-    if (bf16_out)
-        silu_mul(gate_up, out, rows, width, 1);
+void infer_gelu_tanh_mul(const float *gate_up, float *out, int64_t rows, int64_t width) {
+    gated_mul(gate_up, out, rows, width, 1, 0);
+}
+
+void gated_mul_rows(const float *gate_up, void *out, int64_t rows, int64_t width, int64_t activation, int bf16_out) {
+    const int gelu = activation == ACT_GELU_TANH;
+    if (gelu && bf16_out)
+        gated_mul(gate_up, out, rows, width, 1, 1);
+    else if (gelu)
+        gated_mul(gate_up, out, rows, width, 1, 0);
+    else if (bf16_out)
+        gated_mul(gate_up, out, rows, width, 0, 1);
     else
-        silu_mul(gate_up, out, rows, width, 0);
+        gated_mul(gate_up, out, rows, width, 0, 0);
 }
 
 void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width) {
@@ -151,9 +173,11 @@ void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, i
 /* ---- RoPE and the KV write -------------------------------------------------------------------------------------- */
 
 /* One token's first num_heads heads rotated in place by its positions' rows c and s of the cos / signed-sin
- * tables (infer_rope). */
-static inline void rotate_row(float *row, const float *c, const float *s, int64_t num_heads, int64_t head_dim) {
-    const int64_t half = head_dim / 2;
+ * tables (infer_rope): in each head the first rotary_dim values, pairs (i, i + rotary_dim / 2); the rest pass
+ * (partial rotary). */
+static inline void rotate_row(float *row, const float *c, const float *s, int64_t num_heads, int64_t head_dim,
+                              int64_t rotary_dim) {
+    const int64_t half = rotary_dim / 2;
     for (int64_t h = 0; h < num_heads; h++) {
         float *x = row + h * head_dim;
         for (int64_t i = 0; i < half; i++) {
@@ -169,36 +193,43 @@ void infer_rope(float *qkv, const int64_t *positions, const float *cos_table, co
 #pragma omp parallel for if (tokens >= 16)
     for (int64_t t = 0; t < tokens; t++)
         rotate_row(qkv + t * row_stride, cos_table + positions[t] * head_dim, sin_table + positions[t] * head_dim,
-                   num_heads, head_dim);
+                   num_heads, head_dim, head_dim);
 }
 
-/* One head RMSNormed, w * (x * rsqrt(mean(x^2) + eps)), then rotated as rotate_row rotates it, while it is in L1:
- * the sum of squares reads the head, the loop that rotates it scales it first. */
+/* One head RMSNormed over head_dim, w * (x * rsqrt(mean(x^2) + eps)), then rotated as rotate_row rotates it, while
+ * it is in L1: the sum of squares reads the head, the loop that rotates it scales it first. */
 static inline void norm_rotate_head(float *restrict x, const float *restrict w, const float *restrict c,
-                                    const float *restrict s, int64_t head_dim, float eps) {
-    const int64_t half = head_dim / 2;
+                                    const float *restrict s, int64_t head_dim, int64_t rotary_dim, float eps) {
+    const int64_t half = rotary_dim / 2;
     const float scale = 1.0f / sqrtf(dot(x, x, head_dim) / (float)head_dim + eps);
     for (int64_t i = 0; i < half; i++) {
         float a = w[i] * (x[i] * scale), b = w[i + half] * (x[i + half] * scale);
         x[i] = a * c[i] + b * s[i];
         x[i + half] = b * c[i + half] + a * s[i + half];
     }
+    for (int64_t i = rotary_dim; i < head_dim; i++) x[i] = w[i] * (x[i] * scale);
 }
 
 /* rotate_row with each head normed first: the first q_heads by q_norm, the rest by k_norm. */
 static inline void norm_rotate_row(float *row, const float *c, const float *s, int64_t q_heads, int64_t num_heads,
-                                   int64_t head_dim, const float *q_norm, const float *k_norm, float eps) {
+                                   int64_t head_dim, int64_t rotary_dim, const float *q_norm, const float *k_norm,
+                                   float eps) {
     for (int64_t h = 0; h < num_heads; h++)
-        norm_rotate_head(row + h * head_dim, h < q_heads ? q_norm : k_norm, c, s, head_dim, eps);
+        norm_rotate_head(row + h * head_dim, h < q_heads ? q_norm : k_norm, c, s, head_dim, rotary_dim, eps);
 }
 
-void rope_head_norms(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
-                     int64_t tokens, int64_t row_stride, int64_t q_heads, int64_t num_heads, int64_t head_dim,
-                     const float *q_norm, const float *k_norm, float eps) {
+void rope_layer_heads(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
+                      int64_t tokens, int64_t row_stride, int64_t q_heads, int64_t num_heads, int64_t head_dim,
+                      int64_t rotary_dim, const float *q_norm, const float *k_norm, float eps) {
 #pragma omp parallel for if (tokens >= 16)
-    for (int64_t t = 0; t < tokens; t++)
-        norm_rotate_row(qkv + t * row_stride, cos_table + positions[t] * head_dim,
-                        sin_table + positions[t] * head_dim, q_heads, num_heads, head_dim, q_norm, k_norm, eps);
+    for (int64_t t = 0; t < tokens; t++) {
+        float *row = qkv + t * row_stride;
+        const float *c = cos_table + positions[t] * rotary_dim, *s = sin_table + positions[t] * rotary_dim;
+        if (q_norm)
+            norm_rotate_row(row, c, s, q_heads, num_heads, head_dim, rotary_dim, q_norm, k_norm, eps);
+        else
+            rotate_row(row, c, s, num_heads, head_dim, rotary_dim);
+    }
 }
 
 void infer_rope_norms(const uint16_t *from, float *qkv, const int64_t *positions, const float *cos_table,
@@ -209,7 +240,7 @@ void infer_rope_norms(const uint16_t *from, float *qkv, const int64_t *positions
         float *row = qkv + t * row_stride;
         if (from) bf16_to_floats(from + t * row_stride, row, row_stride);
         norm_rotate_row(row, cos_table + positions[t] * head_dim, sin_table + positions[t] * head_dim, q_heads,
-                        num_heads, head_dim, q_norm, k_norm, eps);
+                        num_heads, head_dim, head_dim, q_norm, k_norm, eps);
     }
 }
 
@@ -220,7 +251,7 @@ void infer_rope_widen(const uint16_t *qkv, float *out, const int64_t *positions,
     for (int64_t t = 0; t < tokens; t++) {
         bf16_to_floats(qkv + t * width, out + t * width, width);
         rotate_row(out + t * width, cos_table + positions[t] * head_dim, sin_table + positions[t] * head_dim,
-                   num_heads, head_dim);
+                   num_heads, head_dim, head_dim);
     }
 }
 
