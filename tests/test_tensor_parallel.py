@@ -429,7 +429,8 @@ def test_two_ranks_of_bf16_experts_on_the_tiles_stay_near_one_float32_rank(two_r
     assert error < moe_dirs[name][0].packed_tolerance, f"logits differ from one float32 rank's by {error}"
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+# gpt-oss's two-rank engine in the slow run: its logits are held to one rank's above in the default one
+@pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_two_ranks_of_a_mixture_of_experts_match_hf_greedy(moe_dirs, name):
     import transformers
 
