@@ -863,3 +863,38 @@ def test_flash_attention_on_amx_tiles_matches_its_avx512_bf16_dot_products(
                 seen = context - tokens + row + 1
                 expected = reference_attention(rounded[at + row], keys[:seen], values[:seen], scale)
                 torch.testing.assert_close(amx[at + row].double(), expected, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 63, 64, 65, 1000, 151936])
+def test_argmax_rows_is_torchs_first_maximum_here_and_in_the_portable_c(kernels, portable_kernels, cols):
+    """Ties (small integers), a row of -inf, NaNs (torch's max takes the first, above every number), +inf, a row of
+    distinct values, and rows a stride apart (a slice of wider logits)."""
+    generator = torch.Generator().manual_seed(cols)
+    logits = torch.randint(-3, 4, (8, cols), generator=generator).float()
+    logits[1] = -math.inf
+    logits[2, cols // 2] = logits[2, -1] = math.nan
+    logits[3, -1] = math.inf
+    logits[4, 0] = math.nan
+    logits[5] = torch.randn(cols, generator=generator)
+    wide = torch.cat([logits, torch.full((8, 5), 9.0)], dim=1)[:, :cols]
+    for rows in (logits, wide):
+        expected = rows.max(dim=-1).indices
+        for built in (kernels, portable_kernels):
+            assert torch.equal(built.argmax_rows(rows), expected)
+
+
+def test_sampler_on_the_kernels_picks_torchs_tokens(kernels):
+    """Greedy rows take the kernels' argmax, sampled rows their own draw, banned tokens stay banned."""
+    from infer import SamplingParams
+    from infer.engine.sampler import Sampler, SampleRequest
+
+    logits = randn(6, 1000, seed=3)
+    logits[0, 7] = logits[0, 9] = 50.0  # a tie: the first
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1)
+    requests = [SampleRequest(greedy if row % 3 else sampled, row, seed=row) for row in range(6)]
+    requests[0] = SampleRequest(greedy, 0, seed=0, banned_token_ids=(7,))
+    tokens = Sampler(kernels).sample(logits, requests)
+    assert tokens == Sampler().sample(logits, requests)
+    assert tokens[0] == 9
+    with pytest.raises(ValueError, match="float32"):
+        kernels.argmax_rows(logits.to(torch.bfloat16))

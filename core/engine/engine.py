@@ -168,7 +168,7 @@ class Engine:
         )
         if self.attention.draft_trees and not self.ranks.sharded:  # other ranks' pools would not follow a move
             self.speculation.move_kv = self.runner.move_kv
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.executor.kernels)
 
     def _launch_tensor_parallel(self) -> TensorParallel:
         """Start the other ranks, once the drafter and the model's heads are known to allow the split."""

@@ -8,11 +8,15 @@ drafter never changes the output, at any temperature).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from infer.sampling import MASK, apply_filters, sample_row
 from infer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from infer.kernels.cpu import CpuKernels
 
 
 @dataclass(slots=True)
@@ -27,18 +31,30 @@ class SampleRequest:
 
 
 class Sampler:
-    """Chooses tokens from logits rows; greedy rows take a batched argmax fast path."""
+    """Chooses tokens from logits rows; greedy rows take a batched argmax fast path: infer's CPU kernels'
+    (``kernels``, a ``CpuKernels``) where the engine runs on them, else torch's max."""
+
+    def __init__(self, kernels: CpuKernels | None = None):
+        self.kernels = kernels
 
     def sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[int]:
         """``logits`` [N, vocab] float32, one row per request; returns N token ids."""
         logits = self._ban(logits, requests)
-        # max's indices: the first maximum, as argmax's, and 2.8x faster over [64, 49152] on the CPU (0.8 vs 2.3 ms)
-        tokens = logits.max(dim=-1).indices.tolist()
+        tokens = self._first_maxima(logits).tolist()
         for row, request in enumerate(requests):
             if not request.params.greedy:
                 probs = apply_filters(logits[row], request.params)
                 tokens[row] = sample_row(probs, request.seed, request.position)
         return tokens
+
+    def _first_maxima(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first maximum. The kernels' scan of a 64-row step over a 151,936-token vocabulary took 1.5 ms
+        on one thread of an AMX Xeon where torch's max took 11.2 (max's indices: argmax's, and 2.8x faster than
+        argmax over [64, 49152])."""
+        flat = logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1
+        if self.kernels is not None and flat and logits.dtype == torch.float32 and logits.device.type == "cpu":
+            return self.kernels.argmax_rows(logits)
+        return logits.max(dim=-1).indices
 
     @staticmethod
     def _ban(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:

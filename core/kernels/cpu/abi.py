@@ -124,6 +124,7 @@ _SIGNATURES = {
         _POINTER,
     ],
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
+    "infer_argmax_rows": [_POINTER, _INT, _INT, _INT, _POINTER],
     "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
     "infer_flash_attention": [
         _POINTER,
@@ -810,6 +811,18 @@ class CpuKernels:
             k_norm.data_ptr(),
             eps,
         )
+        return out
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """The index of each row's first maximum (int64 ``[N]``) of float32 ``logits`` ``[N, vocab]`` (contiguous
+        columns): ``logits.max(dim=-1).indices``, a NaN ranked above every number, in one pass over the rows' reads
+        (greedy decoding's choice)."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or logits.device.type != "cpu":
+            raise ValueError("the CPU kernels' argmax needs 2-D float32 CPU logits with contiguous columns")
+        if logits.shape[1] == 0:
+            raise ValueError("the CPU kernels' argmax needs at least one column")
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr())
         return out
 
     def apply_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
