@@ -1,9 +1,10 @@
 """The two kernels of a decode step of many sequences, over memory as cold as the engine's: the bf16 tile GEMM
 (``CpuKernels.linear_tiles``) over a stack of a model's layers' weights (more than the last-level cache, each call's
 weights streamed from memory), and paged attention (``CpuKernels.paged_attention``) over a stack of layers' bf16
-pools whose blocks are scattered at random, as a busy engine's are. The Qwen3-0.6B shape by default. Milliseconds a
-call (a layer) or a stack of layers, best of ``--repeats`` rounds; ``--baseline PATH.so`` (a build of the kernels
-from another checkout, same interface) runs beside this tree's build in the same process, rounds alternating.
+pools whose blocks are scattered at random, as a busy engine's are. The Qwen3-0.6B shape by default, or Qwen3-1.7B's
+projections (``--shape``; both have the same attention layout). Milliseconds a call (a layer) or a stack of layers,
+best of ``--repeats`` rounds; ``--baseline PATH.so`` (a build of the kernels from another checkout, same interface)
+runs beside this tree's build in the same process, rounds alternating.
 
 With ``OMP_NUM_THREADS=1`` every time is the thread's CPU time (``time.thread_time``: other processes' share of the
 core does not count), else wall time.
@@ -24,9 +25,24 @@ from infer.kernels import cpu as cpu_kernels
 from infer.kernels.cpu import load_built
 from infer.kernels.cpu.abi import KernelAttentionPlan
 
-# Qwen3-0.6B: the projections' (out_features, in_features), the layers, the attention layout.
-PROJECTIONS = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
-HEAD = (151936, 1024)
+# The projections' (out_features, in_features) of a shape's layers, the output head last.
+SHAPES = {
+    "qwen3-0.6b": {
+        "qkv": (4096, 1024),
+        "o": (1024, 2048),
+        "gate_up": (6144, 1024),
+        "down": (1024, 3072),
+        "head": (151936, 1024),
+    },
+    "qwen3-1.7b": {
+        "qkv": (4096, 2048),
+        "o": (2048, 2048),
+        "gate_up": (12288, 2048),
+        "down": (2048, 6144),
+        "head": (151936, 2048),
+    },
+}
+# Both shapes' layers and attention layout.
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 28, 16, 8, 128, 16
 
 
@@ -47,10 +63,10 @@ def best_of(builds: dict, run, repeats: int, clock) -> dict[str, float]:
     return best
 
 
-def gemm_rows(builds: dict, rows: list[int], repeats: int, clock) -> None:
+def gemm_rows(builds: dict, shape: str, rows: list[int], repeats: int, clock) -> None:
     print("| projection | rows | " + " | ".join(f"{name} ms" for name in builds) + " | GB/s of weights | TFLOP/s |")
     print("|---" * (len(builds) + 4) + "|")
-    for name, (n, k) in [*PROJECTIONS.items(), ("head", HEAD)]:
+    for name, (n, k) in SHAPES[shape].items():
         count = 1 if name == "head" else LAYERS
         stack = [cpu_kernels.pack_tiles(torch.randn(n, k).to(torch.bfloat16)) for _ in range(count)]
         for m in rows:
@@ -100,6 +116,7 @@ def attention_contexts(builds: dict, sequences: int, contexts: list[int], repeat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, help="another build of the kernels (.so) to time beside this one")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="the projections' shapes")
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--contexts", type=int, nargs="+", default=[40, 145, 600])
@@ -116,7 +133,7 @@ def main() -> None:
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     print(f"infer's tile kernel: {kernels.tiles}; {torch.get_num_threads()} thread(s), {clock.__name__}")
     if not args.skip_gemm:
-        gemm_rows(builds, args.rows, args.repeats, clock)
+        gemm_rows(builds, args.shape, args.rows, args.repeats, clock)
     if not args.skip_attention:
         attention_contexts(builds, args.sequences, args.contexts, args.repeats, clock)
 
