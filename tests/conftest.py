@@ -1,4 +1,5 @@
-"""Shared fixtures: every engine a test creates must be idle with all blocks accounted for when the test ends."""
+"""Shared fixtures: every engine a test creates must be idle with all blocks accounted for when the test ends; the C
+kernels built for another instruction set."""
 
 from __future__ import annotations
 
@@ -41,3 +42,31 @@ def tiny_model_dir(tmp_path_factory):
     from infer.testing.models import make_tiny_model_dir
 
     return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), seed=0))
+
+
+# The kernels' other instruction sets below this CPU's: the CPU flags a build of each needs, and the compiler flags
+# that build it on a CPU with more.
+OTHER_SIMD_BUILDS = {"avx2": ({"avx2", "fma", "f16c"}, ["-mno-avx512f"]), "portable": (set(), ["-mno-avx"])}
+
+
+@pytest.fixture
+def simd_build(tmp_path):
+    """``simd_build(name)``: infer's C kernels built as ``avx2`` or ``portable`` (AVX-512, or all AVX, and AMX turned
+    off), loaded; the test is skipped where this CPU lacks the instructions or the kernels do not build."""
+    from infer.host import cpu_flags
+    from infer.kernels import cpu as cpu_kernels
+
+    def build(name: str):
+        needed, flags = OTHER_SIMD_BUILDS[name]
+        if needed - cpu_flags():
+            pytest.skip(f"this CPU lacks {', '.join(sorted(needed - cpu_flags()))} for the {name} kernels")
+        if "amx_tile" in cpu_flags():
+            flags = [*flags, "-mno-amx-tile"]  # AMX is not tied to AVX: keep the build to the set named
+        try:
+            built = cpu_kernels.load_built(cpu_kernels.build(tmp_path / name, flags))
+        except cpu_kernels.KernelBuildError as error:
+            pytest.skip(f"infer's C kernels do not build here: {error}")
+        assert built.simd == name
+        return built
+
+    return build

@@ -318,21 +318,10 @@ def test_cpu_bf16_prefill_and_decode_take_the_sinks(kernels, kernel, pool, arith
 
 
 @pytest.mark.parametrize("build", ["avx2", "portable"])
-def test_cpu_kernel_sinks_in_the_avx2_and_portable_builds(build, tmp_path):
+def test_cpu_kernel_sinks_in_the_avx2_and_portable_builds(build, simd_build):
     """The decode kernel's other instruction sets (built here with the flags that turn AVX-512, or all AVX, off)
     merge the sinks into a mixed batch's rows as the oracle does, over float32 and bf16 pools, with a window."""
-    from infer.host import cpu_flags
-
-    flags = {"avx2": ["-mno-avx512f"], "portable": ["-mno-avx"]}[build]
-    if build == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
-        pytest.skip("this CPU lacks AVX2 with FMA and F16C")
-    if "amx_tile" in cpu_flags():
-        flags.append("-mno-amx-tile")
-    try:
-        built = cpu_kernels.load_built(cpu_kernels.build(tmp_path, flags))
-    except cpu_kernels.KernelBuildError as error:
-        pytest.skip(f"infer's C kernels do not build here: {error}")
-    assert built.simd == build
+    built = simd_build(build)
     shapes = SCENARIOS["mixed_decode_and_prefill"]
     for kv_dtype, window in ((torch.float32, None), (torch.bfloat16, 5)):
         attention = make_backend("sdpa", 4, [LayerAttention(window=window, sinks=True)], [SINKS])

@@ -226,20 +226,13 @@ def test_experts_with_more_tokens_than_the_kernel_takes_run_expert_by_expert(ker
 
 
 @pytest.mark.parametrize("build", ["avx2", "portable"])
-def test_the_expert_kernel_on_each_simd_build_matches_this_cpus(kernels, build, tmp_path):
+def test_the_expert_kernel_on_each_simd_build_matches_this_cpus(kernels, build, simd_build):
     """The kernel's AVX2 code and its portable C against the build this CPU runs (where it has the flags), every
     weight storage (bf16 on the tiles where this CPU's kernels have them, and in ``pack_weights``' layout as the
     other build packs it), experts taking 1 to 12 tokens (several GEMV passes)."""
-    from infer.host import cpu_flags
-    from infer.kernels import cpu as cpu_kernels
     from infer.model.moe import ExpertGroups, Routing
 
-    if build == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
-        pytest.skip("this CPU lacks AVX2, FMA or F16C")
-    flags = ["-mno-avx512f"] if build == "avx2" else ["-mno-avx"]
-    if "amx_tile" in cpu_flags():
-        flags.append("-mno-amx-tile")
-    other = cpu_kernels.load_built(cpu_kernels.build(tmp_path, flags))
+    other = simd_build(build)
     x = torch.randn(12, 64, generator=torch.Generator().manual_seed(1))
     experts = torch.tensor([[0, 6]] * 11 + [[2, 6]])  # expert 0: 11 tokens, 2: one, 6: all twelve
     groups = ExpertGroups.of(Routing(experts, torch.rand(12, 2)), 8)

@@ -367,22 +367,11 @@ def test_cpu_bf16_prefill_and_decode_honour_the_window(kernels, kernel, pool, ar
 
 
 @pytest.mark.parametrize("build", ["avx2", "portable"])
-def test_cpu_kernel_windows_in_the_avx2_and_portable_builds(build, tmp_path):
+def test_cpu_kernel_windows_in_the_avx2_and_portable_builds(build, simd_build):
     """The decode kernel's other instruction sets (built here with the flags that turn AVX-512, or all AVX, off)
     attend a windowed mixed batch as the oracle does, over float32 and bf16 pools, without reading blocks before
     the window."""
-    from infer.host import cpu_flags
-
-    flags = {"avx2": ["-mno-avx512f"], "portable": ["-mno-avx"]}[build]
-    if build == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
-        pytest.skip("this CPU lacks AVX2 with FMA and F16C")
-    if "amx_tile" in cpu_flags():
-        flags.append("-mno-amx-tile")
-    try:
-        built = cpu_kernels.load_built(cpu_kernels.build(tmp_path, flags))
-    except cpu_kernels.KernelBuildError as error:
-        pytest.skip(f"infer's C kernels do not build here: {error}")
-    assert built.simd == build
+    built = simd_build(build)
     for kv_dtype in (torch.float32, torch.bfloat16):
         step = make_step(SCENARIOS["mixed_decode_and_prefill"], 4, seed=13, kv_dtype=kv_dtype)
         poison_blocks_outside_the_window(step, 5)
