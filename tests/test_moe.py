@@ -43,6 +43,10 @@ class TestQwen3Moe16Experts(MoeConformance):
         "decoder_sparse_step": 2,
     }
 
+    @pytest.mark.slow  # the family's drafting: TestQwen3Moe8Experts in the default run
+    def test_greedy_with_drafted_tokens_matches_hf(self, model_dir, hf_model):
+        super().test_greedy_with_drafted_tokens_matches_hf(model_dir, hf_model)
+
 
 class TestQwen3MoeOneExpertTakesEveryToken(MoeConformance):
     """Every token's first choice is expert ``FAVOURITE``: one expert gets the whole batch, the others a few tokens
@@ -52,6 +56,10 @@ class TestQwen3MoeOneExpertTakesEveryToken(MoeConformance):
     hf_model_class = "Qwen3MoeForCausalLM"
     config_fields = {**QWEN3_MOE, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True}
     FAVOURITE = 3
+
+    @pytest.mark.slow  # the family's drafting: TestQwen3Moe8Experts in the default run
+    def test_greedy_with_drafted_tokens_matches_hf(self, model_dir, hf_model):
+        super().test_greedy_with_drafted_tokens_matches_hf(model_dir, hf_model)
 
     @pytest.fixture(scope="class")
     @classmethod

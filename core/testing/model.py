@@ -334,3 +334,13 @@ class ModelConformance(ConformanceSuite):
                 self.assert_greedy_matches(llm, hf_model, prompts)
                 self.assert_greedy_matches(llm, hf_model, prompts)  # the shared prefix and each whole prompt hit
                 assert llm.engine.stats.num_cached_prompt_tokens >= len(prompts) * (len(shared) // 4 * 4)
+
+    def test_greedy_with_drafted_tokens_matches_hf(self, model_dir, hf_model):
+        """Speculative decoding verified by the family's model: drafts from the model's own first layer
+        (self-speculative: the family's layer as the draft model, with its own KV), over prompts longer than the
+        sliding window; greedy tokens stay transformers'. (An ngram drafter's guesses reach the same verification
+        rows; it reads token ids only, and tests/test_spec_decode.py holds it to the target.)"""
+        prompts = [random_prompt(length, seed=2 * length) for length in self.prompt_lengths()]
+        with self.engine(model_dir, drafter__name="model", drafter__layers=1) as llm:
+            self.assert_greedy_matches(llm, hf_model, prompts)
+            assert llm.engine.stats.num_draft_tokens > 0, "nothing was drafted"
