@@ -81,11 +81,14 @@ def test_int8_block_gemm_gives_the_block_gemvs_sums(kernels, kind):
         )
 
 
-def test_block_gemm_takes_int8_up_to_16_rows_and_its_large_step_design_past_them(kernels):
-    raw, _ = gguf_tensor("q4_1", 67, 288)
-    packed = pack_blocks(raw, "q4_1", 67)
+@pytest.mark.parametrize(("kind", "int8_rows"), [("q4_0", 8), ("q4_1", 8), ("q8_0", 16)])
+def test_block_gemm_takes_int8_for_few_rows_and_its_large_step_design_past_them(kernels, kind, int8_rows):
+    """Q8_0 keeps the int8 design up to 16 rows; Q4 records, cheaper to dequantize, take the large-step design from
+    the first row past the GEMV's pass of 8."""
+    raw, _ = gguf_tensor(kind, 67, 288)
+    packed = pack_blocks(raw, kind, 67)
     small_design = "int8" if "int8" in kernels.block_gemm_designs else kernels.block_gemm
-    for rows, design in ((16, small_design), (17, kernels.block_gemm)):
+    for rows, design in ((int8_rows, small_design), (int8_rows + 1, kernels.block_gemm)):
         x = torch.randn(rows, 288, generator=torch.Generator().manual_seed(rows))
         assert torch.equal(kernels.gemm_blocks(x, packed, None), kernels.gemm_blocks(x, packed, None, design)), rows
 

@@ -32,10 +32,13 @@
 
 enum { BLOCK_GEMM_PORTABLE = 0, BLOCK_GEMM_INT8 = 1, BLOCK_GEMM_AMX_BF16 = 2 };
 
-/* Rows from which the default takes AMX's tiles over the int8 dot products where both run: a panel's dequantization
- * pays back only over more than one tile of 16 rows (at 16 rows the int8 design took 0.66-1.02x AMX's time on the
- * projections of docs/performance.md, at 64 AMX took 0.62-0.99x the int8 design's). */
+/* Rows from which the default takes AMX's tiles over the int8 dot products where both run. Q8_0's panels (each row
+ * widened and converted, dequantize_record) pay back only over more than one tile of 16 rows: at 9-16 rows the int8
+ * design took 0.84-1.01x AMX's time on the projections of docs/performance.md. Q4 records, looked up through their
+ * nibbles in place, pay back from the first row past the GEMV's pass (8 rows on AVX-512): at 9-16 rows AMX took
+ * 0.70-0.97x the int8 design's time there. */
 #define AMX_MIN_ROWS 17
+#define AMX_MIN_ROWS_Q4 9
 
 /* Bytes of x (in the layout a design reads) one chunk of rows may take: it stays in L2 beside a panel of weights. */
 #define CHUNK_BYTES (1 << 20)
@@ -772,7 +775,10 @@ void infer_gemm_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w
                        float *y, int64_t n_out, int64_t design) {
     const int kquant = kind == KIND_Q4_K || kind == KIND_Q6_K || kind == KIND_K_MIXED;
     if (design < 0 || !has_design(design))
-        design = rows < AMX_MIN_ROWS && has_design(BLOCK_GEMM_INT8) ? BLOCK_GEMM_INT8 : infer_block_gemm_kind();
+        design = rows < (kind == KIND_Q4_0 || kind == KIND_Q4_1 ? AMX_MIN_ROWS_Q4 : AMX_MIN_ROWS) &&
+                         has_design(BLOCK_GEMM_INT8)
+                     ? BLOCK_GEMM_INT8
+                     : infer_block_gemm_kind();
     if (kquant && design == BLOCK_GEMM_INT8)  /* the K-quant GEMV: int8 products over passes of rows already */
         design = BLOCK_GEMM_PORTABLE;
 #if INFER_AMX && INFER_AVX512_BF16
