@@ -341,8 +341,11 @@ def test_auto_takes_the_fused_path_exactly_up_to_the_calibrated_step_size(tiny_m
     kernels = again.engine.executor.kernels
     monkeypatch.setattr(kernels, "path", kernels.path.with_name("cpu_kernels-0123456789abcdef.so"))
     assert not _auto_llm(tiny_model_dir).engine.calibration.cached and measured == [1, 1, 1]
-    # A fixed number is no calibration.
+    # A fixed number is no calibration, nor are unpacked float32 weights, which no threshold concerns.
     assert _auto_llm(tiny_model_dir, "execution.fused_max_tokens=5").engine.calibration is None
+    unpacked = _auto_llm(tiny_model_dir, "model.quantization=none").engine
+    assert unpacked.calibration is None and measured == [1, 1, 1]
+    assert all(layer.fused is None for layer in unpacked.model.layers)
 
 
 @needs_kernels

@@ -450,11 +450,12 @@ def build_model_stack(
     name, attention = build_attention(registry, config, model, environment)
     calibration = None
     if config.execution.fused_max_tokens == "auto" and executor.kernels is not None:
-        if shard is None:
+        if shard is None and quantization != "none":
             calibration = calibrate(
                 model, attention, executor, quantization, device, dtype, recalibrate=config.execution.recalibrate
             )
             executor.set_fused_max_tokens(model, calibration.fused_max_tokens)
-        else:  # sharded layers never fuse (an all-reduce follows two of their projections)
+        else:  # sharded layers never fuse (an all-reduce follows two of their projections), and unpacked float32
+            # weights (quantization none) take neither the fused paths nor the GEMV: nothing to measure
             executor.set_fused_max_tokens(model, DEFAULT_FUSED_MAX_TOKENS)
     return ModelStack(model, quantization, executor, name, attention, calibration, reuses_freed_memory)
