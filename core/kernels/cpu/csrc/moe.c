@@ -110,6 +110,12 @@ void infer_moe_experts(const float *x, int64_t hidden, int64_t width, int64_t ex
  * weights passes over them, as the tile GEMM's TILE_CHUNK_ROWS; a multiple of 32 (AMX's two 16-row tiles). */
 #define EXPERT_CHUNK_ROWS 256
 
+/* Rows of expert e's chunk from pair `chunk` on (its pairs are starts[e] .. starts[e + 1] - 1). */
+static inline int64_t chunk_rows(const int64_t *starts, int64_t e, int64_t chunk) {
+    const int64_t left = starts[e + 1] - chunk;
+    return left < EXPERT_CHUNK_ROWS ? left : EXPERT_CHUNK_ROWS;
+}
+
 /* uint16s of one block of 32 output columns over k inputs in pack_tiles' layout. */
 static inline int64_t tile_block(int64_t k) { return k / 32 * 1024; }
 
@@ -310,9 +316,7 @@ void infer_moe_experts_tiles(const float *x, int64_t hidden, int64_t width, int6
             const uint16_t *weight = (const uint16_t *)(intptr_t)gate_up[id];
             const float *bias = gate_up_bias ? (const float *)(intptr_t)gate_up_bias[id] : NULL;
             for (int64_t chunk = starts[e]; chunk < starts[e + 1]; chunk += EXPERT_CHUNK_ROWS) {
-                const int64_t count = starts[e + 1] - chunk < EXPERT_CHUNK_ROWS ? starts[e + 1] - chunk
-                                                                                 : EXPERT_CHUNK_ROWS;
-                const int64_t row_bf16 = padded_start[e] + (chunk - starts[e]);
+                const int64_t count = chunk_rows(starts, e, chunk), row_bf16 = padded_start[e] + (chunk - starts[e]);
                 const float *xf = rows + chunk * hidden;
                 const uint16_t *xb = on_tiles ? rows_bf16 + row_bf16 * hidden : NULL;
                 for (int64_t b = first; b < last; b++) {
@@ -333,9 +337,7 @@ void infer_moe_experts_tiles(const float *x, int64_t hidden, int64_t width, int6
             const uint16_t *weight = (const uint16_t *)(intptr_t)down[id];
             const float *bias = down_bias ? (const float *)(intptr_t)down_bias[id] : NULL;
             for (int64_t chunk = starts[e]; chunk < starts[e + 1]; chunk += EXPERT_CHUNK_ROWS) {
-                const int64_t count = starts[e + 1] - chunk < EXPERT_CHUNK_ROWS ? starts[e + 1] - chunk
-                                                                                 : EXPERT_CHUNK_ROWS;
-                const int64_t row_bf16 = padded_start[e] + (chunk - starts[e]);
+                const int64_t count = chunk_rows(starts, e, chunk), row_bf16 = padded_start[e] + (chunk - starts[e]);
                 const uint16_t *ab = on_tiles ? activated_bf16 + row_bf16 * width : NULL;
                 for (int64_t b = first; b < last; b++) {
                     block_product(activated + chunk * width, ab, count, (int)on_tiles, width,
