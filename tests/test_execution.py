@@ -161,6 +161,24 @@ def test_auto_attention_leaves_out_backends_that_lack_what_the_layers_need():
         choose_attention("auto", registry, environment, frozenset({"nothing"}))
 
 
+@pytest.mark.parametrize(
+    ("quantization", "dtype"),
+    [("none", "float32"), ("fp16", "float32"), ("int8", "float32"), ("bf16", "bfloat16")]
+    + [(blocks, "bfloat16") for blocks in ("q4_0", "q4_1", "q8_0", "gguf")],
+)
+def test_cpu_attention_auto_keeps_kv_and_prefill_in_bf16_for_weights_no_finer_than_bf16(quantization, dtype):
+    """bf16 weights and GGUF's 4- and 8-bit blocks get a bf16 pool and bf16 prefill attention (with bf16 decode dot
+    products); exact and 16-bit-float or int8 weights keep float32; a setting given explicitly stays."""
+    from infer.plugins.attention.cpu import CpuAttentionConfig, CpuBackend
+
+    environment = AttentionEnvironment(torch.device("cpu"), torch.float32, quantization, cpu_kernels=True)
+    resolved = CpuBackend.resolve_config(CpuAttentionConfig(), environment)
+    assert (resolved.kv_dtype, resolved.prefill_dtype) == (dtype, dtype)
+    assert resolved.decode_arithmetic == ("bf16" if dtype == "bfloat16" else "float32")
+    kept = CpuBackend.resolve_config(CpuAttentionConfig(kv_dtype="float32"), environment)
+    assert kept.kv_dtype == "float32"
+
+
 def test_the_last_path_must_accept_every_step():
     from infer.execution.paths import FusedLayersPath
 

@@ -9,7 +9,8 @@ shared prefixes about as fast as cascade (docs/performance.md; ``benchmarks/flas
 With ``prefill_dtype: bfloat16`` the sequences that bring at least ``prefill_min_tokens`` query tokens to a step
 (prefill chunks) are attended by a flash attention in bf16 instead (Q, K, V and the probabilities rounded to bf16,
 scores and sums float32). ``auto`` (the default) does it where the model's weights are bf16 (``model.quantization:
-bf16``, whose large steps already run at bf16 precision), and keeps float32 everywhere else. Every other query stays
+bf16``, whose large steps already run at bf16 precision) or GGUF's 4- and 8-bit blocks (coarser still), and keeps
+float32 everywhere else. Every other query stays
 on the kernel. Which flash attention, ``prefill_kernel``: ``infer``'s own (``infer_flash_attention``: K/V packed
 once per layer from the pool, an online softmax over tiles of 32 keys; AVX512-BF16 dot products, 512 fresh tokens
 4.0-4.8 ms a layer against torch's 8.4 on an Intel Xeon without AMX; on AMX tiles where the CPU has them and the
@@ -67,6 +68,10 @@ from infer.host import cpu_flags
 from infer.kernels import cpu as cpu_kernels
 from infer.kernels.cpu import DIRECT_HEAD_DIMS, FlashChunks, KernelAttentionPlan, KernelAttentionStep
 
+# Weights whose precision is bf16's or coarser (``model.quantization`` resolved): with them ``auto`` keeps K/V and
+# prefill attention in bf16 as well.
+BF16_ATTENTION_WEIGHTS = ("bf16", "q4_0", "q4_1", "q8_0", "gguf")
+
 
 class CpuAttentionConfig(AttentionConfig):
     """Config section ``attention`` for ``name: cpu``."""
@@ -77,7 +82,7 @@ class CpuAttentionConfig(AttentionConfig):
         description="Sequences with at least prefill_min_tokens query tokens in a step: bfloat16 attends "
         "them with torch's flash attention in bf16 (fast where the CPU multiplies bf16 "
         "natively), float32 with the C kernel (exact). auto: bfloat16 when the model's weights "
-        "are bf16 (model.quantization bf16), else float32.",
+        "are bf16 or 4- or 8-bit blocks (model.quantization bf16, gguf, q4, q8), else float32.",
     )
     prefill_min_tokens: int = Field(32, ge=1, description="Query tokens from which prefill_dtype applies.")
     prefill_kernel: Literal["auto", "infer", "torch"] = Field(
@@ -107,8 +112,8 @@ class CpuAttentionConfig(AttentionConfig):
         "auto",
         description="The pool's dtype: bfloat16 halves its bytes (twice the tokens in a budget, half the "
         "bytes each decode step reads; K/V rounded to bf16 once, queries and sums float32), "
-        "float32 keeps K/V exact. auto: bfloat16 when the model's weights are bf16, else "
-        "float32.",
+        "float32 keeps K/V exact. auto: bfloat16 when the model's weights are bf16 or 4- or "
+        "8-bit blocks, else float32.",
     )
 
 
@@ -174,10 +179,10 @@ class CpuBackend(AttentionBackend):
     @classmethod
     def resolve_config(cls, config: CpuAttentionConfig, environment: AttentionEnvironment) -> CpuAttentionConfig:
         """``prefill_dtype`` and ``kv_dtype`` auto: bfloat16 with bf16 weights (whose large steps run at bf16
-        precision), else float32; ``prefill_arithmetic`` auto: float32 where the projections' large steps run on
-        float32 FMAs (``environment.float_gemms``), else bf16; ``decode_arithmetic`` auto: bf16 with bf16 weights
-        whose prefill arithmetic is bf16, else float32."""
-        bf16_weights = environment.quantization == "bf16"
+        precision) or 4- and 8-bit blocks (coarser still), else float32; ``prefill_arithmetic`` auto: float32 where
+        the projections' large steps run on float32 FMAs (``environment.float_gemms``), else bf16;
+        ``decode_arithmetic`` auto: bf16 with those weights where the prefill arithmetic is bf16, else float32."""
+        bf16_weights = environment.quantization in BF16_ATTENTION_WEIGHTS
         update = {
             key: "bfloat16" if bf16_weights else "float32"
             for key in ("prefill_dtype", "kv_dtype")
