@@ -91,6 +91,7 @@ def test_gguf_keeps_the_files_blocks_which_are_the_float_models_weights(default_
     assert model_weight_bytes(packed.layers) < model_weight_bytes(default_model.layers) * 0.17
 
 
+@pytest.mark.slow  # 128 positions, each a whole prompt through two models; the other gguf tests stay by default
 def test_gguf_greedy_tokens_agree_with_the_dequantized_float_model(default_model):
     """The default model's own Q4_1 blocks against the same values dequantized to float32: the only difference is
     the block GEMV's int8 activations (llama.cpp's arithmetic). Fed the float model's greedy answers (so one

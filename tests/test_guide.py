@@ -103,6 +103,7 @@ def test_a_configured_guide_leaves_unconstrained_rows_token_identical():
         assert_all_satisfy(outputs[len(PROMPTS) :], REQUESTS[:4])
 
 
+@pytest.mark.slow  # three samples of six requests through a preempting pool; the constraints' other tests stay
 def test_samples_preemption_and_prefix_hits_keep_constraints():
     """n = 3 samples per request over a pool small enough to preempt, with hash prefix caching: every sample
     satisfies its constraint, and greedy outputs equal those of a roomy pool."""
