@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_block_kernels import (
+    BLOCK_BUILD_PARAMS,
     BLOCK_BUILDS,
     KINDS,
     gguf_tensor,
@@ -150,7 +151,7 @@ def portable_kernels(tmp_path_factory):
     return built
 
 
-@pytest.mark.parametrize("build", list(BLOCK_BUILDS))
+@pytest.mark.parametrize("build", BLOCK_BUILD_PARAMS)
 def test_each_simd_build_of_the_int8_block_gemm_matches_the_portable_c(build, portable_kernels, tmp_path):
     from infer.host import cpu_flags
 

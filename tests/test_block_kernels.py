@@ -231,7 +231,13 @@ def portable_kernels(tmp_path_factory):
     return built
 
 
-@pytest.mark.parametrize("build", list(BLOCK_BUILDS))
+# Each build compiles the whole library: the builds without VNNI (vpmaddubsw's paths) run in CI's slow step.
+BLOCK_BUILD_PARAMS = [
+    pytest.param(build, marks=pytest.mark.slow) if build in ("avx512", "avx2") else build for build in BLOCK_BUILDS
+]
+
+
+@pytest.mark.parametrize("build", BLOCK_BUILD_PARAMS)
 def test_each_simd_build_of_the_block_gemv_matches_the_portable_c(build, portable_kernels, tmp_path):
     from infer.host import cpu_flags
 
