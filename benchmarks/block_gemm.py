@@ -9,14 +9,18 @@ every arm is called in turn, ``--repeats`` rounds, and each arm's fastest call i
 calls); ``--clock cpu`` times thread CPU time instead of wall time (one thread: a call descheduled by other jobs does
 not count). Prints two markdown tables, milliseconds per call: the formats as the engine runs them, and for each block
 kind its GEMV, every GEMM design this build runs (``CpuKernels.block_gemm_designs``) and the GEMM's default at that many
-rows (what a block projection takes past one GEMV pass). ``--kernels PATH`` runs the block formats on another build of
-the kernels (``python -c "from infer.kernels import cpu; from pathlib import Path; print(cpu.build(Path('/tmp/avx2'),
-['-mno-avx512f']))"`` builds the AVX2 code on an AVX-512 CPU); the float formats keep torch's own kernels (oneDNN and
-fbgemm pick their code from the CPU, not from these flags).
+rows (what a block projection takes past one GEMV pass), and where the AMX design runs, the weight dequantized to bf16
+alone (``dequantize_blocks_bf16``) and then multiplied by oneDNN's bf16 GEMM (what a block projection takes from
+``DENSE_BLOCK_ROWS`` rows there). ``--bf16-rows`` passes the GEMMs bf16 rows, as a large step's are between its
+projections where every one takes them (the GEMVs keep float32). ``--kernels PATH`` runs the block formats on another
+build of the kernels (``python -c "from infer.kernels import cpu; from pathlib import Path;
+print(cpu.build(Path('/tmp/avx2'), ['-mno-avx512f']))"`` builds the AVX2 code on an AVX-512 CPU); the float formats keep
+torch's own kernels (oneDNN and fbgemm pick their code from the CPU, not from these flags).
 
     OMP_NUM_THREADS=2 python benchmarks/block_gemm.py
     OMP_NUM_THREADS=1 python benchmarks/block_gemm.py --clock cpu --rows 16 64 --repeats 40
     OMP_NUM_THREADS=1 python benchmarks/block_gemm.py --clock cpu --rows 16 64 256 --shapes 'qwen3-0.6b down 1024x3072'
+    OMP_NUM_THREADS=1 python benchmarks/block_gemm.py --clock cpu --bf16-rows --rows 256 512 1024 2048 --repeats 5
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--bf16-rows", action="store_true", help="bf16 rows into the GEMMs (the GEMVs take float32)")
     parser.add_argument("--kernels", type=Path, help="a build of the C kernels (.so) for the block formats")
     return parser.parse_args()
 
@@ -106,6 +111,7 @@ def main() -> None:
     block_kernels = cpu_kernels.load_built(args.kernels) if args.kernels else kernels
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     designs = [name for name in block_kernels.block_gemm_designs if name != "portable"]
+    dense = ["dequantize", "dequantized + oneDNN"] if "amx-bf16" in designs else []
     print(
         f"{cpu_name()}; block kernels {block_kernels.simd}, block GEMM {block_kernels.block_gemm} (runs "
         f"{', '.join(designs)}); "
@@ -116,10 +122,19 @@ def main() -> None:
         packed, kquants = projections(kernels, block_kernels, SHAPES[shape_name])
         weights = {**{kind: packed[kind].blocks for kind in BLOCK_KINDS}, **kquants}
         for rows in args.rows:
-            x = torch.randn(rows, SHAPES[shape_name][1])
+            x_gemv = torch.randn(rows, SHAPES[shape_name][1])
+            x = x_gemv.bfloat16() if args.bf16_rows and rows > block_kernels.block_pass_rows else x_gemv
             arms = {mode: (lambda module=module: module(x)) for mode, module in packed.items()}
             for kind, blocks in weights.items():
-                arms[f"{kind} gemv"] = lambda blocks=blocks: block_kernels.linear_blocks(x, blocks, None)
+                arms[f"{kind} gemv"] = lambda blocks=blocks: block_kernels.linear_blocks(x_gemv, blocks, None)
+                if dense:
+                    buffer = torch.empty(blocks.out_features * blocks.in_features, dtype=torch.bfloat16)
+                    arms[f"{kind} dequantize"] = lambda blocks=blocks, buffer=buffer: (
+                        block_kernels.dequantize_blocks_bf16(blocks, buffer)
+                    )
+                    arms[f"{kind} dequantized + oneDNN"] = lambda blocks=blocks, buffer=buffer: (
+                        torch.nn.functional.linear(x.bfloat16(), block_kernels.dequantize_blocks_bf16(blocks, buffer))
+                    )
                 arms[f"{kind} default"] = lambda blocks=blocks: block_kernels.gemm_blocks(x, blocks, None)
                 for design in designs:
                     arms[f"{kind} {design}"] = lambda blocks=blocks, design=design: block_kernels.gemm_blocks(
@@ -130,7 +145,7 @@ def main() -> None:
             cells = " | ".join(f"{best[mode]:.3f}" for mode in (*BLOCK_KINDS, *FLOAT_MODES))
             engine_rows.append(f"| {shape_name} | {rows} | {path} | {cells} |")
             for kind in weights:
-                cells = " | ".join(f"{best[f'{kind} {arm}']:.3f}" for arm in ("gemv", *designs, "default"))
+                cells = " | ".join(f"{best[f'{kind} {arm}']:.3f}" for arm in ("gemv", *designs, "default", *dense))
                 design_rows.append(f"| {shape_name} | {rows} | {kind} | {cells} |")
     print("\n| projection | rows | blocks on | " + " | ".join((*BLOCK_KINDS, *FLOAT_MODES)) + " |")
     print("|---" * (3 + len(BLOCK_KINDS) + len(FLOAT_MODES)) + "|")
@@ -139,8 +154,9 @@ def main() -> None:
         "\n| projection | rows | kind | GEMV | "
         + " | ".join(f"GEMM {design}" for design in designs)
         + " | GEMM default |"
+        + "".join(f" {arm} |" for arm in dense)
     )
-    print("|---" * (5 + len(designs)) + "|")
+    print("|---" * (5 + len(designs) + len(dense)) + "|")
     print("\n".join(design_rows))
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
 

@@ -103,8 +103,9 @@ class ModelConfig(BaseModel):
         'block GEMM for more), "q4" and "q8" (q4_1 '
         'and q8_0), "gguf" (a GGUF model.path\'s own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors kept as they are, '
         'other projections as q8_0), "none". '
-        '"auto": with dtype auto on an x86 CPU, bf16 where it multiplies bf16 natively, else '
-        "fp16; none elsewhere.",
+        '"auto": with dtype auto on an x86 CPU, gguf for a GGUF model.path whose projections are all '
+        "blocks where the block GEMM runs on AMX, else bf16 where the CPU multiplies bf16 natively, "
+        "else fp16; none elsewhere.",
     )
     cpu_kernels: Literal["auto"] | bool = Field(
         "auto",

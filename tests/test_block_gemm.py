@@ -174,6 +174,11 @@ def test_each_simd_build_of_the_int8_block_gemm_matches_the_portable_c(build, po
                 rtol=1e-5,
                 msg=f"{kind}, {rows} rows",
             )
+        x = torch.randn(33, 288, generator=torch.Generator().manual_seed(33)).bfloat16()  # widened in C
+        for kernels in (built, portable_kernels):
+            assert torch.equal(
+                kernels.gemm_blocks(x, packed, bias), kernels.gemm_blocks(x.float(), packed, bias).bfloat16()
+            )
     for kind in [*K_KINDS, "k_mixed"]:  # the K-quant GEMV, against float64 as the native build's
         packed, weight = kquant_weight(kind, 67, 768, seed=2)
         for rows in (9, 16, 17, 33, 70):
@@ -231,7 +236,9 @@ def test_prefill_and_a_32_row_decode_step_give_the_gemvs_logits(kernels, tiny_mo
             patch.setattr(kernels, "gemm_blocks", projection)
             if gemv is not None:
                 patch.setattr(kernels, "linear_blocks", gemv)
-            return run_prefill_and_decode(PagedRunner(model, kernels=True), prompts)
+            runner = PagedRunner(model, kernels=True)
+            runner.executor.bf16_gemm_inputs = False  # float32 rows between projections: each design's own rounding
+            return run_prefill_and_decode(runner, prompts)
 
     float_model = run(float64_product, float64_product)
     expected = run(lambda x, weight, bias, design=None: kernels.linear_blocks(x, weight, bias))
@@ -277,3 +284,81 @@ def test_a_block_projection_takes_the_gemm_past_one_gemv_pass(kernels, monkeypat
     packed.use_cpu_kernels(kernels, gemv_rows=0)
     packed.block_linear(torch.randn(1, 64))
     assert calls == ["gemv", "gemv", "gemm", "gemm", "gemm"]
+
+
+def amx_kernels(kernels):
+    """``kernels``, or a skip where the block GEMM's AMX design (and so its dequantization to bf16) does not run."""
+    if "amx-bf16" not in kernels.block_gemm_designs:
+        pytest.skip(f"the block GEMM's AMX design needs AMX and AVX512-BF16; this {kernels.simd} build lacks them")
+    return kernels
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_dequantized_to_bf16_are_each_weight_rounded_once(kernels, kind):
+    amx = amx_kernels(kernels)
+    buffer = torch.full((200 * 3040,), float("nan"), dtype=torch.bfloat16)  # reused, larger than any weight here
+    for out_features, in_features in SHAPES:
+        raw, weight = gguf_tensor(kind, out_features, in_features)
+        packed = pack_blocks(raw, kind, out_features)
+        assert torch.equal(amx.dequantize_blocks_bf16(packed), weight.bfloat16()), (out_features, in_features)
+        assert torch.equal(amx.dequantize_blocks_bf16(packed, buffer), weight.bfloat16()), (out_features, in_features)
+
+
+@pytest.mark.parametrize(("kind", "shape"), K_CASES)
+def test_kquants_dequantized_to_bf16_are_each_weight_rounded_once(kernels, kind, shape):
+    packed, weight = kquant_weight(kind, *shape)
+    assert torch.equal(amx_kernels(kernels).dequantize_blocks_bf16(packed), weight.bfloat16())
+
+
+@pytest.mark.parametrize(("kind", "shape"), [*[(kind, (67, 288)) for kind in KINDS], *K_CASES[1::3]])
+def test_block_gemm_over_bf16_rows_gives_its_float32_sums_rounded_once(kernels, kind, shape):
+    """bf16 rows in, bf16 rows out (a large step's between the GEMMs): every design multiplies what it does for the
+    same rows widened, and rounds its sums once."""
+    if kind in KINDS:
+        raw, _ = gguf_tensor(kind, *shape)
+        packed = pack_blocks(raw, kind, shape[0])
+    else:
+        packed, _ = kquant_weight(kind, *shape)
+    bias = torch.randn(shape[0])
+    for design in kernels.block_gemm_designs:
+        for rows in (1, 9, 17, 33, 70):
+            x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).bfloat16()
+            out = kernels.gemm_blocks(x, packed, bias, design)
+            assert out.dtype == torch.bfloat16, design
+            expected = kernels.gemm_blocks(x.float(), packed, bias, design).bfloat16()
+            assert torch.equal(out, expected), f"{design}, {rows} rows"
+
+
+def test_a_block_projection_takes_onednn_over_the_dequantized_weight_for_large_steps(kernels, monkeypatch):
+    """From ``DENSE_BLOCK_ROWS`` rows on, a block projection multiplies the weight dequantized to bf16 (the values
+    the AMX design multiplies) through oneDNN, in the rows' dtype; below, the block GEMM."""
+    from infer.model import Linear
+    from infer.model.quantization import DENSE_BLOCK_ROWS, PackedLinear, bf16_gemm_available
+
+    amx = amx_kernels(kernels)
+    if not bf16_gemm_available():
+        pytest.skip("oneDNN's bf16 GEMM needs AVX512-BF16 or AMX in torch's build")
+    linear = Linear(96, 67, bias=True)  # infer's Linear leaves its parameters uninitialized
+    generator = torch.Generator().manual_seed(0)
+    torch.nn.init.normal_(linear.weight, std=0.1, generator=generator)
+    torch.nn.init.normal_(linear.bias, generator=generator)
+    packed = PackedLinear(linear, "q4_1")
+    packed.kernels = amx  # a block weight keeps the kernels loaded when it was built, which another test may swap
+    packed.use_cpu_kernels(amx, gemv_rows=8)
+    weight = dequantize_blocks(packed.blocks).bfloat16().double()
+    dense = []
+    original = amx.dequantize_blocks_bf16
+    monkeypatch.setattr(amx, "dequantize_blocks_bf16", lambda *args: dense.append(1) or original(*args))
+    for rows, dtype in (
+        (DENSE_BLOCK_ROWS - 1, torch.float32),
+        (DENSE_BLOCK_ROWS, torch.float32),
+        (DENSE_BLOCK_ROWS + 5, torch.bfloat16),
+    ):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        out = packed(x)
+        assert out.dtype == dtype and len(dense) == (rows >= DENSE_BLOCK_ROWS), rows
+        exact = x.bfloat16().double() @ weight.T + packed.bias.double()
+        # bf16 sums (oneDNN rounds its output, a bf16 bias added) are within 2^-8 of each result
+        tolerance = 1e-5 if rows < DENSE_BLOCK_ROWS and dtype == torch.float32 else 1.2e-2
+        torch.testing.assert_close(out.double(), exact, atol=tolerance, rtol=tolerance, msg=f"{rows} rows")
+        dense.clear()

@@ -331,15 +331,72 @@ def test_engine_runs_a_k_quant_gguf_file(kquant_gguf):
 def test_k_quant_prompt_in_the_fused_c_layers_takes_the_block_gemm_as_op_by_op(kquant_models, path):
     """A 20-token prompt (past the 16 rows K-quants keep on their GEMV) through the fused C layers, their token limit
     raised past it: each K-quant projection there takes the block GEMM as op by op does (AMX's bf16 tiles where they
-    run), so both give the same logits up to attention's summation order, and stay the float model's."""
+    run), so both give the same logits up to attention's summation order, and stay the float model's. Op by op takes
+    the same limit, so that its rows between the projections stay float32 as the C layers' do."""
     from test_model import PagedPool
 
     float_model, packed = kquant_models
     tokens = torch.randint(1000, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-    op_by_op = PagedPool(packed, kernels=True, paths=("torch",)).step({"a": tokens})["a"]
+    reference = PagedPool(packed, kernels=True, paths=("torch",))
+    reference.executor.set_fused_max_tokens(packed, 32)
+    op_by_op = reference.step({"a": tokens})["a"]
     runner = PagedPool(packed, kernels=True, paths=(path, "torch"))
     runner.executor.set_fused_max_tokens(packed, 32)
     fused = runner.step({"a": tokens})["a"]
     assert runner.executor.counts[path] == 1, runner.executor.counts
     assert relative_error(fused, op_by_op) < 1e-3
     assert relative_error(fused, PagedPool(float_model).step({"a": tokens})["a"]) < 2.5e-2
+
+
+def write_gguf(path, types: dict[str, str]):
+    """A GGUF file holding one 8 x 256 tensor per name, stored as the named GGUF type (``F32``, ``Q8_0``, ...)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "llama")
+    for name, type_name in types.items():
+        values = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
+        qtype = gguf.GGMLQuantizationType[type_name]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_auto_keeps_a_gguf_files_blocks_where_the_block_gemm_runs_on_amx(monkeypatch, tmp_path):
+    """``model.quantization: auto`` keeps a GGUF file's blocks where every projection of its layers is stored as
+    blocks and the block GEMM runs on AMX beside oneDNN's bf16 GEMM; a float file, a folder, other CPUs and an explicit
+    float32 keep what they had."""
+    from types import SimpleNamespace
+
+    from infer.model import quantization
+
+    monkeypatch.setattr(quantization, "bf16_gemm_available", lambda: True)
+    amx, int8 = SimpleNamespace(block_gemm="amx-bf16"), SimpleNamespace(block_gemm="int8")
+    blocks = write_gguf(tmp_path / "blocks.gguf", {"blk.0.attn_q.weight": "Q4_0", "blk.0.ffn_down.weight": "Q8_0"})
+    mixed = write_gguf(tmp_path / "mixed.gguf", {"blk.0.attn_q.weight": "Q8_0", "blk.0.ffn_down.weight": "F32"})
+    default = resolve_model_path(DEFAULT_MODEL)  # Q4_1 projections
+    for path in (blocks, default):
+        assert resolve_quantization("auto", "auto", torch.float32, CPU, path, amx) == "gguf", path
+        assert resolve_quantization("auto", "auto", torch.float32, CPU, path, int8) == "bf16", path
+        assert resolve_quantization("auto", "auto", torch.float32, CPU, path, None) == "bf16", path
+        assert resolve_quantization("auto", "float32", torch.float32, CPU, path, amx) == "none", path
+    assert resolve_quantization("auto", "auto", torch.float32, CPU, mixed, amx) == "bf16"
+    assert resolve_quantization("auto", "auto", torch.float32, CPU, tmp_path, amx) == "bf16"  # not a .gguf file
+    monkeypatch.setattr(quantization, "bf16_gemm_available", lambda: False)
+    assert resolve_quantization("auto", "auto", torch.float32, CPU, default, amx) == "fp16"
+
+
+def test_weights_beside_a_gguf_files_blocks_are_packed_as_q8_0():
+    """A drafter's own weights beside a ``gguf`` target (an EAGLE head, a draft model) have no blocks in the file:
+    they are packed as ``q8_0``, as the file's projections stored otherwise are."""
+    from infer.model.quantization import projection, quantize_linears
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(Linear(64, 40, bias=False))
+    assert quantize_linears(module, "gguf")[0].mode == "q8_0"
+    assert projection(torch.randn(40, 64), "gguf").mode == "q8_0"

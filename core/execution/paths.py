@@ -204,7 +204,8 @@ class Executor:
             raise ValueError("the last execution path must be torch, which accepts every step")
         self.kernels = kernels
         self.fused_max_tokens = fused_max_tokens
-        # Every projection is a bf16 GEMM for large steps: those steps pass bf16 rows between them (``StepOps``).
+        # Every projection takes bf16 rows at large steps (bf16 weights, or blocks on AMX): those steps pass bf16 rows
+        # between them (``StepOps``).
         self.bf16_gemm_inputs = bf16_gemm_inputs
         self.gemm = gemm  # bf16 weights: what their large steps multiply on (``execution.large_gemm``)
         self.counts: Counter[str] = Counter()
@@ -236,7 +237,9 @@ class Executor:
         if unknown:
             raise ValueError(f"unknown execution paths {unknown}; choose from {', '.join(PATH_NAMES)}")
         chosen = [known[name](fused_max_tokens) for name in paths if name in known]
-        return cls([*chosen, TorchPath()], kernels, fused_max_tokens, _all_bf16_gemms(model) and not float_gemms, gemm)
+        return cls(
+            [*chosen, TorchPath()], kernels, fused_max_tokens, _bf16_rows(model, kernels) and not float_gemms, gemm
+        )
 
     def for_another(self, model: CausalLM) -> Executor:
         """An executor with these kernels and paths for another model (a draft model), its weights prepared (on the
@@ -321,9 +324,10 @@ class Executor:
         return f"execution paths {order}; forward passes: {counts}"
 
 
-def _all_bf16_gemms(model: CausalLM) -> bool:
-    """Whether every projection of ``model``'s layers is packed as bf16 (``model.quantization: bf16``) and none is
-    sharded (whose all-reduce would then sum bf16 rows)."""
+def _bf16_rows(model: CausalLM, kernels: CpuKernels) -> bool:
+    """Whether every projection of ``model``'s layers takes bf16 rows as they are at large steps, none sharded (whose
+    all-reduce would then sum bf16 rows): packed as bf16 (``model.quantization: bf16``), or as blocks where the block
+    GEMM runs on AMX, which rounds its rows to bf16 anyway (``gemm_blocks``' ``amx-bf16`` design)."""
     from infer.model.quantization import PackedLinear
 
     projections = [
@@ -332,10 +336,14 @@ def _all_bf16_gemms(model: CausalLM) -> bool:
         for module in layer.modules()
         if isinstance(module, (torch.nn.Linear, PackedLinear))
     ]  # a mixture's experts too
+    amx_blocks = kernels.block_gemm == "amx-bf16"
     return (
         bool(projections)
         and model.layers[0].self_attn.tensor_parallel is None
-        and all(isinstance(module, PackedLinear) and module.mode == "bf16" for module in projections)
+        and all(
+            isinstance(module, PackedLinear) and (module.mode == "bf16" or (module.blocks is not None and amx_blocks))
+            for module in projections
+        )
     )
 
 
@@ -438,12 +446,18 @@ def build_model_stack(
 ) -> ModelStack:
     """``model`` sharded (``shard``: a tensor-parallel rank's ``shard(model)``), packed for ``model.quantization``,
     with its executor and attention backend: what the engine and every tensor-parallel rank build alike."""
+    from infer.kernels import cpu as cpu_kernels
     from infer.model.loader import resolve_model_path
     from infer.model.quantization import quantize_model, resolve_quantization
 
     reuses_freed_memory = device.type == "cpu" and config.execution.reuse_freed_memory and reuse_freed_memory()
-    quantization = resolve_quantization(config.model.quantization, config.model.dtype, dtype, device)
-    gguf = resolve_model_path(config.model.path) if quantization == "gguf" else None  # its blocks are kept
+    path = resolve_model_path(config.model.path)
+    usable = device.type == "cpu" and dtype == torch.float32 and not config.model.compile  # as build_executor's
+    kernels = cpu_kernels.load(config.model.cpu_kernels) if usable and path.suffix == ".gguf" else None
+    quantization = resolve_quantization(  # auto keeps a GGUF file's blocks only on one rank: sharding splits rows
+        config.model.quantization, config.model.dtype, dtype, device, path if shard is None else None, kernels
+    )
+    gguf = path if quantization == "gguf" else None  # its blocks are kept
     model = quantize_model(model if shard is None else shard(model), quantization, gguf)
     executor = build_executor(model, config, device, dtype, quantization)
     environment = AttentionEnvironment(device, dtype, quantization, executor.kernels is not None, executor.float_gemms)

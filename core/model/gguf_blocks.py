@@ -28,6 +28,19 @@ BLOCK_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", "
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
+def stores_blocks(path: Path) -> bool:
+    """Whether every 2-D weight of the GGUF file's layers (``blk.N.*``: the projections) is of a ``BLOCK_TYPES``
+    type, so that ``model.quantization: gguf`` keeps all of them as blocks."""
+    import gguf
+
+    layers = [
+        tensor
+        for tensor in gguf.GGUFReader(path).tensors
+        if tensor.name.startswith("blk.") and tensor.name.endswith(".weight") and len(tensor.shape) == 2
+    ]
+    return bool(layers) and all(tensor.tensor_type.name in BLOCK_TYPES for tensor in layers)
+
+
 def read_projections(path: Path, model: nn.Module) -> tuple[dict[str, BlockWeight], dict[str, str]]:
     """For each ``nn.Linear`` of ``model`` (its module name: ``layers.0.self_attn.qkv_proj``, ``lm_head``), the
     file's blocks where every tensor it concatenates is of one ``BLOCK_TYPES`` type, or each of a K type; and, for the

@@ -18,9 +18,10 @@ class StepOps:
     ops, or infer's CPU kernels (float32 on a CPU), which do each in one pass. The execution layer builds one per
     step (``infer.execution.paths``); the layers call it instead of the torch functions.
 
-    ``gemm_dtype`` bfloat16 (the execution layer's choice for a large step over bf16 weights with the kernels): the
-    norms before a projection write bf16 rows and SiLU-and-multiply runs bf16 to bf16, so the bf16 GEMMs take their
-    inputs and give their outputs without a float32 round trip; a projection's bf16 output comes back to float32
+    ``gemm_dtype`` bfloat16 (the execution layer's choice for a large step over bf16 weights, or block weights whose
+    GEMM runs on AMX, with the kernels): the norms before a projection write bf16 rows and SiLU-and-multiply runs bf16
+    to bf16, so the bf16 GEMMs take their inputs and give their outputs without a float32 round trip; a projection's
+    bf16 output comes back to float32
     where float32 is read, inside the kernel that reads it (RoPE widens QKV as it rotates, the RMSNorm a layer's
     output as it adds it to the residual). The values are those of rounding each GEMM's input to bf16, which the
     GEMM does anyway (the attention's output is rounded before the output projection, ``gemm_rows``)."""

@@ -57,6 +57,9 @@ QUANTIZATIONS = ("none", "fp16", "bf16", "int8", "int8_per_row", "w8a8", "q4_0",
 # them), and the config's short names for two of them.
 BLOCK_MODES = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "k_mixed")
 BLOCK_ALIASES = {"q4": "q4_1", "q8": "q8_0"}
+# What ``gguf`` packs weights its file does not give as blocks in: the projections it stores otherwise, and a
+# drafter's own weights (an EAGLE head, a draft model).
+GGUF_OTHERS = "q8_0"
 # Weights per int8 scale in mode int8 (int8_per_row: a whole row).
 INT8_GROUP = 32
 KERNEL_MODES = ("fp16", "bf16", "int8", "int8_per_row")
@@ -64,6 +67,12 @@ KERNEL_MODES = ("fp16", "bf16", "int8", "int8_per_row")
 # larger ones (prefill chunks) oneDNN's GEMM, faster there on AMX (four 512-token prompts 596 vs 857 ms a step) and
 # level with it on AVX512-BF16 (``benchmarks/tile_gemm.py``; docs/performance.md).
 TILE_MAX_ROWS = 256
+# Block weights where the block GEMM runs on AMX: inputs of at least this many rows (prefill chunks) multiply through
+# oneDNN's bf16 GEMM over the weight dequantized to bf16 for the call (``CpuKernels.dequantize_blocks_bf16``, the
+# values the AMX design multiplies). One thread, on the default model's and Qwen3-0.6B's projections, dequantizing
+# plus oneDNN took 0.69-0.88x the block GEMM's time at 1,024 rows and 0.38-0.79x at 2,048, 1.1-1.8x at 128-256
+# (``benchmarks/block_gemm.py --bf16-rows``; docs/performance.md).
+DENSE_BLOCK_ROWS = 1024
 # CPU feature flags for native bf16 matmuls on x86 (oneDNN's bf16 GEMM runs on them).
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
@@ -83,14 +92,20 @@ def bf16_gemm_available() -> bool:
     )
 
 
-def resolve_quantization(name: str, dtype_setting: str, dtype: torch.dtype, device: torch.device) -> str:
+def resolve_quantization(
+    name: str, dtype_setting: str, dtype: torch.dtype, device: torch.device, path: Path | None = None, kernels=None
+) -> str:
     """The quantization to apply. ``auto`` packs weights on an x86 CPU when the dtype was left to ``auto`` (which
-    there resolves to float32 activations): bf16 where the CPU multiplies bf16 natively, else fp16. An explicit
-    ``dtype: float32`` stays exact."""
+    there resolves to float32 activations): a GGUF file's own blocks (``gguf``) where ``path`` (the resolved
+    ``model.path``) is one whose projections are stored as blocks and the block GEMM runs on AMX (``kernels``,
+    ``gguf_blocks_preferred``); else bf16 where the CPU multiplies bf16 natively, else fp16. An explicit ``dtype:
+    float32`` stays exact."""
     if name == "auto":
         packable = device.type == "cpu" and dtype == torch.float32 and fbgemm_available()
         if not packable or dtype_setting != "auto":
             return "none"
+        if path is not None and gguf_blocks_preferred(path, kernels):
+            return "gguf"
         return "bf16" if bf16_gemm_available() else "fp16"
     if name == "none":
         return name
@@ -109,6 +124,20 @@ def resolve_quantization(name: str, dtype_setting: str, dtype: torch.dtype, devi
             f"model.quantization={name} computes in float32; set model.dtype=float32 or auto (got {dtype})"
         )
     return name
+
+
+def gguf_blocks_preferred(path: Path, kernels) -> bool:
+    """Whether ``auto`` keeps the GGUF file ``path``'s blocks: every projection of its layers is stored as blocks the
+    kernels run (``infer.model.gguf_blocks.BLOCK_TYPES``), and ``kernels`` (None: no C kernels) multiply large steps
+    of blocks on AMX beside oneDNN's bf16 GEMM. There, against the same file's weights as bf16, the blocks measured
+    2.3x the output tokens at batch 1, 0.87-0.98x in the 64-request chat mix and 0.87-1.02x in prefill
+    (docs/performance.md); on CPUs without AMX their large steps run on the int8 design, not measured against bf16
+    or fp16 there, so ``auto`` keeps those."""
+    if path.suffix != ".gguf" or kernels is None or kernels.block_gemm != "amx-bf16" or not bf16_gemm_available():
+        return False
+    from infer.model.gguf_blocks import stores_blocks
+
+    return stores_blocks(path)
 
 
 def int8_weights(weight: torch.Tensor, group: int = INT8_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,20 +321,38 @@ class PackedLinear(nn.Module):
 
     def block_linear(self, x: torch.Tensor) -> torch.Tensor:
         """Block modes: ``x @ weight.T + bias`` on the block GEMV for inputs of up to ``gemv_rows`` rows and at most
-        one of its passes (``kernels.block_pass_rows``: beyond, it reads the weights again for every pass), on the
-        block GEMM for more (``kernels.gemm_blocks``: from one pass and a row on, it measured faster on every shape of
-        docs/performance.md; K-quant weights stay on their GEMV there up to 16 rows), or (no C compiler here) over the
-        dequantized weights, slowly."""
-        rows = x.float().contiguous()
+        one of its passes (``kernels.block_pass_rows``: beyond, it reads the weights again for every pass; float32
+        out), on the block GEMM for more (``kernels.gemm_blocks``: from one pass and a row on, it measured faster on
+        every shape of docs/performance.md; K-quant weights stay on their GEMV there up to 16 rows), and where that
+        GEMM runs on AMX, from ``DENSE_BLOCK_ROWS`` rows on oneDNN's bf16 GEMM over the weight dequantized for the
+        call; or (no C compiler here) over the dequantized weights, slowly. The GEMMs give bf16 rows for bf16 rows (a
+        large step's between them, ``StepOps.gemm_dtype``), else float32."""
         if self.kernels is None:
-            return torch.nn.functional.linear(rows, dequantize_blocks(self.blocks), self.bias)
-        few = rows.shape[0] <= min(self.gemv_rows, self.kernels.block_pass_rows)
-        if few:
-            return self.kernels.linear_blocks(rows, self.blocks, self.bias)
-        return self.kernels.gemm_blocks(rows, self.blocks, self.bias)
+            return torch.nn.functional.linear(x.float(), dequantize_blocks(self.blocks), self.bias).to(x.dtype)
+        if x.shape[0] >= DENSE_BLOCK_ROWS and self.kernels.block_gemm == "amx-bf16" and bf16_gemm_available():
+            weight = self.kernels.dequantize_blocks_bf16(self.blocks, dense_buffer(self.blocks))
+            out = torch.nn.functional.linear(x.to(torch.bfloat16), weight).to(x.dtype)
+            return out if self.bias is None else out.add_(self.bias)
+        if x.shape[0] <= min(self.gemv_rows, self.kernels.block_pass_rows):
+            return self.kernels.linear_blocks(x.float().contiguous(), self.blocks, self.bias)
+        rows = x if x.dtype == torch.bfloat16 else x.float()
+        return self.kernels.gemm_blocks(rows.contiguous(), self.blocks, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
+
+
+_dense_rows = torch.empty(0, dtype=torch.bfloat16)
+
+
+def dense_buffer(weight: BlockWeight) -> torch.Tensor:
+    """One bf16 buffer, reused by every block projection's large steps (``DENSE_BLOCK_ROWS``), that holds ``weight``
+    dequantized: it grows to the largest projection's bf16 bytes once, instead of a fresh allocation every call."""
+    global _dense_rows
+    size = weight.out_features * weight.in_features
+    if _dense_rows.numel() < size:
+        _dense_rows = torch.empty(size, dtype=torch.bfloat16)
+    return _dense_rows
 
 
 def bf16_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -336,7 +383,8 @@ def quantize_linears(
 ) -> nn.Module:
     """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear`` (in place; returns ``module``).
     Weights whose ``id`` is in ``shared`` are kept on the packed module (see ``PackedLinear``). ``blocks``: weights
-    already as blocks by module name under ``module`` (``layers.0.self_attn.qkv_proj``), each packed in its kind."""
+    already as blocks by module name under ``module`` (``layers.0.self_attn.qkv_proj``), each packed in its kind; mode
+    ``gguf`` packs the others as ``GGUF_OTHERS``."""
     if mode == "none":
         return module
     for name, child in list(module.named_children()):
@@ -348,7 +396,7 @@ def quantize_linears(
                 name,
                 PackedLinear(
                     child,
-                    given.kind if given is not None else mode,
+                    given.kind if given is not None else GGUF_OTHERS if mode == "gguf" else mode,
                     keep_weight=id(child.weight) in shared,
                     blocks=given,
                 ),
@@ -363,7 +411,7 @@ def projection(weight: torch.Tensor, mode: str) -> nn.Module:
     with torch.device(weight.device):
         linear = Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
     linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-    return linear if mode == "none" else PackedLinear(linear, mode)
+    return linear if mode == "none" else PackedLinear(linear, GGUF_OTHERS if mode == "gguf" else mode)
 
 
 def quantize_model(model: nn.Module, mode: str, gguf: Path | None = None) -> nn.Module:
@@ -382,8 +430,8 @@ def quantize_model(model: nn.Module, mode: str, gguf: Path | None = None) -> nn.
             f"model.quantization to q4 or q8 to quantize a float checkpoint)"
         )
     blocks, others = read_projections(gguf, model)
-    warn_dequantized(gguf, others, "q8_0")
-    return quantize_linears(model, "q8_0", shared, blocks)
+    warn_dequantized(gguf, others, GGUF_OTHERS)
+    return quantize_linears(model, "gguf", shared, blocks)
 
 
 def model_weight_bytes(model: nn.Module) -> int:

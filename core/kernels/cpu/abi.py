@@ -31,6 +31,7 @@ _SIGNATURES = {
     "infer_linear_i8": [_POINTER, _INT, _INT, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT],
     "infer_linear_blocks": [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT],
     "infer_gemm_blocks": [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT],
+    "infer_gemm_blocks_bf16": [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT],
     "infer_moe_experts": [
         _POINTER,
         _INT,
@@ -430,6 +431,9 @@ class CpuKernels:
         gemm_runs.argtypes, gemm_runs.restype = [_INT], _INT
         self.block_gemm = BLOCK_GEMM_DESIGNS[gemm_kind()]
         self.block_gemm_designs = tuple(name for number, name in BLOCK_GEMM_DESIGNS.items() if gemm_runs(number))
+        self._dequantize_blocks_bf16 = library.infer_dequantize_blocks_bf16
+        self._dequantize_blocks_bf16.argtypes = [_POINTER, _INT, _INT, _INT, _POINTER]
+        self._dequantize_blocks_bf16.restype = _INT
         # How ``linear_tiles`` multiplies: "AMX tiles" (the build has AMX and the OS lets this process use it),
         # "AVX512-BF16" (its dot products), or None (plain C, the slow reference).
         self.tiles = TILE_KINDS[tile_kind()]
@@ -494,22 +498,25 @@ class CpuKernels:
     def gemm_blocks(
         self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None, design: str | None = None
     ) -> torch.Tensor:
-        """``linear_blocks``' product for steps of many rows (prefill chunks, large decode batches): float32
-        ``[rows, n]``. ``design`` (one of ``block_gemm_designs``; default: ``int8`` for up to 16 rows where it runs,
-        else ``block_gemm``): ``amx-bf16`` multiplies on AMX's bf16 tiles over the weights dequantized to bf16 a panel
-        at a time, ``x`` rounded to bf16; ``int8`` with integer dot products over ``x`` quantized per 32 columns as
-        ``linear_blocks`` quantizes it (its arithmetic, summed in another order); ``portable`` is ``linear_blocks``
-        itself. K-quant weights (``q4_k``, ``q6_k``, ``k_mixed``) take ``amx-bf16`` the same way; their ``int8`` is
-        ``linear_blocks``, whose K-quant GEMV already multiplies int8 products over passes of rows."""
+        """``linear_blocks``' product for steps of many rows (prefill chunks, large decode batches), ``[rows, n]`` in
+        ``x``'s dtype: float32, or bfloat16 rows in and out (a large step's between bf16 GEMMs; the ``amx-bf16`` design
+        reads and writes them as they are, the others widen them). ``design`` (one of ``block_gemm_designs``; default:
+        ``int8`` for up to 16 rows where it runs, else ``block_gemm``): ``amx-bf16`` multiplies on AMX's bf16 tiles over
+        the weights dequantized to bf16 a panel at a time, ``x`` rounded to bf16; ``int8`` with integer dot products
+        over ``x`` quantized per 32 columns as ``linear_blocks`` quantizes it (its arithmetic, summed in another order);
+        ``portable`` is ``linear_blocks`` itself. K-quant weights (``q4_k``, ``q6_k``, ``k_mixed``) take ``amx-bf16``
+        the same way; their ``int8`` is ``linear_blocks``, whose K-quant GEMV already multiplies int8 products over
+        passes of rows."""
         if design is not None and design not in self.block_gemm_designs:
             raise ValueError(
                 f"gemm_blocks design {design!r} does not run here; this {self.simd} build runs "
                 f"{', '.join(self.block_gemm_designs)}"
             )
-        check_blocks(x, weight, bias, "gemm_blocks")
-        out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)
+        check_blocks(x, weight, bias, "gemm_blocks", bf16_rows=True)
+        out = torch.empty((x.shape[0], weight.out_features), dtype=x.dtype)
         number = -1 if design is None else {name: number for number, name in BLOCK_GEMM_DESIGNS.items()}[design]
-        self._gemm_blocks(
+        gemm = self._gemm_blocks_bf16 if x.dtype == torch.bfloat16 else self._gemm_blocks
+        gemm(
             x.data_ptr(),
             x.shape[0],
             weight.in_features,
@@ -521,6 +528,26 @@ class CpuKernels:
             number,
         )
         return out
+
+    def dequantize_blocks_bf16(self, weight: BlockWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight`` as plain bf16 rows ``[out_features, in_features]``: the values ``gemm_blocks``' ``amx-bf16``
+        design multiplies (each weight rounded once to bf16), for a bf16 GEMM library's GEMM over many rows of x.
+        Written into ``out`` when given (a reused buffer of at least that many elements; the result is a view of
+        it). Builds without AMX and AVX512-BF16 (``amx-bf16`` not among ``block_gemm_designs``) raise."""
+        if "amx-bf16" not in self.block_gemm_designs:
+            raise ValueError(f"dequantize_blocks_bf16 needs a build with AMX and AVX512-BF16, not {self.simd}")
+        if not well_formed(weight):
+            raise ValueError(f"dequantize_blocks_bf16 needs a {weight.kind} weight packed by pack_blocks")
+        size = weight.out_features * weight.in_features
+        if out is None:
+            out = torch.empty(size, dtype=torch.bfloat16)
+        elif out.dtype != torch.bfloat16 or not out.is_contiguous() or out.numel() < size:
+            raise ValueError(f"dequantize_blocks_bf16 needs a contiguous bf16 buffer of at least {size} elements")
+        rows = out.view(-1)[:size].view(weight.out_features, weight.in_features)
+        self._dequantize_blocks_bf16(
+            weight.data.data_ptr(), BLOCK_KINDS[weight.kind], weight.out_features, weight.in_features, rows.data_ptr()
+        )
+        return rows
 
     def linear_tiles(
         self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None, fma: bool = False
@@ -1037,9 +1064,15 @@ def scale_groups(scales: torch.Tensor | None) -> int:
     return 0 if scales is None else scales.shape[1]
 
 
-def check_blocks(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None, name: str) -> None:
-    """Rows ``x``, a weight kept as blocks and a bias that ``name`` (a block kernel) can read together."""
-    check_flat(x)
+def check_blocks(
+    x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None, name: str, bf16_rows: bool = False
+) -> None:
+    """Rows ``x`` (float32, or with ``bf16_rows`` bfloat16 too), a weight kept as blocks and a bias that ``name`` (a
+    block kernel) can read together."""
+    if not (bf16_rows and x.dtype == torch.bfloat16):
+        check_flat(x)
+    elif x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"{name} needs contiguous bf16 CPU rows, got them on {x.device} with strides {x.stride()}")
     data = weight.data
     if not well_formed(weight):
         raise ValueError(

@@ -98,6 +98,16 @@ int64_t infer_block_gemm_kind(void);
 /* 1 when infer_gemm_blocks can run `design` in this build on this machine. */
 int64_t infer_block_gemm_runs(int64_t design);
 
+/* infer_gemm_blocks over bf16 rows x, writing bf16 rows y (float32 sums rounded once), `design` as there: the AMX
+ * design reads and writes them as they are; the others run on x widened to float32. */
+void infer_gemm_blocks_bf16(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind,
+                            const float *bias, uint16_t *y, int64_t n_out, int64_t design);
+
+/* A block weight (any kind infer_gemm_blocks takes) as plain bf16 rows `out` [n_out, k], the values the AMX design
+ * multiplies, for a bf16 GEMM library's GEMM over many rows: 1, or 0 (nothing written) in a build without AMX and
+ * AVX512-BF16. */
+int64_t infer_dequantize_blocks_bf16(const uint8_t *w, int64_t kind, int64_t n_out, int64_t k, uint16_t *out);
+
 /* ---- a mixture of experts (moe.c) ------------------------------------------------------------------------------- */
 
 /* An expert's activation of its gate g and up u (abi.EXPERT_ACTIVATIONS): SwiGLU, silu(g) * u; or gpt-oss's clamped

@@ -422,13 +422,28 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
  * holds its weights, and x's B tiles their columns to meet them. */
 enum { ORDER_COLUMNS = 0, ORDER_SUPER = 1, ORDER_NIBBLES = 2 };
 
+/* Positions 32 kt .. 32 kt + 31 of bf16 row `x + row` in `order` (rows_as_b_tiles): ORDER_SUPER's are 8 runs of 4
+ * columns 32 apart (one 64-bit gather), ORDER_NIBBLES' one permutation of the block's columns. */
+static inline __m512i bf16_block_of_b(const void *x, int64_t row, int64_t kt, int order) {
+    const uint16_t *in = (const uint16_t *)x + row;
+    if (order == ORDER_SUPER) {
+        const __m512i runs = _mm512_set_epi64(448, 384, 320, 256, 192, 128, 64, 0);  /* bytes of columns 32j */
+        return _mm512_i64gather_epi64(runs, (const void *)(in + (kt / 8) * 256 + 4 * (kt % 8)), 1);
+    }
+    const __m512i columns = _mm512_loadu_si512(in + kt * 32);
+    if (order == ORDER_COLUMNS) return columns;
+    const __m512i evens_then_odds = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 30, 28,
+                                                     26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    return _mm512_permutexvar_epi16(evens_then_odds, columns);
+}
+
 /* x rounded to bf16 as B tiles, [tiles of 16 rows][k / 32][16 pairs p][16 rows][2] (row p of a tile: every row's
  * positions 2p and 2p + 1), rows past the last zero: each 16 x 32 block of x a 16 x 16 transpose of pairs. Position
  * p of a block holds column p (ORDER_COLUMNS); with ORDER_SUPER, each 256 columns in the order a K-quant record stores
  * its weights (gemv_kquants.c's top comment: position 32t + 4j + c holds column 32j + 4t + c); with ORDER_NIBBLES,
  * each 32 columns' even ones, then their odd ones (position p < 16 holds column 2p, p >= 16 column 2p - 31), the
- * order dequantize_record looks a Q4 record's nibbles up in. */
-static uint16_t *rows_as_b_tiles(const float *x, int64_t rows, int64_t k, int64_t tiles, int order) {
+ * order dequantize_record looks a Q4 record's nibbles up in. `x` float32, or (x_bf16) bf16 rows taken as they are. */
+static uint16_t *rows_as_b_tiles(const void *x, int x_bf16, int64_t rows, int64_t k, int64_t tiles, int order) {
     uint16_t *xb = malloc(sizeof(uint16_t) * tiles * 16 * k);
     const int64_t k_tiles = k / 32;
 #pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_ELEMENTS)
@@ -441,14 +456,18 @@ static uint16_t *rows_as_b_tiles(const float *x, int64_t rows, int64_t k, int64_
                 r[i] = _mm512_setzero_si512();
                 continue;
             }
+            if (x_bf16) {
+                r[i] = bf16_block_of_b(x, m * k, kt, order);
+                continue;
+            }
             if (order == ORDER_SUPER) {  /* positions 32t .. 32t + 31 of super-block kt / 8, t = kt % 8 */
                 const __m512i columns = _mm512_set_epi32(99, 98, 97, 96, 67, 66, 65, 64, 35, 34, 33, 32, 3, 2, 1, 0);
-                const float *in = x + m * k + (kt / 8) * 256 + 4 * (kt % 8);
+                const float *in = (const float *)x + m * k + (kt / 8) * 256 + 4 * (kt % 8);
                 r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_i32gather_ps(columns, in + 128, 4),
                                                     _mm512_i32gather_ps(columns, in, 4));
                 continue;
             }
-            const float *in = x + m * k + kt * 32;
+            const float *in = (const float *)x + m * k + kt * 32;
             const __m512 low = _mm512_loadu_ps(in), high = _mm512_loadu_ps(in + 16);
             if (order == ORDER_NIBBLES) {
                 const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
@@ -638,16 +657,22 @@ static inline __attribute__((always_inline)) void dequantize_unit(const uint8_t 
 
 static inline int64_t panel_units(int64_t k, int kind) { return kind == KIND_K_MIXED ? 32 * (k / 256) : 8 * (k / 32); }
 
-/* A 16 x 16 tile of results (rows: weight rows n.., columns: rows m.. of x) transposed into y plus bias. */
-static inline void store_transposed(const float tile[16][16], const float *bias, float *y, int64_t m, int64_t rows,
-                                    int64_t n, int64_t n_out) {
+/* A 16 x 16 tile of results (rows: weight rows n.., columns: rows m.. of x) transposed into y plus bias: float32, or
+ * (y_bf16) rounded to bf16. */
+static inline void store_transposed(const float tile[16][16], const float *bias, void *y, int y_bf16, int64_t m,
+                                    int64_t rows, int64_t n, int64_t n_out) {
     __m512i r[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(tile[i]);
     transpose16(r);
     const __mmask16 columns = first_lanes(n_out - n);
     const __m512 add = bias ? _mm512_maskz_loadu_ps(columns, bias + n) : _mm512_setzero_ps();
-    for (int j = 0; j < 16 && m + j < rows; j++)
-        _mm512_mask_storeu_ps(y + (m + j) * n_out + n, columns, _mm512_add_ps(_mm512_castsi512_ps(r[j]), add));
+    for (int j = 0; j < 16 && m + j < rows; j++) {
+        const __m512 sums = _mm512_add_ps(_mm512_castsi512_ps(r[j]), add);
+        if (y_bf16)
+            _mm256_mask_storeu_epi16((uint16_t *)y + (m + j) * n_out + n, columns, (__m256i)_mm512_cvtneps_pbh(sums));
+        else
+            _mm512_mask_storeu_ps((float *)y + (m + j) * n_out + n, columns, sums);
+    }
 }
 
 /* `kind` a constant per copy: a block kind, or KIND_K_MIXED for any K-quant weight (its `parts`).
@@ -657,7 +682,7 @@ static inline void store_transposed(const float tile[16][16], const float *bias,
  * the panel's passes: only a thread's first panel is dequantized alone. */
 static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, int64_t rows, int64_t tiles,
                                                            int64_t k, const uint8_t *w, const kquant_parts *parts,
-                                                           const float *bias, float *y, int64_t n_out,
+                                                           const float *bias, void *y, int y_bf16, int64_t n_out,
                                                            const int kind) {
     const int64_t k_tiles = k / 32, panels = (n_out + 31) / 32, units = panel_units(k, kind);
     int64_t chunk = CHUNK_BYTES / (16 * k * 2);  /* tiles of x */
@@ -708,13 +733,13 @@ static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, i
                     }
                     _tile_stored(0, results[0], 64);
                     _tile_stored(2, results[2], 64);
-                    store_transposed(results[0], bias, y, t * 16, rows, n, n_out);
-                    if (n + 16 < n_out) store_transposed(results[2], bias, y, t * 16, rows, n + 16, n_out);
+                    store_transposed(results[0], bias, y, y_bf16, t * 16, rows, n, n_out);
+                    if (n + 16 < n_out) store_transposed(results[2], bias, y, y_bf16, t * 16, rows, n + 16, n_out);
                     if (pair) {
                         _tile_stored(1, results[1], 64);
                         _tile_stored(3, results[3], 64);
-                        store_transposed(results[1], bias, y, (t + 1) * 16, rows, n, n_out);
-                        if (n + 16 < n_out) store_transposed(results[3], bias, y, (t + 1) * 16, rows, n + 16, n_out);
+                        store_transposed(results[1], bias, y, y_bf16, (t + 1) * 16, rows, n, n_out);
+                        if (n + 16 < n_out) store_transposed(results[3], bias, y, y_bf16, (t + 1) * 16, rows, n + 16, n_out);
                     }
                 }
                 for (; done < todo; done++) dequantize_unit(w, parts, n_next, n_out, k, done, next, kind);
@@ -730,22 +755,71 @@ static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, i
     }
 }
 
-static void gemm_blocks_amx(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind,
-                            const float *bias, float *y, int64_t n_out) {
+/* `bf16`: x and y bf16 rows, else float32. */
+static void gemm_blocks_amx(const void *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind,
+                            const float *bias, void *y, int64_t n_out, int bf16) {
     const int64_t tiles = (rows + 15) / 16;
     const int kquant = kind == KIND_Q4_K || kind == KIND_Q6_K || kind == KIND_K_MIXED;
-    uint16_t *xb = rows_as_b_tiles(x, rows, k, tiles,
+    uint16_t *xb = rows_as_b_tiles(x, bf16, rows, k, tiles,
                                    kquant ? ORDER_SUPER : kind == KIND_Q8_0 ? ORDER_COLUMNS : ORDER_NIBBLES);
     if (kquant) {
         const kquant_parts parts = read_kquant_parts(w, kind, n_out, k);
-        gemm_amx(xb, rows, tiles, k, w, &parts, bias, y, n_out, KIND_K_MIXED);
+        gemm_amx(xb, rows, tiles, k, w, &parts, bias, y, bf16, n_out, KIND_K_MIXED);
     } else if (kind == KIND_Q4_0)
-        gemm_amx(xb, rows, tiles, k, w, NULL, bias, y, n_out, KIND_Q4_0);
+        gemm_amx(xb, rows, tiles, k, w, NULL, bias, y, bf16, n_out, KIND_Q4_0);
     else if (kind == KIND_Q4_1)
-        gemm_amx(xb, rows, tiles, k, w, NULL, bias, y, n_out, KIND_Q4_1);
+        gemm_amx(xb, rows, tiles, k, w, NULL, bias, y, bf16, n_out, KIND_Q4_1);
     else
-        gemm_amx(xb, rows, tiles, k, w, NULL, bias, y, n_out, KIND_Q8_0);
+        gemm_amx(xb, rows, tiles, k, w, NULL, bias, y, bf16, n_out, KIND_Q8_0);
     free(xb);
+}
+
+/* The whole weight as plain bf16 rows [n_out, k] in the order of their columns, for a GEMM library's bf16 GEMM over
+ * many rows of x: each thread dequantizes a panel of 32 rows into tiles as gemm_amx does (the same bf16 values), then
+ * writes each row's tile rows back in column order. Q8_0 panels are already in it; a Q4 tile row holds a block's even
+ * columns, then its odd ones (one permutation each); a K-quant one, position 32t + 4j + c of its super-block at its
+ * k-tile t, column 32j + 4t + c (runs of 4 columns moved as 8 bytes). */
+static void dequantize_dense(const uint8_t *w, int64_t kind, int64_t n_out, int64_t k, uint16_t *out) {
+    const int kquant = kind == KIND_Q4_K || kind == KIND_Q6_K || kind == KIND_K_MIXED;
+    const kquant_parts parts = kquant ? read_kquant_parts(w, kind, n_out, k) : (kquant_parts){0};
+    const int64_t panels = (n_out + 31) / 32, k_tiles = k / 32;
+    const int64_t units = panel_units(k, kquant ? KIND_K_MIXED : (int)kind);
+    /* position c of a Q4 tile row's columns: c / 2 among the even ones, 16 + c / 2 among the odd */
+    const __m512i nibble_columns = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
+                                                    7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+#pragma omp parallel
+    {
+        uint16_t *panel = malloc(sizeof(uint16_t) * 32 * k);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            for (int64_t u = 0; u < units; u++) {
+                if (kquant)
+                    dequantize_unit(w, &parts, p * 32, n_out, k, u, panel, KIND_K_MIXED);
+                else if (kind == KIND_Q4_0)
+                    dequantize_unit(w, NULL, p * 32, n_out, k, u, panel, KIND_Q4_0);
+                else if (kind == KIND_Q4_1)
+                    dequantize_unit(w, NULL, p * 32, n_out, k, u, panel, KIND_Q4_1);
+                else
+                    dequantize_unit(w, NULL, p * 32, n_out, k, u, panel, KIND_Q8_0);
+            }
+            for (int64_t r = 0; r < 32 && p * 32 + r < n_out; r++) {
+                uint16_t *row = out + (p * 32 + r) * k;
+                for (int64_t kt = 0; kt < k_tiles; kt++) {
+                    const uint16_t *tile_row = panel + kt * 1024 + (r / 16) * 512 + (r % 16) * 32;
+                    if (kquant) {
+                        uint16_t *super = row + (kt / 8) * 256 + 4 * (kt % 8);
+                        for (int j = 0; j < 8; j++) memcpy(super + 32 * j, tile_row + 4 * j, 8);
+                    } else {
+                        const __m512i values = _mm512_loadu_si512(tile_row);
+                        _mm512_storeu_si512(row + kt * 32, kind == KIND_Q8_0
+                                                               ? values
+                                                               : _mm512_permutexvar_epi16(nibble_columns, values));
+                    }
+                }
+            }
+        }
+        free(panel);
+    }
 }
 #endif
 
@@ -771,19 +845,23 @@ int64_t infer_block_gemm_kind(void) {
 
 int64_t infer_block_gemm_runs(int64_t design) { return has_design(design); }
 
-void infer_gemm_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind, const float *bias,
-                       float *y, int64_t n_out, int64_t design) {
+/* The design infer_gemm_blocks takes for `design` (-1: the default for `rows` and `kind`). */
+static int64_t chosen_design(int64_t rows, int64_t kind, int64_t design) {
     const int kquant = kind == KIND_Q4_K || kind == KIND_Q6_K || kind == KIND_K_MIXED;
     if (design < 0 || !has_design(design))
         design = rows < (kind == KIND_Q4_0 || kind == KIND_Q4_1 ? AMX_MIN_ROWS_Q4 : AMX_MIN_ROWS) &&
                          has_design(BLOCK_GEMM_INT8)
                      ? BLOCK_GEMM_INT8
                      : infer_block_gemm_kind();
-    if (kquant && design == BLOCK_GEMM_INT8)  /* the K-quant GEMV: int8 products over passes of rows already */
-        design = BLOCK_GEMM_PORTABLE;
+    return kquant && design == BLOCK_GEMM_INT8 ? BLOCK_GEMM_PORTABLE : design;  /* K-quants' int8: their GEMV */
+}
+
+void infer_gemm_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind, const float *bias,
+                       float *y, int64_t n_out, int64_t design) {
+    design = chosen_design(rows, kind, design);
 #if INFER_AMX && INFER_AVX512_BF16
     if (design == BLOCK_GEMM_AMX_BF16) {
-        gemm_blocks_amx(x, rows, k, w, kind, bias, y, n_out);
+        gemm_blocks_amx(x, rows, k, w, kind, bias, y, n_out, 0);
         return;
     }
 #endif
@@ -794,4 +872,30 @@ void infer_gemm_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w
     }
 #endif
     infer_linear_blocks(x, rows, k, w, kind, bias, y, n_out);  /* plain C, K-quants' int8: the GEMV's arithmetic */
+}
+
+int64_t infer_dequantize_blocks_bf16(const uint8_t *w, int64_t kind, int64_t n_out, int64_t k, uint16_t *out) {
+#if INFER_AMX && INFER_AVX512_BF16
+    dequantize_dense(w, kind, n_out, k, out);
+    return 1;
+#else
+    (void)w, (void)kind, (void)n_out, (void)k, (void)out;
+    return 0;
+#endif
+}
+
+void infer_gemm_blocks_bf16(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind,
+                            const float *bias, uint16_t *y, int64_t n_out, int64_t design) {
+    design = chosen_design(rows, kind, design);
+#if INFER_AMX && INFER_AVX512_BF16
+    if (design == BLOCK_GEMM_AMX_BF16) {
+        gemm_blocks_amx(x, rows, k, w, kind, bias, y, n_out, 1);
+        return;
+    }
+#endif
+    float *wide = malloc(sizeof(float) * rows * (k + n_out)), *sums = wide + rows * k;
+    bf16_to_floats(x, wide, rows * k);
+    infer_gemm_blocks(wide, rows, k, w, kind, bias, sums, n_out, design);
+    floats_to_bf16(sums, y, rows * n_out);
+    free(wide);
 }
