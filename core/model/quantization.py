@@ -69,9 +69,9 @@ KERNEL_MODES = ("fp16", "bf16", "int8", "int8_per_row")
 TILE_MAX_ROWS = 256
 # Block weights where the block GEMM runs on AMX: inputs of at least this many rows (prefill chunks) multiply through
 # oneDNN's bf16 GEMM over the weight dequantized to bf16 for the call (``CpuKernels.dequantize_blocks_bf16``, the
-# values the AMX design multiplies). One thread, on the default model's and Qwen3-0.6B's projections, dequantizing
-# plus oneDNN took 0.69-0.88x the block GEMM's time at 1,024 rows and 0.38-0.79x at 2,048, 1.1-1.8x at 128-256
-# (``benchmarks/block_gemm.py --bf16-rows``; docs/performance.md).
+# values the AMX design multiplies). One thread, bf16 rows, on the default model's and Qwen3-0.6B's gate/up and down
+# projections: 0.82-1.15x the AMX design's time at 1,024 rows, 0.50-0.93x at 2,048 (a default prefill chunk), 1.3-1.6x
+# at 256-512 (``benchmarks/block_gemm.py --bf16-rows``; docs/performance.md).
 DENSE_BLOCK_ROWS = 1024
 # CPU feature flags for native bf16 matmuls on x86 (oneDNN's bf16 GEMM runs on them).
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
