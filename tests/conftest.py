@@ -1,5 +1,5 @@
 """Shared fixtures: every engine a test creates must be idle with all blocks accounted for when the test ends; the C
-kernels built for another instruction set."""
+kernels built for this CPU and for another instruction set."""
 
 from __future__ import annotations
 
@@ -42,6 +42,17 @@ def tiny_model_dir(tmp_path_factory):
     from infer.testing.models import make_tiny_model_dir
 
     return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), seed=0))
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """infer's C kernels built for this CPU, or a skip where they do not build (a module may define its own)."""
+    from infer.kernels import cpu as cpu_kernels
+
+    try:
+        return cpu_kernels.load(True)
+    except cpu_kernels.KernelBuildError as error:
+        pytest.skip(f"the CPU kernels do not build here: {error}")
 
 
 # The kernels' other instruction sets below this CPU's: the CPU flags a build of each needs, and the compiler flags

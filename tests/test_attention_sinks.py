@@ -264,14 +264,6 @@ def test_a_backend_without_sinks_is_refused_by_set_layers_naming_what_is_missing
 # ---- the cpu backend's other paths: bf16 prefill, a bf16 pool's dot products, other builds, the fused stack -------
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    try:
-        return cpu_kernels.load(True)
-    except cpu_kernels.KernelBuildError as error:
-        pytest.skip(f"infer's C kernels do not build here: {error}")
-
-
 @pytest.mark.parametrize("window", [None, 7, 40], ids=lambda window: f"window{window}")
 @pytest.mark.parametrize(
     "kernel, pool, arithmetic",

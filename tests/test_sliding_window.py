@@ -319,14 +319,6 @@ def test_sdpa_in_bfloat16_masks_the_window_in_its_sdpa_calls():
 # ---- the cpu backend's other paths: bf16 prefill, a bf16 pool's dot products, the fused stack ---------------------
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    try:
-        return cpu_kernels.load(True)
-    except cpu_kernels.KernelBuildError as error:
-        pytest.skip(f"infer's C kernels do not build here: {error}")
-
-
 @pytest.mark.parametrize("window", [1, 7, 16, 33, LARGER_THAN_ANY_CONTEXT])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(
