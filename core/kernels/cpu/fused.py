@@ -166,17 +166,29 @@ class FusedLayer:
 
 
 def _check_vectors(
-    argument: str, names: tuple[str, str], pair: tuple[torch.Tensor, torch.Tensor] | None
+    argument: str,
+    names: tuple[str, str],
+    pair: tuple[torch.Tensor, torch.Tensor] | None,
+    shape: tuple[int, ...] | None = None,
+    shape_name: str = "",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``pair`` as the C side reads it (``(None, None)``: none): two contiguous float32 CPU tensors, or ValueError."""
+    """``pair`` as the C side reads it (``(None, None)``: none): two contiguous float32 CPU tensors (of ``shape``
+    where given, named ``shape_name`` in the error), or ValueError saying what is wrong."""
     if pair is None:
         return None, None
     if len(pair) != 2:
         raise ValueError(f"{argument} must be ({', '.join(names)}), got {len(pair)} tensors")
     for name, tensor in zip(names, pair):
-        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        if (
+            tensor.dtype != torch.float32
+            or tensor.device.type != "cpu"
+            or not tensor.is_contiguous()
+            or (shape is not None and tuple(tensor.shape) != shape)
+        ):
+            wanted = "" if shape is None else f" [{shape_name}] = {list(shape)}"
             raise ValueError(
-                f"{argument}' {name} must be a contiguous float32 CPU tensor, got {tensor.dtype} on {tensor.device}"
+                f"{argument}' {name} must be a contiguous float32 CPU tensor{wanted}, got {tensor.dtype} "
+                f"{tuple(tensor.shape)} on {tensor.device}"
             )
     return pair[0], pair[1]
 
@@ -185,22 +197,7 @@ def _check_head_norms(
     head_norms: tuple[torch.Tensor, torch.Tensor] | None, head_dim: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(q_norm, k_norm)`` as the C side reads them (``(None, None)``: none), or ValueError saying what is wrong."""
-    if head_norms is None:
-        return None, None
-    if len(head_norms) != 2:
-        raise ValueError(f"head_norms must be (q_norm, k_norm), got {len(head_norms)} tensors")
-    for name, norm in zip(("q_norm", "k_norm"), head_norms):
-        if (
-            norm.dtype != torch.float32
-            or norm.device.type != "cpu"
-            or norm.shape != (head_dim,)
-            or not norm.is_contiguous()
-        ):
-            raise ValueError(
-                f"head_norms' {name} must be a contiguous float32 CPU tensor [head_dim] = [{head_dim}], "
-                f"got {norm.dtype} {tuple(norm.shape)} on {norm.device}"
-            )
-    return head_norms[0], head_norms[1]
+    return _check_vectors("head_norms", ("q_norm", "k_norm"), head_norms, (head_dim,), "head_dim")
 
 
 def weight_shape(weight: torch.Tensor | BlockWeight) -> tuple[int, int]:
