@@ -173,8 +173,10 @@ class PackedLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, mode: str, keep_weight: bool = False, blocks: BlockWeight | None = None):
-        """``blocks`` (block modes): the weight already as blocks (a GGUF file's), else ``linear``'s is quantized."""
+        """``blocks`` (block modes): the weight already as blocks (a GGUF file's), else ``linear``'s is quantized.
+        Mode ``gguf`` without ``blocks`` (a weight its file has none for) packs as ``GGUF_OTHERS``."""
         super().__init__()
+        mode = GGUF_OTHERS if mode == "gguf" else mode
         self.mode = mode
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -384,7 +386,7 @@ def quantize_linears(
     """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear`` (in place; returns ``module``).
     Weights whose ``id`` is in ``shared`` are kept on the packed module (see ``PackedLinear``). ``blocks``: weights
     already as blocks by module name under ``module`` (``layers.0.self_attn.qkv_proj``), each packed in its kind; mode
-    ``gguf`` packs the others as ``GGUF_OTHERS``."""
+    ``gguf`` packs the others as ``GGUF_OTHERS`` (``PackedLinear``)."""
     if mode == "none":
         return module
     for name, child in list(module.named_children()):
@@ -396,7 +398,7 @@ def quantize_linears(
                 name,
                 PackedLinear(
                     child,
-                    given.kind if given is not None else GGUF_OTHERS if mode == "gguf" else mode,
+                    given.kind if given is not None else mode,
                     keep_weight=id(child.weight) in shared,
                     blocks=given,
                 ),
@@ -411,7 +413,7 @@ def projection(weight: torch.Tensor, mode: str) -> nn.Module:
     with torch.device(weight.device):
         linear = Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
     linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-    return linear if mode == "none" else PackedLinear(linear, GGUF_OTHERS if mode == "gguf" else mode)
+    return linear if mode == "none" else PackedLinear(linear, mode)
 
 
 def quantize_model(model: nn.Module, mode: str, gguf: Path | None = None) -> nn.Module:
