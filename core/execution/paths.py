@@ -374,19 +374,25 @@ def choose_attention(
     return best
 
 
+def step_kernels(config, device: torch.device, dtype: torch.dtype) -> CpuKernels | None:
+    """infer's CPU kernels where ``config``'s steps run on them (float32 on a CPU, not compiled by torch: compiled
+    code fuses the small ops itself), loaded once (``model.cpu_kernels``); else None."""
+    from infer.kernels import cpu as cpu_kernels
+
+    usable = device.type == "cpu" and dtype == torch.float32 and not config.model.compile
+    return cpu_kernels.load(config.model.cpu_kernels) if usable else None
+
+
 def build_executor(
     model: CausalLM, config, device: torch.device, dtype: torch.dtype, quantization: str = "none"
 ) -> Executor:
     """How steps run through ``model`` for ``config`` (an ``InferConfig``): with infer's CPU kernels for float32 on
-    a CPU (loaded once; ``model.cpu_kernels``), else torch's ops; bf16 weights' large steps on what
-    ``execution.large_gemm`` chose (``executor.gemm``). Every tensor-parallel rank builds its own."""
-    from infer.kernels import cpu as cpu_kernels
-
+    a CPU (``step_kernels``), else torch's ops; bf16 weights' large steps on what ``execution.large_gemm`` chose
+    (``executor.gemm``). Every tensor-parallel rank builds its own."""
     model_config, execution = config.model, config.execution
     if model_config.compile:
         model.compile_dense_parts()  # compiled code fuses the small ops itself: no kernels there
-    usable = device.type == "cpu" and dtype == torch.float32 and not model_config.compile
-    kernels = cpu_kernels.load(model_config.cpu_kernels) if usable else None
+    kernels = step_kernels(config, device, dtype)
     # auto: prepared for the largest threshold calibration tries; ``build_model_stack`` sets the measured one.
     max_tokens = execution.fused_max_tokens
     max_tokens = (
@@ -446,14 +452,12 @@ def build_model_stack(
 ) -> ModelStack:
     """``model`` sharded (``shard``: a tensor-parallel rank's ``shard(model)``), packed for ``model.quantization``,
     with its executor and attention backend: what the engine and every tensor-parallel rank build alike."""
-    from infer.kernels import cpu as cpu_kernels
     from infer.model.loader import resolve_model_path
     from infer.model.quantization import quantize_model, resolve_quantization
 
     reuses_freed_memory = device.type == "cpu" and config.execution.reuse_freed_memory and reuse_freed_memory()
     path = resolve_model_path(config.model.path)
-    usable = device.type == "cpu" and dtype == torch.float32 and not config.model.compile  # as build_executor's
-    kernels = cpu_kernels.load(config.model.cpu_kernels) if usable and path.suffix == ".gguf" else None
+    kernels = step_kernels(config, device, dtype) if path.suffix == ".gguf" else None
     quantization = resolve_quantization(  # auto keeps a GGUF file's blocks only on one rank: sharding splits rows
         config.model.quantization, config.model.dtype, dtype, device, path if shard is None else None, kernels
     )
