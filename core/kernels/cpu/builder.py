@@ -2,9 +2,10 @@
 
 They are C: one file per operation (``gemv.c``, ``paged_attention.c``, ...), the vector helpers of each instruction
 set in ``isa_*.h``, and the library's interface, every struct and function ``abi`` binds, in ``cpu_kernels.h``.
-One call of the system's C compiler (``gcc -O3 -march=native -fopenmp``) builds all of them into one library in the
-cache directory, keyed by every source and header, the flags, the compiler and the CPU; it is called through
-ctypes, and OpenMP there is torch's own runtime, so both share one thread pool.
+The system's C compiler (``gcc -O3 -march=native -fopenmp``) builds all of them into one library in the cache
+directory, one compiler process per file on each core the process may use, then one link; the library is keyed by
+every source and header, the flags, the compiler and the CPU. It is called through ctypes, and OpenMP there is
+torch's own runtime, so both share one thread pool.
 
 ``load(mode)`` gives the kernels or None: ``False`` never builds; ``"auto"`` builds when a compiler is found and
 otherwise warns once (callers then run torch's ops); ``True`` raises when they cannot be built. (Booleans, not
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
 
@@ -84,15 +86,28 @@ def build(directory: Path, extra_flags: Sequence[str] = ()) -> Path:
         with tempfile.TemporaryDirectory(dir=directory) as staging:
             for name, text in files.items():  # the headers beside the .c files, which include them by name
                 (Path(staging) / name).write_text(text)
-            units = [str(Path(staging) / name) for name in files if name.endswith(".c")]
+            # the largest files first, so that the last to finish is a short one
+            units = sorted((name for name in files if name.endswith(".c")), key=lambda name: -len(files[name]))
+            objects = [str(Path(staging) / f"{name}.o") for name in units]
+            commands = [[cc, *flags, "-c", str(Path(staging) / name), "-o", obj] for name, obj in zip(units, objects)]
             built = Path(staging) / target.name
-            result = subprocess.run([cc, *flags, "-o", str(built), *units, "-lm"], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise KernelBuildError(f"{cc} failed to compile the CPU kernels:\n{result.stderr.strip()}")
+            commands.append([cc, *flags, "-o", str(built), *objects, "-lm"])
+            with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+                results = list(pool.map(_compile, commands[:-1]))
+            failed = [result.stderr.strip() for result in results if result.returncode != 0]
+            if not failed:
+                linked = _compile(commands[-1])
+                failed = [linked.stderr.strip()] if linked.returncode != 0 else []
+            if failed:
+                raise KernelBuildError(f"{cc} failed to compile the CPU kernels:\n" + "\n".join(failed))
             os.replace(built, target)  # atomic: concurrent builders each publish a complete file
     except OSError as error:  # a cache folder that cannot be written, a compiler that cannot run
         raise KernelBuildError(f"could not build the CPU kernels in {directory}: {error}") from error
     return target
+
+
+def _compile(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True)
 
 
 @functools.cache
