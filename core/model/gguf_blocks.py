@@ -19,6 +19,7 @@ import numpy as np
 from torch import nn
 
 from infer.kernels.cpu.blocks import K_KINDS, BlockWeight, pack_blocks, pack_mixed_kquants
+from infer.model.gguf_file import GgufFile, GgufTensor
 
 logger = logging.getLogger("infer")
 
@@ -31,14 +32,12 @@ PERMUTED_ARCHITECTURES = ("llama", "mistral")
 def stores_blocks(path: Path) -> bool:
     """Whether every 2-D weight of the GGUF file's layers (``blk.N.*``: the projections) is of a ``BLOCK_TYPES``
     type, so that ``model.quantization: gguf`` keeps all of them as blocks."""
-    import gguf
-
     layers = [
         tensor
-        for tensor in gguf.GGUFReader(path).tensors
+        for tensor in GgufFile(path).tensors.values()
         if tensor.name.startswith("blk.") and tensor.name.endswith(".weight") and len(tensor.shape) == 2
     ]
-    return bool(layers) and all(tensor.tensor_type.name in BLOCK_TYPES for tensor in layers)
+    return bool(layers) and all(tensor.type_name in BLOCK_TYPES for tensor in layers)
 
 
 def read_projections(path: Path, model: nn.Module) -> tuple[dict[str, BlockWeight], dict[str, str]]:
@@ -47,13 +46,13 @@ def read_projections(path: Path, model: nn.Module) -> tuple[dict[str, BlockWeigh
     others, the GGUF type(s) they are stored as (``F32``, ``Q5_K``, ``Q4_K+Q8_0``, ...)."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    file = GgufFile(path)
+    architecture = file.architecture
     arch_id = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(architecture)
     if arch_id is None:
         raise ValueError(f"{path.name}: GGUF architecture {architecture!r} is unknown to the gguf package")
     names = gguf.get_tensor_name_map(arch_id, model.num_layers)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    tensors = file.tensors
     permuted = architecture in PERMUTED_ARCHITECTURES
     blocks: dict[str, BlockWeight] = {}
     others: dict[str, str] = {}
@@ -68,12 +67,12 @@ def read_projections(path: Path, model: nn.Module) -> tuple[dict[str, BlockWeigh
             raise ValueError(
                 f"{path.name}: no tensor {[part for part in parts if part not in tensors]} for {module_name}"
             )
-        types = sorted({tensor.tensor_type.name for tensor in found})
-        kinds = [BLOCK_TYPES.get(tensor.tensor_type.name) for tensor in found]
+        types = sorted({tensor.type_name for tensor in found})
+        kinds = [BLOCK_TYPES.get(tensor.type_name) for tensor in found]
         if None in kinds or (len(types) > 1 and not all(kind in K_KINDS for kind in kinds)):
             others[module_name] = "+".join(types)
             continue
-        rows = [_rows(tensor, permuted, model) for tensor in found]
+        rows = [_rows(file, tensor, permuted, model) for tensor in found]
         if len(types) == 1:
             blocks[module_name] = pack_blocks(np.concatenate(rows), kinds[0], sum(len(part) for part in rows))
         else:
@@ -88,10 +87,10 @@ def _gguf_name(names, hf_name: str) -> str:
     return name
 
 
-def _rows(tensor, permuted: bool, model: nn.Module) -> np.ndarray:
+def _rows(file: GgufFile, tensor: GgufTensor, permuted: bool, model: nn.Module) -> np.ndarray:
     """A tensor's bytes as rows (one per output feature), Q and K rows back in HF's order where the file permuted
     them (``LlamaTensorProcessor._reverse_permute_weights``: whole rows move, so blocks stay intact)."""
-    rows = np.asarray(tensor.data).reshape(int(tensor.shape[-1]), -1)
+    rows = file.data(tensor)
     if not permuted or not (".attn_q." in tensor.name or ".attn_k." in tensor.name):
         return rows
     heads = model.num_heads if ".attn_q." in tensor.name else model.num_kv_heads
