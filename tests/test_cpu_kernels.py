@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 
@@ -368,7 +369,13 @@ def test_a_draft_trees_leaf_gets_the_bits_of_its_key_at_its_own_position(kernels
 
 
 def test_build_is_cached_per_source_and_reused(tmp_path, monkeypatch):
+    # two small C files stand for the kernels: a build is compiled files and a link whatever they hold
+    monkeypatch.setattr(
+        builder, "sources", lambda: {"a.c": "int infer_a(void) { return 1; }", "b.c": "int infer_b(void) { return 2; }"}
+    )
     first = cpu_kernels.build(tmp_path)
+    library = ctypes.CDLL(str(first))  # each file compiled, both linked into one library
+    assert (library.infer_a(), library.infer_b()) == (1, 2)
     stamp = first.stat().st_mtime_ns
     monkeypatch.setattr(builder.subprocess, "run", lambda *args, **kwargs: pytest.fail("rebuilt"))
     assert cpu_kernels.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
