@@ -6,7 +6,9 @@ float model does, within the int8 activations' rounding."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -194,6 +196,9 @@ TINY_SHAPE = {
 }
 
 
+KQUANT_FILE_TIME = 1_767_225_600  # a fixed mtime for kquant_gguf's file
+
+
 def write_kquant_gguf(path, template) -> None:
     """A GGUF file of random weights in TINY_SHAPE with the tokenizer (and the rest of the metadata) of ``template``."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
@@ -244,8 +249,14 @@ def write_kquant_gguf(path, template) -> None:
 
 @pytest.fixture(scope="module")
 def kquant_gguf(tmp_path_factory):
-    path = tmp_path_factory.mktemp("kquants") / "tiny-q4_k_m.gguf"
-    write_kquant_gguf(path, resolve_model_path(DEFAULT_MODEL))
+    """The file, named by its bytes' digest and dated at a fixed time: the loader keys the HF folder it converts a
+    GGUF file into (in the user's cache) by name, size and mtime, so every run that writes the same bytes finds the
+    one folder instead of converting (and leaving) another."""
+    written = tmp_path_factory.mktemp("kquants") / "tiny-q4_k_m.gguf"
+    write_kquant_gguf(written, resolve_model_path(DEFAULT_MODEL))
+    digest = hashlib.sha256(written.read_bytes()).hexdigest()[:12]
+    path = written.rename(written.with_name(f"tiny-q4_k_m-{digest}.gguf"))
+    os.utime(path, (KQUANT_FILE_TIME, KQUANT_FILE_TIME))
     return path
 
 
