@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from test_gguf_file import write_tensors
 
 from infer import LLM, SamplingParams
 from infer.kernels.cpu.blocks import dequantize_blocks
@@ -361,21 +362,7 @@ def test_k_quant_prompt_in_the_fused_c_layers_takes_the_block_gemm_as_op_by_op(k
 
 def write_gguf(path, types: dict[str, str]):
     """A GGUF file holding one 8 x 256 tensor per name, stored as the named GGUF type (``F32``, ``Q8_0``, ...)."""
-    import gguf
-
-    writer = gguf.GGUFWriter(path, "llama")
-    for name, type_name in types.items():
-        values = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
-        qtype = gguf.GGMLQuantizationType[type_name]
-        if qtype == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, values)
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tensors(path, "llama", [(name, type_name, (8, 256)) for name, type_name in types.items()])
 
 
 def test_auto_keeps_a_gguf_files_blocks_where_the_block_gemm_runs_on_amx(monkeypatch, tmp_path):

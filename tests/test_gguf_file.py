@@ -12,8 +12,34 @@ from infer.model.gguf_file import GgufFile, GgufFormatError
 from infer.model.loader import DEFAULT_MODEL, resolve_model_path
 
 
-def write_file(path, alignment: int | None = None):
-    writer = gguf.GGUFWriter(path, "qwen3")
+def write_tensors(path, architecture: str, tensors, metadata=None):
+    """A GGUF file of ``tensors`` (``(name, GGUF type name, shape)`` each, random values; ``Q6_K``: random bytes, as
+    the gguf package quantizes to no K type) after the values ``metadata(writer)`` adds."""
+    writer = gguf.GGUFWriter(path, architecture)
+    if metadata is not None:
+        metadata(writer)
+    rng = np.random.default_rng(0)
+    for name, type_name, shape in tensors:
+        values = rng.standard_normal(shape).astype(np.float32)
+        kind = gguf.GGMLQuantizationType[type_name]
+        if kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, values)
+        elif kind == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, values.astype(np.float16))
+        elif kind == gguf.GGMLQuantizationType.Q6_K:
+            block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+            raw = rng.integers(0, 256, (shape[0], shape[1] // block * block_bytes), dtype=np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=kind)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def every_value_type(writer, alignment: int | None = None) -> None:
     if alignment is not None:
         writer.add_custom_alignment(alignment)
     writer.add_uint8("t.u8", 7)
@@ -27,32 +53,18 @@ def write_file(path, alignment: int | None = None):
     writer.add_array("t.tokens", ["<s>", "héllo", "", "world"] * 50)
     writer.add_array("t.scores", [0.5, 1.5, -2.0])
     writer.add_array("t.nested", [[1, 2], [3]])
-    rng = np.random.default_rng(0)
-    for name, type_name, shape in [
+
+
+def write_file(path, alignment: int | None = None):
+    tensors = [
         ("blk.0.attn_q.weight", "Q4_1", (16, 256)),
         ("blk.0.attn_v.weight", "Q6_K", (4, 512)),
         ("blk.0.ffn_up.weight", "Q8_0", (24, 64)),
         ("blk.0.attn_norm.weight", "F32", (64,)),
         ("blk.0.ffn_up_exps.weight", "Q4_0", (3, 8, 32)),
         ("token_embd.weight", "F16", (10, 32)),
-    ]:
-        values = rng.standard_normal(shape).astype(np.float32)
-        kind = gguf.GGMLQuantizationType[type_name]
-        if kind == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, values)
-        elif kind == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(name, values.astype(np.float16))
-        elif kind == gguf.GGMLQuantizationType.Q6_K:  # no quantizer in the gguf package: any bytes of the size
-            block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-            raw = rng.integers(0, 256, (shape[0], shape[1] // block * block_bytes), dtype=np.uint8)
-            writer.add_tensor(name, raw, raw_dtype=kind)
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    ]
+    return write_tensors(path, "qwen3", tensors, lambda writer: every_value_type(writer, alignment))
 
 
 def assert_reads_as_gguf_does(path):
