@@ -466,20 +466,6 @@ def test_pack_tiles_lays_out_amx_b_tiles_and_refuses_other_shapes():
         cpu_kernels.pack_tiles(torch.zeros(64, 64))
 
 
-def test_the_c_unpacking_of_tiles_gives_the_plain_weight_into_a_reused_buffer(kernels):
-    buffer = torch.empty(96 * 160 + 7, dtype=torch.bfloat16)
-    for shape in ((32, 32), (64, 96), (96, 160), (2048, 64)):  # 2048 x 64: rows split over the threads
-        weight = torch.randn(shape).to(torch.bfloat16)
-        assert torch.equal(kernels.unpack_tiles(cpu_kernels.pack_tiles(weight)), weight)
-        if weight.numel() <= buffer.numel():
-            unpacked = kernels.unpack_tiles(cpu_kernels.pack_tiles(weight), buffer)
-            assert torch.equal(unpacked, weight) and unpacked.data_ptr() == buffer.data_ptr()
-    with pytest.raises(ValueError, match="at least 16384 elements"):
-        kernels.unpack_tiles(cpu_kernels.pack_tiles(torch.zeros(128, 128, dtype=torch.bfloat16)), buffer)
-    with pytest.raises(ValueError, match="packed by pack_tiles"):
-        kernels.unpack_tiles(torch.zeros(64, 64, dtype=torch.bfloat16))
-
-
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 9, 16, 17, 33, 70, 300])  # partial and whole 16/32-row tiles, two 256-row chunks
 def test_linear_tiles_is_the_bf16_rounded_product_in_float32(kernels, rows, bias):
@@ -611,7 +597,7 @@ def test_linear_refuses_int8_weights_without_their_scales(kernels):
 def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes_per_weight):
     """The kernels' copy (fp16 or bf16, or int8 with its scales) takes up to ``gemv_rows`` rows, the GEMM (fbgemm's,
     bf16: oneDNN's) the rest. bf16 where the kernels have tiles keeps one copy, in the tiles' layout: their GEMV
-    (float32 rows) takes a few rows, the tiles more (and oneDNN past ``TILE_MAX_ROWS``, over them unpacked)."""
+    (float32 rows) takes a few rows, the tiles more."""
     from infer.model.quantization import PackedLinear
 
     gemv_rows = 8
@@ -621,8 +607,7 @@ def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes
     before_bytes, expected = packed.nbytes, packed(rows)
     packed.use_cpu_kernels(kernels, gemv_rows)
     tiled = packed.tile_weight is not None
-    # the kernels' copy counts; bf16's tiles replace oneDNN's copy (its GEMM unpacks them for larger steps)
-    assert packed.nbytes == before_bytes + (0 if tiled else 960 * 576 * bytes_per_weight)
+    assert packed.nbytes == before_bytes + 960 * 576 * bytes_per_weight  # the kernels' one copy counts
     copy = packed.tile_weight if tiled else packed.kernel_weight
     assert copy.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode, torch.int8)
     assert not tiled or packed.kernel_weight is None

@@ -8,10 +8,9 @@ fbgemm, which ships inside torch's x86 builds, multiplies float32 activations by
 - ``bf16``: bfloat16 weights (a bf16 model's own). Steps of a few tokens read them through infer's CPU kernels
   with float32 activations and sums; larger steps multiply through infer's tile kernel (AMX tiles, else
   AVX512-BF16 dot products; up to ``TILE_MAX_ROWS`` rows) or run oneDNN's bf16 GEMM over the same weights (AMX or
-  AVX512-BF16), activations rounded to bf16 and float32 accumulation, the precision of a bf16 model. Where the
-  kernels have tiles the weights are held once, in the tiles' layout, and unpacked into one reused buffer for each
-  oneDNN call; without them, oneDNN's prepacked copy is the one. What ``auto`` picks on a CPU with native bf16: on
-  the Intel AMX machine the GEMM at 64 rows measured 5-6x fbgemm's fp16 and 12x at 512 (docs/performance.md).
+  AVX512-BF16; prepacked once), activations rounded to bf16 and float32 accumulation, the precision of a bf16
+  model. What ``auto`` picks on a CPU with native bf16: on the Intel AMX machine the GEMM at 64 rows measured 5-6x
+  fbgemm's fp16 and 12x at 512 (docs/performance.md).
 - ``int8``: weight-only int8, one scale per 32 consecutive weights of a row (``int8_weights``), activations stay
   float32. Steps of a few tokens read the int8 weights through infer's CPU kernels (``infer.kernels.cpu``: 9/16 of
   fp16's bytes with the scales, and bytes are the decode step's bound); larger steps run fbgemm's fp16 GEMM over
@@ -228,7 +227,6 @@ class PackedLinear(nn.Module):
         # bf16 on kernels with AMX or AVX512-BF16: the weights in pack_tiles' layout, for inputs of up to TILE_MAX_ROWS
         # rows (kernel_weight then None).
         self.tile_weight: torch.Tensor | None = None
-        self.unpacked_gemm = False  # inputs past TILE_MAX_ROWS: oneDNN over the tiles unpacked for the call
         # bf16 with tiles where float32 FMAs outrun the bf16 dot products (``use_cpu_kernels``' ``tile_fma``): every
         # input the GEMV does not take multiplies on the tiles with float32 FMAs; oneDNN's copy (``packed``) is dropped.
         self.tile_fma = False
@@ -270,7 +268,7 @@ class PackedLinear(nn.Module):
             for copy in (self.kernel_weight, self.tile_weight):
                 self.nbytes -= 0 if copy is None else copy.numel() * copy.element_size()
             self.kernels = self.kernel_weight = self.kernel_scales = self.tile_weight = None
-            self.tile_fma = self.unpacked_gemm = False
+            self.tile_fma = False
             return
         if self.mode == "bf16":
             plain = self.bf16_weight()
@@ -278,11 +276,9 @@ class PackedLinear(nn.Module):
                 self.tile_weight = pack_tiles(plain)
                 self.nbytes += self.tile_weight.numel() * 2
                 self.tile_fma = tile_fma and kernels.tile_fma
-                # One copy: oneDNN's is dropped, and inputs past TILE_MAX_ROWS take its GEMM over the weight
-                # unpacked for the call (unless the tiles take every input: tile_fma, tiles_only).
-                self.unpacked_gemm = not (self.tile_fma or tiles_only)
-                self.packed = None
-                self.nbytes -= plain.numel() * 2
+                if self.tile_fma or tiles_only:
+                    self.packed = None
+                    self.nbytes -= plain.numel() * 2
             if self.tile_weight is None or streams:
                 self.kernel_weight = pack_weights(plain)
         else:
@@ -308,12 +304,7 @@ class PackedLinear(nn.Module):
         rows = flat.shape[0]
         if self.blocks is not None:
             out = self.block_linear(flat)
-        elif self.tile_weight is not None and rows > TILE_MAX_ROWS and self.unpacked_gemm:
-            weight = self.kernels.unpack_tiles(self.tile_weight, dense_buffer(self.out_features, self.in_features))
-            out = bf16_linear(flat, weight)
-            if self.bias is not None:
-                out += self.bias
-        elif self.tile_weight is not None:  # float32 or bf16 rows
+        elif self.tile_weight is not None and (self.packed is None or rows <= TILE_MAX_ROWS):  # float32 or bf16 rows
             fma = self.tile_fma or (rows <= self.kernels.pass_rows and self.kernels.tile_fma)  # the GEMV: float32
             rows_in = flat if flat.dtype == torch.bfloat16 else flat.float()
             out = self.kernels.linear_tiles(rows_in, self.tile_weight, self.bias, fma)
@@ -341,7 +332,7 @@ class PackedLinear(nn.Module):
         if self.kernels is None:
             return torch.nn.functional.linear(x.float(), dequantize_blocks(self.blocks), self.bias).to(x.dtype)
         if x.shape[0] >= DENSE_BLOCK_ROWS and self.kernels.block_gemm == "amx-bf16" and bf16_gemm_available():
-            weight = self.kernels.dequantize_blocks_bf16(self.blocks, dense_buffer(self.out_features, self.in_features))
+            weight = self.kernels.dequantize_blocks_bf16(self.blocks, dense_buffer(self.blocks))
             out = torch.nn.functional.linear(x.to(torch.bfloat16), weight).to(x.dtype)
             return out if self.bias is None else out.add_(self.bias)
         if x.shape[0] <= min(self.gemv_rows, self.kernels.block_pass_rows):
@@ -356,12 +347,11 @@ class PackedLinear(nn.Module):
 _dense_rows = torch.empty(0, dtype=torch.bfloat16)
 
 
-def dense_buffer(out_features: int, in_features: int) -> torch.Tensor:
-    """One bf16 buffer, reused by every projection's large steps that multiply a plain bf16 weight made for the call
-    (block weights dequantized past ``DENSE_BLOCK_ROWS``, bf16 tiles unpacked past ``TILE_MAX_ROWS``): it grows to
-    the largest projection's bf16 bytes once, instead of a fresh allocation every call."""
+def dense_buffer(weight: BlockWeight) -> torch.Tensor:
+    """One bf16 buffer, reused by every block projection's large steps (``DENSE_BLOCK_ROWS``), that holds ``weight``
+    dequantized: it grows to the largest projection's bf16 bytes once, instead of a fresh allocation every call."""
     global _dense_rows
-    size = out_features * in_features
+    size = weight.out_features * weight.in_features
     if _dense_rows.numel() < size:
         _dense_rows = torch.empty(size, dtype=torch.bfloat16)
     return _dense_rows

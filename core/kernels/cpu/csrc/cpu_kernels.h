@@ -72,10 +72,6 @@ void infer_linear_i8(const float *x, int64_t rows, int64_t k, const int8_t *w, c
 void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, const uint16_t *w,
                         const float *bias, void *y, int64_t y_bf16, int64_t n_out, int64_t fma);
 
-/* out [n_out, k] (bf16) = the plain weight infer_linear_tiles' layout w holds, for a bf16 GEMM library's GEMM over
- * many rows (n_out % 32 == 0, k % 32 == 0). */
-void infer_unpack_tiles(const uint32_t *w, uint32_t *out, int64_t n_out, int64_t k);
-
 /* y [rows, n_out] = x [rows, k] . w^T (+ bias) for weights kept as GGUF's blocks of 32 (`kind`: KIND_Q4_0, KIND_Q4_1
  * or KIND_Q8_0), repacked by `infer.kernels.cpu.blocks.pack_blocks` into groups of four output rows (any n_out; the
  * last group padded), k % 32 == 0, or as K-quant super-blocks (KIND_Q4_K, KIND_Q6_K, KIND_K_MIXED: a row's records

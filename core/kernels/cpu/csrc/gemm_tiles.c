@@ -448,20 +448,3 @@ void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, 
         tiles_portable(xb, rows, k, w, bias, y, (int)y_bf16, n_out);  /* and AMX's when out of memory above */
     free(copy);
 }
-
-/* ---- the plain weight back from the layout ---------------------------------------------------------------------- */
-
-void infer_unpack_tiles(const uint32_t *w, uint32_t *out, int64_t n_out, int64_t k) {
-    /* In bf16 pairs (one uint32: w[c][2p], w[c][2p + 1]) each 16 x 16 tile is row p, column c: written transposed,
-     * row c of the plain weight, its 16 pairs at columns kb * 16 + p. */
-    const int64_t k_pairs = k / 2, k_blocks = k / 32;
-#pragma omp parallel for if (n_out * k >= PARALLEL_ELEMENTS)
-    for (int64_t nb = 0; nb < n_out / 32; nb++)
-        for (int64_t kb = 0; kb < k_blocks; kb++)
-            for (int h = 0; h < 2; h++) {
-                const uint32_t *tile = w + ((nb * k_blocks + kb) * 2 + h) * 256;
-                uint32_t *rows = out + (nb * 32 + h * 16) * k_pairs + kb * 16;
-                for (int c = 0; c < 16; c++)
-                    for (int p = 0; p < 16; p++) rows[c * k_pairs + p] = tile[p * 16 + c];
-            }
-}
