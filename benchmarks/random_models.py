@@ -1,5 +1,5 @@
-"""Save random-weight models of the shapes CPU users run (Qwen3 0.6B and 1.7B, Llama 3.2 1B, Gemma 3 1B, a 3.3B
-Qwen3-MoE and its two dense twins) as HF folders, for ``infer bench`` against vLLM's CPU backend on the same
+"""Save random-weight models of the shapes CPU users run (Qwen3 0.6B and 1.7B, Llama 3.2 1B, Gemma 3 1B, Phi-4-mini, a
+3.3B Qwen3-MoE and its two dense twins) as HF folders, for ``infer bench`` against vLLM's CPU backend on the same
 folder: with fixed output lengths (``ignore_eos``) throughput does not depend on the weights' values. The tokenizer
 is SmolLM2's (its ids lie inside every family's vocabulary).
 
@@ -89,6 +89,31 @@ SHAPES = {
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                 "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            },
+        ),
+    ),
+    # Phi-4-mini: fused QKV and gate/up, partial rotary (96 of 128), LongRoPE from 4,096 positions. The factor lists'
+    # values are made up (random weights): below 4,096 tokens the short factors, here 1, apply.
+    "phi-4-mini": (
+        "Phi3ForCausalLM",
+        dict(
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            vocab_size=200064,
+            max_position_embeddings=131072,
+            original_max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10_000.0,
+                "partial_rotary_factor": 0.75,
+                "original_max_position_embeddings": 4096,
+                "short_factor": [1.0] * 48,
+                "long_factor": [1.0 + 0.5 * index for index in range(48)],
             },
         ),
     ),
