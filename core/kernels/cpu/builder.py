@@ -89,15 +89,13 @@ def build(directory: Path, extra_flags: Sequence[str] = ()) -> Path:
             # the largest files first, so that the last to finish is a short one
             units = sorted((name for name in files if name.endswith(".c")), key=lambda name: -len(files[name]))
             objects = [str(Path(staging) / f"{name}.o") for name in units]
-            commands = [[cc, *flags, "-c", str(Path(staging) / name), "-o", obj] for name, obj in zip(units, objects)]
+            compiles = [[cc, *flags, "-c", str(Path(staging) / name), "-o", obj] for name, obj in zip(units, objects)]
             built = Path(staging) / target.name
-            commands.append([cc, *flags, "-o", str(built), *objects, "-lm"])
             with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
-                results = list(pool.map(_compile, commands[:-1]))
+                results = list(pool.map(_run, compiles))
+            if all(result.returncode == 0 for result in results):
+                results = [_run([cc, *flags, "-o", str(built), *objects, "-lm"])]  # the link
             failed = [result.stderr.strip() for result in results if result.returncode != 0]
-            if not failed:
-                linked = _compile(commands[-1])
-                failed = [linked.stderr.strip()] if linked.returncode != 0 else []
             if failed:
                 raise KernelBuildError(f"{cc} failed to compile the CPU kernels:\n" + "\n".join(failed))
             os.replace(built, target)  # atomic: concurrent builders each publish a complete file
@@ -106,7 +104,7 @@ def build(directory: Path, extra_flags: Sequence[str] = ()) -> Path:
     return target
 
 
-def _compile(command: list[str]) -> subprocess.CompletedProcess:
+def _run(command: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True)
 
 
