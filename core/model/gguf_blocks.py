@@ -11,6 +11,7 @@ Q and K heads, and transformers undoes that for the float weights.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,12 +30,24 @@ BLOCK_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", "
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
+def _header(path: Path) -> GgufFile:
+    """The file's header, read once for both ``stores_blocks`` (``auto``'s choice) and ``read_projections`` (the
+    packing) of one start; a replaced file (another size or mtime) is read again."""
+    stat = Path(path).stat()
+    return _read_header(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _read_header(path: str, size: int, mtime_ns: int) -> GgufFile:
+    return GgufFile(path)
+
+
 def stores_blocks(path: Path) -> bool:
     """Whether every 2-D weight of the GGUF file's layers (``blk.N.*``: the projections) is of a ``BLOCK_TYPES``
     type, so that ``model.quantization: gguf`` keeps all of them as blocks."""
     layers = [
         tensor
-        for tensor in GgufFile(path).tensors.values()
+        for tensor in _header(path).tensors.values()
         if tensor.name.startswith("blk.") and tensor.name.endswith(".weight") and len(tensor.shape) == 2
     ]
     return bool(layers) and all(tensor.type_name in BLOCK_TYPES for tensor in layers)
@@ -46,7 +59,7 @@ def read_projections(path: Path, model: nn.Module) -> tuple[dict[str, BlockWeigh
     others, the GGUF type(s) they are stored as (``F32``, ``Q5_K``, ``Q4_K+Q8_0``, ...)."""
     import gguf
 
-    file = GgufFile(path)
+    file = _header(path)
     architecture = file.architecture
     arch_id = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(architecture)
     if arch_id is None:
