@@ -10,11 +10,12 @@ import pytest
 
 from infer.model.gguf_file import GgufFile, GgufFormatError
 from infer.model.loader import DEFAULT_MODEL, resolve_model_path
+from infer.testing.kquants import QUANTIZERS
 
 
 def write_tensors(path, architecture: str, tensors, metadata=None):
-    """A GGUF file of ``tensors`` (``(name, GGUF type name, shape)`` each, random values; ``Q6_K``: random bytes, as
-    the gguf package quantizes to no K type) after the values ``metadata(writer)`` adds."""
+    """A GGUF file of ``tensors`` (``(name, GGUF type name, shape)`` each, random values; K types quantized by
+    ``infer.testing.kquants``) after the values ``metadata(writer)`` adds."""
     writer = gguf.GGUFWriter(path, architecture)
     if metadata is not None:
         metadata(writer)
@@ -26,10 +27,8 @@ def write_tensors(path, architecture: str, tensors, metadata=None):
             writer.add_tensor(name, values)
         elif kind == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(name, values.astype(np.float16))
-        elif kind == gguf.GGMLQuantizationType.Q6_K:
-            block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-            raw = rng.integers(0, 256, (shape[0], shape[1] // block * block_bytes), dtype=np.uint8)
-            writer.add_tensor(name, raw, raw_dtype=kind)
+        elif type_name.lower() in QUANTIZERS:  # K types, which the gguf package does not quantize to
+            writer.add_tensor(name, QUANTIZERS[type_name.lower()](values), raw_dtype=kind)
         else:
             writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
     writer.write_header_to_file()
