@@ -60,8 +60,26 @@ def kernels():
 OTHER_SIMD_BUILDS = {"avx2": ({"avx2", "fma", "f16c"}, ["-mno-avx512f"]), "portable": (set(), ["-mno-avx"])}
 
 
+@pytest.fixture(scope="session")
+def kernel_build(tmp_path_factory):
+    """``kernel_build(flags)``: infer's C kernels built with these extra compiler flags (``-mno-...``, so their order
+    does not matter) and loaded, once a session for each set: a build compiles the whole library, and the tests of one
+    instruction set in every module share it. Raises ``KernelBuildError`` where they do not build."""
+    from infer.kernels import cpu as cpu_kernels
+
+    built = {}
+
+    def build(flags: list[str]):
+        key = tuple(sorted(flags))
+        if key not in built:
+            built[key] = cpu_kernels.load_built(cpu_kernels.build(tmp_path_factory.mktemp("kernels"), list(key)))
+        return built[key]
+
+    return build
+
+
 @pytest.fixture
-def simd_build(tmp_path):
+def simd_build(kernel_build):
     """``simd_build(name)``: infer's C kernels built as ``avx2`` or ``portable`` (AVX-512, or all AVX, and AMX turned
     off), loaded; the test is skipped where this CPU lacks the instructions or the kernels do not build."""
     from infer.host import cpu_flags
@@ -74,7 +92,7 @@ def simd_build(tmp_path):
         if "amx_tile" in cpu_flags():
             flags = [*flags, "-mno-amx-tile"]  # AMX is not tied to AVX: keep the build to the set named
         try:
-            built = cpu_kernels.load_built(cpu_kernels.build(tmp_path / name, flags))
+            built = kernel_build(flags)
         except cpu_kernels.KernelBuildError as error:
             pytest.skip(f"infer's C kernels do not build here: {error}")
         assert built.simd == name

@@ -223,10 +223,10 @@ BLOCK_BUILDS = {
 
 
 @pytest.fixture(scope="module")
-def portable_kernels(tmp_path_factory):
+def portable_kernels(kernel_build):
     if cpu_kernels.compiler() is None:
         pytest.skip("the CPU kernels need a C compiler")
-    built = cpu_kernels.load_built(cpu_kernels.build(tmp_path_factory.mktemp("portable"), ["-mno-avx", *without_amx()]))
+    built = kernel_build(["-mno-avx", *without_amx()])
     assert built.simd == "portable"
     return built
 
@@ -238,14 +238,14 @@ BLOCK_BUILD_PARAMS = [
 
 
 @pytest.mark.parametrize("build", BLOCK_BUILD_PARAMS)
-def test_each_simd_build_of_the_block_gemv_matches_the_portable_c(build, portable_kernels, tmp_path):
+def test_each_simd_build_of_the_block_gemv_matches_the_portable_c(build, portable_kernels, kernel_build):
     from infer.host import cpu_flags
 
     needed, flags = BLOCK_BUILDS[build]
     missing = needed - cpu_flags()
     if missing:
         pytest.skip(f"this CPU lacks {', '.join(sorted(missing))} for the {build} block GEMV")
-    built = cpu_kernels.load_built(cpu_kernels.build(tmp_path, [*flags, *without_amx()]))
+    built = kernel_build([*flags, *without_amx()])
     assert built.simd == build.removesuffix("_vnni")
     for kind in KINDS:
         raw, _ = gguf_tensor(kind, 67, 288, seed=2)

@@ -701,21 +701,20 @@ def without_amx() -> list[str]:
 SIMD_BUILDS = {
     "avx512": ({"avx512f"}, []),
     "avx512_bf16": ({"avx512f", "avx512_bf16"}, without_amx()),
-    "avx2": ({"avx2", "fma", "f16c"}, ["-mno-avx512f"]),
+    "avx2": ({"avx2", "fma", "f16c"}, ["-mno-avx512f", *without_amx()]),
 }
 
 
 @pytest.fixture(scope="module")
-def portable_kernels(tmp_path_factory):
+def portable_kernels(kernel_build):
     # -mno-avx leaves AMX on (gcc does not tie it to AVX): the reference is plain C throughout
-    flags = ["-mno-avx", *without_amx()]
-    built = cpu_kernels.load_built(cpu_kernels.build(tmp_path_factory.mktemp("portable"), flags))
+    built = kernel_build(["-mno-avx", *without_amx()])
     assert built.simd == "portable" and not built.amx
     return built
 
 
 @pytest.mark.parametrize("simd", list(SIMD_BUILDS))
-def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path):
+def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, kernel_build):
     """The AVX-512 and AVX2 code of every kernel against the portable C on the same inputs, where this CPU has the
     flags (the other builds are skipped with the reason; CI machines differ)."""
     from infer.host import cpu_flags
@@ -724,7 +723,7 @@ def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path
     missing = needed - cpu_flags()
     if missing:
         pytest.skip(f"this CPU lacks {', '.join(sorted(missing))} for the {simd} kernels")
-    built = cpu_kernels.load_built(cpu_kernels.build(tmp_path, flags))
+    built = kernel_build(flags)
     assert built.simd == simd.removesuffix("_bf16")
     if simd == "avx512_bf16":
         assert built.tiles == "AVX512-BF16"
@@ -782,11 +781,11 @@ def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, tmp_path
 
 
 @pytest.fixture(scope="module")
-def kernels_without_amx(kernels, tmp_path_factory):
+def kernels_without_amx(kernels, kernel_build):
     """The AVX512-BF16 build with AMX kept out, beside the tile kernels (skipped where the CPU or OS has no tiles)."""
     if not kernels.flash_amx:
         pytest.skip("this CPU (or this OS) gives no AMX tiles to infer's flash attention")
-    built = cpu_kernels.load_built(cpu_kernels.build(tmp_path_factory.mktemp("dots"), without_amx()))
+    built = kernel_build(without_amx())
     assert built.flash and not built.flash_amx
     return built
 
@@ -801,7 +800,7 @@ TILE_GEMV_BUILDS = {
 
 
 @pytest.mark.parametrize("build", list(TILE_GEMV_BUILDS))
-def test_tiles_gemv_is_the_float64_product_on_odd_shapes(build, kernels, tmp_path):
+def test_tiles_gemv_is_the_float64_product_on_odd_shapes(build, kernels, kernel_build):
     """Up to one GEMV pass of rows over ``pack_tiles``' layout, on shapes of odd numbers of 32-column blocks and
     k tiles: float32 rows (``fma``) against float64's product of the same values, rows rounded to bf16 (the dot
     products, else plain C) against float64's product of the rounded values; up to the sums' order."""
@@ -810,7 +809,7 @@ def test_tiles_gemv_is_the_float64_product_on_odd_shapes(build, kernels, tmp_pat
     needed, flags = TILE_GEMV_BUILDS[build]
     if needed - cpu_flags():
         pytest.skip(f"this CPU lacks {', '.join(sorted(needed - cpu_flags()))} for the {build} kernels")
-    built = kernels if flags is None else cpu_kernels.load_built(cpu_kernels.build(tmp_path, flags))
+    built = kernels if flags is None else kernel_build(flags)
     for n, k in ((32, 32), (96, 160), (224, 1056)):
         weight = randn(n, k, seed=n + k, scale=0.1).to(torch.bfloat16)
         tiles, bias = cpu_kernels.pack_tiles(weight), randn(n, seed=k)

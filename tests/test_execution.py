@@ -716,6 +716,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 2)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="reuse_freed_memory tunes glibc's malloc")
+@pytest.mark.slow  # two processes each load the default model and prefill 512 tokens again and again
 def test_prefill_steps_reuse_freed_memory_instead_of_faulting_it_in_again():
     """A 512-token prompt on the default model, prefilled again and again: with glibc's thresholds each step's
     activations (a few MiB a tensor) are mapped afresh and faulted in page by page; with

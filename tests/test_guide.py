@@ -54,8 +54,16 @@ def assert_all_satisfy(outputs, requests) -> None:
     assert not problems, f"{len(problems)} of {len(requests)} outputs fail their constraint: {problems[:3]}"
 
 
-@pytest.mark.parametrize("guide", GUIDES)
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+# Every guide's greedy outputs (the drafting tests' reference) and, of the pairs of two guides, one each in the default
+# run: sampling with llguidance, eagle drafting with llguidance, ngram drafting and jump-forward with xgrammar; the
+# other of each pair in the slow run.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("guide", "temperature"),
+    [("xgrammar", 0.0), pytest.param("xgrammar", 0.8, marks=SLOW), ("llguidance", 0.0), ("llguidance", 0.8)],
+)
 def test_fifty_varied_constrained_outputs_all_satisfy_their_constraints(guide, temperature):
     llm = engine(guide__name=guide)
     outputs = llm.generate(
@@ -66,9 +74,16 @@ def test_fifty_varied_constrained_outputs_all_satisfy_their_constraints(guide, t
         _greedy.setdefault(guide, [output.outputs[0].token_ids for output in outputs])
 
 
-@pytest.mark.parametrize("guide", GUIDES)
-@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
-@pytest.mark.parametrize("num_requests", [16, pytest.param(50, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    ("guide", "drafter"),
+    [
+        ("xgrammar", "ngram"),
+        pytest.param("xgrammar", "eagle", marks=SLOW),
+        pytest.param("llguidance", "ngram", marks=SLOW),
+        ("llguidance", "eagle"),
+    ],
+)
+@pytest.mark.parametrize("num_requests", [16, pytest.param(50, marks=SLOW)])
 def test_drafting_leaves_constrained_greedy_outputs_unchanged(guide, drafter, num_requests):
     """Drafts the grammar forbids are rejected and the matcher rolls back with the KV: token-identical outputs."""
     requests = REQUESTS[:num_requests]
@@ -141,7 +156,7 @@ def test_constraint_errors_name_the_field_and_spare_the_others():
     assert none.finish_reason == "error" and "guide.name=xgrammar" in none.error
 
 
-@pytest.mark.parametrize("guide", GUIDES)
+@pytest.mark.parametrize("guide", ["xgrammar", pytest.param("llguidance", marks=SLOW)])
 def test_jump_forward_drafts_the_forced_tokens_and_changes_nothing(guide):
     """With no drafter, the tokens a grammar forces (a JSON key after the brace) are drafted and verified: fewer
     steps, the same tokens as with guide.jump_forward off."""

@@ -363,7 +363,7 @@ def test_ablation_runs_simulated_in_parallel_processes(tmp_path):
     ablation.write_text(
         "mode: simulate\n"
         "base: {config: baseline, overrides: {simulate.cost: roofline, simulate.geometry: llama-3-8b}}\n"
-        "workload: {name: synthetic, num_requests: 300, rate: 100, num_systems: 4, system_len: 256}\n"
+        "workload: {name: synthetic, num_requests: 100, rate: 100, num_systems: 4, system_len: 256}\n"
         "grid:\n  prefix_cache.name: [none, radix]\n  scheduler.name: [fcfs, hrrn]\n"
     )
     result = CliRunner().invoke(
