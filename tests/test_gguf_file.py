@@ -1,6 +1,7 @@
 """``infer.model.gguf_file``: the header reader that keeping a GGUF file's blocks uses, held to the gguf package's
 reader on files its writer wrote (every metadata value type, string arrays, 3-D tensors, another alignment) and on
-the default model's file, and refusing broken files with one line."""
+the default model's file, and refusing broken files with one line; the conversion of a file into a HF folder
+parses it once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from infer.model.gguf_file import GgufFile, GgufFormatError
-from infer.model.loader import DEFAULT_MODEL, resolve_model_path
+from infer.model.loader import DEFAULT_MODEL, _gguf_parsed_once, resolve_model_path
 from infer.testing.kquants import QUANTIZERS
 
 
@@ -118,3 +119,20 @@ def test_broken_files_are_refused_with_one_line(tmp_path):
     file = GgufFile(cut)
     with pytest.raises(GgufFormatError, match="runs past the end of the file"):
         file.data(file.tensors["token_embd.weight"])
+
+
+def test_a_conversion_parses_a_file_once_and_leaves_the_gguf_package_as_it_was(tmp_path):
+    """transformers asks ``gguf.GGUFReader`` for the same file three times while converting it (config, tokenizer,
+    weights) and ``gguf.get_tensor_name_map`` once per module: within the conversion both answer from the first call,
+    and afterwards, on an error too, gguf's own are back."""
+    path = write_file(tmp_path / "model.gguf")
+    own = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        with _gguf_parsed_once():
+            first = gguf.GGUFReader(path)
+            assert isinstance(first, own[0]) and gguf.GGUFReader(str(path)) is first
+            assert gguf.GGUFReader(write_file(tmp_path / "other.gguf")) is not first
+            names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, 2)
+            assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, 2) is names
+            raise RuntimeError("conversion failed")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == own

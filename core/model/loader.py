@@ -1,12 +1,15 @@
 """Finding, fetching, converting and loading model weights and tokenizers.
 
 A model path is an alias (``smollm2-135m-instruct``, the default), a HF folder (``config.json`` + safetensors) or a
-``.gguf`` file. transformers dequantizes GGUF files slowly (about 30 s), so the first load converts one into a HF
-folder under the cache directory and every later load reads that folder's safetensors straight into our model.
+``.gguf`` file. transformers dequantizes GGUF files slowly (about 10 s for the default model), so the first load
+converts one into a HF folder under the cache directory and every later load reads that folder's safetensors straight
+into our model.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,7 +155,7 @@ def _converted_gguf_dir(gguf: Path) -> Path:
     target = cache_dir() / "converted" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if (target / "config.json").is_file():
         return target
-    print(f"infer: converting {gguf.name} to a HF folder once (about 30 s): {target}", file=sys.stderr)
+    print(f"infer: converting {gguf.name} to a HF folder once (about 10 s): {target}", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any other
@@ -167,12 +171,38 @@ def _converted_gguf_dir(gguf: Path) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """While transformers converts a GGUF file: one ``gguf.GGUFReader`` a file and one tensor-name map an architecture
+    and layer count. transformers reads the file's header three times (config, tokenizer, weights), each a parse of
+    seconds (a numpy view for every part of every metadata value: SmolLM2's 49,152-token vocabulary), and builds the
+    name map once for every module of the model. Both are looked up in ``gguf``'s namespace at each call, so binding
+    memoized versions there for the conversion's duration is enough; they are restored after."""
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple, Any] = {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = reader_class(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 def _convert_gguf(gguf: Path, destination: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = hf_model.config
     # The saved weights are dequantized, so the folder must not claim GGUF quantization.
     del config.quantization_config
