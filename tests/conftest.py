@@ -78,24 +78,35 @@ def kernel_build(tmp_path_factory):
     return build
 
 
+def _other_simd_kernels(kernel_build, name: str):
+    """The kernels built as ``name`` (``OTHER_SIMD_BUILDS``) through ``kernel_build``, or a skip naming the missing
+    CPU flags or the build error."""
+    from infer.host import cpu_flags
+    from infer.kernels import cpu as cpu_kernels
+
+    needed, flags = OTHER_SIMD_BUILDS[name]
+    if needed - cpu_flags():
+        pytest.skip(f"this CPU lacks {', '.join(sorted(needed - cpu_flags()))} for the {name} kernels")
+    if "amx_tile" in cpu_flags():
+        flags = [*flags, "-mno-amx-tile"]  # AMX is not tied to AVX: keep the build to the set named
+    try:
+        built = kernel_build(flags)
+    except cpu_kernels.KernelBuildError as error:
+        pytest.skip(f"infer's C kernels do not build here: {error}")
+    assert built.simd == name
+    return built
+
+
 @pytest.fixture
 def simd_build(kernel_build):
     """``simd_build(name)``: infer's C kernels built as ``avx2`` or ``portable`` (AVX-512, or all AVX, and AMX turned
     off), loaded; the test is skipped where this CPU lacks the instructions or the kernels do not build."""
-    from infer.host import cpu_flags
-    from infer.kernels import cpu as cpu_kernels
+    return lambda name: _other_simd_kernels(kernel_build, name)
 
-    def build(name: str):
-        needed, flags = OTHER_SIMD_BUILDS[name]
-        if needed - cpu_flags():
-            pytest.skip(f"this CPU lacks {', '.join(sorted(needed - cpu_flags()))} for the {name} kernels")
-        if "amx_tile" in cpu_flags():
-            flags = [*flags, "-mno-amx-tile"]  # AMX is not tied to AVX: keep the build to the set named
-        try:
-            built = kernel_build(flags)
-        except cpu_kernels.KernelBuildError as error:
-            pytest.skip(f"infer's C kernels do not build here: {error}")
-        assert built.simd == name
-        return built
 
-    return build
+@pytest.fixture(scope="session")
+def portable_kernels(kernel_build):
+    """The portable build (plain C throughout: all AVX and AMX off), the reference each SIMD build is held to."""
+    built = _other_simd_kernels(kernel_build, "portable")
+    assert not built.amx and built.block_gemm_designs == ("portable",)
+    return built

@@ -16,8 +16,8 @@ from test_block_kernels import (
     kquant_tensor,
     mixed_tensor,
     quantized_activations,
-    without_amx,
 )
+from test_cpu_kernels import without_amx
 
 from infer.kernels import cpu as cpu_kernels
 from infer.kernels.cpu.blocks import K_KINDS, dequantize_blocks, pack_blocks
@@ -140,15 +140,6 @@ def test_block_gemm_refuses_what_it_cannot_multiply(kernels):
         kernels.gemm_blocks(torch.randn(20, 64), packed, None, "tiles")
     with pytest.raises(ValueError, match="packed by pack_blocks"):
         kernels.gemm_blocks(torch.randn(20, 64), type(packed)(packed.data, "q4_k", 8), None)
-
-
-@pytest.fixture(scope="module")
-def portable_kernels(kernel_build):
-    if cpu_kernels.compiler() is None:
-        pytest.skip("the CPU kernels need a C compiler")
-    built = kernel_build(["-mno-avx", *without_amx()])
-    assert built.simd == "portable" and built.block_gemm_designs == ("portable",)
-    return built
 
 
 @pytest.mark.parametrize("build", BLOCK_BUILD_PARAMS)

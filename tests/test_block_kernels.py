@@ -10,6 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from test_cpu_kernels import without_amx
 
 from infer.kernels import cpu as cpu_kernels
 from infer.kernels.cpu.blocks import (
@@ -206,12 +207,6 @@ def test_block_gemv_refuses_weights_it_cannot_read(kernels):
         kernels.linear_blocks(torch.randn(2, 512), type(packed)(packed.data, "q6_k", 8), None)
 
 
-def without_amx() -> list[str]:
-    from infer.host import cpu_flags
-
-    return ["-mno-amx-tile"] if "amx_tile" in cpu_flags() else []
-
-
 # The block GEMV's instruction paths, the CPU flags each needs and the flags that build it on a CPU with more:
 # AVX-512 with VNNI's vpdpbusd or with vpmaddubsw, AVX2 with AVX-VNNI or with vpmaddubsw.
 BLOCK_BUILDS = {
@@ -220,15 +215,6 @@ BLOCK_BUILDS = {
     "avx2_vnni": ({"avx2", "fma", "f16c", "avx_vnni"}, ["-mno-avx512f"]),
     "avx2": ({"avx2", "fma", "f16c"}, ["-mno-avx512f", "-mno-avxvnni"]),
 }
-
-
-@pytest.fixture(scope="module")
-def portable_kernels(kernel_build):
-    if cpu_kernels.compiler() is None:
-        pytest.skip("the CPU kernels need a C compiler")
-    built = kernel_build(["-mno-avx", *without_amx()])
-    assert built.simd == "portable"
-    return built
 
 
 # Each build compiles the whole library: the builds without VNNI (vpmaddubsw's paths) run in CI's slow step.

@@ -705,14 +705,6 @@ SIMD_BUILDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def portable_kernels(kernel_build):
-    # -mno-avx leaves AMX on (gcc does not tie it to AVX): the reference is plain C throughout
-    built = kernel_build(["-mno-avx", *without_amx()])
-    assert built.simd == "portable" and not built.amx
-    return built
-
-
 @pytest.mark.parametrize("simd", list(SIMD_BUILDS))
 def test_each_simd_build_matches_the_portable_c(simd, portable_kernels, kernel_build):
     """The AVX-512 and AVX2 code of every kernel against the portable C on the same inputs, where this CPU has the
