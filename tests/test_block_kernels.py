@@ -5,6 +5,8 @@ portable C (and, for the K-quants, with float64)."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from gguf.quants import dequantize, quantize
 from test_cpu_kernels import without_amx
 
 from infer.kernels import cpu as cpu_kernels
+from infer.kernels.cpu import blocks
 from infer.kernels.cpu.blocks import (
     K_KINDS,
     dequantize_blocks,
@@ -75,11 +78,33 @@ def test_pack_blocks_keeps_gguf_weights_bit_for_bit(kind, out_features, in_featu
     assert torch.equal(dequantize_blocks(packed), expected)
 
 
+def awkward_weights() -> torch.Tensor:
+    """Rows over twelve decades of scale, and rows whose blocks test the quantizers' edges: all zeros, all equal, a
+    tie of largest magnitudes of both signs, halves that round away from zero, subnormal fp16 scales, scales past
+    fp16's range."""
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(21, 96, generator=generator) * torch.logspace(-6, 5, 21).unsqueeze(1)
+    weight[0] = 0
+    weight[1, :32] = 1.5
+    weight[2, 5], weight[2, 6] = 7.0, -7.0
+    weight[3] = torch.tensor([0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -127.0] * 12)
+    weight[4, :32] = torch.linspace(-1, 1, 32)
+    weight[5] = torch.randn(96, generator=generator) * 1e-30
+    return weight
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_quantize_blocks_is_llama_cpps_quantizer(kind):
-    weight = torch.randn(12, 64, generator=torch.Generator().manual_seed(1))
-    raw = quantize(weight.numpy(), GGMLQuantizationType[kind.upper()])
-    assert torch.equal(quantize_blocks(weight, kind).data, pack_blocks(raw, kind, 12).data)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_blocks_is_llama_cpps_quantizer(kind, dtype, monkeypatch):
+    """The very bytes of gguf's reference quantizers (llama.cpp's), also where rows go through in several chunks."""
+    weight = awkward_weights().to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's overflow of the largest rows' fp16 scales
+        raw = quantize(weight.float().numpy(), GGMLQuantizationType[kind.upper()])
+    expected = pack_blocks(raw, kind, weight.shape[0]).data
+    assert torch.equal(quantize_blocks(weight, kind).data, expected)
+    monkeypatch.setattr(blocks, "QUANTIZE_CHUNK", 200)  # two rows a chunk
+    assert torch.equal(quantize_blocks(weight, kind).data, expected)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -101,11 +101,8 @@ def pack_blocks(raw: torch.Tensor | np.ndarray, kind: str, out_features: int) ->
 
 
 def quantize_blocks(weight: torch.Tensor, kind: str) -> BlockWeight:
-    """A float weight ``[n, k]`` (``k % 32 == 0``) quantized as llama.cpp quantizes ``kind`` (gguf's reference
-    quantizers: ``q4_0`` symmetric, ``q4_1`` with a minimum, ``q8_0``), in the block GEMV's layout."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
+    """A float weight ``[n, k]`` (``k % 32 == 0``) quantized as llama.cpp quantizes ``kind`` (``q4_0`` symmetric,
+    ``q4_1`` with a minimum, ``q8_0``), in the block GEMV's layout."""
     if kind not in GROUP_ROWS or GROUP_ROWS[kind] != 4:
         raise ValueError(
             f"infer quantizes float weights as q4_0, q4_1 or q8_0, not {kind!r} (K-quants come from a GGUF file)"
@@ -113,8 +110,48 @@ def quantize_blocks(weight: torch.Tensor, kind: str) -> BlockWeight:
     out_features, in_features = weight.shape
     if in_features % BLOCK:
         raise ValueError(f"block quantization needs in_features % {BLOCK} == 0, got {tuple(weight.shape)}")
-    raw = quantize(weight.detach().float().numpy(), GGMLQuantizationType[kind.upper()])
+    rows = max(1, QUANTIZE_CHUNK // in_features)
+    raw = torch.cat([gguf_blocks_of(part, kind) for part in weight.detach().split(rows)])
     return pack_blocks(raw, kind, out_features)
+
+
+# Weights quantized per pass of ``gguf_blocks_of``: its float32 temporaries stay a few MB, in cache.
+QUANTIZE_CHUNK = 1 << 20
+
+
+def gguf_blocks_of(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """GGUF's bytes of a float ``[n, k]`` weight as ``kind`` (uint8 ``[n, k / 32, block bytes]``), the very bytes of
+    llama.cpp's reference quantizers (and of the ``gguf`` package's): float32 arithmetic in their order, fp16 scales
+    rounded to nearest even, scale 0 for a block of zeros."""
+    blocks = weight.float().reshape(weight.shape[0], -1, BLOCK)
+    if kind == "q4_0":  # the signed value of largest magnitude (the first such) is -8 d
+        largest = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))
+        d = largest / -8
+        quants = torch.trunc(blocks * _inverse(d) + 8.5).clamp_(0, 15)
+        scales = (d,)
+    elif kind == "q4_1":  # min + d * q, q in 0..15
+        low, high = blocks.amin(dim=-1, keepdim=True), blocks.amax(dim=-1, keepdim=True)
+        d = (high - low) / 15
+        quants = torch.trunc((blocks - low) * _inverse(d) + 0.5).clamp_(0, 15)
+        scales = (d, low)
+    else:  # q8_0: d = amax / 127, q rounded half away from zero
+        d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+        scaled = blocks * _inverse(d)
+        magnitude = scaled.abs()
+        whole = magnitude.floor()
+        quants = torch.sign(scaled) * (whole + torch.floor(2 * (magnitude - whole)))
+        scales = (d,)
+    halves = [scale.half().view(torch.uint8) for scale in scales]  # each [n, blocks, 2]
+    if kind == "q8_0":
+        return torch.cat([*halves, quants.to(torch.int8).view(torch.uint8)], dim=-1)
+    nibbles = quants.to(torch.uint8)
+    packed = nibbles[..., : BLOCK // 2] | (nibbles[..., BLOCK // 2 :] << 4)  # byte j: columns j and 16 + j
+    return torch.cat([*halves, packed], dim=-1)
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """1 / d, and 0 where d is 0 (a block of equal weights)."""
+    return torch.where(d == 0, torch.zeros_like(d), 1 / d)
 
 
 def dequantize_blocks(weight: BlockWeight) -> torch.Tensor:
