@@ -570,6 +570,34 @@ def test_a_spread_between_repeats_or_other_processes_busy_marks_the_passes_distu
     assert timed(_FakeMachine([1.0], threads=2, others=5.0), {1: 7}).others_cores() is None
 
 
+def test_a_step_size_whose_repeats_spread_is_timed_again_and_judged_on_the_second_look():
+    """A size whose repeats spread over DISTURBED_SPREAD is timed once more: its first repeats are forgotten (a steady
+    second look leaves nothing to report), each path keeps its faster time, steady sizes are not timed again, and a
+    size that spreads again stays disturbed."""
+    from infer.execution import calibration
+
+    def session(rounds: dict[int, list[list[float]]]):
+        timer, timed = calibration.Timer(), []
+
+        def time_size(tokens: int) -> tuple[float, float]:
+            fused, gemm = rounds[tokens].pop(0), rounds[tokens].pop(0)
+            timed.append(tokens)
+            timer.samples_ms.setdefault((tokens, tokens), []).extend(fused)
+            timer.samples_ms.setdefault((tokens, 0), []).extend(gemm)
+            return timer.fastest((tokens, tokens)), timer.fastest((tokens, 0))
+
+        first = {tokens: time_size(tokens) for tokens in sorted(rounds)}
+        return calibration.retime_unsteady(first, time_size, timer), timer, timed
+
+    steady, spell, again = [10.0, 10.5, 10.2], [6.0, 6.0, 11.0, 11.0, 11.0], [9.0, 9.2, 9.1]
+    times, timer, timed = session({1: [steady, steady], 8: [spell, spell, again, again]})
+    assert timed == [1, 8, 8] and times == {1: (10.0, 10.0), 8: (6.0, 6.0)}
+    assert timer.samples_ms[(8, 8)] == again and calibration.disturbance(timer, threads=1, cores=1) == ""
+    times, timer, timed = session({8: [spell, steady, spell, steady]})
+    assert timed == [8, 8] and times == {8: (6.0, 10.0)}
+    assert calibration.disturbance(timer, threads=1, cores=1).startswith("a step's median repeat took 1.83x")
+
+
 @needs_kernels
 @needs_fbgemm
 def test_a_disturbed_calibration_serves_its_run_and_is_measured_again_at_the_next_start(
