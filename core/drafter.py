@@ -151,9 +151,15 @@ class TargetModel(Protocol):
     head_dim: int
     rotary: Any  # the rotary embedding a step (``LayerExecutor.step``) is built with
     layers: Any  # the decoder layers, in order
-    embed_tokens: nn.Module  # token ids [tokens] -> embeddings [tokens, hidden]
+    activation_dtype: torch.dtype  # the hidden states' dtype (float32 on CPUs)
+    embed_tokens: nn.Module  # token ids [tokens] -> embeddings [tokens, hidden]; ``embed`` widens them
     norm: nn.Module
-    lm_head: nn.Module  # ``lm_head.weight`` is float32 [vocab, hidden] even when the head is packed
+    # ``lm_head.weight`` is [vocab, hidden], float32 even when the head is packed, or bf16 where all its values are bf16
+    # values (``infer.model.quantization.narrow_float_tables``): widen the rows you take to ``activation_dtype``
+    lm_head: nn.Module
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[tokens, hidden]`` in ``activation_dtype``, scaled as the family scales them."""
 
     def run_layers(self, hidden: torch.Tensor, layers, step: Any) -> torch.Tensor:
         """``layers`` over ``hidden`` [tokens, hidden], then the final norm."""

@@ -215,3 +215,61 @@ def test_compiled_feed_forward_gives_the_same_greedy_tokens(tiny_model_dir):
     compiled = LLM("baseline", model__compile=True, **settings)
     assert all(hasattr(layer.feed_forward, "_torchdynamo_orig_callable") for layer in compiled.engine.model.layers)
     assert [output.token_ids for output in compiled.generate(prompts, params)] == expected
+
+
+@pytest.fixture(scope="module")
+def bf16_valued_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with every weight rounded to a bf16 value (kept as float32), as a bf16 checkpoint's weights
+    are."""
+    from safetensors.torch import load_file, save_file
+
+    destination = tmp_path_factory.mktemp("tiny-bf16-valued")
+    shutil.copytree(tiny_model_dir, destination, dirs_exist_ok=True)
+    weights = destination / "model.safetensors"
+    save_file({name: tensor.bfloat16().float() for name, tensor in load_file(weights).items()}, weights)
+    return str(destination)
+
+
+def test_packed_bf16_valued_tables_are_held_in_bf16_with_the_same_logits(tiny_model_dir, bf16_valued_model_dir):
+    """A packed model whose embedding table (tied to the head) holds bf16 values keeps it in bf16, tied, half the
+    bytes, and its logits are the float32 table's bit for bit; a table of other values stays float32."""
+    from test_model import PagedPool, random_tokens
+
+    model = load_model(bf16_valued_model_dir, torch.float32).model
+    wide = copy.deepcopy(model)
+    wide = quantize_linears(wide, "fp16", frozenset({id(wide.lm_head.weight)}))  # packed, the table as it was
+    narrow = quantization.narrow_float_tables(copy.deepcopy(wide))
+    table = narrow.embed_tokens.weight
+    assert table.dtype == torch.bfloat16 and narrow.lm_head.weight is table
+    assert torch.equal(table.float(), wide.embed_tokens.weight)
+    assert model_weight_bytes(narrow) == model_weight_bytes(wide) - table.numel() * 2
+    tokens = random_tokens(24, seed=1, vocab_size=model.vocab_size)
+    assert torch.equal(PagedPool(narrow).step({"a": tokens})["a"], PagedPool(wide).step({"a": tokens})["a"])
+    assert quantize_model(copy.deepcopy(model), "fp16").embed_tokens.weight.dtype == torch.bfloat16
+    assert quantize_model(copy.deepcopy(model), "none").embed_tokens.weight.dtype == torch.float32
+    random_valued = load_model(tiny_model_dir, torch.float32).model
+    assert quantize_model(random_valued, "fp16").embed_tokens.weight.dtype == torch.float32
+
+
+def test_bf16_held_tables_change_no_token_of_a_run_with_eagle_drafting(bf16_valued_model_dir, monkeypatch):
+    """The engine over a packed bf16-valued checkpoint, with eagle drafting (which slices the head's rows) and a
+    prompt through chunked prefill: the same greedy tokens with the tables held in bf16 as in float32."""
+    from test_spec_decode import greedy, make_llm
+
+    prompts = [list(range(100, 170)), [42] * 5, list(range(900, 930)) * 2]
+    settings = {
+        "model__quantization": "fp16",
+        "drafter__name": "eagle",
+        "drafter__head": "random",
+        "scheduler__max_num_batched_tokens": 32,
+    }
+
+    def run() -> tuple[torch.dtype, list[list[int]]]:
+        llm = make_llm(bf16_valued_model_dir, **settings)
+        held = llm.engine.model.embed_tokens.weight.dtype
+        return held, [output.token_ids for output in llm.generate(prompts, greedy(12))]
+
+    held, narrow = run()
+    monkeypatch.setattr(quantization, "narrow_float_tables", lambda model: model)
+    held_wide, wide = run()
+    assert (held, held_wide) == (torch.bfloat16, torch.float32) and narrow == wide

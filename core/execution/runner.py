@@ -168,7 +168,7 @@ class ModelRunner:
             self.attention.prepare(metadata),
             self.kv_cache,
             self.attention,
-            self.model.embed_tokens.weight.dtype,
+            self.model.activation_dtype,
         )
         hidden = self.model(input_ids, step)
         index = torch.tensor(indices, dtype=torch.int64, device=hidden.device)

@@ -238,6 +238,9 @@ class CausalLM(nn.Module):
         self.hidden_size = spec.hidden_size
         self.vocab_size = spec.vocab_size
         self.num_layers = spec.num_layers
+        # The hidden states' dtype. The embedding table may be held narrower (``narrow_float_tables``); its rows are
+        # widened to this as they are read.
+        self.activation_dtype = dtype
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -281,9 +284,9 @@ class CausalLM(nn.Module):
         return [layer.self_attn.sinks for layer in self.layers]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings ``[T, hidden]``, times the family's ``embedding_scale`` (rounded to the weights' dtype
-        first, as transformers does)."""
-        embeds = self.embed_tokens(input_ids)
+        """Token embeddings ``[T, hidden]`` in ``activation_dtype``, times the family's ``embedding_scale`` (rounded
+        to that dtype first, as transformers rounds it to the weights')."""
+        embeds = self.embed_tokens(input_ids).to(self.activation_dtype)
         scale = self.spec.embedding_scale
         if scale is None:
             return embeds

@@ -81,8 +81,10 @@ def head_layer_spec(config):
 
 
 def draft_head_weight(target, vocab_ids: torch.Tensor) -> torch.Tensor:
-    """Rows of the target's output head for the draft vocabulary, ``[len(vocab_ids), hidden]``."""
-    return target.lm_head.weight.detach().index_select(0, vocab_ids.to(target.lm_head.weight.device))
+    """Rows of the target's output head for the draft vocabulary, ``[len(vocab_ids), hidden]``, in the target's
+    ``activation_dtype``."""
+    weight = target.lm_head.weight.detach()
+    return weight.index_select(0, vocab_ids.to(weight.device)).to(target.activation_dtype)
 
 
 def save_head(head: EagleHead, path: str | Path, target_name: str, summary: dict | None = None) -> None:
