@@ -396,9 +396,9 @@ def retime_unsteady(
     ``DISTURBED_SPREAD`` timed once more: its first repeats are forgotten, so ``keep`` judges the second look, and
     each path keeps its faster time. On a quiet 2-core cloud VM (the Intel Xeon of docs/performance.md) a size's
     repeats ran a few passes in a row about 1.4x faster than the rest, both paths alike ([298, 282, 321, 317, 221,
-    218, 218] ms, the Qwen3-0.6B shape's ``q4`` weights at 128 tokens), and four of six calibrations of the Qwen3
-    shapes in one benchmark session spread 1.51-2.04x with no other process running: each refusal costs the next
-    start the whole calibration (46 s for the 1.7B shape's). A machine that stays busy spreads the second look too."""
+    218, 218] ms, the Qwen3-0.6B shape's ``q4`` weights at 128 tokens), and four of six starts of the Qwen3 shapes
+    on it spread 1.51-2.04x with no other process running. Each refusal costs the next start the whole calibration
+    (46 s for the 1.7B shape's ``q4`` weights). A machine that stays busy spreads the second look too."""
     times = dict(times)
     unsteady = sorted({key[0] for key, spread in timer.spreads().items() if spread > DISTURBED_SPREAD})
     for tokens in unsteady:
