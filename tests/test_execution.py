@@ -576,7 +576,7 @@ def test_a_step_size_whose_repeats_spread_is_timed_again_and_judged_on_the_secon
     size that spreads again stays disturbed."""
     from infer.execution import calibration
 
-    def session(rounds: dict[int, list[list[float]]]):
+    def measured(rounds: dict[int, list[list[float]]]):
         timer, timed = calibration.Timer(), []
 
         def time_size(tokens: int) -> tuple[float, float]:
@@ -590,10 +590,10 @@ def test_a_step_size_whose_repeats_spread_is_timed_again_and_judged_on_the_secon
         return calibration.retime_unsteady(first, time_size, timer), timer, timed
 
     steady, spell, again = [10.0, 10.5, 10.2], [6.0, 6.0, 11.0, 11.0, 11.0], [9.0, 9.2, 9.1]
-    times, timer, timed = session({1: [steady, steady], 8: [spell, spell, again, again]})
+    times, timer, timed = measured({1: [steady, steady], 8: [spell, spell, again, again]})
     assert timed == [1, 8, 8] and times == {1: (10.0, 10.0), 8: (6.0, 6.0)}
     assert timer.samples_ms[(8, 8)] == again and calibration.disturbance(timer, threads=1, cores=1) == ""
-    times, timer, timed = session({8: [spell, steady, spell, steady]})
+    times, timer, timed = measured({8: [spell, steady, spell, steady]})
     assert timed == [8, 8] and times == {8: (6.0, 10.0)}
     assert calibration.disturbance(timer, threads=1, cores=1).startswith("a step's median repeat took 1.83x")
 
