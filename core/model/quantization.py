@@ -422,21 +422,21 @@ def quantize_model(model: nn.Module, mode: str, gguf: Path | None = None) -> nn.
     their values are bf16 values (``narrow_float_tables``), else float32.
     Mode ``gguf`` keeps the blocks of the GGUF file ``gguf`` (the model's own: ``model.path`` resolved), packing the
     projections the file stores otherwise as ``q8_0``."""
-    shared = frozenset({id(model.lm_head.weight)})
     if mode == "none":
         return model
-    if mode != "gguf":
-        return narrow_float_tables(quantize_linears(model, mode, shared))
-    from infer.model.gguf_blocks import read_projections, warn_dequantized
+    blocks = None
+    if mode == "gguf":
+        from infer.model.gguf_blocks import read_projections, warn_dequantized
 
-    if gguf is None or gguf.suffix != ".gguf":
-        raise ValueError(
-            f"model.quantization=gguf keeps a GGUF file's blocks; model.path is {gguf} (set "
-            f"model.quantization to q4 or q8 to quantize a float checkpoint)"
-        )
-    blocks, others = read_projections(gguf, model)
-    warn_dequantized(gguf, others, GGUF_OTHERS)
-    return narrow_float_tables(quantize_linears(model, "gguf", shared, blocks))
+        if gguf is None or gguf.suffix != ".gguf":
+            raise ValueError(
+                f"model.quantization=gguf keeps a GGUF file's blocks; model.path is {gguf} (set "
+                f"model.quantization to q4 or q8 to quantize a float checkpoint)"
+            )
+        blocks, others = read_projections(gguf, model)
+        warn_dequantized(gguf, others, GGUF_OTHERS)
+    shared = frozenset({id(model.lm_head.weight)})
+    return narrow_float_tables(quantize_linears(model, mode, shared, blocks))
 
 
 @torch.no_grad()
