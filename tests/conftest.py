@@ -45,6 +45,22 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def bf16_valued_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with every weight matrix rounded to bf16 values (kept as float32), as a bf16 checkpoint's
+    matrices are."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    destination = tmp_path_factory.mktemp("tiny-bf16-valued")
+    shutil.copytree(tiny_model_dir, destination, dirs_exist_ok=True)
+    for path in destination.glob("*.safetensors"):
+        tensors = load_file(path)
+        save_file({name: t.bfloat16().float() if t.dim() == 2 else t for name, t in tensors.items()}, path)
+    return str(destination)
+
+
+@pytest.fixture(scope="session")
 def kernels():
     """infer's C kernels built for this CPU, or a skip where they do not build (a module may define its own)."""
     from infer.kernels import cpu as cpu_kernels

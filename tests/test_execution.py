@@ -7,7 +7,6 @@ import ast
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -450,21 +449,12 @@ def test_auto_large_gemm_takes_float32_where_it_was_measured_faster_at_every_siz
 
 @needs_kernels
 @needs_fbgemm
-def test_large_gemm_float32_prefill_matches_float32_over_the_rounded_weights(tiny_model_dir, tmp_path):
+def test_large_gemm_float32_prefill_matches_float32_over_the_rounded_weights(tiny_model_dir, bf16_valued_model_dir):
     """With ``large_gemm: float32`` (and float32 prefill attention) every product is float32 rows times the bf16
     weights: the greedy tokens of a prefill and decodes equal those of an exact float32 model whose weights were
     rounded to bf16 beforehand."""
-    from safetensors.torch import load_file, save_file
-
     if not (cpu_kernels.load(True).tile_fma and cpu_kernels.load(True).tiles):
         pytest.skip("the tiles' float32 FMAs need an AVX-512 build with tiles (AVX512-BF16 or AMX)")
-    rounded_dir = tmp_path / "rounded"
-    shutil.copytree(tiny_model_dir, rounded_dir)
-    for path in rounded_dir.glob("*.safetensors"):
-        tensors = load_file(path)
-        save_file(
-            {name: tensor.bfloat16().float() if tensor.dim() == 2 else tensor for name, tensor in tensors.items()}, path
-        )
     prompts = [list(range(10, 50)), list(range(100, 137))]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     fma = LLM(
@@ -484,7 +474,7 @@ def test_large_gemm_float32_prefill_matches_float32_over_the_rounded_weights(tin
     exact = LLM(
         "baseline",
         dotlist=[
-            f"model.path={rounded_dir}",
+            f"model.path={bf16_valued_model_dir}",
             "model.dtype=float32",
             "model.max_model_len=256",
             "model.quantization=none",

@@ -217,19 +217,6 @@ def test_compiled_feed_forward_gives_the_same_greedy_tokens(tiny_model_dir):
     assert [output.token_ids for output in compiled.generate(prompts, params)] == expected
 
 
-@pytest.fixture(scope="module")
-def bf16_valued_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with every weight rounded to a bf16 value (kept as float32), as a bf16 checkpoint's weights
-    are."""
-    from safetensors.torch import load_file, save_file
-
-    destination = tmp_path_factory.mktemp("tiny-bf16-valued")
-    shutil.copytree(tiny_model_dir, destination, dirs_exist_ok=True)
-    weights = destination / "model.safetensors"
-    save_file({name: tensor.bfloat16().float() for name, tensor in load_file(weights).items()}, weights)
-    return str(destination)
-
-
 def test_packed_bf16_valued_tables_are_held_in_bf16_with_the_same_logits(tiny_model_dir, bf16_valued_model_dir):
     """A packed model whose embedding table (tied to the head) holds bf16 values keeps it in bf16, tied, half the
     bytes, and its logits are the float32 table's bit for bit; a table of other values stays float32."""
