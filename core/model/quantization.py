@@ -41,6 +41,7 @@ table: ``benchmarks/README.md``, "Weight packing").
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -457,9 +458,12 @@ def narrow_float_tables(model: nn.Module) -> nn.Module:
 
 
 def _bf16_values(table: torch.Tensor, rows: int = 4096) -> bool:
-    """Whether every float32 value of ``table`` is a bf16 value: its low 16 bits are zero."""
-    bits = table.detach().reshape(table.shape[0], -1).view(torch.int32)
-    return all(not torch.any(chunk & 0xFFFF) for chunk in bits.split(rows))
+    """Whether every float32 value of ``table`` is a bf16 value: its low 16 bits are zero. They are read as every
+    other int16 of the table, in place (half the time of masking each value: 0.3-0.4 s for the Qwen3-1.7B shape's
+    table on the Intel Xeon of docs/performance.md)."""
+    low = 0 if sys.byteorder == "little" else 1
+    halves = table.detach().reshape(table.shape[0], -1).view(torch.int16)[:, low::2]
+    return all(not torch.any(chunk) for chunk in halves.split(rows))
 
 
 def model_weight_bytes(model: nn.Module) -> int:
