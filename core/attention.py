@@ -11,6 +11,8 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from infer.host import zeroed_pages
+
 
 class AttentionConfig(BaseModel):
     """Config section ``attention``. Plugins subclass it to add their own keys. ``name: auto`` (the default) lets the
@@ -277,7 +279,10 @@ class AttentionBackend(ABC):
         return 2 * num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.kv_dtype).bits // 8
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int) -> torch.Tensor:
-        """A zeroed pool for ``num_layers`` layers of ``num_blocks`` blocks, in ``kv_dtype`` on the device."""
+        """A zeroed pool for ``num_layers`` layers of ``num_blocks`` blocks, in ``kv_dtype`` on the device; on a CPU
+        over pages the kernel zeroes as blocks are first written (``infer.host.zeroed_pages``)."""
+        if self.device.type == "cpu":
+            return zeroed_pages(self.kv_cache_shape(num_layers, num_blocks), self.kv_dtype)
         return torch.zeros(self.kv_cache_shape(num_layers, num_blocks), dtype=self.kv_dtype, device=self.device)
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:

@@ -1,4 +1,5 @@
-"""What this host is (its CPU's feature flags) and where infer keeps files on it (the cache directory).
+"""What this host is (its CPU's feature flags), where infer keeps files on it (the cache directory), and how it
+maps large zeroed memory (the KV pool).
 
 Imports nothing of infer's: the loader, the CPU kernels' build and the execution layer all ask it.
 """
@@ -7,9 +8,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # glibc's mallopt parameters (malloc.h) and the values ``reuse_freed_memory`` sets
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -71,6 +77,25 @@ def reuse_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)) and bool(
         mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
     )
+
+
+def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor of ``shape`` over its own anonymous memory mapping, whose pages the kernel zeroes as they
+    are first written: nothing is written at allocation (``torch.zeros`` of a 10 GiB KV pool writes all of it, about
+    3 s), and a pool's pages become resident as its blocks are first used. The mapping is advised for transparent
+    huge pages where the kernel offers them on request (``/sys/kernel/mm/transparent_hugepage/enabled``: madvise),
+    so a first write faults in 2 MiB at once. It is unmapped when the tensor and its views are gone."""
+    import mmap
+
+    import torch
+
+    count = math.prod(shape)
+    if count == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):  # (a platform without anonymous mappings: plain zeros)
+        return torch.zeros(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
 
 
 def cores_per_process(num_processes: int) -> int:

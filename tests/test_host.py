@@ -1,0 +1,50 @@
+"""``infer.host``: the KV pool's memory (zeroed pages the kernel maps in as they are first written)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from infer.host import zeroed_pages
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_zeroed_pages_are_zero_writable_and_shaped():
+    pool = zeroed_pages((3, 2, 5, 16, 2, 8), torch.bfloat16)
+    assert pool.shape == (3, 2, 5, 16, 2, 8) and pool.dtype == torch.bfloat16 and pool.is_contiguous()
+    assert not pool.any()
+    pool[1, 0, 4] = 2.5
+    assert pool.sum().item() == 2.5 * 16 * 2 * 8
+    assert zeroed_pages((0, 4), torch.float32).shape == (0, 4)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident set from /proc")
+def test_zeroed_pages_become_resident_only_when_written():
+    size = 256 << 20
+    before = resident_bytes()
+    pool = zeroed_pages((size // 4,), torch.float32)
+    assert resident_bytes() - before < size // 4
+    pool[: size // 8].fill_(1.0)  # half of it written
+    assert resident_bytes() - before >= size // 2 - (8 << 20)
+    assert pool[size // 8 :].abs().sum().item() == 0 and pool.sum().item() == size // 8
+
+
+def test_a_cpu_backend_allocates_its_pool_over_zeroed_pages(monkeypatch):
+    from infer import attention
+    from infer.attention import AttentionBackend
+
+    calls = []
+    monkeypatch.setattr(
+        attention, "zeroed_pages", lambda shape, dtype: calls.append(shape) or torch.zeros(shape, dtype=dtype)
+    )
+    backend = type("Backend", (AttentionBackend,), {"forward": lambda *args: None})(
+        num_heads=4, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32, device=torch.device("cpu")
+    )
+    pool = backend.allocate_kv_cache(num_layers=3, num_blocks=5)
+    assert pool.shape == (3, 2, 5, 16, 2, 8) and calls == [pool.shape]
