@@ -348,7 +348,7 @@ def test_auto_takes_the_fused_path_exactly_up_to_the_calibrated_step_size(tiny_m
     assert "fused up to 2 tokens (calibrated now on " in llm.engine.describe_execution()
     assert _decode_at(llm, 2) == {"fused-stack": 3}
     assert _decode_at(llm, 3) == {"torch": 3}
-    (cached,) = tmp_path.glob("*.json")
+    (cached,) = tmp_path.glob("*.json")  # (the pool is sized by num_blocks: no activation peak measured)
     again = _auto_llm(tiny_model_dir)
     assert measured == [1] and again.engine.calibration.cached and again.engine.executor.fused_max_tokens == 2
     assert "fused up to 2 tokens (cached calibration" in again.engine.describe_execution()
@@ -363,6 +363,31 @@ def test_auto_takes_the_fused_path_exactly_up_to_the_calibrated_step_size(tiny_m
     unpacked = _auto_llm(tiny_model_dir, "model.quantization=none").engine
     assert unpacked.calibration is None and measured == [1, 1, 1]
     assert all(layer.fused is None for layer in unpacked.model.layers)
+
+
+def test_the_activation_peak_is_measured_at_the_first_start_and_read_back_after(tiny_model_dir, tmp_path, monkeypatch):
+    """The pool's headroom for activations comes from one profiled worst-case step; a later start with the same
+    model and settings reads the peak back (the same pool, no step), while recalibrate or another token budget
+    profiles again."""
+    from infer.engine.engine import Engine
+    from infer.execution import calibration
+
+    monkeypatch.setattr(calibration, "calibration_path", lambda digest: tmp_path / f"{digest}.json")
+    profiled = []
+    original = Engine._profile_activations
+    monkeypatch.setattr(Engine, "_profile_activations", lambda self: profiled.append(1) or original(self))
+
+    def start(*overrides):
+        return _auto_llm(tiny_model_dir, "cache.num_blocks=null", "cache.memory_budget=64MiB", *overrides).engine
+
+    first = start("execution.fused_max_tokens=4")
+    assert profiled == [1] and len(list(tmp_path.glob("peak-*.json"))) == 1
+    again = start("execution.fused_max_tokens=4")
+    assert profiled == [1] and again.pool_plan == first.pool_plan
+    start("execution.fused_max_tokens=4", "execution.recalibrate=true")
+    assert profiled == [1, 1]
+    start("execution.fused_max_tokens=4", "scheduler.max_num_batched_tokens=128")
+    assert profiled == [1, 1, 1] and len(list(tmp_path.glob("peak-*.json"))) == 2
 
 
 @needs_kernels

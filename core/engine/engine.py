@@ -21,8 +21,9 @@ from infer.engine.detokenizer import Detokenizer
 from infer.engine.sampler import Sampler, SampleRequest
 from infer.engine.spec_decode import SpeculativeDecoder
 from infer.engine.tensor_parallel import TensorParallel
+from infer.execution.calibration import signature
 from infer.execution.kv_pool import free_device_memory, plan_kv_pool
-from infer.execution.memory import measure_peak_bytes
+from infer.execution.memory import cached_peak_bytes, measure_peak_bytes
 from infer.execution.paths import build_model_stack
 from infer.execution.runner import ModelRunner
 from infer.guide import GuideError, TokenizerInfo, constrain_logits
@@ -313,7 +314,7 @@ class Engine:
         local_ranks = self.ranks.local_ranks
         bytes_per_token = sum(rank_bytes[:local_ranks]) + drafter.kv_bytes_per_token()
         weight_bytes = model_weight_bytes(model) * local_ranks
-        activation_bytes = 0 if cache.num_blocks is not None else self._profile_activations() * local_ranks
+        activation_bytes = 0 if cache.num_blocks is not None else self._activation_peak() * local_ranks
         return plan_kv_pool(
             budget_bytes=cache.budget_bytes(free_device_memory(self.device) + weight_bytes),
             weight_bytes=weight_bytes,
@@ -325,6 +326,27 @@ class Engine:
             rank_bytes_per_token=tuple(rank_bytes) if self.ranks.sharded else (),
         )
 
+    def _activation_peak(self) -> int:
+        """``_profile_activations``, measured once per machine, model and settings on a CPU: later starts read it
+        from the calibration folder (9 s of a start of the Qwen3-1.7B shape; ``execution.recalibrate`` measures
+        again). A sharded model, or one on another device, measures it at every start."""
+        if self.ranks.sharded or self.device.type != "cpu":
+            return self._profile_activations()
+        config = self.config
+        build = self.executor.kernels.path.name if self.executor.kernels is not None else ""
+        key = [
+            "activation peak",
+            signature(self.model, self.quantization, self.dtype, build)[1],
+            self.attention_name,
+            config.model.compile,
+            config.attention.model_dump(mode="json"),
+            config.execution.model_dump(mode="json", exclude={"recalibrate"}),
+            config.scheduler.max_num_batched_tokens,
+            config.scheduler.max_num_seqs,
+            config.cache.block_size,
+        ]
+        return cached_peak_bytes(key, self._profile_activations, config.execution.recalibrate)
+
     def _profile_activations(self) -> int:
         """Peak memory of one worst-case step (a full token budget split over max_num_seqs sequences, plus their
         logits), measured on a scratch pool just large enough for it."""
@@ -335,6 +357,7 @@ class Engine:
         lengths = [n for n in lengths if n > 0]
         num_blocks = sum(-(-n // block_size) for n in lengths) + 1
         scratch = self.attention.allocate_kv_cache(self.model.num_layers, num_blocks)
+        scratch.zero_()  # resident before the measurement: the step's K/V writes are not activations
         self.ranks.send_pool(num_blocks)
         runner = ModelRunner(self.model, self.attention, scratch, self.device, self.executor, ranks=self.ranks)
         seqs, next_block = [], 1

@@ -174,17 +174,23 @@ def load_cached(digest: str) -> Calibration | None:
     )
 
 
-def save(calibration: Calibration | GemmChoice | RowsCalibration) -> None:
-    path = calibration_path(calibration.signature)
+def write_cached(digest: str, data: dict) -> None:
+    """``data`` as the cached file ``digest``, replaced whole. A read-only cache dir costs the next start the
+    measurement again, nothing else."""
+    path = calibration_path(digest)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = asdict(calibration)
-        data.pop("cached")
         temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(data, indent=1))
+        temporary.write_text(json.dumps(data, indent=1, default=str))
         temporary.replace(path)
-    except OSError as error:  # a read-only cache dir costs the next start a calibration, nothing else
-        logger.warning("could not cache the execution calibration at %s: %s", path, error)
+    except OSError as error:
+        logger.warning("could not cache a measurement at %s: %s", path, error)
+
+
+def save(calibration: Calibration | GemmChoice | RowsCalibration) -> None:
+    data = asdict(calibration)
+    data.pop("cached")
+    write_cached(calibration.signature, data)
 
 
 # A measurement is disturbed, used for the run that made it but not cached, where at some step size the median of

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import gc
+import hashlib
+import json
 from collections.abc import Callable
 
 import torch
+
+from infer.execution.calibration import read_cached, write_cached
 
 
 def _rss_field(name: str) -> int:
@@ -39,3 +43,16 @@ def measure_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
         return 0
     fn()
     return max(_rss_field("VmHWM:") - before, 0)
+
+
+def cached_peak_bytes(key: list, measure: Callable[[], int], remeasure: bool = False) -> int:
+    """``measure()``, kept under a hash of ``key`` (JSON; everything the peak depends on) in the calibration folder
+    (``infer.execution.calibration``), so a later start with the same key reads it instead of running the step again
+    (``remeasure``: always run it)."""
+    digest = "peak-" + hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    cached = None if remeasure else read_cached(digest, lambda data: int(data["peak_bytes"]))
+    if cached is not None:
+        return cached
+    peak = measure()
+    write_cached(digest, {"key": key, "peak_bytes": peak})
+    return peak
