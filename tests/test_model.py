@@ -159,6 +159,21 @@ def test_load_hf_state_dict_names_missing_and_unexpected_tensors():
         model.load_hf_state_dict(state)
 
 
+def test_load_hf_state_dict_fills_fused_projections_part_by_part_and_refuses_a_wrong_shape():
+    """q/k/v and gate/up fill their rows of the fused weights in order; a part of the wrong width is refused."""
+    state = random_hf_model("llama_gqa").state_dict()
+    model = LlamaArchitecture.build(tiny_llama_config(vocab_size=SMALL_VOCAB))
+    model.load_hf_state_dict(state)
+    layer = model.layers[1]
+    qkv = [state[f"model.layers.1.self_attn.{name}_proj.weight"] for name in "qkv"]
+    gate_up = [state[f"model.layers.1.mlp.{name}_proj.weight"] for name in ("gate", "up")]
+    assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat(qkv))
+    assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat(gate_up))
+    state["model.layers.1.self_attn.k_proj.weight"] = state["model.layers.1.self_attn.k_proj.weight"][:, :-1]
+    with pytest.raises(RuntimeError):
+        model.load_hf_state_dict(state)
+
+
 def test_model_exposes_its_shapes():
     model = LlamaArchitecture.build(tiny_llama_config(vocab_size=SMALL_VOCAB, head_dim=32))
     shapes = (model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size)
