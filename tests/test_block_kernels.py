@@ -81,7 +81,7 @@ def test_pack_blocks_keeps_gguf_weights_bit_for_bit(kind, out_features, in_featu
 def awkward_weights() -> torch.Tensor:
     """Rows over twelve decades of scale, and rows whose blocks test the quantizers' edges: all zeros, all equal, a
     tie of largest magnitudes of both signs, halves that round away from zero, subnormal fp16 scales, scales past
-    fp16's range."""
+    fp16's range, negative zeros, fp16 ties."""
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(21, 96, generator=generator) * torch.logspace(-6, 5, 21).unsqueeze(1)
     weight[0] = 0
@@ -90,13 +90,23 @@ def awkward_weights() -> torch.Tensor:
     weight[3] = torch.tensor([0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -127.0] * 12)
     weight[4, :32] = torch.linspace(-1, 1, 32)
     weight[5] = torch.randn(96, generator=generator) * 1e-30
+    # A block of negative zeros. (Not one of zeros of both signs: as q4_1's minimum, gguf's numpy takes -0.0 and
+    # llama.cpp's C the first zero; the sign of a zero minimum changes no value.)
+    weight[6, :32] = -0.0
+    # Scales halfway between two halves (1 + 2^-11: ties go to the even 1.0): q4_1's minimum, q8_0's amax / 127 and
+    # q4_0's largest / -8, one block each.
+    tie = 1 + 2**-11
+    weight[7, :32] = tie + torch.arange(32) / 4
+    weight[7, 32:64], weight[7, 33] = 0.5, 127 * tie
+    weight[7, 64:96], weight[7, 65] = 0.5, -8 * tie
     return weight
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantize_blocks_is_llama_cpps_quantizer(kind, dtype, monkeypatch):
-    """The very bytes of gguf's reference quantizers (llama.cpp's), also where rows go through in several chunks."""
+def test_quantize_blocks_is_llama_cpps_quantizer(kernels, portable_kernels, kind, dtype, monkeypatch):
+    """The very bytes of gguf's reference quantizers (llama.cpp's), in torch (also where rows go through in several
+    chunks) and in C (this build's and the portable one's)."""
     weight = awkward_weights().to(dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # numpy's overflow of the largest rows' fp16 scales
@@ -105,6 +115,8 @@ def test_quantize_blocks_is_llama_cpps_quantizer(kind, dtype, monkeypatch):
     assert torch.equal(quantize_blocks(weight, kind).data, expected)
     monkeypatch.setattr(blocks, "QUANTIZE_CHUNK", 200)  # two rows a chunk
     assert torch.equal(quantize_blocks(weight, kind).data, expected)
+    assert torch.equal(kernels.quantize_blocks(weight, kind).data, expected)
+    assert torch.equal(portable_kernels.quantize_blocks(weight, kind).data, expected)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -186,7 +186,7 @@ class PackedLinear(nn.Module):
         self.scales: torch.Tensor | None = None  # int8 modes: [n, groups]
         self.blocks: BlockWeight | None = None  # block modes
         if mode in BLOCK_MODES:
-            self.blocks = blocks if blocks is not None else quantize_blocks(weight, mode)
+            self.blocks = blocks if blocks is not None else _quantized_blocks(weight, mode)
             self.packed = None
             self.nbytes = self.blocks.nbytes
         elif mode == "fp16":
@@ -356,6 +356,15 @@ def dense_buffer(weight: BlockWeight) -> torch.Tensor:
     if _dense_rows.numel() < size:
         _dense_rows = torch.empty(size, dtype=torch.bfloat16)
     return _dense_rows
+
+
+def _quantized_blocks(weight: torch.Tensor, kind: str) -> BlockWeight:
+    """``weight`` quantized to ``kind``'s blocks: in C where the kernels load (the same bytes, about 5x faster),
+    else in torch."""
+    from infer.kernels.cpu.builder import load
+
+    kernels = load("auto") if kind in ("q4_0", "q4_1", "q8_0") else None
+    return kernels.quantize_blocks(weight, kind) if kernels is not None else quantize_blocks(weight, kind)
 
 
 def bf16_gemm_weight(weight: torch.Tensor) -> torch.Tensor:

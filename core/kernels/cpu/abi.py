@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.kernels.cpu.blocks import BLOCK_KINDS, BlockWeight, well_formed
+from infer.kernels.cpu.blocks import BLOCK, BLOCK_KINDS, RECORD_BYTES, BlockWeight, well_formed
 from infer.kernels.cpu.packing import packed_shape, tiles_shape
 
 if TYPE_CHECKING:
@@ -434,6 +434,9 @@ class CpuKernels:
         self._dequantize_blocks_bf16 = library.infer_dequantize_blocks_bf16
         self._dequantize_blocks_bf16.argtypes = [_POINTER, _INT, _INT, _INT, _POINTER]
         self._dequantize_blocks_bf16.restype = _INT
+        self._quantize_blocks = library.infer_quantize_blocks
+        self._quantize_blocks.argtypes = [_POINTER, _INT, _INT, _INT, _POINTER]
+        self._quantize_blocks.restype = _INT
         # How ``linear_tiles`` multiplies: "AMX tiles" (the build has AMX and the OS lets this process use it),
         # "AVX512-BF16" (its dot products), or None (plain C, the slow reference).
         self.tiles = TILE_KINDS[tile_kind()]
@@ -548,6 +551,22 @@ class CpuKernels:
             weight.data.data_ptr(), BLOCK_KINDS[weight.kind], weight.out_features, weight.in_features, rows.data_ptr()
         )
         return rows
+
+    def quantize_blocks(self, weight: torch.Tensor, kind: str) -> BlockWeight:
+        """``infer.kernels.cpu.blocks.quantize_blocks`` in C: a float weight ``[n, k]`` (``k % 32 == 0``) as
+        ``q4_0``, ``q4_1`` or ``q8_0`` blocks in the block kernels' layout, the same bytes, written directly: the
+        Qwen3-1.7B shape's layers as q4_1 in 1.3-1.6 s against 7.0-7.4 s (docs/performance.md, Startup)."""
+        if kind not in ("q4_0", "q4_1", "q8_0"):
+            raise ValueError(f"quantize_blocks makes q4_0, q4_1 or q8_0 blocks, not {kind!r}")
+        if weight.dim() != 2 or weight.shape[1] % BLOCK or weight.device.type != "cpu":
+            raise ValueError(
+                f"quantize_blocks needs a CPU weight [n, k] with k % {BLOCK} == 0, got {tuple(weight.shape)}"
+            )
+        rows = weight.detach().float().contiguous()
+        out_features, in_features = rows.shape
+        data = torch.empty((-(-out_features // 4), in_features // BLOCK, RECORD_BYTES[kind]), dtype=torch.uint8)
+        self._quantize_blocks(rows.data_ptr(), BLOCK_KINDS[kind], out_features, in_features, data.data_ptr())
+        return BlockWeight(data, kind, out_features)
 
     def linear_tiles(
         self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None, fma: bool = False

@@ -108,6 +108,11 @@ void infer_gemm_blocks_bf16(const uint16_t *x, int64_t rows, int64_t k, const ui
  * AVX512-BF16. */
 int64_t infer_dequantize_blocks_bf16(const uint8_t *w, int64_t kind, int64_t n_out, int64_t k, uint16_t *out);
 
+/* Float32 weights w [n_out, k] (k % 32 == 0) quantized as GGUF's KIND_Q4_0, KIND_Q4_1 or KIND_Q8_0 blocks into out,
+ * in pack_blocks' layout ([ceil(n_out / 4), k / 32, record bytes]; the last group's missing rows zero blocks): the
+ * reference quantizers' bytes. 0 for another kind (out untouched). */
+int64_t infer_quantize_blocks(const float *w, int64_t kind, int64_t n_out, int64_t k, uint8_t *out);
+
 /* ---- a mixture of experts (moe.c) ------------------------------------------------------------------------------- */
 
 /* An expert's activation of its gate g and up u (abi.EXPERT_ACTIVATIONS): SwiGLU, silu(g) * u; or gpt-oss's clamped
