@@ -6,6 +6,7 @@ Prints markdown rows; each figure the median of ``--repeats``.
 
     OMP_NUM_THREADS=2 python benchmarks/startup.py
     python benchmarks/startup.py --gguf /path/model-Q4_K_M.gguf --engine-overrides model.path=/path/model-Q4_K_M.gguf
+    python benchmarks/startup.py --engine-only --engine-overrides model.path=DIR model.quantization=q4
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, nargs="*", help="GGUF files to read (default: the default model's)")
     parser.add_argument("--config", default="baseline")
     parser.add_argument("--engine-overrides", nargs="*", default=[], help="config overrides for the engine row")
+    parser.add_argument("--engine-only", action="store_true", help="time the engine's start alone")
     args = parser.parse_args()
 
     import gguf
@@ -67,8 +69,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             builder.build(Path(folder))
 
-    print(f"| C kernels, built into an empty folder | {median_seconds(build, args.repeats):.2f} |")
-    for path in args.gguf or [resolve_model_path(DEFAULT_MODEL)]:
+    if not args.engine_only:
+        print(f"| C kernels, built into an empty folder | {median_seconds(build, args.repeats):.2f} |")
+    for path in [] if args.engine_only else args.gguf or [resolve_model_path(DEFAULT_MODEL)]:
         ours = median_seconds(lambda: GgufFile(path), args.repeats)
         theirs = median_seconds(lambda: gguf.GGUFReader(path), args.repeats)
         print(f"| {path.name}: header, infer's GgufFile | {ours:.3f} |")
