@@ -365,10 +365,12 @@ def test_auto_takes_the_fused_path_exactly_up_to_the_calibrated_step_size(tiny_m
     assert all(layer.fused is None for layer in unpacked.model.layers)
 
 
-def test_the_activation_peak_is_measured_at_the_first_start_and_read_back_after(tiny_model_dir, tmp_path, monkeypatch):
-    """The pool's headroom for activations comes from one profiled worst-case step; a later start with the same
-    model and settings reads the peak back (the same pool, no step), while recalibrate or another token budget
-    profiles again."""
+def test_the_activation_peak_is_measured_at_the_first_start_and_read_back_after(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """The pool's headroom for activations comes from one profiled worst-case step, announced on stderr; a later
+    start with the same model and settings reads the peak back (the same pool, no step, nothing said), while
+    recalibrate or another token budget profiles again."""
     from infer.engine.engine import Engine
     from infer.execution import calibration
 
@@ -380,10 +382,13 @@ def test_the_activation_peak_is_measured_at_the_first_start_and_read_back_after(
     def start(*overrides):
         return _auto_llm(tiny_model_dir, "cache.num_blocks=null", "cache.memory_budget=64MiB", *overrides).engine
 
+    capsys.readouterr()
     first = start("execution.fused_max_tokens=4")
     assert profiled == [1] and len(list(tmp_path.glob("peak-*.json"))) == 1
+    assert "infer: measuring the peak memory of a worst-case step on this CPU once" in capsys.readouterr().err
     again = start("execution.fused_max_tokens=4")
     assert profiled == [1] and again.pool_plan == first.pool_plan
+    assert "infer: measuring" not in capsys.readouterr().err
     start("execution.fused_max_tokens=4", "execution.recalibrate=true")
     assert profiled == [1, 1]
     start("execution.fused_max_tokens=4", "scheduler.max_num_batched_tokens=128")

@@ -46,6 +46,7 @@ import logging
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -136,9 +137,13 @@ def signature(model, quantization: str, dtype: torch.dtype, kernels: str = "") -
 
 
 def calibration_path(digest: str) -> Path:
+    return calibration_dir() / f"{digest}.json"
+
+
+def calibration_dir() -> Path:
     from infer.host import cache_dir
 
-    return cache_dir() / "calibration" / f"{digest}.json"
+    return cache_dir() / "calibration"
 
 
 def threshold(times_ms: dict[int, tuple[float, float]]) -> int:
@@ -172,6 +177,12 @@ def load_cached(digest: str) -> Calibration | None:
         digest,
         lambda data: Calibration(int(data["fused_max_tokens"]), data["cpu"], digest, read_times(data), cached=True),
     )
+
+
+def announce(what: str) -> None:
+    """One line on stderr before a measurement that a start makes once per machine and model (seconds to a minute),
+    as the loader announces a conversion: a first start is not silent while it measures."""
+    print(f"infer: measuring {what} on this CPU once (cached in {calibration_dir()})", file=sys.stderr)
 
 
 def write_cached(digest: str, data: dict) -> None:
@@ -310,6 +321,7 @@ def calibrate(
         cached = load_cached(digest)
         if cached is not None:
             return cached
+    announce("the execution paths' step times")
     began, timer = time.perf_counter(), Timer()
     times = measure(model, attention, executor, device, dtype, timer=timer)
     calibration = Calibration(threshold(times), cpu, digest, times)
@@ -471,6 +483,7 @@ def choose_gemm(setting: str, model, kernels, recalibrate: bool = False) -> Gemm
     )
     if cached is not None:
         return cached
+    announce("the large GEMMs' arithmetic")
     timer = Timer()
     times = measure_gemm(*shape, kernels, timer=timer)
     faster = all(f32 < bf16 * GEMM_MARGIN for bf16, f32 in times.values())
@@ -559,6 +572,7 @@ def calibrate_rows(
         )
         if cached is not None:
             return cached
+    announce("the verification rows a draft tree takes")
     began, timer = time.perf_counter(), Timer()
     times = measure_rows(model, attention, executor, device, dtype, timer=timer)
     calibration = RowsCalibration(free_rows(times), digest, times)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from infer.execution.calibration import read_cached, write_cached
+from infer.execution.calibration import announce, read_cached, write_cached
 
 
 def _rss_field(name: str) -> int:
@@ -53,6 +53,7 @@ def cached_peak_bytes(key: list, measure: Callable[[], int], remeasure: bool = F
     cached = None if remeasure else read_cached(digest, lambda data: int(data["peak_bytes"]))
     if cached is not None:
         return cached
+    announce("the peak memory of a worst-case step")
     peak = measure()
     write_cached(digest, {"key": key, "peak_bytes": peak})
     return peak

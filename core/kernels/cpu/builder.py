@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +82,7 @@ def build(directory: Path, extra_flags: Sequence[str] = ()) -> Path:
     target = directory / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if target.is_file():
         return target
+    print(f"infer: building the C kernels for this CPU once (about 10 s): {target}", file=sys.stderr)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory) as staging:
