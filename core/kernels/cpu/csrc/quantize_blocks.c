@@ -1,7 +1,9 @@
 /* Float weights quantized to GGUF's blocks of 32 (Q4_0, Q4_1, Q8_0) straight into the layout the block kernels read
- * (infer.kernels.cpu.blocks.pack_blocks'): the bytes of llama.cpp's reference quantizers (and of the gguf package's
- * and infer.kernels.cpu.blocks.gguf_blocks_of), in float32 arithmetic in their order. The build's -std=c11 keeps
- * GCC from contracting a product and a sum into one FMA, which would round once where the reference rounds twice. */
+ * (infer.kernels.cpu.blocks.pack_blocks'): the bytes of the gguf package's reference quantizers (and of
+ * infer.kernels.cpu.blocks.gguf_blocks_of), in float32 arithmetic in their order; only the sign of a Q4_1 block's zero
+ * minimum, where the block holds zeros of both signs, may differ (gguf's numpy takes -0.0, llama.cpp's C the first
+ * zero), and it changes no value. The build's -std=c11 keeps GCC from contracting a product and a sum into one FMA,
+ * which would round once where the reference rounds twice. */
 #include "common.h"
 
 /* The IEEE half nearest `value` (ties to even), as torch's and numpy's float16 conversions round: overflow to
