@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from infer.kernels.cpu.blocks import BlockWeight, dequantize_blocks, quantize_blocks
+from infer.kernels.cpu.blocks import QUANTIZED_KINDS, BlockWeight, dequantize_blocks, quantize_blocks
 from infer.kernels.cpu.packing import can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, unpack_tiles
 from infer.model import Linear
 
@@ -185,8 +185,12 @@ class PackedLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.scales: torch.Tensor | None = None  # int8 modes: [n, groups]
         self.blocks: BlockWeight | None = None  # block modes
+        kernels = None
         if mode in BLOCK_MODES:
-            self.blocks = blocks if blocks is not None else _quantized_blocks(weight, mode)
+            from infer.kernels.cpu.builder import load
+
+            kernels = load("auto")  # block weights' only fast path, whatever the step; they quantize float ones too
+            self.blocks = blocks if blocks is not None else _quantized_blocks(weight, mode, kernels)
             self.packed = None
             self.nbytes = self.blocks.nbytes
         elif mode == "fp16":
@@ -219,7 +223,7 @@ class PackedLinear(nn.Module):
             self.nbytes += bias.numel() * 4
         self.bias = bias
         self.weight = linear.weight if keep_weight else None
-        self.kernels = None
+        self.kernels = kernels
         self.gemv_rows = 0  # inputs of at most this many rows take the kernels' GEMV (``use_cpu_kernels``)
         # For a few rows: the weights in cpu_kernels.pack_weights' layout, fp16 (mode fp16) or int8 (int8 modes) with
         # their scales in pack_scales' layout.
@@ -231,10 +235,6 @@ class PackedLinear(nn.Module):
         # bf16 with tiles where float32 FMAs outrun the bf16 dot products (``use_cpu_kernels``' ``tile_fma``): every
         # input the GEMV does not take multiplies on the tiles with float32 FMAs; oneDNN's copy (``packed``) is dropped.
         self.tile_fma = False
-        if self.blocks is not None:  # the block kernels are these weights' only fast path, whatever the step
-            from infer.kernels.cpu.builder import load
-
-            self.kernels = load("auto")
 
     def use_cpu_kernels(
         self, kernels, gemv_rows: int = 0, tile_fma: bool = False, streams: bool = False, tiles_only: bool = False
@@ -358,13 +358,12 @@ def dense_buffer(weight: BlockWeight) -> torch.Tensor:
     return _dense_rows
 
 
-def _quantized_blocks(weight: torch.Tensor, kind: str) -> BlockWeight:
-    """``weight`` quantized to ``kind``'s blocks: in C where the kernels load (the same bytes, about 5x faster),
-    else in torch."""
-    from infer.kernels.cpu.builder import load
-
-    kernels = load("auto") if kind in ("q4_0", "q4_1", "q8_0") else None
-    return kernels.quantize_blocks(weight, kind) if kernels is not None else quantize_blocks(weight, kind)
+def _quantized_blocks(weight: torch.Tensor, kind: str, kernels) -> BlockWeight:
+    """``weight`` quantized to ``kind``'s blocks: in C where ``kernels`` loaded (the same bytes, about 5x faster),
+    else in torch (which also names a kind infer does not quantize to)."""
+    if kernels is not None and kind in QUANTIZED_KINDS:
+        return kernels.quantize_blocks(weight, kind)
+    return quantize_blocks(weight, kind)
 
 
 def bf16_gemm_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.kernels.cpu.blocks import BLOCK, BLOCK_KINDS, RECORD_BYTES, BlockWeight, well_formed
+from infer.kernels.cpu.blocks import (
+    BLOCK,
+    BLOCK_KINDS,
+    GROUP_ROWS,
+    QUANTIZED_KINDS,
+    RECORD_BYTES,
+    BlockWeight,
+    well_formed,
+)
 from infer.kernels.cpu.packing import packed_shape, tiles_shape
 
 if TYPE_CHECKING:
@@ -556,7 +564,7 @@ class CpuKernels:
         """``infer.kernels.cpu.blocks.quantize_blocks`` in C: a float weight ``[n, k]`` (``k % 32 == 0``) as
         ``q4_0``, ``q4_1`` or ``q8_0`` blocks in the block kernels' layout, the same bytes, written directly: the
         Qwen3-1.7B shape's layers as q4_1 in 1.3-1.6 s against 7.0-7.4 s (docs/performance.md, Startup)."""
-        if kind not in ("q4_0", "q4_1", "q8_0"):
+        if kind not in QUANTIZED_KINDS:
             raise ValueError(f"quantize_blocks makes q4_0, q4_1 or q8_0 blocks, not {kind!r}")
         if weight.dim() != 2 or weight.shape[1] % BLOCK or weight.device.type != "cpu":
             raise ValueError(
@@ -564,7 +572,8 @@ class CpuKernels:
             )
         rows = weight.detach().float().contiguous()
         out_features, in_features = rows.shape
-        data = torch.empty((-(-out_features // 4), in_features // BLOCK, RECORD_BYTES[kind]), dtype=torch.uint8)
+        groups = -(-out_features // GROUP_ROWS[kind])
+        data = torch.empty((groups, in_features // BLOCK, RECORD_BYTES[kind]), dtype=torch.uint8)
         self._quantize_blocks(rows.data_ptr(), BLOCK_KINDS[kind], out_features, in_features, data.data_ptr())
         return BlockWeight(data, kind, out_features)
 

@@ -25,6 +25,8 @@ SUPER_BLOCK = 256  # weights per K-quant super-block
 # The block kinds by name, as the C side numbers them (``KIND_Q4_0`` ... in ``cpu_kernels.h``).
 BLOCK_KINDS = {"q4_0": 3, "q4_1": 4, "q8_0": 5, "q4_k": 6, "q6_k": 7, "k_mixed": 8}
 K_KINDS = ("q4_k", "q6_k")
+# The kinds infer quantizes float weights to (K-quants come from a GGUF file).
+QUANTIZED_KINDS = ("q4_0", "q4_1", "q8_0")
 # Bytes of one GGUF block of each kind, and of the kernel's record: four rows' blocks, or one row's super-block.
 GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_k": 144, "q6_k": 210}
 RECORD_BYTES = {"q4_0": 72, "q4_1": 80, "q8_0": 136, "q4_k": 144, "q6_k": 210}
@@ -103,7 +105,7 @@ def pack_blocks(raw: torch.Tensor | np.ndarray, kind: str, out_features: int) ->
 def quantize_blocks(weight: torch.Tensor, kind: str) -> BlockWeight:
     """A float weight ``[n, k]`` (``k % 32 == 0``) quantized as llama.cpp quantizes ``kind`` (``q4_0`` symmetric,
     ``q4_1`` with a minimum, ``q8_0``), in the block GEMV's layout."""
-    if kind not in GROUP_ROWS or GROUP_ROWS[kind] != 4:
+    if kind not in QUANTIZED_KINDS:
         raise ValueError(
             f"infer quantizes float weights as q4_0, q4_1 or q8_0, not {kind!r} (K-quants come from a GGUF file)"
         )
