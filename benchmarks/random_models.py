@@ -1,7 +1,7 @@
-"""Save random-weight models of the shapes CPU users run (Qwen3 0.6B and 1.7B, Llama 3.2 1B, Gemma 3 1B, Phi-4-mini, a
-3.3B Qwen3-MoE and its two dense twins) as HF folders, for ``infer bench`` against vLLM's CPU backend on the same
-folder: with fixed output lengths (``ignore_eos``) throughput does not depend on the weights' values. The tokenizer
-is SmolLM2's (its ids lie inside every family's vocabulary).
+"""Save random-weight models of the shapes CPU users run (Qwen3 0.6B, 1.7B, 4B and 8B, Llama 3.2 1B, Gemma 3 1B,
+Phi-4-mini, a 3.3B Qwen3-MoE and its two dense twins) as HF folders, for ``infer bench`` against vLLM's CPU backend on
+the same folder: with fixed output lengths (``ignore_eos``) throughput does not depend on the weights' values. The
+tokenizer is SmolLM2's (its ids lie inside every family's vocabulary).
 
     python benchmarks/random_models.py qwen3-0.6b ~/models/qwen3-0.6b-random
     infer bench baseline model.path=~/models/qwen3-0.6b-random --baseline vllm --num-requests 64
@@ -45,6 +45,38 @@ SHAPES = {
             max_position_embeddings=40960,
             rms_norm_eps=1e-6,
             tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        ),
+    ),
+    "qwen3-4b": (
+        "Qwen3ForCausalLM",
+        dict(
+            hidden_size=2560,
+            intermediate_size=9728,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        ),
+    ),
+    "qwen3-8b": (
+        "Qwen3ForCausalLM",
+        dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         ),
     ),

@@ -243,6 +243,54 @@ def test_tiny_model_dir_loads_like_the_hf_reference(tmp_path):
     torch.testing.assert_close(logits, hf_logits(hf_model, token_ids), atol=1e-4, rtol=1e-4)
 
 
+def test_a_load_prepares_each_layer_as_soon_as_its_weights_are_read_and_keeps_no_float_copy(tmp_path):
+    """``prepare_layer`` gets layer i after its tensors are read and before layer i + 1's, and the float weights a
+    prepared layer lets go are freed (the load holds no reference to them): one layer's at a time is alive."""
+    import weakref
+
+    model_dir = make_tiny_model_dir(tmp_path / "tiny", seed=3, num_hidden_layers=3)
+    events: list[str] = []
+    released: list[weakref.ref] = []
+    read = loader.read_safetensors
+
+    class LoggedTensors(dict):
+        def __getitem__(self, name):
+            events.append(name.split(".")[2] if name.startswith("model.layers.") else "other")
+            return super().__getitem__(name)
+
+    prepared: list[torch.nn.Module] = []
+
+    def prepare(layer):
+        assert [ref() for ref in released] == [None] * len(prepared)  # earlier layers' float weights are gone
+        events.append(f"prepared {len(prepared)}")
+        prepared.append(layer)
+        released.append(weakref.ref(layer.mlp.gate_up_proj.weight))
+        layer.mlp.gate_up_proj = torch.nn.Identity()  # what packing does: the float projection goes
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader, "read_safetensors", lambda folder: LoggedTensors(read(folder)))
+        loaded = load_model(str(model_dir), "float32", prepare_layer=prepare)
+    layer_events = [event for event in events if event != "other"]
+    for index in range(3):
+        reads = [position for position, event in enumerate(layer_events) if event == str(index)]
+        assert layer_events.index(f"prepared {index}") == reads[-1] + 1
+    assert [ref() for ref in released] == [None, None, None]
+    assert all(layer is loaded.model.layers[index] for index, layer in enumerate(prepared))
+    assert all(isinstance(layer.mlp.gate_up_proj, torch.nn.Identity) for layer in loaded.model.layers)
+
+
+def test_read_safetensors_reads_a_tensor_when_it_is_looked_up(tmp_path):
+    model_dir = make_tiny_model_dir(tmp_path / "tiny", seed=3, num_hidden_layers=1)
+    tensors = loader.read_safetensors(model_dir)
+    hf_model, _ = load_hf_reference(str(model_dir))
+    expected = hf_model.state_dict()
+    assert set(tensors) <= set(expected) and len(tensors) == len(set(tensors))
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(tensors[name], expected[name])
+    with pytest.raises(FileNotFoundError, match="no .safetensors files"):
+        loader.read_safetensors(tmp_path)
+
+
 @pytest.mark.slow
 def test_default_model_chat_logits_match_hf():
     loaded = load_model(loader.DEFAULT_MODEL, "float32")

@@ -24,7 +24,7 @@ from infer.engine.tensor_parallel import TensorParallel
 from infer.execution.calibration import signature
 from infer.execution.kv_pool import free_device_memory, plan_kv_pool
 from infer.execution.memory import cached_peak_bytes, measure_peak_bytes
-from infer.execution.paths import build_model_stack
+from infer.execution.paths import build_model_stack, layer_packer, model_quantization
 from infer.execution.runner import ModelRunner
 from infer.guide import GuideError, TokenizerInfo, constrain_logits
 from infer.kv_cache_manager import KVCacheManager
@@ -102,6 +102,9 @@ class Engine:
         # Sharded over ranks (``infer.distributed``): the others start loading their shards while this one loads.
         self.ranks = self._launch_tensor_parallel() if config.parallel.tensor_parallel_size > 1 else SingleProcess()
         try:
+            # One process packs each layer as it is read; tensor parallelism shards the float model first.
+            sharded = self.ranks.sharded
+            packer = None if sharded else layer_packer(model_quantization(config, self.device, self.dtype))
             # RoPE tables for max_model_len positions (LongRoPE chooses its factors from it, once for every request).
             self._build(
                 config,
@@ -112,6 +115,7 @@ class Engine:
                     max_positions=config.model.max_model_len,
                     architecture=config.model.architecture,
                     registry=self.registry,
+                    prepare_layer=packer,
                 ),
             )
         except BaseException:

@@ -447,21 +447,42 @@ class ModelStack:
     reuses_freed_memory: bool = False  # ``execution.reuse_freed_memory`` applied (``infer.host.reuse_freed_memory``)
 
 
+def model_quantization(config, device: torch.device, dtype: torch.dtype, sharded: bool = False) -> str:
+    """How ``config``'s model is packed (``model.quantization`` resolved): known before its weights are read, so a
+    load can pack each layer as it goes (``layer_packer``)."""
+    from infer.model.loader import resolve_model_path
+    from infer.model.quantization import resolve_quantization
+
+    path = resolve_model_path(config.model.path)
+    kernels = step_kernels(config, device, dtype) if path.suffix == ".gguf" else None
+    return resolve_quantization(  # auto keeps a GGUF file's blocks only on one rank: sharding splits rows
+        config.model.quantization, config.model.dtype, dtype, device, None if sharded else path, kernels
+    )
+
+
+def layer_packer(quantization: str):
+    """What ``load_model`` calls on each layer to pack it as it is read (``prepare_layer``), or None where the
+    whole model is packed after the load: unpacked (``none``), or a GGUF file's blocks (``gguf``: read from the
+    file for the whole model). ``quantize_model`` packs what the layers leave (the output head) and skips what
+    is packed."""
+    from infer.model.quantization import quantize_linears
+
+    if quantization in ("none", "gguf"):
+        return None
+    return lambda layer: quantize_linears(layer, quantization)
+
+
 def build_model_stack(
     registry, config, model: CausalLM, device: torch.device, dtype: torch.dtype, shard=None
 ) -> ModelStack:
     """``model`` sharded (``shard``: a tensor-parallel rank's ``shard(model)``), packed for ``model.quantization``,
     with its executor and attention backend: what the engine and every tensor-parallel rank build alike."""
     from infer.model.loader import resolve_model_path
-    from infer.model.quantization import quantize_model, resolve_quantization
+    from infer.model.quantization import quantize_model
 
     reuses_freed_memory = device.type == "cpu" and config.execution.reuse_freed_memory and reuse_freed_memory()
-    path = resolve_model_path(config.model.path)
-    kernels = step_kernels(config, device, dtype) if path.suffix == ".gguf" else None
-    quantization = resolve_quantization(  # auto keeps a GGUF file's blocks only on one rank: sharding splits rows
-        config.model.quantization, config.model.dtype, dtype, device, path if shard is None else None, kernels
-    )
-    gguf = path if quantization == "gguf" else None  # its blocks are kept
+    quantization = model_quantization(config, device, dtype, sharded=shard is not None)
+    gguf = resolve_model_path(config.model.path) if quantization == "gguf" else None  # its blocks are kept
     model = quantize_model(model if shard is None else shard(model), quantization, gguf)
     executor = build_executor(model, config, device, dtype, quantization)
     environment = AttentionEnvironment(device, dtype, quantization, executor.kernels is not None, executor.float_gemms)

@@ -13,7 +13,7 @@ or infer's fused CPU kernels) is chosen once per step by the execution layer, ne
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -335,7 +335,10 @@ class CausalLM(nn.Module):
         logits = self.lm_head(hidden).float()
         return logits if self.tensor_parallel is None else self.tensor_parallel.gather_vocabulary(logits)
 
-    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(
+        self, state_dict: Mapping[str, torch.Tensor], prepare_layer: Callable[[nn.Module], object] | None = None
+    ) -> None:
         """Copy HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ..., ``lm_head.weight``) into the fused
-        layout, as the family's weight-name map says (``infer.model.hf_weights``)."""
-        load_hf_state_dict(self, state_dict, self.weight_map)
+        layout, as the family's weight-name map says (``infer.model.hf_weights``); ``prepare_layer`` gets each layer
+        once it is filled (``infer.model.hf_weights.load_hf_state_dict``)."""
+        load_hf_state_dict(self, state_dict, self.weight_map, prepare_layer)

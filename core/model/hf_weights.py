@@ -3,7 +3,7 @@ are converted; every model family's is one, ``infer.model.architecture.ModelArch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import torch
@@ -55,24 +55,47 @@ class WeightMap:
 
 @torch.no_grad()
 def load_hf_state_dict(
-    model: nn.Module, state_dict: Mapping[str, torch.Tensor], weight_map: type[WeightMap] = WeightMap
+    model: nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    weight_map: type[WeightMap] = WeightMap,
+    prepare_layer: Callable[[nn.Module], object] | None = None,
 ) -> None:
     """Copy HF-named weights into ``model``'s parameters as ``weight_map`` says (concatenating what our layout fuses),
-    converting dtype and device. Raises ``ValueError`` naming any missing or unexpected tensors."""
+    converting dtype and device. Raises ``ValueError`` naming any missing or unexpected tensors.
+
+    ``prepare_layer`` is called with each decoder layer (``model.layers[i]``) as soon as its parameters are filled,
+    in order: the engine packs a layer there, so one layer's float weights are alive at a time, not the model's
+    (with a lazy ``state_dict``, ``read_safetensors``', the checkpoint is read a tensor at a time too)."""
     state_dict = weight_map.checkpoint_tensors(state_dict)
     used: set[str] = set()
     missing: list[str] = []
-    for name, parameter in model.named_parameters():
+    # Names, not parameters: a reference to each would keep alive the float weights a prepared layer let go.
+    names = [name for name, _ in model.named_parameters()]
+    layer: int | None = None
+    for name in names:
+        index = _layer_index(name)
+        if prepare_layer is not None and layer is not None and index != layer:
+            prepare_layer(model.layers[layer])
+        layer = index
         sources = weight_map.hf_names(name)
         if all(source in state_dict for source in sources):
-            _fill(parameter, name, [state_dict[source] for source in sources], weight_map)
+            _fill(model.get_parameter(name), name, [state_dict[source] for source in sources], weight_map)
             used.update(sources)
         else:
             missing.extend(source for source in sources if source not in state_dict)
+    if prepare_layer is not None and layer is not None:
+        prepare_layer(model.layers[layer])
     tied = bool(getattr(model, "tie_word_embeddings", False))
     unexpected = [name for name in state_dict if name not in used and not _is_ignorable(name, tied)]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit the model config: missing {missing}, unexpected {unexpected}")
+
+
+def _layer_index(name: str) -> int | None:
+    """The decoder layer a parameter name is under (``layers.3.mlp...`` -> 3), else None."""
+    if not name.startswith("layers."):
+        return None
+    return int(name.split(".", 2)[1])
 
 
 def _fill(parameter: torch.Tensor, name: str, parts: list[torch.Tensor], weight_map: type[WeightMap]) -> None:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,11 +223,15 @@ def load_model(
     max_positions: int | None = None,
     architecture: str = "auto",
     registry: Any = None,
+    prepare_layer: Callable[[torch.nn.Module], object] | None = None,
 ) -> LoadedModel:
     """Load a model path (alias, HF folder or GGUF file) into infer's ``CausalLM``, built by the model family that
     serves it (``choose_architecture``), with its tokenizer.
 
     ``max_positions`` bounds the RoPE tables (default: the config's ``max_position_embeddings``).
+    ``prepare_layer`` gets each decoder layer as soon as its weights are read (the engine packs it there): the
+    checkpoint is read a tensor at a time, so a load holds one layer's float weights beside what the calls made of
+    the layers before, not a float copy of the whole model.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -238,7 +242,7 @@ def load_model(
     family = choose_architecture(hf_config, architecture, registry, path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = family.build(hf_config, dtype=dtype, device=device, max_positions=max_positions)
-    model.load_hf_state_dict(read_safetensors(model_dir))
+    model.load_hf_state_dict(read_safetensors(model_dir), prepare_layer)
     name = path.lower() if path.lower() in ALIASES else Path(path).name
     return LoadedModel(model.eval(), tokenizer, hf_config, eos_token_ids(model_dir, hf_config, tokenizer), name)
 
@@ -287,14 +291,31 @@ def load_tokenizer(path: str) -> tuple[Any, list[int], Any]:
     return tokenizer, eos_token_ids(model_dir, hf_config, tokenizer), hf_config
 
 
-def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a HF folder's safetensors files (one or sharded), on the CPU."""
-    from safetensors.torch import load_file
+def read_safetensors(model_dir: Path) -> Mapping[str, torch.Tensor]:
+    """Every tensor of a HF folder's safetensors files (one or sharded), on the CPU, read from the file when it is
+    looked up: the mapping holds the files open, not their tensors."""
+    from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
-    return {name: tensor for file in files for name, tensor in load_file(file).items()}
+    return SafetensorsTensors([safe_open(file, framework="pt", device="cpu") for file in files])
+
+
+class SafetensorsTensors(Mapping[str, torch.Tensor]):
+    """The tensors of open safetensors files by name; each lookup reads (copies) that tensor alone."""
+
+    def __init__(self, files: list[Any]):
+        self._files = {name: file for file in files for name in file.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._files[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
 
 
 def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> list[int]:
