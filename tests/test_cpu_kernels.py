@@ -466,6 +466,19 @@ def test_pack_tiles_lays_out_amx_b_tiles_and_refuses_other_shapes():
         cpu_kernels.pack_tiles(torch.zeros(64, 64))
 
 
+def test_unpack_tiles_in_c_gives_the_plain_weight_into_a_buffer_and_refuses_what_it_cannot_hold(kernels):
+    weight = randn(96, 160, seed=16).to(torch.bfloat16)
+    tiles = cpu_kernels.pack_tiles(weight)
+    assert torch.equal(kernels.unpack_tiles(tiles), weight)
+    buffer = torch.full((96 * 160 + 7,), 3.0, dtype=torch.bfloat16)
+    rows = kernels.unpack_tiles(tiles, buffer)
+    assert torch.equal(rows, weight) and rows.data_ptr() == buffer.data_ptr() and buffer[-1] == 3.0
+    with pytest.raises(ValueError, match="at least 15360"):
+        kernels.unpack_tiles(tiles, torch.empty(96 * 160 - 1, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="packed by pack_tiles"):
+        kernels.unpack_tiles(weight)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 9, 16, 17, 33, 70, 300])  # partial and whole 16/32-row tiles, two 256-row chunks
 def test_linear_tiles_is_the_bf16_rounded_product_in_float32(kernels, rows, bias):
@@ -598,16 +611,19 @@ def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes
     """The kernels' copy (fp16 or bf16, or int8 with its scales) takes up to ``gemv_rows`` rows, the GEMM (fbgemm's,
     bf16: oneDNN's) the rest. bf16 where the kernels have tiles keeps one copy, in the tiles' layout: their GEMV
     (float32 rows) takes a few rows, the tiles more."""
-    from infer.model.quantization import PackedLinear
+    from infer.model.quantization import TILE_MAX_ROWS, PackedLinear
 
     gemv_rows = 8
     linear = torch.nn.Linear(576, 960, bias=True)
     packed = PackedLinear(linear, mode)
     rows = randn(gemv_rows + 1, 576, seed=14)
-    before_bytes, expected = packed.nbytes, packed(rows)
+    huge = randn(TILE_MAX_ROWS + 1, 576, seed=15)
+    before_bytes, expected, expected_huge = packed.nbytes, packed(rows), packed(huge)
     packed.use_cpu_kernels(kernels, gemv_rows)
     tiled = packed.tile_weight is not None
-    assert packed.nbytes == before_bytes + 960 * 576 * bytes_per_weight  # the kernels' one copy counts
+    # The kernels' copy counts; bf16 with tiles keeps it alone (oneDNN's copy goes).
+    assert packed.nbytes == before_bytes + (0 if tiled else 960 * 576 * bytes_per_weight)
+    assert (packed.packed is None) == tiled
     copy = packed.tile_weight if tiled else packed.kernel_weight
     assert copy.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode, torch.int8)
     assert not tiled or packed.kernel_weight is None
@@ -627,6 +643,10 @@ def test_packed_linear_takes_the_kernel_for_a_few_rows_only(kernels, mode, bytes
             if kernels.tile_fma:
                 exact = rows[1 : gemv_rows + 1].double() @ weight.T + linear.bias.double()
                 torch.testing.assert_close(few.double(), exact, atol=1e-5, rtol=1e-5)
+            # Past TILE_MAX_ROWS: oneDNN's GEMM over the tiles unpacked, as over oneDNN's own copy without kernels.
+            calls.clear()
+            torch.testing.assert_close(packed(huge), expected_huge, atol=1e-2, rtol=1e-2)
+            assert calls == []
         else:
             assert torch.equal(large, expected)
     finally:

@@ -8,9 +8,10 @@ fbgemm, which ships inside torch's x86 builds, multiplies float32 activations by
 - ``bf16``: bfloat16 weights (a bf16 model's own). Steps of a few tokens read them through infer's CPU kernels
   with float32 activations and sums; larger steps multiply through infer's tile kernel (AMX tiles, else
   AVX512-BF16 dot products; up to ``TILE_MAX_ROWS`` rows) or run oneDNN's bf16 GEMM over the same weights (AMX or
-  AVX512-BF16; prepacked once), activations rounded to bf16 and float32 accumulation, the precision of a bf16
-  model. What ``auto`` picks on a CPU with native bf16: on the Intel AMX machine the GEMM at 64 rows measured 5-6x
-  fbgemm's fp16 and 12x at 512 (docs/performance.md).
+  AVX512-BF16; unpacked from the tiles' one copy for the call where the kernels keep tiles, else prepacked once),
+  activations rounded to bf16 and float32 accumulation, the precision of a bf16 model. What ``auto`` picks on a CPU
+  with native bf16: on the Intel AMX machine the GEMM at 64 rows measured 5-6x fbgemm's fp16 and 12x at 512
+  (docs/performance.md).
 - ``int8``: weight-only int8, one scale per 32 consecutive weights of a row (``int8_weights``), activations stay
   float32. Steps of a few tokens read the int8 weights through infer's CPU kernels (``infer.kernels.cpu``: 9/16 of
   fp16's bytes with the scales, and bytes are the decode step's bound); larger steps run fbgemm's fp16 GEMM over
@@ -65,8 +66,9 @@ GGUF_OTHERS = "q8_0"
 INT8_GROUP = 32
 KERNEL_MODES = ("fp16", "bf16", "int8", "int8_per_row")
 # bf16 on AMX or AVX512-BF16: inputs of up to this many rows take infer's tile GEMM (``CpuKernels.linear_tiles``),
-# larger ones (prefill chunks) oneDNN's GEMM, faster there on AMX (four 512-token prompts 596 vs 857 ms a step) and
-# level with it on AVX512-BF16 (``benchmarks/tile_gemm.py``; docs/performance.md).
+# larger ones (prefill chunks) oneDNN's GEMM over the tiles unpacked for the call (``CpuKernels.unpack_tiles``),
+# faster there on AMX (four 512-token prompts 596 vs 857 ms a step) and level with it on AVX512-BF16
+# (``benchmarks/tile_gemm.py``; docs/performance.md).
 TILE_MAX_ROWS = 256
 # Block weights where the block GEMM runs on AMX: inputs of at least this many rows (prefill chunks) multiply through
 # oneDNN's bf16 GEMM over the weight dequantized to bf16 for the call (``CpuKernels.dequantize_blocks_bf16``, the
@@ -229,12 +231,15 @@ class PackedLinear(nn.Module):
         # their scales in pack_scales' layout.
         self.kernel_weight: torch.Tensor | None = None
         self.kernel_scales: torch.Tensor | None = None
-        # bf16 on kernels with AMX or AVX512-BF16: the weights in pack_tiles' layout, for inputs of up to TILE_MAX_ROWS
-        # rows (kernel_weight then None).
+        # bf16 on kernels with AMX or AVX512-BF16: the weights' one copy, in pack_tiles' layout (kernel_weight and
+        # oneDNN's copy ``packed`` then None): inputs of up to TILE_MAX_ROWS rows multiply on it, larger ones on
+        # oneDNN's GEMM over it unpacked for the call.
         self.tile_weight: torch.Tensor | None = None
         # bf16 with tiles where float32 FMAs outrun the bf16 dot products (``use_cpu_kernels``' ``tile_fma``): every
-        # input the GEMV does not take multiplies on the tiles with float32 FMAs; oneDNN's copy (``packed``) is dropped.
+        # input the GEMV does not take multiplies on the tiles with float32 FMAs.
         self.tile_fma = False
+        # bf16 with tiles for a caller that multiplies every input over them (``use_cpu_kernels``' ``tiles_only``).
+        self.tiles_only = False
 
     def use_cpu_kernels(
         self, kernels, gemv_rows: int = 0, tile_fma: bool = False, streams: bool = False, tiles_only: bool = False
@@ -246,14 +251,15 @@ class PackedLinear(nn.Module):
         the copy's bytes (counted in ``nbytes``). bf16 on kernels with AMX or AVX512-BF16 (``kernels.tiles``): one copy
         in ``pack_tiles``' layout instead, which ``kernels.linear_tiles`` reads for every input of up to
         ``TILE_MAX_ROWS`` rows: up to one GEMV pass (``kernels.pass_rows``) its GEMV (float32 inputs and FMAs, as fast
-        as the GEMV over ``pack_weights``' layout), more on the tiles (docs/performance.md); ``streams`` keeps
-        ``pack_weights``' layout beside it too, for callers that read that (a mixture of experts' C call).
+        as the GEMV over ``pack_weights``' layout), more on the tiles (docs/performance.md). oneDNN's copy goes:
+        larger inputs run oneDNN's GEMM over the tiles unpacked into a buffer for the call (``dense_buffer``), as fast
+        in whole prefills as its own prepacked copy and half the memory (docs/performance.md). ``streams`` keeps
+        ``pack_weights``' layout beside the tiles too, for callers that read that (a mixture of experts' C call).
         ``tile_fma`` (bf16 with tiles, kernels with ``tile_fma``): every input of more rows than one GEMV pass takes
-        the tiles with float32 FMAs (float32 inputs, not rounded), whatever its rows, and oneDNN's copy is dropped:
-        for CPUs where that beats the bf16 dot products and oneDNN (``infer.execution.calibration.choose_gemm``).
-        ``tiles_only`` (bf16 with tiles): oneDNN's copy is dropped too, the tiles' the only one, for a caller that
-        multiplies every input over them (a mixture of experts' C call); inputs of any rows then take the tiles.
-        Applied when the kernels are first set. ``kernels`` None undoes it."""
+        the tiles with float32 FMAs (float32 inputs, not rounded), whatever its rows: for CPUs where that beats the
+        bf16 dot products and oneDNN (``infer.execution.calibration.choose_gemm``). ``tiles_only`` (bf16 with tiles):
+        inputs of any rows take the tiles, for a caller that multiplies every input over them (a mixture of
+        experts' C call). Applied when the kernels are first set. ``kernels`` None undoes it."""
         self.gemv_rows = gemv_rows if kernels is not None else 0
         if self.blocks is not None:  # on the block kernels from construction (``kernels`` None: still)
             return
@@ -269,17 +275,15 @@ class PackedLinear(nn.Module):
             for copy in (self.kernel_weight, self.tile_weight):
                 self.nbytes -= 0 if copy is None else copy.numel() * copy.element_size()
             self.kernels = self.kernel_weight = self.kernel_scales = self.tile_weight = None
-            self.tile_fma = False
+            self.tile_fma = self.tiles_only = False
             return
         if self.mode == "bf16":
             plain = self.bf16_weight()
             if kernels.tiles and can_pack_tiles(self.out_features, self.in_features):
                 self.tile_weight = pack_tiles(plain)
-                self.nbytes += self.tile_weight.numel() * 2
                 self.tile_fma = tile_fma and kernels.tile_fma
-                if self.tile_fma or tiles_only:
-                    self.packed = None
-                    self.nbytes -= plain.numel() * 2
+                self.tiles_only = tiles_only
+                self.packed = None  # the tiles are the one copy; the bytes are as many
             if self.tile_weight is None or streams:
                 self.kernel_weight = pack_weights(plain)
         else:
@@ -297,7 +301,8 @@ class PackedLinear(nn.Module):
     def bf16_weight(self) -> torch.Tensor:
         """Mode bf16: the plain bf16 weight ``[n, k]``, from whichever copy this module holds."""
         if self.packed is None:
-            return unpack_tiles(self.tile_weight)
+            tiles = self.tile_weight
+            return unpack_tiles(tiles) if self.kernels is None else self.kernels.unpack_tiles(tiles)
         return self.packed.to_dense() if self.packed.is_mkldnn else self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -305,10 +310,15 @@ class PackedLinear(nn.Module):
         rows = flat.shape[0]
         if self.blocks is not None:
             out = self.block_linear(flat)
-        elif self.tile_weight is not None and (self.packed is None or rows <= TILE_MAX_ROWS):  # float32 or bf16 rows
+        elif self.tile_weight is not None and (rows <= TILE_MAX_ROWS or self.tile_fma or self.tiles_only):
             fma = self.tile_fma or (rows <= self.kernels.pass_rows and self.kernels.tile_fma)  # the GEMV: float32
-            rows_in = flat if flat.dtype == torch.bfloat16 else flat.float()
+            rows_in = flat if flat.dtype == torch.bfloat16 else flat.float()  # float32 or bf16 rows
             out = self.kernels.linear_tiles(rows_in, self.tile_weight, self.bias, fma)
+        elif self.tile_weight is not None:  # a large step: oneDNN's GEMM over the tiles unpacked for the call
+            weight = self.kernels.unpack_tiles(self.tile_weight, dense_buffer(self.out_features * self.in_features))
+            out = bf16_linear(flat, weight)
+            if self.bias is not None:
+                out += self.bias
         elif self.kernels is not None and rows <= self.gemv_rows and self.kernel_weight is not None:
             out = self.kernels.linear(flat.float(), self.kernel_weight, self.kernel_scales, self.bias).to(x.dtype)
         elif self.mode == "bf16":  # bf16 rows in, bf16 rows out (``StepOps.gemm_dtype``); else float32
@@ -333,7 +343,8 @@ class PackedLinear(nn.Module):
         if self.kernels is None:
             return torch.nn.functional.linear(x.float(), dequantize_blocks(self.blocks), self.bias).to(x.dtype)
         if x.shape[0] >= DENSE_BLOCK_ROWS and self.kernels.block_gemm == "amx-bf16" and bf16_gemm_available():
-            weight = self.kernels.dequantize_blocks_bf16(self.blocks, dense_buffer(self.blocks))
+            size = self.blocks.out_features * self.blocks.in_features
+            weight = self.kernels.dequantize_blocks_bf16(self.blocks, dense_buffer(size))
             out = torch.nn.functional.linear(x.to(torch.bfloat16), weight).to(x.dtype)
             return out if self.bias is None else out.add_(self.bias)
         if x.shape[0] <= min(self.gemv_rows, self.kernels.block_pass_rows):
@@ -348,11 +359,11 @@ class PackedLinear(nn.Module):
 _dense_rows = torch.empty(0, dtype=torch.bfloat16)
 
 
-def dense_buffer(weight: BlockWeight) -> torch.Tensor:
-    """One bf16 buffer, reused by every block projection's large steps (``DENSE_BLOCK_ROWS``), that holds ``weight``
-    dequantized: it grows to the largest projection's bf16 bytes once, instead of a fresh allocation every call."""
+def dense_buffer(size: int) -> torch.Tensor:
+    """One bf16 buffer of at least ``size`` elements, reused by every large step's projection that hands oneDNN's GEMM
+    its weight unpacked (bf16 tiles, ``TILE_MAX_ROWS``) or dequantized (blocks, ``DENSE_BLOCK_ROWS``) for the call:
+    it grows to the largest projection's bf16 bytes once, instead of a fresh allocation every call."""
     global _dense_rows
-    size = weight.out_features * weight.in_features
     if _dense_rows.numel() < size:
         _dense_rows = torch.empty(size, dtype=torch.bfloat16)
     return _dense_rows

@@ -135,6 +135,7 @@ _SIGNATURES = {
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
     "infer_argmax_rows": [_POINTER, _INT, _INT, _INT, _POINTER],
     "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
+    "infer_unpack_tiles": [_POINTER, _INT, _INT, _POINTER],
     "infer_flash_attention": [
         _POINTER,
         _INT,
@@ -614,6 +615,22 @@ class CpuKernels:
             fma,
         )
         return out
+
+    def unpack_tiles(self, tiles: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The plain bf16 weight ``[n, k]`` that ``pack_tiles`` laid out as ``tiles`` (``packing.unpack_tiles`` in
+        C, at memory speed): what a projection that keeps only the tiles hands oneDNN's GEMM for a large step.
+        Written into ``out`` when given (a reused buffer of at least ``n * k`` elements; the result is a view of it)."""
+        if tiles.dtype != torch.bfloat16 or tiles.dim() != 6 or not tiles.is_contiguous():
+            raise ValueError("unpack_tiles needs a bf16 weight packed by pack_tiles")
+        out_features, in_features = tiles_shape(tiles)
+        size = out_features * in_features
+        if out is None:
+            out = torch.empty(size, dtype=torch.bfloat16)
+        elif out.dtype != torch.bfloat16 or not out.is_contiguous() or out.numel() < size:
+            raise ValueError(f"unpack_tiles needs a contiguous bf16 buffer of at least {size} elements")
+        rows = out.view(-1)[:size].view(out_features, in_features)
+        self._unpack_tiles(tiles.data_ptr(), out_features, in_features, rows.data_ptr())
+        return rows
 
     def moe_experts(
         self,

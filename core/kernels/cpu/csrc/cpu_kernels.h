@@ -72,6 +72,10 @@ void infer_linear_i8(const float *x, int64_t rows, int64_t k, const int8_t *w, c
 void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, const uint16_t *w,
                         const float *bias, void *y, int64_t y_bf16, int64_t n_out, int64_t fma);
 
+/* The plain bf16 weight [n_out, k] (as pairs: [n_out][k / 2]) that `pack_tiles` laid out as `tiles`, written into
+ * `out`: for a bf16 GEMM library's GEMM over many rows, from the one copy a projection keeps. */
+void infer_unpack_tiles(const uint32_t *tiles, int64_t n_out, int64_t k, uint32_t *out);
+
 /* y [rows, n_out] = x [rows, k] . w^T (+ bias) for weights kept as GGUF's blocks of 32 (`kind`: KIND_Q4_0, KIND_Q4_1
  * or KIND_Q8_0), repacked by `infer.kernels.cpu.blocks.pack_blocks` into groups of four output rows (any n_out; the
  * last group padded), k % 32 == 0, or as K-quant super-blocks (KIND_Q4_K, KIND_Q6_K, KIND_K_MIXED: a row's records

@@ -448,3 +448,18 @@ void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, 
         tiles_portable(xb, rows, k, w, bias, y, (int)y_bf16, n_out);  /* and AMX's when out of memory above */
     free(copy);
 }
+
+void infer_unpack_tiles(const uint32_t *tiles, int64_t n_out, int64_t k, uint32_t *out) {
+    /* Each block of 32 output rows is a 16 x 16 transpose of bf16 pairs per tile (see pack_tiles): read a tile's
+     * rows in order, write 64 bytes into each of its 16 output rows. */
+    const int64_t pairs = k / 2, blocks = n_out / 32, spans = k / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t block = 0; block < blocks; block++)
+        for (int64_t span = 0; span < spans; span++)
+            for (int64_t half = 0; half < 2; half++) {
+                const uint32_t *tile = tiles + ((block * spans + span) * 2 + half) * 256;
+                uint32_t *rows = out + (block * 32 + half * 16) * pairs + span * 16;
+                for (int64_t column = 0; column < 16; column++)
+                    for (int64_t pair = 0; pair < 16; pair++) rows[column * pairs + pair] = tile[pair * 16 + column];
+            }
+}
