@@ -156,9 +156,10 @@ class ExecutionConfig(BaseModel):
     large_gemm: Literal["auto", "bf16", "float32"] = Field(
         "auto",
         description="With bf16 weights (model.quantization bf16): how steps of more rows than the GEMV takes "
-        "multiply. bf16: infer's tile kernel and oneDNN's bf16 GEMM (inputs rounded to bf16). "
-        "float32: the tile kernel with float32 FMAs over the same bf16 weights (float32 inputs; "
-        "oneDNN's copy dropped). auto: float32 where measured faster on this CPU (cached).",
+        "multiply. bf16: infer's tile kernel, and past 256 rows oneDNN's bf16 GEMM over the weights unpacked "
+        "for the call (inputs rounded to bf16). float32: the tile kernel with float32 FMAs over the same bf16 "
+        "weights (float32 inputs). Either way the weights are held once. auto: float32 where measured faster on "
+        "this CPU (cached).",
     )
     reuse_freed_memory: bool = Field(
         True,

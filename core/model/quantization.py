@@ -199,7 +199,8 @@ class PackedLinear(nn.Module):
             self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
             self.nbytes = weight.numel() * 2
         elif mode == "bf16":
-            self.packed = bf16_gemm_weight(weight)
+            # Plain bf16 until a step needs oneDNN's layout (``forward``): the kernels lay out their tiles from it.
+            self.packed = weight.to(torch.bfloat16)
             self.nbytes = weight.numel() * 2
         elif mode in ("int8", "int8_per_row"):
             group = INT8_GROUP if mode == "int8" else self.in_features
@@ -269,8 +270,8 @@ class PackedLinear(nn.Module):
         if not can_pack(self.out_features, self.in_features, group):  # stays on fbgemm
             return
         if kernels is None:
-            if self.packed is None:  # oneDNN's copy back from the tiles
-                self.packed = bf16_gemm_weight(self.bf16_weight().float())
+            if self.packed is None:  # the plain weight back from the tiles (oneDNN lays it out at its first step)
+                self.packed = self.bf16_weight()
                 self.nbytes += self.in_features * self.out_features * 2
             for copy in (self.kernel_weight, self.tile_weight):
                 self.nbytes -= 0 if copy is None else copy.numel() * copy.element_size()
@@ -322,6 +323,8 @@ class PackedLinear(nn.Module):
         elif self.kernels is not None and rows <= self.gemv_rows and self.kernel_weight is not None:
             out = self.kernels.linear(flat.float(), self.kernel_weight, self.kernel_scales, self.bias).to(x.dtype)
         elif self.mode == "bf16":  # bf16 rows in, bf16 rows out (``StepOps.gemm_dtype``); else float32
+            if not self.packed.is_mkldnn and bf16_gemm_available():  # oneDNN's layout, once (no tiles here)
+                self.packed = bf16_gemm_weight(self.packed)
             out = bf16_linear(flat, self.packed)
             if self.bias is not None:
                 out += self.bias
@@ -378,8 +381,8 @@ def _quantized_blocks(weight: torch.Tensor, kind: str, kernels) -> BlockWeight:
 
 
 def bf16_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 weight ``[n, k]`` in bf16 for oneDNN's GEMM: reordered into its blocked layout once where it runs
-    bf16 natively (``to_dense`` gives the plain weight back), else plain."""
+    """A float32 or bf16 weight ``[n, k]`` in bf16 for oneDNN's GEMM: reordered into its blocked layout once where it
+    runs bf16 natively (``to_dense`` gives the plain weight back), else plain."""
     plain = weight.to(torch.bfloat16)
     return torch.ops.mkldnn._reorder_linear_weight(plain, 64) if bf16_gemm_available() else plain
 
