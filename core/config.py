@@ -191,8 +191,9 @@ class CacheConfig(BaseModel):
     block_size: int = Field(16, description="Tokens per KV block; a power of 2 from 1 to 256.")
     memory_budget: str | float | int = Field(
         "2GiB",
-        description='KV pool size: "2GiB", "512MiB", "1.5GB", bytes, or a float in (0, 1] = fraction of free '
-        "device memory.",
+        description="Memory for the weights, one worst-case step's activations and the KV pool together (the pool "
+        'gets what is left): "2GiB", "512MiB", "1.5GB", bytes, or a float in (0, 1] = that fraction of the '
+        "device memory free once the weights are loaded, plus theirs.",
     )
     num_blocks: int | None = Field(None, ge=2, description="Force the pool size in blocks (tests); beats the budget.")
 
