@@ -184,16 +184,21 @@ class ExecutionConfig(BaseModel):
         return value
 
 
+# ``cache.memory_budget: auto``: the KV pool's share beside the weights and the activations.
+AUTO_KV_POOL = "2GiB"
+
+
 class CacheConfig(BaseModel):
     """Section ``cache``: KV pool geometry and size."""
 
     model_config = CORE_MODEL_CONFIG
     block_size: int = Field(16, description="Tokens per KV block; a power of 2 from 1 to 256.")
     memory_budget: str | float | int = Field(
-        "2GiB",
+        "auto",
         description="Memory for the weights, one worst-case step's activations and the KV pool together (the pool "
-        'gets what is left): "2GiB", "512MiB", "1.5GB", bytes, or a float in (0, 1] = that fraction of the '
-        "device memory free once the weights are loaded, plus theirs.",
+        'gets what is left): "12GiB", "512MiB", "1.5GB", bytes, or a float in (0, 1] = that fraction of the '
+        "device memory free once the weights are loaded, plus theirs. auto: what the weights and the activations "
+        "take, plus a 2 GiB pool.",
     )
     num_blocks: int | None = Field(None, ge=2, description="Force the pool size in blocks (tests); beats the budget.")
 
@@ -207,11 +212,15 @@ class CacheConfig(BaseModel):
     @field_validator("memory_budget", mode="before")
     @classmethod
     def _check_memory_budget(cls, value: Any) -> Any:
-        parse_memory_budget(value, free_bytes=1)
+        if value != "auto":
+            parse_memory_budget(value, free_bytes=1)
         return value
 
-    def budget_bytes(self, free_bytes: int) -> int:
-        """The pool budget in bytes, given the device's free memory (used when the budget is a fraction)."""
+    def budget_bytes(self, free_bytes: int, needed_bytes: int = 0) -> int:
+        """The budget in bytes, given the device's free memory (used when the budget is a fraction) and what the
+        weights and one step's activations need (``auto`` adds ``AUTO_KV_POOL`` to it)."""
+        if self.memory_budget == "auto":
+            return needed_bytes + parse_memory_budget(AUTO_KV_POOL, free_bytes)
         return parse_memory_budget(self.memory_budget, free_bytes)
 
 

@@ -122,7 +122,7 @@ def test_shipped_baseline_loads_by_name_with_or_without_suffix(registry):
     config = load_config("baseline", registry=registry)
     assert load_config("baseline.yaml", registry=registry) == config
     assert "baseline.yaml" in shipped_configs()
-    assert (config.model.max_model_len, config.cache.block_size, config.cache.memory_budget) == (2048, 16, "2GiB")
+    assert (config.model.max_model_len, config.cache.block_size, config.cache.memory_budget) == (2048, 16, "auto")
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (64, 2048)
 
 
@@ -254,6 +254,11 @@ def test_interpolation_is_resolved_and_a_broken_one_names_its_key(registry):
 )
 def test_memory_budget_forms(budget, free_bytes, expected):
     assert CacheConfig(memory_budget=budget).budget_bytes(free_bytes) == expected
+
+
+def test_auto_memory_budget_is_what_weights_and_activations_need_plus_a_2_gib_pool():
+    assert CacheConfig().memory_budget == "auto"
+    assert CacheConfig().budget_bytes(free_bytes=10**12, needed_bytes=3 * 2**30) == 5 * 2**30
 
 
 @pytest.mark.parametrize("budget", ["2 parsecs", "GiB", 1.5, 0.0, 0, -1, True])

@@ -320,7 +320,9 @@ class Engine:
         weight_bytes = model_weight_bytes(model) * local_ranks
         activation_bytes = 0 if cache.num_blocks is not None else self._activation_peak() * local_ranks
         return plan_kv_pool(
-            budget_bytes=cache.budget_bytes(free_device_memory(self.device) + weight_bytes),
+            budget_bytes=cache.budget_bytes(
+                free_device_memory(self.device) + weight_bytes, weight_bytes + activation_bytes
+            ),
             weight_bytes=weight_bytes,
             activation_bytes=activation_bytes,
             bytes_per_token=bytes_per_token,
