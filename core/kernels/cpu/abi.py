@@ -550,12 +550,7 @@ class CpuKernels:
             raise ValueError(f"dequantize_blocks_bf16 needs a build with AMX and AVX512-BF16, not {self.simd}")
         if not well_formed(weight):
             raise ValueError(f"dequantize_blocks_bf16 needs a {weight.kind} weight packed by pack_blocks")
-        size = weight.out_features * weight.in_features
-        if out is None:
-            out = torch.empty(size, dtype=torch.bfloat16)
-        elif out.dtype != torch.bfloat16 or not out.is_contiguous() or out.numel() < size:
-            raise ValueError(f"dequantize_blocks_bf16 needs a contiguous bf16 buffer of at least {size} elements")
-        rows = out.view(-1)[:size].view(weight.out_features, weight.in_features)
+        rows = bf16_rows(out, weight.out_features, weight.in_features, "dequantize_blocks_bf16")
         self._dequantize_blocks_bf16(
             weight.data.data_ptr(), BLOCK_KINDS[weight.kind], weight.out_features, weight.in_features, rows.data_ptr()
         )
@@ -623,12 +618,7 @@ class CpuKernels:
         if tiles.dtype != torch.bfloat16 or tiles.dim() != 6 or not tiles.is_contiguous():
             raise ValueError("unpack_tiles needs a bf16 weight packed by pack_tiles")
         out_features, in_features = tiles_shape(tiles)
-        size = out_features * in_features
-        if out is None:
-            out = torch.empty(size, dtype=torch.bfloat16)
-        elif out.dtype != torch.bfloat16 or not out.is_contiguous() or out.numel() < size:
-            raise ValueError(f"unpack_tiles needs a contiguous bf16 buffer of at least {size} elements")
-        rows = out.view(-1)[:size].view(out_features, in_features)
+        rows = bf16_rows(out, out_features, in_features, "unpack_tiles")
         self._unpack_tiles(tiles.data_ptr(), out_features, in_features, rows.data_ptr())
         return rows
 
@@ -1079,6 +1069,17 @@ class FlashChunks:
     @property
     def count(self) -> int:
         return len(self.starts)
+
+
+def bf16_rows(out: torch.Tensor | None, out_features: int, in_features: int, caller: str) -> torch.Tensor:
+    """Plain bf16 rows ``[out_features, in_features]`` for a kernel to write a weight into: a view of the start of
+    ``out`` (a reused buffer, at least that many elements), else fresh."""
+    size = out_features * in_features
+    if out is None:
+        out = torch.empty(size, dtype=torch.bfloat16)
+    elif out.dtype != torch.bfloat16 or not out.is_contiguous() or out.numel() < size:
+        raise ValueError(f"{caller} needs a contiguous bf16 buffer of at least {size} elements")
+    return out.view(-1)[:size].view(out_features, in_features)
 
 
 def address(tensor: torch.Tensor | None) -> int | None:
