@@ -315,17 +315,10 @@ class PackedLinear(nn.Module):
             fma = self.tile_fma or (rows <= self.kernels.pass_rows and self.kernels.tile_fma)  # the GEMV: float32
             rows_in = flat if flat.dtype == torch.bfloat16 else flat.float()  # float32 or bf16 rows
             out = self.kernels.linear_tiles(rows_in, self.tile_weight, self.bias, fma)
-        elif self.tile_weight is not None:  # a large step: oneDNN's GEMM over the tiles unpacked for the call
-            weight = self.kernels.unpack_tiles(self.tile_weight, dense_buffer(self.out_features * self.in_features))
-            out = bf16_linear(flat, weight)
-            if self.bias is not None:
-                out += self.bias
         elif self.kernels is not None and rows <= self.gemv_rows and self.kernel_weight is not None:
             out = self.kernels.linear(flat.float(), self.kernel_weight, self.kernel_scales, self.bias).to(x.dtype)
         elif self.mode == "bf16":  # bf16 rows in, bf16 rows out (``StepOps.gemm_dtype``); else float32
-            if not self.packed.is_mkldnn and bf16_gemm_available():  # oneDNN's layout, once (no tiles here)
-                self.packed = bf16_gemm_weight(self.packed)
-            out = bf16_linear(flat, self.packed)
+            out = bf16_linear(flat, self._gemm_weight())
             if self.bias is not None:
                 out += self.bias
         elif self.mode in KERNEL_MODES:  # float32 out, from bf16 rows too (a large step's beside bf16 weights)
@@ -334,6 +327,15 @@ class PackedLinear(nn.Module):
             # reduce_range: 7-bit activations, so AVX2's 16-bit pairwise sums cannot saturate.
             out = torch.ops.quantized.linear_dynamic(flat.float(), self.packed, True)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def _gemm_weight(self) -> torch.Tensor:
+        """Mode bf16: the weight oneDNN's GEMM reads for a large step: the tiles unpacked into the shared buffer where
+        they are the one copy (``dense_buffer``), else the plain weight, laid out for oneDNN once."""
+        if self.tile_weight is not None:
+            return self.kernels.unpack_tiles(self.tile_weight, dense_buffer(self.out_features * self.in_features))
+        if not self.packed.is_mkldnn and bf16_gemm_available():
+            self.packed = bf16_gemm_weight(self.packed)
+        return self.packed
 
     def block_linear(self, x: torch.Tensor) -> torch.Tensor:
         """Block modes: ``x @ weight.T + bias`` on the block GEMV for inputs of up to ``gemv_rows`` rows and at most
