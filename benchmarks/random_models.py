@@ -14,72 +14,34 @@ from pathlib import Path
 
 import torch
 
+
+def _qwen3(hidden: int, mlp: int, layers: int, heads: int, tied: bool) -> tuple[str, dict]:
+    """A dense Qwen3 size: what differs between 0.6B and 8B, the rest shared (8 KV heads of 128, the vocabulary,
+    40,960 positions, RoPE base 1e6)."""
+    return (
+        "Qwen3ForCausalLM",
+        dict(
+            hidden_size=hidden,
+            intermediate_size=mlp,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=tied,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        ),
+    )
+
+
 # The published configs' geometry (hidden, MLP width, layers, heads, KV heads, head_dim, vocabulary, RoPE).
 SHAPES = {
-    "qwen3-0.6b": (
-        "Qwen3ForCausalLM",
-        dict(
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        ),
-    ),
-    "qwen3-1.7b": (
-        "Qwen3ForCausalLM",
-        dict(
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        ),
-    ),
-    "qwen3-4b": (
-        "Qwen3ForCausalLM",
-        dict(
-            hidden_size=2560,
-            intermediate_size=9728,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        ),
-    ),
-    "qwen3-8b": (
-        "Qwen3ForCausalLM",
-        dict(
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        ),
-    ),
+    "qwen3-0.6b": _qwen3(hidden=1024, mlp=3072, layers=28, heads=16, tied=True),
+    "qwen3-1.7b": _qwen3(hidden=2048, mlp=6144, layers=28, heads=16, tied=True),
+    "qwen3-4b": _qwen3(hidden=2560, mlp=9728, layers=36, heads=32, tied=True),
+    "qwen3-8b": _qwen3(hidden=4096, mlp=12288, layers=36, heads=32, tied=False),
     "llama3.2-1b": (
         "LlamaForCausalLM",
         dict(
