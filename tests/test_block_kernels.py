@@ -15,7 +15,7 @@ from gguf.quants import dequantize, quantize
 from test_cpu_kernels import without_amx
 
 from infer.kernels import cpu as cpu_kernels
-from infer.kernels.cpu import blocks
+from infer.kernels.cpu import abi, blocks
 from infer.kernels.cpu.blocks import (
     K_KINDS,
     dequantize_blocks,
@@ -117,6 +117,8 @@ def test_quantize_blocks_is_llama_cpps_quantizer(kernels, portable_kernels, kind
     assert torch.equal(quantize_blocks(weight, kind).data, expected)
     assert torch.equal(kernels.quantize_blocks(weight, kind).data, expected)
     assert torch.equal(portable_kernels.quantize_blocks(weight, kind).data, expected)
+    monkeypatch.setattr(abi, "QUANTIZE_CHUNK", 200)  # C: one group of rows a call
+    assert torch.equal(kernels.quantize_blocks(weight, kind).data, expected)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -262,3 +262,40 @@ def test_bf16_held_tables_change_no_token_of_a_run_with_eagle_drafting(bf16_valu
     monkeypatch.setattr(quantization, "narrow_float_tables", lambda model: model)
     held_wide, wide = run()
     assert (held, held_wide) == (torch.bfloat16, torch.float32) and narrow == wide
+
+
+def bf16_checkpoint(destination, tied: bool) -> str:
+    """A tiny model saved as a bf16 checkpoint (every tensor bf16), its head tied to the embedding or its own."""
+    from safetensors.torch import load_file, save_file
+
+    from infer.testing.models import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(destination, seed=3, num_hidden_layers=2, tie_word_embeddings=tied)
+    for path in model_dir.glob("*.safetensors"):
+        save_file({name: tensor.bfloat16() for name, tensor in load_file(path).items()}, path)
+    return str(model_dir)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_packed_load_holds_a_bf16_checkpoints_tables_as_read(tmp_path, tiny_model_dir, tied):
+    """``bf16_tables`` makes the checkpoint's bf16 embedding table and head the model's own (tied stays tied), never
+    a float32 copy; packed, its logits are those of the float32 load's tables narrowed after, bit for bit. A float32
+    checkpoint's tables stay float32."""
+    from test_model import PagedPool, random_tokens
+
+    model_dir = bf16_checkpoint(tmp_path / "tiny", tied)
+    wide = load_model(model_dir, torch.float32).model
+    held = load_model(model_dir, torch.float32, bf16_tables=True).model
+    for name in ("embed_tokens", "lm_head"):
+        table, expected = getattr(held, name).weight, getattr(wide, name).weight
+        assert (table.dtype, expected.dtype) == (torch.bfloat16, torch.float32)
+        assert torch.equal(table.float(), expected)
+    assert (held.lm_head.weight is held.embed_tokens.weight) == tied
+    assert held.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
+    tokens = random_tokens(24, seed=1, vocab_size=wide.vocab_size)
+    wide_logits, held_logits = (
+        PagedPool(quantize_model(model, "bf16")).step({"a": tokens})["a"] for model in (wide, held)
+    )
+    assert torch.equal(held_logits, wide_logits)
+    assert load_model(tiny_model_dir, torch.float32, bf16_tables=True).model.embed_tokens.weight.dtype == torch.float32
+

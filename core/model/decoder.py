@@ -336,9 +336,13 @@ class CausalLM(nn.Module):
         return logits if self.tensor_parallel is None else self.tensor_parallel.gather_vocabulary(logits)
 
     def load_hf_state_dict(
-        self, state_dict: Mapping[str, torch.Tensor], prepare_layer: Callable[[nn.Module], object] | None = None
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        prepare_layer: Callable[[nn.Module], object] | None = None,
+        bf16_tables: bool = False,
     ) -> None:
         """Copy HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ..., ``lm_head.weight``) into the fused
         layout, as the family's weight-name map says (``infer.model.hf_weights``); ``prepare_layer`` gets each layer
-        once it is filled (``infer.model.hf_weights.load_hf_state_dict``)."""
-        load_hf_state_dict(self, state_dict, self.weight_map, prepare_layer)
+        once it is filled, and ``bf16_tables`` keeps a bf16 checkpoint's vocabulary tables in bf16
+        (``infer.model.hf_weights.load_hf_state_dict``)."""
+        load_hf_state_dict(self, state_dict, self.weight_map, prepare_layer, bf16_tables)

@@ -59,13 +59,17 @@ def load_hf_state_dict(
     state_dict: Mapping[str, torch.Tensor],
     weight_map: type[WeightMap] = WeightMap,
     prepare_layer: Callable[[nn.Module], object] | None = None,
+    bf16_tables: bool = False,
 ) -> None:
     """Copy HF-named weights into ``model``'s parameters as ``weight_map`` says (concatenating what our layout fuses),
     converting dtype and device. Raises ``ValueError`` naming any missing or unexpected tensors.
 
     ``prepare_layer`` is called with each decoder layer (``model.layers[i]``) as soon as its parameters are filled,
     in order: the engine packs a layer there, so one layer's float weights are alive at a time, not the model's
-    (with a lazy ``state_dict``, ``read_safetensors``', the checkpoint is read a tensor at a time too)."""
+    (with a lazy ``state_dict``, ``read_safetensors``', the checkpoint is read a tensor at a time too).
+    ``bf16_tables``: the embedding table and the output head's weight are held as the checkpoint's bf16 tensors where
+    it has them so, never widened: what a packed model holds them as (``narrow_float_tables``), without a float32
+    copy of each (2.5 GB apiece for the Qwen3-8B shape) on the way."""
     state_dict = weight_map.checkpoint_tensors(state_dict)
     used: set[str] = set()
     missing: list[str] = []
@@ -79,7 +83,9 @@ def load_hf_state_dict(
         layer = index
         sources = weight_map.hf_names(name)
         if all(source in state_dict for source in sources):
-            _fill(model.get_parameter(name), name, [state_dict[source] for source in sources], weight_map)
+            parts = [state_dict[source] for source in sources]
+            if not (bf16_tables and _hold_bf16_table(model, name, parts, weight_map)):
+                _fill(model.get_parameter(name), name, parts, weight_map)
             used.update(sources)
         else:
             missing.extend(source for source in sources if source not in state_dict)
@@ -96,6 +102,28 @@ def _layer_index(name: str) -> int | None:
     if not name.startswith("layers."):
         return None
     return int(name.split(".", 2)[1])
+
+
+# Our parameters that are vocabulary tables: ``bf16_tables`` holds them as the checkpoint's bf16.
+TABLES = ("embed_tokens.weight", "lm_head.weight")
+
+
+def _hold_bf16_table(model: nn.Module, name: str, parts: list[torch.Tensor], weight_map: type[WeightMap]) -> bool:
+    """Make the checkpoint's bf16 tensor the table ``name`` (every module holding the parameter: a tied head too),
+    and say whether it did: only a vocabulary table whose one tensor is bf16 and of the parameter's shape."""
+    parameter = model.get_parameter(name)
+    if name not in TABLES or len(parts) != 1 or parts[0].dtype != torch.bfloat16:
+        return False
+    table = weight_map.convert_weight(name, parts[0])
+    if table.dtype != torch.bfloat16 or table.shape != parameter.shape:
+        return False
+    # A copy: the checkpoint's tensor is a view of the file's mapping, which would stay mapped (and its pages read
+    # so far counted as the process's) as long as the table lives.
+    held = nn.Parameter(torch.empty_like(table, device=parameter.device).copy_(table), requires_grad=False)
+    for module in model.modules():
+        if getattr(module, "weight", None) is parameter:
+            module.weight = held
+    return True
 
 
 def _fill(parameter: torch.Tensor, name: str, parts: list[torch.Tensor], weight_map: type[WeightMap]) -> None:

@@ -183,7 +183,10 @@ class PackedLinear(nn.Module):
         self.mode = mode
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        weight = linear.weight.detach().float()
+        # Block and bf16 modes read the weight as it is held (a bf16 checkpoint's: no float32 copy); the others
+        # quantize from float32.
+        held = linear.weight.detach()
+        weight = held if mode in BLOCK_MODES or mode == "bf16" else held.float()
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.scales: torch.Tensor | None = None  # int8 modes: [n, groups]
         self.blocks: BlockWeight | None = None  # block modes

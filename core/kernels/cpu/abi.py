@@ -20,6 +20,7 @@ from infer.kernels.cpu.blocks import (
     BLOCK,
     BLOCK_KINDS,
     GROUP_ROWS,
+    QUANTIZE_CHUNK,
     QUANTIZED_KINDS,
     RECORD_BYTES,
     BlockWeight,
@@ -566,11 +567,17 @@ class CpuKernels:
             raise ValueError(
                 f"quantize_blocks needs a CPU weight [n, k] with k % {BLOCK} == 0, got {tuple(weight.shape)}"
             )
-        rows = weight.detach().float().contiguous()
-        out_features, in_features = rows.shape
-        groups = -(-out_features // GROUP_ROWS[kind])
+        out_features, in_features = weight.shape
+        group_rows = GROUP_ROWS[kind]
+        groups = -(-out_features // group_rows)
         data = torch.empty((groups, in_features // BLOCK, RECORD_BYTES[kind]), dtype=torch.uint8)
-        self._quantize_blocks(rows.data_ptr(), BLOCK_KINDS[kind], out_features, in_features, data.data_ptr())
+        # A few MB of float32 rows at a time (whole groups): a bf16 weight is never widened whole (an output head
+        # of 152k x 4,096 would take 2.5 GB).
+        step = max(1, QUANTIZE_CHUNK // in_features // group_rows) * group_rows
+        for start in range(0, out_features, step):
+            rows = weight[start : start + step].detach().float().contiguous()
+            out = data[start // group_rows :]
+            self._quantize_blocks(rows.data_ptr(), BLOCK_KINDS[kind], rows.shape[0], in_features, out.data_ptr())
         return BlockWeight(data, kind, out_features)
 
     def linear_tiles(
