@@ -154,9 +154,12 @@ class TargetModel(Protocol):
     activation_dtype: torch.dtype  # the hidden states' dtype (float32 on CPUs)
     embed_tokens: nn.Module  # token ids [tokens] -> embeddings [tokens, hidden]; ``embed`` widens them
     norm: nn.Module
-    # ``lm_head.weight`` is [vocab, hidden], float32 even when the head is packed, or bf16 where all its values are bf16
-    # values (``infer.model.quantization.narrow_float_tables``): widen the rows you take to ``activation_dtype``
-    lm_head: nn.Module
+    lm_head: nn.Module  # its weight: ``head_weight()``
+
+    def head_weight(self) -> torch.Tensor:
+        """The output head's weight ``[vocab, hidden]``, float32 even when the head is packed, or bf16 where all its
+        values are bf16 values (``infer.model.quantization.narrow_float_tables``): widen the rows you take to
+        ``activation_dtype``. A packed bf16 head gives it back as a copy: take it once."""
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[tokens, hidden]`` in ``activation_dtype``, scaled as the family scales them."""

@@ -90,7 +90,9 @@ def test_gguf_keeps_the_files_blocks_which_are_the_float_models_weights(default_
             assert module.blocks is not None, name
             assert torch.equal(dequantize_blocks(module.blocks), float_modules[name].weight.float()), name
     assert kinds == {"q4_1": 4 * default_model.num_layers, "q8_0": 1}
-    assert packed.lm_head.blocks.kind == "q8_0" and packed.lm_head.weight is packed.embed_tokens.weight
+    # The tied head is the table; its blocks give back the same values (so it keeps no reference of its own).
+    assert packed.lm_head.blocks.kind == "q8_0" and packed.head_weight() is packed.embed_tokens.weight
+    assert packed.lm_head.weight is None and torch.equal(packed.lm_head.full_weight(), packed.embed_tokens.weight)
     assert model_weight_bytes(packed.layers) < model_weight_bytes(default_model.layers) * 0.17
 
 

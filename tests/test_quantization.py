@@ -299,3 +299,32 @@ def test_a_packed_load_holds_a_bf16_checkpoints_tables_as_read(tmp_path, tiny_mo
     assert torch.equal(held_logits, wide_logits)
     assert load_model(tiny_model_dir, torch.float32, bf16_tables=True).model.embed_tokens.weight.dtype == torch.float32
 
+
+def test_a_bf16_output_head_is_held_once_and_given_back_exactly(tmp_path, kernels):
+    """An untied bf16 head packed as bf16 keeps no weight beside its packed copy (one copy's bytes fewer than the
+    head packed from float32, which keeps its weight); ``head_weight`` gives the checkpoint's tensor back from oneDNN's
+    layout or the tiles, and eagle slices its rows from it. Blocks give back their values; fp16 keeps the weight; a
+    tied head is the table."""
+    from safetensors.torch import load_file
+
+    from infer.kernels.cpu.blocks import dequantize_blocks
+    from infer.plugins.drafters.eagle.head import draft_head_weight
+
+    model_dir = bf16_checkpoint(tmp_path / "untied", tied=False)
+    (checkpoint,) = (load_file(path)["lm_head.weight"] for path in (tmp_path / "untied").glob("*.safetensors"))
+    model = quantize_model(load_model(model_dir, torch.float32, bf16_tables=True).model, "bf16")
+    assert model.lm_head.weight is None and torch.equal(model.head_weight(), checkpoint)
+    from_float32 = quantize_model(load_model(model_dir, torch.float32).model, "bf16")
+    assert model_weight_bytes(model) == model_weight_bytes(from_float32) - checkpoint.numel() * 2
+    model.use_cpu_kernels(kernels)  # tiles where the CPU has them: then the one copy
+    assert torch.equal(model.head_weight(), checkpoint)
+    ids = torch.tensor([5, 0, 77])
+    assert torch.equal(draft_head_weight(model, ids), checkpoint[ids].float())
+    fp16 = quantize_model(load_model(model_dir, torch.float32, bf16_tables=True).model, "fp16")
+    assert fp16.lm_head.weight is not None and torch.equal(fp16.head_weight(), checkpoint)
+    q4 = quantize_model(load_model(model_dir, torch.float32, bf16_tables=True).model, "q4_1")
+    assert q4.lm_head.weight is None and torch.equal(q4.head_weight(), dequantize_blocks(q4.lm_head.blocks))
+    assert relative_error(q4.head_weight(), checkpoint.float()) < 0.1  # 4-bit blocks of the checkpoint's head
+    tied = load_model(bf16_checkpoint(tmp_path / "tied", tied=True), torch.float32, bf16_tables=True).model
+    tied = quantize_model(tied, "bf16")
+    assert tied.head_weight() is tied.embed_tokens.weight

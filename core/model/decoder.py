@@ -328,6 +328,15 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             layer.feed_forward = torch.compile(layer.feed_forward, dynamic=True)
 
+    def head_weight(self) -> torch.Tensor:
+        """The output head's weight ``[vocab, hidden]`` (a tensor-parallel rank's rows), float32 or bf16 as it is held:
+        the embedding table where they are tied, else the head's own, given back by its packing where that holds it
+        alone (a copy: ``PackedLinear.full_weight``)."""
+        if self.tie_word_embeddings:
+            return self.embed_tokens.weight
+        head = self.lm_head
+        return head.weight if isinstance(head, nn.Linear) else head.full_weight()
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``[N, vocab]`` in float32 for hidden states ``[N, hidden]`` from ``forward``. Sharded:

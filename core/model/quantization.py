@@ -171,8 +171,9 @@ class PackedLinear(nn.Module):
     """A linear layer whose weight lives packed for fbgemm (see the module's docstring for the modes); float32 in,
     float32 out.
 
-    ``weight`` stays reachable when it is shared with another module (a tied output head reads the embedding),
-    so code that slices the head's rows still can; otherwise the float32 copy is dropped.
+    ``weight`` stays reachable where it is asked for (``keep_weight``: the output head, whose rows drafters slice),
+    except where the packed copy gives back the weight it multiplies with (bf16 mode with a bf16 weight, exactly;
+    blocks); ``full_weight`` gives it either way. Otherwise the float copy is dropped.
     """
 
     def __init__(self, linear: nn.Linear, mode: str, keep_weight: bool = False, blocks: BlockWeight | None = None):
@@ -228,7 +229,11 @@ class PackedLinear(nn.Module):
         if bias is not None:
             self.nbytes += bias.numel() * 4
         self.bias = bias
-        self.weight = linear.weight if keep_weight else None
+        # The weight a caller reads (``keep_weight``: drafters slice the output head's rows), unless the packing gives
+        # back the weight it multiplies with (``full_weight``): bf16 mode's copy of a bf16 weight (exactly the one
+        # given), and blocks (their values).
+        gives_back = mode in BLOCK_MODES or (mode == "bf16" and held.dtype == torch.bfloat16)
+        self.weight = linear.weight if keep_weight and not gives_back else None
         self.kernels = kernels
         self.gemv_rows = 0  # inputs of at most this many rows take the kernels' GEMV (``use_cpu_kernels``)
         # For a few rows: the weights in cpu_kernels.pack_weights' layout, fp16 (mode fp16) or int8 (int8 modes) with
@@ -301,6 +306,17 @@ class PackedLinear(nn.Module):
         if self.kernel_weight is not None:
             self.nbytes += self.kernel_weight.numel() * self.kernel_weight.element_size()
         self.kernels = kernels
+
+    def full_weight(self) -> torch.Tensor:
+        """The weight ``[n, k]``: the one kept (``keep_weight``), else the one this module multiplies with, as a copy
+        where it is held packed: in bf16 mode the bf16 weight it was given, exactly; blocks' values in float32."""
+        if self.weight is not None:
+            return self.weight
+        if self.blocks is not None:
+            return dequantize_blocks(self.blocks)
+        if self.mode != "bf16":
+            raise ValueError(f"a {self.mode} PackedLinear keeps no weight to give back (pack it with keep_weight)")
+        return self.bf16_weight()
 
     def bf16_weight(self) -> torch.Tensor:
         """Mode bf16: the plain bf16 weight ``[n, k]``, from whichever copy this module holds."""

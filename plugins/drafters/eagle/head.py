@@ -83,7 +83,7 @@ def head_layer_spec(config):
 def draft_head_weight(target, vocab_ids: torch.Tensor) -> torch.Tensor:
     """Rows of the target's output head for the draft vocabulary, ``[len(vocab_ids), hidden]``, in the target's
     ``activation_dtype``."""
-    weight = target.lm_head.weight.detach()
+    weight = target.head_weight().detach()
     return weight.index_select(0, vocab_ids.to(weight.device)).to(target.activation_dtype)
 
 
