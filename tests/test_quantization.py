@@ -277,27 +277,28 @@ def bf16_checkpoint(destination, tied: bool) -> str:
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_a_packed_load_holds_a_bf16_checkpoints_tables_as_read(tmp_path, tiny_model_dir, tied):
-    """``bf16_tables`` makes the checkpoint's bf16 embedding table and head the model's own (tied stays tied), never
-    a float32 copy; packed, its logits are those of the float32 load's tables narrowed after, bit for bit. A float32
-    checkpoint's tables stay float32."""
+def test_a_packed_load_holds_a_bf16_checkpoints_matrices_as_read(tmp_path, tiny_model_dir, tied):
+    """``bf16_weights`` makes the checkpoint's bf16 tensors the model's tables (tied stays tied) and linear weights
+    (fused ones concatenated), never a float32 copy; norms stay float32. Packed every way, its logits are those of
+    the float32 load, bit for bit. A float32 checkpoint's weights stay float32."""
     from test_model import PagedPool, random_tokens
 
     model_dir = bf16_checkpoint(tmp_path / "tiny", tied)
     wide = load_model(model_dir, torch.float32).model
-    held = load_model(model_dir, torch.float32, bf16_tables=True).model
-    for name in ("embed_tokens", "lm_head"):
-        table, expected = getattr(held, name).weight, getattr(wide, name).weight
-        assert (table.dtype, expected.dtype) == (torch.bfloat16, torch.float32)
-        assert torch.equal(table.float(), expected)
+    held = load_model(model_dir, torch.float32, bf16_weights=True).model
+    for name, parameter in wide.named_parameters():
+        kept = held.get_parameter(name)
+        assert kept.dtype == (torch.bfloat16 if parameter.dim() == 2 else torch.float32), name
+        assert parameter.dtype == torch.float32 and torch.equal(kept.float(), parameter), name
     assert (held.lm_head.weight is held.embed_tokens.weight) == tied
-    assert held.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
     tokens = random_tokens(24, seed=1, vocab_size=wide.vocab_size)
-    wide_logits, held_logits = (
-        PagedPool(quantize_model(model, "bf16")).step({"a": tokens})["a"] for model in (wide, held)
-    )
-    assert torch.equal(held_logits, wide_logits)
-    assert load_model(tiny_model_dir, torch.float32, bf16_tables=True).model.embed_tokens.weight.dtype == torch.float32
+    for mode in ("bf16", "q4_1", "fp16"):
+        wide_logits, held_logits = (
+            PagedPool(quantize_model(copy.deepcopy(model), mode)).step({"a": tokens})["a"] for model in (wide, held)
+        )
+        assert torch.equal(held_logits, wide_logits), mode
+    float32 = load_model(tiny_model_dir, torch.float32, bf16_weights=True).model
+    assert {parameter.dtype for parameter in float32.parameters()} == {torch.float32}
 
 
 def test_a_bf16_output_head_is_held_once_and_given_back_exactly(tmp_path, kernels):
@@ -312,7 +313,7 @@ def test_a_bf16_output_head_is_held_once_and_given_back_exactly(tmp_path, kernel
 
     model_dir = bf16_checkpoint(tmp_path / "untied", tied=False)
     (checkpoint,) = (load_file(path)["lm_head.weight"] for path in (tmp_path / "untied").glob("*.safetensors"))
-    model = quantize_model(load_model(model_dir, torch.float32, bf16_tables=True).model, "bf16")
+    model = quantize_model(load_model(model_dir, torch.float32, bf16_weights=True).model, "bf16")
     assert model.lm_head.weight is None and torch.equal(model.head_weight(), checkpoint)
     from_float32 = quantize_model(load_model(model_dir, torch.float32).model, "bf16")
     assert model_weight_bytes(model) == model_weight_bytes(from_float32) - checkpoint.numel() * 2
@@ -320,11 +321,11 @@ def test_a_bf16_output_head_is_held_once_and_given_back_exactly(tmp_path, kernel
     assert torch.equal(model.head_weight(), checkpoint)
     ids = torch.tensor([5, 0, 77])
     assert torch.equal(draft_head_weight(model, ids), checkpoint[ids].float())
-    fp16 = quantize_model(load_model(model_dir, torch.float32, bf16_tables=True).model, "fp16")
+    fp16 = quantize_model(load_model(model_dir, torch.float32, bf16_weights=True).model, "fp16")
     assert fp16.lm_head.weight is not None and torch.equal(fp16.head_weight(), checkpoint)
-    q4 = quantize_model(load_model(model_dir, torch.float32, bf16_tables=True).model, "q4_1")
+    q4 = quantize_model(load_model(model_dir, torch.float32, bf16_weights=True).model, "q4_1")
     assert q4.lm_head.weight is None and torch.equal(q4.head_weight(), dequantize_blocks(q4.lm_head.blocks))
     assert relative_error(q4.head_weight(), checkpoint.float()) < 0.1  # 4-bit blocks of the checkpoint's head
-    tied = load_model(bf16_checkpoint(tmp_path / "tied", tied=True), torch.float32, bf16_tables=True).model
+    tied = load_model(bf16_checkpoint(tmp_path / "tied", tied=True), torch.float32, bf16_weights=True).model
     tied = quantize_model(tied, "bf16")
     assert tied.head_weight() is tied.embed_tokens.weight

@@ -116,7 +116,7 @@ class Engine:
                     architecture=config.model.architecture,
                     registry=self.registry,
                     prepare_layer=packer,
-                    bf16_tables=packer is not None,  # a packed model holds them so (``narrow_float_tables``)
+                    bf16_weights=packer is not None,  # packing reads bf16 matrices as they are
                 ),
             )
         except BaseException:

@@ -348,10 +348,10 @@ class CausalLM(nn.Module):
         self,
         state_dict: Mapping[str, torch.Tensor],
         prepare_layer: Callable[[nn.Module], object] | None = None,
-        bf16_tables: bool = False,
+        bf16_weights: bool = False,
     ) -> None:
         """Copy HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ..., ``lm_head.weight``) into the fused
         layout, as the family's weight-name map says (``infer.model.hf_weights``); ``prepare_layer`` gets each layer
-        once it is filled, and ``bf16_tables`` keeps a bf16 checkpoint's vocabulary tables in bf16
+        once it is filled, and ``bf16_weights`` keeps a bf16 checkpoint's matrices in bf16
         (``infer.model.hf_weights.load_hf_state_dict``)."""
-        load_hf_state_dict(self, state_dict, self.weight_map, prepare_layer, bf16_tables)
+        load_hf_state_dict(self, state_dict, self.weight_map, prepare_layer, bf16_weights)

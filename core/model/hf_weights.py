@@ -59,7 +59,7 @@ def load_hf_state_dict(
     state_dict: Mapping[str, torch.Tensor],
     weight_map: type[WeightMap] = WeightMap,
     prepare_layer: Callable[[nn.Module], object] | None = None,
-    bf16_tables: bool = False,
+    bf16_weights: bool = False,
 ) -> None:
     """Copy HF-named weights into ``model``'s parameters as ``weight_map`` says (concatenating what our layout fuses),
     converting dtype and device. Raises ``ValueError`` naming any missing or unexpected tensors.
@@ -67,9 +67,10 @@ def load_hf_state_dict(
     ``prepare_layer`` is called with each decoder layer (``model.layers[i]``) as soon as its parameters are filled,
     in order: the engine packs a layer there, so one layer's float weights are alive at a time, not the model's
     (with a lazy ``state_dict``, ``read_safetensors``', the checkpoint is read a tensor at a time too).
-    ``bf16_tables``: the embedding table and the output head's weight are held as the checkpoint's bf16 tensors where
-    it has them so, never widened: what a packed model holds them as (``narrow_float_tables``), without a float32
-    copy of each (2.5 GB apiece for the Qwen3-8B shape) on the way."""
+    ``bf16_weights``: a bf16 checkpoint's matrices, every linear layer's weight and the vocabulary tables, are held as
+    its bf16 tensors, never widened to float32 (2.5 GB apiece for the Qwen3-8B shape's table and untied head), for a
+    model packed before it runs: packing reads them as they are (``infer.model.quantization``), and holds the tables
+    so (``narrow_float_tables``). Other parameters (norms, biases, a router) are float32 as the model was built."""
     state_dict = weight_map.checkpoint_tensors(state_dict)
     used: set[str] = set()
     missing: list[str] = []
@@ -84,7 +85,7 @@ def load_hf_state_dict(
         sources = weight_map.hf_names(name)
         if all(source in state_dict for source in sources):
             parts = [state_dict[source] for source in sources]
-            if not (bf16_tables and _hold_bf16_table(model, name, parts, weight_map)):
+            if not (bf16_weights and _hold_bf16(model, name, parts, weight_map)):
                 _fill(model.get_parameter(name), name, parts, weight_map)
             used.update(sources)
         else:
@@ -104,23 +105,29 @@ def _layer_index(name: str) -> int | None:
     return int(name.split(".", 2)[1])
 
 
-# Our parameters that are vocabulary tables: ``bf16_tables`` holds them as the checkpoint's bf16.
+# Our parameters that are vocabulary tables (``bf16_weights`` holds them as the checkpoint's bf16, as it does every
+# linear layer's weight).
 TABLES = ("embed_tokens.weight", "lm_head.weight")
 
 
-def _hold_bf16_table(model: nn.Module, name: str, parts: list[torch.Tensor], weight_map: type[WeightMap]) -> bool:
-    """Make the checkpoint's bf16 tensor the table ``name`` (every module holding the parameter: a tied head too),
-    and say whether it did: only a vocabulary table whose one tensor is bf16 and of the parameter's shape."""
+def _hold_bf16(model: nn.Module, name: str, parts: list[torch.Tensor], weight_map: type[WeightMap]) -> bool:
+    """Make the checkpoint's bf16 tensors (concatenated where our layout fuses them) the matrix ``name``, in every
+    module holding it (a tied head too), and say whether it did: only a vocabulary table or a linear layer's weight
+    whose tensors are all bf16 and, converted by the family's map, still bf16 and of the parameter's shape."""
     parameter = model.get_parameter(name)
-    if name not in TABLES or len(parts) != 1 or parts[0].dtype != torch.bfloat16:
+    owner_name, _, attribute = name.rpartition(".")
+    matrix = name in TABLES or (attribute == "weight" and isinstance(model.get_submodule(owner_name), nn.Linear))
+    if not matrix or any(part.dtype != torch.bfloat16 for part in parts):
         return False
-    table = weight_map.convert_weight(name, parts[0])
-    if table.dtype != torch.bfloat16 or table.shape != parameter.shape:
+    # One tensor is copied: the checkpoint's is a view of the file's mapping, which would stay mapped (and the pages
+    # read so far counted as the process's) as long as it lives. A concatenation is a new tensor already.
+    held = torch.cat(parts) if len(parts) > 1 else torch.empty_like(parts[0]).copy_(parts[0])
+    held = weight_map.convert_weight(name, held)
+    if held.dtype != torch.bfloat16 or held.shape != parameter.shape:
         return False
-    # A copy: the checkpoint's tensor is a view of the file's mapping, which would stay mapped (and its pages read
-    # so far counted as the process's) as long as the table lives.
-    held = nn.Parameter(torch.empty_like(table, device=parameter.device).copy_(table), requires_grad=False)
-    for module in model.modules():
+    held = nn.Parameter(held.to(parameter.device), requires_grad=False)
+    owners = model.modules() if name in TABLES else [model.get_submodule(owner_name)]
+    for module in owners:
         if getattr(module, "weight", None) is parameter:
             module.weight = held
     return True

@@ -224,7 +224,7 @@ def load_model(
     architecture: str = "auto",
     registry: Any = None,
     prepare_layer: Callable[[torch.nn.Module], object] | None = None,
-    bf16_tables: bool = False,
+    bf16_weights: bool = False,
 ) -> LoadedModel:
     """Load a model path (alias, HF folder or GGUF file) into infer's ``CausalLM``, built by the model family that
     serves it (``choose_architecture``), with its tokenizer.
@@ -232,8 +232,8 @@ def load_model(
     ``max_positions`` bounds the RoPE tables (default: the config's ``max_position_embeddings``).
     ``prepare_layer`` gets each decoder layer as soon as its weights are read (the engine packs it there): the
     checkpoint is read a tensor at a time, so a load holds one layer's float weights beside what the calls made of
-    the layers before, not a float copy of the whole model. ``bf16_tables`` holds a bf16 checkpoint's embedding
-    table and output head in bf16, as a packed model holds them, never widened to float32 on the way.
+    the layers before, not a float copy of the whole model. ``bf16_weights`` holds a bf16 checkpoint's matrices
+    (linear layers' weights, vocabulary tables) as read, never widened to float32, for a model packed before it runs.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -244,7 +244,7 @@ def load_model(
     family = choose_architecture(hf_config, architecture, registry, path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = family.build(hf_config, dtype=dtype, device=device, max_positions=max_positions)
-    model.load_hf_state_dict(read_safetensors(model_dir), prepare_layer, bf16_tables)
+    model.load_hf_state_dict(read_safetensors(model_dir), prepare_layer, bf16_weights)
     name = path.lower() if path.lower() in ALIASES else Path(path).name
     return LoadedModel(model.eval(), tokenizer, hf_config, eos_token_ids(model_dir, hf_config, tokenizer), name)
 

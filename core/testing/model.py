@@ -20,6 +20,7 @@ to one value, which would hide a norm applied in the wrong place).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -303,6 +304,33 @@ class ModelConformance(ConformanceSuite):
             counts = self.last_runner.executor.counts
             if all(layer.kernel_shaped for layer in model.layers):
                 assert counts["fused-stack"] > 0, self.last_runner.executor.describe()
+
+    def test_a_bf16_checkpoint_read_as_bf16_packs_to_the_same_model(self, model_dir, tmp_path):
+        """The family's checkpoint saved in bf16 and read with ``bf16_weights`` (its matrices held as read, never
+        widened, as the engine reads a checkpoint it packs) packs to the model the float32 read packs to: the same
+        logits, bit for bit, in bf16 and as q4_1 blocks."""
+        import shutil
+
+        from safetensors.torch import load_file, save_file
+
+        from infer.model.loader import load_model
+        from infer.model.quantization import quantize_model
+
+        bf16_dir = tmp_path / "bf16"
+        shutil.copytree(model_dir, bf16_dir)
+        for path in bf16_dir.glob("*.safetensors"):
+            save_file({name: tensor.bfloat16() for name, tensor in load_file(path).items()}, path)
+        settings = dict(max_positions=self.max_model_len, architecture=self.impl_name)
+        held = load_model(str(bf16_dir), torch.float32, bf16_weights=True, **settings).model
+        assert any(parameter.dtype == torch.bfloat16 for parameter in held.layers.parameters())
+        prompts = {f"p{index}": random_prompt(length, seed=index) for index, length in enumerate(self.prompt_lengths())}
+        for mode in ("bf16", "q4_1"):
+            logits = [
+                PagedRunner(quantize_model(model, mode), "sdpa").step(prompts)
+                for model in (load_model(str(bf16_dir), torch.float32, **settings).model, copy.deepcopy(held))
+            ]
+            for name in prompts:
+                assert torch.equal(logits[0][name], logits[1][name]), f"{mode}, {name}"
 
     def test_greedy_mixed_batch_matches_hf(self, model_dir, hf_model):
         prompts = [random_prompt(length, seed=length) for length in self.prompt_lengths()]
