@@ -2,7 +2,8 @@
 GGUF file's header (infer's reader against the gguf package's ``GGUFReader``, which ``gguf.GGUFReader``-based code
 pays), converting the GGUF file into a HF folder of float weights as a first run does (once, into an empty cache
 folder), and constructing ``LLM(config)`` in a fresh process with the kernels and the converted model already cached,
-with the start's peak memory. Prints markdown rows; each figure the median of ``--repeats``.
+with the start's peak memory and what the engine holds once started. Prints markdown rows; each figure the median
+of ``--repeats``.
 
     OMP_NUM_THREADS=2 python benchmarks/startup.py
     python benchmarks/startup.py --gguf /path/model-Q4_K_M.gguf --engine-overrides model.path=/path/model-Q4_K_M.gguf
@@ -38,7 +39,9 @@ start = time.perf_counter()
 from infer import LLM
 llm = LLM(sys.argv[1], dotlist=sys.argv[2:])
 print(time.perf_counter() - start)
-print(max(peak[0], anonymous_bytes()))
+held = anonymous_bytes()
+print(max(peak[0], held))
+print(held)
 print(llm.engine.describe_execution().split(";")[0])
 """
 
@@ -101,14 +104,16 @@ def main() -> None:
 
     command = [sys.executable, "-c", ENGINE_SCRIPT, args.config, *args.engine_overrides]
     subprocess.run(command, capture_output=True, check=True)  # converts and builds what is missing, not timed
-    times, peaks, execution = [], [], ""
+    times, peaks, helds, execution = [], [], [], ""
     for _ in range(args.repeats):
         result = subprocess.run(command, capture_output=True, text=True, check=True)
-        seconds, peak, execution = result.stdout.strip().splitlines()[-3:]
+        seconds, peak, held, execution = result.stdout.strip().splitlines()[-4:]
         times.append(float(seconds))
         peaks.append(int(peak))
+        helds.append(int(held))
     print(f"| `LLM({args.config!r})` in a fresh process, caches warm ({execution}) | {statistics.median(times):.2f} |")
     print(f"| the same: peak anonymous memory of the start, GiB | {statistics.median(peaks) / 2**30:.2f} |")
+    print(f"| the same: anonymous memory once started, GiB | {statistics.median(helds) / 2**30:.2f} |")
 
 
 if __name__ == "__main__":
