@@ -107,6 +107,39 @@ def test_a_sharded_mixture_keeps_every_expert_and_the_whole_router_and_adds_the_
                 assert torch.equal(mine.down_proj.bias, bias)
 
 
+@pytest.mark.parametrize("mode", ["bf16", "none"])
+def test_a_rank_shards_and_packs_each_layer_as_it_is_read_into_the_shard_of_the_whole_load(tiny_model_dir, mode):
+    """A rank's load keeps its share of each layer and packs it as soon as the layer is read (``layer_preparer``):
+    the model is the one sharding and packing the whole float model after the load gives, weight for weight, and
+    ``shard_model`` then shards only the output head."""
+    from infer.distributed import model_shard_plans
+    from infer.execution.paths import layer_preparer
+    from infer.model.loader import load_model
+    from infer.model.quantization import PackedLinear, quantize_model
+    from infer.model.sharding import shard_layer, shard_model
+
+    whole = load_model(tiny_model_dir, torch.float32)
+    for plan in model_shard_plans(whole.hf_config, 2):
+        expected = quantize_model(shard_model(copy.deepcopy(whole.model), plan, None), mode)
+        shards: list[int] = []
+
+        def keep_share(layer, plan=plan, shards=shards):
+            shard_layer(layer, plan, None)
+            shards.append(layer.self_attn.o_proj.in_features)
+
+        streamed = load_model(tiny_model_dir, torch.float32, prepare_layer=layer_preparer(mode, keep_share)).model
+        assert all(isinstance(layer.mlp.down_proj, PackedLinear) == (mode != "none") for layer in streamed.layers)
+        streamed = quantize_model(shard_model(streamed, plan, None), mode)
+        assert shards == [len(plan.q_heads) * whole.model.head_dim] * whole.model.num_layers
+        modules = dict(expected.named_modules())
+        for name, module in streamed.named_modules():
+            if isinstance(module, PackedLinear):
+                assert torch.equal(module.bf16_weight(), modules[name].bf16_weight()), name
+        expected_parameters = dict(expected.named_parameters())
+        for name, parameter in streamed.named_parameters():
+            assert torch.equal(parameter, expected_parameters[name]), name
+
+
 def test_a_step_plan_survives_the_wire():
     seqs = []
     for index, (computed, table) in enumerate([(0, [3, 4]), (17, [5, 6, 7]), (5, [])]):

@@ -24,7 +24,7 @@ from infer.engine.tensor_parallel import TensorParallel
 from infer.execution.calibration import signature
 from infer.execution.kv_pool import free_device_memory, plan_kv_pool
 from infer.execution.memory import cached_peak_bytes, measure_peak_bytes
-from infer.execution.paths import build_model_stack, layer_packer, model_quantization
+from infer.execution.paths import build_model_stack, load_for_stack
 from infer.execution.runner import ModelRunner
 from infer.guide import GuideError, TokenizerInfo, constrain_logits
 from infer.kv_cache_manager import KVCacheManager
@@ -90,7 +90,7 @@ class Engine:
     """Loads the model and the configured plugins, sizes the KV pool, and runs steps."""
 
     def __init__(self, config, registry=None):
-        from infer.model.loader import load_model, resolve_dtype
+        from infer.model.loader import resolve_dtype
         from infer.registry import get_registry
 
         self.config = config
@@ -102,23 +102,9 @@ class Engine:
         # Sharded over ranks (``infer.distributed``): the others start loading their shards while this one loads.
         self.ranks = self._launch_tensor_parallel() if config.parallel.tensor_parallel_size > 1 else SingleProcess()
         try:
-            # One process packs each layer as it is read; tensor parallelism shards the float model first.
-            sharded = self.ranks.sharded
-            packer = None if sharded else layer_packer(model_quantization(config, self.device, self.dtype))
-            # RoPE tables for max_model_len positions (LongRoPE chooses its factors from it, once for every request).
-            self._build(
-                config,
-                load_model(
-                    config.model.path,
-                    self.dtype,
-                    self.device,
-                    max_positions=config.model.max_model_len,
-                    architecture=config.model.architecture,
-                    registry=self.registry,
-                    prepare_layer=packer,
-                    bf16_weights=packer is not None,  # packing reads bf16 matrices as they are
-                ),
-            )
+            # Each layer sharded (tensor parallelism) and packed as soon as it is read.
+            shard_layer = self.ranks.shard_layer if self.ranks.sharded else None
+            self._build(config, load_for_stack(config, self.registry, self.device, self.dtype, shard_layer))
         except BaseException:
             self.close()
             raise

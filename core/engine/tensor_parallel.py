@@ -27,12 +27,12 @@ from infer.distributed import (
     unpack_step,
 )
 from infer.host import cores_per_process
-from infer.model.sharding import shard_model
+from infer.model.sharding import shard_layer, shard_model
 
 if TYPE_CHECKING:
     from infer.attention import AttentionBackend
     from infer.execution.runner import ModelRunner
-    from infer.model.decoder import CausalLM
+    from infer.model.decoder import CausalLM, DecoderLayer
     from infer.sequence import Sequence
 
 logger = logging.getLogger("infer.parallel")
@@ -138,8 +138,12 @@ class TensorParallel:
         )
         return parallel
 
+    def shard_layer(self, layer: DecoderLayer) -> DecoderLayer:
+        """Rank 0's share of one decoder layer, kept as soon as the layer is read."""
+        return shard_layer(layer, self.plans[0], self.group)
+
     def shard(self, model: CausalLM) -> CausalLM:
-        """Rank 0's shard of ``model``."""
+        """Rank 0's shard of ``model`` (its layers sharded as they were read)."""
         for plan in self.plans:
             logger.info("tensor parallel %s", plan.describe())
         return shard_model(model, self.plans[0], self.group)
@@ -299,9 +303,11 @@ def run_worker(config_data: dict, rank: int, addr: str, port: int, threads: int)
 
 
 def _build_rank(config, rank: int) -> ModelRunner:
-    from infer.execution.paths import build_model_stack
+    from transformers import AutoConfig
+
+    from infer.execution.paths import build_model_stack, load_for_stack
     from infer.execution.runner import ModelRunner
-    from infer.model.loader import load_model, resolve_dtype
+    from infer.model.loader import hf_model_dir, resolve_dtype
     from infer.registry import get_registry
 
     device = _rank_device(config, rank)
@@ -310,22 +316,12 @@ def _build_rank(config, rank: int) -> ModelRunner:
     dtype = resolve_dtype(config.model.dtype, device)
     torch.manual_seed(config.model.seed)
     registry = get_registry(config.plugins.load)
-    loaded = load_model(
-        config.model.path,
-        dtype,
-        device,
-        max_positions=config.model.max_model_len,
-        architecture=config.model.architecture,
-        registry=registry,
-    )
-    plan = model_shard_plans(loaded.hf_config, config.parallel.tensor_parallel_size)[rank]
+    hf_config = AutoConfig.from_pretrained(hf_model_dir(config.model.path))
+    plan = model_shard_plans(hf_config, config.parallel.tensor_parallel_size)[rank]
+    group = TensorParallelGroup(plan)
+    loaded = load_for_stack(config, registry, device, dtype, lambda layer: shard_layer(layer, plan, group))
     stack = build_model_stack(
-        registry,
-        config,
-        loaded.model,
-        device,
-        dtype,
-        shard=lambda model: shard_model(model, plan, TensorParallelGroup(plan)),
+        registry, config, loaded.model, device, dtype, shard=lambda model: shard_model(model, plan, group)
     )
     return ModelRunner(stack.model, stack.attention, torch.empty(0, dtype=dtype, device=device), device, stack.executor)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -449,7 +449,7 @@ class ModelStack:
 
 def model_quantization(config, device: torch.device, dtype: torch.dtype, sharded: bool = False) -> str:
     """How ``config``'s model is packed (``model.quantization`` resolved): known before its weights are read, so a
-    load can pack each layer as it goes (``layer_packer``)."""
+    load can pack each layer as it goes (``layer_preparer``)."""
     from infer.model.loader import resolve_model_path
     from infer.model.quantization import resolve_quantization
 
@@ -460,16 +460,45 @@ def model_quantization(config, device: torch.device, dtype: torch.dtype, sharded
     )
 
 
-def layer_packer(quantization: str):
-    """What ``load_model`` calls on each layer to pack it as it is read (``prepare_layer``), or None where the
-    whole model is packed after the load: unpacked (``none``), or a GGUF file's blocks (``gguf``: read from the
-    file for the whole model). ``quantize_model`` packs what the layers leave (the output head) and skips what
-    is packed."""
+def layer_preparer(quantization: str, shard_layer: Callable[[torch.nn.Module], object] | None = None):
+    """What ``load_model`` calls on each layer as soon as it is read (``prepare_layer``): a tensor-parallel rank's
+    share of it kept (``shard_layer``), then packed as ``quantization`` says; None where there is nothing to do per
+    layer. The whole model is packed after the load where it stays unpacked (``none``) or takes a GGUF file's blocks
+    (``gguf``: read from the file for the whole model). ``quantize_model`` packs what the layers leave (the output
+    head) and skips what is packed, as ``shard_model`` skips the layers sharded."""
     from infer.model.quantization import quantize_linears
 
-    if quantization in ("none", "gguf"):
+    packs = quantization not in ("none", "gguf")
+    if shard_layer is None and not packs:
         return None
-    return lambda layer: quantize_linears(layer, quantization)
+
+    def prepare(layer: torch.nn.Module) -> None:
+        if shard_layer is not None:
+            shard_layer(layer)
+        if packs:
+            quantize_linears(layer, quantization)
+
+    return prepare
+
+
+def load_for_stack(config, registry, device: torch.device, dtype: torch.dtype, shard_layer=None):
+    """``config``'s model loaded as ``build_model_stack`` will pack it: each layer kept to a tensor-parallel rank's
+    share (``shard_layer``) and packed as soon as it is read (``layer_preparer``), a bf16 checkpoint's matrices held as
+    read where they are packed, and RoPE tables for ``model.max_model_len`` positions (LongRoPE chooses its factors
+    from it, once for every request). A load then holds one layer's weights beside the layers already prepared."""
+    from infer.model.loader import load_model
+
+    quantization = model_quantization(config, device, dtype, sharded=shard_layer is not None)
+    return load_model(
+        config.model.path,
+        dtype,
+        device,
+        max_positions=config.model.max_model_len,
+        architecture=config.model.architecture,
+        registry=registry,
+        prepare_layer=layer_preparer(quantization, shard_layer),
+        bf16_weights=quantization not in ("none", "gguf"),  # packing reads bf16 matrices as they are
+    )
 
 
 def build_model_stack(

@@ -121,6 +121,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(spec, dtype) if spec.is_sparse(layer_index) else MLP(spec, dtype)
         self.attn_output_norm = RMSNorm(hidden, eps, dtype) if spec.output_norms else None
         self.mlp_output_norm = RMSNorm(hidden, eps, dtype) if spec.output_norms else None
+        self.sharded = False  # holds a tensor-parallel rank's share (``infer.model.sharding.shard_layer``)
         # The layer's dense parts as CPU kernel calls over packed copies of its weights (``use_cpu_kernels``); the
         # execution layer runs steps of a few tokens through it.
         self.fused: FusedLayer | None = None

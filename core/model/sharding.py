@@ -12,39 +12,48 @@ from infer.model.layers import Linear
 from infer.model.moe import MoE
 
 if TYPE_CHECKING:
-    from infer.model.decoder import MLP, CausalLM
+    from infer.model.decoder import MLP, CausalLM, DecoderLayer
     from infer.model.moe import Expert
 
 
 @torch.no_grad()
 def shard_model(model: CausalLM, plan: ShardPlan, group: TensorParallelGroup) -> CausalLM:
-    """Keep ``plan``'s share of ``model``'s weights (in place, before quantization): each layer's heads and MLP
-    columns, the output head's vocabulary rows (untied from the embedding, which stays whole). A mixture of experts
-    keeps every expert and its whole router, with the rank's columns of each expert (``ShardPlan.expert_columns``):
-    every rank routes each token alike, and the layer's output is a partial sum all-reduced as a dense MLP's."""
-    experts = model.spec.experts
-    expert_columns = None if experts is None else plan.expert_columns(experts.intermediate_size)
+    """Keep ``plan``'s share of ``model``'s weights (in place, before quantization): each layer's (``shard_layer``;
+    a layer already sharded as it was read is left as it is), the output head's vocabulary rows (untied from the
+    embedding, which stays whole)."""
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        q_rows, kv_rows = _head_rows(plan.q_heads, attn.head_dim), _head_rows(plan.kv_heads, attn.head_dim)
-        attn.qkv_proj = _take_rows(
-            attn.qkv_proj, torch.cat([q_rows, attn.q_size + kv_rows, attn.q_size + attn.kv_size + kv_rows])
-        )
-        attn.o_proj = _take_columns(attn.o_proj, q_rows, keep_bias=plan.rank == 0)
-        if attn.sinks is not None:
-            attn.sinks = torch.nn.Parameter(attn.sinks[plan.q_heads.start : plan.q_heads.stop], requires_grad=False)
-        attn.num_heads, attn.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
-        attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        if isinstance(mlp, MoE):
-            shard_mixture(mlp, expert_columns, plan.rank)
-        else:
-            _shard_gated(mlp, plan.intermediate, plan.rank)
-        attn.tensor_parallel = mlp.tensor_parallel = group
+        if not layer.sharded:
+            shard_layer(layer, plan, group)
     model.lm_head = _take_rows(model.lm_head, torch.arange(plan.vocab.start, plan.vocab.stop))
     model.tie_word_embeddings = False
     model.num_heads, model.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
     model.tensor_parallel = group
     return model
+
+
+@torch.no_grad()
+def shard_layer(layer: DecoderLayer, plan: ShardPlan, group: TensorParallelGroup) -> DecoderLayer:
+    """Keep ``plan``'s share of one decoder layer (in place, before quantization: a load can shard each layer as soon
+    as it is read): its heads and MLP columns. A mixture of experts keeps every expert and its whole router, with the
+    rank's columns of each expert (``ShardPlan.expert_columns``): every rank routes each token alike, and the layer's
+    output is a partial sum all-reduced as a dense MLP's."""
+    attn, mlp = layer.self_attn, layer.mlp
+    q_rows, kv_rows = _head_rows(plan.q_heads, attn.head_dim), _head_rows(plan.kv_heads, attn.head_dim)
+    attn.qkv_proj = _take_rows(
+        attn.qkv_proj, torch.cat([q_rows, attn.q_size + kv_rows, attn.q_size + attn.kv_size + kv_rows])
+    )
+    attn.o_proj = _take_columns(attn.o_proj, q_rows, keep_bias=plan.rank == 0)
+    if attn.sinks is not None:
+        attn.sinks = torch.nn.Parameter(attn.sinks[plan.q_heads.start : plan.q_heads.stop], requires_grad=False)
+    attn.num_heads, attn.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
+    attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    if isinstance(mlp, MoE):
+        shard_mixture(mlp, plan.expert_columns(mlp.spec.intermediate_size), plan.rank)
+    else:
+        _shard_gated(mlp, plan.intermediate, plan.rank)
+    attn.tensor_parallel = mlp.tensor_parallel = group
+    layer.sharded = True
+    return layer
 
 
 @torch.no_grad()
