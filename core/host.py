@@ -79,6 +79,18 @@ def reuse_freed_memory() -> bool:
     )
 
 
+def trim_heap() -> None:
+    """Hand the free pages inside glibc's heap back to the kernel (``malloc_trim``); nothing under another libc. A
+    load frees each layer's unpacked weights as soon as it packs the layer, and the holes they leave between the
+    packed copies stay mapped otherwise: 0.46 GiB of the Qwen3-8B shape's start with ``q4`` weights."""
+    if platform.system() != "Linux":
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor of ``shape`` over its own anonymous memory mapping, whose pages the kernel zeroes as they
     are first written: nothing is written at allocation (``torch.zeros`` of a 10 GiB KV pool writes all of it, about

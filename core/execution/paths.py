@@ -38,7 +38,7 @@ import torch
 from infer.attention import AttentionBackend, AttentionEnvironment, AttentionMetadata
 from infer.execution.calibration import CANDIDATES as CALIBRATION_CANDIDATES
 from infer.execution.calibration import DEFAULT_FUSED_MAX_TOKENS, Calibration, GemmChoice, calibrate, choose_gemm
-from infer.host import reuse_freed_memory
+from infer.host import reuse_freed_memory, trim_heap
 from infer.kernels.cpu import FusedStack, KernelAttentionStep
 from infer.model.ops import StepOps
 
@@ -477,6 +477,7 @@ def layer_preparer(quantization: str, shard_layer: Callable[[torch.nn.Module], o
             shard_layer(layer)
         if packs:
             quantize_linears(layer, quantization)
+        trim_heap()  # the layer's unpacked weights are freed: their pages go back, not held between packed ones
 
     return prepare
 
