@@ -79,6 +79,19 @@ def reuse_freed_memory() -> bool:
     )
 
 
+def available_memory() -> int | None:
+    """Bytes the kernel reckons it can give without swapping (``MemAvailable``: free memory and the page cache it
+    can take back), or None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def trim_heap() -> None:
     """Hand the free pages inside glibc's heap back to the kernel (``malloc_trim``); nothing under another libc. A
     load frees each layer's unpacked weights as soon as it packs the layer, and the holes they leave between the

@@ -329,3 +329,42 @@ def test_a_bf16_output_head_is_held_once_and_given_back_exactly(tmp_path, kernel
     tied = load_model(bf16_checkpoint(tmp_path / "tied", tied=True), torch.float32, bf16_weights=True).model
     tied = quantize_model(tied, "bf16")
     assert tied.head_weight() is tied.embed_tokens.weight
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_start_estimate_of_packed_weights_is_what_the_packed_model_holds(tmp_path, tied):
+    """``packed_weight_bytes`` over the checkpoint's headers (``checkpoint_matrices``) against the packed model's
+    bytes: within the norms' share (left out) for bf16 and q4_1."""
+    from pathlib import Path
+
+    from infer.model.loader import checkpoint_matrices
+    from infer.model.quantization import packed_weight_bytes
+
+    model_dir = bf16_checkpoint(tmp_path / "tiny", tied)
+    counts = checkpoint_matrices(Path(model_dir))
+    assert (counts.table_dtype, counts.tied) == ("BF16", tied)
+    for mode in ("bf16", "q4_1"):
+        model = quantize_model(load_model(model_dir, torch.float32, bf16_weights=True).model, mode)
+        held = model_weight_bytes(model)
+        estimate = packed_weight_bytes(mode, counts.matrices, counts.table, 2, counts.tied)
+        assert 0.97 * held <= estimate <= held, (mode, estimate, held)
+    assert packed_weight_bytes("fp16", counts.matrices, counts.table, 2, counts.tied) is None
+
+
+def test_a_start_says_when_the_weights_will_not_fit_the_memory_available(tmp_path, monkeypatch, caplog):
+    """One warning line before the weights are read, naming the estimate, the memory available and what q4 weights
+    would take; none where they fit."""
+    from infer.execution import paths
+
+    model_dir = bf16_checkpoint(tmp_path / "tiny", tied=False)
+    monkeypatch.setattr("infer.host.available_memory", lambda: 1 << 20)
+    with caplog.at_level("WARNING", logger="infer.execution"):
+        paths.warn_if_memory_is_short(model_dir, "bf16", torch.float32)
+    (record,) = caplog.records
+    assert "weights take about" in record.message and "as bf16 weights" in record.message
+    assert "model.quantization=q4 would hold about" in record.message
+    caplog.clear()
+    monkeypatch.setattr("infer.host.available_memory", lambda: 1 << 40)
+    with caplog.at_level("WARNING", logger="infer.execution"):
+        paths.warn_if_memory_is_short(model_dir, "bf16", torch.float32)
+    assert not caplog.records

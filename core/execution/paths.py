@@ -490,6 +490,8 @@ def load_for_stack(config, registry, device: torch.device, dtype: torch.dtype, s
     from infer.model.loader import load_model
 
     quantization = model_quantization(config, device, dtype, sharded=shard_layer is not None)
+    if device.type == "cpu" and shard_layer is None:
+        warn_if_memory_is_short(config.model.path, quantization, dtype)
     return load_model(
         config.model.path,
         dtype,
@@ -499,6 +501,39 @@ def load_for_stack(config, registry, device: torch.device, dtype: torch.dtype, s
         registry=registry,
         prepare_layer=layer_preparer(quantization, shard_layer),
         bf16_weights=quantization not in ("none", "gguf"),  # packing reads bf16 matrices as they are
+    )
+
+
+def warn_if_memory_is_short(path: str, quantization: str, dtype: torch.dtype) -> None:
+    """Say in one line, before the weights are read, when the weights of ``path`` packed as ``quantization`` take more
+    than the memory this machine has available (``MemAvailable``), and what ``q4`` weights would take: a start past
+    it is killed by the kernel partway through the load, with nothing said. Estimated from the checkpoint's headers
+    (``packed_weight_bytes``); silent where the mode is not estimated."""
+    from infer.host import available_memory
+    from infer.model.loader import checkpoint_matrices, hf_model_dir
+    from infer.model.quantization import packed_weight_bytes
+
+    available = available_memory()
+    if available is None:
+        return
+    counts = checkpoint_matrices(hf_model_dir(path))
+    if quantization == "none":
+        needed = dtype.itemsize * (counts.matrices + counts.table)
+    else:
+        table_bytes = 2 if counts.table_dtype == "BF16" else 4
+        needed = packed_weight_bytes(quantization, counts.matrices, counts.table, table_bytes, counts.tied)
+    if needed is None or needed <= available:
+        return
+    q4 = packed_weight_bytes("q4_1", counts.matrices, counts.table, 2, counts.tied)
+    hint = f"; model.quantization=q4 would hold about {q4 / 2**30:.1f} GiB" if q4 < needed else ""
+    logger.warning(
+        "model %s: its weights take about %.1f GiB as %s, more than the %.1f GiB this machine has available: the "
+        "start may run out of memory%s",
+        path,
+        needed / 2**30,
+        "float weights" if quantization == "none" else f"{quantization} weights",
+        available / 2**30,
+        hint,
     )
 
 

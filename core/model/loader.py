@@ -320,6 +320,37 @@ class SafetensorsTensors(Mapping[str, torch.Tensor]):
         return len(self._files)
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointMatrices:
+    """A HF checkpoint's matrices, counted from its files' headers (no tensor read): the embedding table's weights
+    and dtype, the other matrices' weights (projections, an untied output head), and whether the head is tied."""
+
+    table: int
+    table_dtype: str
+    matrices: int
+    tied: bool
+
+
+def checkpoint_matrices(model_dir: Path) -> CheckpointMatrices:
+    """Count ``model_dir``'s matrices (2-D tensors) from its safetensors headers."""
+    from safetensors import safe_open
+
+    table, table_dtype, matrices, head = 0, "", 0, False
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(file, framework="pt", device="cpu") as tensors:
+            for name in tensors.keys():
+                view = tensors.get_slice(name)
+                shape = view.get_shape()
+                if len(shape) != 2:
+                    continue
+                if name.endswith("embed_tokens.weight"):
+                    table, table_dtype = shape[0] * shape[1], view.get_dtype()
+                else:
+                    matrices += shape[0] * shape[1]
+                    head = head or name == "lm_head.weight"
+    return CheckpointMatrices(table, table_dtype, matrices, tied=not head)
+
+
 def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> list[int]:
     """Token ids that end generation: the union of the generation config's, the model config's and the
     tokenizer's EOS ids (instruct models often list several)."""

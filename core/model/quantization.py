@@ -50,7 +50,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from infer.kernels.cpu.blocks import QUANTIZED_KINDS, BlockWeight, dequantize_blocks, quantize_blocks
+from infer.kernels.cpu.blocks import (
+    BLOCK_COLUMNS,
+    GROUP_ROWS,
+    QUANTIZED_KINDS,
+    RECORD_BYTES,
+    BlockWeight,
+    dequantize_blocks,
+    quantize_blocks,
+)
 from infer.kernels.cpu.packing import can_pack, can_pack_tiles, pack_scales, pack_tiles, pack_weights, unpack_tiles
 from infer.model import Linear
 
@@ -507,6 +515,21 @@ def _bf16_values(table: torch.Tensor, rows: int = 4096) -> bool:
     low = 0 if sys.byteorder == "little" else 1
     halves = table.detach().reshape(table.shape[0], -1).view(torch.int16)[:, low::2]
     return all(not torch.any(chunk) for chunk in halves.split(rows))
+
+
+def packed_weight_bytes(mode: str, matrices: int, table: int, table_bytes: int, tied: bool) -> int | None:
+    """What a model's weights take packed for ``mode`` (resolved; None where not estimated: fp16, the int8 modes, a
+    GGUF file's blocks): ``matrices`` weights of its projections and untied output head at the mode's bytes a weight
+    (bf16 2, held once; blocks their records'), the embedding table's ``table`` weights at ``table_bytes`` (a bf16
+    checkpoint's 2, else float32's 4), and a tied head's packed copy of it. Norms and biases are left out: a start's
+    estimate, made before the weights are read."""
+    if mode == "bf16":
+        per_weight = 2.0
+    elif mode in QUANTIZED_KINDS:
+        per_weight = RECORD_BYTES[mode] / (BLOCK_COLUMNS[mode] * GROUP_ROWS[mode])
+    else:
+        return None
+    return int(per_weight * (matrices + (table if tied else 0))) + table_bytes * table
 
 
 def model_weight_bytes(model: nn.Module) -> int:
