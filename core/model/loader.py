@@ -332,7 +332,8 @@ class CheckpointMatrices:
 
 
 def checkpoint_matrices(model_dir: Path) -> CheckpointMatrices:
-    """Count ``model_dir``'s matrices (2-D tensors) from its safetensors headers."""
+    """Count ``model_dir``'s matrices (2-D tensors) from its safetensors headers; tied as its config says, else as
+    the checkpoint (a head of its own or none)."""
     from safetensors import safe_open
 
     table, table_dtype, matrices, head = 0, "", 0, False
@@ -348,7 +349,13 @@ def checkpoint_matrices(model_dir: Path) -> CheckpointMatrices:
                 else:
                     matrices += shape[0] * shape[1]
                     head = head or name == "lm_head.weight"
-    return CheckpointMatrices(table, table_dtype, matrices, tied=not head)
+    config_file = model_dir / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    # A tied checkpoint may still carry the head's copy, which the load ignores.
+    tied = bool(config.get("tie_word_embeddings", not head))
+    if tied and head:
+        matrices -= table
+    return CheckpointMatrices(table, table_dtype, matrices, tied)
 
 
 def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> list[int]:
