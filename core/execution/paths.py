@@ -460,15 +460,20 @@ def model_quantization(config, device: torch.device, dtype: torch.dtype, sharded
     )
 
 
+def packs_as_read(quantization: str) -> bool:
+    """Whether a load packs each layer as it is read for ``quantization``: every mode but unpacked weights (``none``)
+    and a GGUF file's blocks (``gguf``: read from the file for the whole model after the load)."""
+    return quantization not in ("none", "gguf")
+
+
 def layer_preparer(quantization: str, shard_layer: Callable[[torch.nn.Module], object] | None = None):
     """What ``load_model`` calls on each layer as soon as it is read (``prepare_layer``): a tensor-parallel rank's
-    share of it kept (``shard_layer``), then packed as ``quantization`` says; None where there is nothing to do per
-    layer. The whole model is packed after the load where it stays unpacked (``none``) or takes a GGUF file's blocks
-    (``gguf``: read from the file for the whole model). ``quantize_model`` packs what the layers leave (the output
-    head) and skips what is packed, as ``shard_model`` skips the layers sharded."""
+    share of it kept (``shard_layer``), then packed where ``packs_as_read``; None where there is nothing to do per
+    layer. ``quantize_model`` packs what the layers leave (the output head, or the whole model where they are not
+    packed as read) and skips what is packed, as ``shard_model`` skips the layers sharded."""
     from infer.model.quantization import quantize_linears
 
-    packs = quantization not in ("none", "gguf")
+    packs = packs_as_read(quantization)
     if shard_layer is None and not packs:
         return None
 
@@ -500,7 +505,7 @@ def load_for_stack(config, registry, device: torch.device, dtype: torch.dtype, s
         architecture=config.model.architecture,
         registry=registry,
         prepare_layer=layer_preparer(quantization, shard_layer),
-        bf16_weights=quantization not in ("none", "gguf"),  # packing reads bf16 matrices as they are
+        bf16_weights=packs_as_read(quantization),  # packing reads bf16 matrices as they are
     )
 
 
