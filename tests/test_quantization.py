@@ -266,14 +266,10 @@ def test_bf16_held_tables_change_no_token_of_a_run_with_eagle_drafting(bf16_valu
 
 def bf16_checkpoint(destination, tied: bool) -> str:
     """A tiny model saved as a bf16 checkpoint (every tensor bf16), its head tied to the embedding or its own."""
-    from safetensors.torch import load_file, save_file
-
+    from infer.testing.model import save_in_bf16
     from infer.testing.models import make_tiny_model_dir
 
-    model_dir = make_tiny_model_dir(destination, seed=3, num_hidden_layers=2, tie_word_embeddings=tied)
-    for path in model_dir.glob("*.safetensors"):
-        save_file({name: tensor.bfloat16() for name, tensor in load_file(path).items()}, path)
-    return str(model_dir)
+    return str(save_in_bf16(make_tiny_model_dir(destination, seed=3, num_hidden_layers=2, tie_word_embeddings=tied)))
 
 
 @pytest.mark.parametrize("tied", [True, False])

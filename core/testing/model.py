@@ -74,6 +74,16 @@ def save_tiny_model(hf_model_class: str, config: Any, destination: Path, seed: i
     return destination
 
 
+def save_in_bf16(model_dir: Path) -> Path:
+    """Rewrite every tensor of ``model_dir``'s safetensors files in bf16, in place: the same model as a bf16
+    checkpoint (what a published one is)."""
+    from safetensors.torch import load_file, save_file
+
+    for path in Path(model_dir).glob("*.safetensors"):
+        save_file({name: tensor.bfloat16() for name, tensor in load_file(path).items()}, path)
+    return Path(model_dir)
+
+
 class PagedRunner:
     """A model over a paged pool, one batched call per step: shuffled pool blocks, per-sequence block tables, the
     attention backend ``backend_name`` (``sdpa``, ``cpu``, ...), infer's CPU kernels when ``kernels`` (on the
@@ -311,15 +321,10 @@ class ModelConformance(ConformanceSuite):
         logits, bit for bit, in bf16 and as q4_1 blocks."""
         import shutil
 
-        from safetensors.torch import load_file, save_file
-
         from infer.model.loader import load_model
         from infer.model.quantization import quantize_model
 
-        bf16_dir = tmp_path / "bf16"
-        shutil.copytree(model_dir, bf16_dir)
-        for path in bf16_dir.glob("*.safetensors"):
-            save_file({name: tensor.bfloat16() for name, tensor in load_file(path).items()}, path)
+        bf16_dir = save_in_bf16(shutil.copytree(model_dir, tmp_path / "bf16"))
         settings = dict(max_positions=self.max_model_len, architecture=self.impl_name)
         held = load_model(str(bf16_dir), torch.float32, bf16_weights=True, **settings).model
         assert any(parameter.dtype == torch.bfloat16 for parameter in held.layers.parameters())
