@@ -98,7 +98,7 @@ def test_tile_fma_multiplies_float32_rows_by_the_bf16_weights_beyond_the_gemv(bi
     few = torch.randn(3, 96)
     with torch.no_grad():
         assert torch.equal(fma(few), plain(few))
-        for rows in (9, 64, 300):  # 300: beyond TILE_MAX_ROWS, oneDNN's range without tile_fma
+        for rows in (9, 64, 300):  # 300: beyond TILE_MAX_ROWS, oneDNN's range without tile_fma (but on AMX)
             x = torch.randn(rows, 96)
             exact = torch.nn.functional.linear(x.double(), rounded, bias_values)
             torch.testing.assert_close(fma(x).double(), exact, atol=2e-5, rtol=1e-5)

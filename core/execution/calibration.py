@@ -20,7 +20,8 @@ what was chosen.
 
 A second, smaller measurement, ``choose_gemm`` (``execution.large_gemm: auto``), decides how bf16 weights' steps
 of more rows than the GEMV takes multiply: with bf16 arithmetic (infer's tile kernel on AMX tiles or AVX512-BF16
-dot products up to ``TILE_MAX_ROWS`` rows, oneDNN's GEMM over the tiles unpacked beyond, inputs rounded to bf16) or on
+dot products up to ``TILE_MAX_ROWS`` rows and oneDNN's GEMM over the tiles unpacked beyond; every row count on AMX;
+inputs rounded to bf16) or on
 the same tiles with float32 FMAs over the widened bf16 weights (float32 inputs): CPUs whose bf16 dot products are slow
 (an Intel Xeon with AVX512-BF16 and no AMX) take the FMAs; figures in docs/performance.md. Cached the same way,
 ``calibration/gemm-<signature>.json``.
@@ -504,8 +505,8 @@ def measure_gemm(
 ) -> dict[int, tuple[float, float]]:
     """Per row count, the fastest of ``repeats`` gate/up projections (the model's largest; random weights, rounded
     to bf16 and packed for the tiles) with bf16 arithmetic as a ``PackedLinear`` runs it there (the tiles with float32
-    rows up to ``TILE_MAX_ROWS``, oneDNN's GEMM with bf16 rows beyond over the tiles unpacked for the call) and on the
-    tiles' float32 FMAs, alternately (ms); every pass's time is kept in ``timer``."""
+    rows up to ``TILE_MAX_ROWS`` and on AMX, oneDNN's GEMM with bf16 rows beyond over the tiles unpacked for the call)
+    and on the tiles' float32 FMAs, alternately (ms); every pass's time is kept in ``timer``."""
     from infer.kernels.cpu import pack_tiles
     from infer.model.quantization import TILE_MAX_ROWS, bf16_linear, dense_buffer
 
@@ -518,7 +519,7 @@ def measure_gemm(
         x_bf16 = x.bfloat16()
         bf16 = (
             (lambda: kernels.linear_tiles(x, tiles, None))
-            if count <= TILE_MAX_ROWS
+            if count <= TILE_MAX_ROWS or kernels.amx
             else (lambda: bf16_linear(x_bf16, kernels.unpack_tiles(tiles, dense_buffer(weight.numel()))))
         )
         candidates = {"bf16": bf16, "float32": lambda: kernels.linear_tiles(x, tiles, None, fma=True)}

@@ -73,10 +73,11 @@ GGUF_OTHERS = "q8_0"
 # Weights per int8 scale in mode int8 (int8_per_row: a whole row).
 INT8_GROUP = 32
 KERNEL_MODES = ("fp16", "bf16", "int8", "int8_per_row")
-# bf16 on AMX or AVX512-BF16: inputs of up to this many rows take infer's tile GEMM (``CpuKernels.linear_tiles``),
-# larger ones (prefill chunks) oneDNN's GEMM over the tiles unpacked for the call (``CpuKernels.unpack_tiles``),
-# faster there on AMX (four 512-token prompts 596 vs 857 ms a step) and level with it on AVX512-BF16
-# (``benchmarks/tile_gemm.py``; docs/performance.md).
+# bf16 on AVX512-BF16's dot products (no AMX): inputs of up to this many rows take infer's tile GEMM
+# (``CpuKernels.linear_tiles``), larger ones (prefill chunks) oneDNN's GEMM over the tiles unpacked for the call
+# (``CpuKernels.unpack_tiles``), level with it there (``benchmarks/tile_gemm.py``). On AMX every input takes the
+# tiles: with the threads sharing the blocks as they finish, a whole prefill step runs 1.2-1.5x faster than on
+# oneDNN's GEMM over the unpacked tiles (docs/performance.md).
 TILE_MAX_ROWS = 256
 # Block weights where the block GEMM runs on AMX: inputs of at least this many rows (prefill chunks) multiply through
 # oneDNN's bf16 GEMM over the weight dequantized to bf16 for the call (``CpuKernels.dequantize_blocks_bf16``, the
@@ -249,13 +250,14 @@ class PackedLinear(nn.Module):
         self.kernel_weight: torch.Tensor | None = None
         self.kernel_scales: torch.Tensor | None = None
         # bf16 on kernels with AMX or AVX512-BF16: the weights' one copy, in pack_tiles' layout (kernel_weight and
-        # oneDNN's copy ``packed`` then None): inputs of up to TILE_MAX_ROWS rows multiply on it, larger ones on
-        # oneDNN's GEMM over it unpacked for the call.
+        # oneDNN's copy ``packed`` then None): inputs of up to TILE_MAX_ROWS rows multiply on it (every input with
+        # ``tiles_only``), larger ones on oneDNN's GEMM over it unpacked for the call.
         self.tile_weight: torch.Tensor | None = None
         # bf16 with tiles where float32 FMAs outrun the bf16 dot products (``use_cpu_kernels``' ``tile_fma``): every
         # input the GEMV does not take multiplies on the tiles with float32 FMAs.
         self.tile_fma = False
-        # bf16 with tiles for a caller that multiplies every input over them (``use_cpu_kernels``' ``tiles_only``).
+        # bf16 with tiles that every input multiplies on, whatever its rows: AMX's, the FMAs, or a caller that
+        # multiplies every input over them (``use_cpu_kernels``' ``tiles_only``).
         self.tiles_only = False
 
     def use_cpu_kernels(
@@ -267,10 +269,10 @@ class PackedLinear(nn.Module):
         streaming GEMV has no fixed per-call cost, where fbgemm pays 20-45 us at one row (docs/performance.md). Costs
         the copy's bytes (counted in ``nbytes``). bf16 on kernels with AMX or AVX512-BF16 (``kernels.tiles``): one copy
         in ``pack_tiles``' layout instead, which ``kernels.linear_tiles`` reads for every input of up to
-        ``TILE_MAX_ROWS`` rows: up to one GEMV pass (``kernels.pass_rows``) its GEMV (float32 inputs and FMAs, as fast
-        as the GEMV over ``pack_weights``' layout), more on the tiles (docs/performance.md). oneDNN's copy goes:
-        larger inputs run oneDNN's GEMM over the tiles unpacked into a buffer for the call (``dense_buffer``), as fast
-        in whole prefills as its own prepacked copy and half the memory (docs/performance.md). ``streams`` keeps
+        ``TILE_MAX_ROWS`` rows (every input on AMX): up to one GEMV pass (``kernels.pass_rows``) its GEMV (float32
+        inputs and FMAs, as fast as the GEMV over ``pack_weights``' layout), more on the tiles (docs/performance.md).
+        oneDNN's copy goes: larger inputs on AVX512-BF16 run oneDNN's GEMM over the tiles unpacked into a buffer for
+        the call (``dense_buffer``), as fast in whole prefills as its own prepacked copy and half the memory. ``streams`` keeps
         ``pack_weights``' layout beside the tiles too, for callers that read that (a mixture of experts' C call).
         ``tile_fma`` (bf16 with tiles, kernels with ``tile_fma``): every input of more rows than one GEMV pass takes
         the tiles with float32 FMAs (float32 inputs, not rounded), whatever its rows: for CPUs where that beats the
@@ -299,7 +301,8 @@ class PackedLinear(nn.Module):
             if kernels.tiles and can_pack_tiles(self.out_features, self.in_features):
                 self.tile_weight = pack_tiles(plain)
                 self.tile_fma = tile_fma and kernels.tile_fma
-                self.tiles_only = tiles_only
+                # every input on the tiles: a caller's request, the FMAs' choice, or AMX (``TILE_MAX_ROWS``)
+                self.tiles_only = tiles_only or self.tile_fma or kernels.amx
                 self.packed = None  # the tiles are the one copy; the bytes are as many
             if self.tile_weight is None or streams:
                 self.kernel_weight = pack_weights(plain)
@@ -338,7 +341,7 @@ class PackedLinear(nn.Module):
         rows = flat.shape[0]
         if self.blocks is not None:
             out = self.block_linear(flat)
-        elif self.tile_weight is not None and (rows <= TILE_MAX_ROWS or self.tile_fma or self.tiles_only):
+        elif self.tile_weight is not None and (rows <= TILE_MAX_ROWS or self.tiles_only):
             fma = self.tile_fma or (rows <= self.kernels.pass_rows and self.kernels.tile_fma)  # the GEMV: float32
             rows_in = flat if flat.dtype == torch.bfloat16 else flat.float()  # float32 or bf16 rows
             out = self.kernels.linear_tiles(rows_in, self.tile_weight, self.bias, fma)

@@ -38,6 +38,71 @@
 #define PASS_ROWS 3
 #endif
 
+/* ---- a loop's items shared among the threads -------------------------------------------------------------------- */
+
+/* The calling thread's place in its OpenMP team (0 of 1 outside one, or in a build without OpenMP). */
+static inline int team_member(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+/* Threads a parallel region may get, for sizing an item_share array before it. */
+static inline int team_size_max(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* One thread's share of a loop's items, [front, back) in one word (front in the high half), on a line of its own.
+ * Its thread takes items from the front, in order, so a kernel that prefetches the item after the one it runs
+ * prefetches the right one; a thread whose own share is done takes from the back of the others'. A static split
+ * waits for the slowest thread: where one core runs a kernel slower than the other (on a shared machine, a
+ * neighbour on its other hyperthread), the fast one now finishes the slow one's items. Items are taken one at a
+ * time with a compare-and-swap, against a few microseconds of work each. */
+typedef struct {
+    uint64_t range;
+    char pad[56];
+} item_share;
+
+/* Sets thread `me`'s share of `items` items split into `threads` contiguous shares. Every thread sets its own, then
+ * the team meets at a barrier before taking any. */
+static inline void share_reset(item_share *shares, int64_t items, int threads, int me) {
+    const uint64_t front = (uint64_t)(items * me / threads), back = (uint64_t)(items * (me + 1) / threads);
+    __atomic_store_n(&shares[me].range, front << 32 | back, __ATOMIC_RELAXED);
+}
+
+/* Thread `me`'s next item: the front of its own share, else the back of the next thread's with items left (then
+ * *stolen is 1); -1 when every item is taken. */
+static inline int64_t share_next(item_share *shares, int threads, int me, int *stolen) {
+    for (int i = 0; i < threads; i++) {
+        item_share *share = &shares[(me + i) % threads];
+        uint64_t range = __atomic_load_n(&share->range, __ATOMIC_RELAXED);
+        for (;;) {
+            const uint64_t front = range >> 32, back = range & 0xffffffffu;
+            if (front >= back) break;
+            const uint64_t taken = i == 0 ? (front + 1) << 32 | back : front << 32 | (back - 1);
+            if (__atomic_compare_exchange_n(&share->range, &range, taken, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+                *stolen = i != 0;
+                return (int64_t)(i == 0 ? front : back - 1);
+            }
+        }
+    }
+    return -1;
+}
+
 /* ---- half and bf16 ---------------------------------------------------------------------------------------------- */
 
 /* The float value of an IEEE half (bits h). */

@@ -1,10 +1,11 @@
 /* The bf16 GEMM over weights laid out by pack_tiles (infer_linear_tiles): on AMX tiles, with AVX512-BF16's dot
  * products, with float32 FMAs over the widened weights, or in plain C (the reference the tests hold the others to).
  *
- * x is rounded to bf16 into a buffer (padded to 32 rows for AMX). Each thread takes blocks of 32 output columns and
- * runs every block of rows of x over it: a block's weights (32 k bf16s per column) come from memory once and stay in
- * L2 for the next rows. On AMX (when the OS allows it) 2 x 2 tiles of results per pass; else with AVX512-BF16
- * (VDPBF16PS reads each B tile row as one register: the same layout) DOT_ROWS rows per pass. With `fma` (AVX-512
+ * x is rounded to bf16 into a buffer (padded to 32 rows for AMX). Each thread takes blocks of 32 output columns (its
+ * own share first, in order, then what is left of the others': item_share) and runs every block of rows of x over
+ * it: a block's weights (32 k bf16s per column) come from memory once and stay in L2 for the next rows. On AMX (when
+ * the OS allows it) 2 x 2 tiles of results per pass; else with AVX512-BF16 (VDPBF16PS reads each B tile row as one
+ * register: the same layout) DOT_ROWS rows per pass. With `fma` (AVX-512
  * builds) x stays float32 and the products are float32 FMAs over the widened weights instead (block_fma_bf16), for
  * CPUs where those outrun the bf16 dot products. Rows of x go in chunks of TILE_CHUNK_ROWS, which stay in L2 while
  * every block of weights passes over them (a 2048-row prefill over all rows at once read x from L3 on AMX: 1016 vs
@@ -52,22 +53,26 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const char *ahe
  * block's weights into L2 (prefetch_ahead, as tiles_avx512), and the block's first pass finds them there too. Over
  * cold weights of Qwen3-0.6B's projections (1 thread) that takes 1.1-1.4x less time at 16-128 rows than leaving the
  * streaming to the hardware's prefetchers, and a 64-sequence decode step of that model 1.23x less (219.6 -> 178.9
- * ms). */
+ * ms). A thread that takes another's blocks from the back prefetches the block before the one it runs. */
 static void tiles_amx(const uint16_t *xb, int64_t rows, int64_t padded, int64_t k, const uint16_t *w,
                       const float *bias, void *y, int y_bf16, int64_t n_out) {
     const int64_t k_tiles = k / 32, blocks = n_out / 32, block_bytes = k_tiles * 2048;
+    item_share shares[team_size_max()];
 #pragma omp parallel
     {
+        const int me = team_member(), team = team_size();
         load_full_tiles();
         float results[4][16][16];
         for (int64_t chunk = 0; chunk < padded; chunk += TILE_CHUNK_ROWS) {
             const int64_t chunk_end = chunk + TILE_CHUNK_ROWS < padded ? chunk + TILE_CHUNK_ROWS : padded;
             const int64_t passes = (chunk_end - chunk) / 32, slice = (block_bytes / passes + 63) / 64 * 64;
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++) {
+            share_reset(shares, blocks, team, me);
+#pragma omp barrier
+            int stolen;
+            for (int64_t b; (b = share_next(shares, team, me, &stolen)) >= 0;) {
                 const uint16_t *wb = w + b * k_tiles * 1024;
-                const int64_t n = b * 32;
-                const char *next = b + 1 < blocks ? (const char *)(wb + k_tiles * 1024) : NULL;
+                const int64_t n = b * 32, after = stolen ? b - 1 : b + 1;  /* the block this thread likely takes next */
+                const char *next = after >= 0 && after < blocks ? (const char *)(w + after * k_tiles * 1024) : NULL;
                 for (int64_t m = chunk, i = 0; m < chunk_end; m += 32, i++) {
                     const int64_t from = i * slice;
                     const int64_t bytes = next && from < block_bytes ?
@@ -107,6 +112,7 @@ static void tiles_amx(const uint16_t *xb, int64_t rows, int64_t padded, int64_t 
                                    y_bf16);
                 }
             }
+#pragma omp barrier
         }
         _tile_release();
     }
@@ -236,18 +242,22 @@ static void tiles_avx512(const void *x, int fma, int64_t rows, int64_t k, const 
     (void)fma;
 #endif
     const int64_t blocks = n_out / 32;
+    item_share shares[team_size_max()];
 #pragma omp parallel
     for (int64_t chunk = 0; chunk < rows; chunk += TILE_CHUNK_ROWS) {
         const int64_t chunk_end = chunk + TILE_CHUNK_ROWS < rows ? chunk + TILE_CHUNK_ROWS : rows;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
+        const int me = team_member(), team = team_size();
+        share_reset(shares, blocks, team, me);
+#pragma omp barrier
+        int stolen;
+        for (int64_t b; (b = share_next(shares, team, me, &stolen)) >= 0;) {
             const uint16_t *wb = w + b * (k / 32) * 1024;
             const float *own_bias = bias ? bias + b * 32 : NULL;
-            /* the next block's weights (this thread's next, but at the end of its share) come from memory: its
-             * passes ask for a slice of them each, into L2, while this block's are read from there */
+            /* the block this thread likely takes next comes from memory: this block's passes ask for a slice of its
+             * weights each, into L2, while this block's are read from there */
             const int64_t block_bytes = (k / 32) * 2048, passes = (chunk_end - chunk + pass - 1) / pass;
-            const int64_t slice = (block_bytes / passes + 63) / 64 * 64;
-            const char *next = b + 1 < blocks ? (const char *)(wb + (k / 32) * 1024) : NULL;
+            const int64_t slice = (block_bytes / passes + 63) / 64 * 64, after = stolen ? b - 1 : b + 1;
+            const char *next = after >= 0 && after < blocks ? (const char *)(w + after * (k / 32) * 1024) : NULL;
             for (int64_t m = chunk, i = 0; m < chunk_end; m += pass, i++) {
                 const int count = (int)(chunk_end - m < pass ? chunk_end - m : pass);
                 const int64_t at = m * n_out + b * 32;
@@ -264,6 +274,7 @@ static void tiles_avx512(const void *x, int fma, int64_t rows, int64_t k, const 
                 pass_fma_bf16((const float *)x + m * k, k, wb, own_bias, y, at, n_out, y_bf16, ahead, bytes, count);
             }
         }
+#pragma omp barrier
     }
 }
 #endif
