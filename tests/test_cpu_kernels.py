@@ -504,6 +504,44 @@ def test_linear_tiles_is_the_bf16_rounded_product_in_float32(kernels, rows, bias
         kernels.linear_tiles(x, weight, None)
 
 
+# Run in a fresh process per thread count: OpenMP reads OMP_NUM_THREADS once, at the kernels' first parallel region.
+SHARED_ITEMS_SCRIPT = """
+import sys, torch
+from infer.kernels import cpu as cpu_kernels
+kernels = cpu_kernels.load(True)
+generator = torch.Generator().manual_seed(5)
+weight = torch.randn(32 * 21, 3072, generator=generator) * 0.1
+tiles, blocks = cpu_kernels.pack_tiles(weight.bfloat16()), kernels.quantize_blocks(weight, "q4_1")
+products = {}
+for rows in (40, 600):  # one pass of blocks; four chunks of x for either GEMM
+    x = torch.randn(rows, 3072, generator=generator)
+    products[f"tiles {rows}"] = kernels.linear_tiles(x, tiles, None)
+    for design in kernels.block_gemm_designs:
+        products[f"{design} {rows}"] = kernels.gemm_blocks(x, blocks, None, design)
+torch.save(products, sys.argv[1])
+"""
+
+
+def test_the_gemms_give_the_same_bits_on_any_number_of_threads(tmp_path):
+    """The tile GEMM and the block GEMM share their column blocks among the threads as they finish (each its own
+    share in order, then the others' from the back: ``item_share``). Seven threads on this machine's cores finish at
+    different times and take over each other's items; each item is computed once, by whichever thread, with the same
+    arithmetic, so the products are one thread's bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    products = {}
+    for threads in (1, 7):
+        path = tmp_path / f"{threads}.pt"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        subprocess.run([sys.executable, "-c", SHARED_ITEMS_SCRIPT, str(path)], env=env, check=True, timeout=300)
+        products[threads] = torch.load(path)
+    assert products[1].keys() == products[7].keys() and "tiles 600" in products[1]
+    for name, product in products[1].items():
+        assert torch.equal(products[7][name], product), name
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 300])  # partial and whole 8-row passes, two 256-row chunks
 def test_linear_tiles_with_fma_is_the_float32_rows_times_the_bf16_weights(kernels, rows, bias):

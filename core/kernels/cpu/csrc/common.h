@@ -69,33 +69,37 @@ static inline int team_size_max(void) {
 /* One thread's share of a loop's items, [front, back) in one word (front in the high half), on a line of its own.
  * Its thread takes items from the front, in order, so a kernel that prefetches the item after the one it runs
  * prefetches the right one; a thread whose own share is done takes from the back of the others'. A static split
- * waits for the slowest thread: where one core runs a kernel slower than the other (on a shared machine, a
- * neighbour on its other hyperthread), the fast one now finishes the slow one's items. Items are taken one at a
- * time with a compare-and-swap, against a few microseconds of work each. */
+ * waits for the slowest thread, and cores do not all run alike: on a shared machine one core's tile products can
+ * run at half another's at the same moment (docs/performance.md); the faster core then takes the slower one's last
+ * items. Items are taken one at a time with a compare-and-swap, against microseconds of work each. */
 typedef struct {
     uint64_t range;
     char pad[56];
 } item_share;
 
-/* Sets thread `me`'s share of `items` items split into `threads` contiguous shares. Every thread sets its own, then
- * the team meets at a barrier before taking any. */
-static inline void share_reset(item_share *shares, int64_t items, int threads, int me) {
-    const uint64_t front = (uint64_t)(items * me / threads), back = (uint64_t)(items * (me + 1) / threads);
-    __atomic_store_n(&shares[me].range, front << 32 | back, __ATOMIC_RELAXED);
+/* Sets share `me` to the items [front, back). Every thread sets its own, then the team meets at a barrier before
+ * taking any. */
+static inline void share_set(item_share *shares, int me, int64_t front, int64_t back) {
+    __atomic_store_n(&shares[me].range, (uint64_t)front << 32 | (uint64_t)back, __ATOMIC_RELAXED);
 }
 
-/* Thread `me`'s next item: the front of its own share, else the back of the next thread's with items left (then
- * *stolen is 1); -1 when every item is taken. */
-static inline int64_t share_next(item_share *shares, int threads, int me, int *stolen) {
+/* Sets thread `me`'s share of `items` items split into `threads` contiguous shares (share_set). */
+static inline void share_reset(item_share *shares, int64_t items, int threads, int me) {
+    share_set(shares, me, items * me / threads, items * (me + 1) / threads);
+}
+
+/* Thread `me`'s next item: the front of its own share, else the back of the next share with items left; -1 when
+ * every item is taken. *owner: the share it came from (`me` unless taken from another's). */
+static inline int64_t share_next(item_share *shares, int threads, int me, int *owner) {
     for (int i = 0; i < threads; i++) {
-        item_share *share = &shares[(me + i) % threads];
-        uint64_t range = __atomic_load_n(&share->range, __ATOMIC_RELAXED);
+        const int s = (me + i) % threads;
+        uint64_t range = __atomic_load_n(&shares[s].range, __ATOMIC_RELAXED);
         for (;;) {
             const uint64_t front = range >> 32, back = range & 0xffffffffu;
             if (front >= back) break;
             const uint64_t taken = i == 0 ? (front + 1) << 32 | back : front << 32 | (back - 1);
-            if (__atomic_compare_exchange_n(&share->range, &range, taken, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-                *stolen = i != 0;
+            if (__atomic_compare_exchange_n(&shares[s].range, &range, taken, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+                *owner = s;
                 return (int64_t)(i == 0 ? front : back - 1);
             }
         }

@@ -676,10 +676,12 @@ static inline void store_transposed(const float tile[16][16], const float *bias,
 }
 
 /* `kind` a constant per copy: a block kind, or KIND_K_MIXED for any K-quant weight (its `parts`).
- * Each thread takes a contiguous share of the panels and, per chunk of x's tiles, runs each of its panels over them.
- * The tile loop waits on AMX's multiplier and on loading x's tiles from L2 while the vector units idle, so it
- * dequantizes the thread's next panel into a second buffer in its gaps, a few units per k-tile spread evenly over
- * the panel's passes: only a thread's first panel is dequantized alone. */
+ * The items, a panel over a chunk of x's tiles, are shared as a contiguous share of the panels per thread (each
+ * chunk of x's tiles in turn, each of the share's panels over it: item_share over the items in that order), taken
+ * from the front by their thread and from the back by a thread whose own are done. The tile loop waits on AMX's
+ * multiplier and on loading x's tiles from L2 while the vector units idle, so a thread takes its next item before it
+ * runs the current one and dequantizes that item's panel into a second buffer in the gaps, a few units per k-tile
+ * spread evenly over the panel's passes: only a thread's first panel is dequantized alone. */
 static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, int64_t rows, int64_t tiles,
                                                            int64_t k, const uint8_t *w, const kquant_parts *parts,
                                                            const float *bias, void *y, int y_bf16, int64_t n_out,
@@ -688,26 +690,33 @@ static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, i
     int64_t chunk = CHUNK_BYTES / (16 * k * 2);  /* tiles of x */
     chunk = chunk < 2 ? 2 : chunk / 2 * 2;
     const int64_t chunks = (tiles + chunk - 1) / chunk;
+    item_share shares[team_size_max()];
 #pragma omp parallel
     {
-        int64_t thread = 0, threads = 1;
-#ifdef _OPENMP
-        thread = omp_get_thread_num();
-        threads = omp_get_num_threads();
-#endif
-        const int64_t first_panel = panels * thread / threads, count = panels * (thread + 1) / threads - first_panel;
-        if (count > 0) {
+        const int me = team_member(), team = team_size();
+        /* share s: panels [panels * s / team, panels * (s + 1) / team) over every chunk, items numbered from the
+         * share's first panel times chunks */
+        share_set(shares, me, panels * me / team * chunks, panels * (me + 1) / team * chunks);
+#pragma omp barrier
+        int owner;
+        int64_t item = share_next(shares, team, me, &owner);
+        if (item >= 0) {
             load_full_tiles();
             uint16_t *buffers = malloc(sizeof(uint16_t) * 2 * 32 * k), *panel = buffers, *next = buffers + 32 * k;
             float results[4][16][16];
-            for (int64_t u = 0; u < units; u++)
-                dequantize_unit(w, parts, first_panel * 32, n_out, k, u, panel, kind);
-            /* item i: panel first_panel + i % count over chunk i / count of x's tiles */
-            for (int64_t i = 0; i < count * chunks; i++) {
-                const int64_t n = (first_panel + i % count) * 32, n_next = (first_panel + (i + 1) % count) * 32;
-                const int64_t first = i / count * chunk, last = first + chunk < tiles ? first + chunk : tiles;
+            int64_t first_panel = panels * owner / team, count = panels * (owner + 1) / team - first_panel;
+            int64_t n = (first_panel + (item - first_panel * chunks) % count) * 32;
+            for (int64_t u = 0; u < units; u++) dequantize_unit(w, parts, n, n_out, k, u, panel, kind);
+            while (item >= 0) {
+                const int64_t first = (item - first_panel * chunks) / count * chunk;
+                const int64_t last = first + chunk < tiles ? first + chunk : tiles;
+                const int64_t after = share_next(shares, team, me, &owner);  /* the next item, taken now */
+                const int64_t after_first = after < 0 ? 0 : panels * owner / team;
+                const int64_t after_count = after < 0 ? 1 : panels * (owner + 1) / team - after_first;
+                const int64_t n_next =
+                    after < 0 ? n : (after_first + (after - after_first * chunks) % after_count) * 32;
                 /* the next item's panel, unless there is none or it is this one (a share of one panel) */
-                const int64_t todo = i + 1 < count * chunks && count > 1 ? units : 0;
+                const int64_t todo = n_next != n ? units : 0;
                 const int64_t steps = (last - first + 1) / 2 * k_tiles;
                 int64_t done = 0, owed = 0;  /* units dequantized; todo per step, counted against steps */
                 for (int64_t t = first; t < last; t += 2) {
@@ -748,6 +757,7 @@ static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, i
                     panel = next;
                     next = swap;
                 }
+                item = after, n = n_next, first_panel = after_first, count = after_count;
             }
             free(buffers);
             _tile_release();

@@ -68,10 +68,11 @@ static void tiles_amx(const uint16_t *xb, int64_t rows, int64_t padded, int64_t 
             const int64_t passes = (chunk_end - chunk) / 32, slice = (block_bytes / passes + 63) / 64 * 64;
             share_reset(shares, blocks, team, me);
 #pragma omp barrier
-            int stolen;
-            for (int64_t b; (b = share_next(shares, team, me, &stolen)) >= 0;) {
+            int owner;
+            for (int64_t b; (b = share_next(shares, team, me, &owner)) >= 0;) {
                 const uint16_t *wb = w + b * k_tiles * 1024;
-                const int64_t n = b * 32, after = stolen ? b - 1 : b + 1;  /* the block this thread likely takes next */
+                /* the block this thread likely takes next, whose weights its passes ask for */
+                const int64_t n = b * 32, after = owner != me ? b - 1 : b + 1;
                 const char *next = after >= 0 && after < blocks ? (const char *)(w + after * k_tiles * 1024) : NULL;
                 for (int64_t m = chunk, i = 0; m < chunk_end; m += 32, i++) {
                     const int64_t from = i * slice;
@@ -249,14 +250,14 @@ static void tiles_avx512(const void *x, int fma, int64_t rows, int64_t k, const 
         const int me = team_member(), team = team_size();
         share_reset(shares, blocks, team, me);
 #pragma omp barrier
-        int stolen;
-        for (int64_t b; (b = share_next(shares, team, me, &stolen)) >= 0;) {
+        int owner;
+        for (int64_t b; (b = share_next(shares, team, me, &owner)) >= 0;) {
             const uint16_t *wb = w + b * (k / 32) * 1024;
             const float *own_bias = bias ? bias + b * 32 : NULL;
             /* the block this thread likely takes next comes from memory: this block's passes ask for a slice of its
              * weights each, into L2, while this block's are read from there */
             const int64_t block_bytes = (k / 32) * 2048, passes = (chunk_end - chunk + pass - 1) / pass;
-            const int64_t slice = (block_bytes / passes + 63) / 64 * 64, after = stolen ? b - 1 : b + 1;
+            const int64_t slice = (block_bytes / passes + 63) / 64 * 64, after = owner != me ? b - 1 : b + 1;
             const char *next = after >= 0 && after < blocks ? (const char *)(w + after * (k / 32) * 1024) : NULL;
             for (int64_t m = chunk, i = 0; m < chunk_end; m += pass, i++) {
                 const int count = (int)(chunk_end - m < pass ? chunk_end - m : pass);
