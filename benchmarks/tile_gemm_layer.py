@@ -56,8 +56,13 @@ def main() -> None:
         ]
     print(f"{args.layer}'s projections, {kernels.tiles}, {torch.get_num_threads()} threads, bf16 rows in and out")
     names = list(contenders)
-    print("| rows | " + " | ".join(f"{name} ms" for name in names) + " | " + " | ".join(
-        f"{name} / this build" for name in names[1:]) + " |")
+    print(
+        "| rows | "
+        + " | ".join(f"{name} ms" for name in names)
+        + " | "
+        + " | ".join(f"{name} / this build" for name in names[1:])
+        + " |"
+    )
     print("|---" * (2 * len(names)) + "|")
     for rows in args.rows:
         x = {name: torch.randn(rows, shape[1]).bfloat16() for name, shape in shapes.items()}

@@ -518,15 +518,34 @@ for rows in (40, 600):  # one pass of blocks; four chunks of x for either GEMM
     products[f"tiles {rows}"] = kernels.linear_tiles(x, tiles, None)
     for design in kernels.block_gemm_designs:
         products[f"{design} {rows}"] = kernels.gemm_blocks(x, blocks, None, design)
+# decode attention over 24 contexts of 1 to 1,500 keys, each sequence's blocks in order after the last one's, ten
+# calls (items change hands at some of them)
+lengths = torch.randint(1, 1500, (24,), generator=generator).tolist()
+width = max(-(-n // 16) for n in lengths)
+tables, start = [], 1
+for n in lengths:
+    tables.append([start + i for i in range(-(-n // 16))] + [0] * (width - -(-n // 16)))
+    start += -(-n // 16)
+kv = torch.randn(2, start, 16, 2, 64, generator=generator)
+q = torch.randn(len(lengths), 6, 64, generator=generator)
+plan = cpu_kernels.KernelAttentionPlan(
+    None, torch.arange(len(lengths)), torch.tensor(lengths), len(lengths), max(lengths)
+)
+products["attention"] = torch.stack([
+    kernels.paged_attention(q, kv, torch.tensor(tables, dtype=torch.int32), plan, 0.125, torch.empty(q.shape))
+    for _ in range(10)
+])
+products["attention inputs"] = (q, kv, tables, lengths)
 torch.save(products, sys.argv[1])
 """
 
 
-def test_the_gemms_give_the_same_bits_on_any_number_of_threads(tmp_path):
-    """The tile GEMM and the block GEMM share their column blocks among the threads as they finish (each its own
-    share in order, then the others' from the back: ``item_share``). Seven threads on this machine's cores finish at
-    different times and take over each other's items; each item is computed once, by whichever thread, with the same
-    arithmetic, so the products are one thread's bit for bit."""
+def test_threads_taking_over_each_others_items_change_no_result(tmp_path):
+    """The tile GEMM, the block GEMM and decode attention share their items among the threads as they finish (each
+    its own share in order, then the others' from the back: ``item_share``). Seven threads on this machine's cores
+    finish at different times and take over each other's items; each GEMM item is computed once, by whichever thread,
+    with the same arithmetic, so the products are one thread's bit for bit. Attention's items are cut per thread
+    count, so it is held to softmax attention in float64 instead."""
     import os
     import subprocess
     import sys
@@ -538,6 +557,13 @@ def test_the_gemms_give_the_same_bits_on_any_number_of_threads(tmp_path):
         subprocess.run([sys.executable, "-c", SHARED_ITEMS_SCRIPT, str(path)], env=env, check=True, timeout=300)
         products[threads] = torch.load(path)
     assert products[1].keys() == products[7].keys() and "tiles 600" in products[1]
+    for outputs in products.values():
+        q, kv, tables, lengths = outputs.pop("attention inputs")
+        for index, (length, table) in enumerate(zip(lengths, tables)):
+            keys, values = (kv[half, table].flatten(0, 1)[:length] for half in (0, 1))
+            exact = reference_attention(q[index], keys, values, 0.125).expand(10, -1, -1)
+            torch.testing.assert_close(outputs["attention"][:, index].double(), exact, atol=1e-5, rtol=1e-5)
+    del products[1]["attention"], products[7]["attention"]
     for name, product in products[1].items():
         assert torch.equal(products[7][name], product), name
 

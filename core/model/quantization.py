@@ -272,8 +272,9 @@ class PackedLinear(nn.Module):
         ``TILE_MAX_ROWS`` rows (every input on AMX): up to one GEMV pass (``kernels.pass_rows``) its GEMV (float32
         inputs and FMAs, as fast as the GEMV over ``pack_weights``' layout), more on the tiles (docs/performance.md).
         oneDNN's copy goes: larger inputs on AVX512-BF16 run oneDNN's GEMM over the tiles unpacked into a buffer for
-        the call (``dense_buffer``), as fast in whole prefills as its own prepacked copy and half the memory. ``streams`` keeps
-        ``pack_weights``' layout beside the tiles too, for callers that read that (a mixture of experts' C call).
+        the call (``dense_buffer``), as fast in whole prefills as its own prepacked copy and half the memory.
+        ``streams`` keeps ``pack_weights``' layout beside the tiles too, for callers that read that (a mixture of
+        experts' C call).
         ``tile_fma`` (bf16 with tiles, kernels with ``tile_fma``): every input of more rows than one GEMV pass takes
         the tiles with float32 FMAs (float32 inputs, not rounded), whatever its rows: for CPUs where that beats the
         bf16 dot products and oneDNN (``infer.execution.calibration.choose_gemm``). ``tiles_only`` (bf16 with tiles):

@@ -377,25 +377,26 @@ static inline void stream_item(kv_stream *stream, const decode_call *call, const
     stream->values = (ptrdiff_t)call->num_blocks * block_size * slot_width * 2;
 }
 
-/* This thread's contiguous run of items (of about equal cost). It asks for its next item's K/V lines while the
- * current one computes, a KV head's share with each of the current one's KV heads (the blocks of a busy engine's
- * pool are scattered): on the direct path streamed from inside the share's loops (kv_stream), the rest requested
- * when they end; elsewhere all at once before it. */
+/* This thread's items: its contiguous run (of about equal cost) in order, then what is left of the others' runs from
+ * their ends (item_share). It takes its next item before it runs the current one and asks for that item's K/V lines
+ * while the current one computes, a KV head's share with each of the current one's KV heads (the blocks of a busy
+ * engine's pool are scattered): on the direct path streamed from inside the share's loops (kv_stream), the rest
+ * requested when they end; elsewhere all at once before it. */
 static inline void run_items(const decode_call *call, const decode_plan *plan, float *partial, int direct,
-                             int dots) {
+                             int dots, item_share *shares) {
     decode_workspace ws;
     workspace_buffers(&ws, call);
     ws.stream.tokens = ws.stream.token = 0;
-#ifdef _OPENMP
-    const int64_t team = omp_get_num_threads(), member = omp_get_thread_num();
-#else
-    const int64_t team = 1, member = 0;
-#endif
-    const int64_t first_item = run_start(plan->cost_before, plan->total_items, member, team);
-    const int64_t end_item = run_start(plan->cost_before, plan->total_items, member + 1, team);
-    if (first_item < end_item) prefetch_item(call, &plan->items[first_item], 0, plan->items[first_item].kv_heads);
-    for (int64_t item = first_item; item < end_item; item++) {
-        const decode_item *it = &plan->items[item], *next = item + 1 < end_item ? &plan->items[item + 1] : NULL;
+    const int me = team_member(), team = team_size();
+    share_set(shares, me, run_start(plan->cost_before, plan->total_items, me, team),
+              run_start(plan->cost_before, plan->total_items, me + 1, team));
+#pragma omp barrier
+    int owner;
+    int64_t item = share_next(shares, team, me, &owner);
+    if (item >= 0) prefetch_item(call, &plan->items[item], 0, plan->items[item].kv_heads);
+    while (item >= 0) {
+        const int64_t after = share_next(shares, team, me, &owner);
+        const decode_item *it = &plan->items[item], *next = after >= 0 ? &plan->items[after] : NULL;
         for (int64_t kvh = it->first_kv_head; kvh < it->first_kv_head + it->kv_heads; kvh++) {
             if (next) {  /* the next item's KV heads, a share before each of this one's */
                 const int64_t share = kvh - it->first_kv_head;
@@ -407,6 +408,7 @@ static inline void run_items(const decode_call *call, const decode_plan *plan, f
             attend_chunk(&ws, call, plan, it, kvh, partial, direct, dots);
             stream_lines(&ws.stream, INT64_MAX);  /* what the loops left */
         }
+        item = after;
     }
 }
 
@@ -448,9 +450,10 @@ void run_decode_plan(const decode_call *call, const decode_plan *plan) {
     /* a bf16 pool's rows read in place (AVX-512), and on the dot products (AVX512-BF16) when asked */
     const int direct = INFER_AVX512 && call->kv_bf16 && direct_head_dim(call->head_dim);
     const int dots = INFER_AVX512_BF16 && call->dots && direct;
+    item_share shares[team_size_max()];
 #pragma omp parallel if (plan->parallel)
     {
-        run_items(call, plan, partial, direct, dots);
+        run_items(call, plan, partial, direct, dots, shares);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < call->queries; i++) merge_query(call, plan, partial, i);
