@@ -49,15 +49,7 @@ static inline int team_member(void) {
 #endif
 }
 
-static inline int team_size(void) {
-#ifdef _OPENMP
-    return omp_get_num_threads();
-#else
-    return 1;
-#endif
-}
-
-/* Threads a parallel region may get, for sizing an item_share array before it. */
+/* Threads a parallel region may get: the number of shares to lay out before it. */
 static inline int team_size_max(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();
@@ -71,25 +63,26 @@ static inline int team_size_max(void) {
  * prefetches the right one; a thread whose own share is done takes from the back of the others'. A static split
  * waits for the slowest thread, and cores do not all run alike: on a shared machine one core's tile products can
  * run at half another's at the same moment (docs/performance.md); the faster core then takes the slower one's last
- * items. Items are taken one at a time with a compare-and-swap, against microseconds of work each. */
+ * items. Items are taken one at a time with a compare-and-swap, against microseconds of work each. The shares are
+ * laid out before the parallel region, one per thread it may get (team_size_max), so that no thread waits for the
+ * others to start: a share whose thread the region did not get is taken by the others. */
 typedef struct {
     uint64_t range;
     char pad[56];
 } item_share;
 
-/* Sets share `me` to the items [front, back). Every thread sets its own, then the team meets at a barrier before
- * taking any. */
-static inline void share_set(item_share *shares, int me, int64_t front, int64_t back) {
-    __atomic_store_n(&shares[me].range, (uint64_t)front << 32 | (uint64_t)back, __ATOMIC_RELAXED);
+/* Sets share `s` to the items [front, back). */
+static inline void share_set(item_share *shares, int s, int64_t front, int64_t back) {
+    shares[s].range = (uint64_t)front << 32 | (uint64_t)back;
 }
 
-/* Sets thread `me`'s share of `items` items split into `threads` contiguous shares (share_set). */
-static inline void share_reset(item_share *shares, int64_t items, int threads, int me) {
-    share_set(shares, me, items * me / threads, items * (me + 1) / threads);
+/* `items` items split into `threads` contiguous shares in thread order (share_set for each). */
+static inline void shares_split(item_share *shares, int threads, int64_t items) {
+    for (int s = 0; s < threads; s++) share_set(shares, s, items * s / threads, items * (s + 1) / threads);
 }
 
-/* Thread `me`'s next item: the front of its own share, else the back of the next share with items left; -1 when
- * every item is taken. *owner: the share it came from (`me` unless taken from another's). */
+/* Thread `me`'s next item of `threads` shares: the front of its own, else the back of the next share with items
+ * left; -1 when every item is taken. *owner: the share it came from (`me` unless taken from another's). */
 static inline int64_t share_next(item_share *shares, int threads, int me, int *owner) {
     for (int i = 0; i < threads; i++) {
         const int s = (me + i) % threads;

@@ -690,14 +690,14 @@ static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, i
     int64_t chunk = CHUNK_BYTES / (16 * k * 2);  /* tiles of x */
     chunk = chunk < 2 ? 2 : chunk / 2 * 2;
     const int64_t chunks = (tiles + chunk - 1) / chunk;
-    item_share shares[team_size_max()];
+    const int team = team_size_max();
+    item_share shares[team];
+    /* share s: panels [panels * s / team, panels * (s + 1) / team) over every chunk, items numbered from the share's
+     * first panel times chunks */
+    for (int s = 0; s < team; s++) share_set(shares, s, panels * s / team * chunks, panels * (s + 1) / team * chunks);
 #pragma omp parallel
     {
-        const int me = team_member(), team = team_size();
-        /* share s: panels [panels * s / team, panels * (s + 1) / team) over every chunk, items numbered from the
-         * share's first panel times chunks */
-        share_set(shares, me, panels * me / team * chunks, panels * (me + 1) / team * chunks);
-#pragma omp barrier
+        const int me = team_member();
         int owner;
         int64_t item = share_next(shares, team, me, &owner);
         if (item >= 0) {

@@ -44,6 +44,15 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const char *ahe
         __builtin_prefetch(ahead + line * 64, 0, 2);  /* into L2 (prefetcht1) */
 }
 
+/* After a chunk of `chunks` (index c): the team meets before the next chunk (every block of this one run), and where
+ * a chunk after that follows, thread 0 lays out `round`, this chunk's shares, again for it, while the others go on
+ * to the next chunk's (the other round); they meet at the next chunk's end before it begins. */
+static inline void next_round(item_share *round, int threads, int64_t blocks, int64_t c, int64_t chunks) {
+    if (c + 1 >= chunks) return;
+#pragma omp barrier
+    if (c + 2 < chunks && team_member() == 0) shares_split(round, threads, blocks);
+}
+
 /* ---- AMX -------------------------------------------------------------------------------------------------------- */
 
 #if INFER_AMX
@@ -57,19 +66,21 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const char *ahe
 static void tiles_amx(const uint16_t *xb, int64_t rows, int64_t padded, int64_t k, const uint16_t *w,
                       const float *bias, void *y, int y_bf16, int64_t n_out) {
     const int64_t k_tiles = k / 32, blocks = n_out / 32, block_bytes = k_tiles * 2048;
-    item_share shares[team_size_max()];
+    const int threads = team_size_max();
+    item_share shares[2 * threads];  /* even chunks' and odd chunks' */
+    shares_split(shares, threads, blocks);
+    shares_split(shares + threads, threads, blocks);
 #pragma omp parallel
     {
-        const int me = team_member(), team = team_size();
+        const int me = team_member();
         load_full_tiles();
         float results[4][16][16];
-        for (int64_t chunk = 0; chunk < padded; chunk += TILE_CHUNK_ROWS) {
+        for (int64_t chunk = 0, c = 0; chunk < padded; chunk += TILE_CHUNK_ROWS, c++) {
             const int64_t chunk_end = chunk + TILE_CHUNK_ROWS < padded ? chunk + TILE_CHUNK_ROWS : padded;
             const int64_t passes = (chunk_end - chunk) / 32, slice = (block_bytes / passes + 63) / 64 * 64;
-            share_reset(shares, blocks, team, me);
-#pragma omp barrier
+            item_share *round = shares + c % 2 * threads;
             int owner;
-            for (int64_t b; (b = share_next(shares, team, me, &owner)) >= 0;) {
+            for (int64_t b; (b = share_next(round, threads, me, &owner)) >= 0;) {
                 const uint16_t *wb = w + b * k_tiles * 1024;
                 /* the block this thread likely takes next, whose weights its passes ask for */
                 const int64_t n = b * 32, after = owner != me ? b - 1 : b + 1;
@@ -113,7 +124,7 @@ static void tiles_amx(const uint16_t *xb, int64_t rows, int64_t padded, int64_t 
                                    y_bf16);
                 }
             }
-#pragma omp barrier
+            next_round(round, threads, blocks, c, (padded + TILE_CHUNK_ROWS - 1) / TILE_CHUNK_ROWS);
         }
         _tile_release();
     }
@@ -243,15 +254,17 @@ static void tiles_avx512(const void *x, int fma, int64_t rows, int64_t k, const 
     (void)fma;
 #endif
     const int64_t blocks = n_out / 32;
-    item_share shares[team_size_max()];
+    const int threads = team_size_max();
+    item_share shares[2 * threads];  /* even chunks' and odd chunks' */
+    shares_split(shares, threads, blocks);
+    shares_split(shares + threads, threads, blocks);
 #pragma omp parallel
-    for (int64_t chunk = 0; chunk < rows; chunk += TILE_CHUNK_ROWS) {
+    for (int64_t chunk = 0, c = 0; chunk < rows; chunk += TILE_CHUNK_ROWS, c++) {
         const int64_t chunk_end = chunk + TILE_CHUNK_ROWS < rows ? chunk + TILE_CHUNK_ROWS : rows;
-        const int me = team_member(), team = team_size();
-        share_reset(shares, blocks, team, me);
-#pragma omp barrier
+        const int me = team_member();
+        item_share *round = shares + c % 2 * threads;
         int owner;
-        for (int64_t b; (b = share_next(shares, team, me, &owner)) >= 0;) {
+        for (int64_t b; (b = share_next(round, threads, me, &owner)) >= 0;) {
             const uint16_t *wb = w + b * (k / 32) * 1024;
             const float *own_bias = bias ? bias + b * 32 : NULL;
             /* the block this thread likely takes next comes from memory: this block's passes ask for a slice of its
@@ -275,7 +288,7 @@ static void tiles_avx512(const void *x, int fma, int64_t rows, int64_t k, const 
                 pass_fma_bf16((const float *)x + m * k, k, wb, own_bias, y, at, n_out, y_bf16, ahead, bytes, count);
             }
         }
-#pragma omp barrier
+        next_round(round, threads, blocks, c, (rows + TILE_CHUNK_ROWS - 1) / TILE_CHUNK_ROWS);
     }
 }
 #endif

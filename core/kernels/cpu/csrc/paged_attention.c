@@ -383,19 +383,16 @@ static inline void stream_item(kv_stream *stream, const decode_call *call, const
  * engine's pool are scattered): on the direct path streamed from inside the share's loops (kv_stream), the rest
  * requested when they end; elsewhere all at once before it. */
 static inline void run_items(const decode_call *call, const decode_plan *plan, float *partial, int direct,
-                             int dots, item_share *shares) {
+                             int dots, item_share *shares, int threads) {
     decode_workspace ws;
     workspace_buffers(&ws, call);
     ws.stream.tokens = ws.stream.token = 0;
-    const int me = team_member(), team = team_size();
-    share_set(shares, me, run_start(plan->cost_before, plan->total_items, me, team),
-              run_start(plan->cost_before, plan->total_items, me + 1, team));
-#pragma omp barrier
+    const int me = team_member();
     int owner;
-    int64_t item = share_next(shares, team, me, &owner);
+    int64_t item = share_next(shares, threads, me, &owner);
     if (item >= 0) prefetch_item(call, &plan->items[item], 0, plan->items[item].kv_heads);
     while (item >= 0) {
-        const int64_t after = share_next(shares, team, me, &owner);
+        const int64_t after = share_next(shares, threads, me, &owner);
         const decode_item *it = &plan->items[item], *next = after >= 0 ? &plan->items[after] : NULL;
         for (int64_t kvh = it->first_kv_head; kvh < it->first_kv_head + it->kv_heads; kvh++) {
             if (next) {  /* the next item's KV heads, a share before each of this one's */
@@ -450,10 +447,14 @@ void run_decode_plan(const decode_call *call, const decode_plan *plan) {
     /* a bf16 pool's rows read in place (AVX-512), and on the dot products (AVX512-BF16) when asked */
     const int direct = INFER_AVX512 && call->kv_bf16 && direct_head_dim(call->head_dim);
     const int dots = INFER_AVX512_BF16 && call->dots && direct;
-    item_share shares[team_size_max()];
+    const int threads = plan->parallel ? team_size_max() : 1;
+    item_share shares[threads];  /* each thread's run of items of about equal cost */
+    for (int s = 0; s < threads; s++)
+        share_set(shares, s, run_start(plan->cost_before, plan->total_items, s, threads),
+                  run_start(plan->cost_before, plan->total_items, s + 1, threads));
 #pragma omp parallel if (plan->parallel)
     {
-        run_items(call, plan, partial, direct, dots, shares);
+        run_items(call, plan, partial, direct, dots, shares, threads);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < call->queries; i++) merge_query(call, plan, partial, i);
