@@ -19,12 +19,11 @@ the model's shapes, weight packing and dtype, the kernels' build) under the cach
 what was chosen.
 
 A second, smaller measurement, ``choose_gemm`` (``execution.large_gemm: auto``), decides how bf16 weights' steps
-of more rows than the GEMV takes multiply: with bf16 arithmetic (infer's tile kernel on AMX tiles or AVX512-BF16
-dot products up to ``TILE_MAX_ROWS`` rows and oneDNN's GEMM over the tiles unpacked beyond; every row count on AMX;
-inputs rounded to bf16) or on
-the same tiles with float32 FMAs over the widened bf16 weights (float32 inputs): CPUs whose bf16 dot products are slow
-(an Intel Xeon with AVX512-BF16 and no AMX) take the FMAs; figures in docs/performance.md. Cached the same way,
-``calibration/gemm-<signature>.json``.
+of more rows than the GEMV takes multiply: with bf16 arithmetic (infer's tile kernel on AMX tiles, or on AVX512-BF16
+dot products up to ``TILE_MAX_ROWS`` rows and oneDNN's GEMM over the tiles unpacked beyond; inputs rounded to bf16)
+or on the same tiles with float32 FMAs over the widened bf16 weights (float32 inputs): CPUs whose bf16 dot products
+are slow (an Intel Xeon with AVX512-BF16 and no AMX) take the FMAs; figures in docs/performance.md. Cached the same
+way, ``calibration/gemm-<signature>.json``.
 
 A third, ``calibrate_rows``, asked for by a drafter that verifies trees (``eagle``'s ``tree_budget: auto``): how many
 query rows of one sequence a step computes for about the time of one (within ``ROW_MARGIN``), at a context of

@@ -76,8 +76,8 @@ KERNEL_MODES = ("fp16", "bf16", "int8", "int8_per_row")
 # bf16 on AVX512-BF16's dot products (no AMX): inputs of up to this many rows take infer's tile GEMM
 # (``CpuKernels.linear_tiles``), larger ones (prefill chunks) oneDNN's GEMM over the tiles unpacked for the call
 # (``CpuKernels.unpack_tiles``), level with it there (``benchmarks/tile_gemm.py``). On AMX every input takes the
-# tiles: with the threads sharing the blocks as they finish, a whole prefill step runs 1.2-1.5x faster than on
-# oneDNN's GEMM over the unpacked tiles (docs/performance.md).
+# tiles: with the threads sharing the blocks as they finish, a prefill step of four 512-token prompts of the
+# Qwen3-1.7B shape takes 1.15-1.47x less time than with oneDNN's GEMM past 256 rows (docs/performance.md).
 TILE_MAX_ROWS = 256
 # Block weights where the block GEMM runs on AMX: inputs of at least this many rows (prefill chunks) multiply through
 # oneDNN's bf16 GEMM over the weight dequantized to bf16 for the call (``CpuKernels.dequantize_blocks_bf16``, the

@@ -66,9 +66,8 @@ static inline int team_size_max(void) {
  * items. Items are taken one at a time with a compare-and-swap, against microseconds of work each. The shares are
  * laid out before the parallel region, one per thread it may get (team_size_max), so that no thread waits for the
  * others to start: a share whose thread the region did not get is taken by the others. */
-typedef struct {
+typedef struct __attribute__((aligned(64))) {
     uint64_t range;
-    char pad[56];
 } item_share;
 
 /* Sets share `s` to the items [front, back). */

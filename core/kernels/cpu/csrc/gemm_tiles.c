@@ -5,9 +5,9 @@
  * own share first, in order, then what is left of the others': item_share) and runs every block of rows of x over
  * it: a block's weights (32 k bf16s per column) come from memory once and stay in L2 for the next rows. On AMX (when
  * the OS allows it) 2 x 2 tiles of results per pass; else with AVX512-BF16 (VDPBF16PS reads each B tile row as one
- * register: the same layout) DOT_ROWS rows per pass. With `fma` (AVX-512
- * builds) x stays float32 and the products are float32 FMAs over the widened weights instead (block_fma_bf16), for
- * CPUs where those outrun the bf16 dot products. Rows of x go in chunks of TILE_CHUNK_ROWS, which stay in L2 while
+ * register: the same layout) DOT_ROWS rows per pass. With `fma` (AVX-512 builds) x stays float32 and the products
+ * are float32 FMAs over the widened weights instead (block_fma_bf16), for CPUs where those outrun the bf16 dot
+ * products. Rows of x go in chunks of TILE_CHUNK_ROWS, which stay in L2 while
  * every block of weights passes over them (a 2048-row prefill over all rows at once read x from L3 on AMX: 1016 vs
  * 596 ms for four 512-token prompts). */
 #include "common.h"
