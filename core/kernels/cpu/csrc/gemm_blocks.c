@@ -675,6 +675,15 @@ static inline void store_transposed(const float tile[16][16], const float *bias,
     }
 }
 
+/* Item `item` of share `owner` (of `threads` shares of the panels, each share's panels over every chunk of x's tiles,
+ * chunk by chunk): its panel's first output row *n and its chunk's first tile *first. */
+static inline void panel_item(int64_t item, int owner, int threads, int64_t panels, int64_t chunks, int64_t chunk,
+                              int64_t *n, int64_t *first) {
+    const int64_t first_panel = panels * owner / threads, count = panels * (owner + 1) / threads - first_panel;
+    *n = (first_panel + (item - first_panel * chunks) % count) * 32;
+    *first = (item - first_panel * chunks) / count * chunk;
+}
+
 /* `kind` a constant per copy: a block kind, or KIND_K_MIXED for any K-quant weight (its `parts`).
  * The items, a panel over a chunk of x's tiles, are shared as a contiguous share of the panels per thread (each
  * chunk of x's tiles in turn, each of the share's panels over it: item_share over the items in that order), taken
@@ -690,31 +699,28 @@ static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, i
     int64_t chunk = CHUNK_BYTES / (16 * k * 2);  /* tiles of x */
     chunk = chunk < 2 ? 2 : chunk / 2 * 2;
     const int64_t chunks = (tiles + chunk - 1) / chunk;
-    const int team = team_size_max();
-    item_share shares[team];
-    /* share s: panels [panels * s / team, panels * (s + 1) / team) over every chunk, items numbered from the share's
-     * first panel times chunks */
-    for (int s = 0; s < team; s++) share_set(shares, s, panels * s / team * chunks, panels * (s + 1) / team * chunks);
+    const int threads = team_size_max();
+    item_share shares[threads];
+    /* share s: panels [panels * s / threads, panels * (s + 1) / threads) over every chunk, its items numbered from
+     * its first panel times chunks, chunk by chunk (panel_item) */
+    for (int s = 0; s < threads; s++)
+        share_set(shares, s, panels * s / threads * chunks, panels * (s + 1) / threads * chunks);
 #pragma omp parallel
     {
         const int me = team_member();
         int owner;
-        int64_t item = share_next(shares, team, me, &owner);
+        int64_t item = share_next(shares, threads, me, &owner), n, first;
         if (item >= 0) {
             load_full_tiles();
             uint16_t *buffers = malloc(sizeof(uint16_t) * 2 * 32 * k), *panel = buffers, *next = buffers + 32 * k;
             float results[4][16][16];
-            int64_t first_panel = panels * owner / team, count = panels * (owner + 1) / team - first_panel;
-            int64_t n = (first_panel + (item - first_panel * chunks) % count) * 32;
+            panel_item(item, owner, threads, panels, chunks, chunk, &n, &first);
             for (int64_t u = 0; u < units; u++) dequantize_unit(w, parts, n, n_out, k, u, panel, kind);
             while (item >= 0) {
-                const int64_t first = (item - first_panel * chunks) / count * chunk;
                 const int64_t last = first + chunk < tiles ? first + chunk : tiles;
-                const int64_t after = share_next(shares, team, me, &owner);  /* the next item, taken now */
-                const int64_t after_first = after < 0 ? 0 : panels * owner / team;
-                const int64_t after_count = after < 0 ? 1 : panels * (owner + 1) / team - after_first;
-                const int64_t n_next =
-                    after < 0 ? n : (after_first + (after - after_first * chunks) % after_count) * 32;
+                const int64_t after = share_next(shares, threads, me, &owner);  /* the next item, taken now */
+                int64_t n_next = n, first_next = 0;
+                if (after >= 0) panel_item(after, owner, threads, panels, chunks, chunk, &n_next, &first_next);
                 /* the next item's panel, unless there is none or it is this one (a share of one panel) */
                 const int64_t todo = n_next != n ? units : 0;
                 const int64_t steps = (last - first + 1) / 2 * k_tiles;
@@ -757,7 +763,7 @@ static inline __attribute__((always_inline)) void gemm_amx(const uint16_t *xb, i
                     panel = next;
                     next = swap;
                 }
-                item = after, n = n_next, first_panel = after_first, count = after_count;
+                item = after, n = n_next, first = first_next;
             }
             free(buffers);
             _tile_release();
