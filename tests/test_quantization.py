@@ -371,3 +371,9 @@ def test_a_start_says_when_the_weights_will_not_fit_the_memory_available(tmp_pat
     with caplog.at_level("WARNING", logger="infer.execution"):
         paths.warn_if_memory_is_short(model_dir, "bf16", torch.float32)
     assert not caplog.records
+    # A mode it does not estimate (fp16, the int8 modes, a GGUF file's blocks) reads no header.
+    monkeypatch.setattr("infer.host.available_memory", lambda: 1 << 20)
+    monkeypatch.setattr("infer.model.loader.checkpoint_matrices", lambda *args: pytest.fail("headers read"))
+    for mode in ("fp16", "int8", "gguf"):
+        paths.warn_if_memory_is_short(model_dir, mode, torch.float32)
+    assert not caplog.records

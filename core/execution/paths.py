@@ -513,11 +513,13 @@ def warn_if_memory_is_short(path: str, quantization: str, dtype: torch.dtype) ->
     """Say in one line, before the weights are read, when the weights of ``path`` packed as ``quantization`` take more
     than the memory this machine has available (``MemAvailable``), and what ``q4`` weights would take: a start past
     it is killed by the kernel partway through the load, with nothing said. Estimated from the checkpoint's headers
-    (``packed_weight_bytes``); silent where the mode is not estimated."""
+    (``packed_weight_bytes``); silent, the headers not read, where the mode is not estimated."""
     from infer.host import available_memory
     from infer.model.loader import checkpoint_matrices, hf_model_dir
-    from infer.model.quantization import packed_weight_bytes
+    from infer.model.quantization import packed_bytes_per_weight, packed_weight_bytes
 
+    if quantization != "none" and packed_bytes_per_weight(quantization) is None:
+        return
     available = available_memory()
     if available is None:
         return

@@ -521,17 +521,23 @@ def _bf16_values(table: torch.Tensor, rows: int = 4096) -> bool:
     return all(not torch.any(chunk) for chunk in halves.split(rows))
 
 
-def packed_weight_bytes(mode: str, matrices: int, table: int, table_bytes: int, tied: bool) -> int | None:
-    """What a model's weights take packed for ``mode`` (resolved; None where not estimated: fp16, the int8 modes, a
-    GGUF file's blocks): ``matrices`` weights of its projections and untied output head at the mode's bytes a weight
-    (bf16 2, held once; blocks their records'), the embedding table's ``table`` weights at ``table_bytes`` (a bf16
-    checkpoint's 2, else float32's 4), and a tied head's packed copy of it. Norms and biases are left out: a start's
-    estimate, made before the weights are read."""
+def packed_bytes_per_weight(mode: str) -> float | None:
+    """Bytes a matrix's weight takes packed for ``mode`` (resolved): bf16 2 (held once), blocks their records'; None
+    where not estimated (fp16, the int8 modes, a GGUF file's blocks)."""
     if mode == "bf16":
-        per_weight = 2.0
-    elif mode in QUANTIZED_KINDS:
-        per_weight = RECORD_BYTES[mode] / (BLOCK_COLUMNS[mode] * GROUP_ROWS[mode])
-    else:
+        return 2.0
+    if mode in QUANTIZED_KINDS:
+        return RECORD_BYTES[mode] / (BLOCK_COLUMNS[mode] * GROUP_ROWS[mode])
+    return None
+
+
+def packed_weight_bytes(mode: str, matrices: int, table: int, table_bytes: int, tied: bool) -> int | None:
+    """What a model's weights take packed for ``mode`` (resolved; None where ``packed_bytes_per_weight`` is):
+    ``matrices`` weights of its projections and untied output head at the mode's bytes a weight, the embedding
+    table's ``table`` weights at ``table_bytes`` (a bf16 checkpoint's 2, else float32's 4), and a tied head's packed
+    copy of it. Norms and biases are left out: a start's estimate, made before the weights are read."""
+    per_weight = packed_bytes_per_weight(mode)
+    if per_weight is None:
         return None
     return int(per_weight * (matrices + (table if tied else 0))) + table_bytes * table
 
