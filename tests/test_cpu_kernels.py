@@ -5,6 +5,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -546,10 +549,6 @@ def test_threads_taking_over_each_others_items_change_no_result(tmp_path):
     finish at different times and take over each other's items; each GEMM item is computed once, by whichever thread,
     with the same arithmetic, so the products are one thread's bit for bit. Attention's items are cut per thread
     count, so it is held to softmax attention in float64 instead."""
-    import os
-    import subprocess
-    import sys
-
     products = {}
     for threads in (1, 7):
         path = tmp_path / f"{threads}.pt"
