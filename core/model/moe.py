@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.kernels.cpu import PackedExperts
+from infer.kernels.cpu import MOE_BLOCK_KINDS, PackedExperts
 from infer.kernels.cpu.packing import can_pack_tiles
 from infer.model.layers import Linear, clamped_swiglu, gated_activation
 
@@ -167,14 +167,22 @@ class MoE(nn.Module):
         where the step runs on the CPU kernels (the next norm widens what it adds), else in ``x``'s dtype.
 
         On the kernels, every expert runs in one C call (``CpuKernels.moe_experts``) where the experts are on the
-        tiles; over ``pack_weights``' layout, the experts that take up to ``KERNEL_MAX_TOKENS`` tokens do, the others
-        (a prefill chunk's) expert by expert through their packed projections."""
+        tiles; over ``pack_weights``' layout, the experts that take up to ``KERNEL_MAX_TOKENS`` tokens do, and over
+        GGUF's blocks those that take up to one pass of the block GEMV (``kernels.block_pass_rows``: past it each
+        expert's projections take the block GEMM, as ``PackedLinear`` does); the others (a prefill chunk's) expert by
+        expert through their packed projections."""
         groups = ExpertGroups.of(self.route(x), self.num_experts)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         kernels = None if step is None else step.ops.kernels
         rest = range(len(groups.active))
         if kernels is not None and self.packed is not None:
-            most = groups.starts[-1] if self.packed.tiles else KERNEL_MAX_TOKENS  # the tiles take any number
+            most = (  # the tiles take any number
+                groups.starts[-1]
+                if self.packed.tiles
+                else kernels.block_pass_rows
+                if self.packed.blocks
+                else KERNEL_MAX_TOKENS
+            )
             few = [index for index in rest if groups.count(index) <= most]
             rest = [index for index in rest if groups.count(index) > most]
             if few:
@@ -194,7 +202,8 @@ class MoE(nn.Module):
         """Let each expert's packed projections take the kernels' GEMV for inputs of up to ``gemv_rows`` rows (see
         ``infer.model.quantization.PackedLinear``), and when every one has a packed copy, tabulate them for the
         C call (``self.packed``). bf16 experts on kernels with tiles keep the tiles' copy alone (the C call reads it
-        for any number of tokens); others ``pack_weights``' beside their own. ``kernels`` None undoes it."""
+        for any number of tokens); experts kept as blocks of one kind in ``MOE_BLOCK_KINDS`` are read as they are;
+        others get ``pack_weights``' copy beside their own. ``kernels`` None undoes it."""
         projections = [(expert.gate_up_proj, expert.down_proj) for expert in self.experts]
         tiles = (
             kernels is not None
@@ -212,13 +221,21 @@ class MoE(nn.Module):
                     projection.use_cpu_kernels(kernels, gemv_rows, tile_fma, streams=not tiles, tiles_only=tiles)
         self.packed = None
         gate_ups, downs = zip(*projections, strict=True)
-        options = {  # biases and activation, the same for either layout
+        options = {  # biases and activation, the same for every layout
             "gate_up_bias": [projection.bias for projection in gate_ups] if self.spec.bias else None,
             "down_bias": [projection.bias for projection in downs] if self.spec.bias else None,
             "activation": self.spec.activation,
             "limit": self.spec.swiglu_limit,
             "alpha": self.spec.swiglu_alpha,
         }
+        block_kinds = {  # each projection's block kind, None for one not kept as blocks
+            getattr(getattr(projection, "blocks", None), "kind", None) for pair in projections for projection in pair
+        }
+        if kernels is not None and len(block_kinds) == 1 and block_kinds <= set(MOE_BLOCK_KINDS):
+            self.packed = PackedExperts.of_blocks(
+                [projection.blocks for projection in gate_ups], [projection.blocks for projection in downs], **options
+            )
+            return
         if tiles:
             self.packed = PackedExperts.of(
                 [projection.tile_weight for projection in gate_ups],

@@ -20,6 +20,7 @@ Which step runs on which of them is decided in one place, ``infer.execution.path
 from infer.kernels.cpu.abi import (
     ACTIVATIONS,
     DIRECT_HEAD_DIMS,
+    MOE_BLOCK_KINDS,
     CpuKernels,
     FlashChunks,
     KernelAttentionPlan,
@@ -41,6 +42,7 @@ from infer.kernels.cpu.packing import (
 __all__ = [
     "ACTIVATIONS",
     "DIRECT_HEAD_DIMS",
+    "MOE_BLOCK_KINDS",
     "CpuKernels",
     "FlashChunks",
     "FusedDraftHead",

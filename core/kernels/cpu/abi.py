@@ -66,6 +66,8 @@ _SIGNATURES = {
     ],
     "infer_moe_experts_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER]
     + [_POINTER, _POINTER, _POINTER, _INT, _FLOAT, _FLOAT, _INT, _POINTER],
+    "infer_moe_experts_blocks": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER]
+    + [_POINTER, _INT, _POINTER, _POINTER, _INT, _FLOAT, _FLOAT, _POINTER],
     "infer_layer_attention_input": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER],
     "infer_layer_feed_forward": [_POINTER, _INT, _POINTER, _POINTER, _POINTER],
     "infer_add_rms_norm_mixed": [_POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT, _FLOAT],
@@ -175,6 +177,8 @@ EXPERT_ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 # FMAs': 1.26 at 1 token, 1.07 at 8, 0.79 at 12, 0.40 at 32 (``benchmarks/moe_layer.py --switch``): past one FMA
 # pass, AMX.
 MOE_TILE_ROWS = 9
+# The block kinds whose experts run in one C call (``PackedExperts.of_blocks``, ``infer_moe_experts_blocks``).
+MOE_BLOCK_KINDS = ("q4_0", "q4_1", "q8_0")
 # The pool dtypes the KV write and paged attention read (queries and results stay float32).
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # What ``infer_simd_width`` reports: the instruction set the kernels were compiled for (``-march=native``).
@@ -323,6 +327,7 @@ class PackedExperts:
     limit: float = 0.0
     alpha: float = 0.0
     tiles: bool = False
+    blocks: str | None = None  # the block kind of experts kept as GGUF's blocks (``of_blocks``); None: packed
 
     @classmethod
     def of(
@@ -368,20 +373,7 @@ class PackedExperts:
         tables = {"gate_up": addresses(gate_up), "down": addresses(down)}
         if gate_up_scales is not None:
             tables["gate_up_scales"], tables["down_scales"] = addresses(gate_up_scales), addresses(down_scales)
-        biases = None
-        if gate_up_bias is not None or down_bias is not None:
-            biases = (tuple(gate_up_bias or ()), tuple(down_bias or ()))
-            for name, tensors, length in (("gate_up", biases[0], 2 * width), ("down", biases[1], hidden)):
-                if len(tensors) != len(gate_up) or any(
-                    bias.dtype != torch.float32 or not bias.is_contiguous() or tuple(bias.shape) != (length,)
-                    for bias in tensors
-                ):
-                    raise ValueError(f"every expert needs a contiguous float32 {name} bias [{length}]")
-            tables["gate_up_bias"], tables["down_bias"] = addresses(biases[0]), addresses(biases[1])
-        if activation not in EXPERT_ACTIVATIONS:
-            raise ValueError(
-                f"unknown expert activation {activation!r}; the kernel has {', '.join(EXPERT_ACTIVATIONS)}"
-            )
+        biases = expert_biases(tables, len(gate_up), hidden, width, gate_up_bias, down_bias, activation)
         return cls(
             tuple(gate_up),
             tuple(down),
@@ -398,6 +390,58 @@ class PackedExperts:
             tiles,
         )
 
+    @classmethod
+    def of_blocks(
+        cls,
+        gate_up: Sequence[BlockWeight],
+        down: Sequence[BlockWeight],
+        *,
+        gate_up_bias: Sequence[torch.Tensor] | None = None,
+        down_bias: Sequence[torch.Tensor] | None = None,
+        activation: str = "silu",
+        limit: float = 0.0,
+        alpha: float = 0.0,
+    ) -> PackedExperts:
+        """Experts whose weights are kept as GGUF's blocks, every one of the same kind in ``MOE_BLOCK_KINDS``
+        (``infer_moe_experts_blocks``); biases and activation as ``of``."""
+        if not gate_up or len(gate_up) != len(down):
+            raise ValueError(f"experts need gate_up and down weights each, got {len(gate_up)} and {len(down)}")
+        kind = gate_up[0].kind
+        if kind not in MOE_BLOCK_KINDS:
+            raise ValueError(f"experts in {kind} blocks have no C call; it takes {', '.join(MOE_BLOCK_KINDS)}")
+        hidden, width = gate_up[0].in_features, gate_up[0].out_features // 2
+        if hidden % BLOCK or width % BLOCK:
+            raise ValueError(f"experts of {hidden} x {width} need both sizes multiples of {BLOCK}")
+        for index, (first, second) in enumerate(zip(gate_up, down, strict=True)):
+            if (
+                first.kind != kind
+                or second.kind != kind
+                or not (well_formed(first) and well_formed(second))
+                or (first.out_features, first.in_features) != (2 * width, hidden)
+                or (second.out_features, second.in_features) != (hidden, width)
+            ):
+                raise ValueError(f"expert {index}'s blocks differ in kind or shape from expert 0's")
+        tables = {
+            "gate_up": addresses([weight.data for weight in gate_up]),
+            "down": addresses([weight.data for weight in down]),
+        }
+        biases = expert_biases(tables, len(gate_up), hidden, width, gate_up_bias, down_bias, activation)
+        return cls(
+            tuple(weight.data for weight in gate_up),
+            tuple(weight.data for weight in down),
+            None,
+            None,
+            hidden,
+            width,
+            BLOCK_KINDS[kind],
+            tables,
+            biases,
+            activation,
+            limit,
+            alpha,
+            blocks=kind,
+        )
+
     @property
     def num_experts(self) -> int:
         return len(self.gate_up)
@@ -408,6 +452,32 @@ class PackedExperts:
         if self.gate_up_scales is None:
             return 0, 0
         return scale_groups(self.gate_up_scales[0]), scale_groups(self.down_scales[0])
+
+
+def expert_biases(
+    tables: dict[str, torch.Tensor],
+    num_experts: int,
+    hidden: int,
+    width: int,
+    gate_up_bias: Sequence[torch.Tensor] | None,
+    down_bias: Sequence[torch.Tensor] | None,
+    activation: str,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None:
+    """Check the experts' biases (float32, contiguous, ``[2 * width]`` and ``[hidden]``; both or neither) and
+    activation, and add the biases' addresses to ``tables``; the biases kept alive, or None."""
+    if activation not in EXPERT_ACTIVATIONS:
+        raise ValueError(f"unknown expert activation {activation!r}; the kernel has {', '.join(EXPERT_ACTIVATIONS)}")
+    if gate_up_bias is None and down_bias is None:
+        return None
+    biases = (tuple(gate_up_bias or ()), tuple(down_bias or ()))
+    for name, tensors, length in (("gate_up", biases[0], 2 * width), ("down", biases[1], hidden)):
+        if len(tensors) != num_experts or any(
+            bias.dtype != torch.float32 or not bias.is_contiguous() or tuple(bias.shape) != (length,)
+            for bias in tensors
+        ):
+            raise ValueError(f"every expert needs a contiguous float32 {name} bias [{length}]")
+    tables["gate_up_bias"], tables["down_bias"] = addresses(biases[0]), addresses(biases[1])
+    return biases
 
 
 def addresses(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -647,7 +717,8 @@ class CpuKernels:
         place, each of its columns by one thread, experts in the order given. Experts on the tiles
         (``experts.tiles``) of at least ``tile_rows`` tokens (None: ``MOE_TILE_ROWS``) multiply on AMX where it runs
         (rows rounded to bf16), others with float32 FMAs; ``pack_weights``' layout streams them in passes of
-        ``pass_rows`` rows (meant for a few tokens an expert)."""
+        ``pass_rows`` rows, and GGUF's blocks (``experts.blocks``) in passes of ``block_pass_rows`` rows with the
+        rows and activations quantized as ``linear_blocks`` quantizes them (both meant for a few tokens an expert)."""
         check_flat(x)
         check_flat(out)
         if x.shape[1] != experts.hidden or out.shape[1] != experts.hidden:
@@ -676,6 +747,27 @@ class CpuKernels:
         if tokens.shape[0] and (int(tokens.min()) < 0 or int(tokens.max()) >= x.shape[0] or x.shape[0] != out.shape[0]):
             raise ValueError(f"moe_experts: tokens must index the {x.shape[0]} rows of x and out")
         tables = experts.tables
+        if experts.blocks is not None:
+            self._moe_experts_blocks(
+                x.data_ptr(),
+                experts.hidden,
+                experts.width,
+                groups,
+                expert_ids.data_ptr(),
+                starts.data_ptr(),
+                tokens.data_ptr(),
+                weights.data_ptr(),
+                tables["gate_up"].data_ptr(),
+                tables["down"].data_ptr(),
+                experts.kind,
+                address(tables.get("gate_up_bias")),
+                address(tables.get("down_bias")),
+                EXPERT_ACTIVATIONS[experts.activation],
+                experts.limit,
+                experts.alpha,
+                out.data_ptr(),
+            )
+            return
         if experts.tiles:
             self._moe_experts_tiles(
                 x.data_ptr(),

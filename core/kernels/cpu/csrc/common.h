@@ -231,6 +231,15 @@ INFER_HIDDEN void gated_mul_rows(const float *gate_up, void *out, int64_t rows, 
 INFER_HIDDEN void block_sums(const float *x, int64_t rows, int64_t k, const void *block, const float *scales,
                              int64_t group, int kind, float *sums);
 
+/* The block GEMV's parts (gemv_blocks.c), for kernels that split a weight's groups of four output rows over their
+ * threads themselves (moe.c), over Q4_0, Q4_1 and Q8_0 blocks: a group's bytes over k inputs; rows of x quantized as
+ * the GEMV quantizes them (q [rows, k], dx and s [rows, k / 32]); and one group's sums [rows][4] over `rows` such
+ * rows, in passes of the GEMV's rows, single-threaded. */
+INFER_HIDDEN int64_t block_group_bytes(int64_t k, int64_t kind);
+INFER_HIDDEN void block_quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *q, float *dx, float *s);
+INFER_HIDDEN void block_group_sums(const uint8_t *group, int64_t k, const int8_t *xq, const float *dx,
+                                   const float *s, int64_t rows, int64_t kind, float *sums);
+
 /* A Q4_K record's 12 bytes of scales as sc[0..7] and m[0..7], a byte each (gemv_kquants.c's top comment): for the
  * K-quant GEMV and the block GEMM's dequantized panels. */
 static inline void q4k_scales(const uint8_t *packed, uint64_t *sc, uint64_t *m) {

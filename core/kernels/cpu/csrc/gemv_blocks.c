@@ -287,6 +287,29 @@ static inline __attribute__((always_inline)) void group_dot(const uint8_t *group
 #endif
 }
 
+/* group_dot for `count` rows (1 to BLOCK_PASS_ROWS) known only at run time: a copy per count, so that each keeps its
+ * accumulators in registers. */
+static inline __attribute__((always_inline)) void group_pass(const uint8_t *group, int64_t blocks, const int8_t *xq,
+                                                             const float *dx, const float *s, int64_t k,
+                                                             float sums[BLOCK_PASS_ROWS][4], const int count,
+                                                             const int kind) {
+    switch (count) {
+#define GROUP_DOT_CASE(n) \
+        case n: group_dot(group, blocks, xq, dx, s, k, sums, n, kind); break;
+        GROUP_DOT_CASE(1)
+        GROUP_DOT_CASE(2)
+        GROUP_DOT_CASE(3)
+        GROUP_DOT_CASE(4)
+#if BLOCK_PASS_ROWS > 4
+        GROUP_DOT_CASE(5)
+        GROUP_DOT_CASE(6)
+        GROUP_DOT_CASE(7)
+        GROUP_DOT_CASE(8)
+#endif
+#undef GROUP_DOT_CASE
+    }
+}
+
 /* ---- the linear layer ------------------------------------------------------------------------------------------- */
 
 /* Rows of x one sweep over the weights takes: their int8 copy (at most 64 x k bytes) stays in L2 while every group
@@ -310,23 +333,7 @@ static inline __attribute__((always_inline)) void linear_blocks(const int8_t *xq
                 const int64_t left = last - m;
                 const int count = left >= BLOCK_PASS_ROWS ? BLOCK_PASS_ROWS : (int)left;
                 float sums[BLOCK_PASS_ROWS][4];
-                const int8_t *x_at = xq + m * k;
-                const float *dx_at = dx + m * blocks, *s_at = s + m * blocks;
-                switch (count) {  /* a constant count per copy: its accumulators stay in registers */
-#define GROUP_DOT_CASE(n) \
-                    case n: group_dot(group, blocks, x_at, dx_at, s_at, k, sums, n, kind); break;
-                    GROUP_DOT_CASE(1)
-                    GROUP_DOT_CASE(2)
-                    GROUP_DOT_CASE(3)
-                    GROUP_DOT_CASE(4)
-#if BLOCK_PASS_ROWS > 4
-                    GROUP_DOT_CASE(5)
-                    GROUP_DOT_CASE(6)
-                    GROUP_DOT_CASE(7)
-                    GROUP_DOT_CASE(8)
-#endif
-#undef GROUP_DOT_CASE
-                }
+                group_pass(group, blocks, xq + m * k, dx + m * blocks, s + m * blocks, k, sums, count, kind);
                 for (int r = 0; r < count; r++)
                     for (int i = 0; i < 4 && g * 4 + i < n_out; i++) {
                         const int64_t n = g * 4 + i;
@@ -361,3 +368,32 @@ void infer_linear_blocks(const float *x, int64_t rows, int64_t k, const uint8_t 
 }
 
 int64_t infer_block_pass_rows(void) { return BLOCK_PASS_ROWS; }
+
+/* ---- for kernels that split a weight's groups over their threads themselves (moe.c) ----------------------------- */
+
+int64_t block_group_bytes(int64_t k, int64_t kind) { return k / BLOCK * record_bytes((int)kind); }
+
+void block_quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *q, float *dx, float *s) {
+    quantize_activations(x, rows, k, q, dx, s);
+}
+
+/* The kind as a constant in each copy, as infer_linear_blocks. */
+static void group_rows(const uint8_t *group, int64_t k, const int8_t *xq, const float *dx, const float *s,
+                       int64_t rows, float *sums, const int kind) {
+    const int64_t blocks = k / BLOCK;
+    for (int64_t m = 0; m < rows; m += BLOCK_PASS_ROWS) {
+        const int count = rows - m >= BLOCK_PASS_ROWS ? BLOCK_PASS_ROWS : (int)(rows - m);
+        group_pass(group, blocks, xq + m * k, dx + m * blocks, s + m * blocks, k, (float (*)[4])(sums + m * 4),
+                   count, kind);
+    }
+}
+
+void block_group_sums(const uint8_t *group, int64_t k, const int8_t *xq, const float *dx, const float *s,
+                      int64_t rows, int64_t kind, float *sums) {
+    if (kind == KIND_Q4_0)
+        group_rows(group, k, xq, dx, s, rows, sums, KIND_Q4_0);
+    else if (kind == KIND_Q4_1)
+        group_rows(group, k, xq, dx, s, rows, sums, KIND_Q4_1);
+    else
+        group_rows(group, k, xq, dx, s, rows, sums, KIND_Q8_0);
+}

@@ -12,7 +12,12 @@
  * copy alone) the same split runs in blocks of 32 output columns for any number of tokens an expert: gate's and up's
  * blocks of a thread's columns, the activation on their sums, then its share of down's columns with the
  * routing-weighted add. An expert of many tokens multiplies on AMX's tiles (its rows rounded to bf16, in chunks that
- * stay in L2), one of few with float32 FMAs over the widened weights, a GEMV pass of 8 rows at a time. */
+ * stay in L2), one of few with float32 FMAs over the widened weights, a GEMV pass of 8 rows at a time.
+ *
+ * Over GGUF's blocks (infer_moe_experts_blocks: Q4_0, Q4_1, Q8_0 experts) the split is the first one's, in groups of
+ * four output rows: each pair's row of x quantized per 32 columns once, the block GEMV's integer dot products for a
+ * thread's gate and up groups, the activation on their sums; then every pair's activations quantized, and down's
+ * groups of a thread's output columns. */
 #include "common.h"
 #include "tiles.h"
 
@@ -362,4 +367,84 @@ void infer_moe_experts_tiles(const float *x, int64_t hidden, int64_t width, int6
     free(activated);
     free(rows_bf16);
     free(activated_bf16);
+}
+
+/* ---- over GGUF's blocks (infer_moe_experts_blocks) -------------------------------------------------------------- */
+
+void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int64_t experts,
+                              const int64_t *expert_ids, const int64_t *starts, const int64_t *tokens,
+                              const float *weights, const int64_t *gate_up, const int64_t *down, int64_t kind,
+                              const int64_t *gate_up_bias, const int64_t *down_bias, int64_t activation,
+                              float limit, float alpha, float *out) {
+    const int64_t pairs = starts[experts], x_blocks = hidden / 32, act_blocks = width / 32;
+    int64_t most = 0;  /* the most tokens one expert takes */
+    for (int64_t e = 0; e < experts; e++)
+        if (starts[e + 1] - starts[e] > most) most = starts[e + 1] - starts[e];
+    /* each pair's row of x and of activations, quantized per 32 columns as the block GEMV's, grouped by expert */
+    int8_t *xq = malloc(pairs * hidden), *aq = malloc(pairs * width);
+    float *x_scales = malloc(sizeof(float) * 2 * pairs * x_blocks), *x_sums = x_scales + pairs * x_blocks;
+    float *a_scales = malloc(sizeof(float) * 2 * pairs * act_blocks), *a_sums = a_scales + pairs * act_blocks;
+    float *activated = malloc(sizeof(float) * pairs * width);
+    const int64_t gate_up_group = block_group_bytes(hidden, kind), down_group = block_group_bytes(width, kind);
+#pragma omp parallel
+    {
+        int thread = 0, threads = 1;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+        threads = omp_get_num_threads();
+#endif
+        float *gate = malloc(sizeof(float) * 8 * most), *up = gate + 4 * most;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++)
+            block_quantize_rows(x + tokens[p] * hidden, 1, hidden, xq + p * hidden, x_scales + p * x_blocks,
+                                x_sums + p * x_blocks);
+        int64_t first, last;
+        thread_share(width / 4, thread, threads, &first, &last);
+        for (int64_t e = 0; e < experts; e++) {
+            const int64_t start = starts[e], count = starts[e + 1] - start, id = expert_ids[e];
+            const uint8_t *weight = (const uint8_t *)(intptr_t)gate_up[id];
+            const float *bias = gate_up_bias ? (const float *)(intptr_t)gate_up_bias[id] : NULL;
+            const int8_t *q = xq + start * hidden;
+            const float *dx = x_scales + start * x_blocks, *s = x_sums + start * x_blocks;
+            for (int64_t b = first; b < last; b++) {
+                block_group_sums(weight + b * gate_up_group, hidden, q, dx, s, count, kind, gate);
+                block_group_sums(weight + (b + width / 4) * gate_up_group, hidden, q, dx, s, count, kind, up);
+                for (int64_t r = 0; r < count; r++)
+                    for (int i = 0; i < 4; i++) {
+                        float g = gate[r * 4 + i], u = up[r * 4 + i];
+                        if (bias) {
+                            g += bias[b * 4 + i];
+                            u += bias[width + b * 4 + i];
+                        }
+                        activated[(start + r) * width + b * 4 + i] = activate(g, u, activation, limit, alpha);
+                    }
+            }
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++)
+            block_quantize_rows(activated + p * width, 1, width, aq + p * width, a_scales + p * act_blocks,
+                                a_sums + p * act_blocks);
+        thread_share(hidden / 4, thread, threads, &first, &last);
+        for (int64_t e = 0; e < experts; e++) {
+            const int64_t start = starts[e], count = starts[e + 1] - start, id = expert_ids[e];
+            const uint8_t *weight = (const uint8_t *)(intptr_t)down[id];
+            const float *bias = down_bias ? (const float *)(intptr_t)down_bias[id] : NULL;
+            const int8_t *q = aq + start * width;
+            const float *dx = a_scales + start * act_blocks, *s = a_sums + start * act_blocks;
+            for (int64_t b = first; b < last; b++) {
+                block_group_sums(weight + b * down_group, width, q, dx, s, count, kind, gate);
+                for (int64_t r = 0; r < count; r++)
+                    for (int i = 0; i < 4; i++)
+                        out[tokens[start + r] * hidden + b * 4 + i] +=
+                            weights[start + r] * (gate[r * 4 + i] + (bias ? bias[b * 4 + i] : 0.0f));
+            }
+        }
+        free(gate);
+    }
+    free(xq);
+    free(aq);
+    free(x_scales);
+    free(a_scales);
+    free(activated);
 }
