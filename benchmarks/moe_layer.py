@@ -1,14 +1,16 @@
 """One mixture-of-experts layer's time per step (ms, median) at batch 1, 16 and 64 on the shape of a CPU user's MoE
-(``random_models.py``'s ``qwen3-moe-3.3b``: 32 experts of 2048 x 512, 4 routed per token), bf16 weights, against
-the floor of reading the step's active experts' weights once at this machine's streaming rate.
+(``random_models.py``'s ``qwen3-moe-3.3b``: 32 experts of 2048 x 512, 4 routed per token), bf16 weights (``--weights``:
+or GGUF's blocks, as ``model.quantization=q4`` packs them), against the floor of reading the step's active experts'
+weights once at this machine's streaming rate.
 
 - ``torch loop``: transformers' own ``Qwen3MoeSparseMoeBlock`` in bf16 (a loop over the active experts, torch's
   bf16 matmuls), the reference.
-- ``grouped``: ``infer.model.moe.MoE`` packed as ``model.quantization=bf16`` packs it, expert by expert through
-  each expert's packed projections on infer's kernels (GEMV, tile GEMM) from Python.
+- ``grouped``: ``infer.model.moe.MoE`` packed as ``model.quantization`` packs it, expert by expert through
+  each expert's packed projections on infer's kernels (GEMV, tile GEMM, block GEMV and GEMM) from Python.
 - ``infer``: the same ``MoE`` as the engine runs it: every expert in one C call (``CpuKernels.moe_experts``) over
   the tiles' layout where the kernels have tiles (AMX or AVX512-BF16), else over ``pack_weights``' layout for the
-  experts of few tokens and any others as ``grouped``.
+  experts of few tokens and any others as ``grouped``; over blocks, the experts of up to one block-GEMV pass of
+  tokens in the call and any others as ``grouped``.
 - ``pack_weights``: the C call over ``pack_weights``' layout (the kernels' path without tiles) on this machine.
 - ``floor``: the active experts' bytes over the best rate at which infer's GEMV streamed a bf16 weight (one row of
   x) in reads sampled through the run.
@@ -27,6 +29,7 @@ instead times the tile kernel for one expert taking 1 to 64 tokens, on AMX's til
     OMP_NUM_THREADS=2 python benchmarks/moe_layer.py
     OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --cpu-time
     OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --switch --cpu-time
+    OMP_NUM_THREADS=2 python benchmarks/moe_layer.py --weights q4_1 --batches 1 16 64 128
 """
 
 from __future__ import annotations
@@ -128,8 +131,9 @@ def timed(call) -> float:
     return clock() - began
 
 
-def build_layers(config, count: int, seed: int):
-    """``count`` pairs of (transformers' block in bf16, infer's MoE packed bf16) with the same random weights."""
+def build_layers(config, count: int, seed: int, weights: str = "bf16"):
+    """``count`` pairs of (transformers' block in bf16, infer's MoE packed as ``weights``) with the same random
+    weights."""
     import transformers
 
     from infer.plugins.models.qwen3_moe import Qwen3MoeArchitecture
@@ -150,7 +154,7 @@ def build_layers(config, count: int, seed: int):
             for index, expert in enumerate(ours.experts):
                 expert.gate_up_proj.weight.copy_(stacked.gate_up_proj[index].float())
                 expert.down_proj.weight.copy_(stacked.down_proj[index].float())
-        pairs.append((hf_block, quantize_linears(ours, "bf16")))
+        pairs.append((hf_block, quantize_linears(ours, weights)))
     return pairs
 
 
@@ -163,6 +167,12 @@ def main() -> None:
     parser.add_argument("--switch", action="store_true", help="time AMX against FMAs per expert's tokens instead")
     parser.add_argument(
         "--cpu-time", action="store_true", help="time by the calling thread's CPU time (run with OMP_NUM_THREADS=1)"
+    )
+    parser.add_argument(
+        "--weights",
+        default="bf16",
+        choices=["bf16", "q4_0", "q4_1", "q8_0"],
+        help="the experts' weights: bf16, or quantized to GGUF's blocks (model.quantization=q4 is q4_1)",
     )
     parser.add_argument(
         "--gemv-rows",
@@ -179,9 +189,12 @@ def main() -> None:
     class_name, fields = SHAPES[args.shape]
     config = getattr(transformers, class_name).config_class(**fields)
     hidden, width = config.hidden_size, config.moe_intermediate_size
-    expert_bytes = 3 * hidden * width * 2
-    pairs = build_layers(config, args.layers, seed=0)
+    pairs = build_layers(config, args.layers, seed=0, weights=args.weights)
+    expert = pairs[0][1].experts[0]
+    expert_bytes = expert.gate_up_proj.nbytes + expert.down_proj.nbytes
     if args.switch:
+        if args.weights != "bf16":
+            raise SystemExit("--switch times bf16 experts on the tiles")
         if not kernels.amx:
             raise SystemExit("--switch needs AMX's tiles (this CPU, build or OS has none)")
         for _, ours in pairs:
@@ -190,7 +203,7 @@ def main() -> None:
             switch_point(kernels, [ours for _, ours in pairs], [1, 4, 8, 12, 16, 24, 32, 48, 64])
         return
     # beside every layer, one packed in pack_weights' layout (the kernels' path without tiles)
-    streamed = build_layers(config, args.layers, seed=0) if kernels.tiles else None
+    streamed = build_layers(config, args.layers, seed=0) if kernels.tiles and args.weights == "bf16" else None
     rate = StreamingRate(kernels)
     for _ in range(32):
         rate.sample()
@@ -201,7 +214,7 @@ def main() -> None:
     step = SimpleNamespace(ops=StepOps(None, None, kernels))
     print(
         f"{cpu_name()}, {torch.get_num_threads()} threads; {args.shape}: {config.num_experts} experts of "
-        f"{hidden} x {width}, top {config.num_experts_per_tok}, bf16"
+        f"{hidden} x {width}, top {config.num_experts_per_tok}, {args.weights}"
     )
     rows = []
     generator = torch.Generator().manual_seed(1)

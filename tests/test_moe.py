@@ -397,7 +397,7 @@ def test_experts_kept_as_blocks_equal_the_float64_layer_over_int8_activations(ke
 
     moe, reference = packed_moe(mode, **kind)
     moe.use_cpu_kernels(kernels, gemv_rows=8)
-    assert moe.packed.blocks == mode
+    assert moe.packed.blocks == (mode, mode)
     assert all(p.blocks is not None and p.packed is None for e in moe.experts for p in (e.gate_up_proj, e.down_proj))
     for routing in routings(moe.num_experts):
         x = torch.randn(routing.experts.shape[0], 64)

@@ -113,11 +113,11 @@ def run_vllm_baseline(
     timeout_s: float = 3600.0,
 ) -> dict:
     """Time vLLM's ``generate`` over ``requests`` in ``python``; returns ``summarize_result``'s summary."""
-    from infer.model.loader import hf_model_dir
+    from infer.model.loader import hf_checkpoint_dir
 
     if any(request.params.max_tokens is None for request in requests):
         raise VllmBaselineError("vLLM's baseline needs every request's max_tokens (a prompts line's is null)")
-    spec = request_spec(hf_model_dir(model_path), dtype, config, requests, batch_size)
+    spec = request_spec(hf_checkpoint_dir(model_path), dtype, config, requests, batch_size)
     with tempfile.TemporaryDirectory(prefix="infer-vllm-") as folder:
         spec_path, result_path = Path(folder) / "requests.json", Path(folder) / "result.json"
         spec_path.write_text(json.dumps(spec))

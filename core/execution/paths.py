@@ -462,7 +462,8 @@ def model_quantization(config, device: torch.device, dtype: torch.dtype, sharded
 
 def packs_as_read(quantization: str) -> bool:
     """Whether a load packs each layer as it is read for ``quantization``: every mode but unpacked weights (``none``)
-    and a GGUF file's blocks (``gguf``: read from the file for the whole model after the load)."""
+    and a GGUF file's blocks (``gguf``: ``load_model`` keeps each layer's as it reads the layer, where it reads the
+    file itself, else they are read for the whole model after the load)."""
     return quantization not in ("none", "gguf")
 
 
@@ -506,6 +507,7 @@ def load_for_stack(config, registry, device: torch.device, dtype: torch.dtype, s
         registry=registry,
         prepare_layer=layer_preparer(quantization, shard_layer),
         bf16_weights=packs_as_read(quantization),  # packing reads bf16 matrices as they are
+        keep_gguf_blocks=quantization == "gguf" and shard_layer is None,  # ranks shard float layers first
     )
 
 
@@ -515,7 +517,7 @@ def warn_if_memory_is_short(path: str, quantization: str, dtype: torch.dtype) ->
     it is killed by the kernel partway through the load, with nothing said. Estimated from the checkpoint's headers
     (``packed_weight_bytes``); silent, the headers not read, where the mode is not estimated."""
     from infer.host import available_memory
-    from infer.model.loader import checkpoint_matrices, hf_model_dir
+    from infer.model.loader import checkpoint_matrices, resolve_model_path
     from infer.model.quantization import packed_bytes_per_weight, packed_weight_bytes
 
     if quantization != "none" and packed_bytes_per_weight(quantization) is None:
@@ -523,7 +525,7 @@ def warn_if_memory_is_short(path: str, quantization: str, dtype: torch.dtype) ->
     available = available_memory()
     if available is None:
         return
-    counts = checkpoint_matrices(hf_model_dir(path))
+    counts = checkpoint_matrices(resolve_model_path(path))  # a folder's safetensors or a GGUF file's directory
     if quantization == "none":
         needed = dtype.itemsize * (counts.matrices + counts.table)
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -53,39 +54,33 @@ def stores_blocks(path: Path) -> bool:
     return bool(layers) and all(tensor.type_name in BLOCK_TYPES for tensor in layers)
 
 
-def read_projections(path: Path, model: nn.Module) -> tuple[dict[str, BlockWeight], dict[str, str]]:
-    """For each ``nn.Linear`` of ``model`` (its module name: ``layers.0.self_attn.qkv_proj``, ``lm_head``), the
-    file's blocks where every tensor it concatenates is of one ``BLOCK_TYPES`` type, or each of a K type; and, for the
-    others, the GGUF type(s) they are stored as (``F32``, ``Q5_K``, ``Q4_K+Q8_0``, ...)."""
-    import gguf
-
+def read_projections(path: Path, model: nn.Module, within: str = "") -> tuple[dict[str, BlockWeight], dict[str, str]]:
+    """For each ``nn.Linear`` of ``model`` (its module name: ``layers.0.self_attn.qkv_proj``, ``lm_head``; those
+    whose name starts with ``within``), the file's blocks where every tensor it concatenates is of one
+    ``BLOCK_TYPES`` type, or each of a K type; and, for the others, the GGUF type(s) they are stored as (``F32``,
+    ``Q5_K``, ``Q4_K+Q8_0``, ...). A mixture's experts are their rows of the file's stacked tensors."""
     file = _header(path)
-    architecture = file.architecture
-    arch_id = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(architecture)
-    if arch_id is None:
-        raise ValueError(f"{path.name}: GGUF architecture {architecture!r} is unknown to the gguf package")
-    names = gguf.get_tensor_name_map(arch_id, model.num_layers)
+    names = tensor_name_map(file, model.num_layers)
     tensors = file.tensors
-    permuted = architecture in PERMUTED_ARCHITECTURES
     blocks: dict[str, BlockWeight] = {}
     others: dict[str, str] = {}
     for module_name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or not module_name.startswith(within):
             continue
-        parts = [_gguf_name(names, hf_name) for hf_name in model.weight_map.hf_names(f"{module_name}.weight")]
+        parts = [gguf_source(names, hf_name) for hf_name in model.weight_map.hf_names(f"{module_name}.weight")]
         if module_name == "lm_head" and "output.weight" not in tensors:  # tied to the token embedding
-            parts = ["token_embd.weight"]
-        found = [tensors[part] for part in parts if part in tensors]
+            parts = [("token_embd.weight", None)]
+        found = [(tensors[part], expert) for part, expert in parts if part in tensors]
         if len(found) != len(parts):
             raise ValueError(
-                f"{path.name}: no tensor {[part for part in parts if part not in tensors]} for {module_name}"
+                f"{path.name}: no tensor {[part for part, _ in parts if part not in tensors]} for {module_name}"
             )
-        types = sorted({tensor.type_name for tensor in found})
-        kinds = [BLOCK_TYPES.get(tensor.type_name) for tensor in found]
+        types = sorted({tensor.type_name for tensor, _ in found})
+        kinds = [BLOCK_TYPES.get(tensor.type_name) for tensor, _ in found]
         if None in kinds or (len(types) > 1 and not all(kind in K_KINDS for kind in kinds)):
             others[module_name] = "+".join(types)
             continue
-        rows = [_rows(file, tensor, permuted, model) for tensor in found]
+        rows = [tensor_rows(file, tensor, expert, model.num_heads, model.num_kv_heads) for tensor, expert in found]
         if len(types) == 1:
             blocks[module_name] = pack_blocks(np.concatenate(rows), kinds[0], sum(len(part) for part in rows))
         else:
@@ -93,20 +88,45 @@ def read_projections(path: Path, model: nn.Module) -> tuple[dict[str, BlockWeigh
     return blocks, others
 
 
-def _gguf_name(names, hf_name: str) -> str:
+def tensor_name_map(file: GgufFile, num_layers: int):
+    """The gguf package's map from HF tensor names to this file's (``TensorNameMap``), for its architecture."""
+    import gguf
+
+    arch_id = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(file.architecture)
+    if arch_id is None:
+        raise ValueError(f"{file.path.name}: GGUF architecture {file.architecture!r} is unknown to the gguf package")
+    return gguf.get_tensor_name_map(arch_id, num_layers)
+
+
+# An expert's index in a per-expert HF name (``model.layers.0.mlp.experts.3.gate_proj.weight``).
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def gguf_source(names, hf_name: str) -> tuple[str, int | None]:
+    """The file's tensor that holds HF tensor ``hf_name``, and where that is one expert of a mixture's stacked
+    tensor (``blk.0.ffn_gate_exps.weight``: the experts one after the other), the expert's index (else None)."""
+    expert = None
+    match = _EXPERT.search(hf_name)
+    if match is not None:
+        expert = int(match.group(1))
+        hf_name = f"{hf_name[: match.start()]}.experts.{hf_name[match.end() :]}"
     name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
     if name is None:
         raise ValueError(f"the gguf package maps no GGUF tensor to {hf_name}")
-    return name
+    return name, expert
 
 
-def _rows(file: GgufFile, tensor: GgufTensor, permuted: bool, model: nn.Module) -> np.ndarray:
-    """A tensor's bytes as rows (one per output feature), Q and K rows back in HF's order where the file permuted
-    them (``LlamaTensorProcessor._reverse_permute_weights``: whole rows move, so blocks stay intact)."""
+def tensor_rows(file: GgufFile, tensor: GgufTensor, expert: int | None, num_heads: int, num_kv_heads: int):
+    """A tensor's bytes as rows (one per output feature; one expert's rows of a stacked tensor), Q and K rows back in
+    HF's order where the file permuted them (``LlamaTensorProcessor._reverse_permute_weights``: whole rows move, so
+    blocks stay intact)."""
     rows = file.data(tensor)
-    if not permuted or not (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+    if expert is not None:
+        count = tensor.shape[1]  # an expert's rows: GGUF's shape is (columns, rows, experts)
+        rows = rows[expert * count : (expert + 1) * count]
+    if file.architecture not in PERMUTED_ARCHITECTURES or not (".attn_q." in tensor.name or ".attn_k." in tensor.name):
         return rows
-    heads = model.num_heads if ".attn_q." in tensor.name else model.num_kv_heads
+    heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
     half = len(rows) // heads // 2
     return rows.reshape(heads, half, 2, -1).swapaxes(1, 2).reshape(len(rows), -1)
 

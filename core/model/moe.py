@@ -202,8 +202,8 @@ class MoE(nn.Module):
         """Let each expert's packed projections take the kernels' GEMV for inputs of up to ``gemv_rows`` rows (see
         ``infer.model.quantization.PackedLinear``), and when every one has a packed copy, tabulate them for the
         C call (``self.packed``). bf16 experts on kernels with tiles keep the tiles' copy alone (the C call reads it
-        for any number of tokens); experts kept as blocks of one kind in ``MOE_BLOCK_KINDS`` are read as they are;
-        others get ``pack_weights``' copy beside their own. ``kernels`` None undoes it."""
+        for any number of tokens); experts kept as blocks of ``MOE_BLOCK_KINDS`` (gate_up of one kind, down of one)
+        are read as they are; others get ``pack_weights``' copy beside their own. ``kernels`` None undoes it."""
         projections = [(expert.gate_up_proj, expert.down_proj) for expert in self.experts]
         tiles = (
             kernels is not None
@@ -228,10 +228,11 @@ class MoE(nn.Module):
             "limit": self.spec.swiglu_limit,
             "alpha": self.spec.swiglu_alpha,
         }
-        block_kinds = {  # each projection's block kind, None for one not kept as blocks
-            getattr(getattr(projection, "blocks", None), "kind", None) for pair in projections for projection in pair
+        block_kinds = {  # each expert's gate_up and down block kinds, None for one not kept as blocks
+            tuple(getattr(getattr(projection, "blocks", None), "kind", None) for projection in pair)
+            for pair in projections
         }
-        if kernels is not None and len(block_kinds) == 1 and block_kinds <= set(MOE_BLOCK_KINDS):
+        if kernels is not None and len(block_kinds) == 1 and set(*block_kinds) <= set(MOE_BLOCK_KINDS):
             self.packed = PackedExperts.of_blocks(
                 [projection.blocks for projection in gate_ups], [projection.blocks for projection in downs], **options
             )

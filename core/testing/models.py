@@ -9,15 +9,15 @@ from typing import Any
 
 import torch
 
-from infer.model.loader import DEFAULT_MODEL, hf_model_dir
+from infer.model.loader import DEFAULT_MODEL, hf_checkpoint_dir, hf_model_dir
 
 
 def load_hf_reference(path: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """The transformers model (eval, CPU) and tokenizer for a model path, from the same folder ``load_model`` reads:
-    the oracle tests compare against."""
+    """The transformers model (eval, CPU) and tokenizer for a model path, the oracle tests compare against: a GGUF
+    file converted by transformers (``hf_checkpoint_dir``), which infer reads itself."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = hf_model_dir(path)
+    model_dir = hf_checkpoint_dir(path)
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     return hf_model.eval(), AutoTokenizer.from_pretrained(model_dir)
 

@@ -56,8 +56,13 @@ def experts_spec(hf_config: Any) -> ExpertsSpec:
     )
 
 
-def split_stacked_experts(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state_dict`` with transformers' stacked expert tensors split into a checkpoint's per-expert names."""
+def split_stacked_experts(state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """``state_dict`` with transformers' stacked expert tensors split into a checkpoint's per-expert names; one with
+    none (a checkpoint's own per-expert names, a GGUF file's ``GgufTensors``) as it is, still read a tensor at a
+    time."""
+    stacked = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    if not any(name.endswith(stacked) for name in state_dict):
+        return state_dict
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
         if name.endswith("mlp.experts.gate_up_proj"):

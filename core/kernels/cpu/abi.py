@@ -67,7 +67,7 @@ _SIGNATURES = {
     "infer_moe_experts_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER]
     + [_POINTER, _POINTER, _POINTER, _INT, _FLOAT, _FLOAT, _INT, _POINTER],
     "infer_moe_experts_blocks": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER]
-    + [_POINTER, _INT, _POINTER, _POINTER, _INT, _FLOAT, _FLOAT, _POINTER],
+    + [_INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _FLOAT, _FLOAT, _POINTER],
     "infer_layer_attention_input": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER],
     "infer_layer_feed_forward": [_POINTER, _INT, _POINTER, _POINTER, _POINTER],
     "infer_add_rms_norm_mixed": [_POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT, _FLOAT],
@@ -327,7 +327,8 @@ class PackedExperts:
     limit: float = 0.0
     alpha: float = 0.0
     tiles: bool = False
-    blocks: str | None = None  # the block kind of experts kept as GGUF's blocks (``of_blocks``); None: packed
+    # experts kept as GGUF's blocks (``of_blocks``): gate_up's block kind and down's; None: packed
+    blocks: tuple[str, str] | None = None
 
     @classmethod
     def of(
@@ -402,25 +403,27 @@ class PackedExperts:
         limit: float = 0.0,
         alpha: float = 0.0,
     ) -> PackedExperts:
-        """Experts whose weights are kept as GGUF's blocks, every one of the same kind in ``MOE_BLOCK_KINDS``
-        (``infer_moe_experts_blocks``); biases and activation as ``of``."""
+        """Experts whose weights are kept as GGUF's blocks (``infer_moe_experts_blocks``): every expert's gate_up of
+        one kind in ``MOE_BLOCK_KINDS``, its down of one (the same or another: a ``Q4_K_M`` file's down projections
+        are stored finer than its gate and up); biases and activation as ``of``."""
         if not gate_up or len(gate_up) != len(down):
             raise ValueError(f"experts need gate_up and down weights each, got {len(gate_up)} and {len(down)}")
-        kind = gate_up[0].kind
-        if kind not in MOE_BLOCK_KINDS:
-            raise ValueError(f"experts in {kind} blocks have no C call; it takes {', '.join(MOE_BLOCK_KINDS)}")
+        kinds = (gate_up[0].kind, down[0].kind)
+        if not set(kinds) <= set(MOE_BLOCK_KINDS):
+            raise ValueError(
+                f"experts in {'/'.join(kinds)} blocks have no C call; it takes {', '.join(MOE_BLOCK_KINDS)}"
+            )
         hidden, width = gate_up[0].in_features, gate_up[0].out_features // 2
         if hidden % BLOCK or width % BLOCK:
             raise ValueError(f"experts of {hidden} x {width} need both sizes multiples of {BLOCK}")
         for index, (first, second) in enumerate(zip(gate_up, down, strict=True)):
             if (
-                first.kind != kind
-                or second.kind != kind
+                (first.kind, second.kind) != kinds
                 or not (well_formed(first) and well_formed(second))
                 or (first.out_features, first.in_features) != (2 * width, hidden)
                 or (second.out_features, second.in_features) != (hidden, width)
             ):
-                raise ValueError(f"expert {index}'s blocks differ in kind or shape from expert 0's")
+                raise ValueError(f"expert {index}'s blocks differ in kinds or shape from expert 0's")
         tables = {
             "gate_up": addresses([weight.data for weight in gate_up]),
             "down": addresses([weight.data for weight in down]),
@@ -433,13 +436,13 @@ class PackedExperts:
             None,
             hidden,
             width,
-            BLOCK_KINDS[kind],
+            BLOCK_KINDS[kinds[0]],
             tables,
             biases,
             activation,
             limit,
             alpha,
-            blocks=kind,
+            blocks=kinds,
         )
 
     @property
@@ -758,8 +761,9 @@ class CpuKernels:
                 tokens.data_ptr(),
                 weights.data_ptr(),
                 tables["gate_up"].data_ptr(),
+                BLOCK_KINDS[experts.blocks[0]],
                 tables["down"].data_ptr(),
-                experts.kind,
+                BLOCK_KINDS[experts.blocks[1]],
                 address(tables.get("gate_up_bias")),
                 address(tables.get("down_bias")),
                 EXPERT_ACTIVATIONS[experts.activation],

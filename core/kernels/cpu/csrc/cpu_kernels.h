@@ -148,16 +148,17 @@ void infer_moe_experts_tiles(const float *x, int64_t hidden, int64_t width, int6
                              const int64_t *gate_up_bias, const int64_t *down_bias, int64_t activation, float limit,
                              float alpha, int64_t tile_rows, float *out);
 
-/* infer_moe_experts over weights kept as GGUF's blocks (KIND_Q4_0, KIND_Q4_1 or KIND_Q8_0, all experts one kind;
- * infer_linear_blocks' layout; hidden and width multiples of 32): each pair's row of x and of the activations
+/* infer_moe_experts over weights kept as GGUF's blocks (KIND_Q4_0, KIND_Q4_1 or KIND_Q8_0: every expert's gate_up
+ * of gate_up_kind, its down of down_kind; infer_linear_blocks' layout; hidden and width multiples of 32): each pair's
+ * row of x and of the activations
  * quantized per 32 columns as infer_linear_blocks quantizes them, integer dot products per block, each expert's
  * groups of weights read once for all its tokens (passes of infer_block_pass_rows rows): meant for a few tokens an
  * expert. Every output column summed by one thread, experts in the order given. */
 void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int64_t experts,
                               const int64_t *expert_ids, const int64_t *starts, const int64_t *tokens,
-                              const float *weights, const int64_t *gate_up, const int64_t *down, int64_t kind,
-                              const int64_t *gate_up_bias, const int64_t *down_bias, int64_t activation,
-                              float limit, float alpha, float *out);
+                              const float *weights, const int64_t *gate_up, int64_t gate_up_kind,
+                              const int64_t *down, int64_t down_kind, const int64_t *gate_up_bias,
+                              const int64_t *down_bias, int64_t activation, float limit, float alpha, float *out);
 
 /* ---- row-wise ops (rowwise.c) ----------------------------------------------------------------------------------- */
 

@@ -373,9 +373,9 @@ void infer_moe_experts_tiles(const float *x, int64_t hidden, int64_t width, int6
 
 void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int64_t experts,
                               const int64_t *expert_ids, const int64_t *starts, const int64_t *tokens,
-                              const float *weights, const int64_t *gate_up, const int64_t *down, int64_t kind,
-                              const int64_t *gate_up_bias, const int64_t *down_bias, int64_t activation,
-                              float limit, float alpha, float *out) {
+                              const float *weights, const int64_t *gate_up, int64_t gate_up_kind,
+                              const int64_t *down, int64_t down_kind, const int64_t *gate_up_bias,
+                              const int64_t *down_bias, int64_t activation, float limit, float alpha, float *out) {
     const int64_t pairs = starts[experts], x_blocks = hidden / 32, act_blocks = width / 32;
     int64_t most = 0;  /* the most tokens one expert takes */
     for (int64_t e = 0; e < experts; e++)
@@ -385,7 +385,8 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
     float *x_scales = malloc(sizeof(float) * 2 * pairs * x_blocks), *x_sums = x_scales + pairs * x_blocks;
     float *a_scales = malloc(sizeof(float) * 2 * pairs * act_blocks), *a_sums = a_scales + pairs * act_blocks;
     float *activated = malloc(sizeof(float) * pairs * width);
-    const int64_t gate_up_group = block_group_bytes(hidden, kind), down_group = block_group_bytes(width, kind);
+    const int64_t gate_up_group = block_group_bytes(hidden, gate_up_kind);
+    const int64_t down_group = block_group_bytes(width, down_kind);
 #pragma omp parallel
     {
         int thread = 0, threads = 1;
@@ -407,8 +408,9 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
             const int8_t *q = xq + start * hidden;
             const float *dx = x_scales + start * x_blocks, *s = x_sums + start * x_blocks;
             for (int64_t b = first; b < last; b++) {
-                block_group_sums(weight + b * gate_up_group, hidden, q, dx, s, count, kind, gate);
-                block_group_sums(weight + (b + width / 4) * gate_up_group, hidden, q, dx, s, count, kind, up);
+                block_group_sums(weight + b * gate_up_group, hidden, q, dx, s, count, gate_up_kind, gate);
+                block_group_sums(weight + (b + width / 4) * gate_up_group, hidden, q, dx, s, count, gate_up_kind,
+                                 up);
                 for (int64_t r = 0; r < count; r++)
                     for (int i = 0; i < 4; i++) {
                         float g = gate[r * 4 + i], u = up[r * 4 + i];
@@ -433,7 +435,7 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
             const int8_t *q = aq + start * width;
             const float *dx = a_scales + start * act_blocks, *s = a_sums + start * act_blocks;
             for (int64_t b = first; b < last; b++) {
-                block_group_sums(weight + b * down_group, width, q, dx, s, count, kind, gate);
+                block_group_sums(weight + b * down_group, width, q, dx, s, count, down_kind, gate);
                 for (int64_t r = 0; r < count; r++)
                     for (int i = 0; i < 4; i++)
                         out[tokens[start + r] * hidden + b * 4 + i] +=

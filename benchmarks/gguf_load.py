@@ -1,0 +1,152 @@
+"""A HF folder written as a GGUF file (``write``), and the peak memory and time of starting on one (``measure``):
+infer reading the file itself, a tensor at a time, each layer packed as the file's blocks as soon as it is read
+(``model.quantization=gguf``), against the same start on transformers' conversion of the file (the whole model
+dequantized to float32 in memory, then written to disk as a HF folder), each in a fresh process.
+
+``write`` keeps every 2-D weight but the token embedding as ``--type`` blocks (the embedding ``Q8_0``, norms and a
+router ``F32``; experts stacked as llama.cpp stacks them), with the tokenizer and metadata of the default model's file
+beside the folder's shape (``random_models.py``'s folders use that tokenizer). Architectures: Qwen3 and Qwen3-MoE.
+
+    python benchmarks/gguf_load.py write ~/models/qwen3-0.6b-random /tmp/qwen3-0.6b-q4_0.gguf
+    python benchmarks/gguf_load.py measure /tmp/qwen3-0.6b-q4_0.gguf            # both starts
+    python benchmarks/gguf_load.py measure /tmp/qwen3-moe-q4_0.gguf --direct-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# HF config keys written as the GGUF architecture's metadata (``{arch}.{key}``), by architecture.
+SHAPE_KEYS = {
+    "block_count": "num_hidden_layers",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.value_length": "head_dim",
+    "vocab_size": "vocab_size",
+}
+MOE_KEYS = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"}
+ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+
+
+def write(folder: Path, out: Path, block_type: str) -> None:
+    import gguf
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from safetensors import safe_open
+
+    from infer.model.loader import DEFAULT_MODEL, resolve_model_path
+
+    config = json.loads((folder / "config.json").read_text())
+    arch = ARCHITECTURES[config["model_type"]]
+    template = GGUFReader(resolve_model_path(DEFAULT_MODEL))
+    writer = GGUFWriter(out, arch)
+    for name, field in template.fields.items():
+        if name.startswith(("GGUF.", "llama.")) or name in ("general.architecture", "general.file_type"):
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(name, field.contents(), vtype, field.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    for key, field in {**SHAPE_KEYS, **(MOE_KEYS if arch == "qwen3moe" else {})}.items():
+        writer.add_uint32(f"{arch}.{key}", int(config[field]))
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(config["rms_norm_eps"]))
+    theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 1e6))
+    writer.add_float32(f"{arch}.rope.freq_base", float(theta))
+    arch_id = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
+    files = [safe_open(path, "pt") for path in sorted(folder.glob("*.safetensors"))]
+    tensors = {name: file for file in files for name in file.keys()}
+    stacked = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+    for name in sorted(tensors):
+        tensor = tensors[name].get_tensor(name).float().numpy()
+        match = stacked.match(name)
+        if (
+            match
+        ):  # transformers' stacked experts: [experts, 2 * width, hidden] (gate first) and [experts, hidden, width]
+            parts = (
+                {"gate_proj": tensor[:, : tensor.shape[1] // 2], "up_proj": tensor[:, tensor.shape[1] // 2 :]}
+                if match.group(2) == "gate_up_proj"
+                else {"down_proj": tensor}
+            )
+            for part, values in parts.items():
+                add(writer, names.get_name(f"{match.group(1)}.{part}", try_suffixes=(".weight",)), values, block_type)
+            continue
+        add(writer, names.get_name(name, try_suffixes=(".weight", ".bias")), tensor, block_type)
+        del tensor
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=True)
+    writer.close()
+
+
+def add(writer, name: str, values: np.ndarray, block_type: str) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if values.ndim == 1 or name.endswith("ffn_gate_inp.weight"):
+        writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+        return
+    qtype = GGMLQuantizationType["Q8_0" if name == "token_embd.weight" else block_type]
+    writer.add_tensor(name, quantize(np.ascontiguousarray(values), qtype), raw_dtype=qtype)
+
+
+# Run in a fresh process: the load's time and the process's peak resident memory.
+PROBE = """
+import resource, sys, time, torch
+began = time.perf_counter()
+if sys.argv[2] == "direct":
+    from infer.model.loader import load_model
+    from infer.model.quantization import quantize_model
+    from pathlib import Path
+    model = load_model(sys.argv[1], torch.float32, keep_gguf_blocks=True).model
+    quantize_model(model, "gguf", Path(sys.argv[1]))
+else:
+    from infer.model.loader import hf_checkpoint_dir
+    hf_checkpoint_dir(sys.argv[1])
+print(time.perf_counter() - began, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+"""
+
+
+def measure(path: Path, direct_only: bool) -> None:
+    print(f"{path.name}: {path.stat().st_size / 2**30:.2f} GiB")
+    print("| start | time (s) | peak resident memory (GiB) |")
+    print("|---|---|---|")
+    for how in ("direct",) if direct_only else ("direct", "converted"):
+        began = time.perf_counter()
+        result = subprocess.run([sys.executable, "-c", PROBE, str(path), how], capture_output=True, text=True)
+        if result.returncode != 0:
+            print(f"| {how} | failed: {result.stderr.strip().splitlines()[-1]} | |")
+            continue
+        seconds, peak = map(float, result.stdout.split()[-2:])
+        label = "infer reads the file (gguf)" if how == "direct" else "transformers' conversion"
+        print(f"| {label} | {seconds:.1f} ({time.perf_counter() - began:.1f} with the process) | {peak:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    writing = commands.add_parser("write")
+    writing.add_argument("folder", type=Path)
+    writing.add_argument("out", type=Path)
+    writing.add_argument("--type", default="Q4_0", choices=["Q4_0", "Q4_1", "Q8_0"])
+    measuring = commands.add_parser("measure")
+    measuring.add_argument("file", type=Path)
+    measuring.add_argument("--direct-only", action="store_true")
+    args = parser.parse_args()
+    if args.command == "write":
+        write(args.folder.expanduser(), args.out.expanduser(), args.type)
+    else:
+        measure(args.file.expanduser(), args.direct_only)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""A GGUF file's weights read by infer itself (``infer.model.gguf_weights.GgufTensors``), a tensor at a time: the
+float values transformers' conversion gives, bit for bit (Llama's permuted Q and K rows, K-quants, a Qwen3-MoE file's
+stacked experts), and with ``model.quantization: gguf`` each layer packed as the file's blocks as soon as it is
+read."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_block_quantization import KQUANT_FILE_TIME, relative_error, write_kquant_gguf
+from torch import nn
+
+from infer.kernels.cpu.blocks import dequantize_blocks
+from infer.model.gguf_blocks import read_projections
+from infer.model.loader import DEFAULT_MODEL, hf_checkpoint_dir, hf_model_dir, load_model, resolve_model_path
+from infer.model.quantization import PackedLinear
+
+# A Qwen3-MoE file's shape: every layer sparse; moe_intermediate_size is transformers' default (768), which its GGUF
+# config mapping does not read from the file.
+MOE_SHAPE = {
+    "block_count": 2,
+    "embedding_length": 64,
+    "feed_forward_length": 128,
+    "attention.head_count": 4,
+    "attention.head_count_kv": 2,
+    "attention.key_length": 16,
+    "attention.value_length": 16,
+    "context_length": 512,
+    "expert_count": 8,
+    "expert_used_count": 2,
+}
+MOE_WIDTH = 768
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    from infer.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.compiler() is None:
+        pytest.skip("the block kernels need a C compiler")
+    return cpu_kernels.load(True)
+
+
+def write_moe_gguf(path, template) -> None:
+    """A Qwen3-MoE GGUF file of random weights in MOE_SHAPE, its experts stacked as llama.cpp writes them (gate and up
+    ``Q4_0``, down ``Q8_0``), with the tokenizer of ``template``."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import quantize
+
+    reader = GGUFReader(template)
+    writer = GGUFWriter(path, "qwen3moe")
+    for name, field in reader.fields.items():
+        if name.startswith(("GGUF.", "llama.")) or name in ("general.architecture", "general.file_type"):
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(name, field.contents(), vtype, field.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    for name, value in MOE_SHAPE.items():
+        writer.add_uint32(f"qwen3moe.{name}", value)
+    writer.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_float32("qwen3moe.rope.freq_base", 1_000_000.0)
+    generator = np.random.default_rng(1)
+    hidden, head_dim = MOE_SHAPE["embedding_length"], MOE_SHAPE["attention.key_length"]
+    heads, kv_heads, experts = MOE_SHAPE["attention.head_count"], MOE_SHAPE["attention.head_count_kv"], 8
+
+    def add(name: str, kind: str, *shape: int, std: float = 0.1) -> None:
+        weight = (generator.standard_normal(shape) * std).astype(np.float32)
+        if kind == "F32":
+            writer.add_tensor(name, weight + (1.0 if name.endswith("norm.weight") else 0.0))
+            return
+        qtype = GGMLQuantizationType[kind]
+        writer.add_tensor(name, quantize(weight, qtype), raw_dtype=qtype)
+
+    vocab = int(reader.fields["llama.vocab_size"].contents())
+    add("token_embd.weight", "Q8_0", vocab, hidden, std=0.5)
+    add("output.weight", "Q8_0", vocab, hidden)
+    add("output_norm.weight", "F32", hidden)
+    for layer in range(MOE_SHAPE["block_count"]):
+        block = f"blk.{layer}"
+        for norm in ("attn_norm", "ffn_norm"):
+            add(f"{block}.{norm}.weight", "F32", hidden)
+        for norm in ("attn_q_norm", "attn_k_norm"):
+            add(f"{block}.{norm}.weight", "F32", head_dim)
+        add(f"{block}.attn_q.weight", "Q4_0", heads * head_dim, hidden)
+        add(f"{block}.attn_k.weight", "Q4_0", kv_heads * head_dim, hidden)
+        add(f"{block}.attn_v.weight", "Q4_0", kv_heads * head_dim, hidden)
+        add(f"{block}.attn_output.weight", "Q8_0", hidden, heads * head_dim)
+        add(f"{block}.ffn_gate_inp.weight", "F32", experts, hidden, std=1.0)
+        add(f"{block}.ffn_gate_exps.weight", "Q4_0", experts, MOE_WIDTH, hidden)
+        add(f"{block}.ffn_up_exps.weight", "Q4_0", experts, MOE_WIDTH, hidden)
+        add(f"{block}.ffn_down_exps.weight", "Q8_0", experts, hidden, MOE_WIDTH)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def fixed_file(directory, stem: str, write) -> str:
+    """A GGUF file written by ``write``, named by its bytes' digest and dated at a fixed time, so that every run finds
+    the cache's one HF folder for it (keyed by name, size and mtime) instead of converting another."""
+    written = directory / f"{stem}.gguf"
+    write(written, resolve_model_path(DEFAULT_MODEL))
+    digest = hashlib.sha256(written.read_bytes()).hexdigest()[:12]
+    path = written.rename(written.with_name(f"{stem}-{digest}.gguf"))
+    os.utime(path, (KQUANT_FILE_TIME, KQUANT_FILE_TIME))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The default model (Llama: Q and K permuted, ``Q4_1`` and ``Q8_0``), a tiny K-quant Llama file and a tiny
+    Qwen3-MoE file."""
+    directory = tmp_path_factory.mktemp("gguf")
+    return {
+        "default": DEFAULT_MODEL,
+        "kquants": fixed_file(directory, "tiny-q4_k_m", write_kquant_gguf),
+        "moe": fixed_file(directory, "tiny-qwen3moe", write_moe_gguf),
+    }
+
+
+@pytest.mark.parametrize("name", ["default", "kquants", "moe"])
+def test_a_gguf_files_weights_read_directly_are_transformers_conversions_bit_for_bit(files, name):
+    path = files[name]
+    assert not any(hf_model_dir(path).glob("*.safetensors"))  # the folder infer reads holds no weights
+    direct = dict(load_model(path, torch.float32).model.named_parameters())
+    converted = dict(load_model(str(hf_checkpoint_dir(path)), torch.float32).model.named_parameters())
+    assert direct.keys() == converted.keys()
+    for parameter, values in direct.items():
+        assert torch.equal(values, converted[parameter]), parameter
+
+
+@pytest.mark.parametrize("name", ["kquants", "moe"])
+def test_gguf_mode_packs_each_layer_as_the_files_blocks_as_soon_as_it_is_read(files, name):
+    """``keep_gguf_blocks``: when ``prepare_layer`` gets a layer its projections are the file's blocks already (the
+    experts' their rows of the stacked tensors), whose values are the float model's weights; the load leaves no
+    float projection in the layers."""
+    path = files[name]
+    seen = []
+
+    def prepare(layer: nn.Module) -> None:
+        seen.append(all(not isinstance(module, nn.Linear) for module in layer.modules()))
+
+    packed = load_model(path, torch.float32, prepare_layer=prepare, keep_gguf_blocks=True).model
+    assert seen == [True] * packed.num_layers
+    float_model = load_model(path, torch.float32).model
+    float_modules = dict(float_model.named_modules())
+    _, requantized = read_projections(Path(path), float_model)  # stored as types the kernels do not read
+    kinds = set()
+    for module_name, module in packed.layers.named_modules(prefix="layers"):
+        if isinstance(module, PackedLinear) and module_name not in requantized:
+            kinds.add(module.blocks.kind)
+            assert torch.equal(dequantize_blocks(module.blocks), float_modules[module_name].weight), module_name
+    assert kinds == ({"q4_0", "q8_0"} if name == "moe" else {"k_mixed", "q4_k", "q6_k"})
+
+
+def test_a_moe_file_runs_its_experts_in_one_call_over_the_files_blocks(files, monkeypatch):
+    """The Qwen3-MoE file with its blocks kept: decode steps run the experts in the one C call over the file's
+    ``Q4_0`` gate/up and ``Q8_0`` down blocks, with the logits of the experts run one by one through their
+    projections (the same int8 arithmetic); both stay near the float model's (int8 activations, and routing that
+    near-tied random scores may tip, move them by a few percent)."""
+    from test_model import PagedPool
+
+    from infer.model import moe as moe_module
+    from infer.model.quantization import quantize_model
+
+    path = files["moe"]
+
+    def packed_model():
+        return quantize_model(load_model(path, torch.float32, keep_gguf_blocks=True).model, "gguf", Path(path))
+
+    in_one_call = packed_model()
+    runner = PagedPool(in_one_call, kernels=True)
+    assert all(layer.mlp.packed.blocks == ("q4_0", "q8_0") for layer in in_one_call.layers)
+    monkeypatch.setattr(moe_module, "MOE_BLOCK_KINDS", ())
+    one_by_one = packed_model()
+    by_projections = PagedPool(one_by_one, kernels=True)
+    assert all(layer.mlp.packed is None for layer in one_by_one.layers)
+    reference = PagedPool(load_model(path, torch.float32).model)
+    tokens = torch.randint(1000, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    for step in [{"a": tokens}] + [{"a": [token]} for token in (5, 17, 300)]:
+        got, alone, exact = runner.step(step)["a"], by_projections.step(step)["a"], reference.step(step)["a"]
+        assert relative_error(got, alone) < 1e-5
+        assert relative_error(got, exact) < 0.15
