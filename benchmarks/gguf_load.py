@@ -1,7 +1,8 @@
-"""A HF folder written as a GGUF file (``write``), and the peak memory and time of starting on one (``measure``):
-infer reading the file itself, a tensor at a time, each layer packed as the file's blocks as soon as it is read
-(``model.quantization=gguf``), against the same start on transformers' conversion of the file (the whole model
-dequantized to float32 in memory, then written to disk as a HF folder), each in a fresh process.
+"""A HF folder written as a GGUF file (``write``), and the peak memory and time of loading one as
+``model.quantization=gguf`` keeps it (``measure``): infer reading the file itself, a tensor at a time, each layer
+packed as the file's blocks as soon as it is read, against the same model from transformers' conversion of the file
+(the whole model dequantized to float32 in memory and written to disk as a HF folder, then read as a float model and
+packed; the conversion runs at the first start only, then its folder is in the cache), each in a fresh process.
 
 ``write`` keeps every 2-D weight but the token embedding as ``--type`` blocks (the embedding ``Q8_0``, norms and a
 router ``F32``; experts stacked as llama.cpp stacks them), with the tokenizer and metadata of the default model's file
@@ -102,16 +103,15 @@ def add(writer, name: str, values: np.ndarray, block_type: str) -> None:
 # Run in a fresh process: the load's time and the process's peak resident memory.
 PROBE = """
 import resource, sys, time, torch
+from pathlib import Path
+from infer.model.loader import hf_checkpoint_dir, load_model
+from infer.model.quantization import quantize_model
 began = time.perf_counter()
 if sys.argv[2] == "direct":
-    from infer.model.loader import load_model
-    from infer.model.quantization import quantize_model
-    from pathlib import Path
     model = load_model(sys.argv[1], torch.float32, keep_gguf_blocks=True).model
-    quantize_model(model, "gguf", Path(sys.argv[1]))
-else:
-    from infer.model.loader import hf_checkpoint_dir
-    hf_checkpoint_dir(sys.argv[1])
+else:  # the float model from transformers' folder, then its blocks
+    model = load_model(str(hf_checkpoint_dir(sys.argv[1])), torch.float32).model
+quantize_model(model, "gguf", Path(sys.argv[1]))
 print(time.perf_counter() - began, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 """
 

@@ -60,10 +60,37 @@ def read_projections(path: Path, model: nn.Module, within: str = "") -> tuple[di
     ``BLOCK_TYPES`` type, or each of a K type; and, for the others, the GGUF type(s) they are stored as (``F32``,
     ``Q5_K``, ``Q4_K+Q8_0``, ...). A mixture's experts are their rows of the file's stacked tensors."""
     file = _header(path)
-    names = tensor_name_map(file, model.num_layers)
-    tensors = file.tensors
     blocks: dict[str, BlockWeight] = {}
     others: dict[str, str] = {}
+    for module_name, found, kinds in _projection_sources(file, model, within):
+        types = sorted({tensor.type_name for tensor, _ in found})
+        if not _kept_as_blocks(types, kinds):
+            others[module_name] = "+".join(types)
+            continue
+        rows = [tensor_rows(file, tensor, expert, model.num_heads, model.num_kv_heads) for tensor, expert in found]
+        if len(types) == 1:
+            blocks[module_name] = pack_blocks(np.concatenate(rows), kinds[0], sum(len(part) for part in rows))
+        else:
+            blocks[module_name] = pack_mixed_kquants([(part, kind, len(part)) for part, kind in zip(rows, kinds)])
+    return blocks, others
+
+
+def projections_kept_as_blocks(path: Path, model: nn.Module) -> set[str]:
+    """The module names of ``model``'s ``nn.Linear`` layers that ``read_projections`` keeps as the file's blocks."""
+    file = _header(path)
+    return {
+        module_name
+        for module_name, found, kinds in _projection_sources(file, model)
+        if _kept_as_blocks(sorted({tensor.type_name for tensor, _ in found}), kinds)
+    }
+
+
+def _projection_sources(file: GgufFile, model: nn.Module, within: str = ""):
+    """For each ``nn.Linear`` of ``model`` whose name starts with ``within``: its name, the file's tensors it
+    concatenates (each with its expert's index in a stacked tensor, else None), and their block kinds (None: a type
+    ``BLOCK_TYPES`` lacks)."""
+    names = tensor_name_map(file, model.num_layers)
+    tensors = file.tensors
     for module_name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or not module_name.startswith(within):
             continue
@@ -73,19 +100,15 @@ def read_projections(path: Path, model: nn.Module, within: str = "") -> tuple[di
         found = [(tensors[part], expert) for part, expert in parts if part in tensors]
         if len(found) != len(parts):
             raise ValueError(
-                f"{path.name}: no tensor {[part for part, _ in parts if part not in tensors]} for {module_name}"
+                f"{file.path.name}: no tensor {[part for part, _ in parts if part not in tensors]} for {module_name}"
             )
-        types = sorted({tensor.type_name for tensor, _ in found})
-        kinds = [BLOCK_TYPES.get(tensor.type_name) for tensor, _ in found]
-        if None in kinds or (len(types) > 1 and not all(kind in K_KINDS for kind in kinds)):
-            others[module_name] = "+".join(types)
-            continue
-        rows = [tensor_rows(file, tensor, expert, model.num_heads, model.num_kv_heads) for tensor, expert in found]
-        if len(types) == 1:
-            blocks[module_name] = pack_blocks(np.concatenate(rows), kinds[0], sum(len(part) for part in rows))
-        else:
-            blocks[module_name] = pack_mixed_kquants([(part, kind, len(part)) for part, kind in zip(rows, kinds)])
-    return blocks, others
+        yield module_name, found, [BLOCK_TYPES.get(tensor.type_name) for tensor, _ in found]
+
+
+def _kept_as_blocks(types: list[str], kinds: list[str | None]) -> bool:
+    """Whether tensors of these GGUF types (block kinds) make one block weight: one type the kernels read, or K
+    types only."""
+    return None not in kinds and (len(types) == 1 or all(kind in K_KINDS for kind in kinds))
 
 
 def tensor_name_map(file: GgufFile, num_layers: int):

@@ -20,6 +20,8 @@ from infer.model.gguf_blocks import _header, gguf_source, tensor_name_map, tenso
 
 # GGUF architectures (``general.architecture``) read by ``GgufTensors``.
 DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+# A tensor's stored bytes dequantized at a time.
+DEQUANTIZE_CHUNK_BYTES = 16 << 20
 
 
 def reads_directly(path: Path) -> bool:
@@ -30,11 +32,22 @@ def reads_directly(path: Path) -> bool:
 class GgufTensors(Mapping[str, torch.Tensor]):
     """The tensors of the GGUF file at ``path`` that the HF names ``hf_names`` map to (names the file lacks are not
     keys), as float32 tensors of the HF checkpoint's shapes, dequantized by the gguf package (transformers' values,
-    bit for bit) when looked up. ``num_heads`` and ``num_kv_heads`` place Llama's permuted Q and K rows."""
+    bit for bit) when looked up. ``num_heads`` and ``num_kv_heads`` place Llama's permuted Q and K rows. Names in
+    ``unread`` (the projections a load packs as the file's blocks) give zeros of their shape instead, read from
+    nothing."""
 
-    def __init__(self, path: Path, hf_names: Iterable[str], num_layers: int, num_heads: int, num_kv_heads: int):
+    def __init__(
+        self,
+        path: Path,
+        hf_names: Iterable[str],
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        unread: Iterable[str] = (),
+    ):
         self.file = _header(path)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.unread = frozenset(unread)
         names = tensor_name_map(self.file, num_layers)
         self._sources: dict[str, tuple[str, int | None]] = {}
         for hf_name in hf_names:
@@ -52,12 +65,17 @@ class GgufTensors(Mapping[str, torch.Tensor]):
 
         name, expert = self._sources[hf_name]
         tensor = self.file.tensors[name]
-        rows = tensor_rows(self.file, tensor, expert, self.num_heads, self.num_kv_heads)
-        values = dequantize(np.ascontiguousarray(rows), GGMLQuantizationType[tensor.type_name])
-        if not values.flags.writeable or values.dtype != np.float32:  # F32: a view of the file's map; copied
-            values = np.array(values, dtype=np.float32)
         shape = tensor.shape[::-1] if expert is None else tensor.shape[1::-1]  # HF's order: rows first
-        return torch.from_numpy(values.reshape(shape))
+        if hf_name in self.unread:  # packed from the file's blocks as soon as its layer is read: zeros meanwhile
+            return torch.zeros(()).expand(shape)
+        rows = tensor_rows(self.file, tensor, expert, self.num_heads, self.num_kv_heads)
+        qtype = GGMLQuantizationType[tensor.type_name]
+        out = np.empty((len(rows), int(np.prod(shape)) // len(rows)), dtype=np.float32)
+        # in chunks of rows: the gguf package's dequantization makes temporaries several times its input's size
+        step = max(1, DEQUANTIZE_CHUNK_BYTES // rows.shape[1])
+        for start in range(0, len(rows), step):
+            out[start : start + step] = dequantize(np.ascontiguousarray(rows[start : start + step]), qtype)
+        return torch.from_numpy(out.reshape(shape))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._sources)

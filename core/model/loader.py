@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from infer.host import cache_dir, cpu_flags
+from infer.host import cache_dir, cpu_flags, trim_heap
 from infer.model import CausalLM, ModelArchitecture
 from infer.model.architecture import UnsupportedModelError
 
@@ -273,7 +273,7 @@ def load_model(
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    from infer.model.gguf_blocks import warn_dequantized
+    from infer.model.gguf_blocks import projections_kept_as_blocks, warn_dequantized
     from infer.model.gguf_weights import GgufTensors
     from infer.model.quantization import GGUF_OTHERS
 
@@ -286,12 +286,19 @@ def load_model(
     model = family.build(hf_config, dtype=dtype, device=device, max_positions=max_positions)
     resolved = resolve_model_path(path)
     if resolved.is_file() and not any(model_dir.glob("*.safetensors")):  # a GGUF file read directly
+        kept = projections_kept_as_blocks(resolved, model) if keep_gguf_blocks else set()
         tensors: Mapping[str, torch.Tensor] = GgufTensors(
             resolved,
             [source for name, _ in model.named_parameters() for source in model.weight_map.hf_names(name)],
             model.num_layers,
             model.num_heads,
             model.num_kv_heads,
+            unread=[
+                source
+                for module in kept
+                if module.startswith("layers.")  # the output head keeps its float weight beside its blocks
+                for source in model.weight_map.hf_names(f"{module}.weight")
+            ],
         )
         others: dict[str, str] = {}  # projections the file stores as types the block kernels do not read
         if keep_gguf_blocks:
@@ -319,6 +326,7 @@ def _keeping_blocks(
         blocks, stored_otherwise = read_projections(gguf, model, within=prefix)
         others.update(stored_otherwise)
         quantize_linears(layer, "gguf", blocks=blocks, prefix=prefix)
+        trim_heap()  # the layer's float weights are freed: their pages go back, not held between packed ones
         if prepare_layer is not None:
             prepare_layer(layer)
 
