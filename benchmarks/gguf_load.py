@@ -37,7 +37,11 @@ SHAPE_KEYS = {
     "attention.value_length": "head_dim",
     "vocab_size": "vocab_size",
 }
-MOE_KEYS = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"}
+MOE_KEYS = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+}
 ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 
 
@@ -57,6 +61,7 @@ def write(folder: Path, out: Path, block_type: str) -> None:
             continue
         vtype = field.types[0]
         writer.add_key_value(name, field.contents(), vtype, field.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    config.setdefault("num_experts", config.get("num_local_experts"))
     for key, field in {**SHAPE_KEYS, **(MOE_KEYS if arch == "qwen3moe" else {})}.items():
         writer.add_uint32(f"{arch}.{key}", int(config[field]))
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(config["rms_norm_eps"]))
@@ -64,11 +69,26 @@ def write(folder: Path, out: Path, block_type: str) -> None:
     writer.add_float32(f"{arch}.rope.freq_base", float(theta))
     arch_id = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
     names = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
+
+    def gguf_name(hf_name: str) -> str:
+        return names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+
     files = [safe_open(path, "pt") for path in sorted(folder.glob("*.safetensors"))]
     tensors = {name: file for file in files for name in file.keys()}
     stacked = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+    per_expert = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # a checkpoint's per-expert tensors, to stack
     for name in sorted(tensors):
         tensor = tensors[name].get_tensor(name).float().numpy()
+        match = per_expert.match(name)
+        if match:
+            gathered = experts.setdefault((match.group(1), match.group(3)), {})
+            gathered[int(match.group(2))] = tensor
+            if len(gathered) == config["num_experts"]:
+                values = np.stack([gathered[index] for index in range(len(gathered))])
+                add(writer, gguf_name(f"{match.group(1)}.{match.group(3)}.weight"), values, block_type)
+                gathered.clear()
+            continue
         match = stacked.match(name)
         if (
             match
@@ -79,9 +99,9 @@ def write(folder: Path, out: Path, block_type: str) -> None:
                 else {"down_proj": tensor}
             )
             for part, values in parts.items():
-                add(writer, names.get_name(f"{match.group(1)}.{part}", try_suffixes=(".weight",)), values, block_type)
+                add(writer, gguf_name(f"{match.group(1)}.{part}.weight"), values, block_type)
             continue
-        add(writer, names.get_name(name, try_suffixes=(".weight", ".bias")), tensor, block_type)
+        add(writer, gguf_name(name), tensor, block_type)
         del tensor
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

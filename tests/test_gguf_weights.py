@@ -20,8 +20,8 @@ from infer.model.gguf_blocks import read_projections
 from infer.model.loader import DEFAULT_MODEL, hf_checkpoint_dir, hf_model_dir, load_model, resolve_model_path
 from infer.model.quantization import PackedLinear
 
-# A Qwen3-MoE file's shape: every layer sparse; moe_intermediate_size is transformers' default (768), which its GGUF
-# config mapping does not read from the file.
+# A Qwen3-MoE file's shape, every layer sparse. Its experts' width is transformers' default moe_intermediate_size
+# (768): transformers' GGUF config mapping does not read expert_feed_forward_length, and its conversion is the oracle.
 MOE_SHAPE = {
     "block_count": 2,
     "embedding_length": 64,

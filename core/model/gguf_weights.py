@@ -33,8 +33,10 @@ class GgufTensors(Mapping[str, torch.Tensor]):
     """The tensors of the GGUF file at ``path`` that the HF names ``hf_names`` map to (names the file lacks are not
     keys), as float32 tensors of the HF checkpoint's shapes, dequantized by the gguf package (transformers' values,
     bit for bit) when looked up. ``num_heads`` and ``num_kv_heads`` place Llama's permuted Q and K rows. Names in
-    ``unread`` (the projections a load packs as the file's blocks) give zeros of their shape instead, read from
-    nothing."""
+    ``unread`` (the projections a load packs as the file's blocks) give an uninitialized tensor of their shape
+    instead, read from nothing. Every lookup is a new tensor (``fresh_tensors``): a load keeps it as the parameter."""
+
+    fresh_tensors = True
 
     def __init__(
         self,
@@ -66,8 +68,8 @@ class GgufTensors(Mapping[str, torch.Tensor]):
         name, expert = self._sources[hf_name]
         tensor = self.file.tensors[name]
         shape = tensor.shape[::-1] if expert is None else tensor.shape[1::-1]  # HF's order: rows first
-        if hf_name in self.unread:  # packed from the file's blocks as soon as its layer is read: zeros meanwhile
-            return torch.zeros(()).expand(shape)
+        if hf_name in self.unread:  # packed from the file's blocks as soon as its layer is read; no page touched
+            return torch.empty(shape)
         rows = tensor_rows(self.file, tensor, expert, self.num_heads, self.num_kv_heads)
         qtype = GGMLQuantizationType[tensor.type_name]
         out = np.empty((len(rows), int(np.prod(shape)) // len(rows)), dtype=np.float32)

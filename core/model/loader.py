@@ -237,11 +237,17 @@ def _convert_gguf_config(gguf: Path, destination: Path) -> None:
     """The GGUF file's config, tokenizer and generation config as a HF folder, from its metadata alone."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from infer.model.gguf_file import GgufFile
+
     with _gguf_parsed_once():
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):  # the weights are read as float values or as blocks, not by HF
         del config.quantization_config
+    metadata = GgufFile(gguf).metadata
+    expert_width = metadata.get(f"{metadata.get('general.architecture')}.expert_feed_forward_length")
+    if expert_width is not None and hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = int(expert_width)  # transformers' GGUF config mapping leaves its default
     config.save_pretrained(destination)
     GenerationConfig.from_model_config(config).save_pretrained(destination)
     tokenizer.save_pretrained(destination)
