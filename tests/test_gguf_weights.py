@@ -16,7 +16,7 @@ from test_block_quantization import KQUANT_FILE_TIME, relative_error, write_kqua
 from torch import nn
 
 from infer.kernels.cpu.blocks import dequantize_blocks
-from infer.model.gguf_blocks import read_projections
+from infer.model.gguf_blocks import read_projections, stores_blocks
 from infer.model.loader import DEFAULT_MODEL, hf_checkpoint_dir, hf_model_dir, load_model, resolve_model_path
 from infer.model.quantization import PackedLinear
 
@@ -155,6 +155,9 @@ def test_gguf_mode_packs_each_layer_as_the_files_blocks_as_soon_as_it_is_read(fi
             kinds.add(module.blocks.kind)
             assert torch.equal(dequantize_blocks(module.blocks), float_modules[module_name].weight), module_name
     assert kinds == ({"q4_0", "q8_0"} if name == "moe" else {"k_mixed", "q4_k", "q6_k"})
+    # every projection stored as blocks (a router stays float in every mode): what auto keeps where the block GEMM
+    # runs on AMX
+    assert stores_blocks(Path(path))
 
 
 def test_a_moe_file_runs_its_experts_in_one_call_over_the_files_blocks(files, monkeypatch):

@@ -44,12 +44,16 @@ def _read_header(path: str, size: int, mtime_ns: int) -> GgufFile:
 
 
 def stores_blocks(path: Path) -> bool:
-    """Whether every 2-D weight of the GGUF file's layers (``blk.N.*``: the projections) is of a ``BLOCK_TYPES``
-    type, so that ``model.quantization: gguf`` keeps all of them as blocks."""
+    """Whether every projection of the GGUF file's layers (``blk.N.*`` weights of 2 dimensions, a mixture's stacked
+    experts of 3; not a router, ``ffn_gate_inp``, which stays float in every mode) is of a ``BLOCK_TYPES`` type, so
+    that ``model.quantization: gguf`` keeps all of them as blocks."""
     layers = [
         tensor
         for tensor in _header(path).tensors.values()
-        if tensor.name.startswith("blk.") and tensor.name.endswith(".weight") and len(tensor.shape) == 2
+        if tensor.name.startswith("blk.")
+        and tensor.name.endswith(".weight")
+        and len(tensor.shape) in (2, 3)
+        and ".ffn_gate_inp" not in tensor.name
     ]
     return bool(layers) and all(tensor.type_name in BLOCK_TYPES for tensor in layers)
 
