@@ -1,7 +1,8 @@
 """What an engine's start costs: building the C kernels into an empty folder (once per machine and source), reading a
 GGUF file's header (infer's reader against the gguf package's ``GGUFReader``, which ``gguf.GGUFReader``-based code
-pays), converting the GGUF file into a HF folder of float weights as a first run does (once, into an empty cache
-folder), and constructing ``LLM(config)`` in a fresh process with the kernels and the converted model already cached,
+pays), making the HF folder a first run makes of a GGUF file (once, into an empty cache folder: the config and
+tokenizer of a file infer reads itself, transformers' float conversion of any other), and constructing
+``LLM(config)`` in a fresh process with the kernels and that folder already cached,
 with the start's peak memory and what the engine holds once started. Prints markdown rows; each figure the median
 of ``--repeats``.
 
@@ -100,7 +101,7 @@ def main() -> None:
                 check=True,
                 env={**os.environ, "INFER_CACHE_DIR": cache},
             )
-        print(f"| {path.name}: converted to a HF folder (first run, once) | {float(result.stdout.split()[-1]):.1f} |")
+        print(f"| {path.name}: its HF folder made (first run, once) | {float(result.stdout.split()[-1]):.1f} |")
 
     command = [sys.executable, "-c", ENGINE_SCRIPT, args.config, *args.engine_overrides]
     subprocess.run(command, capture_output=True, check=True)  # converts and builds what is missing, not timed
