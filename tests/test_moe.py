@@ -262,6 +262,15 @@ def test_the_expert_kernel_on_each_simd_build_matches_this_cpus(kernels, build, 
         torch.testing.assert_close(*outs, atol=atol, rtol=2e-5)
 
 
+def expert_activation(spec, gate_up: torch.Tensor) -> torch.Tensor:
+    """An expert's activation of its gate and up sums ``gate_up`` (gate's first), as ``spec`` names it."""
+    gate, up = gate_up.chunk(2)
+    if spec.activation == "clamped_swiglu":
+        gate, up = gate.clamp(max=spec.swiglu_limit), up.clamp(-spec.swiglu_limit, spec.swiglu_limit)
+        return (up + 1) * gate * torch.sigmoid(spec.swiglu_alpha * gate)
+    return torch.nn.functional.silu(gate) * up
+
+
 def expert_reference(reference, x, routing, rounded: set[int] = frozenset()):
     """The layer in float64 over ``reference``'s weights (the packed ones' values) for a given routing; experts in
     ``rounded`` take their rows and their activations rounded to bf16, as AMX's tiles multiply them."""
@@ -279,12 +288,7 @@ def expert_reference(reference, x, routing, rounded: set[int] = frozenset()):
             gate_up = expert.gate_up_proj.weight.double() @ row
             if expert.gate_up_proj.bias is not None:
                 gate_up += expert.gate_up_proj.bias.double()
-            gate, up = gate_up.chunk(2)
-            if spec.activation == "clamped_swiglu":
-                gate, up = gate.clamp(max=spec.swiglu_limit), up.clamp(-spec.swiglu_limit, spec.swiglu_limit)
-                activated = (up + 1) * gate * torch.sigmoid(spec.swiglu_alpha * gate)
-            else:
-                activated = torch.nn.functional.silu(gate) * up
+            activated = expert_activation(spec, gate_up)
             if index in rounded:
                 activated = bf16(activated)
             down = expert.down_proj.weight.double() @ activated
@@ -374,12 +378,7 @@ def block_expert_reference(reference, x, routing):
             gate_up = expert.gate_up_proj.weight.double() @ row
             if expert.gate_up_proj.bias is not None:
                 gate_up += expert.gate_up_proj.bias.double()
-            gate, up = gate_up.chunk(2)
-            if spec.activation == "clamped_swiglu":
-                gate, up = gate.clamp(max=spec.swiglu_limit), up.clamp(-spec.swiglu_limit, spec.swiglu_limit)
-                activated = (up + 1) * gate * torch.sigmoid(spec.swiglu_alpha * gate)
-            else:
-                activated = torch.nn.functional.silu(gate) * up
+            activated = expert_activation(spec, gate_up)
             down = expert.down_proj.weight.double() @ quantized_activations(activated.float()[None])[0]
             if expert.down_proj.bias is not None:
                 down += expert.down_proj.bias.double()

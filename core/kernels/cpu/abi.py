@@ -750,51 +750,7 @@ class CpuKernels:
         if tokens.shape[0] and (int(tokens.min()) < 0 or int(tokens.max()) >= x.shape[0] or x.shape[0] != out.shape[0]):
             raise ValueError(f"moe_experts: tokens must index the {x.shape[0]} rows of x and out")
         tables = experts.tables
-        if experts.blocks is not None:
-            self._moe_experts_blocks(
-                x.data_ptr(),
-                experts.hidden,
-                experts.width,
-                groups,
-                expert_ids.data_ptr(),
-                starts.data_ptr(),
-                tokens.data_ptr(),
-                weights.data_ptr(),
-                tables["gate_up"].data_ptr(),
-                BLOCK_KINDS[experts.blocks[0]],
-                tables["down"].data_ptr(),
-                BLOCK_KINDS[experts.blocks[1]],
-                address(tables.get("gate_up_bias")),
-                address(tables.get("down_bias")),
-                EXPERT_ACTIVATIONS[experts.activation],
-                experts.limit,
-                experts.alpha,
-                out.data_ptr(),
-            )
-            return
-        if experts.tiles:
-            self._moe_experts_tiles(
-                x.data_ptr(),
-                experts.hidden,
-                experts.width,
-                groups,
-                expert_ids.data_ptr(),
-                starts.data_ptr(),
-                tokens.data_ptr(),
-                weights.data_ptr(),
-                tables["gate_up"].data_ptr(),
-                tables["down"].data_ptr(),
-                address(tables.get("gate_up_bias")),
-                address(tables.get("down_bias")),
-                EXPERT_ACTIVATIONS[experts.activation],
-                experts.limit,
-                experts.alpha,
-                MOE_TILE_ROWS if tile_rows is None else tile_rows,
-                out.data_ptr(),
-            )
-            return
-        gate_up_groups, down_groups = experts.scale_groups
-        self._moe_experts(
+        pairs = (  # every layout's call starts with the step's pairs
             x.data_ptr(),
             experts.hidden,
             experts.width,
@@ -803,20 +759,28 @@ class CpuKernels:
             starts.data_ptr(),
             tokens.data_ptr(),
             weights.data_ptr(),
-            tables["gate_up"].data_ptr(),
-            address(tables.get("gate_up_scales")),
-            gate_up_groups,
-            tables["down"].data_ptr(),
-            address(tables.get("down_scales")),
-            down_groups,
-            experts.kind,
+        )
+        activation = (  # and takes the biases and activation after the weights
             address(tables.get("gate_up_bias")),
             address(tables.get("down_bias")),
             EXPERT_ACTIVATIONS[experts.activation],
             experts.limit,
             experts.alpha,
-            out.data_ptr(),
         )
+        gate_up, down = tables["gate_up"].data_ptr(), tables["down"].data_ptr()
+        if experts.blocks is not None:
+            kinds = [BLOCK_KINDS[kind] for kind in experts.blocks]
+            self._moe_experts_blocks(*pairs, gate_up, kinds[0], down, kinds[1], *activation, out.data_ptr())
+        elif experts.tiles:
+            rows = MOE_TILE_ROWS if tile_rows is None else tile_rows
+            self._moe_experts_tiles(*pairs, gate_up, down, *activation, rows, out.data_ptr())
+        else:
+            gate_up_groups, down_groups = experts.scale_groups
+            gate_up_scales, down_scales = address(tables.get("gate_up_scales")), address(tables.get("down_scales"))
+            self._moe_experts(
+                *pairs, gate_up, gate_up_scales, gate_up_groups, down, down_scales, down_groups, experts.kind,
+                *activation, out.data_ptr(),
+            )  # fmt: skip
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype = torch.float32

@@ -49,6 +49,15 @@ static inline int team_member(void) {
 #endif
 }
 
+/* Threads in the calling thread's OpenMP team (1 outside one, or in a build without OpenMP). */
+static inline int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
 /* Threads a parallel region may get: the number of shares to lay out before it. */
 static inline int team_size_max(void) {
 #ifdef _OPENMP

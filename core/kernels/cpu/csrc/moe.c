@@ -27,6 +27,14 @@ static inline void thread_share(int64_t blocks, int thread, int threads, int64_t
     *last = blocks * (thread + 1) / threads;
 }
 
+/* The most tokens one of `experts` experts takes (expert e takes pairs starts[e] .. starts[e + 1] - 1). */
+static inline int64_t most_tokens(const int64_t *starts, int64_t experts) {
+    int64_t most = 0;
+    for (int64_t e = 0; e < experts; e++)
+        if (starts[e + 1] - starts[e] > most) most = starts[e + 1] - starts[e];
+    return most;
+}
+
 static inline int64_t weight_bytes(int kind) { return kind == KIND_I8 ? 1 : 2; }
 
 /* The activation of gate g and up u (cpu_kernels.h), in transformers' order of operations. */
@@ -39,15 +47,39 @@ static inline float activate(float g, float u, int64_t activation, float limit, 
     return g / (1.0f + expf(-g)) * u;
 }
 
+/* Columns b * 4 .. b * 4 + 3 of `count` rows' activations from their gate and up sums (gate[r * 4 + i], up's
+ * likewise) plus the biases where the expert has them (gate's [width] first, then up's): activated has `width`
+ * columns a row. */
+static inline void activate_group(const float *gate, const float *up, int64_t count, const float *bias, int64_t b,
+                                  int64_t width, int64_t activation, float limit, float alpha, float *activated) {
+    for (int64_t r = 0; r < count; r++)
+        for (int i = 0; i < 4; i++) {
+            float g = gate[r * 4 + i], u = up[r * 4 + i];
+            if (bias) {
+                g += bias[b * 4 + i];
+                u += bias[width + b * 4 + i];
+            }
+            activated[r * width + b * 4 + i] = activate(g, u, activation, limit, alpha);
+        }
+}
+
+/* out's columns b * 4 .. b * 4 + 3 of the tokens of pairs start .. start + count - 1 plus each pair's routing weight
+ * times its down sums (sums[r * 4 + i]) plus the bias where the expert has it. */
+static inline void add_routed_group(const float *sums, int64_t count, int64_t start, const float *bias, int64_t b,
+                                    const int64_t *tokens, const float *weights, int64_t hidden, float *out) {
+    for (int64_t r = 0; r < count; r++)
+        for (int i = 0; i < 4; i++)
+            out[tokens[start + r] * hidden + b * 4 + i] +=
+                weights[start + r] * (sums[r * 4 + i] + (bias ? bias[b * 4 + i] : 0.0f));
+}
+
 void infer_moe_experts(const float *x, int64_t hidden, int64_t width, int64_t experts, const int64_t *expert_ids,
                        const int64_t *starts, const int64_t *tokens, const float *weights, const int64_t *gate_up,
                        const int64_t *gate_up_scales, int64_t gate_up_groups, const int64_t *down,
                        const int64_t *down_scales, int64_t down_groups, int64_t kind, const int64_t *gate_up_bias,
                        const int64_t *down_bias, int64_t activation, float limit, float alpha, float *out) {
     const int64_t pairs = starts[experts];
-    int64_t most = 0;  /* the most tokens one expert takes */
-    for (int64_t e = 0; e < experts; e++)
-        if (starts[e + 1] - starts[e] > most) most = starts[e + 1] - starts[e];
+    const int64_t most = most_tokens(starts, experts);
     float *rows = malloc(sizeof(float) * pairs * hidden);       /* x's rows, grouped by expert */
     float *activated = malloc(sizeof(float) * pairs * width);   /* silu(gate) * up, grouped by expert */
     const int64_t gate_up_block = 4 * hidden * weight_bytes(kind), down_block = 4 * width * weight_bytes(kind);
@@ -55,11 +87,7 @@ void infer_moe_experts(const float *x, int64_t hidden, int64_t width, int64_t ex
     const int64_t down_group = kind == KIND_I8 ? width / down_groups : width;
 #pragma omp parallel
     {
-        int thread = 0, threads = 1;
-#ifdef _OPENMP
-        thread = omp_get_thread_num();
-        threads = omp_get_num_threads();
-#endif
+        const int thread = team_member(), threads = team_size();
         float *gate = malloc(sizeof(float) * 8 * most), *up = gate + 4 * most;
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++) memcpy(rows + p * hidden, x + tokens[p] * hidden, sizeof(float) * hidden);
@@ -76,15 +104,7 @@ void infer_moe_experts(const float *x, int64_t hidden, int64_t width, int64_t ex
                            scales ? scales + b * 4 * gate_up_groups : NULL, gate_up_group, (int)kind, gate);
                 block_sums(rows + start * hidden, count, hidden, weight + b_up * gate_up_block,
                            scales ? scales + b_up * 4 * gate_up_groups : NULL, gate_up_group, (int)kind, up);
-                for (int64_t r = 0; r < count; r++)
-                    for (int i = 0; i < 4; i++) {
-                        float g = gate[r * 4 + i], u = up[r * 4 + i];
-                        if (bias) {
-                            g += bias[b * 4 + i];
-                            u += bias[width + b * 4 + i];
-                        }
-                        activated[(start + r) * width + b * 4 + i] = activate(g, u, activation, limit, alpha);
-                    }
+                activate_group(gate, up, count, bias, b, width, activation, limit, alpha, activated + start * width);
             }
         }
 #pragma omp barrier
@@ -97,10 +117,7 @@ void infer_moe_experts(const float *x, int64_t hidden, int64_t width, int64_t ex
             for (int64_t b = first; b < last; b++) {
                 block_sums(activated + start * width, count, width, weight + b * down_block,
                            scales ? scales + b * 4 * down_groups : NULL, down_group, (int)kind, gate);
-                for (int64_t r = 0; r < count; r++)
-                    for (int i = 0; i < 4; i++)
-                        out[tokens[start + r] * hidden + b * 4 + i] +=
-                            weights[start + r] * (gate[r * 4 + i] + (bias ? bias[b * 4 + i] : 0.0f));
+                add_routed_group(gate, count, start, bias, b, tokens, weights, hidden, out);
             }
         }
         free(gate);
@@ -292,11 +309,7 @@ void infer_moe_experts_tiles(const float *x, int64_t hidden, int64_t width, int6
     const int64_t gate_up_block = tile_block(hidden), down_block = tile_block(width), up_offset = width / 32;
 #pragma omp parallel
     {
-        int thread = 0, threads = 1;
-#ifdef _OPENMP
-        thread = omp_get_thread_num();
-        threads = omp_get_num_threads();
-#endif
+        const int thread = team_member(), threads = team_size();
         float *gate = malloc(sizeof(float) * 2 * 32 * most), *up = gate + 32 * most;
 #if INFER_AMX
         if (padded_rows) load_full_tiles();
@@ -377,9 +390,7 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
                               const int64_t *down, int64_t down_kind, const int64_t *gate_up_bias,
                               const int64_t *down_bias, int64_t activation, float limit, float alpha, float *out) {
     const int64_t pairs = starts[experts], x_blocks = hidden / 32, act_blocks = width / 32;
-    int64_t most = 0;  /* the most tokens one expert takes */
-    for (int64_t e = 0; e < experts; e++)
-        if (starts[e + 1] - starts[e] > most) most = starts[e + 1] - starts[e];
+    const int64_t most = most_tokens(starts, experts);
     /* each pair's row of x and of activations, quantized per 32 columns as the block GEMV's, grouped by expert */
     int8_t *xq = malloc(pairs * hidden), *aq = malloc(pairs * width);
     float *x_scales = malloc(sizeof(float) * 2 * pairs * x_blocks), *x_sums = x_scales + pairs * x_blocks;
@@ -389,11 +400,7 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
     const int64_t down_group = block_group_bytes(width, down_kind);
 #pragma omp parallel
     {
-        int thread = 0, threads = 1;
-#ifdef _OPENMP
-        thread = omp_get_thread_num();
-        threads = omp_get_num_threads();
-#endif
+        const int thread = team_member(), threads = team_size();
         float *gate = malloc(sizeof(float) * 8 * most), *up = gate + 4 * most;
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++)
@@ -411,15 +418,7 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
                 block_group_sums(weight + b * gate_up_group, hidden, q, dx, s, count, gate_up_kind, gate);
                 block_group_sums(weight + (b + width / 4) * gate_up_group, hidden, q, dx, s, count, gate_up_kind,
                                  up);
-                for (int64_t r = 0; r < count; r++)
-                    for (int i = 0; i < 4; i++) {
-                        float g = gate[r * 4 + i], u = up[r * 4 + i];
-                        if (bias) {
-                            g += bias[b * 4 + i];
-                            u += bias[width + b * 4 + i];
-                        }
-                        activated[(start + r) * width + b * 4 + i] = activate(g, u, activation, limit, alpha);
-                    }
+                activate_group(gate, up, count, bias, b, width, activation, limit, alpha, activated + start * width);
             }
         }
 #pragma omp barrier
@@ -436,10 +435,7 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
             const float *dx = a_scales + start * act_blocks, *s = a_sums + start * act_blocks;
             for (int64_t b = first; b < last; b++) {
                 block_group_sums(weight + b * down_group, width, q, dx, s, count, down_kind, gate);
-                for (int64_t r = 0; r < count; r++)
-                    for (int i = 0; i < 4; i++)
-                        out[tokens[start + r] * hidden + b * 4 + i] +=
-                            weights[start + r] * (gate[r * 4 + i] + (bias ? bias[b * 4 + i] : 0.0f));
+                add_routed_group(gate, count, start, bias, b, tokens, weights, hidden, out);
             }
         }
         free(gate);
