@@ -126,7 +126,7 @@ def files(tmp_path_factory):
 def test_a_gguf_files_weights_read_directly_are_transformers_conversions_bit_for_bit(files, name):
     path = files[name]
     assert not any(hf_model_dir(path).glob("*.safetensors"))  # the folder infer reads holds no weights
-    direct = dict(load_model(path, torch.float32).model.named_parameters())
+    direct = dict(load_model(path, torch.float32, read_gguf=True).model.named_parameters())
     converted = dict(load_model(str(hf_checkpoint_dir(path)), torch.float32).model.named_parameters())
     assert direct.keys() == converted.keys()
     for parameter, values in direct.items():
@@ -146,7 +146,7 @@ def test_gguf_mode_packs_each_layer_as_the_files_blocks_as_soon_as_it_is_read(fi
 
     packed = load_model(path, torch.float32, prepare_layer=prepare, keep_gguf_blocks=True).model
     assert seen == [True] * packed.num_layers
-    float_model = load_model(path, torch.float32).model
+    float_model = load_model(path, torch.float32, read_gguf=True).model
     float_modules = dict(float_model.named_modules())
     _, requantized = read_projections(Path(path), float_model)  # stored as types the kernels do not read
     kinds = set()

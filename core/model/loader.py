@@ -264,6 +264,7 @@ def load_model(
     prepare_layer: Callable[[torch.nn.Module], object] | None = None,
     bf16_weights: bool = False,
     keep_gguf_blocks: bool = False,
+    read_gguf: bool = False,
 ) -> LoadedModel:
     """Load a model path (alias, HF folder or GGUF file) into infer's ``CausalLM``, built by the model family that
     serves it (``choose_architecture``), with its tokenizer.
@@ -273,25 +274,28 @@ def load_model(
     checkpoint is read a tensor at a time, so a load holds one layer's float weights beside what the calls made of
     the layers before, not a float copy of the whole model. ``bf16_weights`` holds a bf16 checkpoint's matrices
     (linear layers' weights, vocabulary tables) as read, never widened to float32, for a model packed before it runs.
-    A GGUF file of ``DIRECT_ARCHITECTURES`` is read a tensor at a time (``GgufTensors``); ``keep_gguf_blocks``
-    (``model.quantization: gguf``) packs each layer's projections as the file's blocks as soon as it is read, before
-    ``prepare_layer``.
+    ``keep_gguf_blocks`` (``model.quantization: gguf``): a GGUF file of ``DIRECT_ARCHITECTURES`` is read a tensor at a
+    time (``GgufTensors``) and each layer's projections are packed as the file's blocks as soon as it is read, before
+    ``prepare_layer``, never dequantized. ``read_gguf`` reads such a file so for a float model too; otherwise a float
+    model of a GGUF file is read from transformers' conversion (``hf_checkpoint_dir``: converted once, then read much
+    faster than the gguf package dequantizes).
     """
     from transformers import AutoConfig, AutoTokenizer
 
     from infer.model.gguf_blocks import projections_kept_as_blocks, warn_dequantized
-    from infer.model.gguf_weights import GgufTensors
+    from infer.model.gguf_weights import GgufTensors, reads_directly
     from infer.model.quantization import GGUF_OTHERS
 
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device) if isinstance(dtype, str) else dtype
-    model_dir = hf_model_dir(path)
+    resolved = resolve_model_path(path)
+    direct = resolved.is_file() and (keep_gguf_blocks or read_gguf) and reads_directly(resolved)
+    model_dir = hf_model_dir(path) if direct else hf_checkpoint_dir(path)
     hf_config = AutoConfig.from_pretrained(model_dir)
     family = choose_architecture(hf_config, architecture, registry, path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = family.build(hf_config, dtype=dtype, device=device, max_positions=max_positions)
-    resolved = resolve_model_path(path)
-    if resolved.is_file() and not any(model_dir.glob("*.safetensors")):  # a GGUF file read directly
+    if direct:
         kept = projections_kept_as_blocks(resolved, model) if keep_gguf_blocks else set()
         tensors: Mapping[str, torch.Tensor] = GgufTensors(
             resolved,
