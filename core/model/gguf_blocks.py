@@ -31,7 +31,7 @@ BLOCK_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", "
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
-def _header(path: Path) -> GgufFile:
+def gguf_header(path: Path) -> GgufFile:
     """The file's header, read once for both ``stores_blocks`` (``auto``'s choice) and ``read_projections`` (the
     packing) of one start; a replaced file (another size or mtime) is read again."""
     stat = Path(path).stat()
@@ -49,7 +49,7 @@ def stores_blocks(path: Path) -> bool:
     that ``model.quantization: gguf`` keeps all of them as blocks."""
     layers = [
         tensor
-        for tensor in _header(path).tensors.values()
+        for tensor in gguf_header(path).tensors.values()
         if tensor.name.startswith("blk.")
         and tensor.name.endswith(".weight")
         and len(tensor.shape) in (2, 3)
@@ -63,7 +63,7 @@ def read_projections(path: Path, model: nn.Module, within: str = "") -> tuple[di
     whose name starts with ``within``), the file's blocks where every tensor it concatenates is of one
     ``BLOCK_TYPES`` type, or each of a K type; and, for the others, the GGUF type(s) they are stored as (``F32``,
     ``Q5_K``, ``Q4_K+Q8_0``, ...). A mixture's experts are their rows of the file's stacked tensors."""
-    file = _header(path)
+    file = gguf_header(path)
     blocks: dict[str, BlockWeight] = {}
     others: dict[str, str] = {}
     for module_name, found, kinds in _projection_sources(file, model, within):
@@ -81,7 +81,7 @@ def read_projections(path: Path, model: nn.Module, within: str = "") -> tuple[di
 
 def projections_kept_as_blocks(path: Path, model: nn.Module) -> set[str]:
     """The module names of ``model``'s ``nn.Linear`` layers that ``read_projections`` keeps as the file's blocks."""
-    file = _header(path)
+    file = gguf_header(path)
     return {
         module_name
         for module_name, found, kinds in _projection_sources(file, model)

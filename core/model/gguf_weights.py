@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infer.model.gguf_blocks import _header, gguf_source, tensor_name_map, tensor_rows
+from infer.model.gguf_blocks import gguf_header, gguf_source, tensor_name_map, tensor_rows
 
 # GGUF architectures (``general.architecture``) read by ``GgufTensors``.
 DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
@@ -26,7 +26,7 @@ DEQUANTIZE_CHUNK_BYTES = 16 << 20
 
 def reads_directly(path: Path) -> bool:
     """Whether the GGUF file's weights are read by ``GgufTensors`` (its architecture is in ``DIRECT_ARCHITECTURES``)."""
-    return _header(path).architecture in DIRECT_ARCHITECTURES
+    return gguf_header(path).architecture in DIRECT_ARCHITECTURES
 
 
 class GgufTensors(Mapping[str, torch.Tensor]):
@@ -47,7 +47,7 @@ class GgufTensors(Mapping[str, torch.Tensor]):
         num_kv_heads: int,
         unread: Iterable[str] = (),
     ):
-        self.file = _header(path)
+        self.file = gguf_header(path)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.unread = frozenset(unread)
         names = tensor_name_map(self.file, num_layers)

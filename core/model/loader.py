@@ -432,9 +432,9 @@ def checkpoint_matrices(model_dir: Path) -> CheckpointMatrices:
     from safetensors import safe_open
 
     if model_dir.suffix == ".gguf":
-        from infer.model.gguf_blocks import _header
+        from infer.model.gguf_blocks import gguf_header
 
-        tensors = _header(model_dir).tensors.values()
+        tensors = gguf_header(model_dir).tensors.values()
         table = next((t.shape[0] * t.shape[1] for t in tensors if t.name == "token_embd.weight"), 0)
         matrices = sum(t.shape[0] * t.rows for t in tensors if len(t.shape) > 1 and t.name != "token_embd.weight")
         head = any(tensor.name == "output.weight" for tensor in tensors)
