@@ -22,9 +22,10 @@ from infer.model.quantization import PackedLinear
 
 # A Qwen3-MoE file's shape, every layer sparse. Its experts' width is transformers' default moe_intermediate_size
 # (768): transformers' GGUF config mapping does not read expert_feed_forward_length, and its conversion is the oracle.
+# Its hidden size is one K-quant super-block (256 columns), for the layer whose experts are K-quants.
 MOE_SHAPE = {
     "block_count": 2,
-    "embedding_length": 64,
+    "embedding_length": 256,
     "feed_forward_length": 128,
     "attention.head_count": 4,
     "attention.head_count_kv": 2,
@@ -47,10 +48,13 @@ def kernels():
 
 
 def write_moe_gguf(path, template) -> None:
-    """A Qwen3-MoE GGUF file of random weights in MOE_SHAPE, its experts stacked as llama.cpp writes them (gate and up
-    ``Q4_0``, down ``Q8_0``), with the tokenizer of ``template``."""
+    """A Qwen3-MoE GGUF file of random weights in MOE_SHAPE, its experts stacked as llama.cpp writes them (layer 0:
+    gate and up ``Q4_0``, down ``Q8_0``; layer 1 as a ``Q4_K_M`` file stores them: gate and up ``Q4_K``, down
+    ``Q6_K``), with the tokenizer of ``template``."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import quantize
+
+    from infer.testing.kquants import QUANTIZERS
 
     reader = GGUFReader(template)
     writer = GGUFWriter(path, "qwen3moe")
@@ -73,7 +77,11 @@ def write_moe_gguf(path, template) -> None:
             writer.add_tensor(name, weight + (1.0 if name.endswith("norm.weight") else 0.0))
             return
         qtype = GGMLQuantizationType[kind]
-        writer.add_tensor(name, quantize(weight, qtype), raw_dtype=qtype)
+        if kind.lower() in QUANTIZERS:  # by rows, the experts' stacked back
+            raw = QUANTIZERS[kind.lower()](weight.reshape(-1, shape[-1])).reshape(*shape[:-1], -1)
+        else:
+            raw = quantize(weight, qtype)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
 
     vocab = int(reader.fields["llama.vocab_size"].contents())
     add("token_embd.weight", "Q8_0", vocab, hidden, std=0.5)
@@ -90,9 +98,10 @@ def write_moe_gguf(path, template) -> None:
         add(f"{block}.attn_v.weight", "Q4_0", kv_heads * head_dim, hidden)
         add(f"{block}.attn_output.weight", "Q8_0", hidden, heads * head_dim)
         add(f"{block}.ffn_gate_inp.weight", "F32", experts, hidden, std=1.0)
-        add(f"{block}.ffn_gate_exps.weight", "Q4_0", experts, MOE_WIDTH, hidden)
-        add(f"{block}.ffn_up_exps.weight", "Q4_0", experts, MOE_WIDTH, hidden)
-        add(f"{block}.ffn_down_exps.weight", "Q8_0", experts, hidden, MOE_WIDTH)
+        gate_up, down = ("Q4_0", "Q8_0") if layer == 0 else ("Q4_K", "Q6_K")
+        add(f"{block}.ffn_gate_exps.weight", gate_up, experts, MOE_WIDTH, hidden)
+        add(f"{block}.ffn_up_exps.weight", gate_up, experts, MOE_WIDTH, hidden)
+        add(f"{block}.ffn_down_exps.weight", down, experts, hidden, MOE_WIDTH)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -154,17 +163,17 @@ def test_gguf_mode_packs_each_layer_as_the_files_blocks_as_soon_as_it_is_read(fi
         if isinstance(module, PackedLinear) and module_name not in requantized:
             kinds.add(module.blocks.kind)
             assert torch.equal(dequantize_blocks(module.blocks), float_modules[module_name].weight), module_name
-    assert kinds == ({"q4_0", "q8_0"} if name == "moe" else {"k_mixed", "q4_k", "q6_k"})
+    assert kinds == ({"q4_0", "q8_0", "q4_k", "q6_k"} if name == "moe" else {"k_mixed", "q4_k", "q6_k"})
     # every projection stored as blocks (a router stays float in every mode): what auto keeps where the block GEMM
     # runs on AMX
     assert stores_blocks(Path(path))
 
 
 def test_a_moe_file_runs_its_experts_in_one_call_over_the_files_blocks(files, monkeypatch):
-    """The Qwen3-MoE file with its blocks kept: decode steps run the experts in the one C call over the file's
-    ``Q4_0`` gate/up and ``Q8_0`` down blocks, with the logits of the experts run one by one through their
-    projections (the same int8 arithmetic); both stay near the float model's (int8 activations, and routing that
-    near-tied random scores may tip, move them by a few percent)."""
+    """The Qwen3-MoE file with its blocks kept: steps run the experts in the one C call over the file's blocks
+    (``Q4_0`` gate/up and ``Q8_0`` down in one layer, ``Q4_K`` and ``Q6_K`` in the other), with the logits of the
+    experts run one by one through their projections (the same int8 arithmetic); both stay near the float model's
+    (int8 activations, and routing that near-tied random scores may tip, move them by a few percent)."""
     from test_model import PagedPool
 
     from infer.model import moe as moe_module
@@ -177,7 +186,7 @@ def test_a_moe_file_runs_its_experts_in_one_call_over_the_files_blocks(files, mo
 
     in_one_call = packed_model()
     runner = PagedPool(in_one_call, kernels=True)
-    assert all(layer.mlp.packed.blocks == ("q4_0", "q8_0") for layer in in_one_call.layers)
+    assert [layer.mlp.packed.blocks for layer in in_one_call.layers] == [("q4_0", "q8_0"), ("q4_k", "q6_k")]
     monkeypatch.setattr(moe_module, "MOE_BLOCK_KINDS", ())
     one_by_one = packed_model()
     by_projections = PagedPool(one_by_one, kernels=True)
@@ -186,5 +195,7 @@ def test_a_moe_file_runs_its_experts_in_one_call_over_the_files_blocks(files, mo
     tokens = torch.randint(1000, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     for step in [{"a": tokens}] + [{"a": [token]} for token in (5, 17, 300)]:
         got, alone, exact = runner.step(step)["a"], by_projections.step(step)["a"], reference.step(step)["a"]
-        assert relative_error(got, alone) < 1e-5
+        # the activations computed in C and in torch may round one to neighbouring int8 steps: 5e-5 of a prefill's
+        # logits here, where a misread group moves them by tenths
+        assert relative_error(got, alone) < 2e-4
         assert relative_error(got, exact) < 0.15

@@ -135,8 +135,10 @@ GPT_OSS_EXPERTS = {"router": "topk_softmax", "bias": True, "activation": "clampe
 
 
 def packed_moe(mode: str, num_experts: int = 8, top_k: int = 2, hidden: int = 64, width: int = 32, **kind):
-    """A random ``MoE`` packed as ``mode`` (a block mode: kept as GGUF's blocks), and a float32 one whose weights
-    are the packed weights' values; ``kind``: ``ExpertsSpec`` fields beyond the shapes (``GPT_OSS_EXPERTS``)."""
+    """A random ``MoE`` packed as ``mode`` (a block mode: kept as GGUF's blocks; ``GATE_UP/DOWN`` of K-quant kinds:
+    its experts quantized to those blocks as a ``Q4_K_M`` file stores them, 256 x 256), and a float32 one whose
+    weights are the packed weights' values; ``kind``: ``ExpertsSpec`` fields beyond the shapes
+    (``GPT_OSS_EXPERTS``)."""
     from types import SimpleNamespace
 
     from infer.kernels.cpu.blocks import dequantize_blocks
@@ -144,6 +146,9 @@ def packed_moe(mode: str, num_experts: int = 8, top_k: int = 2, hidden: int = 64
     from infer.model.quantization import BLOCK_MODES, quantize_linears
     from infer.model.spec import ExpertsSpec
 
+    kinds = mode.split("/") if "/" in mode else None
+    if kinds:
+        hidden = width = 256  # a K-quant super-block of 256 columns, in and out
     experts = ExpertsSpec(num_experts, top_k, width, frozenset({0}), True, **kind)
     spec = SimpleNamespace(hidden_size=hidden, experts=experts)
     torch.manual_seed(0)
@@ -153,7 +158,23 @@ def packed_moe(mode: str, num_experts: int = 8, top_k: int = 2, hidden: int = 64
             parameter.normal_(0.0, 0.2)
     moe = MoE(spec, torch.float32)
     moe.load_state_dict(reference.state_dict())
-    quantize_linears(moe, mode)
+    if kinds:
+        from infer.kernels.cpu.blocks import pack_kquants, quantize_blocks
+        from infer.testing.kquants import QUANTIZERS
+
+        blocks = {}
+        for index, expert in enumerate(reference.experts):
+            for name, block_kind in zip(("gate_up_proj", "down_proj"), kinds, strict=True):
+                weight = getattr(expert, name).weight.detach()
+                blocks[f"experts.{index}.{name}"] = (
+                    pack_kquants(QUANTIZERS[block_kind](weight.numpy()), block_kind, weight.shape[0])
+                    if block_kind in QUANTIZERS
+                    else quantize_blocks(weight, block_kind)
+                )
+        quantize_linears(moe, "q8_0", blocks=blocks)  # every expert projection given; the router is not a Linear
+        mode = kinds[0]
+    else:
+        quantize_linears(moe, mode)
     with torch.no_grad():
         for ours, theirs in zip(moe.experts, reference.experts, strict=True):
             for name in ("gate_up_proj", "down_proj"):
@@ -242,23 +263,23 @@ def test_the_expert_kernel_on_each_simd_build_matches_this_cpus(kernels, build, 
     """The kernel's AVX2 code and its portable C against the build this CPU runs (where it has the flags), every
     weight storage (bf16 on the tiles where this CPU's kernels have them, and in ``pack_weights``' layout as the
     other build packs it), experts taking 1 to 12 tokens (several GEMV passes)."""
-    from infer.kernels.cpu import MOE_BLOCK_KINDS
     from infer.model.moe import ExpertGroups, Routing
 
     other = simd_build(build)
-    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(1))
     experts = torch.tensor([[0, 6]] * 11 + [[2, 6]])  # expert 0: 11 tokens, 2: one, 6: all twelve
     groups = ExpertGroups.of(Routing(experts, torch.rand(12, 2)), 8)
     for mode, packer in (("fp16", kernels), ("bf16", kernels), ("bf16", other), ("int8", kernels)) + tuple(
-        (kind, kernels) for kind in MOE_BLOCK_KINDS
+        (blocks, kernels) for blocks in EXPERT_BLOCKS
     ):
         moe, _ = packed_moe(mode)
         moe.use_cpu_kernels(packer, gemv_rows=8)
-        outs = [torch.zeros(12, 64), torch.zeros(12, 64)]
+        hidden = moe.experts[0].gate_up_proj.in_features
+        x = torch.randn(12, hidden, generator=torch.Generator().manual_seed(1))
+        outs = [torch.zeros(12, hidden), torch.zeros(12, hidden)]
         for built, out in zip((kernels, other), outs, strict=True):
             built.moe_experts(x, moe.packed, *groups.pick([0, 1, 2]), out, 1 << 30)  # the tiles: FMAs, as elsewhere
         # blocks: sums in another order may round an activation to the next int8 step (about 0.2% of a result)
-        atol = 2e-2 * float(outs[0].abs().max()) if mode in MOE_BLOCK_KINDS else 2e-5
+        atol = 2e-2 * float(outs[0].abs().max()) if mode in EXPERT_BLOCKS else 2e-5
         torch.testing.assert_close(*outs, atol=atol, rtol=2e-5)
 
 
@@ -386,8 +407,13 @@ def block_expert_reference(reference, x, routing):
     return out
 
 
+# Block kinds of the experts' gate_up and down: GGUF's blocks of 32 (one kind for both), a Q4_K_M file's K-quants
+# (gate/up Q4_K, down Q4_K or Q6_K), and kinds of both families in one expert.
+EXPERT_BLOCKS = ["q4_0", "q4_1", "q8_0", "q4_k/q4_k", "q4_k/q6_k", "q6_k/q4_k", "q4_0/q6_k", "q6_k/q8_0"]
+
+
 @pytest.mark.parametrize("kind", [{}, GPT_OSS_EXPERTS], ids=["swiglu", "gpt_oss"])
-@pytest.mark.parametrize("mode", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("mode", EXPERT_BLOCKS)
 def test_experts_kept_as_blocks_equal_the_float64_layer_over_int8_activations(kernels, mode, kind):
     """Experts kept as GGUF's blocks, one C call over the blocks as they are: the float64 layer over the blocks'
     values with x and the activations quantized per 32 columns as the block GEMV's. An activation whose float32 sums
@@ -396,10 +422,11 @@ def test_experts_kept_as_blocks_equal_the_float64_layer_over_int8_activations(ke
 
     moe, reference = packed_moe(mode, **kind)
     moe.use_cpu_kernels(kernels, gemv_rows=8)
-    assert moe.packed.blocks == (mode, mode)
+    assert moe.packed.blocks == tuple(mode.split("/") * (1 if "/" in mode else 2))
     assert all(p.blocks is not None and p.packed is None for e in moe.experts for p in (e.gate_up_proj, e.down_proj))
+    hidden = moe.experts[0].gate_up_proj.in_features
     for routing in routings(moe.num_experts):
-        x = torch.randn(routing.experts.shape[0], 64)
+        x = torch.randn(routing.experts.shape[0], hidden)
         x[0, :32] = 0.0  # a block of zeros: scale 0
         groups = ExpertGroups.of(routing, moe.num_experts)
         got = torch.zeros(x.shape)

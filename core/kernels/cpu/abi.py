@@ -18,6 +18,7 @@ import torch
 
 from infer.kernels.cpu.blocks import (
     BLOCK,
+    BLOCK_COLUMNS,
     BLOCK_KINDS,
     GROUP_ROWS,
     QUANTIZE_CHUNK,
@@ -178,7 +179,7 @@ EXPERT_ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 # pass, AMX.
 MOE_TILE_ROWS = 9
 # The block kinds whose experts run in one C call (``PackedExperts.of_blocks``, ``infer_moe_experts_blocks``).
-MOE_BLOCK_KINDS = ("q4_0", "q4_1", "q8_0")
+MOE_BLOCK_KINDS = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
 # The pool dtypes the KV write and paged attention read (queries and results stay float32).
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # What ``infer_simd_width`` reports: the instruction set the kernels were compiled for (``-march=native``).
@@ -405,7 +406,7 @@ class PackedExperts:
     ) -> PackedExperts:
         """Experts whose weights are kept as GGUF's blocks (``infer_moe_experts_blocks``): every expert's gate_up of
         one kind in ``MOE_BLOCK_KINDS``, its down of one (the same or another: a ``Q4_K_M`` file's down projections
-        are stored finer than its gate and up); biases and activation as ``of``."""
+        are ``Q6_K`` in some layers, its gate and up ``Q4_K``); biases and activation as ``of``."""
         if not gate_up or len(gate_up) != len(down):
             raise ValueError(f"experts need gate_up and down weights each, got {len(gate_up)} and {len(down)}")
         kinds = (gate_up[0].kind, down[0].kind)
@@ -414,8 +415,11 @@ class PackedExperts:
                 f"experts in {'/'.join(kinds)} blocks have no C call; it takes {', '.join(MOE_BLOCK_KINDS)}"
             )
         hidden, width = gate_up[0].in_features, gate_up[0].out_features // 2
-        if hidden % BLOCK or width % BLOCK:
-            raise ValueError(f"experts of {hidden} x {width} need both sizes multiples of {BLOCK}")
+        if hidden % BLOCK_COLUMNS[kinds[0]] or width % BLOCK_COLUMNS[kinds[1]]:
+            raise ValueError(
+                f"experts of {hidden} x {width} in {'/'.join(kinds)} blocks need {hidden} a multiple of "
+                f"{BLOCK_COLUMNS[kinds[0]]} and {width} of {BLOCK_COLUMNS[kinds[1]]}"
+            )
         for index, (first, second) in enumerate(zip(gate_up, down, strict=True)):
             if (
                 (first.kind, second.kind) != kinds

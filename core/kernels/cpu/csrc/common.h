@@ -240,12 +240,15 @@ INFER_HIDDEN void gated_mul_rows(const float *gate_up, void *out, int64_t rows, 
 INFER_HIDDEN void block_sums(const float *x, int64_t rows, int64_t k, const void *block, const float *scales,
                              int64_t group, int kind, float *sums);
 
-/* The block GEMV's parts (gemv_blocks.c), for kernels that split a weight's groups of four output rows over their
- * threads themselves (moe.c), over Q4_0, Q4_1 and Q8_0 blocks: a group's bytes over k inputs; rows of x quantized as
- * the GEMV quantizes them (q [rows, k], dx and s [rows, k / 32]); and one group's sums [rows][4] over `rows` such
- * rows, in passes of the GEMV's rows, single-threaded. */
+/* The block GEMVs' parts (gemv_blocks.c, gemv_kquants.c), for kernels that split a weight's groups of four output
+ * rows over their threads themselves (moe.c), over Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights: a group's bytes over k
+ * inputs; the scales (and as many sums) a row of x takes for a kind (k / 32, or k / 16 for the K-quants' layout);
+ * rows of x quantized as that kind's GEMV quantizes them (q [rows, k], dx and s [rows, block_row_scales]); and one
+ * group's sums [rows][4] over `rows` such rows, in passes of the GEMV's rows, single-threaded. */
 INFER_HIDDEN int64_t block_group_bytes(int64_t k, int64_t kind);
-INFER_HIDDEN void block_quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *q, float *dx, float *s);
+INFER_HIDDEN int64_t block_row_scales(int64_t k, int64_t kind);
+INFER_HIDDEN void block_quantize_rows(const float *x, int64_t rows, int64_t k, int64_t kind, int8_t *q, float *dx,
+                                      float *s);
 INFER_HIDDEN void block_group_sums(const uint8_t *group, int64_t k, const int8_t *xq, const float *dx,
                                    const float *s, int64_t rows, int64_t kind, float *sums);
 
@@ -265,6 +268,11 @@ static inline void q4k_scales(const uint8_t *packed, uint64_t *sc, uint64_t *m) 
 /* infer_linear_blocks for the K-quant kinds (KIND_Q4_K, KIND_Q6_K, KIND_K_MIXED; gemv_kquants.c). */
 INFER_HIDDEN void linear_kquants(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind,
                                  const float *bias, float *y, int64_t n_out);
+/* The parts above for Q4_K and Q6_K (gemv_kquants.c): dx2 and s [rows, k / 16]. */
+INFER_HIDDEN int64_t kquant_group_bytes(int64_t k, int64_t kind);
+INFER_HIDDEN void kquant_quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *q, float *dx2, float *s);
+INFER_HIDDEN void kquant_group_sums(const uint8_t *group, int64_t k, const int8_t *xq, const float *dx2,
+                                    const float *s, int64_t rows, int64_t kind, float *sums);
 
 /* A fused layer's RoPE (rowwise.c): infer_rope over the first num_heads heads of each row, rotating each head's
  * first rotary_dim values by tables of rotary_dim columns (partial rotary where it is less than head_dim); with

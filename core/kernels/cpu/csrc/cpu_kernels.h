@@ -148,9 +148,9 @@ void infer_moe_experts_tiles(const float *x, int64_t hidden, int64_t width, int6
                              const int64_t *gate_up_bias, const int64_t *down_bias, int64_t activation, float limit,
                              float alpha, int64_t tile_rows, float *out);
 
-/* infer_moe_experts over weights kept as GGUF's blocks (KIND_Q4_0, KIND_Q4_1 or KIND_Q8_0: every expert's gate_up
- * of gate_up_kind, its down of down_kind; infer_linear_blocks' layout; hidden and width multiples of 32): each pair's
- * row of x and of the activations
+/* infer_moe_experts over weights kept as GGUF's blocks (KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, KIND_Q4_K or KIND_Q6_K:
+ * every expert's gate_up of gate_up_kind, its down of down_kind; infer_linear_blocks' layout; hidden and width
+ * multiples of 32, of 256 where the kind reading them is a K-quant): each pair's row of x and of the activations
  * quantized per 32 columns as infer_linear_blocks quantizes them, integer dot products per block, each expert's
  * groups of weights read once for all its tokens (passes of infer_block_pass_rows rows): meant for a few tokens an
  * expert. Every output column summed by one thread, experts in the order given. */

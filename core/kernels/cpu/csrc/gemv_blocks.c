@@ -371,10 +371,19 @@ int64_t infer_block_pass_rows(void) { return BLOCK_PASS_ROWS; }
 
 /* ---- for kernels that split a weight's groups over their threads themselves (moe.c) ----------------------------- */
 
-int64_t block_group_bytes(int64_t k, int64_t kind) { return k / BLOCK * record_bytes((int)kind); }
+static inline int super_blocks(int64_t kind) { return kind == KIND_Q4_K || kind == KIND_Q6_K; }
 
-void block_quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *q, float *dx, float *s) {
-    quantize_activations(x, rows, k, q, dx, s);
+int64_t block_group_bytes(int64_t k, int64_t kind) {
+    return super_blocks(kind) ? kquant_group_bytes(k, kind) : k / BLOCK * record_bytes((int)kind);
+}
+
+int64_t block_row_scales(int64_t k, int64_t kind) { return super_blocks(kind) ? k / 16 : k / BLOCK; }
+
+void block_quantize_rows(const float *x, int64_t rows, int64_t k, int64_t kind, int8_t *q, float *dx, float *s) {
+    if (super_blocks(kind))
+        kquant_quantize_rows(x, rows, k, q, dx, s);
+    else
+        quantize_activations(x, rows, k, q, dx, s);
 }
 
 /* The kind as a constant in each copy, as infer_linear_blocks. */
@@ -390,7 +399,9 @@ static void group_rows(const uint8_t *group, int64_t k, const int8_t *xq, const 
 
 void block_group_sums(const uint8_t *group, int64_t k, const int8_t *xq, const float *dx, const float *s,
                       int64_t rows, int64_t kind, float *sums) {
-    if (kind == KIND_Q4_0)
+    if (super_blocks(kind))
+        kquant_group_sums(group, k, xq, dx, s, rows, kind, sums);
+    else if (kind == KIND_Q4_0)
         group_rows(group, k, xq, dx, s, rows, sums, KIND_Q4_0);
     else if (kind == KIND_Q4_1)
         group_rows(group, k, xq, dx, s, rows, sums, KIND_Q4_1);

@@ -340,6 +340,29 @@ static inline __attribute__((always_inline)) void row_dot(const uint8_t *row, in
 #endif
 }
 
+/* row_dot for `count` rows (1 to KQ_PASS_ROWS) known only at run time: a copy per count, so that each keeps its
+ * accumulators in registers. */
+static inline __attribute__((always_inline)) void kquant_pass(const uint8_t *row, int64_t supers, const int8_t *xq,
+                                                              const float *dx2, const float *s, int64_t k,
+                                                              float sums[KQ_PASS_ROWS], const int count,
+                                                              const int kind) {
+    switch (count) {
+#define ROW_DOT_CASE(c) \
+        case c: row_dot(row, supers, xq, dx2, s, k, sums, c, kind); break;
+        ROW_DOT_CASE(1)
+        ROW_DOT_CASE(2)
+        ROW_DOT_CASE(3)
+        ROW_DOT_CASE(4)
+#if KQ_PASS_ROWS > 4
+        ROW_DOT_CASE(5)
+        ROW_DOT_CASE(6)
+        ROW_DOT_CASE(7)
+        ROW_DOT_CASE(8)
+#endif
+#undef ROW_DOT_CASE
+    }
+}
+
 /* ---- the linear layer ------------------------------------------------------------------------------------------- */
 
 /* Weight rows [0, n_rows) of one kind into y's columns column0 + n (rows of y n_out wide): blocks of KQ_ROW_BLOCK
@@ -368,22 +391,7 @@ static inline __attribute__((always_inline)) void linear_kquant_rows(const int8_
                 const float *dx_at = dx2 + m * supers * 16, *s_at = s + m * supers * 16;
                 for (int64_t n = block; n < block_end; n++) {
                     float sums[KQ_PASS_ROWS];
-                    const uint8_t *row = w + n * row_bytes;
-                    switch (count) {  /* a constant count per copy: its accumulators stay in registers */
-#define ROW_DOT_CASE(c) \
-                        case c: row_dot(row, supers, x_at, dx_at, s_at, k, sums, c, kind); break;
-                        ROW_DOT_CASE(1)
-                        ROW_DOT_CASE(2)
-                        ROW_DOT_CASE(3)
-                        ROW_DOT_CASE(4)
-#if KQ_PASS_ROWS > 4
-                        ROW_DOT_CASE(5)
-                        ROW_DOT_CASE(6)
-                        ROW_DOT_CASE(7)
-                        ROW_DOT_CASE(8)
-#endif
-#undef ROW_DOT_CASE
-                    }
+                    kquant_pass(w + n * row_bytes, supers, x_at, dx_at, s_at, k, sums, count, kind);
                     const float add = bias ? bias[column0 + n] : 0.0f;
                     for (int r = 0; r < count; r++) y[(m + r) * n_out + column0 + n] = sums[r] + add;
                 }
@@ -416,4 +424,36 @@ INFER_HIDDEN void linear_kquants(const float *x, int64_t rows, int64_t k, const 
     free(s);
     free(dx2);
     free(xq);
+}
+
+/* ---- for kernels that split a weight's rows over their threads themselves (moe.c) ----------------------------- */
+
+int64_t kquant_group_bytes(int64_t k, int64_t kind) { return 4 * (k / SUPER) * kquant_record_bytes(kind); }
+
+void kquant_quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *q, float *dx2, float *s) {
+    quantize_kquant_activations(x, rows, k, q, dx2, s);
+}
+
+/* The kind as a constant in each copy, as linear_kquants: the four weight rows of `group` in turn against every
+ * pass of rows of x. */
+static void kquant_group_rows(const uint8_t *group, int64_t k, const int8_t *xq, const float *dx2, const float *s,
+                              int64_t rows, float *sums, const int kind) {
+    const int64_t supers = k / SUPER, row_bytes = supers * kquant_record_bytes(kind);
+    for (int64_t m = 0; m < rows; m += KQ_PASS_ROWS) {
+        const int count = rows - m >= KQ_PASS_ROWS ? KQ_PASS_ROWS : (int)(rows - m);
+        for (int i = 0; i < 4; i++) {
+            float row_sums[KQ_PASS_ROWS];
+            kquant_pass(group + i * row_bytes, supers, xq + m * k, dx2 + m * supers * 16, s + m * supers * 16, k,
+                        row_sums, count, kind);
+            for (int r = 0; r < count; r++) sums[(m + r) * 4 + i] = row_sums[r];
+        }
+    }
+}
+
+void kquant_group_sums(const uint8_t *group, int64_t k, const int8_t *xq, const float *dx2, const float *s,
+                       int64_t rows, int64_t kind, float *sums) {
+    if (kind == KIND_Q4_K)
+        kquant_group_rows(group, k, xq, dx2, s, rows, sums, KIND_Q4_K);
+    else
+        kquant_group_rows(group, k, xq, dx2, s, rows, sums, KIND_Q6_K);
 }

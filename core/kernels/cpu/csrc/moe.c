@@ -14,10 +14,10 @@
  * routing-weighted add. An expert of many tokens multiplies on AMX's tiles (its rows rounded to bf16, in chunks that
  * stay in L2), one of few with float32 FMAs over the widened weights, a GEMV pass of 8 rows at a time.
  *
- * Over GGUF's blocks (infer_moe_experts_blocks: Q4_0, Q4_1, Q8_0 experts) the split is the first one's, in groups of
- * four output rows: each pair's row of x quantized per 32 columns once, the block GEMV's integer dot products for a
- * thread's gate and up groups, the activation on their sums; then every pair's activations quantized, and down's
- * groups of a thread's output columns. */
+ * Over GGUF's blocks (infer_moe_experts_blocks: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K experts) the split is the first
+ * one's, in groups of four output rows: each pair's row of x quantized per 32 columns once (in the layout the gate/up
+ * kind's GEMV reads), that GEMV's integer dot products for a thread's gate and up groups, the activation on their
+ * sums; then every pair's activations quantized for down's kind, and down's groups of a thread's output columns. */
 #include "common.h"
 #include "tiles.h"
 
@@ -389,12 +389,14 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
                               const float *weights, const int64_t *gate_up, int64_t gate_up_kind,
                               const int64_t *down, int64_t down_kind, const int64_t *gate_up_bias,
                               const int64_t *down_bias, int64_t activation, float limit, float alpha, float *out) {
-    const int64_t pairs = starts[experts], x_blocks = hidden / 32, act_blocks = width / 32;
+    const int64_t pairs = starts[experts];
+    const int64_t x_row = block_row_scales(hidden, gate_up_kind), act_row = block_row_scales(width, down_kind);
     const int64_t most = most_tokens(starts, experts);
-    /* each pair's row of x and of activations, quantized per 32 columns as the block GEMV's, grouped by expert */
+    /* each pair's row of x and of activations, quantized per 32 columns as the kinds' GEMVs quantize them (x_row and
+     * act_row scales a row, and as many sums), grouped by expert */
     int8_t *xq = malloc(pairs * hidden), *aq = malloc(pairs * width);
-    float *x_scales = malloc(sizeof(float) * 2 * pairs * x_blocks), *x_sums = x_scales + pairs * x_blocks;
-    float *a_scales = malloc(sizeof(float) * 2 * pairs * act_blocks), *a_sums = a_scales + pairs * act_blocks;
+    float *x_scales = malloc(sizeof(float) * 2 * pairs * x_row), *x_sums = x_scales + pairs * x_row;
+    float *a_scales = malloc(sizeof(float) * 2 * pairs * act_row), *a_sums = a_scales + pairs * act_row;
     float *activated = malloc(sizeof(float) * pairs * width);
     const int64_t gate_up_group = block_group_bytes(hidden, gate_up_kind);
     const int64_t down_group = block_group_bytes(width, down_kind);
@@ -404,8 +406,8 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
         float *gate = malloc(sizeof(float) * 8 * most), *up = gate + 4 * most;
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++)
-            block_quantize_rows(x + tokens[p] * hidden, 1, hidden, xq + p * hidden, x_scales + p * x_blocks,
-                                x_sums + p * x_blocks);
+            block_quantize_rows(x + tokens[p] * hidden, 1, hidden, gate_up_kind, xq + p * hidden,
+                                x_scales + p * x_row, x_sums + p * x_row);
         int64_t first, last;
         thread_share(width / 4, thread, threads, &first, &last);
         for (int64_t e = 0; e < experts; e++) {
@@ -413,7 +415,7 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
             const uint8_t *weight = (const uint8_t *)(intptr_t)gate_up[id];
             const float *bias = gate_up_bias ? (const float *)(intptr_t)gate_up_bias[id] : NULL;
             const int8_t *q = xq + start * hidden;
-            const float *dx = x_scales + start * x_blocks, *s = x_sums + start * x_blocks;
+            const float *dx = x_scales + start * x_row, *s = x_sums + start * x_row;
             for (int64_t b = first; b < last; b++) {
                 block_group_sums(weight + b * gate_up_group, hidden, q, dx, s, count, gate_up_kind, gate);
                 block_group_sums(weight + (b + width / 4) * gate_up_group, hidden, q, dx, s, count, gate_up_kind,
@@ -424,15 +426,15 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++)
-            block_quantize_rows(activated + p * width, 1, width, aq + p * width, a_scales + p * act_blocks,
-                                a_sums + p * act_blocks);
+            block_quantize_rows(activated + p * width, 1, width, down_kind, aq + p * width,
+                                a_scales + p * act_row, a_sums + p * act_row);
         thread_share(hidden / 4, thread, threads, &first, &last);
         for (int64_t e = 0; e < experts; e++) {
             const int64_t start = starts[e], count = starts[e + 1] - start, id = expert_ids[e];
             const uint8_t *weight = (const uint8_t *)(intptr_t)down[id];
             const float *bias = down_bias ? (const float *)(intptr_t)down_bias[id] : NULL;
             const int8_t *q = aq + start * width;
-            const float *dx = a_scales + start * act_blocks, *s = a_sums + start * act_blocks;
+            const float *dx = a_scales + start * act_row, *s = a_sums + start * act_row;
             for (int64_t b = first; b < last; b++) {
                 block_group_sums(weight + b * down_group, width, q, dx, s, count, down_kind, gate);
                 add_routed_group(gate, count, start, bias, b, tokens, weights, hidden, out);
