@@ -36,6 +36,18 @@ MOE_SHAPE = {
     "expert_used_count": 2,
 }
 MOE_WIDTH = 768
+# A Gemma 3 file's shape: two sliding-window layers, K-quant attention (256 columns).
+GEMMA3_SHAPE = {
+    "block_count": 2,
+    "embedding_length": 256,
+    "feed_forward_length": 512,
+    "attention.head_count": 4,
+    "attention.head_count_kv": 2,
+    "attention.key_length": 64,
+    "attention.value_length": 64,
+    "context_length": 512,
+    "attention.sliding_window": 16,
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,65 +59,103 @@ def kernels():
     return cpu_kernels.load(True)
 
 
-def write_moe_gguf(path, template) -> None:
-    """A Qwen3-MoE GGUF file of random weights in MOE_SHAPE, its experts stacked as llama.cpp writes them (layer 0:
-    gate and up ``Q4_0``, down ``Q8_0``; layer 1 as a ``Q4_K_M`` file stores them: gate and up ``Q4_K``, down
-    ``Q6_K``), with the tokenizer of ``template``."""
+def write_tiny_gguf(path, template, arch: str, shape: dict[str, int], seed: int, tensors) -> None:
+    """A GGUF file of architecture ``arch`` with ``shape`` as its ``{arch}.*`` metadata and the tokenizer of
+    ``template``; ``tensors(add, vocab)`` adds its tensors, ``add(name, kind, *shape, std=0.1)`` a random one of GGUF
+    type ``kind`` (K-quants by ``infer.testing.kquants``, a stacked tensor by rows; an ``F32`` norm around 1)."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import quantize
 
     from infer.testing.kquants import QUANTIZERS
 
     reader = GGUFReader(template)
-    writer = GGUFWriter(path, "qwen3moe")
+    writer = GGUFWriter(path, arch)
     for name, field in reader.fields.items():
         if name.startswith(("GGUF.", "llama.")) or name in ("general.architecture", "general.file_type"):
             continue
         vtype = field.types[0]
         writer.add_key_value(name, field.contents(), vtype, field.types[-1] if vtype == GGUFValueType.ARRAY else None)
-    for name, value in MOE_SHAPE.items():
-        writer.add_uint32(f"qwen3moe.{name}", value)
-    writer.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", 1e-6)
-    writer.add_float32("qwen3moe.rope.freq_base", 1_000_000.0)
-    generator = np.random.default_rng(1)
-    hidden, head_dim = MOE_SHAPE["embedding_length"], MOE_SHAPE["attention.key_length"]
-    heads, kv_heads, experts = MOE_SHAPE["attention.head_count"], MOE_SHAPE["attention.head_count_kv"], 8
+    for name, value in shape.items():
+        writer.add_uint32(f"{arch}.{name}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_float32(f"{arch}.rope.freq_base", 1_000_000.0)
+    generator = np.random.default_rng(seed)
 
-    def add(name: str, kind: str, *shape: int, std: float = 0.1) -> None:
-        weight = (generator.standard_normal(shape) * std).astype(np.float32)
+    def add(name: str, kind: str, *dims: int, std: float = 0.1) -> None:
+        weight = (generator.standard_normal(dims) * std).astype(np.float32)
         if kind == "F32":
             writer.add_tensor(name, weight + (1.0 if name.endswith("norm.weight") else 0.0))
             return
         qtype = GGMLQuantizationType[kind]
         if kind.lower() in QUANTIZERS:  # by rows, the experts' stacked back
-            raw = QUANTIZERS[kind.lower()](weight.reshape(-1, shape[-1])).reshape(*shape[:-1], -1)
+            raw = QUANTIZERS[kind.lower()](weight.reshape(-1, dims[-1])).reshape(*dims[:-1], -1)
         else:
             raw = quantize(weight, qtype)
         writer.add_tensor(name, raw, raw_dtype=qtype)
 
-    vocab = int(reader.fields["llama.vocab_size"].contents())
-    add("token_embd.weight", "Q8_0", vocab, hidden, std=0.5)
-    add("output.weight", "Q8_0", vocab, hidden)
-    add("output_norm.weight", "F32", hidden)
-    for layer in range(MOE_SHAPE["block_count"]):
-        block = f"blk.{layer}"
-        for norm in ("attn_norm", "ffn_norm"):
-            add(f"{block}.{norm}.weight", "F32", hidden)
-        for norm in ("attn_q_norm", "attn_k_norm"):
-            add(f"{block}.{norm}.weight", "F32", head_dim)
-        add(f"{block}.attn_q.weight", "Q4_0", heads * head_dim, hidden)
-        add(f"{block}.attn_k.weight", "Q4_0", kv_heads * head_dim, hidden)
-        add(f"{block}.attn_v.weight", "Q4_0", kv_heads * head_dim, hidden)
-        add(f"{block}.attn_output.weight", "Q8_0", hidden, heads * head_dim)
-        add(f"{block}.ffn_gate_inp.weight", "F32", experts, hidden, std=1.0)
-        gate_up, down = ("Q4_0", "Q8_0") if layer == 0 else ("Q4_K", "Q6_K")
-        add(f"{block}.ffn_gate_exps.weight", gate_up, experts, MOE_WIDTH, hidden)
-        add(f"{block}.ffn_up_exps.weight", gate_up, experts, MOE_WIDTH, hidden)
-        add(f"{block}.ffn_down_exps.weight", down, experts, hidden, MOE_WIDTH)
+    tensors(add, int(reader.fields["llama.vocab_size"].contents()))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_moe_gguf(path, template) -> None:
+    """A Qwen3-MoE GGUF file of random weights in MOE_SHAPE, its experts stacked as llama.cpp writes them (layer 0:
+    gate and up ``Q4_0``, down ``Q8_0``; layer 1 as a ``Q4_K_M`` file stores them: gate and up ``Q4_K``, down
+    ``Q6_K``), with the tokenizer of ``template``."""
+    hidden, head_dim = MOE_SHAPE["embedding_length"], MOE_SHAPE["attention.key_length"]
+    heads, kv_heads, experts = MOE_SHAPE["attention.head_count"], MOE_SHAPE["attention.head_count_kv"], 8
+
+    def tensors(add, vocab: int) -> None:
+        add("token_embd.weight", "Q8_0", vocab, hidden, std=0.5)
+        add("output.weight", "Q8_0", vocab, hidden)
+        add("output_norm.weight", "F32", hidden)
+        for layer in range(MOE_SHAPE["block_count"]):
+            block = f"blk.{layer}"
+            for norm in ("attn_norm", "ffn_norm"):
+                add(f"{block}.{norm}.weight", "F32", hidden)
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                add(f"{block}.{norm}.weight", "F32", head_dim)
+            add(f"{block}.attn_q.weight", "Q4_0", heads * head_dim, hidden)
+            add(f"{block}.attn_k.weight", "Q4_0", kv_heads * head_dim, hidden)
+            add(f"{block}.attn_v.weight", "Q4_0", kv_heads * head_dim, hidden)
+            add(f"{block}.attn_output.weight", "Q8_0", hidden, heads * head_dim)
+            add(f"{block}.ffn_gate_inp.weight", "F32", experts, hidden, std=1.0)
+            gate_up, down = ("Q4_0", "Q8_0") if layer == 0 else ("Q4_K", "Q6_K")
+            add(f"{block}.ffn_gate_exps.weight", gate_up, experts, MOE_WIDTH, hidden)
+            add(f"{block}.ffn_up_exps.weight", gate_up, experts, MOE_WIDTH, hidden)
+            add(f"{block}.ffn_down_exps.weight", down, experts, hidden, MOE_WIDTH)
+
+    write_tiny_gguf(path, template, "qwen3moe", MOE_SHAPE, 1, tensors)
+
+
+def write_gemma3_gguf(path, template) -> None:
+    """A Gemma 3 GGUF file of random weights in GEMMA3_SHAPE as llama.cpp writes one: four norms a layer and the q/k
+    norms, each stored as ``1 + w``; the output head tied to the embedding; Q and K ``Q4_K``, V ``Q6_K``, gate and up
+    ``Q4_0``, down ``Q8_0``; with the tokenizer of ``template``."""
+    hidden, head_dim = GEMMA3_SHAPE["embedding_length"], GEMMA3_SHAPE["attention.key_length"]
+    heads, kv_heads = GEMMA3_SHAPE["attention.head_count"], GEMMA3_SHAPE["attention.head_count_kv"]
+    width = GEMMA3_SHAPE["feed_forward_length"]
+
+    def tensors(add, vocab: int) -> None:
+        add("token_embd.weight", "Q8_0", vocab, hidden, std=0.5)
+        add("output_norm.weight", "F32", hidden)
+        for layer in range(GEMMA3_SHAPE["block_count"]):
+            block = f"blk.{layer}"
+            for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+                add(f"{block}.{norm}.weight", "F32", hidden)
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                add(f"{block}.{norm}.weight", "F32", head_dim)
+            add(f"{block}.attn_q.weight", "Q4_K", heads * head_dim, hidden)
+            add(f"{block}.attn_k.weight", "Q4_K", kv_heads * head_dim, hidden)
+            add(f"{block}.attn_v.weight", "Q6_K", kv_heads * head_dim, hidden)
+            add(f"{block}.attn_output.weight", "Q4_K", hidden, heads * head_dim)
+            add(f"{block}.ffn_gate.weight", "Q4_0", width, hidden)
+            add(f"{block}.ffn_up.weight", "Q4_0", width, hidden)
+            add(f"{block}.ffn_down.weight", "Q8_0", hidden, width)
+
+    write_tiny_gguf(path, template, "gemma3", GEMMA3_SHAPE, 2, tensors)
 
 
 def fixed_file(directory, stem: str, write) -> str:
@@ -121,17 +171,18 @@ def fixed_file(directory, stem: str, write) -> str:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """The default model (Llama: Q and K permuted, ``Q4_1`` and ``Q8_0``), a tiny K-quant Llama file and a tiny
-    Qwen3-MoE file."""
+    """The default model (Llama: Q and K permuted, ``Q4_1`` and ``Q8_0``), a tiny K-quant Llama file, a tiny Qwen3-MoE
+    file and a tiny Gemma 3 file."""
     directory = tmp_path_factory.mktemp("gguf")
     return {
         "default": DEFAULT_MODEL,
         "kquants": fixed_file(directory, "tiny-q4_k_m", write_kquant_gguf),
         "moe": fixed_file(directory, "tiny-qwen3moe", write_moe_gguf),
+        "gemma3": fixed_file(directory, "tiny-gemma3", write_gemma3_gguf),
     }
 
 
-@pytest.mark.parametrize("name", ["default", "kquants", "moe"])
+@pytest.mark.parametrize("name", ["default", "kquants", "moe", "gemma3"])
 def test_a_gguf_files_weights_read_directly_are_transformers_conversions_bit_for_bit(files, name):
     path = files[name]
     assert not any(hf_model_dir(path).glob("*.safetensors"))  # the folder infer reads holds no weights
@@ -142,7 +193,7 @@ def test_a_gguf_files_weights_read_directly_are_transformers_conversions_bit_for
         assert torch.equal(values, converted[parameter]), parameter
 
 
-@pytest.mark.parametrize("name", ["kquants", "moe"])
+@pytest.mark.parametrize("name", ["kquants", "moe", "gemma3"])
 def test_gguf_mode_packs_each_layer_as_the_files_blocks_as_soon_as_it_is_read(files, name):
     """``keep_gguf_blocks``: when ``prepare_layer`` gets a layer its projections are the file's blocks already (the
     experts' their rows of the stacked tensors), whose values are the float model's weights; the load leaves no
@@ -163,7 +214,14 @@ def test_gguf_mode_packs_each_layer_as_the_files_blocks_as_soon_as_it_is_read(fi
         if isinstance(module, PackedLinear) and module_name not in requantized:
             kinds.add(module.blocks.kind)
             assert torch.equal(dequantize_blocks(module.blocks), float_modules[module_name].weight), module_name
-    assert kinds == ({"q4_0", "q8_0", "q4_k", "q6_k"} if name == "moe" else {"k_mixed", "q4_k", "q6_k"})
+    assert (
+        kinds
+        == {
+            "kquants": {"k_mixed", "q4_k", "q6_k"},
+            "moe": {"q4_0", "q8_0", "q4_k", "q6_k"},
+            "gemma3": {"k_mixed", "q4_k", "q4_0", "q8_0"},
+        }[name]
+    )
     # every projection stored as blocks (a router stays float in every mode): what auto keeps where the block GEMM
     # runs on AMX
     assert stores_blocks(Path(path))

@@ -4,8 +4,9 @@ disk.
 
 Read so for the architectures whose GGUF tensors are the HF checkpoint's under the gguf package's standard names
 (``DIRECT_ARCHITECTURES``), with what transformers' GGUF loader does to them: Llama's Q and K rows permuted back
-(``gguf_blocks.tensor_rows``), a mixture's experts taken from the file's stacked tensors. A file of another
-architecture goes through transformers' conversion to a HF folder (``infer.model.loader``).
+(``gguf_blocks.tensor_rows``), a mixture's experts taken from the file's stacked tensors, Gemma 3's norm weights
+stored as ``1 + w`` taken back to ``w``. A file of another architecture (Phi-3, gpt-oss) goes through transformers'
+conversion to a HF folder (``infer.model.loader``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ import torch
 from infer.model.gguf_blocks import gguf_header, gguf_source, tensor_name_map, tensor_rows
 
 # GGUF architectures (``general.architecture``) read by ``GgufTensors``.
-DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+# Architectures whose files store every RMSNorm weight as the ``1 + w`` the model multiplies by: transformers'
+# conversion (its ``Gemma2TensorProcessor``) subtracts the 1, in float32, from each tensor whose GGUF name holds
+# ``norm.weight``.
+NORM_OFFSET_ARCHITECTURES = ("gemma3",)
 # A tensor's stored bytes dequantized at a time.
 DEQUANTIZE_CHUNK_BYTES = 16 << 20
 
@@ -77,6 +82,8 @@ class GgufTensors(Mapping[str, torch.Tensor]):
         step = max(1, DEQUANTIZE_CHUNK_BYTES // rows.shape[1])
         for start in range(0, len(rows), step):
             out[start : start + step] = dequantize(np.ascontiguousarray(rows[start : start + step]), qtype)
+        if self.file.architecture in NORM_OFFSET_ARCHITECTURES and "norm.weight" in name:
+            out -= np.float32(1.0)
         return torch.from_numpy(out.reshape(shape))
 
     def __iter__(self) -> Iterator[str]:
