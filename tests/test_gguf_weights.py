@@ -59,10 +59,12 @@ def kernels():
     return cpu_kernels.load(True)
 
 
-def write_tiny_gguf(path, template, arch: str, shape: dict[str, int], seed: int, tensors) -> None:
-    """A GGUF file of architecture ``arch`` with ``shape`` as its ``{arch}.*`` metadata and the tokenizer of
-    ``template``; ``tensors(add, vocab)`` adds its tensors, ``add(name, kind, *shape, std=0.1)`` a random one of GGUF
-    type ``kind`` (K-quants by ``infer.testing.kquants``, a stacked tensor by rows; an ``F32`` norm around 1)."""
+def write_tiny_gguf(path, template, arch: str, shape: dict[str, int], seed: int, tensors, floats=None) -> None:
+    """A GGUF file of architecture ``arch`` with ``shape`` (integers) and ``floats`` (default: an epsilon and a RoPE
+    base) as its ``{arch}.*`` metadata and the tokenizer of ``template``; ``tensors(add, vocab)`` adds its tensors,
+    ``add(name, kind, *shape, std=0.1)`` a random one of GGUF type ``kind`` (K-quants by ``infer.testing.kquants``, a
+    stacked tensor by rows; an ``F32`` norm around 1), or with ``values=`` those (float32 values, else the type's
+    bytes)."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import quantize
 
@@ -77,11 +79,18 @@ def write_tiny_gguf(path, template, arch: str, shape: dict[str, int], seed: int,
         writer.add_key_value(name, field.contents(), vtype, field.types[-1] if vtype == GGUFValueType.ARRAY else None)
     for name, value in shape.items():
         writer.add_uint32(f"{arch}.{name}", value)
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    writer.add_float32(f"{arch}.rope.freq_base", 1_000_000.0)
+    floats = floats or {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1_000_000.0}
+    for name, value in floats.items():
+        writer.add_float32(f"{arch}.{name}", value)
     generator = np.random.default_rng(seed)
 
-    def add(name: str, kind: str, *dims: int, std: float = 0.1) -> None:
+    def add(name: str, kind: str, *dims: int, std: float = 0.1, values: np.ndarray | None = None) -> None:
+        if values is not None:  # float32 values, or a type's bytes
+            if kind == "F32":
+                writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+            else:
+                writer.add_tensor(name, values, raw_dtype=GGMLQuantizationType[kind])
+            return
         weight = (generator.standard_normal(dims) * std).astype(np.float32)
         if kind == "F32":
             writer.add_tensor(name, weight + (1.0 if name.endswith("norm.weight") else 0.0))
@@ -158,6 +167,57 @@ def write_gemma3_gguf(path, template) -> None:
     write_tiny_gguf(path, template, "gemma3", GEMMA3_SHAPE, 2, tensors)
 
 
+def write_phi3_gguf(folder: Path, path, template, kind: str = "F32") -> None:
+    """The HF Phi-3 folder ``folder`` as llama.cpp's converter writes it (``Phi3MiniModel``): fused QKV and gate/up as
+    they are, the rotated dimensions a head as ``rope.dimension_count``, the sliding window, LongRoPE's original
+    context and attention factor as metadata and its factors as the tensors ``rope_factors_long`` and
+    ``rope_factors_short``; every matrix as ``kind`` (``F32``: the folder's values exactly), the tokenizer of
+    ``template``."""
+    import math
+
+    import gguf
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    rope = config.rope_parameters
+    head_dim = config.hidden_size // config.num_attention_heads
+    original = rope["original_max_position_embeddings"]
+    shape = {
+        "context_length": config.max_position_embeddings,
+        "rope.scaling.original_context_length": original,
+        "embedding_length": config.hidden_size,
+        "feed_forward_length": config.intermediate_size,
+        "block_count": config.num_hidden_layers,
+        "attention.head_count": config.num_attention_heads,
+        "attention.head_count_kv": config.num_key_value_heads,
+        "rope.dimension_count": int(rope["partial_rotary_factor"] * head_dim),
+        "attention.sliding_window": config.sliding_window or 0,
+    }
+    scale = config.max_position_embeddings / original
+    floats = {
+        "attention.layer_norm_rms_epsilon": config.rms_norm_eps,
+        "rope.freq_base": rope["rope_theta"],
+        "rope.scaling.attn_factor": math.sqrt(1 + math.log(scale) / math.log(original)),
+    }
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, config.num_hidden_layers)
+
+    def tensors(add, vocab: int) -> None:
+        for name, tensor in load_file(folder / "model.safetensors").items():
+            values = tensor.float().numpy()
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            if kind == "F32" or values.ndim == 1:
+                add(gguf_name, "F32", values=values)
+            else:
+                add(gguf_name, kind, values=quantize(values, GGMLQuantizationType[kind]))
+        add("rope_factors_long.weight", "F32", values=np.array(rope["long_factor"]))
+        add("rope_factors_short.weight", "F32", values=np.array(rope["short_factor"]))
+
+    write_tiny_gguf(path, template, "phi3", shape, 0, tensors, floats)
+
+
 def fixed_file(directory, stem: str, write) -> str:
     """A GGUF file written by ``write``, named by its bytes' digest and dated at a fixed time, so that every run finds
     the cache's one HF folder for it (keyed by name, size and mtime) instead of converting another."""
@@ -171,18 +231,26 @@ def fixed_file(directory, stem: str, write) -> str:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """The default model (Llama: Q and K permuted, ``Q4_1`` and ``Q8_0``), a tiny K-quant Llama file, a tiny Qwen3-MoE
-    file and a tiny Gemma 3 file."""
+    """The default model (Llama: Q and K permuted, ``Q4_1`` and ``Q8_0``), a tiny K-quant Llama file, tiny Qwen3-MoE
+    and Gemma 3 files, and a tiny Phi-3 file in ``Q8_0``."""
+    from test_model_families import TestPhi3
+
+    from infer.testing.model import save_tiny_model
+
     directory = tmp_path_factory.mktemp("gguf")
+    phi3 = save_tiny_model(TestPhi3.hf_model_class, TestPhi3.tiny_config(), directory / "phi3")
     return {
         "default": DEFAULT_MODEL,
         "kquants": fixed_file(directory, "tiny-q4_k_m", write_kquant_gguf),
         "moe": fixed_file(directory, "tiny-qwen3moe", write_moe_gguf),
         "gemma3": fixed_file(directory, "tiny-gemma3", write_gemma3_gguf),
+        "phi3": fixed_file(
+            directory, "tiny-phi3-q8_0", lambda out, template: write_phi3_gguf(phi3, out, template, "Q8_0")
+        ),
     }
 
 
-@pytest.mark.parametrize("name", ["default", "kquants", "moe", "gemma3"])
+@pytest.mark.parametrize("name", ["default", "kquants", "moe", "gemma3", "phi3"])
 def test_a_gguf_files_weights_read_directly_are_transformers_conversions_bit_for_bit(files, name):
     path = files[name]
     assert not any(hf_model_dir(path).glob("*.safetensors"))  # the folder infer reads holds no weights
@@ -193,7 +261,7 @@ def test_a_gguf_files_weights_read_directly_are_transformers_conversions_bit_for
         assert torch.equal(values, converted[parameter]), parameter
 
 
-@pytest.mark.parametrize("name", ["kquants", "moe", "gemma3"])
+@pytest.mark.parametrize("name", ["kquants", "moe", "gemma3", "phi3"])
 def test_gguf_mode_packs_each_layer_as_the_files_blocks_as_soon_as_it_is_read(files, name):
     """``keep_gguf_blocks``: when ``prepare_layer`` gets a layer its projections are the file's blocks already (the
     experts' their rows of the stacked tensors), whose values are the float model's weights; the load leaves no
@@ -220,6 +288,7 @@ def test_gguf_mode_packs_each_layer_as_the_files_blocks_as_soon_as_it_is_read(fi
             "kquants": {"k_mixed", "q4_k", "q6_k"},
             "moe": {"q4_0", "q8_0", "q4_k", "q6_k"},
             "gemma3": {"k_mixed", "q4_k", "q4_0", "q8_0"},
+            "phi3": {"q8_0"},
         }[name]
     )
     # every projection stored as blocks (a router stays float in every mode): what auto keeps where the block GEMM
@@ -257,3 +326,23 @@ def test_a_moe_file_runs_its_experts_in_one_call_over_the_files_blocks(files, mo
         # logits here, where a misread group moves them by tenths
         assert relative_error(got, alone) < 2e-4
         assert relative_error(got, exact) < 0.15
+
+
+def test_a_phi3_file_is_the_model_llama_cpp_converted_it_from(tmp_path):
+    """A Phi-3 file (Phi-4-mini's RoPE: three quarters of each head rotated, LongRoPE, a sliding window) as llama.cpp
+    writes it, read into a float model through transformers' conversion and by infer itself, gives the logits of the HF
+    model it was written from: the rotated share, the window and LongRoPE's factors come from the file's metadata and
+    its factor tensors."""
+    import transformers
+    from test_model_families import TestPhi3
+
+    from infer.testing.model import save_tiny_model
+
+    suite = TestPhi3()
+    folder = save_tiny_model(TestPhi3.hf_model_class, TestPhi3.tiny_config(), tmp_path / "hf")
+    path = fixed_file(tmp_path, "tiny-phi3", lambda out, template: write_phi3_gguf(folder, out, template))
+    hf_model = transformers.Phi3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for read_gguf in (False, True):
+        model = load_model(path, torch.float32, max_positions=suite.max_model_len, read_gguf=read_gguf).model
+        error = suite.logit_errors(model, hf_model)
+        assert error < suite.tolerance, (read_gguf, error)

@@ -5,7 +5,7 @@ disk.
 Read so for the architectures whose GGUF tensors are the HF checkpoint's under the gguf package's standard names
 (``DIRECT_ARCHITECTURES``), with what transformers' GGUF loader does to them: Llama's Q and K rows permuted back
 (``gguf_blocks.tensor_rows``), a mixture's experts taken from the file's stacked tensors, Gemma 3's norm weights
-stored as ``1 + w`` taken back to ``w``. A file of another architecture (Phi-3, gpt-oss) goes through transformers'
+stored as ``1 + w`` taken back to ``w``. A file of another architecture (gpt-oss) goes through transformers'
 conversion to a HF folder (``infer.model.loader``).
 """
 
@@ -20,7 +20,7 @@ import torch
 from infer.model.gguf_blocks import gguf_header, gguf_source, tensor_name_map, tensor_rows
 
 # GGUF architectures (``general.architecture``) read by ``GgufTensors``.
-DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3")
 # Architectures whose files store every RMSNorm weight as the ``1 + w`` the model multiplies by: transformers'
 # conversion (its ``Gemma2TensorProcessor``) subtracts the 1, in float32, from each tensor whose GGUF name holds
 # ``norm.weight``.

@@ -161,12 +161,18 @@ def hf_checkpoint_dir(path: str) -> Path:
     return resolved if resolved.is_dir() else _converted_gguf_dir(resolved, weights=True)
 
 
+# The version of what ``_complete_gguf_config`` adds to transformers' conversion of a GGUF file (2: Phi-3's rotated
+# share, sliding window and LongRoPE).
+CONVERSION_VERSION = 2
+
+
 def _converted_gguf_dir(gguf: Path, weights: bool) -> Path:
     """The cache's HF folder for a GGUF file: its config, tokenizer and generation config, with ``weights`` its
     dequantized tensors too (transformers' conversion, which holds the whole model in float32)."""
     stat = gguf.stat()
-    # Keyed by size and mtime so a replaced file is converted again.
-    name = f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}" + ("" if weights else "-config")
+    # Keyed by size and mtime so a replaced file is converted again, and by what the conversion completes
+    # (CONVERSION_VERSION) so a folder made without it is not reused.
+    name = f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-v{CONVERSION_VERSION}" + ("" if weights else "-config")
     target = cache_dir() / "converted" / name
     if (target / "config.json").is_file():
         return target
@@ -224,6 +230,7 @@ def _convert_gguf(gguf: Path, destination: Path) -> None:
     config = hf_model.config
     # The saved weights are dequantized, so the folder must not claim GGUF quantization.
     del config.quantization_config
+    _complete_gguf_config(config, gguf)
     state = {name: tensor.contiguous() for name, tensor in hf_model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -237,20 +244,53 @@ def _convert_gguf_config(gguf: Path, destination: Path) -> None:
     """The GGUF file's config, tokenizer and generation config as a HF folder, from its metadata alone."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from infer.model.gguf_file import GgufFile
-
     with _gguf_parsed_once():
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):  # the weights are read as float values or as blocks, not by HF
         del config.quantization_config
-    metadata = GgufFile(gguf).metadata
-    expert_width = metadata.get(f"{metadata.get('general.architecture')}.expert_feed_forward_length")
-    if expert_width is not None and hasattr(config, "moe_intermediate_size"):
-        config.moe_intermediate_size = int(expert_width)  # transformers' GGUF config mapping leaves its default
+    _complete_gguf_config(config, gguf)
     config.save_pretrained(destination)
     GenerationConfig.from_model_config(config).save_pretrained(destination)
     tokenizer.save_pretrained(destination)
+
+
+def _complete_gguf_config(config: Any, gguf: Path) -> None:
+    """What transformers' GGUF config mapping leaves out, from the file's metadata (as llama.cpp's converter writes
+    it): a mixture's expert width (``expert_feed_forward_length``; the mapping leaves the default); for Phi-3 files,
+    the rotated share of each head (``rope.dimension_count``), the sliding window, and LongRoPE (its factors are the
+    file's ``rope_factors_long`` and ``rope_factors_short`` tensors, its original context
+    ``rope.scaling.original_context_length``): without them a Phi-4-mini file rotated every dimension with the plain
+    base frequencies."""
+    import numpy as np
+
+    from infer.model.gguf_file import GgufFile
+
+    file = GgufFile(gguf)
+    metadata, arch = file.metadata, file.architecture
+    expert_width = metadata.get(f"{arch}.expert_feed_forward_length")
+    if expert_width is not None and hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = int(expert_width)
+    if arch != "phi3":
+        return
+    rope = {
+        "rope_type": "default",
+        "rope_theta": float(metadata.get("phi3.rope.freq_base", 10000.0)),
+        "partial_rotary_factor": 1.0,
+    }
+    rotated = metadata.get("phi3.rope.dimension_count")
+    if rotated:
+        rope["partial_rotary_factor"] = int(rotated) / (config.hidden_size // config.num_attention_heads)
+    config.sliding_window = int(metadata.get("phi3.attention.sliding_window") or 0) or None
+    factors = {kind: file.tensors.get(f"rope_factors_{kind}.weight") for kind in ("long", "short")}
+    if all(factors.values()):
+        original = int(metadata["phi3.rope.scaling.original_context_length"])
+        rope.update(
+            {f"{kind}_factor": file.data(tensor).view(np.float32).ravel().tolist() for kind, tensor in factors.items()}
+        )
+        rope.update(rope_type="longrope", original_max_position_embeddings=original)
+        config.original_max_position_embeddings = original
+    config.rope_parameters = rope
 
 
 def load_model(
