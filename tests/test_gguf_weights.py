@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import test_model_families  # its suites by module: names imported here would be collected again
 import torch
 from test_block_quantization import KQUANT_FILE_TIME, relative_error, write_kquant_gguf
 from torch import nn
@@ -59,9 +60,10 @@ def kernels():
     return cpu_kernels.load(True)
 
 
-def write_tiny_gguf(path, template, arch: str, shape: dict[str, int], seed: int, tensors, floats=None) -> None:
-    """A GGUF file of architecture ``arch`` with ``shape`` (integers) and ``floats`` (default: an epsilon and a RoPE
-    base) as its ``{arch}.*`` metadata and the tokenizer of ``template``; ``tensors(add, vocab)`` adds its tensors,
+def write_tiny_gguf(path, template, arch: str, metadata: dict, seed: int, tensors) -> None:
+    """A GGUF file of architecture ``arch`` with ``metadata`` as its ``{arch}.*`` values (an int as uint32, a float as
+    float32, a string; an epsilon and a RoPE base unless given) and the tokenizer of ``template``;
+    ``tensors(add, vocab)`` adds its tensors,
     ``add(name, kind, *shape, std=0.1)`` a random one of GGUF type ``kind`` (K-quants by ``infer.testing.kquants``, a
     stacked tensor by rows; an ``F32`` norm around 1), or with ``values=`` those (float32 values, else the type's
     bytes)."""
@@ -77,11 +79,9 @@ def write_tiny_gguf(path, template, arch: str, shape: dict[str, int], seed: int,
             continue
         vtype = field.types[0]
         writer.add_key_value(name, field.contents(), vtype, field.types[-1] if vtype == GGUFValueType.ARRAY else None)
-    for name, value in shape.items():
-        writer.add_uint32(f"{arch}.{name}", value)
-    floats = floats or {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1_000_000.0}
-    for name, value in floats.items():
-        writer.add_float32(f"{arch}.{name}", value)
+    for name, value in {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1_000_000.0, **metadata}.items():
+        add_value = {int: writer.add_uint32, float: writer.add_float32, str: writer.add_string}[type(value)]
+        add_value(f"{arch}.{name}", value)
     generator = np.random.default_rng(seed)
 
     def add(name: str, kind: str, *dims: int, std: float = 0.1, values: np.ndarray | None = None) -> None:
@@ -167,25 +167,51 @@ def write_gemma3_gguf(path, template) -> None:
     write_tiny_gguf(path, template, "gemma3", GEMMA3_SHAPE, 2, tensors)
 
 
+def write_converted_gguf(folder: Path, path, template, arch: str, metadata: dict, kind: str, extra=None) -> None:
+    """The HF folder ``folder`` written as a GGUF file of ``arch`` as llama.cpp's converter writes it: each tensor
+    under the gguf package's name for it, every matrix as ``kind`` (``F32``: the folder's values exactly), Gemma's norm
+    weights as the ``1 + w`` applied; ``metadata`` as ``write_tiny_gguf`` takes it, ``extra(add)`` adds tensors of the
+    converter's own; the tokenizer of ``template``."""
+    import gguf
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    arch_id = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
+
+    def tensors(add, vocab: int) -> None:
+        for name, tensor in load_file(folder / "model.safetensors").items():
+            values = tensor.float().numpy()
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                values = values + 1.0
+            if kind == "F32" or values.ndim == 1:
+                add(gguf_name, "F32", values=values)
+            else:
+                add(gguf_name, kind, values=quantize(values, gguf.GGMLQuantizationType[kind]))
+        if extra is not None:
+            extra(add)
+
+    write_tiny_gguf(path, template, arch, metadata, 0, tensors)
+
+
 def write_phi3_gguf(folder: Path, path, template, kind: str = "F32") -> None:
     """The HF Phi-3 folder ``folder`` as llama.cpp's converter writes it (``Phi3MiniModel``): fused QKV and gate/up as
     they are, the rotated dimensions a head as ``rope.dimension_count``, the sliding window, LongRoPE's original
     context and attention factor as metadata and its factors as the tensors ``rope_factors_long`` and
-    ``rope_factors_short``; every matrix as ``kind`` (``F32``: the folder's values exactly), the tokenizer of
-    ``template``."""
+    ``rope_factors_short``."""
     import math
 
-    import gguf
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-    from safetensors.torch import load_file
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
     rope = config.rope_parameters
     head_dim = config.hidden_size // config.num_attention_heads
     original = rope["original_max_position_embeddings"]
-    shape = {
+    scale = config.max_position_embeddings / original
+    metadata = {
         "context_length": config.max_position_embeddings,
         "rope.scaling.original_context_length": original,
         "embedding_length": config.hidden_size,
@@ -195,27 +221,42 @@ def write_phi3_gguf(folder: Path, path, template, kind: str = "F32") -> None:
         "attention.head_count_kv": config.num_key_value_heads,
         "rope.dimension_count": int(rope["partial_rotary_factor"] * head_dim),
         "attention.sliding_window": config.sliding_window or 0,
-    }
-    scale = config.max_position_embeddings / original
-    floats = {
-        "attention.layer_norm_rms_epsilon": config.rms_norm_eps,
-        "rope.freq_base": rope["rope_theta"],
+        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        "rope.freq_base": float(rope["rope_theta"]),
         "rope.scaling.attn_factor": math.sqrt(1 + math.log(scale) / math.log(original)),
     }
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, config.num_hidden_layers)
 
-    def tensors(add, vocab: int) -> None:
-        for name, tensor in load_file(folder / "model.safetensors").items():
-            values = tensor.float().numpy()
-            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-            if kind == "F32" or values.ndim == 1:
-                add(gguf_name, "F32", values=values)
-            else:
-                add(gguf_name, kind, values=quantize(values, GGMLQuantizationType[kind]))
+    def factors(add) -> None:
         add("rope_factors_long.weight", "F32", values=np.array(rope["long_factor"]))
         add("rope_factors_short.weight", "F32", values=np.array(rope["short_factor"]))
 
-    write_tiny_gguf(path, template, "phi3", shape, 0, tensors, floats)
+    write_converted_gguf(folder, path, template, "phi3", metadata, kind, factors)
+
+
+def write_converted_gemma3_gguf(folder: Path, path, template) -> None:
+    """The HF Gemma 3 folder ``folder`` as llama.cpp's converter writes it (``Gemma3Model``): the global layers' RoPE
+    base and linear scaling as metadata (the sliding layers' base and the attention scale are not stored), norms as
+    ``1 + w``, ``F32``."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    full = config.rope_parameters["full_attention"]
+    metadata = {
+        "context_length": config.max_position_embeddings,
+        "embedding_length": config.hidden_size,
+        "block_count": config.num_hidden_layers,
+        "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_attention_heads,
+        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        "attention.key_length": config.head_dim,
+        "attention.value_length": config.head_dim,
+        "rope.freq_base": float(full["rope_theta"]),
+        "attention.sliding_window": config.sliding_window,
+        "attention.head_count_kv": config.num_key_value_heads,
+    }
+    if full.get("rope_type") == "linear":
+        metadata.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(full["factor"])})
+    write_converted_gguf(folder, path, template, "gemma3", metadata, "F32")
 
 
 def fixed_file(directory, stem: str, write) -> str:
@@ -233,12 +274,12 @@ def fixed_file(directory, stem: str, write) -> str:
 def files(tmp_path_factory):
     """The default model (Llama: Q and K permuted, ``Q4_1`` and ``Q8_0``), a tiny K-quant Llama file, tiny Qwen3-MoE
     and Gemma 3 files, and a tiny Phi-3 file in ``Q8_0``."""
-    from test_model_families import TestPhi3
-
     from infer.testing.model import save_tiny_model
 
     directory = tmp_path_factory.mktemp("gguf")
-    phi3 = save_tiny_model(TestPhi3.hf_model_class, TestPhi3.tiny_config(), directory / "phi3")
+    phi3 = save_tiny_model(
+        test_model_families.TestPhi3.hf_model_class, test_model_families.TestPhi3.tiny_config(), directory / "phi3"
+    )
     return {
         "default": DEFAULT_MODEL,
         "kquants": fixed_file(directory, "tiny-q4_k_m", write_kquant_gguf),
@@ -334,15 +375,64 @@ def test_a_phi3_file_is_the_model_llama_cpp_converted_it_from(tmp_path):
     model it was written from: the rotated share, the window and LongRoPE's factors come from the file's metadata and
     its factor tensors."""
     import transformers
-    from test_model_families import TestPhi3
 
     from infer.testing.model import save_tiny_model
 
-    suite = TestPhi3()
-    folder = save_tiny_model(TestPhi3.hf_model_class, TestPhi3.tiny_config(), tmp_path / "hf")
+    suite = test_model_families.TestPhi3()
+    folder = save_tiny_model(
+        test_model_families.TestPhi3.hf_model_class, test_model_families.TestPhi3.tiny_config(), tmp_path / "hf"
+    )
     path = fixed_file(tmp_path, "tiny-phi3", lambda out, template: write_phi3_gguf(folder, out, template))
     hf_model = transformers.Phi3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for read_gguf in (False, True):
         model = load_model(path, torch.float32, max_positions=suite.max_model_len, read_gguf=read_gguf).model
         error = suite.logit_errors(model, hf_model)
         assert error < suite.tolerance, (read_gguf, error)
+
+
+class Gemma3AsLlamaCppConverts(test_model_families.TestGemma3):
+    """Gemma 3's tiny model in the form llama.cpp's converter keeps whole: the layer types of the pattern of 6 (five
+    sliding layers, one global), the attention scaled by head_dim, linear RoPE scaling on the global layer."""
+
+    config_fields = {
+        **{key: value for key, value in test_model_families.TestGemma3.config_fields.items() if key != "layer_types"},
+        "num_hidden_layers": 6,
+        "query_pre_attn_scalar": 16,
+    }
+
+
+def test_a_gemma3_file_is_the_model_llama_cpp_converted_it_from(tmp_path):
+    """A Gemma 3 file as llama.cpp writes it (norms as ``1 + w``; the global layers' linear RoPE scaling as metadata;
+    no sliding base nor attention scale), read through transformers' conversion and by infer itself, gives the logits
+    of the HF model it was written from."""
+    import transformers
+
+    from infer.testing.model import save_tiny_model
+
+    suite = Gemma3AsLlamaCppConverts()
+    folder = save_tiny_model(suite.hf_model_class, suite.tiny_config(), tmp_path / "hf")
+    path = fixed_file(
+        tmp_path, "tiny-gemma3-f32", lambda out, template: write_converted_gemma3_gguf(folder, out, template)
+    )
+    hf_model = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for read_gguf in (False, True):
+        model = load_model(path, torch.float32, max_positions=suite.max_model_len, read_gguf=read_gguf).model
+        error = suite.logit_errors(model, hf_model)
+        assert error < suite.tolerance, (read_gguf, error)
+
+
+def test_a_gemma3_27b_file_scales_its_attention_by_hidden_over_heads(tmp_path):
+    """The 62-layer Gemma 3 (27B) scales its queries by hidden / heads (168 in the real model), not head_dim: its file
+    does not say so, and llama.cpp decides by the layer count as the HF config does by its value."""
+    from transformers import AutoConfig
+
+    shape = {**GEMMA3_SHAPE, "block_count": 62, "attention.key_length": 32, "attention.value_length": 32}
+
+    def tensors(add, vocab: int) -> None:
+        add("token_embd.weight", "F32", vocab, shape["embedding_length"])
+
+    path = fixed_file(
+        tmp_path, "tiny-gemma3-62", lambda out, template: write_tiny_gguf(out, template, "gemma3", shape, 3, tensors)
+    )
+    config = AutoConfig.from_pretrained(hf_model_dir(path))
+    assert (config.head_dim, config.query_pre_attn_scalar) == (32, 256 // 4)

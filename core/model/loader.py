@@ -162,7 +162,7 @@ def hf_checkpoint_dir(path: str) -> Path:
 
 
 # The version of what ``_complete_gguf_config`` adds to transformers' conversion of a GGUF file (2: Phi-3's rotated
-# share, sliding window and LongRoPE).
+# share, sliding window and LongRoPE, Gemma 3's RoPE scaling and attention scale).
 CONVERSION_VERSION = 2
 
 
@@ -255,9 +255,27 @@ def _convert_gguf_config(gguf: Path, destination: Path) -> None:
     tokenizer.save_pretrained(destination)
 
 
+def _complete_gemma3_config(config: Any, metadata: Mapping[str, object]) -> None:
+    """A Gemma 3 file's global layers' linear RoPE scaling (``rope.scaling.type``, ``rope.scaling.factor``: Gemma 3
+    4B-27B scale by 8), and its attention scale, which the file does not store: llama.cpp takes hidden / heads for the
+    62-layer model (Gemma 3 27B: 168, against its head_dim of 128) and head_dim for the others, as their HF configs
+    set ``query_pre_attn_scalar``."""
+    parameters = dict(config.rope_parameters)
+    if metadata.get("gemma3.rope.scaling.type") == "linear":
+        full = dict(parameters.get("full_attention") or {})
+        full.update(rope_type="linear", factor=float(metadata["gemma3.rope.scaling.factor"]))
+        parameters["full_attention"] = full
+        config.rope_parameters = parameters
+    if config.num_hidden_layers == 62:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
+
+
 def _complete_gguf_config(config: Any, gguf: Path) -> None:
     """What transformers' GGUF config mapping leaves out, from the file's metadata (as llama.cpp's converter writes
-    it): a mixture's expert width (``expert_feed_forward_length``; the mapping leaves the default); for Phi-3 files,
+    it): a mixture's expert width (``expert_feed_forward_length``; the mapping leaves the default); Gemma 3's RoPE
+    scaling and attention scale (``_complete_gemma3_config``); for Phi-3 files,
     the rotated share of each head (``rope.dimension_count``), the sliding window, and LongRoPE (its factors are the
     file's ``rope_factors_long`` and ``rope_factors_short`` tensors, its original context
     ``rope.scaling.original_context_length``): without them a Phi-4-mini file rotated every dimension with the plain
@@ -271,6 +289,8 @@ def _complete_gguf_config(config: Any, gguf: Path) -> None:
     expert_width = metadata.get(f"{arch}.expert_feed_forward_length")
     if expert_width is not None and hasattr(config, "moe_intermediate_size"):
         config.moe_intermediate_size = int(expert_width)
+    if arch == "gemma3":
+        _complete_gemma3_config(config, metadata)
     if arch != "phi3":
         return
     rope = {
