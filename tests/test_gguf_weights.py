@@ -6,6 +6,7 @@ read."""
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from pathlib import Path
 
@@ -187,6 +188,11 @@ def write_converted_gguf(folder: Path, path, template, arch: str, metadata: dict
             gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
             if arch == "gemma3" and name.endswith("norm.weight"):
                 values = values + 1.0
+            heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(
+                name.split(".")[-2]
+            )
+            if arch == "llama" and heads:  # llama.cpp's interleaved rotary pairs
+                values = values.reshape(heads, 2, -1, values.shape[-1]).swapaxes(1, 2).reshape(values.shape)
             if kind == "F32" or values.ndim == 1:
                 add(gguf_name, "F32", values=values)
             else:
@@ -436,3 +442,96 @@ def test_a_gemma3_27b_file_scales_its_attention_by_hidden_over_heads(tmp_path):
     )
     config = AutoConfig.from_pretrained(hf_model_dir(path))
     assert (config.head_dim, config.query_pre_attn_scalar) == (32, 256 // 4)
+
+
+def write_converted_llama_gguf(folder: Path, path, template) -> None:
+    """The HF Llama folder ``folder`` as llama.cpp's converter writes it (``LlamaModel``): Q and K rows permuted to
+    interleaved pairs, Llama 3's RoPE scaling as the tensor ``rope_freqs`` of each pair's divisor (computed as the
+    converter computes it), ``F32``."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    rope = config.rope_parameters
+    metadata = {
+        "context_length": config.max_position_embeddings,
+        "embedding_length": config.hidden_size,
+        "block_count": config.num_hidden_layers,
+        "feed_forward_length": config.intermediate_size,
+        "rope.dimension_count": config.head_dim,
+        "attention.head_count": config.num_attention_heads,
+        "attention.head_count_kv": config.num_key_value_heads,
+        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        "rope.freq_base": float(rope["rope_theta"]),
+    }
+
+    def rope_freqs(add) -> None:
+        base, dim = rope["rope_theta"], config.head_dim
+        freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        original = rope["original_max_position_embeddings"]
+        divisors = []
+        for freq in freqs.tolist():
+            wavelength = 2 * math.pi / freq
+            if wavelength < original / high:
+                divisors.append(1.0)
+            elif wavelength > original / low:
+                divisors.append(factor)
+            else:
+                smooth = (original / wavelength - low) / (high - low)
+                divisors.append(1.0 / ((1.0 - smooth) / factor + smooth))
+        add("rope_freqs.weight", "F32", values=np.array(divisors))
+
+    write_converted_gguf(folder, path, template, "llama", metadata, "F32", rope_freqs)
+
+
+class Llama3Scaled(test_model_families.TestLlama):
+    """A tiny Llama with Llama 3.2's RoPE scaling (one pair of head_dim 16's eight blended)."""
+
+    config_fields = {
+        **test_model_families.TestLlama.config_fields,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500_000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
+
+
+class Llama3Unpublished(Llama3Scaled):
+    """Llama 3's RoPE scaling with parameters of no published model (three pairs of head_dim 32's sixteen blended):
+    the config solves for them from the divisors."""
+
+    config_fields = {
+        **test_model_families.TestLlama.config_fields,
+        "head_dim": 32,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500_000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 16.0,
+            "original_max_position_embeddings": 4096,
+        },
+    }
+
+
+@pytest.mark.parametrize("suite_class", [Llama3Scaled, Llama3Unpublished], ids=["llama3.2", "unpublished"])
+def test_a_llama3_file_is_the_model_llama_cpp_converted_it_from(tmp_path, suite_class):
+    """A Llama 3 file as llama.cpp writes it (its RoPE scaling only as the divisors ``rope_freqs``), read through
+    transformers' conversion and by infer itself, gives the logits of the HF model it was written from."""
+    import transformers
+
+    from infer.testing.model import save_tiny_model
+
+    suite = suite_class()
+    folder = save_tiny_model(suite.hf_model_class, suite.tiny_config(), tmp_path / "hf")
+    stem = f"tiny-llama3-{suite_class.__name__.lower()}"
+    path = fixed_file(tmp_path, stem, lambda out, template: write_converted_llama_gguf(folder, out, template))
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for read_gguf in (False, True):
+        model = load_model(path, torch.float32, max_positions=suite.max_model_len, read_gguf=read_gguf).model
+        error = suite.logit_errors(model, hf_model)
+        assert error < suite.tolerance, (read_gguf, error)

@@ -28,6 +28,8 @@ import torch
 from infer.host import cache_dir, cpu_flags, trim_heap
 from infer.model import CausalLM, ModelArchitecture
 from infer.model.architecture import UnsupportedModelError
+from infer.model.gguf_config import VERSION as GGUF_CONFIG_VERSION
+from infer.model.gguf_config import complete_config
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -161,18 +163,13 @@ def hf_checkpoint_dir(path: str) -> Path:
     return resolved if resolved.is_dir() else _converted_gguf_dir(resolved, weights=True)
 
 
-# The version of what ``_complete_gguf_config`` adds to transformers' conversion of a GGUF file (2: Phi-3's rotated
-# share, sliding window and LongRoPE, Gemma 3's RoPE scaling and attention scale).
-CONVERSION_VERSION = 2
-
-
 def _converted_gguf_dir(gguf: Path, weights: bool) -> Path:
     """The cache's HF folder for a GGUF file: its config, tokenizer and generation config, with ``weights`` its
     dequantized tensors too (transformers' conversion, which holds the whole model in float32)."""
     stat = gguf.stat()
     # Keyed by size and mtime so a replaced file is converted again, and by what the conversion completes
-    # (CONVERSION_VERSION) so a folder made without it is not reused.
-    name = f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-v{CONVERSION_VERSION}" + ("" if weights else "-config")
+    # (gguf_config.VERSION) so a folder made without it is not reused.
+    name = f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-v{GGUF_CONFIG_VERSION}" + ("" if weights else "-config")
     target = cache_dir() / "converted" / name
     if (target / "config.json").is_file():
         return target
@@ -230,7 +227,7 @@ def _convert_gguf(gguf: Path, destination: Path) -> None:
     config = hf_model.config
     # The saved weights are dequantized, so the folder must not claim GGUF quantization.
     del config.quantization_config
-    _complete_gguf_config(config, gguf)
+    complete_config(config, gguf)
     state = {name: tensor.contiguous() for name, tensor in hf_model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -249,68 +246,10 @@ def _convert_gguf_config(gguf: Path, destination: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):  # the weights are read as float values or as blocks, not by HF
         del config.quantization_config
-    _complete_gguf_config(config, gguf)
+    complete_config(config, gguf)
     config.save_pretrained(destination)
     GenerationConfig.from_model_config(config).save_pretrained(destination)
     tokenizer.save_pretrained(destination)
-
-
-def _complete_gemma3_config(config: Any, metadata: Mapping[str, object]) -> None:
-    """A Gemma 3 file's global layers' linear RoPE scaling (``rope.scaling.type``, ``rope.scaling.factor``: Gemma 3
-    4B-27B scale by 8), and its attention scale, which the file does not store: llama.cpp takes hidden / heads for the
-    62-layer model (Gemma 3 27B: 168, against its head_dim of 128) and head_dim for the others, as their HF configs
-    set ``query_pre_attn_scalar``."""
-    parameters = dict(config.rope_parameters)
-    if metadata.get("gemma3.rope.scaling.type") == "linear":
-        full = dict(parameters.get("full_attention") or {})
-        full.update(rope_type="linear", factor=float(metadata["gemma3.rope.scaling.factor"]))
-        parameters["full_attention"] = full
-        config.rope_parameters = parameters
-    if config.num_hidden_layers == 62:
-        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
-    else:
-        config.query_pre_attn_scalar = config.head_dim
-
-
-def _complete_gguf_config(config: Any, gguf: Path) -> None:
-    """What transformers' GGUF config mapping leaves out, from the file's metadata (as llama.cpp's converter writes
-    it): a mixture's expert width (``expert_feed_forward_length``; the mapping leaves the default); Gemma 3's RoPE
-    scaling and attention scale (``_complete_gemma3_config``); for Phi-3 files,
-    the rotated share of each head (``rope.dimension_count``), the sliding window, and LongRoPE (its factors are the
-    file's ``rope_factors_long`` and ``rope_factors_short`` tensors, its original context
-    ``rope.scaling.original_context_length``): without them a Phi-4-mini file rotated every dimension with the plain
-    base frequencies."""
-    import numpy as np
-
-    from infer.model.gguf_file import GgufFile
-
-    file = GgufFile(gguf)
-    metadata, arch = file.metadata, file.architecture
-    expert_width = metadata.get(f"{arch}.expert_feed_forward_length")
-    if expert_width is not None and hasattr(config, "moe_intermediate_size"):
-        config.moe_intermediate_size = int(expert_width)
-    if arch == "gemma3":
-        _complete_gemma3_config(config, metadata)
-    if arch != "phi3":
-        return
-    rope = {
-        "rope_type": "default",
-        "rope_theta": float(metadata.get("phi3.rope.freq_base", 10000.0)),
-        "partial_rotary_factor": 1.0,
-    }
-    rotated = metadata.get("phi3.rope.dimension_count")
-    if rotated:
-        rope["partial_rotary_factor"] = int(rotated) / (config.hidden_size // config.num_attention_heads)
-    config.sliding_window = int(metadata.get("phi3.attention.sliding_window") or 0) or None
-    factors = {kind: file.tensors.get(f"rope_factors_{kind}.weight") for kind in ("long", "short")}
-    if all(factors.values()):
-        original = int(metadata["phi3.rope.scaling.original_context_length"])
-        rope.update(
-            {f"{kind}_factor": file.data(tensor).view(np.float32).ravel().tolist() for kind, tensor in factors.items()}
-        )
-        rope.update(rope_type="longrope", original_max_position_embeddings=original)
-        config.original_max_position_embeddings = original
-    config.rope_parameters = rope
 
 
 def load_model(

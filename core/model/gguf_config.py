@@ -1,0 +1,139 @@
+"""A GGUF file's model config completed where transformers' GGUF config mapping stops short, from what llama.cpp's
+converter writes into the file: without these, the model a file loads as is not the one it was converted from.
+
+- a mixture's expert width (``expert_feed_forward_length``; the mapping leaves the config class's default);
+- Llama 3's RoPE scaling, which the converter stores as per-pair divisors of the frequencies (the tensor
+  ``rope_freqs``), put back as the ``llama3`` parameters that give those divisors;
+- Gemma 3's linear RoPE scaling of the global layers (``rope.scaling.type``, ``rope.scaling.factor``), and its
+  attention scale, which the file does not store;
+- Phi-3's rotated share of each head (``rope.dimension_count``), sliding window and LongRoPE (the tensors
+  ``rope_factors_long`` and ``rope_factors_short``, the original context ``rope.scaling.original_context_length``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# What ``complete_config`` adds, versioned: a converted folder in the cache carries the version it was made with, so
+# one made before a completion was added is made again.
+VERSION = 3
+
+# Llama 3.1-3.3's RoPE scaling parameters beside the factor (Llama 3.1 and 3.3 scale by 8, 3.2 by 32).
+LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def complete_config(config: Any, path: Path) -> None:
+    """Complete ``config`` (transformers' config of the GGUF file at ``path``) in place."""
+    from infer.model.gguf_file import GgufFile
+
+    file = GgufFile(path)
+    metadata, arch = file.metadata, file.architecture
+    expert_width = metadata.get(f"{arch}.expert_feed_forward_length")
+    if expert_width is not None and hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = int(expert_width)
+    if arch == "llama" and "rope_freqs.weight" in file.tensors:
+        _llama3_rope(config, tensor_values(file, "rope_freqs.weight"), path.name)
+    elif arch == "gemma3":
+        _gemma3(config, metadata)
+    elif arch == "phi3":
+        _phi3(config, file)
+
+
+def tensor_values(file: Any, name: str) -> np.ndarray:
+    """A float32 tensor of the file, as a flat array."""
+    return file.data(file.tensors[name]).view(np.float32).ravel().copy()
+
+
+def llama3_divisors(theta: float, dim: int, parameters: Mapping[str, float]) -> np.ndarray:
+    """What Llama 3's RoPE scaling divides each pair's frequency by (transformers' ``llama3`` rope type): 1 for the
+    pairs that turn fast (wavelengths below the original context over ``high_freq_factor``), ``factor`` for the slow
+    ones (above the context over ``low_freq_factor``), a blend between."""
+    inverse = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    wavelength = 2 * math.pi / inverse.astype(np.float64)
+    factor, low, high = parameters["factor"], parameters["low_freq_factor"], parameters["high_freq_factor"]
+    original = parameters["original_max_position_embeddings"]
+    smooth = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
+    return 1.0 / ((1.0 - smooth) / factor + smooth)
+
+
+def _llama3_rope(config: Any, divisors: np.ndarray, name: str) -> None:
+    """The ``llama3`` RoPE parameters whose divisors are the file's: Llama 3's published ones with the file's factor
+    (its largest divisor), else the ones its blended pairs solve for; none found (a file of another scaling), the
+    positions rotate unscaled, with a warning."""
+    theta = float(
+        (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", 1e4))
+    )
+    dim = 2 * len(divisors)
+    factor = float(divisors.max())
+    if factor <= 1.0:
+        return
+    candidates = [{"factor": factor, **LLAMA3_DEFAULTS}]
+    blended = [index for index, divisor in enumerate(divisors) if 1.0 + 1e-6 < divisor < factor * (1 - 1e-6)]
+    if len(blended) >= 2:  # smooth = original / wavelength - low with high = low + 1: two pairs give both
+        inverse = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+        turns = inverse[blended].astype(np.float64) / (2 * math.pi)
+        smooth = (1.0 / divisors[blended] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        original, low = np.polyfit(turns, smooth, 1)
+        low = -low
+        candidates.append(
+            {
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": low + 1.0,
+                "original_max_position_embeddings": float(original),
+            }
+        )
+    for parameters in candidates:
+        if np.allclose(llama3_divisors(theta, dim, parameters), divisors, rtol=1e-4, atol=0.0):
+            config.rope_parameters = {"rope_type": "llama3", "rope_theta": theta, **parameters}
+            return
+    logger.warning("%s: its rope_freqs are not Llama 3's RoPE scaling; its positions rotate unscaled", name)
+
+
+def _gemma3(config: Any, metadata: Mapping[str, object]) -> None:
+    """A Gemma 3 file's global layers' linear RoPE scaling (Gemma 3 4B-27B scale by 8), and its attention scale,
+    which the file does not store: llama.cpp takes hidden / heads for the 62-layer model (Gemma 3 27B: 168, against
+    its head_dim of 128) and head_dim for the others, as their HF configs set ``query_pre_attn_scalar``."""
+    parameters = dict(config.rope_parameters)
+    if metadata.get("gemma3.rope.scaling.type") == "linear":
+        full = dict(parameters.get("full_attention") or {})
+        full.update(rope_type="linear", factor=float(metadata["gemma3.rope.scaling.factor"]))
+        parameters["full_attention"] = full
+        config.rope_parameters = parameters
+    if config.num_hidden_layers == 62:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
+
+
+def _phi3(config: Any, file: Any) -> None:
+    """A Phi-3 file's rotated share of each head, sliding window and LongRoPE: without them a Phi-4-mini file
+    rotated every dimension with the plain base frequencies."""
+    metadata = file.metadata
+    rope = {
+        "rope_type": "default",
+        "rope_theta": float(metadata.get("phi3.rope.freq_base", 10000.0)),
+        "partial_rotary_factor": 1.0,
+    }
+    rotated = metadata.get("phi3.rope.dimension_count")
+    if rotated:
+        rope["partial_rotary_factor"] = int(rotated) / (config.hidden_size // config.num_attention_heads)
+    config.sliding_window = int(metadata.get("phi3.attention.sliding_window") or 0) or None
+    if "rope_factors_long.weight" in file.tensors and "rope_factors_short.weight" in file.tensors:
+        original = int(metadata["phi3.rope.scaling.original_context_length"])
+        rope.update(
+            rope_type="longrope",
+            long_factor=tensor_values(file, "rope_factors_long.weight").tolist(),
+            short_factor=tensor_values(file, "rope_factors_short.weight").tolist(),
+            original_max_position_embeddings=original,
+        )
+        config.original_max_position_embeddings = original
+    config.rope_parameters = rope
