@@ -5,8 +5,10 @@ packed as the file's blocks as soon as it is read, against the same model from t
 packed; the conversion runs at the first start only, then its folder is in the cache), each in a fresh process.
 
 ``write`` keeps every 2-D weight but the token embedding as ``--type`` blocks (the embedding ``Q8_0``, norms and a
-router ``F32``; experts stacked as llama.cpp stacks them), with the tokenizer and metadata of the default model's file
-beside the folder's shape (``random_models.py``'s folders use that tokenizer). Architectures: Qwen3 and Qwen3-MoE.
+router ``F32``; experts stacked as llama.cpp stacks them; ``Q4_K_M``: ``Q4_K`` and ``Q6_K`` as llama.cpp's mix picks
+them, quantized by ``infer.testing.kquants``), with the tokenizer and metadata of the default model's file
+beside the folder's shape (``random_models.py``'s folders use that tokenizer). Architectures: Qwen3, Qwen3-MoE and
+Gemma 3 (its norm weights stored as ``1 + w``, as llama.cpp's converter writes them).
 
     python benchmarks/gguf_load.py write ~/models/qwen3-0.6b-random /tmp/qwen3-0.6b-q4_0.gguf
     python benchmarks/gguf_load.py measure /tmp/qwen3-0.6b-q4_0.gguf            # both starts
@@ -42,7 +44,8 @@ MOE_KEYS = {
     "expert_used_count": "num_experts_per_tok",
     "expert_feed_forward_length": "moe_intermediate_size",
 }
-ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+GEMMA3_KEYS = {"attention.sliding_window": "sliding_window"}
+ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}
 
 
 def write(folder: Path, out: Path, block_type: str) -> None:
@@ -62,13 +65,17 @@ def write(folder: Path, out: Path, block_type: str) -> None:
         vtype = field.types[0]
         writer.add_key_value(name, field.contents(), vtype, field.types[-1] if vtype == GGUFValueType.ARRAY else None)
     config.setdefault("num_experts", config.get("num_local_experts"))
-    for key, field in {**SHAPE_KEYS, **(MOE_KEYS if arch == "qwen3moe" else {})}.items():
+    extra = {"qwen3moe": MOE_KEYS, "gemma3": GEMMA3_KEYS}.get(arch, {})
+    for key, field in {**SHAPE_KEYS, **extra}.items():
         writer.add_uint32(f"{arch}.{key}", int(config[field]))
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(config["rms_norm_eps"]))
-    theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 1e6))
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: per layer type; the file holds the full layers' base
+    theta = rope.get("rope_theta", config.get("rope_theta", 1e6))
     writer.add_float32(f"{arch}.rope.freq_base", float(theta))
     arch_id = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
-    names = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
+    layers = config["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(arch_id, layers)
 
     def gguf_name(hf_name: str) -> str:
         return names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -86,7 +93,7 @@ def write(folder: Path, out: Path, block_type: str) -> None:
             gathered[int(match.group(2))] = tensor
             if len(gathered) == config["num_experts"]:
                 values = np.stack([gathered[index] for index in range(len(gathered))])
-                add(writer, gguf_name(f"{match.group(1)}.{match.group(3)}.weight"), values, block_type)
+                add(writer, gguf_name(f"{match.group(1)}.{match.group(3)}.weight"), values, block_type, layers)
                 gathered.clear()
             continue
         match = stacked.match(name)
@@ -99,9 +106,11 @@ def write(folder: Path, out: Path, block_type: str) -> None:
                 else {"down_proj": tensor}
             )
             for part, values in parts.items():
-                add(writer, gguf_name(f"{match.group(1)}.{part}.weight"), values, block_type)
+                add(writer, gguf_name(f"{match.group(1)}.{part}.weight"), values, block_type, layers)
             continue
-        add(writer, gguf_name(name), tensor, block_type)
+        if arch == "gemma3" and tensor.ndim == 1:  # llama.cpp stores Gemma's norm weights as the 1 + w applied
+            tensor = tensor + 1.0
+        add(writer, gguf_name(name), tensor, block_type, layers)
         del tensor
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -109,15 +118,39 @@ def write(folder: Path, out: Path, block_type: str) -> None:
     writer.close()
 
 
-def add(writer, name: str, values: np.ndarray, block_type: str) -> None:
+def add(writer, name: str, values: np.ndarray, block_type: str, layers: int) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
+
+    from infer.testing.kquants import QUANTIZERS
 
     if values.ndim == 1 or name.endswith("ffn_gate_inp.weight"):
         writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
         return
-    qtype = GGMLQuantizationType["Q8_0" if name == "token_embd.weight" else block_type]
-    writer.add_tensor(name, quantize(np.ascontiguousarray(values), qtype), raw_dtype=qtype)
+    kind = "Q8_0" if name == "token_embd.weight" else block_type
+    if kind == "Q4_K_M":
+        kind = q4_k_m_type(name, layers)
+    qtype = GGMLQuantizationType[kind]
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if kind.lower() in QUANTIZERS:  # by rows (stacked experts' too)
+        raw = QUANTIZERS[kind.lower()](values.reshape(-1, values.shape[-1])).reshape(*values.shape[:-1], -1)
+    else:
+        raw = quantize(values, qtype)
+    writer.add_tensor(name, raw, raw_dtype=qtype)
+
+
+def q4_k_m_type(name: str, layers: int) -> str:
+    """The block type llama.cpp's ``Q4_K_M`` gives a tensor: ``Q6_K`` for the output head, and for V and down
+    (experts' too) in the layers its ``use_more_bits`` picks (the first and last eighth, every third between);
+    ``Q4_K`` for the rest."""
+    if name == "output.weight":
+        return "Q6_K"
+    layer = re.match(r"blk\.(\d+)\.(attn_v|ffn_down)", name)
+    if layer is None:
+        return "Q4_K"
+    index = int(layer.group(1))
+    more_bits = index < layers // 8 or index >= 7 * layers // 8 or (index - layers // 8) % 3 == 2
+    return "Q6_K" if more_bits else "Q4_K"
 
 
 # Run in a fresh process: the load's time and the process's peak resident memory.
@@ -157,7 +190,7 @@ def main() -> None:
     writing = commands.add_parser("write")
     writing.add_argument("folder", type=Path)
     writing.add_argument("out", type=Path)
-    writing.add_argument("--type", default="Q4_0", choices=["Q4_0", "Q4_1", "Q8_0"])
+    writing.add_argument("--type", default="Q4_0", choices=["Q4_0", "Q4_1", "Q8_0", "Q4_K_M"])
     measuring = commands.add_parser("measure")
     measuring.add_argument("file", type=Path)
     measuring.add_argument("--direct-only", action="store_true")

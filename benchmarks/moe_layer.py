@@ -30,6 +30,7 @@ instead times the tile kernel for one expert taking 1 to 64 tokens, on AMX's til
     OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --cpu-time
     OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --switch --cpu-time
     OMP_NUM_THREADS=2 python benchmarks/moe_layer.py --weights q4_1 --batches 1 16 64 128
+    OMP_NUM_THREADS=2 python benchmarks/moe_layer.py --weights q4_k_m --batches 1 16 64
 """
 
 from __future__ import annotations
@@ -154,8 +155,25 @@ def build_layers(config, count: int, seed: int, weights: str = "bf16"):
             for index, expert in enumerate(ours.experts):
                 expert.gate_up_proj.weight.copy_(stacked.gate_up_proj[index].float())
                 expert.down_proj.weight.copy_(stacked.down_proj[index].float())
-        pairs.append((hf_block, quantize_linears(ours, weights)))
+        if weights == "q4_k_m":  # as a Q4_K_M file stores experts: gate/up Q4_K, down Q6_K
+            pairs.append((hf_block, quantize_linears(ours, "q8_0", blocks=kquant_experts(ours))))
+        else:
+            pairs.append((hf_block, quantize_linears(ours, weights)))
     return pairs
+
+
+def kquant_experts(moe: MoE) -> dict:
+    """``moe``'s expert projections as K-quant blocks by module name: gate/up ``Q4_K``, down ``Q6_K`` (the reference
+    quantizer of ``infer.testing.kquants``)."""
+    from infer.kernels.cpu.blocks import pack_kquants
+    from infer.testing.kquants import QUANTIZERS
+
+    blocks = {}
+    for index, expert in enumerate(moe.experts):
+        for name, kind in (("gate_up_proj", "q4_k"), ("down_proj", "q6_k")):
+            weight = getattr(expert, name).weight.detach()
+            blocks[f"experts.{index}.{name}"] = pack_kquants(QUANTIZERS[kind](weight.numpy()), kind, weight.shape[0])
+    return blocks
 
 
 def main() -> None:
@@ -171,8 +189,9 @@ def main() -> None:
     parser.add_argument(
         "--weights",
         default="bf16",
-        choices=["bf16", "q4_0", "q4_1", "q8_0"],
-        help="the experts' weights: bf16, or quantized to GGUF's blocks (model.quantization=q4 is q4_1)",
+        choices=["bf16", "q4_0", "q4_1", "q8_0", "q4_k_m"],
+        help="the experts' weights: bf16, or quantized to GGUF's blocks (model.quantization=q4 is q4_1; q4_k_m: "
+        "gate/up Q4_K and down Q6_K, as a Q4_K_M file stores them)",
     )
     parser.add_argument(
         "--gemv-rows",

@@ -110,12 +110,25 @@ def write_tiny_gguf(path, template, arch: str, metadata: dict, seed: int, tensor
     writer.close()
 
 
+def add_attention(add, block: str, shape: dict[str, int], kinds: tuple[str, str, str, str]) -> None:
+    """A layer's q/k norms and its Q, K, V and output projections, of GGUF types ``kinds`` in that order, random, in
+    ``shape`` (a tiny file's metadata)."""
+    hidden, head_dim = shape["embedding_length"], shape["attention.key_length"]
+    heads, kv_heads = shape["attention.head_count"], shape["attention.head_count_kv"]
+    for norm in ("attn_q_norm", "attn_k_norm"):
+        add(f"{block}.{norm}.weight", "F32", head_dim)
+    q, k, v, output = kinds
+    add(f"{block}.attn_q.weight", q, heads * head_dim, hidden)
+    add(f"{block}.attn_k.weight", k, kv_heads * head_dim, hidden)
+    add(f"{block}.attn_v.weight", v, kv_heads * head_dim, hidden)
+    add(f"{block}.attn_output.weight", output, hidden, heads * head_dim)
+
+
 def write_moe_gguf(path, template) -> None:
     """A Qwen3-MoE GGUF file of random weights in MOE_SHAPE, its experts stacked as llama.cpp writes them (layer 0:
     gate and up ``Q4_0``, down ``Q8_0``; layer 1 as a ``Q4_K_M`` file stores them: gate and up ``Q4_K``, down
     ``Q6_K``), with the tokenizer of ``template``."""
-    hidden, head_dim = MOE_SHAPE["embedding_length"], MOE_SHAPE["attention.key_length"]
-    heads, kv_heads, experts = MOE_SHAPE["attention.head_count"], MOE_SHAPE["attention.head_count_kv"], 8
+    hidden, experts = MOE_SHAPE["embedding_length"], 8
 
     def tensors(add, vocab: int) -> None:
         add("token_embd.weight", "Q8_0", vocab, hidden, std=0.5)
@@ -125,12 +138,7 @@ def write_moe_gguf(path, template) -> None:
             block = f"blk.{layer}"
             for norm in ("attn_norm", "ffn_norm"):
                 add(f"{block}.{norm}.weight", "F32", hidden)
-            for norm in ("attn_q_norm", "attn_k_norm"):
-                add(f"{block}.{norm}.weight", "F32", head_dim)
-            add(f"{block}.attn_q.weight", "Q4_0", heads * head_dim, hidden)
-            add(f"{block}.attn_k.weight", "Q4_0", kv_heads * head_dim, hidden)
-            add(f"{block}.attn_v.weight", "Q4_0", kv_heads * head_dim, hidden)
-            add(f"{block}.attn_output.weight", "Q8_0", hidden, heads * head_dim)
+            add_attention(add, block, MOE_SHAPE, ("Q4_0", "Q4_0", "Q4_0", "Q8_0"))
             add(f"{block}.ffn_gate_inp.weight", "F32", experts, hidden, std=1.0)
             gate_up, down = ("Q4_0", "Q8_0") if layer == 0 else ("Q4_K", "Q6_K")
             add(f"{block}.ffn_gate_exps.weight", gate_up, experts, MOE_WIDTH, hidden)
@@ -144,9 +152,7 @@ def write_gemma3_gguf(path, template) -> None:
     """A Gemma 3 GGUF file of random weights in GEMMA3_SHAPE as llama.cpp writes one: four norms a layer and the q/k
     norms, each stored as ``1 + w``; the output head tied to the embedding; Q and K ``Q4_K``, V ``Q6_K``, gate and up
     ``Q4_0``, down ``Q8_0``; with the tokenizer of ``template``."""
-    hidden, head_dim = GEMMA3_SHAPE["embedding_length"], GEMMA3_SHAPE["attention.key_length"]
-    heads, kv_heads = GEMMA3_SHAPE["attention.head_count"], GEMMA3_SHAPE["attention.head_count_kv"]
-    width = GEMMA3_SHAPE["feed_forward_length"]
+    hidden, width = GEMMA3_SHAPE["embedding_length"], GEMMA3_SHAPE["feed_forward_length"]
 
     def tensors(add, vocab: int) -> None:
         add("token_embd.weight", "Q8_0", vocab, hidden, std=0.5)
@@ -155,12 +161,7 @@ def write_gemma3_gguf(path, template) -> None:
             block = f"blk.{layer}"
             for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
                 add(f"{block}.{norm}.weight", "F32", hidden)
-            for norm in ("attn_q_norm", "attn_k_norm"):
-                add(f"{block}.{norm}.weight", "F32", head_dim)
-            add(f"{block}.attn_q.weight", "Q4_K", heads * head_dim, hidden)
-            add(f"{block}.attn_k.weight", "Q4_K", kv_heads * head_dim, hidden)
-            add(f"{block}.attn_v.weight", "Q6_K", kv_heads * head_dim, hidden)
-            add(f"{block}.attn_output.weight", "Q4_K", hidden, heads * head_dim)
+            add_attention(add, block, GEMMA3_SHAPE, ("Q4_K", "Q4_K", "Q6_K", "Q4_K"))
             add(f"{block}.ffn_gate.weight", "Q4_0", width, hidden)
             add(f"{block}.ffn_up.weight", "Q4_0", width, hidden)
             add(f"{block}.ffn_down.weight", "Q8_0", hidden, width)
