@@ -62,8 +62,9 @@ def kernels():
 
 
 def write_tiny_gguf(path, template, arch: str, metadata: dict, seed: int, tensors) -> None:
-    """A GGUF file of architecture ``arch`` with ``metadata`` as its ``{arch}.*`` values (an int as uint32, a float as
-    float32, a string; an epsilon and a RoPE base unless given) and the tokenizer of ``template``;
+    """A GGUF file of architecture ``arch`` with ``metadata`` as its ``{arch}.*`` values (``tokenizer.*`` keys as they
+    are; an int as uint32, a float as float32, a string; an epsilon and a RoPE base unless given) and the tokenizer of
+    ``template``;
     ``tensors(add, vocab)`` adds its tensors,
     ``add(name, kind, *shape, std=0.1)`` a random one of GGUF type ``kind`` (K-quants by ``infer.testing.kquants``, a
     stacked tensor by rows; an ``F32`` norm around 1), or with ``values=`` those (float32 values, else the type's
@@ -82,7 +83,7 @@ def write_tiny_gguf(path, template, arch: str, metadata: dict, seed: int, tensor
         writer.add_key_value(name, field.contents(), vtype, field.types[-1] if vtype == GGUFValueType.ARRAY else None)
     for name, value in {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1_000_000.0, **metadata}.items():
         add_value = {int: writer.add_uint32, float: writer.add_float32, str: writer.add_string}[type(value)]
-        add_value(f"{arch}.{name}", value)
+        add_value(name if name.startswith("tokenizer.") else f"{arch}.{name}", value)
     generator = np.random.default_rng(seed)
 
     def add(name: str, kind: str, *dims: int, std: float = 0.1, values: np.ndarray | None = None) -> None:
@@ -536,3 +537,22 @@ def test_a_llama3_file_is_the_model_llama_cpp_converted_it_from(tmp_path, suite_
         model = load_model(path, torch.float32, max_positions=suite.max_model_len, read_gguf=read_gguf).model
         error = suite.logit_errors(model, hf_model)
         assert error < suite.tolerance, (read_gguf, error)
+
+
+def test_generation_ends_where_llama_cpp_ends_it(tmp_path):
+    """The tokens a GGUF file's generation ends at are llama.cpp's: the eos id the file names, its eot id where it names
+    one, and every token of an end-of-turn text (the default model's ``<|im_end|>`` is its eos id; its
+    ``<|endoftext|>`` ends generation too)."""
+    import json
+
+    assert load_model(DEFAULT_MODEL, torch.float32, read_gguf=True).eos_token_ids == [0, 2]
+    shape = {**GEMMA3_SHAPE, "tokenizer.ggml.eot_token_id": 7}
+
+    def tensors(add, vocab: int) -> None:
+        add("token_embd.weight", "F32", vocab, shape["embedding_length"])
+
+    path = fixed_file(
+        tmp_path, "tiny-eot", lambda out, template: write_tiny_gguf(out, template, "gemma3", shape, 4, tensors)
+    )
+    generation = json.loads((hf_model_dir(path) / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [0, 2, 7]

@@ -1,5 +1,6 @@
 """A GGUF file's model config completed where transformers' GGUF config mapping stops short, from what llama.cpp's
-converter writes into the file: without these, the model a file loads as is not the one it was converted from.
+converter writes into the file: without these, the model a file loads as is not the one it was converted from. And
+the tokens generation ends at, as llama.cpp takes them (``end_of_generation_ids``).
 
 - a mixture's expert width (``expert_feed_forward_length``; the mapping leaves the config class's default);
 - Llama 3's RoPE scaling, which the converter stores as per-pair divisors of the frequencies (the tensor
@@ -24,7 +25,25 @@ logger = logging.getLogger(__name__)
 
 # What ``complete_config`` adds, versioned: a converted folder in the cache carries the version it was made with, so
 # one made before a completion was added is made again.
-VERSION = 3
+VERSION = 4
+
+# Token texts llama.cpp ends generation at in any file, beside the eos, eot and eom ids the file names: the end of a
+# turn in the chat formats of Llama 3, ChatML (Qwen), Phi-3, Gemma, gpt-oss's harmony and others.
+END_OF_GENERATION_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+)
+END_OF_GENERATION_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 # Llama 3.1-3.3's RoPE scaling parameters beside the factor (Llama 3.1 and 3.3 scale by 8, 3.2 by 32).
 LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -45,6 +64,21 @@ def complete_config(config: Any, path: Path) -> None:
         _gemma3(config, metadata)
     elif arch == "phi3":
         _phi3(config, file)
+
+
+def end_of_generation_ids(tokenizer: Any, path: Path) -> list[int]:
+    """The token ids generation ends at for the GGUF file at ``path`` (``tokenizer`` its tokenizer), as llama.cpp's
+    end-of-generation set: the eos, eot and eom ids the file names, and every token whose text is in
+    ``END_OF_GENERATION_TEXTS``. A file names one eos id where the HF model's generation config lists the end of a chat
+    turn too (Gemma 3's ``<end_of_turn>``, Phi-3's ``<|end|>``): without it a chat reply would run on into the next
+    turn."""
+    from infer.model.gguf_file import GgufFile
+
+    metadata = GgufFile(path).metadata
+    ids = {int(metadata[key]) for key in END_OF_GENERATION_KEYS if key in metadata}
+    vocabulary = tokenizer.get_vocab()
+    ids.update(vocabulary[text] for text in END_OF_GENERATION_TEXTS if text in vocabulary)
+    return sorted(ids)
 
 
 def tensor_values(file: Any, name: str) -> np.ndarray:

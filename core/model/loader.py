@@ -29,7 +29,7 @@ from infer.host import cache_dir, cpu_flags, trim_heap
 from infer.model import CausalLM, ModelArchitecture
 from infer.model.architecture import UnsupportedModelError
 from infer.model.gguf_config import VERSION as GGUF_CONFIG_VERSION
-from infer.model.gguf_config import complete_config
+from infer.model.gguf_config import complete_config, end_of_generation_ids
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -233,7 +233,9 @@ def _convert_gguf(gguf: Path, destination: Path) -> None:
         state.pop("lm_head.weight", None)
     save_file(state, destination / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(destination)
-    hf_model.generation_config.save_pretrained(destination)
+    generation = hf_model.generation_config
+    generation.eos_token_id = end_of_generation_ids(tokenizer, gguf)
+    generation.save_pretrained(destination)
     tokenizer.save_pretrained(destination)
 
 
@@ -248,7 +250,9 @@ def _convert_gguf_config(gguf: Path, destination: Path) -> None:
         del config.quantization_config
     complete_config(config, gguf)
     config.save_pretrained(destination)
-    GenerationConfig.from_model_config(config).save_pretrained(destination)
+    generation = GenerationConfig.from_model_config(config)
+    generation.eos_token_id = end_of_generation_ids(tokenizer, gguf)
+    generation.save_pretrained(destination)
     tokenizer.save_pretrained(destination)
 
 
