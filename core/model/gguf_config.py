@@ -90,12 +90,16 @@ def llama3_divisors(theta: float, dim: int, parameters: Mapping[str, float]) -> 
     """What Llama 3's RoPE scaling divides each pair's frequency by (transformers' ``llama3`` rope type): 1 for the
     pairs that turn fast (wavelengths below the original context over ``high_freq_factor``), ``factor`` for the slow
     ones (above the context over ``low_freq_factor``), a blend between."""
-    inverse = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
-    wavelength = 2 * math.pi / inverse.astype(np.float64)
+    wavelength = 2 * math.pi / _inverse_frequencies(theta, dim)
     factor, low, high = parameters["factor"], parameters["low_freq_factor"], parameters["high_freq_factor"]
     original = parameters["original_max_position_embeddings"]
     smooth = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
     return 1.0 / ((1.0 - smooth) / factor + smooth)
+
+
+def _inverse_frequencies(theta: float, dim: int) -> np.ndarray:
+    """Each rotary pair's unscaled frequency, in float32 as transformers and llama.cpp's converter compute it."""
+    return (1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))).astype(np.float64)
 
 
 def _llama3_rope(config: Any, divisors: np.ndarray, name: str) -> None:
@@ -112,11 +116,10 @@ def _llama3_rope(config: Any, divisors: np.ndarray, name: str) -> None:
     candidates = [{"factor": factor, **LLAMA3_DEFAULTS}]
     blended = [index for index, divisor in enumerate(divisors) if 1.0 + 1e-6 < divisor < factor * (1 - 1e-6)]
     if len(blended) >= 2:  # smooth = original / wavelength - low with high = low + 1: two pairs give both
-        inverse = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
-        turns = inverse[blended].astype(np.float64) / (2 * math.pi)
+        turns = _inverse_frequencies(theta, dim)[blended] / (2 * math.pi)  # 1 / wavelength
         smooth = (1.0 / divisors[blended] - 1.0 / factor) / (1.0 - 1.0 / factor)
-        original, low = np.polyfit(turns, smooth, 1)
-        low = -low
+        original, intercept = np.polyfit(turns, smooth, 1)
+        low = -intercept
         candidates.append(
             {
                 "factor": factor,
