@@ -377,25 +377,28 @@ def test_a_moe_file_runs_its_experts_in_one_call_over_the_files_blocks(files, mo
         assert relative_error(got, exact) < 0.15
 
 
+def assert_file_gives_the_hf_logits(suite, tmp_path, stem: str, write) -> None:
+    """``suite``'s tiny HF model written as a GGUF file by ``write(folder, out, template)`` and read into a float model
+    through transformers' conversion and by infer itself: its logits are the HF model's within the suite's tolerance."""
+    import transformers
+
+    from infer.testing.model import save_tiny_model
+
+    folder = save_tiny_model(suite.hf_model_class, suite.tiny_config(), tmp_path / "hf")
+    path = fixed_file(tmp_path, stem, lambda out, template: write(folder, out, template))
+    hf_model = getattr(transformers, suite.hf_model_class).from_pretrained(folder, dtype=torch.float32).eval()
+    for read_gguf in (False, True):
+        model = load_model(path, torch.float32, max_positions=suite.max_model_len, read_gguf=read_gguf).model
+        error = suite.logit_errors(model, hf_model)
+        assert error < suite.tolerance, (read_gguf, error)
+
+
 def test_a_phi3_file_is_the_model_llama_cpp_converted_it_from(tmp_path):
     """A Phi-3 file (Phi-4-mini's RoPE: three quarters of each head rotated, LongRoPE, a sliding window) as llama.cpp
     writes it, read into a float model through transformers' conversion and by infer itself, gives the logits of the HF
     model it was written from: the rotated share, the window and LongRoPE's factors come from the file's metadata and
     its factor tensors."""
-    import transformers
-
-    from infer.testing.model import save_tiny_model
-
-    suite = test_model_families.TestPhi3()
-    folder = save_tiny_model(
-        test_model_families.TestPhi3.hf_model_class, test_model_families.TestPhi3.tiny_config(), tmp_path / "hf"
-    )
-    path = fixed_file(tmp_path, "tiny-phi3", lambda out, template: write_phi3_gguf(folder, out, template))
-    hf_model = transformers.Phi3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    for read_gguf in (False, True):
-        model = load_model(path, torch.float32, max_positions=suite.max_model_len, read_gguf=read_gguf).model
-        error = suite.logit_errors(model, hf_model)
-        assert error < suite.tolerance, (read_gguf, error)
+    assert_file_gives_the_hf_logits(test_model_families.TestPhi3(), tmp_path, "tiny-phi3", write_phi3_gguf)
 
 
 class Gemma3AsLlamaCppConverts(test_model_families.TestGemma3):
@@ -413,20 +416,9 @@ def test_a_gemma3_file_is_the_model_llama_cpp_converted_it_from(tmp_path):
     """A Gemma 3 file as llama.cpp writes it (norms as ``1 + w``; the global layers' linear RoPE scaling as metadata;
     no sliding base nor attention scale), read through transformers' conversion and by infer itself, gives the logits
     of the HF model it was written from."""
-    import transformers
-
-    from infer.testing.model import save_tiny_model
-
-    suite = Gemma3AsLlamaCppConverts()
-    folder = save_tiny_model(suite.hf_model_class, suite.tiny_config(), tmp_path / "hf")
-    path = fixed_file(
-        tmp_path, "tiny-gemma3-f32", lambda out, template: write_converted_gemma3_gguf(folder, out, template)
+    assert_file_gives_the_hf_logits(
+        Gemma3AsLlamaCppConverts(), tmp_path, "tiny-gemma3-f32", write_converted_gemma3_gguf
     )
-    hf_model = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    for read_gguf in (False, True):
-        model = load_model(path, torch.float32, max_positions=suite.max_model_len, read_gguf=read_gguf).model
-        error = suite.logit_errors(model, hf_model)
-        assert error < suite.tolerance, (read_gguf, error)
 
 
 def test_a_gemma3_27b_file_scales_its_attention_by_hidden_over_heads(tmp_path):
@@ -524,19 +516,8 @@ class Llama3Unpublished(Llama3Scaled):
 def test_a_llama3_file_is_the_model_llama_cpp_converted_it_from(tmp_path, suite_class):
     """A Llama 3 file as llama.cpp writes it (its RoPE scaling only as the divisors ``rope_freqs``), read through
     transformers' conversion and by infer itself, gives the logits of the HF model it was written from."""
-    import transformers
-
-    from infer.testing.model import save_tiny_model
-
-    suite = suite_class()
-    folder = save_tiny_model(suite.hf_model_class, suite.tiny_config(), tmp_path / "hf")
     stem = f"tiny-llama3-{suite_class.__name__.lower()}"
-    path = fixed_file(tmp_path, stem, lambda out, template: write_converted_llama_gguf(folder, out, template))
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    for read_gguf in (False, True):
-        model = load_model(path, torch.float32, max_positions=suite.max_model_len, read_gguf=read_gguf).model
-        error = suite.logit_errors(model, hf_model)
-        assert error < suite.tolerance, (read_gguf, error)
+    assert_file_gives_the_hf_logits(suite_class(), tmp_path, stem, write_converted_llama_gguf)
 
 
 def test_generation_ends_where_llama_cpp_ends_it(tmp_path):
