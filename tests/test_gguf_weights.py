@@ -537,3 +537,48 @@ def test_generation_ends_where_llama_cpp_ends_it(tmp_path):
     )
     generation = json.loads((hf_model_dir(path) / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [0, 2, 7]
+
+
+class Qwen3Yarn(test_model_families.TestQwen3):
+    """A tiny Qwen3 with YaRN scaling past an original context of 128 positions (Qwen's long-context setting)."""
+
+    config_fields = {
+        **test_model_families.TestQwen3.config_fields,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 1_000_000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+    }
+
+
+def write_converted_qwen3_gguf(folder: Path, path, template) -> None:
+    """The HF Qwen3 folder ``folder`` as llama.cpp's converter writes it (``Qwen2Model``'s YaRN: the scaling's type,
+    factor and original context as metadata), ``F32``."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    rope = config.rope_parameters
+    metadata = {
+        "context_length": config.max_position_embeddings,
+        "embedding_length": config.hidden_size,
+        "block_count": config.num_hidden_layers,
+        "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_attention_heads,
+        "attention.head_count_kv": config.num_key_value_heads,
+        "attention.key_length": config.head_dim,
+        "attention.value_length": config.head_dim,
+        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        "rope.freq_base": float(rope["rope_theta"]),
+        "rope.scaling.type": "yarn",
+        "rope.scaling.factor": float(rope["factor"]),
+        "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
+    }
+    write_converted_gguf(folder, path, template, "qwen3", metadata, "F32")
+
+
+def test_a_qwen3_yarn_file_is_the_model_llama_cpp_converted_it_from(tmp_path):
+    """A Qwen3 file with YaRN scaling as llama.cpp writes it (metadata only) gives the logits of the HF model it was
+    written from, its prompts past the original context."""
+    assert_file_gives_the_hf_logits(Qwen3Yarn(), tmp_path, "tiny-qwen3-yarn", write_converted_qwen3_gguf)

@@ -2,9 +2,11 @@
 converter writes into the file: without these, the model a file loads as is not the one it was converted from. And
 the tokens generation ends at, as llama.cpp takes them (``end_of_generation_ids``).
 
-- a mixture's expert width (``expert_feed_forward_length``; the mapping leaves the config class's default);
+- a mixture's expert width (``expert_feed_forward_length``) and a head's width (``attention.key_length``: the qwen3
+  mapping leaves Qwen3's default of 128), where the mapping leaves the config class's defaults;
 - Llama 3's RoPE scaling, which the converter stores as per-pair divisors of the frequencies (the tensor
-  ``rope_freqs``), put back as the ``llama3`` parameters that give those divisors;
+  ``rope_freqs``), put back as the ``llama3`` parameters that give those divisors; a Llama file's linear scaling and a
+  Qwen2 or Qwen3 file's YaRN, stored as metadata;
 - Gemma 3's linear RoPE scaling of the global layers (``rope.scaling.type``, ``rope.scaling.factor``), and its
   attention scale, which the file does not store;
 - Phi-3's rotated share of each head (``rope.dimension_count``), sliding window and LongRoPE (the tensors
@@ -25,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 # What ``complete_config`` adds, versioned: a converted folder in the cache carries the version it was made with, so
 # one made before a completion was added is made again.
-VERSION = 4
+VERSION = 5
 
 # Token texts llama.cpp ends generation at in any file, beside the eos, eot and eom ids the file names: the end of a
 # turn in the chat formats of Llama 3, ChatML (Qwen), Phi-3, Gemma, gpt-oss's harmony and others.
@@ -45,6 +47,11 @@ END_OF_GENERATION_TEXTS = (
 )
 END_OF_GENERATION_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
+# Architectures whose files may carry linear or YaRN RoPE scaling as metadata (``rope.scaling.type``, ``.factor``,
+# ``.original_context_length``): llama.cpp's converter writes a Llama checkpoint's linear scaling and a Qwen2 or Qwen3
+# checkpoint's YaRN (Qwen's long-context settings).
+SCALED_ROPE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+
 # Llama 3.1-3.3's RoPE scaling parameters beside the factor (Llama 3.1 and 3.3 scale by 8, 3.2 by 32).
 LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -58,8 +65,13 @@ def complete_config(config: Any, path: Path) -> None:
     expert_width = metadata.get(f"{arch}.expert_feed_forward_length")
     if expert_width is not None and hasattr(config, "moe_intermediate_size"):
         config.moe_intermediate_size = int(expert_width)
+    head_dim = metadata.get(f"{arch}.attention.key_length")
+    if head_dim is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(head_dim)  # qwen3's mapping leaves the class default (128)
     if arch == "llama" and "rope_freqs.weight" in file.tensors:
         _llama3_rope(config, tensor_values(file, "rope_freqs.weight"), path.name)
+    elif arch in SCALED_ROPE_ARCHITECTURES and metadata.get(f"{arch}.rope.scaling.type") in ("linear", "yarn"):
+        _scaled_rope(config, metadata, arch)
     elif arch == "gemma3":
         _gemma3(config, metadata)
     elif arch == "phi3":
@@ -133,6 +145,20 @@ def _llama3_rope(config: Any, divisors: np.ndarray, name: str) -> None:
             config.rope_parameters = {"rope_type": "llama3", "rope_theta": theta, **parameters}
             return
     logger.warning("%s: its rope_freqs are not Llama 3's RoPE scaling; its positions rotate unscaled", name)
+
+
+def _scaled_rope(config: Any, metadata: Mapping[str, object], arch: str) -> None:
+    """A file's linear or YaRN RoPE scaling from its metadata (YaRN's ramp and attention factor are transformers'
+    defaults for the factor and original context, as llama.cpp's)."""
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    parameters.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    parameters.update(
+        rope_type=metadata[f"{arch}.rope.scaling.type"], factor=float(metadata[f"{arch}.rope.scaling.factor"])
+    )
+    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if parameters["rope_type"] == "yarn" and original:
+        parameters["original_max_position_embeddings"] = int(original)
+    config.rope_parameters = parameters
 
 
 def _gemma3(config: Any, metadata: Mapping[str, object]) -> None:

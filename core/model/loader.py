@@ -219,15 +219,19 @@ def _gguf_parsed_once() -> Iterator[None]:
 
 def _convert_gguf(gguf: Path, destination: Path) -> None:
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     with _gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        complete_config(config, gguf)  # before the model is built: its shapes follow the completed config
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, config=config, dtype=torch.float32
+        )
     config = hf_model.config
     # The saved weights are dequantized, so the folder must not claim GGUF quantization.
-    del config.quantization_config
-    complete_config(config, gguf)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     state = {name: tensor.contiguous() for name, tensor in hf_model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
