@@ -170,6 +170,19 @@ def write_gemma3_gguf(path, template) -> None:
     write_tiny_gguf(path, template, "gemma3", GEMMA3_SHAPE, 2, tensors)
 
 
+def shape_metadata(config) -> dict:
+    """The metadata llama.cpp's converter writes for every architecture, from a HF config."""
+    return {
+        "context_length": config.max_position_embeddings,
+        "embedding_length": config.hidden_size,
+        "block_count": config.num_hidden_layers,
+        "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_attention_heads,
+        "attention.head_count_kv": config.num_key_value_heads,
+        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+    }
+
+
 def write_converted_gguf(folder: Path, path, template, arch: str, metadata: dict, kind: str, extra=None) -> None:
     """The HF folder ``folder`` written as a GGUF file of ``arch`` as llama.cpp's converter writes it: each tensor
     under the gguf package's name for it, every matrix as ``kind`` (``F32``: the folder's values exactly), Gemma's norm
@@ -220,16 +233,10 @@ def write_phi3_gguf(folder: Path, path, template, kind: str = "F32") -> None:
     original = rope["original_max_position_embeddings"]
     scale = config.max_position_embeddings / original
     metadata = {
-        "context_length": config.max_position_embeddings,
+        **shape_metadata(config),
         "rope.scaling.original_context_length": original,
-        "embedding_length": config.hidden_size,
-        "feed_forward_length": config.intermediate_size,
-        "block_count": config.num_hidden_layers,
-        "attention.head_count": config.num_attention_heads,
-        "attention.head_count_kv": config.num_key_value_heads,
         "rope.dimension_count": int(rope["partial_rotary_factor"] * head_dim),
         "attention.sliding_window": config.sliding_window or 0,
-        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
         "rope.freq_base": float(rope["rope_theta"]),
         "rope.scaling.attn_factor": math.sqrt(1 + math.log(scale) / math.log(original)),
     }
@@ -250,17 +257,11 @@ def write_converted_gemma3_gguf(folder: Path, path, template) -> None:
     config = AutoConfig.from_pretrained(folder)
     full = config.rope_parameters["full_attention"]
     metadata = {
-        "context_length": config.max_position_embeddings,
-        "embedding_length": config.hidden_size,
-        "block_count": config.num_hidden_layers,
-        "feed_forward_length": config.intermediate_size,
-        "attention.head_count": config.num_attention_heads,
-        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        **shape_metadata(config),
         "attention.key_length": config.head_dim,
         "attention.value_length": config.head_dim,
         "rope.freq_base": float(full["rope_theta"]),
         "attention.sliding_window": config.sliding_window,
-        "attention.head_count_kv": config.num_key_value_heads,
     }
     if full.get("rope_type") == "linear":
         metadata.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(full["factor"])})
@@ -447,14 +448,8 @@ def write_converted_llama_gguf(folder: Path, path, template) -> None:
     config = AutoConfig.from_pretrained(folder)
     rope = config.rope_parameters
     metadata = {
-        "context_length": config.max_position_embeddings,
-        "embedding_length": config.hidden_size,
-        "block_count": config.num_hidden_layers,
-        "feed_forward_length": config.intermediate_size,
+        **shape_metadata(config),
         "rope.dimension_count": config.head_dim,
-        "attention.head_count": config.num_attention_heads,
-        "attention.head_count_kv": config.num_key_value_heads,
-        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
         "rope.freq_base": float(rope["rope_theta"]),
     }
 
@@ -561,15 +556,9 @@ def write_converted_qwen3_gguf(folder: Path, path, template) -> None:
     config = AutoConfig.from_pretrained(folder)
     rope = config.rope_parameters
     metadata = {
-        "context_length": config.max_position_embeddings,
-        "embedding_length": config.hidden_size,
-        "block_count": config.num_hidden_layers,
-        "feed_forward_length": config.intermediate_size,
-        "attention.head_count": config.num_attention_heads,
-        "attention.head_count_kv": config.num_key_value_heads,
+        **shape_metadata(config),
         "attention.key_length": config.head_dim,
         "attention.value_length": config.head_dim,
-        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
         "rope.freq_base": float(rope["rope_theta"]),
         "rope.scaling.type": "yarn",
         "rope.scaling.factor": float(rope["factor"]),
