@@ -58,9 +58,9 @@ LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_ma
 
 def complete_config(config: Any, path: Path) -> None:
     """Complete ``config`` (transformers' config of the GGUF file at ``path``) in place."""
-    from infer.model.gguf_file import GgufFile
+    from infer.model.gguf_blocks import gguf_header
 
-    file = GgufFile(path)
+    file = gguf_header(path)
     metadata, arch = file.metadata, file.architecture
     expert_width = metadata.get(f"{arch}.expert_feed_forward_length")
     if expert_width is not None and hasattr(config, "moe_intermediate_size"):
@@ -84,9 +84,9 @@ def end_of_generation_ids(tokenizer: Any, path: Path) -> list[int]:
     ``END_OF_GENERATION_TEXTS``. A file names one eos id where the HF model's generation config lists the end of a chat
     turn too (Gemma 3's ``<end_of_turn>``, Phi-3's ``<|end|>``): without it a chat reply would run on into the next
     turn."""
-    from infer.model.gguf_file import GgufFile
+    from infer.model.gguf_blocks import gguf_header
 
-    metadata = GgufFile(path).metadata
+    metadata = gguf_header(path).metadata
     ids = {int(metadata[key]) for key in END_OF_GENERATION_KEYS if key in metadata}
     vocabulary = tokenizer.get_vocab()
     ids.update(vocabulary[text] for text in END_OF_GENERATION_TEXTS if text in vocabulary)
