@@ -118,9 +118,9 @@ def _llama3_rope(config: Any, divisors: np.ndarray, name: str) -> None:
     """The ``llama3`` RoPE parameters whose divisors are the file's: Llama 3's published ones with the file's factor
     (its largest divisor), else the ones its blended pairs solve for; none found (a file of another scaling), the
     positions rotate unscaled, with a warning."""
-    theta = float(
-        (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", 1e4))
-    )
+    from infer.model.rotary import rope_parameters
+
+    theta = float(rope_parameters(config)["rope_theta"])
     dim = 2 * len(divisors)
     factor = float(divisors.max())
     if factor <= 1.0:
