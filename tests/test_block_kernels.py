@@ -1,7 +1,7 @@
-"""The block GEMV (``csrc/gemv_blocks.c``, ``csrc/gemv_kquants.c``) over GGUF's ``Q4_0``, ``Q4_1`` and ``Q8_0`` blocks
-and ``Q4_K``/``Q6_K`` super-blocks: its repacking keeps gguf's weights bit for bit, its sums are float64's over the
-dequantized blocks and the int8 activations it computes with, on odd shapes, and every SIMD build agrees with the
-portable C (and, for the K-quants, with float64)."""
+"""The block GEMV (``csrc/gemv_blocks.c``, ``csrc/gemv_kquants.c``) over GGUF's ``Q4_0``, ``Q4_1``, ``Q8_0`` and
+``MXFP4`` blocks and ``Q4_K``/``Q6_K`` super-blocks: its repacking keeps gguf's weights bit for bit, its sums are
+float64's over the dequantized blocks and the int8 activations it computes with, on odd shapes, and every SIMD build
+agrees with the portable C (and, for the K-quants, with float64)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ from infer.kernels.cpu.blocks import (
 )
 from infer.testing.kquants import QUANTIZERS
 
-KINDS = ["q4_0", "q4_1", "q8_0"]
+KINDS = ["q4_0", "q4_1", "q8_0"]  # the kinds infer quantizes float weights to
+# The block GEMV's kinds of 32: MXFP4's blocks come from a checkpoint (gguf's quantizer makes them here).
+GEMV_KINDS = [*KINDS, "mxfp4"]
 # k a multiple of 32 but not of 256 (Q4_K's super-blocks), and the model's; n odd, below and above a group of four.
 SHAPES = [(13, 96), (1, 288), (67, 576), (4, 1536)]
 # One to eight super-blocks a row; n odd, below and above a pass of rows.
@@ -68,12 +70,13 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (amax / 127.0).double()).view_as(x)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", GEMV_KINDS)
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 def test_pack_blocks_keeps_gguf_weights_bit_for_bit(kind, out_features, in_features):
     raw, expected = gguf_tensor(kind, out_features, in_features)
     packed = pack_blocks(raw, kind, out_features)
-    assert packed.data.shape == (-(-out_features // 4), in_features // 32, {"q4_0": 72, "q4_1": 80, "q8_0": 136}[kind])
+    record = {"q4_0": 72, "q4_1": 80, "q8_0": 136, "mxfp4": 68}[kind]
+    assert packed.data.shape == (-(-out_features // 4), in_features // 32, record)
     assert (packed.out_features, packed.in_features) == (out_features, in_features)
     assert torch.equal(dequantize_blocks(packed), expected)
 
@@ -121,7 +124,7 @@ def test_quantize_blocks_is_llama_cpps_quantizer(kernels, portable_kernels, kind
     assert torch.equal(kernels.quantize_blocks(weight, kind).data, expected)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", GEMV_KINDS)
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_block_gemv_is_float64_over_the_blocks_and_the_int8_activations(kernels, kind, out_features, in_features, bias):
@@ -272,7 +275,7 @@ def test_each_simd_build_of_the_block_gemv_matches_the_portable_c(build, portabl
         pytest.skip(f"this CPU lacks {', '.join(sorted(missing))} for the {build} block GEMV")
     built = kernel_build([*flags, *without_amx()])
     assert built.simd == build.removesuffix("_vnni")
-    for kind in KINDS:
+    for kind in GEMV_KINDS:
         raw, _ = gguf_tensor(kind, 67, 288, seed=2)
         packed = pack_blocks(raw, kind, 67)
         for rows in (1, 2, 3, 4, 5, 8, 9, 17, 70):  # 70: two sweeps of 64 rows

@@ -61,7 +61,7 @@ def test_short_names_and_gguf_resolve():
     assert resolve_quantization("q4", "float32", torch.float32, CPU) == "q4_1"
     assert resolve_quantization("q8", "auto", torch.float32, CPU) == "q8_0"
     assert resolve_quantization("gguf", "auto", torch.float32, CPU) == "gguf"
-    assert set(BLOCK_MODES) == {"q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "k_mixed"}
+    assert set(BLOCK_MODES) == {"q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "k_mixed", "mxfp4"}
     with pytest.raises(ValueError, match="unknown model.quantization"):
         resolve_quantization("q4_k", "auto", torch.float32, CPU)  # K-quants come from a GGUF file only
 

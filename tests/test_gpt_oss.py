@@ -174,12 +174,16 @@ def test_yarn_with_its_ramp_truncated_fails_the_suite(tmp_path):
 # -- MXFP4 experts -----------------------------------------------------------------------------------------------------
 
 
-def random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP4 ``blocks`` ``[*shape[:-1], shape[-1] // 32, 16]`` and ``scales`` of random values (scales 2^-8..2^2)."""
+def random_mxfp4(
+    shape: tuple[int, ...], seed: int, exponents: tuple[int, int] = (-8, 2)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 ``blocks`` ``[*shape[:-1], shape[-1] // 32, 16]`` and ``scales`` of random values (scales 2^-8..2^2, or
+    the powers of two between ``exponents``)."""
     generator = torch.Generator().manual_seed(seed)
     groups = shape[-1] // 32
     blocks = torch.randint(0, 256, (*shape[:-1], groups, 16), generator=generator, dtype=torch.uint8)
-    scales = torch.randint(119, 130, (*shape[:-1], groups), generator=generator, dtype=torch.uint8)
+    low, high = exponents
+    scales = torch.randint(127 + low, 128 + high, (*shape[:-1], groups), generator=generator, dtype=torch.uint8)
     return blocks, scales
 
 
@@ -195,18 +199,16 @@ def test_mxfp4_dequantization_equals_transformers():
     assert torch.equal(dequantize_mxfp4(blocks, scales).float(), ours)  # bfloat16 holds every MXFP4 value
 
 
-def test_a_checkpoint_with_mxfp4_experts_loads_as_its_dequantized_weights(tmp_path):
-    """OpenAI's checkpoints' layout (``_blocks`` and ``_scales`` per projection, ``quantization_config`` mxfp4) loads
-    the same model as the float checkpoint holding transformers' dequantization of those weights."""
+def save_mxfp4_checkpoints(tmp_path: Path, exponents: tuple[int, int] = (-8, 2)) -> tuple[Path, Path]:
+    """The 8-expert suite's model with random MXFP4 experts in OpenAI's checkpoints' layout (``_blocks`` and
+    ``_scales`` per projection, ``quantization_config`` mxfp4; scales between the powers of two ``exponents``), and
+    the float checkpoint holding transformers' dequantization of those weights: their folders."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from infer.model.loader import load_model
-
-    suite = TestGptOss8Experts()
     float_dir = save_gpt_oss(TestGptOss8Experts, tmp_path / "float")
     mxfp4_dir = save_gpt_oss(TestGptOss8Experts, tmp_path / "mxfp4")
-    config = suite.tiny_config()
+    config = TestGptOss8Experts.tiny_config()
     experts, hidden, width = config.num_local_experts, config.hidden_size, config.intermediate_size
     float_tensors = load_file(float_dir / "model.safetensors")
     mxfp4_tensors = load_file(mxfp4_dir / "model.safetensors")
@@ -215,7 +217,7 @@ def test_a_checkpoint_with_mxfp4_experts_loads_as_its_dequantized_weights(tmp_pa
         for seed, (projection, out_features, in_features) in enumerate(
             (("gate_up_proj", 2 * width, hidden), ("down_proj", hidden, width))
         ):
-            blocks, scales = random_mxfp4((experts, out_features, in_features), seed=10 * layer + seed)
+            blocks, scales = random_mxfp4((experts, out_features, in_features), 10 * layer + seed, exponents)
             float_tensors[prefix + projection] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
             del mxfp4_tensors[prefix + projection]
             mxfp4_tensors[prefix + projection + "_blocks"] = blocks
@@ -226,12 +228,87 @@ def test_a_checkpoint_with_mxfp4_experts_loads_as_its_dequantized_weights(tmp_pa
     saved = json.loads(config_file.read_text())
     saved["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     config_file.write_text(json.dumps(saved))
+    return float_dir, mxfp4_dir
 
+
+def test_a_checkpoint_with_mxfp4_experts_loads_as_its_dequantized_weights(tmp_path):
+    """An MXFP4 checkpoint read into a float model is the float checkpoint of transformers' dequantization."""
+    from infer.model.loader import load_model
+
+    float_dir, mxfp4_dir = save_mxfp4_checkpoints(tmp_path)
     dequantized = load_model(str(float_dir), torch.float32, architecture="gpt_oss").model.state_dict()
     loaded = load_model(str(mxfp4_dir), torch.float32, architecture="gpt_oss").model.state_dict()
     assert dequantized.keys() == loaded.keys()
     for name, tensor in dequantized.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+def test_mxfp4_experts_kept_as_blocks_are_the_checkpoints_and_stay_close_to_hf(tmp_path):
+    """A load that keeps a checkpoint's blocks (the engine's under ``model.quantization: auto``) packs each MXFP4
+    expert as the block kernels' ``mxfp4`` weight, never dequantized, whose values are transformers'; the experts run in
+    the one C call, and the model's logits stay within the packed tolerance of HF's float model under the float32
+    model's expert choices (int8 activations, as llama.cpp's MXFP4 dot products, and bf16 attention)."""
+    import transformers
+
+    from infer.kernels import cpu as cpu_kernels
+    from infer.kernels.cpu.blocks import dequantize_blocks
+    from infer.model.loader import load_model
+    from infer.model.quantization import PackedLinear, quantize_model
+    from infer.testing.moe import record_routing, replay_routing
+
+    if cpu_kernels.load("auto") is None:
+        pytest.skip("infer's CPU kernels do not build here")
+    suite = TestGptOss8Experts()
+    # weights of up to 6 / 8 (a trained model's are smaller still): larger ones make this tiny model's logits swing
+    # by more than the tolerance under bf16 attention alone
+    float_dir, mxfp4_dir = save_mxfp4_checkpoints(tmp_path, exponents=(-7, -3))
+    reference = load_model(str(float_dir), torch.float32, max_positions=suite.max_model_len).model
+    read = []
+    model = load_model(
+        str(mxfp4_dir),
+        torch.float32,
+        max_positions=suite.max_model_len,
+        prepare_layer=read.append,
+        keep_checkpoint_blocks=True,
+    ).model
+    assert len(read) == len(model.layers)
+    for ours, theirs in zip(model.layers, reference.layers):
+        for expert, float_expert in zip(ours.mlp.experts, theirs.mlp.experts):
+            for name in ("gate_up_proj", "down_proj"):
+                packed, linear = getattr(expert, name), getattr(float_expert, name)
+                assert isinstance(packed, PackedLinear) and packed.blocks.kind == "mxfp4"
+                assert torch.equal(dequantize_blocks(packed.blocks), linear.weight)
+                assert torch.equal(packed.bias, linear.bias)
+    model = quantize_model(model, "bf16")
+    hf_model = transformers.GptOssForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    choices = record_routing(reference)
+    suite.logit_errors(reference, hf_model, "cpu", kernels=True)
+    replay_routing(model, choices)
+    error = suite.logit_errors(model, hf_model, "cpu", kernels=True)
+    assert error < suite.packed_tolerance, error
+    assert all(layer.mlp.packed.blocks == ("mxfp4", "mxfp4") for layer in model.layers)
+
+
+def test_the_engine_keeps_mxfp4_experts_under_auto_and_dequantizes_them_for_a_named_mode(tmp_path):
+    from infer.model.quantization import PackedLinear
+
+    _, mxfp4_dir = save_mxfp4_checkpoints(tmp_path, exponents=(-7, -3))
+    suite = TestGptOss8Experts()
+    prompts = [list(range(100, 120)), list(range(300, 305))]
+    for quantization, kind in (("auto", "mxfp4"), ("fp16", None)):
+        llm = suite.engine(
+            mxfp4_dir, model__dtype="auto", model__quantization=quantization, execution__fused_max_tokens=8
+        )
+        experts = [
+            projection
+            for layer in llm.engine.model.layers
+            for expert in layer.mlp.experts
+            for projection in (expert.gate_up_proj, expert.down_proj)
+        ]
+        assert all(isinstance(projection, PackedLinear) for projection in experts)
+        assert {getattr(projection.blocks, "kind", None) for projection in experts} == {kind}, quantization
+        tokens = suite.engine_greedy(llm, prompts)
+        assert [len(output) for output in tokens] == [suite.max_tokens] * 2
 
 
 def test_mxfp4_blocks_without_their_scales_are_refused_naming_them(tmp_path):

@@ -146,8 +146,8 @@ def packed_moe(mode: str, num_experts: int = 8, top_k: int = 2, hidden: int = 64
     from infer.model.quantization import BLOCK_MODES, quantize_linears
     from infer.model.spec import ExpertsSpec
 
-    kinds = mode.split("/") if "/" in mode else None
-    if kinds:
+    kinds = mode.split("/") if "/" in mode else [mode, mode] if mode == "mxfp4" else None
+    if "/" in mode:
         hidden = width = 256  # a K-quant super-block of 256 columns, in and out
     experts = ExpertsSpec(num_experts, top_k, width, frozenset({0}), True, **kind)
     spec = SimpleNamespace(hidden_size=hidden, experts=experts)
@@ -159,17 +159,24 @@ def packed_moe(mode: str, num_experts: int = 8, top_k: int = 2, hidden: int = 64
     moe = MoE(spec, torch.float32)
     moe.load_state_dict(reference.state_dict())
     if kinds:
-        from infer.kernels.cpu.blocks import pack_kquants, quantize_blocks
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        from infer.kernels.cpu.blocks import pack_blocks, quantize_blocks
         from infer.testing.kquants import QUANTIZERS
 
         blocks = {}
         for index, expert in enumerate(reference.experts):
             for name, block_kind in zip(("gate_up_proj", "down_proj"), kinds, strict=True):
                 weight = getattr(expert, name).weight.detach()
+                if block_kind in QUANTIZERS:  # K-quants: infer.testing's quantizer
+                    raw = QUANTIZERS[block_kind](weight.numpy())
+                elif block_kind == "mxfp4":  # a checkpoint's kind: gguf's quantizer
+                    raw = quantize(weight.numpy(), GGMLQuantizationType.MXFP4)
+                else:
+                    raw = None
                 blocks[f"experts.{index}.{name}"] = (
-                    pack_kquants(QUANTIZERS[block_kind](weight.numpy()), block_kind, weight.shape[0])
-                    if block_kind in QUANTIZERS
-                    else quantize_blocks(weight, block_kind)
+                    quantize_blocks(weight, block_kind) if raw is None else pack_blocks(raw, block_kind, len(weight))
                 )
         quantize_linears(moe, "q8_0", blocks=blocks)  # every expert projection given; the router is not a Linear
         mode = kinds[0]
@@ -409,7 +416,7 @@ def block_expert_reference(reference, x, routing):
 
 # Block kinds of the experts' gate_up and down: GGUF's blocks of 32 (one kind for both), a Q4_K_M file's K-quants
 # (gate/up Q4_K, down Q4_K or Q6_K), and kinds of both families in one expert.
-EXPERT_BLOCKS = ["q4_0", "q4_1", "q8_0", "q4_k/q4_k", "q4_k/q6_k", "q6_k/q4_k", "q4_0/q6_k", "q6_k/q8_0"]
+EXPERT_BLOCKS = ["q4_0", "q4_1", "q8_0", "mxfp4", "q4_k/q4_k", "q4_k/q6_k", "q6_k/q4_k", "q4_0/q6_k", "q6_k/q8_0"]
 
 
 @pytest.mark.parametrize("kind", [{}, GPT_OSS_EXPERTS], ids=["swiglu", "gpt_oss"])

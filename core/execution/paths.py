@@ -508,7 +508,15 @@ def load_for_stack(config, registry, device: torch.device, dtype: torch.dtype, s
         prepare_layer=layer_preparer(quantization, shard_layer),
         bf16_weights=packs_as_read(quantization),  # packing reads bf16 matrices as they are
         keep_gguf_blocks=quantization == "gguf" and shard_layer is None,  # ranks shard float layers first
+        keep_checkpoint_blocks=keeps_checkpoint_blocks(config, quantization, shard_layer is not None),
     )
+
+
+def keeps_checkpoint_blocks(config, quantization: str, sharded: bool) -> bool:
+    """Whether a load keeps the blocks a safetensors checkpoint stores (gpt-oss's MXFP4 experts: 4.25 bits a weight
+    on the block kernels, where bf16 takes 16) as they are: under ``model.quantization: auto`` where it packs the
+    model, on one rank. A mode named explicitly dequantizes them and packs them as it says."""
+    return config.model.quantization == "auto" and packs_as_read(quantization) and not sharded
 
 
 def warn_if_memory_is_short(path: str, quantization: str, dtype: torch.dtype) -> None:

@@ -350,9 +350,10 @@ class CausalLM(nn.Module):
         state_dict: Mapping[str, torch.Tensor],
         prepare_layer: Callable[[nn.Module], object] | None = None,
         bf16_weights: bool = False,
+        keep_blocks: bool = False,
     ) -> None:
         """Copy HF-named weights (``model.layers.N.self_attn.q_proj.weight``, ..., ``lm_head.weight``) into the fused
         layout, as the family's weight-name map says (``infer.model.hf_weights``); ``prepare_layer`` gets each layer
-        once it is filled, and ``bf16_weights`` keeps a bf16 checkpoint's matrices in bf16
-        (``infer.model.hf_weights.load_hf_state_dict``)."""
-        load_hf_state_dict(self, state_dict, self.weight_map, prepare_layer, bf16_weights)
+        once it is filled, ``bf16_weights`` keeps a bf16 checkpoint's matrices in bf16 and ``keep_blocks`` the
+        weights it stores as the block kernels' blocks (``infer.model.hf_weights.load_hf_state_dict``)."""
+        load_hf_state_dict(self, state_dict, self.weight_map, prepare_layer, bf16_weights, keep_blocks)

@@ -4,10 +4,13 @@ are converted; every model family's is one, ``infer.model.architecture.ModelArch
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from infer.kernels.cpu.blocks import BlockWeight
 
 # Our fused parameters and the HF tensors they concatenate, in order (rows of the fused weight).
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -60,6 +63,7 @@ def load_hf_state_dict(
     weight_map: type[WeightMap] = WeightMap,
     prepare_layer: Callable[[nn.Module], object] | None = None,
     bf16_weights: bool = False,
+    keep_blocks: bool = False,
 ) -> None:
     """Copy HF-named weights into ``model``'s parameters as ``weight_map`` says (concatenating what our layout fuses),
     converting dtype and device. Raises ``ValueError`` naming any missing or unexpected tensors.
@@ -70,11 +74,16 @@ def load_hf_state_dict(
     ``bf16_weights``: a bf16 checkpoint's matrices, every linear layer's weight and the vocabulary tables, are held as
     its bf16 tensors, never widened to float32 (2.5 GB apiece for the Qwen3-8B shape's table and untied head), for a
     model packed before it runs: packing reads them as they are (``infer.model.quantization``), and holds the tables
-    so (``narrow_float_tables``). Other parameters (norms, biases, a router) are float32 as the model was built."""
+    so (``narrow_float_tables``). Other parameters (norms, biases, a router) are float32 as the model was built.
+    ``keep_blocks``: a linear layer whose weight the checkpoint stores as blocks the kernels read (a source with
+    ``block_weight``, ``BlockSource``: gpt-oss's MXFP4 experts) becomes a ``PackedLinear`` of those blocks before its
+    layer is prepared, its weight never read into floats."""
     # A source whose every lookup is a new tensor (``GgufTensors``) lends it to the parameter instead of a copy: the
     # load then holds one float copy of a tensor at a time, not two (1.2 GB apiece for a 2,048-wide vocabulary table).
     lends = bool(getattr(state_dict, "fresh_tensors", False))
     state_dict = weight_map.checkpoint_tensors(state_dict)
+    block_weight = getattr(state_dict, "block_weight", None) if keep_blocks else None
+    kept: dict[str, BlockWeight] = {}  # linear layers (module names) of the current layer kept as blocks
     used: set[str] = set()
     missing: list[str] = []
     # Names, not parameters: a reference to each would keep alive the float weights a prepared layer let go.
@@ -82,23 +91,54 @@ def load_hf_state_dict(
     layer: int | None = None
     for name in names:
         index = _layer_index(name)
-        if prepare_layer is not None and layer is not None and index != layer:
-            prepare_layer(model.layers[layer])
+        if layer is not None and index != layer:
+            _pack_kept(model, kept)
+            if prepare_layer is not None:
+                prepare_layer(model.layers[layer])
         layer = index
         sources = weight_map.hf_names(name)
-        if all(source in state_dict for source in sources):
+        blocks = block_weight(sources[0]) if block_weight is not None and len(sources) == 1 else None
+        if blocks is not None and _is_linear_weight(model, name):
+            kept[name.removesuffix(".weight")] = blocks
+            used.update(sources)
+        elif all(source in state_dict for source in sources):
             parts = [state_dict[source] for source in sources]
             if not (bf16_weights and _hold_bf16(model, name, parts, weight_map)):
                 _fill(model.get_parameter(name), name, parts, weight_map, lends)
             used.update(sources)
         else:
             missing.extend(source for source in sources if source not in state_dict)
+    _pack_kept(model, kept)
     if prepare_layer is not None and layer is not None:
         prepare_layer(model.layers[layer])
     tied = bool(getattr(model, "tie_word_embeddings", False))
     unexpected = [name for name in state_dict if name not in used and not _is_ignorable(name, tied)]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit the model config: missing {missing}, unexpected {unexpected}")
+
+
+class BlockSource(Protocol):
+    """A checkpoint source that gives some tensors as the block kernels' weights too (``load_hf_state_dict``'s
+    ``keep_blocks``): ``block_weight(hf_name)`` is the tensor's blocks, or None where it is not stored as blocks."""
+
+    def block_weight(self, hf_name: str) -> BlockWeight | None: ...
+
+
+def _is_linear_weight(model: nn.Module, name: str) -> bool:
+    owner, _, attribute = name.rpartition(".")
+    return attribute == "weight" and isinstance(model.get_submodule(owner), nn.Linear)
+
+
+def _pack_kept(model: nn.Module, kept: dict[str, BlockWeight]) -> None:
+    """Replace each linear layer named in ``kept`` by a ``PackedLinear`` of its blocks (its bias as loaded), and empty
+    ``kept``."""
+    from infer.model.quantization import PackedLinear
+
+    for module_name, blocks in kept.items():
+        parent, _, child = module_name.rpartition(".")
+        owner = model.get_submodule(parent)
+        setattr(owner, child, PackedLinear(getattr(owner, child), blocks.kind, blocks=blocks))
+    kept.clear()
 
 
 def _layer_index(name: str) -> int | None:

@@ -272,6 +272,7 @@ def load_model(
     bf16_weights: bool = False,
     keep_gguf_blocks: bool = False,
     read_gguf: bool = False,
+    keep_checkpoint_blocks: bool = False,
 ) -> LoadedModel:
     """Load a model path (alias, HF folder or GGUF file) into infer's ``CausalLM``, built by the model family that
     serves it (``choose_architecture``), with its tokenizer.
@@ -285,7 +286,9 @@ def load_model(
     time (``GgufTensors``) and each layer's projections are packed as the file's blocks as soon as it is read, before
     ``prepare_layer``, never dequantized. ``read_gguf`` reads such a file so for a float model too; otherwise a float
     model of a GGUF file is read from transformers' conversion (``hf_checkpoint_dir``: converted once, then read much
-    faster than the gguf package dequantizes).
+    faster than the gguf package dequantizes). ``keep_checkpoint_blocks``: a safetensors checkpoint's weights that its
+    family reads as the block kernels' blocks (gpt-oss's MXFP4 experts) are packed so as they are read, never
+    dequantized (``infer.model.hf_weights.load_hf_state_dict``'s ``keep_blocks``).
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -323,7 +326,7 @@ def load_model(
         model.load_hf_state_dict(tensors, prepare_layer, bf16_weights)
         warn_dequantized(resolved, others, GGUF_OTHERS)
     else:
-        model.load_hf_state_dict(read_safetensors(model_dir), prepare_layer, bf16_weights)
+        model.load_hf_state_dict(read_safetensors(model_dir), prepare_layer, bf16_weights, keep_checkpoint_blocks)
     name = path.lower() if path.lower() in ALIASES else Path(path).name
     return LoadedModel(model.eval(), tokenizer, hf_config, eos_token_ids(model_dir, hf_config, tokenizer), name)
 

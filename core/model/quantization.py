@@ -64,8 +64,8 @@ from infer.model import Linear
 
 QUANTIZATIONS = ("none", "fp16", "bf16", "int8", "int8_per_row", "w8a8", "q4_0", "q4_1", "q8_0", "gguf")
 # GGUF's block kinds (``PackedLinear`` modes, run on the block kernels; the K-quant ones only as a GGUF file stores
-# them), and the config's short names for two of them.
-BLOCK_MODES = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "k_mixed")
+# them, MXFP4 as a checkpoint does), and the config's short names for two of them.
+BLOCK_MODES = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "k_mixed", "mxfp4")
 BLOCK_ALIASES = {"q4": "q4_1", "q8": "q8_0"}
 # What ``gguf`` packs weights its file does not give as blocks in: the projections it stores otherwise, and a
 # drafter's own weights (an EAGLE head, a draft model).
@@ -378,7 +378,8 @@ class PackedLinear(nn.Module):
         large step's between them, ``StepOps.gemm_dtype``), else float32."""
         if self.kernels is None:
             return torch.nn.functional.linear(x.float(), dequantize_blocks(self.blocks), self.bias).to(x.dtype)
-        if x.shape[0] >= DENSE_BLOCK_ROWS and self.kernels.block_gemm == "amx-bf16" and bf16_gemm_available():
+        dense = self.blocks.kind != "mxfp4"  # (its blocks are not among the AMX design's: the GEMV for any rows)
+        if dense and x.shape[0] >= DENSE_BLOCK_ROWS and self.kernels.block_gemm == "amx-bf16" and bf16_gemm_available():
             size = self.blocks.out_features * self.blocks.in_features
             weight = self.kernels.dequantize_blocks_bf16(self.blocks, dense_buffer(size))
             out = torch.nn.functional.linear(x.to(torch.bfloat16), weight).to(x.dtype)

@@ -10,7 +10,9 @@ from the left, gate and up interleaved: gate the even columns, up the odd ones),
 ``[experts, width, hidden]`` and their ``_bias`` tensors. ``split_experts`` presents them as one expert's
 ``[out, in]`` weights with gate's rows first, converted when the loader reads each one. OpenAI's released checkpoints
 store the expert weights in MXFP4 (``_blocks``: two 4-bit e2m1 values a byte; ``_scales``: a power of two for each
-32 values); those are dequantized to bfloat16 as each expert is read, exactly (every MXFP4 value is a bfloat16)."""
+32 values); those are dequantized to bfloat16 as each expert is read, exactly (every MXFP4 value is a bfloat16), or,
+where the load keeps blocks (``model.quantization: auto``), given as the block kernels' ``mxfp4`` weights
+(``ExpertTensors.block_weight``), never dequantized."""
 
 from __future__ import annotations
 
@@ -21,11 +23,10 @@ from typing import Any
 import torch
 
 from infer.attention import LayerAttention
+from infer.kernels.cpu.blocks import E8M0_BIAS, FP4_VALUES, BlockWeight, mxfp4_gguf_blocks, pack_blocks
 from infer.model import DecoderSpec, ModelArchitecture
 from infer.model.spec import ExpertsSpec
 
-# The 16 values of a 4-bit e2m1 number (sign, 2 exponent bits, 1 mantissa bit), by its bits.
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 EXPERTS = "mlp.experts."
 
 
@@ -69,7 +70,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     first), ``scales`` ``[..., groups]`` uint8 (each group's power of two, biased by 127); ``[..., groups * 32]``."""
     table = torch.tensor(FP4_VALUES, dtype=torch.float32)
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [..., groups, 32]
-    exponents = scales.to(torch.int32).unsqueeze(-1) - 127
+    exponents = scales.to(torch.int32).unsqueeze(-1) - E8M0_BIAS
     return torch.ldexp(table[codes], exponents).flatten(-2).to(dtype)
 
 
@@ -81,10 +82,21 @@ def gate_first(tensor: torch.Tensor) -> torch.Tensor:
 class ExpertTensors(Mapping):
     """A checkpoint's tensors with each stacked expert tensor presented as one tensor per expert under the names
     ``hf_names`` gives infer's experts (``...mlp.experts.3.gate_up_proj.weight``); an expert's tensor is converted
-    when it is read, so loading holds one expert's converted weights at a time beside the model."""
+    when it is read, so loading holds one expert's converted weights at a time beside the model. An MXFP4 expert
+    weight is also given as its blocks (``block_weight``: ``infer.model.hf_weights.BlockSource``)."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor | Callable[[], torch.Tensor]]):
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor | Callable[[], torch.Tensor]],
+        blocks: Mapping[str, Callable[[], BlockWeight]] | None = None,
+    ):
         self.tensors = tensors
+        self.blocks = blocks or {}
+
+    def block_weight(self, name: str) -> BlockWeight | None:
+        """The weight ``name`` as the block kernels' ``mxfp4`` blocks, where the checkpoint stores it in MXFP4."""
+        make = self.blocks.get(name)
+        return None if make is None else make()
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tensor = self.tensors[name]
@@ -102,6 +114,7 @@ def split_experts(state_dict: Mapping[str, torch.Tensor]) -> ExpertTensors:
     presented per expert in infer's layout: ``[out, in]`` weights, gate's rows and bias entries before up's. MXFP4
     blocks without their scales are left as they are, so the load names them as unexpected."""
     tensors: dict[str, torch.Tensor | Callable[[], torch.Tensor]] = {}
+    blocks: dict[str, Callable[[], BlockWeight]] = {}
     for name, tensor in state_dict.items():
         prefix, found, kind = name.rpartition(EXPERTS)
         if found and kind.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in state_dict:
@@ -114,8 +127,21 @@ def split_experts(state_dict: Mapping[str, torch.Tensor]) -> ExpertTensors:
         projection = kind.removesuffix("_blocks").removesuffix("_bias")
         parameter = "bias" if kind.endswith("_bias") else "weight"
         for expert in range(tensor.shape[0]):
-            tensors[f"{prefix}{EXPERTS}{expert}.{projection}.{parameter}"] = partial(convert, expert)
-    return ExpertTensors(tensors)
+            expert_name = f"{prefix}{EXPERTS}{expert}.{projection}.{parameter}"
+            tensors[expert_name] = partial(convert, expert)
+            if scales is not None:
+                blocks[expert_name] = partial(mxfp4_expert, projection, tensor, scales, expert)
+    return ExpertTensors(tensors, blocks)
+
+
+def mxfp4_expert(projection: str, stacked: torch.Tensor, scales: torch.Tensor, expert: int) -> BlockWeight:
+    """One expert's MXFP4 ``projection`` (``gate_up_proj``: gate's rows first) as the block kernels' ``mxfp4`` weight,
+    from the checkpoint's stacked ``_blocks`` ``[experts, out, groups, 16]`` and ``_scales`` ``[experts, out,
+    groups]``: the blocks run along the input, so reordering rows moves whole blocks."""
+    rows, row_scales = stacked[expert], scales[expert]
+    if projection == "gate_up_proj":
+        rows, row_scales = gate_first(rows), gate_first(row_scales)
+    return pack_blocks(mxfp4_gguf_blocks(rows, row_scales), "mxfp4", rows.shape[0])
 
 
 def expert_converter(

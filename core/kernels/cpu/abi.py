@@ -179,7 +179,7 @@ EXPERT_ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 # pass, AMX.
 MOE_TILE_ROWS = 9
 # The block kinds whose experts run in one C call (``PackedExperts.of_blocks``, ``infer_moe_experts_blocks``).
-MOE_BLOCK_KINDS = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
+MOE_BLOCK_KINDS = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "mxfp4")
 # The pool dtypes the KV write and paged attention read (queries and results stay float32).
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # What ``infer_simd_width`` reports: the instruction set the kernels were compiled for (``-march=native``).
@@ -596,7 +596,7 @@ class CpuKernels:
         over ``x`` quantized per 32 columns as ``linear_blocks`` quantizes it (its arithmetic, summed in another order);
         ``portable`` is ``linear_blocks`` itself. K-quant weights (``q4_k``, ``q6_k``, ``k_mixed``) take ``amx-bf16``
         the same way; their ``int8`` is ``linear_blocks``, whose K-quant GEMV already multiplies int8 products over
-        passes of rows."""
+        passes of rows. ``mxfp4`` weights take ``linear_blocks`` whatever the design."""
         if design is not None and design not in self.block_gemm_designs:
             raise ValueError(
                 f"gemm_blocks design {design!r} does not run here; this {self.simd} build runs "
@@ -626,8 +626,8 @@ class CpuKernels:
         it). Builds without AMX and AVX512-BF16 (``amx-bf16`` not among ``block_gemm_designs``) raise."""
         if "amx-bf16" not in self.block_gemm_designs:
             raise ValueError(f"dequantize_blocks_bf16 needs a build with AMX and AVX512-BF16, not {self.simd}")
-        if not well_formed(weight):
-            raise ValueError(f"dequantize_blocks_bf16 needs a {weight.kind} weight packed by pack_blocks")
+        if not well_formed(weight) or weight.kind == "mxfp4":
+            raise ValueError(f"dequantize_blocks_bf16 needs a weight packed by pack_blocks (not mxfp4): {weight.kind}")
         rows = bf16_rows(out, weight.out_features, weight.in_features, "dequantize_blocks_bf16")
         self._dequantize_blocks_bf16(
             weight.data.data_ptr(), BLOCK_KINDS[weight.kind], weight.out_features, weight.in_features, rows.data_ptr()

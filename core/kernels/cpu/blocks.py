@@ -1,8 +1,9 @@
-"""Weights kept as GGUF's blocks of 32 (``Q4_0``, ``Q4_1``, ``Q8_0``) for the block GEMV (``csrc/gemv_blocks.c``), and
-as its K-quant super-blocks of 256 (``Q4_K``, ``Q6_K``; ``csrc/gemv_kquants.c``).
+"""Weights kept as GGUF's blocks of 32 (``Q4_0``, ``Q4_1``, ``Q8_0``, ``MXFP4``) for the block GEMV
+(``csrc/gemv_blocks.c``), and as its K-quant super-blocks of 256 (``Q4_K``, ``Q6_K``; ``csrc/gemv_kquants.c``).
 
-A GGUF tensor stores each row as blocks of 32 weights: an fp16 scale ``d`` (``Q4_1``: and an fp16 minimum ``m``)
-and 32 quants, 4-bit nibbles (byte ``j`` holds columns ``j`` and ``16 + j``) or int8. ``pack_blocks`` repacks such
+A GGUF tensor stores each row as blocks of 32 weights: an fp16 scale ``d`` (``Q4_1``: and an fp16 minimum ``m``;
+``MXFP4``: a byte, the exponent of a power of two) and 32 quants, 4-bit nibbles (byte ``j`` holds columns ``j`` and
+``16 + j``; ``MXFP4``'s are e2m1 codes) or int8. ``pack_blocks`` repacks such
 rows once at load into the layout the kernel streams: groups of four output rows, one record per 32 columns holding
 the four rows' scales and then their quants, the nibbles rearranged so that one 64-byte load gives two rows whole
 (the layout is described where the kernel reads it, at the top of ``gemv_blocks.c``). No float copy is kept.
@@ -23,16 +24,21 @@ import torch
 BLOCK = 32  # weights per block
 SUPER_BLOCK = 256  # weights per K-quant super-block
 # The block kinds by name, as the C side numbers them (``KIND_Q4_0`` ... in ``cpu_kernels.h``).
-BLOCK_KINDS = {"q4_0": 3, "q4_1": 4, "q8_0": 5, "q4_k": 6, "q6_k": 7, "k_mixed": 8}
+BLOCK_KINDS = {"q4_0": 3, "q4_1": 4, "q8_0": 5, "q4_k": 6, "q6_k": 7, "k_mixed": 8, "mxfp4": 9}
 K_KINDS = ("q4_k", "q6_k")
 # The kinds infer quantizes float weights to (K-quants come from a GGUF file).
 QUANTIZED_KINDS = ("q4_0", "q4_1", "q8_0")
 # Bytes of one GGUF block of each kind, and of the kernel's record: four rows' blocks, or one row's super-block.
-GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_k": 144, "q6_k": 210}
-RECORD_BYTES = {"q4_0": 72, "q4_1": 80, "q8_0": 136, "q4_k": 144, "q6_k": 210}
+GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_k": 144, "q6_k": 210, "mxfp4": 17}
+RECORD_BYTES = {"q4_0": 72, "q4_1": 80, "q8_0": 136, "q4_k": 144, "q6_k": 210, "mxfp4": 68}
 # Weights a record spans in a row, and output rows it holds.
-BLOCK_COLUMNS = {"q4_0": BLOCK, "q4_1": BLOCK, "q8_0": BLOCK, "q4_k": SUPER_BLOCK, "q6_k": SUPER_BLOCK}
-GROUP_ROWS = {"q4_0": 4, "q4_1": 4, "q8_0": 4, "q4_k": 1, "q6_k": 1}
+BLOCK_COLUMNS = {"q4_0": BLOCK, "q4_1": BLOCK, "q8_0": BLOCK, "q4_k": SUPER_BLOCK, "q6_k": SUPER_BLOCK, "mxfp4": BLOCK}
+GROUP_ROWS = {"q4_0": 4, "q4_1": 4, "q8_0": 4, "q4_k": 1, "q6_k": 1, "mxfp4": 4}
+# Bytes of a block's scales before its quants, in GGUF's block and in the kernel's record (four rows').
+SCALE_BYTES = {"q4_0": 2, "q4_1": 4, "q8_0": 2, "mxfp4": 1}
+# MXFP4's e2m1 values by code (sign, two exponent bits, one mantissa bit), and their scales' exponent bias.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E8M0_BIAS = 127
 # A k_mixed weight's header: int64 [parts, (kind, rows) per part], zero-padded to this many bytes.
 MIXED_HEADER_BYTES = 128
 
@@ -79,8 +85,9 @@ def gguf_rows(raw: torch.Tensor | np.ndarray, kind: str, out_features: int) -> t
 
 
 def pack_blocks(raw: torch.Tensor | np.ndarray, kind: str, out_features: int) -> BlockWeight:
-    """A GGUF tensor's bytes (rows of blocks of ``kind``: ``q4_0``, ``q4_1`` or ``q8_0``) in the block GEMV's layout.
-    Any ``out_features`` (the last group of four is padded with zero rows)."""
+    """A GGUF tensor's bytes (rows of blocks of ``kind``: ``q4_0``, ``q4_1``, ``q8_0`` or ``mxfp4``; or K-quant
+    super-blocks) in the block GEMV's layout. Any ``out_features`` (the last group of four is padded with zero
+    rows)."""
     if kind not in GGUF_BLOCK_BYTES:
         raise ValueError(f"unknown block kind {kind!r}; choose one of {', '.join(GGUF_BLOCK_BYTES)}")
     if kind in K_KINDS:
@@ -91,15 +98,25 @@ def pack_blocks(raw: torch.Tensor | np.ndarray, kind: str, out_features: int) ->
         blocks = torch.cat([blocks, blocks.new_zeros(padded - out_features, *blocks.shape[1:])])
     groups = blocks.view(padded // 4, 4, blocks.shape[1], -1).permute(0, 2, 1, 3)  # [groups, blocks, 4, bytes]
     shape = groups.shape[:2]
-    d = groups[..., 0:2].reshape(*shape, 8)  # the four rows' fp16 scales
+    size = SCALE_BYTES[kind] // 2 if kind == "q4_1" else SCALE_BYTES[kind]  # one scale's bytes
+    d = groups[..., 0:size].reshape(*shape, 4 * size)  # the four rows' scales
     scales = torch.cat([d, groups[..., 2:4].reshape(*shape, 8)], dim=-1) if kind == "q4_1" else d  # then m
-    quants = groups[..., 4 if kind == "q4_1" else 2 :]
+    quants = groups[..., SCALE_BYTES[kind] :]
     if kind == "q8_0":  # int8 plus 128: unsigned, as VNNI's dot products take them
         quants = quants ^ 0x80
     else:  # nibbles of columns j and 16 + j -> rows 0 and 2 (1 and 3) of column j in one byte
         values = torch.cat([quants & 0x0F, quants >> 4], dim=-1)  # [groups, blocks, 4, 32]
         quants = values[:, :, 0:2] | (values[:, :, 2:4] << 4)
     return BlockWeight(torch.cat([scales, quants.reshape(*shape, -1)], dim=-1).contiguous(), kind, out_features)
+
+
+def mxfp4_gguf_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 as a safetensors checkpoint stores it (gpt-oss's ``_blocks`` ``[..., groups, 16]``, byte ``j`` holding
+    columns ``2j`` (low nibble) and ``2j + 1``; ``_scales`` ``[..., groups]``) as GGUF's blocks ``[..., groups, 17]``:
+    the scale byte, then byte ``j`` holding columns ``j`` and ``16 + j``."""
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [..., groups, 32] in column order
+    packed = codes[..., : BLOCK // 2] | (codes[..., BLOCK // 2 :] << 4)
+    return torch.cat([scales.unsqueeze(-1), packed], dim=-1)
 
 
 def quantize_blocks(weight: torch.Tensor, kind: str) -> BlockWeight:
@@ -162,10 +179,16 @@ def dequantize_blocks(weight: BlockWeight) -> torch.Tensor:
         return dequantize_kquants(weight)
     data, kind = weight.data, weight.kind
     groups, blocks, _ = data.shape
-    scale_bytes = 16 if kind == "q4_1" else 8
+    scale_bytes = 4 * SCALE_BYTES[kind]
+    quants = data[..., scale_bytes:]
+    if kind == "mxfp4":
+        pairs = quants.reshape(groups, blocks, 2, BLOCK)
+        codes = torch.cat([pairs & 0x0F, pairs >> 4], dim=2).long()  # rows 0, 1, 2, 3
+        exponents = data[..., :4].to(torch.int32) - E8M0_BIAS
+        weights = torch.ldexp(torch.tensor(FP4_VALUES)[codes], exponents[..., None])
+        return weights.permute(0, 2, 1, 3).reshape(groups * 4, blocks * BLOCK)[: weight.out_features]
     halves = data[..., :scale_bytes].contiguous().view(torch.float16).float()  # [groups, blocks, 4 or 8]
     d = halves[..., :4]
-    quants = data[..., scale_bytes:]
     if kind == "q8_0":
         values = quants.reshape(groups, blocks, 4, BLOCK).float() - 128
     else:

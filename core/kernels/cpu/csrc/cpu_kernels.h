@@ -16,11 +16,12 @@
 #include <stdint.h>
 
 /* How a packed weight is stored (the *_kind fields; abi.WEIGHT_KINDS): IEEE half, bfloat16 (a float's upper half:
- * converting is a shift, exact), or int8 with float scales; or GGUF's blocks (abi.BLOCK_KINDS): of 32, repacked as
- * gemv_blocks.c describes, or K-quant super-blocks of 256 (one kind, or parts of both), as gemv_kquants.c does. */
+ * converting is a shift, exact), or int8 with float scales; or GGUF's blocks (abi.BLOCK_KINDS): of 32 (Q4_0, Q4_1,
+ * Q8_0, MXFP4), repacked as gemv_blocks.c describes, or K-quant super-blocks of 256 (one kind, or parts of both), as
+ * gemv_kquants.c does. */
 enum {
     KIND_F16 = 0, KIND_I8 = 1, KIND_BF16 = 2, KIND_Q4_0 = 3, KIND_Q4_1 = 4, KIND_Q8_0 = 5,
-    KIND_Q4_K = 6, KIND_Q6_K = 7, KIND_K_MIXED = 8
+    KIND_Q4_K = 6, KIND_Q6_K = 7, KIND_K_MIXED = 8, KIND_MXFP4 = 9
 };
 
 /* A gated MLP's activation (infer_layer's `activation`; abi.ACTIVATIONS): SiLU (SwiGLU) or tanh-approximated GELU
@@ -76,11 +77,11 @@ void infer_linear_tiles(const void *x, int64_t x_bf16, int64_t rows, int64_t k, 
  * `out`: for a bf16 GEMM library's GEMM over many rows, from the one copy a projection keeps. */
 void infer_unpack_tiles(const uint32_t *tiles, int64_t n_out, int64_t k, uint32_t *out);
 
-/* y [rows, n_out] = x [rows, k] . w^T (+ bias) for weights kept as GGUF's blocks of 32 (`kind`: KIND_Q4_0, KIND_Q4_1
- * or KIND_Q8_0), repacked by `infer.kernels.cpu.blocks.pack_blocks` into groups of four output rows (any n_out; the
- * last group padded), k % 32 == 0, or as K-quant super-blocks (KIND_Q4_K, KIND_Q6_K, KIND_K_MIXED: a row's records
- * in turn, k % 256 == 0): x quantized per block of 32 to int8, integer dot products, float32 sums. The weights are
- * read from memory once whatever the rows. */
+/* y [rows, n_out] = x [rows, k] . w^T (+ bias) for weights kept as GGUF's blocks of 32 (`kind`: KIND_Q4_0, KIND_Q4_1,
+ * KIND_Q8_0 or KIND_MXFP4), repacked by `infer.kernels.cpu.blocks.pack_blocks` into groups of four output rows (any
+ * n_out; the last group padded), k % 32 == 0, or as K-quant super-blocks (KIND_Q4_K, KIND_Q6_K, KIND_K_MIXED: a
+ * row's records in turn, k % 256 == 0): x quantized per block of 32 to int8, integer dot products, float32 sums. The
+ * weights are read from memory once whatever the rows. */
 void infer_linear_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind, const float *bias,
                          float *y, int64_t n_out);
 
@@ -91,7 +92,8 @@ int64_t infer_block_pass_rows(void);
  * panels of the weights dequantized to bf16 (x rounded to bf16), 1 with int8 dot products over x quantized as the
  * GEMV quantizes it (the GEMV's arithmetic, every output a lane of its own), 0 through infer_linear_blocks itself;
  * -1 (or a design this build or machine lacks) takes 1 for up to 16 rows where it runs, else
- * infer_block_gemm_kind(). K-quant weights (KIND_Q4_K, KIND_Q6_K, KIND_K_MIXED) take 2 alike; their 1 is their GEMV. */
+ * infer_block_gemm_kind(). K-quant weights (KIND_Q4_K, KIND_Q6_K, KIND_K_MIXED) take 2 alike; their 1 is their GEMV.
+ * KIND_MXFP4 weights take 0 whatever the design: infer_linear_blocks. */
 void infer_gemm_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind, const float *bias,
                        float *y, int64_t n_out, int64_t design);
 
@@ -107,9 +109,9 @@ int64_t infer_block_gemm_runs(int64_t design);
 void infer_gemm_blocks_bf16(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind,
                             const float *bias, uint16_t *y, int64_t n_out, int64_t design);
 
-/* A block weight (any kind infer_gemm_blocks takes) as plain bf16 rows `out` [n_out, k], the values the AMX design
- * multiplies, for a bf16 GEMM library's GEMM over many rows: 1, or 0 (nothing written) in a build without AMX and
- * AVX512-BF16. */
+/* A block weight (any kind infer_gemm_blocks takes but KIND_MXFP4) as plain bf16 rows `out` [n_out, k], the values the
+ * AMX design multiplies, for a bf16 GEMM library's GEMM over many rows: 1, or 0 (nothing written) in a build without
+ * AMX and AVX512-BF16, or for KIND_MXFP4. */
 int64_t infer_dequantize_blocks_bf16(const uint8_t *w, int64_t kind, int64_t n_out, int64_t k, uint16_t *out);
 
 /* Float32 weights w [n_out, k] (k % 32 == 0) quantized as GGUF's KIND_Q4_0, KIND_Q4_1 or KIND_Q8_0 blocks into out,
@@ -148,9 +150,9 @@ void infer_moe_experts_tiles(const float *x, int64_t hidden, int64_t width, int6
                              const int64_t *gate_up_bias, const int64_t *down_bias, int64_t activation, float limit,
                              float alpha, int64_t tile_rows, float *out);
 
-/* infer_moe_experts over weights kept as GGUF's blocks (KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, KIND_Q4_K or KIND_Q6_K:
- * every expert's gate_up of gate_up_kind, its down of down_kind; infer_linear_blocks' layout; hidden and width
- * multiples of 32, of 256 where the kind reading them is a K-quant): each pair's row of x and of the activations
+/* infer_moe_experts over weights kept as GGUF's blocks (KIND_Q4_0, KIND_Q4_1, KIND_Q8_0, KIND_MXFP4, KIND_Q4_K or
+ * KIND_Q6_K: every expert's gate_up of gate_up_kind, its down of down_kind; infer_linear_blocks' layout; hidden and
+ * width multiples of 32, of 256 where the kind reading them is a K-quant): each pair's row of x and of the activations
  * quantized per 32 columns as infer_linear_blocks quantizes them, integer dot products per block, each expert's
  * groups of weights read once for all its tokens (passes of infer_block_pass_rows rows): meant for a few tokens an
  * expert. Every output column summed by one thread, experts in the order given. */

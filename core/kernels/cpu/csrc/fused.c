@@ -23,9 +23,9 @@ static void layer_linear(const void *w, int64_t kind, const float *scales, int64
         infer_linear_i8(x, rows, k, w, scales, groups, bias, y, n_out);
     else if (kind == KIND_BF16)
         infer_linear_bf16(x, rows, k, w, bias, y, n_out);
-    else if (kind >= KIND_Q4_0 && kind <= KIND_K_MIXED && rows > infer_block_pass_rows())  /* GGUF's blocks */
+    else if (kind >= KIND_Q4_0 && kind <= KIND_MXFP4 && rows > infer_block_pass_rows())  /* GGUF's blocks */
         infer_gemm_blocks(x, rows, k, w, kind, bias, y, n_out, -1);  /* past one GEMV pass */
-    else if (kind >= KIND_Q4_0 && kind <= KIND_K_MIXED)
+    else if (kind >= KIND_Q4_0 && kind <= KIND_MXFP4)
         infer_linear_blocks(x, rows, k, w, kind, bias, y, n_out);
     else
         infer_linear_f16(x, rows, k, w, bias, y, n_out);

@@ -869,6 +869,7 @@ static int64_t chosen_design(int64_t rows, int64_t kind, int64_t design) {
                          has_design(BLOCK_GEMM_INT8)
                      ? BLOCK_GEMM_INT8
                      : infer_block_gemm_kind();
+    if (kind == KIND_MXFP4) return BLOCK_GEMM_PORTABLE;  /* MXFP4: the GEMV, for any rows */
     return kquant && design == BLOCK_GEMM_INT8 ? BLOCK_GEMM_PORTABLE : design;  /* K-quants' int8: their GEMV */
 }
 
@@ -892,6 +893,7 @@ void infer_gemm_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w
 
 int64_t infer_dequantize_blocks_bf16(const uint8_t *w, int64_t kind, int64_t n_out, int64_t k, uint16_t *out) {
 #if INFER_AMX && INFER_AVX512_BF16
+    if (kind == KIND_MXFP4) return 0;  /* not among the AMX design's kinds */
     dequantize_dense(w, kind, n_out, k, out);
     return 1;
 #else

@@ -1,4 +1,4 @@
-/* Linear layers over GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0) kept as blocks: y [rows, n_out] =
+/* Linear layers over GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0, MXFP4) kept as blocks: y [rows, n_out] =
  * x [rows, k] . w^T (+ bias), the rows of x quantized per 32 columns to int8 first, integer dot products per block,
  * float32 sums across blocks (llama.cpp's arithmetic).
  *
@@ -8,7 +8,12 @@
  *   Q4_0: d[4] (fp16), q[64]                72 bytes    weight = (nibble - 8) * d
  *   Q4_1: d[4], m[4] (fp16), q[64]          80 bytes    weight = nibble * d + m
  *   Q8_0: d[4] (fp16), q[4][32] (uint8)     136 bytes   weight = (q - 128) * d
- * d[i] and m[i] belong to row i of the group, beside the quants they scale. A Q4 record's 64 bytes hold the group's
+ *   MXFP4: e[4] (uint8), q[64]              68 bytes    weight = FP4[nibble] * 2^(e - 127)
+ * d[i] and m[i] belong to row i of the group, beside the quants they scale. MXFP4 (OCP microscaling, gpt-oss's
+ * experts) stores a power of two e (E8M0, biased by 127) and e2m1 codes: FP4 = 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
+ * negatives by the code's top bit. The kernels read a code as the integer 2 FP4 + 12 (0 to 24, unsigned as the Q4
+ * quants) with d = 2^(e - 128): weight = (u - 12) * d, exact. (e = 0 and 1 give subnormal scales, of weights below
+ * 2^-123.) A Q4 record's 64 bytes hold the group's
  * 4 x 32 nibbles so that one 64-byte load, a mask and a shift give rows 0-1 and rows 2-3 whole: byte j (0-31) holds
  * column j of row 0 in its low nibble and of row 2 in its high one; byte 32 + j, of rows 1 and 3. (GGUF's own Q4
  * block holds columns j and 16 + j of one row in byte j.) Q8_0's int8 quants are stored plus 128, unsigned as the
@@ -16,7 +21,7 @@
  *
  * Activations: each row of x, per 32 columns, as llama.cpp's Q8_1 blocks: dx = amax / 127, q = round(x / dx) (to
  * nearest even), s = dx * sum(q). A record's dot product with a block of x is then
- *   d * dx * sum(q_w * q_x) + c * s,   c = -8 d (Q4_0), m (Q4_1), -128 d (Q8_0)
+ *   d * dx * sum(q_w * q_x) + c * s,   c = -8 d (Q4_0), m (Q4_1), -128 d (Q8_0), -12 d (MXFP4)
  * with unsigned quants times signed activations summed in int32: AVX-512 VNNI's vpdpbusd, AVX-VNNI's on AVX2
  * registers, else vpmaddubsw and vpmaddwd, or plain C. vpmaddubsw's 16-bit pair sums would saturate on Q8_0's
  * unsigned quants (2 x 255 x 127), so without VNNI Q8_0 multiplies its signed quants instead (|q_w| times q_x
@@ -40,10 +45,19 @@
 #define Q8_SIGNED 0
 #endif
 
-static inline int64_t record_bytes(int kind) { return kind == KIND_Q8_0 ? 136 : kind == KIND_Q4_1 ? 80 : 72; }
+static inline int64_t record_bytes(int kind) {
+    return kind == KIND_Q8_0 ? 136 : kind == KIND_Q4_1 ? 80 : kind == KIND_MXFP4 ? 68 : 72;
+}
 
-/* Where a record's quants start: after d[4] (and m[4]). */
-static inline int64_t quants_at(int kind) { return kind == KIND_Q4_1 ? 16 : 8; }
+/* Where a record's quants start: after d[4] (and m[4]), or e[4]. */
+static inline int64_t quants_at(int kind) { return kind == KIND_Q4_1 ? 16 : kind == KIND_MXFP4 ? 4 : 8; }
+
+/* An MXFP4 code as the kernels' unsigned quant, 2 FP4 + 12 (see the top of the file). */
+static const uint8_t MXFP4_QUANTS[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+#define MXFP4_OFFSET 12.0f
+
+/* MXFP4's scale of row i of a record: 2^(e - 128) for its quants, which hold 2 FP4. */
+static inline float mxfp4_scale(const uint8_t *record, int i) { return ldexpf(1.0f, (int)record[i] - 128); }
 
 /* The weight stream's software prefetch, as the float GEMV's (gemv.c): into L1 1 KB ahead, into L2 6 KB ahead. */
 static inline __attribute__((always_inline)) void blocks_prefetch(const uint8_t *record) {
@@ -95,7 +109,18 @@ static void quantize_activations(const float *x, int64_t rows, int64_t k, int8_t
 static inline __m128 record_offsets(const uint8_t *record, __m128 d, const int kind) {
     if (kind == KIND_Q4_1) return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(record + 8)));
     if (kind == KIND_Q4_0) return _mm_mul_ps(d, _mm_set1_ps(-8.0f));
+    if (kind == KIND_MXFP4) return _mm_mul_ps(d, _mm_set1_ps(-MXFP4_OFFSET));
     return Q8_SIGNED ? _mm_setzero_ps() : _mm_mul_ps(d, _mm_set1_ps(-128.0f));
+}
+
+/* A record's four scales d: fp16, or MXFP4's 2^(e - 128), made as the float bits e << 23 (2^(e - 127); e = 0 as the
+ * subnormal 2^-127's bits) halved. */
+static inline __m128 record_scales(const uint8_t *record, const int kind) {
+    if (kind != KIND_MXFP4) return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)record));
+    int32_t exponents;
+    memcpy(&exponents, record, sizeof exponents);
+    const __m128i bits = _mm_slli_epi32(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(exponents)), 23);
+    return _mm_mul_ps(_mm_castsi128_ps(_mm_max_epi32(bits, _mm_set1_epi32(0x00400000))), _mm_set1_ps(0.5f));
 }
 #endif
 
@@ -119,6 +144,7 @@ static inline __attribute__((always_inline)) void group_dot_avx512(const uint8_t
     const __m512i first_pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i second_pair = _mm512_add_epi32(first_pair, _mm512_set1_epi32(2));
     const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i mxfp4_table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MXFP4_QUANTS));
     __m512 acc[BLOCK_PASS_ROWS][2];
     __m128 offsets[BLOCK_PASS_ROWS];
     for (int r = 0; r < count; r++) {
@@ -128,7 +154,7 @@ static inline __attribute__((always_inline)) void group_dot_avx512(const uint8_t
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *record = group + b * size, *quants = record + quants_at(kind);
         blocks_prefetch(record);
-        const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)record));
+        const __m128 d = record_scales(record, kind);
         const __m128 c = record_offsets(record, d, kind);
         const __m512 d01 = _mm512_permutexvar_ps(first_pair, _mm512_castps128_ps512(d));
         const __m512 d23 = _mm512_permutexvar_ps(second_pair, _mm512_castps128_ps512(d));
@@ -149,6 +175,10 @@ static inline __attribute__((always_inline)) void group_dot_avx512(const uint8_t
             const __m512i packed = _mm512_loadu_si512(quants);
             w01 = _mm512_and_si512(packed, nibble);
             w23 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+            if (kind == KIND_MXFP4) {  /* codes to quants, a table lookup per byte */
+                w01 = _mm512_shuffle_epi8(mxfp4_table, w01);
+                w23 = _mm512_shuffle_epi8(mxfp4_table, w23);
+            }
         }
         for (int r = 0; r < count; r++) {
             const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xq + r * k + b * BLOCK)));
@@ -194,6 +224,7 @@ static inline __attribute__((always_inline)) void group_dot_avx2(const uint8_t *
                                                                  const int count, const int kind) {
     const int64_t size = record_bytes(kind);
     const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i mxfp4_table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_QUANTS));
     __m256 acc[BLOCK_PASS_ROWS];
     __m128 offsets[BLOCK_PASS_ROWS];
     for (int r = 0; r < count; r++) {
@@ -203,7 +234,7 @@ static inline __attribute__((always_inline)) void group_dot_avx2(const uint8_t *
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *record = group + b * size, *quants = record + quants_at(kind);
         blocks_prefetch(record);
-        const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)record));
+        const __m128 d = record_scales(record, kind);
         const __m128 c = record_offsets(record, d, kind);
         const __m256 d8 = _mm256_set_m128(d, d);
         __m256i w[4];
@@ -219,6 +250,8 @@ static inline __attribute__((always_inline)) void group_dot_avx2(const uint8_t *
             w[1] = _mm256_and_si256(rows13, nibble);
             w[2] = _mm256_and_si256(_mm256_srli_epi16(rows02, 4), nibble);
             w[3] = _mm256_and_si256(_mm256_srli_epi16(rows13, 4), nibble);
+            if (kind == KIND_MXFP4)  /* codes to quants, a table lookup per byte */
+                for (int i = 0; i < 4; i++) w[i] = _mm256_shuffle_epi8(mxfp4_table, w[i]);
         }
         for (int r = 0; r < count; r++) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * k + b * BLOCK));
@@ -247,7 +280,8 @@ static inline __attribute__((always_inline)) void group_dot_avx2(const uint8_t *
 static inline int record_quant(const uint8_t *quants, int i, int j, const int kind) {
     if (kind == KIND_Q8_0) return quants[i * 32 + j];
     const uint8_t byte = quants[(i & 1) * 32 + j];
-    return i < 2 ? byte & 0x0F : byte >> 4;
+    const int code = i < 2 ? byte & 0x0F : byte >> 4;
+    return kind == KIND_MXFP4 ? MXFP4_QUANTS[code] : code;
 }
 
 /* The same sums in plain C. */
@@ -262,12 +296,15 @@ static inline __attribute__((always_inline)) void group_dot_portable(const uint8
             float total = 0.0f, offset = 0.0f;
             for (int64_t b = 0; b < blocks; b++) {
                 const uint8_t *record = group + b * size, *quants = record + quants_at(kind);
-                const float d = half_to_float(((const uint16_t *)record)[i]);
+                const float d =
+                    kind == KIND_MXFP4 ? mxfp4_scale(record, i) : half_to_float(((const uint16_t *)record)[i]);
                 int32_t dot = 0;
                 for (int j = 0; j < BLOCK; j++) dot += record_quant(quants, i, j, kind) * xq[r * k + b * BLOCK + j];
                 total += (float)dot * (d * dx[r * blocks + b]);
-                const float c = kind == KIND_Q4_1 ? half_to_float(((const uint16_t *)record)[4 + i])
-                                                  : kind == KIND_Q4_0 ? -8.0f * d : -128.0f * d;
+                const float c = kind == KIND_Q4_1    ? half_to_float(((const uint16_t *)record)[4 + i])
+                                : kind == KIND_Q4_0  ? -8.0f * d
+                                : kind == KIND_MXFP4 ? -MXFP4_OFFSET * d
+                                                     : -128.0f * d;
                 offset += c * s[r * blocks + b];
             }
             sums[r][i] = total + offset;
@@ -360,6 +397,8 @@ void infer_linear_blocks(const float *x, int64_t rows, int64_t k, const uint8_t 
         linear_blocks(xq, dx, s, rows, k, w, bias, y, n_out, KIND_Q4_0);
     else if (kind == KIND_Q4_1)
         linear_blocks(xq, dx, s, rows, k, w, bias, y, n_out, KIND_Q4_1);
+    else if (kind == KIND_MXFP4)
+        linear_blocks(xq, dx, s, rows, k, w, bias, y, n_out, KIND_MXFP4);
     else
         linear_blocks(xq, dx, s, rows, k, w, bias, y, n_out, KIND_Q8_0);
     free(s);
@@ -405,6 +444,8 @@ void block_group_sums(const uint8_t *group, int64_t k, const int8_t *xq, const f
         group_rows(group, k, xq, dx, s, rows, sums, KIND_Q4_0);
     else if (kind == KIND_Q4_1)
         group_rows(group, k, xq, dx, s, rows, sums, KIND_Q4_1);
+    else if (kind == KIND_MXFP4)
+        group_rows(group, k, xq, dx, s, rows, sums, KIND_MXFP4);
     else
         group_rows(group, k, xq, dx, s, rows, sums, KIND_Q8_0);
 }
