@@ -31,6 +31,7 @@ instead times the tile kernel for one expert taking 1 to 64 tokens, on AMX's til
     OMP_NUM_THREADS=1 python benchmarks/moe_layer.py --switch --cpu-time
     OMP_NUM_THREADS=2 python benchmarks/moe_layer.py --weights q4_1 --batches 1 16 64 128
     OMP_NUM_THREADS=2 python benchmarks/moe_layer.py --weights q4_k_m --batches 1 16 64
+    OMP_NUM_THREADS=2 python benchmarks/moe_layer.py --weights mxfp4 --batches 1 16 64
 """
 
 from __future__ import annotations
@@ -155,24 +156,33 @@ def build_layers(config, count: int, seed: int, weights: str = "bf16"):
             for index, expert in enumerate(ours.experts):
                 expert.gate_up_proj.weight.copy_(stacked.gate_up_proj[index].float())
                 expert.down_proj.weight.copy_(stacked.down_proj[index].float())
-        if weights == "q4_k_m":  # as a Q4_K_M file stores experts: gate/up Q4_K, down Q6_K
-            pairs.append((hf_block, quantize_linears(ours, "q8_0", blocks=kquant_experts(ours))))
+        if weights in EXPERT_KINDS:  # kinds infer takes from a file: each expert's projections given as blocks
+            pairs.append((hf_block, quantize_linears(ours, "q8_0", blocks=block_experts(ours, *EXPERT_KINDS[weights]))))
         else:
             pairs.append((hf_block, quantize_linears(ours, weights)))
     return pairs
 
 
-def kquant_experts(moe: MoE) -> dict:
-    """``moe``'s expert projections as K-quant blocks by module name: gate/up ``Q4_K``, down ``Q6_K`` (the reference
-    quantizer of ``infer.testing.kquants``)."""
-    from infer.kernels.cpu.blocks import pack_kquants
+# Expert kinds that come from a file, not infer's quantizers: gate/up's kind and down's.
+EXPERT_KINDS = {"q4_k_m": ("q4_k", "q6_k"), "mxfp4": ("mxfp4", "mxfp4")}
+
+
+def block_experts(moe: MoE, gate_up_kind: str, down_kind: str) -> dict:
+    """``moe``'s expert projections as blocks of these kinds by module name: K-quants by the reference quantizer of
+    ``infer.testing.kquants`` (gate/up ``Q4_K``, down ``Q6_K``: a ``Q4_K_M`` file's experts), MXFP4 by the gguf
+    package's (a gpt-oss checkpoint's)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from infer.kernels.cpu.blocks import pack_blocks
     from infer.testing.kquants import QUANTIZERS
 
     blocks = {}
     for index, expert in enumerate(moe.experts):
-        for name, kind in (("gate_up_proj", "q4_k"), ("down_proj", "q6_k")):
-            weight = getattr(expert, name).weight.detach()
-            blocks[f"experts.{index}.{name}"] = pack_kquants(QUANTIZERS[kind](weight.numpy()), kind, weight.shape[0])
+        for name, kind in (("gate_up_proj", gate_up_kind), ("down_proj", down_kind)):
+            weight = getattr(expert, name).weight.detach().numpy()
+            raw = QUANTIZERS[kind](weight) if kind in QUANTIZERS else quantize(weight, GGMLQuantizationType.MXFP4)
+            blocks[f"experts.{index}.{name}"] = pack_blocks(raw, kind, weight.shape[0])
     return blocks
 
 
@@ -189,9 +199,9 @@ def main() -> None:
     parser.add_argument(
         "--weights",
         default="bf16",
-        choices=["bf16", "q4_0", "q4_1", "q8_0", "q4_k_m"],
+        choices=["bf16", "q4_0", "q4_1", "q8_0", "q4_k_m", "mxfp4"],
         help="the experts' weights: bf16, or quantized to GGUF's blocks (model.quantization=q4 is q4_1; q4_k_m: "
-        "gate/up Q4_K and down Q6_K, as a Q4_K_M file stores them)",
+        "gate/up Q4_K and down Q6_K, as a Q4_K_M file stores them; mxfp4: as a gpt-oss checkpoint stores them)",
     )
     parser.add_argument(
         "--gemv-rows",

@@ -265,6 +265,8 @@ class Engine:
         tiles = f", {cpu.tiles}" if cpu is not None and cpu.tiles and self.quantization == "bf16" else ""
         kernels = f"infer's CPU kernels ({cpu.simd}{tiles})" if cpu is not None else "torch's ops"
         weights = "" if self.quantization == "none" else f", {self.quantization} weights"
+        kinds = {getattr(getattr(module, "blocks", None), "kind", None) for module in self.model.modules()}
+        weights += " (MXFP4 experts)" if "mxfp4" in kinds else ""  # a checkpoint's, kept under auto
         name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
         kv = "" if self.attention.kv_dtype == self.dtype else f", {name(self.attention.kv_dtype)} KV"
         dtypes = f"{name(self.dtype)}{weights}{kv}"
