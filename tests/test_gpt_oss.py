@@ -307,8 +307,43 @@ def test_the_engine_keeps_mxfp4_experts_under_auto_and_dequantizes_them_for_a_na
         ]
         assert all(isinstance(projection, PackedLinear) for projection in experts)
         assert {getattr(projection.blocks, "kind", None) for projection in experts} == {kind}, quantization
+        assert ("(MXFP4 experts)" in llm.engine.describe_execution()) == (kind == "mxfp4")
         tokens = suite.engine_greedy(llm, prompts)
         assert [len(output) for output in tokens] == [suite.max_tokens] * 2
+
+
+def test_the_start_estimate_counts_mxfp4_experts_as_kept_or_dequantized(tmp_path, monkeypatch, caplog):
+    """The headers' count of an MXFP4 checkpoint's expert weights (``checkpoint_matrices``) is the float checkpoint's
+    stacked experts', and the start's estimate takes them at MXFP4's bytes where the load keeps them, else at the
+    mode's: within the norms' and biases' share of what the loaded model holds."""
+    from infer.execution import paths
+    from infer.model.loader import checkpoint_matrices, load_model
+    from infer.model.quantization import model_weight_bytes, quantize_model
+
+    float_dir, mxfp4_dir = save_mxfp4_checkpoints(tmp_path)
+    config = TestGptOss8Experts.tiny_config()
+    experts = config.num_hidden_layers * config.num_local_experts * 3 * config.hidden_size * config.intermediate_size
+    counts, float_counts = checkpoint_matrices(mxfp4_dir), checkpoint_matrices(float_dir)
+    assert counts.mxfp4 == experts and float_counts.mxfp4 == 0
+    assert float_counts.matrices == counts.matrices + experts
+    estimates, held = {}, {}
+    monkeypatch.setattr("infer.host.available_memory", lambda: 1)
+    for keeps in (True, False):
+        estimates[keeps] = paths.estimated_weight_bytes(counts, "bf16", torch.float32, keeps)
+        model = load_model(
+            str(mxfp4_dir), torch.float32, prepare_layer=lambda layer: None, keep_checkpoint_blocks=keeps
+        )
+        held[keeps] = model_weight_bytes(quantize_model(model.model, "bf16"))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="infer.execution"):
+            paths.warn_if_memory_is_short(str(mxfp4_dir), "bf16", torch.float32, keeps)
+        (record,) = caplog.records
+        assert ("bf16 weights with MXFP4 experts" in record.message) == keeps
+    # the experts' share: bf16's 2 bytes a weight against MXFP4's 17 per 32 (the tables' float32 copies, which this
+    # tiny float32 checkpoint's estimate leaves out, are the same either way)
+    saved = held[False] - held[True]
+    assert saved == pytest.approx(experts * (2 - 17 / 32), rel=0.02)
+    assert estimates[False] - estimates[True] == pytest.approx(saved, rel=0.02)
 
 
 def test_mxfp4_blocks_without_their_scales_are_refused_naming_them(tmp_path):

@@ -496,8 +496,9 @@ def load_for_stack(config, registry, device: torch.device, dtype: torch.dtype, s
     from infer.model.loader import load_model
 
     quantization = model_quantization(config, device, dtype, sharded=shard_layer is not None)
+    keeps_blocks = keeps_checkpoint_blocks(config, quantization, shard_layer is not None)
     if device.type == "cpu" and shard_layer is None:
-        warn_if_memory_is_short(config.model.path, quantization, dtype)
+        warn_if_memory_is_short(config.model.path, quantization, dtype, keeps_blocks)
     return load_model(
         config.model.path,
         dtype,
@@ -508,7 +509,7 @@ def load_for_stack(config, registry, device: torch.device, dtype: torch.dtype, s
         prepare_layer=layer_preparer(quantization, shard_layer),
         bf16_weights=packs_as_read(quantization),  # packing reads bf16 matrices as they are
         keep_gguf_blocks=quantization == "gguf" and shard_layer is None,  # ranks shard float layers first
-        keep_checkpoint_blocks=keeps_checkpoint_blocks(config, quantization, shard_layer is not None),
+        keep_checkpoint_blocks=keeps_blocks,
     )
 
 
@@ -519,11 +520,11 @@ def keeps_checkpoint_blocks(config, quantization: str, sharded: bool) -> bool:
     return config.model.quantization == "auto" and packs_as_read(quantization) and not sharded
 
 
-def warn_if_memory_is_short(path: str, quantization: str, dtype: torch.dtype) -> None:
+def warn_if_memory_is_short(path: str, quantization: str, dtype: torch.dtype, keeps_blocks: bool = False) -> None:
     """Say in one line, before the weights are read, when the weights of ``path`` packed as ``quantization`` take more
     than the memory this machine has available (``MemAvailable``), and what ``q4`` weights would take: a start past
     it is killed by the kernel partway through the load, with nothing said. Estimated from the checkpoint's headers
-    (``packed_weight_bytes``); silent, the headers not read, where the mode is not estimated."""
+    (``estimated_weight_bytes``); silent, the headers not read, where the mode is not estimated."""
     from infer.host import available_memory
     from infer.model.loader import checkpoint_matrices, resolve_model_path
     from infer.model.quantization import packed_bytes_per_weight, packed_weight_bytes
@@ -534,24 +535,41 @@ def warn_if_memory_is_short(path: str, quantization: str, dtype: torch.dtype) ->
     if available is None:
         return
     counts = checkpoint_matrices(resolve_model_path(path))  # a folder's safetensors or a GGUF file's directory
-    if quantization == "none":
-        needed = dtype.itemsize * (counts.matrices + counts.table)
-    else:
-        table_bytes = 2 if counts.table_dtype == "BF16" else 4
-        needed = packed_weight_bytes(quantization, counts.matrices, counts.table, table_bytes, counts.tied)
+    needed = estimated_weight_bytes(counts, quantization, dtype, keeps_blocks)
     if needed is None or needed <= available:
         return
-    q4 = packed_weight_bytes("q4_1", counts.matrices, counts.table, 2, counts.tied)
+    q4 = packed_weight_bytes("q4_1", counts.matrices + counts.mxfp4, counts.table, 2, counts.tied)
     hint = f"; model.quantization=q4 would hold about {q4 / 2**30:.1f} GiB" if q4 < needed else ""
     logger.warning(
         "model %s: its weights take about %.1f GiB as %s, more than the %.1f GiB this machine has available: the "
         "start may run out of memory%s",
         path,
         needed / 2**30,
-        "float weights" if quantization == "none" else f"{quantization} weights",
+        ("float weights" if quantization == "none" else f"{quantization} weights")
+        + (" with MXFP4 experts" if keeps_blocks else ""),
         available / 2**30,
         hint,
     )
+
+
+def estimated_weight_bytes(counts, quantization: str, dtype: torch.dtype, keeps_blocks: bool = False) -> int | None:
+    """What a checkpoint's weights take packed as ``quantization`` (``none``: ``dtype``'s), from its headers' counts
+    (``infer.model.loader.checkpoint_matrices``; ``packed_weight_bytes``): MXFP4 experts at their own 4.25 bits a
+    weight where the load keeps them (``keeps_blocks``), else as the mode packs them. None where the mode is not
+    estimated."""
+    from infer.kernels.cpu.blocks import BLOCK_COLUMNS, GROUP_ROWS, RECORD_BYTES
+    from infer.model.quantization import packed_weight_bytes
+
+    kept = counts.mxfp4 if keeps_blocks else 0  # weights that stay MXFP4, the others dequantized and packed
+    matrices = counts.matrices + counts.mxfp4 - kept
+    if quantization == "none":
+        needed = dtype.itemsize * (matrices + counts.table)
+    else:
+        table_bytes = 2 if counts.table_dtype == "BF16" else 4
+        needed = packed_weight_bytes(quantization, matrices, counts.table, table_bytes, counts.tied)
+    if needed is None:
+        return None
+    return needed + int(kept * RECORD_BYTES["mxfp4"] / (BLOCK_COLUMNS["mxfp4"] * GROUP_ROWS["mxfp4"]))
 
 
 def build_model_stack(

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -427,18 +428,20 @@ class SafetensorsTensors(Mapping[str, torch.Tensor]):
 @dataclass(frozen=True, slots=True)
 class CheckpointMatrices:
     """A HF checkpoint's matrices, counted from its files' headers (no tensor read): the embedding table's weights
-    and dtype, the other matrices' weights (projections, an untied output head), and whether the head is tied."""
+    and dtype, the other matrices' weights (projections, an untied output head), whether the head is tied, and the
+    weights of those matrices stored as MXFP4 blocks (gpt-oss's experts; not in ``matrices``)."""
 
     table: int
     table_dtype: str
     matrices: int
     tied: bool
+    mxfp4: int = 0
 
 
 def checkpoint_matrices(model_dir: Path) -> CheckpointMatrices:
-    """Count ``model_dir``'s matrices (2-D tensors; a GGUF file's, a mixture's stacked experts included) from its
-    safetensors headers, or a GGUF file's directory; tied as its config says, else as the checkpoint (a head of its
-    own or none)."""
+    """Count ``model_dir``'s matrices (2-D tensors, a mixture's stacked experts of 3, MXFP4 ``_blocks`` of 4: 32
+    weights a 16-byte block) from its safetensors headers, or a GGUF file's directory; tied as its config says, else
+    as the checkpoint (a head of its own or none)."""
     from safetensors import safe_open
 
     if model_dir.suffix == ".gguf":
@@ -449,12 +452,16 @@ def checkpoint_matrices(model_dir: Path) -> CheckpointMatrices:
         matrices = sum(t.shape[0] * t.rows for t in tensors if len(t.shape) > 1 and t.name != "token_embd.weight")
         head = any(tensor.name == "output.weight" for tensor in tensors)
         return CheckpointMatrices(table, "F32", matrices, not head)
-    table, table_dtype, matrices, head = 0, "", 0, False
+    table, table_dtype, matrices, mxfp4, head = 0, "", 0, 0, False
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(file, framework="pt", device="cpu") as tensors:
             for name in tensors.keys():
                 view = tensors.get_slice(name)
                 shape = view.get_shape()
+                if name.endswith("_blocks") and len(shape) == 4:
+                    mxfp4 += math.prod(shape[:-1]) * 32
+                elif len(shape) == 3 and ".experts." in name and not name.endswith("_scales"):
+                    matrices += math.prod(shape)
                 if len(shape) != 2:
                     continue
                 if name.endswith("embed_tokens.weight"):
@@ -468,7 +475,7 @@ def checkpoint_matrices(model_dir: Path) -> CheckpointMatrices:
     tied = bool(config.get("tie_word_embeddings", not head))
     if tied and head:
         matrices -= table
-    return CheckpointMatrices(table, table_dtype, matrices, tied)
+    return CheckpointMatrices(table, table_dtype, matrices, tied, mxfp4)
 
 
 def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> list[int]:
