@@ -105,8 +105,8 @@ class ModelConfig(BaseModel):
         'other projections as q8_0), "none". '
         '"auto": with dtype auto on an x86 CPU, gguf for a GGUF model.path whose projections are all '
         "blocks where the block GEMM runs on AMX, else bf16 where the CPU multiplies bf16 natively, "
-        "else fp16, a checkpoint's MXFP4 experts (gpt-oss) kept as they are on the block kernels; none "
-        "elsewhere.",
+        "else fp16, a checkpoint's MXFP4 experts (gpt-oss, safetensors or GGUF) kept as they are on the block "
+        "kernels; none elsewhere.",
     )
     cpu_kernels: Literal["auto"] | bool = Field(
         "auto",

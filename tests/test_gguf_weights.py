@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import test_gpt_oss  # its suites by module too
 import test_model_families  # its suites by module: names imported here would be collected again
 import torch
 from test_block_quantization import KQUANT_FILE_TIME, relative_error, write_kquant_gguf
@@ -571,3 +572,110 @@ def test_a_qwen3_yarn_file_is_the_model_llama_cpp_converted_it_from(tmp_path):
     """A Qwen3 file with YaRN scaling as llama.cpp writes it (metadata only) gives the logits of the HF model it was
     written from, its prompts past the original context."""
     assert_file_gives_the_hf_logits(Qwen3Yarn(), tmp_path, "tiny-qwen3-yarn", write_converted_qwen3_gguf)
+
+
+def write_converted_gpt_oss_gguf(folder: Path, path, template) -> None:
+    """The gpt-oss folder ``folder`` (OpenAI's layout: MXFP4 experts, gate and up interleaved) as llama.cpp's converter
+    writes it (``GptOssModel``): the experts' MXFP4 blocks repacked into GGUF's, gate's rows and up's split into
+    ``ffn_gate_exps`` and ``ffn_up_exps`` (their biases likewise), the sinks as ``attn_sinks.weight``, the window and
+    the experts' width as metadata, YaRN as the scaling's type, factor and original context; other tensors ``F32``."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from infer.kernels.cpu.blocks import mxfp4_gguf_blocks
+
+    config = AutoConfig.from_pretrained(folder)
+    rope = config.rope_parameters
+    metadata = {
+        **shape_metadata(config),
+        "attention.key_length": config.head_dim,
+        "attention.value_length": config.head_dim,
+        "attention.sliding_window": config.sliding_window,
+        "expert_count": config.num_local_experts,
+        "expert_used_count": config.num_experts_per_tok,
+        "expert_feed_forward_length": config.intermediate_size,
+        "rope.freq_base": float(rope["rope_theta"]),
+        "rope.scaling.type": "yarn",
+        "rope.scaling.factor": float(rope["factor"]),
+        "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
+    }
+    arch_id = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}["gpt-oss"]
+    names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
+
+    def tensors(add, vocab: int) -> None:
+        stored = load_file(folder / "model.safetensors")
+        for name, tensor in stored.items():
+            prefix, _, kind = name.rpartition("mlp.experts.")
+            if kind.endswith("_scales"):
+                continue  # with its blocks
+            if kind.endswith("_blocks"):
+                scales = stored[name.removesuffix("_blocks") + "_scales"]
+                parts = {"down_proj": (tensor, scales)}
+                if kind.startswith("gate_up_proj"):
+                    parts = {
+                        "gate_proj": (tensor[:, 0::2], scales[:, 0::2]),
+                        "up_proj": (tensor[:, 1::2], scales[:, 1::2]),
+                    }
+                for projection, (blocks, block_scales) in parts.items():
+                    raw = mxfp4_gguf_blocks(blocks, block_scales)  # [experts, rows, groups, 17]
+                    gguf_name = names.get_name(f"{prefix}mlp.experts.{projection}.weight", try_suffixes=(".weight",))
+                    add(gguf_name, "MXFP4", values=raw.reshape(*raw.shape[:2], -1).numpy())
+                continue
+            values = tensor.float().numpy()
+            if kind == "gate_up_proj_bias":
+                for projection, part in (("gate_proj", values[:, 0::2]), ("up_proj", values[:, 1::2])):
+                    gguf_name = names.get_name(f"{prefix}mlp.experts.{projection}.bias", try_suffixes=(".bias",))
+                    add(gguf_name, "F32", values=part)
+                continue
+            if kind == "down_proj_bias":
+                name = f"{prefix}mlp.experts.down_proj.bias"
+            elif name.endswith("sinks"):
+                name += ".weight"
+            add(names.get_name(name, try_suffixes=(".weight", ".bias")), "F32", values=values)
+
+    write_tiny_gguf(path, template, "gpt-oss", metadata, 0, tensors)
+
+
+class GptOssAsLlamaCppConverts(test_gpt_oss.TestGptOss8Experts):
+    """gpt-oss's tiny model with the clamp every gpt-oss checkpoint has (7), which llama.cpp takes as given: the file
+    does not store it."""
+
+    config_fields = {**test_gpt_oss.TestGptOss8Experts.config_fields, "swiglu_limit": 7.0}
+
+
+def test_a_gpt_oss_file_is_the_model_llama_cpp_converted_it_from(tmp_path):
+    """A gpt-oss file as llama.cpp writes it from OpenAI's layout (MXFP4 experts split into gate and up, the window
+    and YaRN as metadata) is read by infer itself, whatever the packing (transformers' conversion leaves its experts
+    out): the float model is the dequantized checkpoint's bit for bit and gives the HF model's logits; kept as blocks,
+    each expert is the file's MXFP4, whose values are those weights."""
+    import transformers
+
+    from infer.kernels.cpu.blocks import dequantize_blocks
+
+    suite = GptOssAsLlamaCppConverts()
+    float_dir, mxfp4_dir = test_gpt_oss.save_mxfp4_checkpoints(tmp_path, (-7, -3), GptOssAsLlamaCppConverts)
+    path = fixed_file(
+        tmp_path, "tiny-gpt-oss", lambda out, template: write_converted_gpt_oss_gguf(mxfp4_dir, out, template)
+    )
+    model = load_model(path, torch.float32, max_positions=suite.max_model_len).model
+    reference = load_model(str(float_dir), torch.float32, max_positions=suite.max_model_len).model
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    hf_model = transformers.GptOssForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    assert suite.logit_errors(model, hf_model) < suite.tolerance
+    for keep in ("keep_gguf_blocks", "keep_checkpoint_blocks"):  # every projection as blocks, or the experts alone
+        kept = load_model(path, torch.float32, max_positions=suite.max_model_len, **{keep: True}).model
+        for ours, theirs in zip(kept.layers, reference.layers):
+            assert isinstance(ours.self_attn.qkv_proj, PackedLinear) == (keep == "keep_gguf_blocks")
+            for expert, float_expert in zip(ours.mlp.experts, theirs.mlp.experts):
+                for name in ("gate_up_proj", "down_proj"):
+                    packed = getattr(expert, name)
+                    assert isinstance(packed, PackedLinear) and packed.blocks.kind == "mxfp4"
+                    assert torch.equal(dequantize_blocks(packed.blocks), getattr(float_expert, name).weight)
+    # the engine's defaults: the experts kept (the file's other projections are F32: bf16 or fp16 weights beside them)
+    llm = suite.engine(path, model__dtype="auto", model__quantization="auto", execution__fused_max_tokens=8)
+    kinds = {getattr(getattr(module, "blocks", None), "kind", None) for module in llm.engine.model.modules()}
+    assert "mxfp4" in kinds, kinds
+    outputs = suite.engine_greedy(llm, [list(range(100, 120))])
+    assert len(outputs[0]) == suite.max_tokens

@@ -199,16 +199,19 @@ def test_mxfp4_dequantization_equals_transformers():
     assert torch.equal(dequantize_mxfp4(blocks, scales).float(), ours)  # bfloat16 holds every MXFP4 value
 
 
-def save_mxfp4_checkpoints(tmp_path: Path, exponents: tuple[int, int] = (-8, 2)) -> tuple[Path, Path]:
-    """The 8-expert suite's model with random MXFP4 experts in OpenAI's checkpoints' layout (``_blocks`` and
-    ``_scales`` per projection, ``quantization_config`` mxfp4; scales between the powers of two ``exponents``), and
-    the float checkpoint holding transformers' dequantization of those weights: their folders."""
+def save_mxfp4_checkpoints(
+    tmp_path: Path, exponents: tuple[int, int] = (-8, 2), suite_class: type | None = None
+) -> tuple[Path, Path]:
+    """The 8-expert suite's model (or ``suite_class``'s) with random MXFP4 experts in OpenAI's checkpoints' layout
+    (``_blocks`` and ``_scales`` per projection, ``quantization_config`` mxfp4; scales between the powers of two
+    ``exponents``), and the float checkpoint holding transformers' dequantization of those weights: their folders."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    float_dir = save_gpt_oss(TestGptOss8Experts, tmp_path / "float")
-    mxfp4_dir = save_gpt_oss(TestGptOss8Experts, tmp_path / "mxfp4")
-    config = TestGptOss8Experts.tiny_config()
+    suite_class = suite_class or TestGptOss8Experts
+    float_dir = save_gpt_oss(suite_class, tmp_path / "float")
+    mxfp4_dir = save_gpt_oss(suite_class, tmp_path / "mxfp4")
+    config = suite_class.tiny_config()
     experts, hidden, width = config.num_local_experts, config.hidden_size, config.intermediate_size
     float_tensors = load_file(float_dir / "model.safetensors")
     mxfp4_tensors = load_file(mxfp4_dir / "model.safetensors")

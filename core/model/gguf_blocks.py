@@ -1,8 +1,8 @@
 """A GGUF file's quantized projections kept as its blocks (``model.quantization: gguf``).
 
 The loader builds the model from the file's dequantized float weights (``infer.model.loader``); this module reads
-the same file's ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q4_K`` and ``Q6_K`` tensors again as raw blocks, for each of the
-model's projections (our fused QKV and gate/up concatenate the file's rows, as the family's weight-name map says),
+the same file's ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q4_K``, ``Q6_K`` and ``MXFP4`` tensors again as raw blocks, for each of
+the model's projections (our fused QKV and gate/up concatenate the file's rows, as the family's weight-name map says),
 repacked for the block GEMV (``infer.kernels.cpu.blocks``). A fused projection whose parts are stored as both K
 types (a ``Q4_K_M`` file gives half its layers' V ``Q6_K`` beside ``Q4_K`` Q and K) is kept as a ``k_mixed`` weight.
 Rows are reordered where the file reorders them: ``convert_hf_to_gguf.py`` interleaves the rotary halves of Llama's
@@ -26,7 +26,11 @@ from infer.model.gguf_file import GgufFile, GgufTensor
 logger = logging.getLogger("infer")
 
 # GGUF types kept as blocks, by the block GEMV's name for them.
-BLOCK_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
+BLOCK_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "MXFP4": "mxfp4"}
+# HF tensors that a file of an architecture stores as several, by the HF name's part: the concatenation of the
+# file's parts' rows is the HF tensor. llama.cpp splits gpt-oss's experts' interleaved gate/up into gate's rows and
+# up's (infer's gate_up_proj holds gate's rows first), their biases likewise.
+FILE_SPLITS = {"gpt-oss": {".gate_up_proj.": (".gate_proj.", ".up_proj.")}}  # (its only MLPs are experts)
 # Architectures whose Q and K rows convert_hf_to_gguf.py permutes (transformers' LlamaTensorProcessor undoes it).
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
@@ -58,17 +62,20 @@ def stores_blocks(path: Path) -> bool:
     return bool(layers) and all(tensor.type_name in BLOCK_TYPES for tensor in layers)
 
 
-def read_projections(path: Path, model: nn.Module, within: str = "") -> tuple[dict[str, BlockWeight], dict[str, str]]:
+def read_projections(
+    path: Path, model: nn.Module, within: str = "", only: tuple[str, ...] | None = None
+) -> tuple[dict[str, BlockWeight], dict[str, str]]:
     """For each ``nn.Linear`` of ``model`` (its module name: ``layers.0.self_attn.qkv_proj``, ``lm_head``; those
     whose name starts with ``within``), the file's blocks where every tensor it concatenates is of one
-    ``BLOCK_TYPES`` type, or each of a K type; and, for the others, the GGUF type(s) they are stored as (``F32``,
-    ``Q5_K``, ``Q4_K+Q8_0``, ...). A mixture's experts are their rows of the file's stacked tensors."""
+    ``BLOCK_TYPES`` type, or each of a K type (with ``only``: of those block kinds); and, for the others, the GGUF
+    type(s) they are stored as (``F32``, ``Q5_K``, ``Q4_K+Q8_0``, ...). A mixture's experts are their rows of the
+    file's stacked tensors."""
     file = gguf_header(path)
     blocks: dict[str, BlockWeight] = {}
     others: dict[str, str] = {}
     for module_name, found, kinds in _projection_sources(file, model, within):
         types = sorted({tensor.type_name for tensor, _ in found})
-        if not _kept_as_blocks(types, kinds):
+        if not _kept_as_blocks(types, kinds, only):
             others[module_name] = "+".join(types)
             continue
         rows = [tensor_rows(file, tensor, expert, model.num_heads, model.num_kv_heads) for tensor, expert in found]
@@ -79,13 +86,13 @@ def read_projections(path: Path, model: nn.Module, within: str = "") -> tuple[di
     return blocks, others
 
 
-def projections_kept_as_blocks(path: Path, model: nn.Module) -> set[str]:
+def projections_kept_as_blocks(path: Path, model: nn.Module, only: tuple[str, ...] | None = None) -> set[str]:
     """The module names of ``model``'s ``nn.Linear`` layers that ``read_projections`` keeps as the file's blocks."""
     file = gguf_header(path)
     return {
         module_name
         for module_name, found, kinds in _projection_sources(file, model)
-        if _kept_as_blocks(sorted({tensor.type_name for tensor, _ in found}), kinds)
+        if _kept_as_blocks(sorted({tensor.type_name for tensor, _ in found}), kinds, only)
     }
 
 
@@ -98,7 +105,11 @@ def _projection_sources(file: GgufFile, model: nn.Module, within: str = ""):
     for module_name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or not module_name.startswith(within):
             continue
-        parts = [gguf_source(names, hf_name) for hf_name in model.weight_map.hf_names(f"{module_name}.weight")]
+        parts = [
+            source
+            for hf_name in model.weight_map.hf_names(f"{module_name}.weight")
+            for source in gguf_sources(file, names, hf_name)
+        ]
         if module_name == "lm_head" and "output.weight" not in tensors:  # tied to the token embedding
             parts = [("token_embd.weight", None)]
         found = [(tensors[part], expert) for part, expert in parts if part in tensors]
@@ -109,9 +120,11 @@ def _projection_sources(file: GgufFile, model: nn.Module, within: str = ""):
         yield module_name, found, [BLOCK_TYPES.get(tensor.type_name) for tensor, _ in found]
 
 
-def _kept_as_blocks(types: list[str], kinds: list[str | None]) -> bool:
+def _kept_as_blocks(types: list[str], kinds: list[str | None], only: tuple[str, ...] | None = None) -> bool:
     """Whether tensors of these GGUF types (block kinds) make one block weight: one type the kernels read, or K
-    types only."""
+    types only; with ``only``, of those kinds."""
+    if only is not None and not all(kind in only for kind in kinds):
+        return False
     return None not in kinds and (len(types) == 1 or all(kind in K_KINDS for kind in kinds))
 
 
@@ -152,13 +165,31 @@ def gguf_source(names, hf_name: str) -> tuple[str, int | None]:
     return name, expert
 
 
+def gguf_sources(file: GgufFile, names, hf_name: str) -> list[tuple[str, int | None]]:
+    """The file's tensors whose rows, concatenated, hold HF tensor ``hf_name`` (``gguf_source`` each; several where
+    the file splits it, ``FILE_SPLITS``), each name as the file has it (a name the map gives bare, such as gpt-oss's
+    ``attn_sinks``, with ``.weight`` where the file stores it so)."""
+    parts = [hf_name]
+    for whole, split in FILE_SPLITS.get(file.architecture, {}).items():
+        if whole in hf_name:
+            parts = [hf_name.replace(whole, part) for part in split]
+    sources = []
+    for part in parts:
+        name, expert = gguf_source(names, part)
+        if name not in file.tensors and f"{name}.weight" in file.tensors:
+            name = f"{name}.weight"
+        sources.append((name, expert))
+    return sources
+
+
 def tensor_rows(file: GgufFile, tensor: GgufTensor, expert: int | None, num_heads: int, num_kv_heads: int):
     """A tensor's bytes as rows (one per output feature; one expert's rows of a stacked tensor), Q and K rows back in
     HF's order where the file permuted them (``LlamaTensorProcessor._reverse_permute_weights``: whole rows move, so
     blocks stay intact)."""
     rows = file.data(tensor)
     if expert is not None:
-        count = tensor.shape[1]  # an expert's rows: GGUF's shape is (columns, rows, experts)
+        # an expert's rows: GGUF's shape is (columns, rows, experts); a stacked bias's, (entries, experts)
+        count = tensor.shape[1] if len(tensor.shape) == 3 else 1
         rows = rows[expert * count : (expert + 1) * count]
     if file.architecture not in PERMUTED_ARCHITECTURES or not (".attn_q." in tensor.name or ".attn_k." in tensor.name):
         return rows

@@ -10,7 +10,10 @@ the tokens generation ends at, as llama.cpp takes them (``end_of_generation_ids`
 - Gemma 3's linear RoPE scaling of the global layers (``rope.scaling.type``, ``rope.scaling.factor``), and its
   attention scale, which the file does not store;
 - Phi-3's rotated share of each head (``rope.dimension_count``), sliding window and LongRoPE (the tensors
-  ``rope_factors_long`` and ``rope_factors_short``, the original context ``rope.scaling.original_context_length``).
+  ``rope_factors_long`` and ``rope_factors_short``, the original context ``rope.scaling.original_context_length``);
+- gpt-oss's sliding window (``attention.sliding_window``) and YaRN (type, factor, original context; the ramp not
+  truncated, as every gpt-oss checkpoint sets it), which transformers' gpt-oss mapping fails to read
+  (``TRANSFORMERS_UNREADABLE``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 # What ``complete_config`` adds, versioned: a converted folder in the cache carries the version it was made with, so
 # one made before a completion was added is made again.
-VERSION = 5
+VERSION = 6
 
 # Token texts llama.cpp ends generation at in any file, beside the eos, eot and eom ids the file names: the end of a
 # turn in the chat formats of Llama 3, ChatML (Qwen), Phi-3, Gemma, gpt-oss's harmony and others.
@@ -50,7 +53,12 @@ END_OF_GENERATION_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_tok
 # Architectures whose files may carry linear or YaRN RoPE scaling as metadata (``rope.scaling.type``, ``.factor``,
 # ``.original_context_length``): llama.cpp's converter writes a Llama checkpoint's linear scaling and a Qwen2 or Qwen3
 # checkpoint's YaRN (Qwen's long-context settings).
-SCALED_ROPE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+SCALED_ROPE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss")
+
+# Metadata transformers' GGUF config reader reads wrongly, by key prefix: its gpt-oss reader takes the first part of
+# each ``rope.scaling.*`` field (its key's length) for the value and fails on it. A conversion hides these keys from
+# transformers (``infer.model.loader``) and ``complete_config`` reads them.
+TRANSFORMERS_UNREADABLE = ("gpt-oss.rope.scaling.",)
 
 # Llama 3.1-3.3's RoPE scaling parameters beside the factor (Llama 3.1 and 3.3 scale by 8, 3.2 by 32).
 LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -76,6 +84,8 @@ def complete_config(config: Any, path: Path) -> None:
         _gemma3(config, metadata)
     elif arch == "phi3":
         _phi3(config, file)
+    if arch == "gpt-oss":
+        _gpt_oss(config, metadata)
 
 
 def end_of_generation_ids(tokenizer: Any, path: Path) -> list[int]:
@@ -159,6 +169,18 @@ def _scaled_rope(config: Any, metadata: Mapping[str, object], arch: str) -> None
     if parameters["rope_type"] == "yarn" and original:
         parameters["original_max_position_embeddings"] = int(original)
     config.rope_parameters = parameters
+
+
+def _gpt_oss(config: Any, metadata: Mapping[str, object]) -> None:
+    """A gpt-oss file's sliding window (transformers' mapping looks for it under another key) and its YaRN's ramp,
+    not truncated in any gpt-oss checkpoint (the file does not store the choice)."""
+    window = metadata.get("gpt-oss.attention.sliding_window")
+    if window is not None:
+        config.sliding_window = int(window)
+    parameters = dict(config.rope_parameters or {})
+    if parameters.get("rope_type") == "yarn":
+        parameters["truncate"] = False
+        config.rope_parameters = parameters
 
 
 def _gemma3(config: Any, metadata: Mapping[str, object]) -> None:

@@ -5,8 +5,9 @@ disk.
 Read so for the architectures whose GGUF tensors are the HF checkpoint's under the gguf package's standard names
 (``DIRECT_ARCHITECTURES``), with what transformers' GGUF loader does to them: Llama's Q and K rows permuted back
 (``gguf_blocks.tensor_rows``), a mixture's experts taken from the file's stacked tensors, Gemma 3's norm weights
-stored as ``1 + w`` taken back to ``w``. A file of another architecture (gpt-oss) goes through transformers'
-conversion to a HF folder (``infer.model.loader``).
+stored as ``1 + w`` taken back to ``w``, gpt-oss's experts' gate and up rows taken from the two tensors the file
+splits them into (``gguf_blocks.FILE_SPLITS``). A file of another architecture goes through transformers' conversion
+to a HF folder (``infer.model.loader``).
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infer.model.gguf_blocks import gguf_header, gguf_source, tensor_name_map, tensor_rows
+from infer.model.gguf_blocks import gguf_header, gguf_sources, tensor_name_map, tensor_rows
 
 # GGUF architectures (``general.architecture``) read by ``GgufTensors``.
-DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3")
+DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss")
+# Architectures whose files transformers' conversion does not convert (its gpt-oss tensor processor looks for expert
+# tensors llama.cpp does not write, and leaves the experts random): read by ``GgufTensors`` for a float model too.
+UNCONVERTED_ARCHITECTURES = ("gpt-oss",)
 # Architectures whose files store every RMSNorm weight as the ``1 + w`` the model multiplies by: transformers'
 # conversion (its ``Gemma2TensorProcessor``) subtracts the 1, in float32, from each tensor whose GGUF name holds
 # ``norm.weight``.
@@ -32,6 +36,12 @@ DEQUANTIZE_CHUNK_BYTES = 16 << 20
 def reads_directly(path: Path) -> bool:
     """Whether the GGUF file's weights are read by ``GgufTensors`` (its architecture is in ``DIRECT_ARCHITECTURES``)."""
     return gguf_header(path).architecture in DIRECT_ARCHITECTURES
+
+
+def converts_wrongly(path: Path) -> bool:
+    """Whether transformers' conversion would leave the GGUF file's model incomplete (``UNCONVERTED_ARCHITECTURES``):
+    such a file is read directly whatever the model's packing."""
+    return gguf_header(path).architecture in UNCONVERTED_ARCHITECTURES
 
 
 class GgufTensors(Mapping[str, torch.Tensor]):
@@ -56,25 +66,36 @@ class GgufTensors(Mapping[str, torch.Tensor]):
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.unread = frozenset(unread)
         names = tensor_name_map(self.file, num_layers)
-        self._sources: dict[str, tuple[str, int | None]] = {}
+        self._sources: dict[str, list[tuple[str, int | None]]] = {}
         for hf_name in hf_names:
             try:
-                source = gguf_source(names, hf_name)
+                sources = gguf_sources(self.file, names, hf_name)
             except ValueError:  # no GGUF name for it: a key this mapping lacks, as the file does
                 continue
-            if source[0] in self.file.tensors:
-                self._sources[hf_name] = source
+            if all(name in self.file.tensors for name, _ in sources):
+                self._sources[hf_name] = sources
         if not self._sources:
             raise ValueError(f"{self.file.path.name}: none of its tensors has a name the model reads")
 
     def __getitem__(self, hf_name: str) -> torch.Tensor:
+        sources = self._sources[hf_name]
+        if hf_name in self.unread:  # packed from the file's blocks as soon as its layer is read; no page touched
+            shapes = [self._shape(name, expert) for name, expert in sources]
+            return torch.empty(sum(shape[0] for shape in shapes), *shapes[0][1:])
+        parts = [self._part(name, expert) for name, expert in sources]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _shape(self, name: str, expert: int | None) -> tuple[int, ...]:
+        """The HF shape of the file's tensor ``name`` (of an expert's share of a stacked one): rows first."""
+        shape = self.file.tensors[name].shape
+        return tuple(shape[::-1] if expert is None else shape[-2::-1])
+
+    def _part(self, name: str, expert: int | None) -> torch.Tensor:
+        """One of the file's tensors (an expert's rows of a stacked one) that a HF tensor concatenates."""
         from gguf import GGMLQuantizationType, dequantize
 
-        name, expert = self._sources[hf_name]
         tensor = self.file.tensors[name]
-        shape = tensor.shape[::-1] if expert is None else tensor.shape[1::-1]  # HF's order: rows first
-        if hf_name in self.unread:  # packed from the file's blocks as soon as its layer is read; no page touched
-            return torch.empty(shape)
+        shape = self._shape(name, expert)
         rows = tensor_rows(self.file, tensor, expert, self.num_heads, self.num_kv_heads)
         qtype = GGMLQuantizationType[tensor.type_name]
         out = np.empty((len(rows), int(np.prod(shape)) // len(rows)), dtype=np.float32)

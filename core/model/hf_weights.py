@@ -132,12 +132,9 @@ def _is_linear_weight(model: nn.Module, name: str) -> bool:
 def _pack_kept(model: nn.Module, kept: dict[str, BlockWeight]) -> None:
     """Replace each linear layer named in ``kept`` by a ``PackedLinear`` of its blocks (its bias as loaded), and empty
     ``kept``."""
-    from infer.model.quantization import PackedLinear
+    from infer.model.quantization import pack_as_blocks
 
-    for module_name, blocks in kept.items():
-        parent, _, child = module_name.rpartition(".")
-        owner = model.get_submodule(parent)
-        setattr(owner, child, PackedLinear(getattr(owner, child), blocks.kind, blocks=blocks))
+    pack_as_blocks(model, kept)
     kept.clear()
 
 

@@ -199,8 +199,11 @@ def _gguf_parsed_once() -> Iterator[None]:
     and layer count. transformers reads the file's header three times (config, tokenizer, weights), each a parse of
     seconds (a numpy view for every part of every metadata value: SmolLM2's 49,152-token vocabulary), and builds the
     name map once for every module of the model. Both are looked up in ``gguf``'s namespace at each call, so binding
-    memoized versions there for the conversion's duration is enough; they are restored after."""
+    memoized versions there for the conversion's duration is enough; they are restored after. The reader hides the
+    keys transformers reads wrongly (``gguf_config.TRANSFORMERS_UNREADABLE``), which ``complete_config`` reads."""
     import gguf
+
+    from infer.model.gguf_config import TRANSFORMERS_UNREADABLE
 
     reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple, Any] = {}
@@ -208,7 +211,9 @@ def _gguf_parsed_once() -> Iterator[None]:
     def reader(path, *args, **kwargs):
         key = (str(path), args, tuple(sorted(kwargs.items())))
         if key not in readers:
-            readers[key] = reader_class(path, *args, **kwargs)
+            parsed = readers[key] = reader_class(path, *args, **kwargs)
+            for name in [name for name in parsed.fields if name.startswith(TRANSFORMERS_UNREADABLE)]:
+                del parsed.fields[name]  # read by complete_config instead
         return readers[key]
 
     gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
@@ -261,6 +266,11 @@ def _convert_gguf_config(gguf: Path, destination: Path) -> None:
     tokenizer.save_pretrained(destination)
 
 
+# Block kinds a load keeps where the checkpoint stores them (``keep_checkpoint_blocks``): a model's own precision,
+# which no packing of floats matches in bytes.
+CHECKPOINT_BLOCK_KINDS = ("mxfp4",)
+
+
 def load_model(
     path: str,
     dtype: torch.dtype | str = "auto",
@@ -287,27 +297,35 @@ def load_model(
     time (``GgufTensors``) and each layer's projections are packed as the file's blocks as soon as it is read, before
     ``prepare_layer``, never dequantized. ``read_gguf`` reads such a file so for a float model too; otherwise a float
     model of a GGUF file is read from transformers' conversion (``hf_checkpoint_dir``: converted once, then read much
-    faster than the gguf package dequantizes). ``keep_checkpoint_blocks``: a safetensors checkpoint's weights that its
-    family reads as the block kernels' blocks (gpt-oss's MXFP4 experts) are packed so as they are read, never
-    dequantized (``infer.model.hf_weights.load_hf_state_dict``'s ``keep_blocks``).
+    faster than the gguf package dequantizes). ``keep_checkpoint_blocks``: the weights a checkpoint stores as blocks of
+    ``CHECKPOINT_BLOCK_KINDS`` (gpt-oss's MXFP4 experts: a safetensors folder's, through its family's
+    ``block_weight``, or a GGUF file's) are packed so as they are read, never dequantized.
     """
     from transformers import AutoConfig, AutoTokenizer
 
     from infer.model.gguf_blocks import projections_kept_as_blocks, warn_dequantized
-    from infer.model.gguf_weights import GgufTensors, reads_directly
+    from infer.model.gguf_weights import GgufTensors, converts_wrongly, reads_directly
     from infer.model.quantization import GGUF_OTHERS
 
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device) if isinstance(dtype, str) else dtype
     resolved = resolve_model_path(path)
-    direct = resolved.is_file() and (keep_gguf_blocks or read_gguf) and reads_directly(resolved)
+    direct = (
+        resolved.is_file()
+        and (keep_gguf_blocks or read_gguf or converts_wrongly(resolved))
+        and reads_directly(resolved)
+    )
     model_dir = hf_model_dir(path) if direct else hf_checkpoint_dir(path)
     hf_config = AutoConfig.from_pretrained(model_dir)
     family = choose_architecture(hf_config, architecture, registry, path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = family.build(hf_config, dtype=dtype, device=device, max_positions=max_positions)
     if direct:
-        kept = projections_kept_as_blocks(resolved, model) if keep_gguf_blocks else set()
+        # keep_checkpoint_blocks keeps the projections the file stores as a checkpoint's own blocks (gpt-oss's MXFP4
+        # experts), the others read as floats for prepare_layer to pack
+        only = None if keep_gguf_blocks else CHECKPOINT_BLOCK_KINDS
+        keeping = keep_gguf_blocks or keep_checkpoint_blocks
+        kept = projections_kept_as_blocks(resolved, model, only) if keeping else set()
         tensors: Mapping[str, torch.Tensor] = GgufTensors(
             resolved,
             [source for name, _ in model.named_parameters() for source in model.weight_map.hf_names(name)],
@@ -322,8 +340,8 @@ def load_model(
             ],
         )
         others: dict[str, str] = {}  # projections the file stores as types the block kernels do not read
-        if keep_gguf_blocks:
-            prepare_layer = _keeping_blocks(resolved, model, prepare_layer, others)
+        if keeping:
+            prepare_layer = _keeping_blocks(resolved, model, prepare_layer, others, only)
         model.load_hf_state_dict(tensors, prepare_layer, bf16_weights)
         warn_dequantized(resolved, others, GGUF_OTHERS)
     else:
@@ -333,20 +351,28 @@ def load_model(
 
 
 def _keeping_blocks(
-    gguf: Path, model: Any, prepare_layer: Callable[[torch.nn.Module], object] | None, others: dict[str, str]
+    gguf: Path,
+    model: Any,
+    prepare_layer: Callable[[torch.nn.Module], object] | None,
+    others: dict[str, str],
+    only: tuple[str, ...] | None = None,
 ) -> Callable[[torch.nn.Module], object]:
     """``prepare_layer`` after each layer's projections are packed as the GGUF file's blocks (``model.quantization:
     gguf``), as soon as the layer is read: the float weights of one layer are alive at a time. The projections the
-    file stores otherwise (packed as ``GGUF_OTHERS``) are added to ``others`` with their GGUF types."""
+    file stores otherwise (packed as ``GGUF_OTHERS``) are added to ``others`` with their GGUF types. With ``only``
+    (block kinds), only projections of those kinds are packed so, the others left to ``prepare_layer``."""
     from infer.model.gguf_blocks import read_projections
-    from infer.model.quantization import quantize_linears
+    from infer.model.quantization import pack_as_blocks, quantize_linears
 
     def prepare(layer: torch.nn.Module) -> None:
         index = next(index for index, candidate in enumerate(model.layers) if candidate is layer)
         prefix = f"layers.{index}."
-        blocks, stored_otherwise = read_projections(gguf, model, within=prefix)
-        others.update(stored_otherwise)
-        quantize_linears(layer, "gguf", blocks=blocks, prefix=prefix)
+        blocks, stored_otherwise = read_projections(gguf, model, within=prefix, only=only)
+        if only is not None:
+            pack_as_blocks(model, blocks)
+        else:
+            others.update(stored_otherwise)
+            quantize_linears(layer, "gguf", blocks=blocks, prefix=prefix)
         trim_heap()  # the layer's float weights are freed: their pages go back, not held between packed ones
         if prepare_layer is not None:
             prepare_layer(layer)

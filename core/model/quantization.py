@@ -465,6 +465,15 @@ def quantize_linears(
     return module
 
 
+def pack_as_blocks(model: nn.Module, blocks: Mapping[str, BlockWeight]) -> None:
+    """Replace each linear layer of ``model`` named in ``blocks`` (module names) by a ``PackedLinear`` of its blocks,
+    its bias as loaded; the others stay as they are."""
+    for module_name, weight in blocks.items():
+        parent, _, child = module_name.rpartition(".")
+        owner = model.get_submodule(parent)
+        setattr(owner, child, PackedLinear(getattr(owner, child), weight.kind, blocks=weight))
+
+
 def projection(weight: torch.Tensor, mode: str) -> nn.Module:
     """``x @ weight.T`` as a module, packed for ``mode`` (``none``: a plain linear layer sharing ``weight``)."""
     with torch.device(weight.device):

@@ -28,6 +28,15 @@ from infer.model import DecoderSpec, ModelArchitecture
 from infer.model.spec import ExpertsSpec
 
 EXPERTS = "mlp.experts."
+# The stacked expert tensors of a layer, by their name after ``mlp.experts.``.
+STACKED_KINDS = (
+    "gate_up_proj",
+    "gate_up_proj_bias",
+    "down_proj",
+    "down_proj_bias",
+    "gate_up_proj_blocks",
+    "down_proj_blocks",
+)
 
 
 class GptOssArchitecture(ModelArchitecture):
@@ -115,12 +124,16 @@ def split_experts(state_dict: Mapping[str, torch.Tensor]) -> ExpertTensors:
     blocks without their scales are left as they are, so the load names them as unexpected."""
     tensors: dict[str, torch.Tensor | Callable[[], torch.Tensor]] = {}
     blocks: dict[str, Callable[[], BlockWeight]] = {}
-    for name, tensor in state_dict.items():
+    for name in state_dict:  # a tensor is looked up only where it is a stacked one: others are read when loaded
         prefix, found, kind = name.rpartition(EXPERTS)
         if found and kind.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in state_dict:
             continue  # read with its blocks
+        if not found or kind not in STACKED_KINDS:
+            tensors[name] = partial(state_dict.__getitem__, name)
+            continue
+        tensor = state_dict[name]
         scales = state_dict.get(name.removesuffix("_blocks") + "_scales") if kind.endswith("_blocks") else None
-        convert = expert_converter(kind, tensor, scales) if found else None
+        convert = expert_converter(kind, tensor, scales)
         if convert is None:
             tensors[name] = tensor
             continue
