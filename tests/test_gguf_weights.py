@@ -20,7 +20,14 @@ from torch import nn
 
 from infer.kernels.cpu.blocks import dequantize_blocks
 from infer.model.gguf_blocks import read_projections, stores_blocks
-from infer.model.loader import DEFAULT_MODEL, hf_checkpoint_dir, hf_model_dir, load_model, resolve_model_path
+from infer.model.loader import (
+    DEFAULT_MODEL,
+    checkpoint_matrices,
+    hf_checkpoint_dir,
+    hf_model_dir,
+    load_model,
+    resolve_model_path,
+)
 from infer.model.quantization import PackedLinear
 
 # A Qwen3-MoE file's shape, every layer sparse. Its experts' width is transformers' default moe_intermediate_size
@@ -658,6 +665,11 @@ def test_a_gpt_oss_file_is_the_model_llama_cpp_converted_it_from(tmp_path):
     path = fixed_file(
         tmp_path, "tiny-gpt-oss", lambda out, template: write_converted_gpt_oss_gguf(mxfp4_dir, out, template)
     )
+    config = suite.tiny_config()
+    counts = checkpoint_matrices(Path(path))  # the start's estimate: the experts' weights apart
+    experts = config.num_local_experts * 3 * config.hidden_size * config.intermediate_size
+    assert counts.mxfp4 == config.num_hidden_layers * experts
+    assert counts.matrices + counts.mxfp4 == checkpoint_matrices(float_dir).matrices
     model = load_model(path, torch.float32, max_positions=suite.max_model_len).model
     reference = load_model(str(float_dir), torch.float32, max_positions=suite.max_model_len).model
     for name, tensor in reference.state_dict().items():

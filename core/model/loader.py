@@ -475,9 +475,10 @@ def checkpoint_matrices(model_dir: Path) -> CheckpointMatrices:
 
         tensors = gguf_header(model_dir).tensors.values()
         table = next((t.shape[0] * t.shape[1] for t in tensors if t.name == "token_embd.weight"), 0)
-        matrices = sum(t.shape[0] * t.rows for t in tensors if len(t.shape) > 1 and t.name != "token_embd.weight")
+        weights = {t.name: t.shape[0] * t.rows for t in tensors if len(t.shape) > 1 and t.name != "token_embd.weight"}
+        mxfp4 = sum(weights[t.name] for t in tensors if t.name in weights and t.type_name == "MXFP4")
         head = any(tensor.name == "output.weight" for tensor in tensors)
-        return CheckpointMatrices(table, "F32", matrices, not head)
+        return CheckpointMatrices(table, "F32", sum(weights.values()) - mxfp4, not head, mxfp4)
     table, table_dtype, matrices, mxfp4, head = 0, "", 0, 0, False
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(file, framework="pt", device="cpu") as tensors:
