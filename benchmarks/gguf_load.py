@@ -7,12 +7,15 @@ packed; the conversion runs at the first start only, then its folder is in the c
 ``write`` keeps every 2-D weight but the token embedding as ``--type`` blocks (the embedding ``Q8_0``, norms and a
 router ``F32``; experts stacked as llama.cpp stacks them; ``Q4_K_M``: ``Q4_K`` and ``Q6_K`` as llama.cpp's mix picks
 them, quantized by ``infer.testing.kquants``), with the tokenizer and metadata of the default model's file
-beside the folder's shape (``random_models.py``'s folders use that tokenizer). Architectures: Qwen3, Qwen3-MoE and
-Gemma 3 (its norm weights stored as ``1 + w``, as llama.cpp's converter writes them).
+beside the folder's shape (``random_models.py``'s folders use that tokenizer). Architectures: Qwen3, Qwen3-MoE,
+Gemma 3 (its norm weights stored as ``1 + w``, as llama.cpp's converter writes them) and gpt-oss from OpenAI's layout
+(its MXFP4 experts kept as MXFP4, split into gate and up as llama.cpp's converter splits them; the window and YaRN as
+metadata).
 
     python benchmarks/gguf_load.py write ~/models/qwen3-0.6b-random /tmp/qwen3-0.6b-q4_0.gguf
     python benchmarks/gguf_load.py measure /tmp/qwen3-0.6b-q4_0.gguf            # both starts
     python benchmarks/gguf_load.py measure /tmp/qwen3-moe-q4_0.gguf --direct-only
+    python benchmarks/gguf_load.py write ~/models/gpt-oss-20b-random /tmp/gpt-oss-20b.gguf --type Q8_0
 """
 
 from __future__ import annotations
@@ -45,7 +48,13 @@ MOE_KEYS = {
     "expert_feed_forward_length": "moe_intermediate_size",
 }
 GEMMA3_KEYS = {"attention.sliding_window": "sliding_window"}
-ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}
+GPT_OSS_KEYS = {
+    "attention.sliding_window": "sliding_window",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "intermediate_size",
+}
+ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}
 
 
 def write(folder: Path, out: Path, block_type: str) -> None:
@@ -65,7 +74,7 @@ def write(folder: Path, out: Path, block_type: str) -> None:
         vtype = field.types[0]
         writer.add_key_value(name, field.contents(), vtype, field.types[-1] if vtype == GGUFValueType.ARRAY else None)
     config.setdefault("num_experts", config.get("num_local_experts"))
-    extra = {"qwen3moe": MOE_KEYS, "gemma3": GEMMA3_KEYS}.get(arch, {})
+    extra = {"qwen3moe": MOE_KEYS, "gemma3": GEMMA3_KEYS, "gpt-oss": GPT_OSS_KEYS}.get(arch, {})
     for key, field in {**SHAPE_KEYS, **extra}.items():
         writer.add_uint32(f"{arch}.{key}", int(config[field]))
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(config["rms_norm_eps"]))
@@ -73,6 +82,10 @@ def write(folder: Path, out: Path, block_type: str) -> None:
     rope = rope.get("full_attention", rope)  # Gemma 3: per layer type; the file holds the full layers' base
     theta = rope.get("rope_theta", config.get("rope_theta", 1e6))
     writer.add_float32(f"{arch}.rope.freq_base", float(theta))
+    if rope.get("rope_type") == "yarn":
+        writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{arch}.rope.scaling.factor", float(rope["factor"]))
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", int(rope["original_max_position_embeddings"]))
     arch_id = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
     layers = config["num_hidden_layers"]
     names = gguf.get_tensor_name_map(arch_id, layers)
@@ -86,6 +99,8 @@ def write(folder: Path, out: Path, block_type: str) -> None:
     per_expert = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # a checkpoint's per-expert tensors, to stack
     for name in sorted(tensors):
+        if arch == "gpt-oss" and add_gpt_oss(writer, gguf_name, tensors, name):
+            continue
         tensor = tensors[name].get_tensor(name).float().numpy()
         match = per_expert.match(name)
         if match:
@@ -116,6 +131,45 @@ def write(folder: Path, out: Path, block_type: str) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=True)
     writer.close()
+
+
+def add_gpt_oss(writer, gguf_name, tensors: dict, name: str) -> bool:
+    """A gpt-oss tensor of OpenAI's layout as llama.cpp's converter writes it, where it writes it otherwise than any
+    architecture's (the experts' MXFP4 blocks, gate and up split, their biases, the sinks' name); whether it was."""
+    from gguf import GGMLQuantizationType
+
+    from infer.kernels.cpu.blocks import mxfp4_gguf_blocks
+
+    prefix, _, kind = name.rpartition("mlp.experts.")
+    if kind.endswith("_scales"):
+        return True  # with its blocks
+    if kind.endswith("_blocks"):
+        blocks = tensors[name].get_tensor(name)
+        scales_name = name.removesuffix("_blocks") + "_scales"
+        scales = tensors[scales_name].get_tensor(scales_name)
+        parts = {"down_proj": (blocks, scales)}
+        if kind.startswith("gate_up_proj"):  # gate's rows interleaved with up's
+            parts = {"gate_proj": (blocks[:, 0::2], scales[:, 0::2]), "up_proj": (blocks[:, 1::2], scales[:, 1::2])}
+        for projection, (part, part_scales) in parts.items():
+            raw = mxfp4_gguf_blocks(part, part_scales)
+            raw = raw.reshape(*raw.shape[:2], -1).numpy()
+            writer.add_tensor(
+                gguf_name(f"{prefix}mlp.experts.{projection}.weight"), raw, raw_dtype=GGMLQuantizationType.MXFP4
+            )
+        return True
+    if kind in ("gate_up_proj_bias", "down_proj_bias"):
+        values = np.ascontiguousarray(tensors[name].get_tensor(name).float().numpy())
+        parts = {"down_proj": values}
+        if kind == "gate_up_proj_bias":
+            parts = {"gate_proj": values[:, 0::2], "up_proj": values[:, 1::2]}
+        for projection, part in parts.items():
+            writer.add_tensor(gguf_name(f"{prefix}mlp.experts.{projection}.bias"), np.ascontiguousarray(part))
+        return True
+    if name.endswith("sinks"):
+        values = tensors[name].get_tensor(name).float().numpy()
+        writer.add_tensor(f"{gguf_name(name)}.weight", np.ascontiguousarray(values))
+        return True
+    return False
 
 
 def add(writer, name: str, values: np.ndarray, block_type: str, layers: int) -> None:
