@@ -562,8 +562,14 @@ def write_converted_qwen3_gguf(folder: Path, path, template) -> None:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
+    write_converted_gguf(folder, path, template, "qwen3", yarn_metadata(config), "F32")
+
+
+def yarn_metadata(config) -> dict:
+    """What llama.cpp's converter writes of a HF config with an explicit head width and YaRN scaling: the shape, the
+    head width, the RoPE base and the scaling's type, factor and original context."""
     rope = config.rope_parameters
-    metadata = {
+    return {
         **shape_metadata(config),
         "attention.key_length": config.head_dim,
         "attention.value_length": config.head_dim,
@@ -572,7 +578,6 @@ def write_converted_qwen3_gguf(folder: Path, path, template) -> None:
         "rope.scaling.factor": float(rope["factor"]),
         "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
     }
-    write_converted_gguf(folder, path, template, "qwen3", metadata, "F32")
 
 
 def test_a_qwen3_yarn_file_is_the_model_llama_cpp_converted_it_from(tmp_path):
@@ -593,19 +598,12 @@ def write_converted_gpt_oss_gguf(folder: Path, path, template) -> None:
     from infer.kernels.cpu.blocks import mxfp4_gguf_blocks
 
     config = AutoConfig.from_pretrained(folder)
-    rope = config.rope_parameters
     metadata = {
-        **shape_metadata(config),
-        "attention.key_length": config.head_dim,
-        "attention.value_length": config.head_dim,
+        **yarn_metadata(config),
         "attention.sliding_window": config.sliding_window,
         "expert_count": config.num_local_experts,
         "expert_used_count": config.num_experts_per_tok,
         "expert_feed_forward_length": config.intermediate_size,
-        "rope.freq_base": float(rope["rope_theta"]),
-        "rope.scaling.type": "yarn",
-        "rope.scaling.factor": float(rope["factor"]),
-        "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
     }
     arch_id = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}["gpt-oss"]
     names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
