@@ -557,7 +557,7 @@ def estimated_weight_bytes(counts, quantization: str, dtype: torch.dtype, keeps_
     (``infer.model.loader.checkpoint_matrices``; ``packed_weight_bytes``): MXFP4 experts at their own 4.25 bits a
     weight where the load keeps them (``keeps_blocks``), else as the mode packs them. None where the mode is not
     estimated."""
-    from infer.kernels.cpu.blocks import BLOCK_COLUMNS, GROUP_ROWS, RECORD_BYTES
+    from infer.kernels.cpu.blocks import bytes_per_weight
     from infer.model.quantization import packed_weight_bytes
 
     kept = counts.mxfp4 if keeps_blocks else 0  # weights that stay MXFP4, the others dequantized and packed
@@ -569,7 +569,7 @@ def estimated_weight_bytes(counts, quantization: str, dtype: torch.dtype, keeps_
         needed = packed_weight_bytes(quantization, matrices, counts.table, table_bytes, counts.tied)
     if needed is None:
         return None
-    return needed + int(kept * RECORD_BYTES["mxfp4"] / (BLOCK_COLUMNS["mxfp4"] * GROUP_ROWS["mxfp4"]))
+    return needed + int(kept * bytes_per_weight("mxfp4"))
 
 
 def build_model_stack(

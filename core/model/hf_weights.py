@@ -80,6 +80,8 @@ def load_hf_state_dict(
     layer is prepared, its weight never read into floats."""
     # A source whose every lookup is a new tensor (``GgufTensors``) lends it to the parameter instead of a copy: the
     # load then holds one float copy of a tensor at a time, not two (1.2 GB apiece for a 2,048-wide vocabulary table).
+    from infer.model.quantization import pack_as_blocks
+
     lends = bool(getattr(state_dict, "fresh_tensors", False))
     state_dict = weight_map.checkpoint_tensors(state_dict)
     block_weight = getattr(state_dict, "block_weight", None) if keep_blocks else None
@@ -92,7 +94,8 @@ def load_hf_state_dict(
     for name in names:
         index = _layer_index(name)
         if layer is not None and index != layer:
-            _pack_kept(model, kept)
+            pack_as_blocks(model, kept)
+            kept.clear()
             if prepare_layer is not None:
                 prepare_layer(model.layers[layer])
         layer = index
@@ -108,7 +111,7 @@ def load_hf_state_dict(
             used.update(sources)
         else:
             missing.extend(source for source in sources if source not in state_dict)
-    _pack_kept(model, kept)
+    pack_as_blocks(model, kept)
     if prepare_layer is not None and layer is not None:
         prepare_layer(model.layers[layer])
     tied = bool(getattr(model, "tie_word_embeddings", False))
@@ -129,15 +132,6 @@ def _is_linear_weight(model: nn.Module, name: str) -> bool:
     return attribute == "weight" and isinstance(model.get_submodule(owner), nn.Linear)
 
 
-def _pack_kept(model: nn.Module, kept: dict[str, BlockWeight]) -> None:
-    """Replace each linear layer named in ``kept`` by a ``PackedLinear`` of its blocks (its bias as loaded), and empty
-    ``kept``."""
-    from infer.model.quantization import pack_as_blocks
-
-    pack_as_blocks(model, kept)
-    kept.clear()
-
-
 def _layer_index(name: str) -> int | None:
     """The decoder layer a parameter name is under (``layers.3.mlp...`` -> 3), else None."""
     if not name.startswith("layers."):
@@ -155,8 +149,8 @@ def _hold_bf16(model: nn.Module, name: str, parts: list[torch.Tensor], weight_ma
     module holding it (a tied head too), and say whether it did: only a vocabulary table or a linear layer's weight
     whose tensors are all bf16 and, converted by the family's map, still bf16 and of the parameter's shape."""
     parameter = model.get_parameter(name)
-    owner_name, _, attribute = name.rpartition(".")
-    matrix = name in TABLES or (attribute == "weight" and isinstance(model.get_submodule(owner_name), nn.Linear))
+    owner_name = name.rpartition(".")[0]
+    matrix = name in TABLES or _is_linear_weight(model, name)
     if not matrix or any(part.dtype != torch.bfloat16 for part in parts):
         return False
     # One tensor is copied: the checkpoint's is a view of the file's mapping, which would stay mapped (and the pages

@@ -51,11 +51,9 @@ import torch
 from torch import nn
 
 from infer.kernels.cpu.blocks import (
-    BLOCK_COLUMNS,
-    GROUP_ROWS,
     QUANTIZED_KINDS,
-    RECORD_BYTES,
     BlockWeight,
+    bytes_per_weight,
     dequantize_blocks,
     quantize_blocks,
 )
@@ -537,7 +535,7 @@ def packed_bytes_per_weight(mode: str) -> float | None:
     if mode == "bf16":
         return 2.0
     if mode in QUANTIZED_KINDS:
-        return RECORD_BYTES[mode] / (BLOCK_COLUMNS[mode] * GROUP_ROWS[mode])
+        return bytes_per_weight(mode)
     return None
 
 

@@ -43,6 +43,11 @@ E8M0_BIAS = 127
 MIXED_HEADER_BYTES = 128
 
 
+def bytes_per_weight(kind: str) -> float:
+    """Bytes a weight of a block kind takes in the kernels' records (scales included)."""
+    return RECORD_BYTES[kind] / (BLOCK_COLUMNS[kind] * GROUP_ROWS[kind])
+
+
 @dataclass(frozen=True, slots=True)
 class BlockWeight:
     """A linear layer's weight ``[out_features, in_features]`` in the block GEMV's layout: ``data`` is uint8
