@@ -117,16 +117,18 @@ def test_transformers_stacked_experts_load_as_the_checkpoint_does():
 
 
 class CountingKernels:
-    """The CPU kernels, counting the calls of ``moe_experts``."""
+    """The CPU kernels, counting the calls of ``moe_experts`` and keeping the tokens each call's experts took."""
 
     def __init__(self, kernels):
-        self.kernels, self.moe_calls = kernels, 0
+        self.kernels, self.moe_calls, self.call_tokens = kernels, 0, []
 
     def __getattr__(self, name):
         return getattr(self.kernels, name)
 
     def moe_experts(self, *args):
         self.moe_calls += 1
+        starts = args[3]
+        self.call_tokens.append(sorted((starts[1:] - starts[:-1]).tolist()))
         return self.kernels.moe_experts(*args)
 
 
@@ -445,10 +447,12 @@ def test_experts_kept_as_blocks_equal_the_float64_layer_over_int8_activations(ke
         assert float(close.double().mean()) > 0.9
 
 
-def test_experts_kept_as_blocks_take_one_call_up_to_a_gemv_pass_and_their_projections_beyond(kernels):
-    """The experts of up to one pass of the block GEMV (``block_pass_rows``) in one C call, the others through their
-    own projections (the block GEMM): together the layer those projections give alone."""
-    moe, reference = packed_moe("q4_1", num_experts=4, top_k=2)
+@pytest.mark.parametrize("mode", ["q4_1", "mxfp4"])
+def test_experts_kept_as_blocks_take_one_call_or_their_projections_past_a_gemv_pass(kernels, mode):
+    """Experts of more tokens than one pass of the block GEMV (``block_pass_rows``) take the one C call too (its
+    block GEMM), except where the block GEMM runs on AMX and reads the kind: there they go through their own
+    projections. Either way, the layer those projections give alone."""
+    moe, reference = packed_moe(mode, num_experts=4, top_k=2)
     moe.use_cpu_kernels(kernels, gemv_rows=8)
     counting = CountingKernels(kernels)
     rows = torch.randn(8, 64, generator=torch.Generator().manual_seed(5))
@@ -460,7 +464,8 @@ def test_experts_kept_as_blocks_take_one_call_up_to_a_gemv_pass_and_their_projec
     sizes = torch.bincount(moe.route(x).experts.flatten(), minlength=4)
     assert sorted(sizes.tolist()) == [few, few, many, many]
     got = moe(x, kernel_step(counting))
-    assert counting.moe_calls == 1
+    projections = kernels.block_gemm == "amx-bf16" and mode != "mxfp4"
+    assert counting.call_tokens == [[few, few] if projections else [few, few, many, many]]
     alone = moe(x)  # no kernel step: every expert through its projections
     # int8 rows in the call, bf16 ones on the block GEMM (where it runs on AMX): about 1% of the largest result apart
     torch.testing.assert_close(got, alone, rtol=0, atol=3e-2 * float(alone.abs().max()))

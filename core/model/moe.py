@@ -27,6 +27,17 @@ from infer.model.layers import Linear, clamped_swiglu, gated_activation
 # 256 (32 an expert) 118 against 144 ms (``benchmarks/moe_layer.py``).
 KERNEL_MAX_TOKENS = 64
 
+
+def call_max_block_tokens(kernels: CpuKernels, kinds: tuple[str, str], tokens: int) -> int:
+    """The most tokens an expert kept as blocks of ``kinds`` (gate_up's, down's) takes in the one C call of a step of
+    ``tokens`` routed pairs: all of them (past one block-GEMV pass the call multiplies 32-block kinds on the block
+    GEMM's int8 design, and K-quants on their GEMV, which is also their block GEMM without AMX), except where the
+    block GEMM runs on AMX's bf16 tiles: there an expert of more than one GEMV pass (``block_pass_rows``) multiplies
+    faster through its own projections on that design, which reads every kind but MXFP4."""
+    if kernels.block_gemm == "amx-bf16" and set(kinds) != {"mxfp4"}:
+        return kernels.block_pass_rows
+    return tokens
+
 if TYPE_CHECKING:
     from infer.distributed import TensorParallelGroup
     from infer.kernels.cpu import CpuKernels
@@ -168,9 +179,8 @@ class MoE(nn.Module):
 
         On the kernels, every expert runs in one C call (``CpuKernels.moe_experts``) where the experts are on the
         tiles; over ``pack_weights``' layout, the experts that take up to ``KERNEL_MAX_TOKENS`` tokens do, and over
-        GGUF's blocks those that take up to one pass of the block GEMV (``kernels.block_pass_rows``: past it each
-        expert's projections take the block GEMM, as ``PackedLinear`` does); the others (a prefill chunk's) expert by
-        expert through their packed projections."""
+        GGUF's blocks every expert too, except where the block GEMM runs on AMX (``call_max_block_tokens``); the
+        others (a prefill chunk's) expert by expert through their packed projections."""
         groups = ExpertGroups.of(self.route(x), self.num_experts)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         kernels = None if step is None else step.ops.kernels
@@ -179,7 +189,7 @@ class MoE(nn.Module):
             most = (  # the tiles take any number
                 groups.starts[-1]
                 if self.packed.tiles
-                else kernels.block_pass_rows
+                else call_max_block_tokens(kernels, self.packed.blocks, groups.starts[-1])
                 if self.packed.blocks
                 else KERNEL_MAX_TOKENS
             )

@@ -240,6 +240,24 @@ INFER_HIDDEN void gated_mul_rows(const float *gate_up, void *out, int64_t rows, 
 INFER_HIDDEN void block_sums(const float *x, int64_t rows, int64_t k, const void *block, const float *scales,
                              int64_t group, int kind, float *sums);
 
+/* GGUF's blocks of 32 as the block kernels hold them (gemv_blocks.c's top comment), for the GEMV and the block GEMM
+ * alike: a record's bytes (four weight rows' 32 columns), where its quants start (after d[4] and m[4], or e[4]), an
+ * MXFP4 code's unsigned quant 2 FP4 + 12 (a table for byte shuffles), and MXFP4's scale 2^(e - 128) of row i. */
+static inline int64_t record_bytes(int kind) {
+    return kind == KIND_Q8_0 ? 136 : kind == KIND_Q4_1 ? 80 : kind == KIND_MXFP4 ? 68 : 72;
+}
+
+static inline int64_t quants_at(int kind) { return kind == KIND_Q4_1 ? 16 : kind == KIND_MXFP4 ? 4 : 8; }
+
+static inline const uint8_t *mxfp4_quants(void) {
+    static const uint8_t quants[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+    return quants;
+}
+
+#define MXFP4_OFFSET 12.0f
+
+static inline float mxfp4_scale(const uint8_t *record, int i) { return ldexpf(1.0f, (int)record[i] - 128); }
+
 /* The block GEMVs' parts (gemv_blocks.c, gemv_kquants.c), for kernels that split a weight's groups of four output
  * rows over their threads themselves (moe.c), over Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights: a group's bytes over k
  * inputs; the scales (and as many sums) a row of x takes for a kind (k / 32, or k / 16 for the K-quants' layout);
@@ -251,6 +269,16 @@ INFER_HIDDEN void block_quantize_rows(const float *x, int64_t rows, int64_t k, i
                                       float *s);
 INFER_HIDDEN void block_group_sums(const uint8_t *group, int64_t k, const int8_t *xq, const float *dx,
                                    const float *s, int64_t rows, int64_t kind, float *sums);
+
+/* The block GEMM's int8 design (gemm_blocks.c) for the same kernels: the rows of x a tile of its layout holds for a
+ * kind (0: the design does not take the kind in this build: K-quants, plain C); row `row` of that layout (q
+ * [tiles][k / 4][LANES][4], dx and s [tiles][k / 32][LANES], LANES the tile's rows; pad rows zeroed by the caller)
+ * quantized from one row of x as the GEMV quantizes it (the same values); and one group's sums [rows][4] over the
+ * `rows` rows from the layout's first tile, `unpacked` k * 4 bytes of scratch. Single-threaded. */
+INFER_HIDDEN int64_t block_gemm_tile_rows(int64_t kind);
+INFER_HIDDEN void block_gemm_quantize_row(const float *x, int64_t k, int64_t row, int8_t *q, float *dx, float *s);
+INFER_HIDDEN void block_gemm_group_sums(const uint8_t *group, int64_t k, const int8_t *q, const float *dx,
+                                        const float *s, int64_t rows, int64_t kind, uint8_t *unpacked, float *sums);
 
 /* A Q4_K record's 12 bytes of scales as sc[0..7] and m[0..7], a byte each (gemv_kquants.c's top comment): for the
  * K-quant GEMV and the block GEMM's dequantized panels. */

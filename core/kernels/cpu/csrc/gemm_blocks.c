@@ -43,18 +43,15 @@ enum { BLOCK_GEMM_PORTABLE = 0, BLOCK_GEMM_INT8 = 1, BLOCK_GEMM_AMX_BF16 = 2 };
 /* Bytes of x (in the layout a design reads) one chunk of rows may take: it stays in L2 beside a panel of weights. */
 #define CHUNK_BYTES (1 << 20)
 
-static inline int64_t record_bytes(int kind) { return kind == KIND_Q8_0 ? 136 : kind == KIND_Q4_1 ? 80 : 72; }
-
-static inline int64_t quants_at(int kind) { return kind == KIND_Q4_1 ? 16 : 8; }
-
 /* A record's scales d and offsets c (weight row i's dot product with a block of x is d[i] dx sum(q_w q_x) + c[i] s;
  * gemv_blocks.c's top comment), as floats. `q8_signed`: Q8_0's quants multiplied signed, c = 0. */
 static inline void record_scales(const uint8_t *record, int kind, int q8_signed, float d[4], float c[4]) {
     const uint16_t *halves = (const uint16_t *)record;
     for (int i = 0; i < 4; i++) {
-        d[i] = half_to_float(halves[i]);
+        d[i] = kind == KIND_MXFP4 ? mxfp4_scale(record, i) : half_to_float(halves[i]);
         c[i] = kind == KIND_Q4_1 ? half_to_float(halves[4 + i])
                : kind == KIND_Q4_0 ? -8.0f * d[i]
+               : kind == KIND_MXFP4 ? -MXFP4_OFFSET * d[i]
                : q8_signed ? 0.0f : -128.0f * d[i];
     }
 }
@@ -115,6 +112,20 @@ static inline int quantize_block(const float *in, int8_t out[BLOCK], float *dx) 
     return sum;
 }
 
+/* Row m of the layout (tile m / LANES, lane m % LANES) from one row of x (k floats). */
+static inline void quantize_row(const float *x, int64_t k, int64_t m, int8_t *q, float *dx, float *s) {
+    const int64_t tile = m / LANES, lane = m % LANES, blocks = k / BLOCK;
+    for (int64_t b = 0; b < blocks; b++) {
+        int8_t values[BLOCK];
+        float scale;
+        const int sum = quantize_block(x + b * BLOCK, values, &scale);
+        for (int j = 0; j < BLOCK; j += 4)
+            memcpy(q + ((tile * (k / 4) + b * 8 + j / 4) * LANES + lane) * 4, values + j, 4);
+        dx[(tile * blocks + b) * LANES + lane] = scale;
+        s[(tile * blocks + b) * LANES + lane] = scale * (float)sum;
+    }
+}
+
 static int8_rows quantize_rows(const float *x, int64_t rows, int64_t k) {
     int8_rows r;
     r.tiles = (rows + LANES - 1) / LANES;
@@ -123,35 +134,37 @@ static int8_rows quantize_rows(const float *x, int64_t rows, int64_t k) {
     r.dx = calloc(r.tiles * LANES * r.blocks, sizeof(float));
     r.s = calloc(r.tiles * LANES * r.blocks, sizeof(float));
 #pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_ELEMENTS)
-    for (int64_t m = 0; m < rows; m++) {
-        const int64_t tile = m / LANES, lane = m % LANES;
-        for (int64_t b = 0; b < r.blocks; b++) {
-            int8_t q[BLOCK];
-            float dx;
-            const int sum = quantize_block(x + m * k + b * BLOCK, q, &dx);
-            for (int j = 0; j < BLOCK; j += 4)
-                memcpy(r.q + ((tile * (k / 4) + b * 8 + j / 4) * LANES + lane) * 4, q + j, 4);
-            r.dx[(tile * r.blocks + b) * LANES + lane] = dx;
-            r.s[(tile * r.blocks + b) * LANES + lane] = dx * (float)sum;
-        }
-    }
+    for (int64_t m = 0; m < rows; m++) quantize_row(x + m * k, k, m, r.q, r.dx, r.s);
     return r;
 }
 
-/* A group's Q4 quants as bytes, [blocks][4 rows][32] (Q8_0's records hold theirs so already). */
+/* A group's Q4 quants as bytes, [blocks][4 rows][32] (Q8_0's records hold theirs so already); MXFP4's codes as their
+ * unsigned quants 2 FP4 + 12 (a byte shuffle over the table). */
 static void unpack_group(const uint8_t *group, int64_t blocks, int kind, uint8_t *unpacked) {
     const int64_t size = record_bytes(kind);
+#if INT8_SIMD == 512
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)mxfp4_quants()));
+#endif
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *quants = group + b * size + quants_at(kind);
         uint8_t *out = unpacked + b * 128;
 #if INT8_SIMD == 512
         const __m512i packed = _mm512_loadu_si512(quants), nibble = _mm512_set1_epi8(0x0F);
-        _mm512_storeu_si512(out, _mm512_and_si512(packed, nibble));                          /* rows 0, 1 */
-        _mm512_storeu_si512(out + 64, _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble)); /* rows 2, 3 */
+        __m512i rows01 = _mm512_and_si512(packed, nibble), rows23 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+        if (kind == KIND_MXFP4) {
+            rows01 = _mm512_shuffle_epi8(table, rows01);
+            rows23 = _mm512_shuffle_epi8(table, rows23);
+        }
+        _mm512_storeu_si512(out, rows01);
+        _mm512_storeu_si512(out + 64, rows23);
 #else
         for (int j = 0; j < 64; j++) {
             out[j] = quants[j] & 0x0F;
             out[64 + j] = quants[j] >> 4;
+            if (kind == KIND_MXFP4) {
+                out[j] = mxfp4_quants()[out[j]];
+                out[64 + j] = mxfp4_quants()[out[64 + j]];
+            }
         }
 #endif
     }
@@ -382,11 +395,83 @@ static void gemm_blocks_int8(const float *x, int64_t rows, int64_t k, const uint
         gemm_int8(&r, rows, k, w, bias, y, n_out, KIND_Q4_0);
     else if (kind == KIND_Q4_1)
         gemm_int8(&r, rows, k, w, bias, y, n_out, KIND_Q4_1);
+    else if (kind == KIND_MXFP4)
+        gemm_int8(&r, rows, k, w, bias, y, n_out, KIND_MXFP4);
     else
         gemm_int8(&r, rows, k, w, bias, y, n_out, KIND_Q8_0);
     free(r.s);
     free(r.dx);
     free(r.q);
+}
+#endif
+
+/* ---- for kernels that split a weight's groups over their threads themselves (moe.c) ----------------------------- */
+
+int64_t block_gemm_tile_rows(int64_t kind) {
+#if INT8_SIMD
+    return kind == KIND_Q4_0 || kind == KIND_Q4_1 || kind == KIND_Q8_0 || kind == KIND_MXFP4 ? LANES : 0;
+#else
+    (void)kind;
+    return 0;
+#endif
+}
+
+#if INT8_SIMD
+void block_gemm_quantize_row(const float *x, int64_t k, int64_t row, int8_t *q, float *dx, float *s) {
+    quantize_row(x, k, row, q, dx, s);
+}
+
+/* The kind a constant in each copy, as gemm_blocks_int8. */
+static inline __attribute__((always_inline)) void group_sums_int8(const uint8_t *group, int64_t k, const int8_t *q,
+                                                                  const float *dx, const float *s, int64_t rows,
+                                                                  uint8_t *unpacked, float *out, const int kind) {
+    const int64_t blocks = k / BLOCK, tiles = (rows + LANES - 1) / LANES;
+    const int64_t q_stride = k * LANES, s_stride = blocks * LANES;
+    if (kind != KIND_Q8_0) unpack_group(group, blocks, kind, unpacked);
+    for (int64_t t = 0; t < tiles; t += PASS_TILES) {
+        const int count = tiles - t < PASS_TILES ? (int)(tiles - t) : PASS_TILES;
+        float values[PASS_TILES][4][LANES];
+#if INT8_SIMD == 512
+        __m512 sums[4][PASS_TILES];
+        if (count == PASS_TILES)
+            group_pass_512(group, unpacked, blocks, q + t * q_stride, q_stride, dx + t * s_stride, s + t * s_stride,
+                           s_stride, sums, PASS_TILES, kind);
+        else
+            group_pass_512(group, unpacked, blocks, q + t * q_stride, q_stride, dx + t * s_stride, s + t * s_stride,
+                           s_stride, sums, 1, kind);
+        for (int j = 0; j < count; j++)
+            for (int i = 0; i < 4; i++) _mm512_storeu_ps(values[j][i], sums[i][j]);
+#else
+        __m256 sums[4][PASS_TILES];
+        group_pass_256(group, unpacked, blocks, q + t * q_stride, q_stride, dx + t * s_stride, s + t * s_stride,
+                       s_stride, sums, PASS_TILES, kind);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(values[0][i], sums[i][0]);
+#endif
+        for (int j = 0; j < count; j++)
+            for (int64_t lane = 0, row = (t + j) * LANES; lane < LANES && row < rows; lane++, row++)
+                for (int i = 0; i < 4; i++) out[row * 4 + i] = values[j][i][lane];
+    }
+}
+
+void block_gemm_group_sums(const uint8_t *group, int64_t k, const int8_t *q, const float *dx, const float *s,
+                           int64_t rows, int64_t kind, uint8_t *unpacked, float *sums) {
+    if (kind == KIND_Q4_0)
+        group_sums_int8(group, k, q, dx, s, rows, unpacked, sums, KIND_Q4_0);
+    else if (kind == KIND_Q4_1)
+        group_sums_int8(group, k, q, dx, s, rows, unpacked, sums, KIND_Q4_1);
+    else if (kind == KIND_MXFP4)
+        group_sums_int8(group, k, q, dx, s, rows, unpacked, sums, KIND_MXFP4);
+    else
+        group_sums_int8(group, k, q, dx, s, rows, unpacked, sums, KIND_Q8_0);
+}
+#else
+void block_gemm_quantize_row(const float *x, int64_t k, int64_t row, int8_t *q, float *dx, float *s) {
+    (void)x, (void)k, (void)row, (void)q, (void)dx, (void)s;
+}
+
+void block_gemm_group_sums(const uint8_t *group, int64_t k, const int8_t *q, const float *dx, const float *s,
+                           int64_t rows, int64_t kind, uint8_t *unpacked, float *sums) {
+    (void)group, (void)k, (void)q, (void)dx, (void)s, (void)rows, (void)kind, (void)unpacked, (void)sums;
 }
 #endif
 
@@ -869,7 +954,8 @@ static int64_t chosen_design(int64_t rows, int64_t kind, int64_t design) {
                          has_design(BLOCK_GEMM_INT8)
                      ? BLOCK_GEMM_INT8
                      : infer_block_gemm_kind();
-    if (kind == KIND_MXFP4) return BLOCK_GEMM_PORTABLE;  /* MXFP4: the GEMV, for any rows */
+    if (kind == KIND_MXFP4)  /* not among the AMX design's kinds */
+        return has_design(BLOCK_GEMM_INT8) ? BLOCK_GEMM_INT8 : BLOCK_GEMM_PORTABLE;
     return kquant && design == BLOCK_GEMM_INT8 ? BLOCK_GEMM_PORTABLE : design;  /* K-quants' int8: their GEMV */
 }
 

@@ -45,20 +45,6 @@
 #define Q8_SIGNED 0
 #endif
 
-static inline int64_t record_bytes(int kind) {
-    return kind == KIND_Q8_0 ? 136 : kind == KIND_Q4_1 ? 80 : kind == KIND_MXFP4 ? 68 : 72;
-}
-
-/* Where a record's quants start: after d[4] (and m[4]), or e[4]. */
-static inline int64_t quants_at(int kind) { return kind == KIND_Q4_1 ? 16 : kind == KIND_MXFP4 ? 4 : 8; }
-
-/* An MXFP4 code as the kernels' unsigned quant, 2 FP4 + 12 (see the top of the file). */
-static const uint8_t MXFP4_QUANTS[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
-#define MXFP4_OFFSET 12.0f
-
-/* MXFP4's scale of row i of a record: 2^(e - 128) for its quants, which hold 2 FP4. */
-static inline float mxfp4_scale(const uint8_t *record, int i) { return ldexpf(1.0f, (int)record[i] - 128); }
-
 /* The weight stream's software prefetch, as the float GEMV's (gemv.c): into L1 1 KB ahead, into L2 6 KB ahead. */
 static inline __attribute__((always_inline)) void blocks_prefetch(const uint8_t *record) {
     __builtin_prefetch(record + 1024, 0, 3);
@@ -144,7 +130,7 @@ static inline __attribute__((always_inline)) void group_dot_avx512(const uint8_t
     const __m512i first_pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i second_pair = _mm512_add_epi32(first_pair, _mm512_set1_epi32(2));
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const __m512i mxfp4_table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MXFP4_QUANTS));
+    const __m512i mxfp4_table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)mxfp4_quants()));
     __m512 acc[BLOCK_PASS_ROWS][2];
     __m128 offsets[BLOCK_PASS_ROWS];
     for (int r = 0; r < count; r++) {
@@ -224,7 +210,7 @@ static inline __attribute__((always_inline)) void group_dot_avx2(const uint8_t *
                                                                  const int count, const int kind) {
     const int64_t size = record_bytes(kind);
     const __m256i nibble = _mm256_set1_epi8(0x0F);
-    const __m256i mxfp4_table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_QUANTS));
+    const __m256i mxfp4_table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mxfp4_quants()));
     __m256 acc[BLOCK_PASS_ROWS];
     __m128 offsets[BLOCK_PASS_ROWS];
     for (int r = 0; r < count; r++) {
@@ -281,7 +267,7 @@ static inline int record_quant(const uint8_t *quants, int i, int j, const int ki
     if (kind == KIND_Q8_0) return quants[i * 32 + j];
     const uint8_t byte = quants[(i & 1) * 32 + j];
     const int code = i < 2 ? byte & 0x0F : byte >> 4;
-    return kind == KIND_MXFP4 ? MXFP4_QUANTS[code] : code;
+    return kind == KIND_MXFP4 ? mxfp4_quants()[code] : code;
 }
 
 /* The same sums in plain C. */

@@ -14,10 +14,13 @@
  * routing-weighted add. An expert of many tokens multiplies on AMX's tiles (its rows rounded to bf16, in chunks that
  * stay in L2), one of few with float32 FMAs over the widened weights, a GEMV pass of 8 rows at a time.
  *
- * Over GGUF's blocks (infer_moe_experts_blocks: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K experts) the split is the first
- * one's, in groups of four output rows: each pair's row of x quantized per 32 columns once (in the layout the gate/up
- * kind's GEMV reads), that GEMV's integer dot products for a thread's gate and up groups, the activation on their
- * sums; then every pair's activations quantized for down's kind, and down's groups of a thread's output columns. */
+ * Over GGUF's blocks (infer_moe_experts_blocks: Q4_0, Q4_1, Q8_0, MXFP4, Q4_K and Q6_K experts) the split is the
+ * first one's, in groups of four output rows: each pair's row of x quantized per 32 columns once (in the layout the
+ * gate/up kind's GEMV reads), that GEMV's integer dot products for a thread's gate and up groups, the activation on
+ * their sums; then every pair's activations quantized for down's kind, and down's groups of a thread's output
+ * columns. An expert of more tokens than one GEMV pass (prefill), in a 32-block kind, takes the block GEMM's int8
+ * design instead (gemm_blocks.c): its rows quantized into that design's tiles (the same values), each group's quants
+ * unpacked once and multiplied against every tile, where the GEMV would read the group again for each pass. */
 #include "common.h"
 #include "tiles.h"
 
@@ -384,6 +387,46 @@ void infer_moe_experts_tiles(const float *x, int64_t hidden, int64_t width, int6
 
 /* ---- over GGUF's blocks (infer_moe_experts_blocks) -------------------------------------------------------------- */
 
+/* Where each pair's quantized rows sit: experts of more tokens than one GEMV pass, in a kind the block GEMM's int8
+ * design takes, in that design's layout (`row[p]`: the pair's row there, each such expert's from a tile's first row;
+ * `*padded`: the rows, tiles whole), the others in the GEMV's (row[p] = -1). */
+static void gemm_rows(const int64_t *starts, int64_t experts, int64_t kind, int64_t *row, int64_t *padded) {
+    const int64_t lanes = block_gemm_tile_rows(kind);
+    *padded = 0;
+    for (int64_t e = 0; e < experts; e++) {
+        const int64_t count = starts[e + 1] - starts[e];
+        const int gemm = lanes && count > infer_block_pass_rows();
+        for (int64_t p = starts[e]; p < starts[e + 1]; p++) row[p] = gemm ? *padded + p - starts[e] : -1;
+        if (gemm) *padded += (count + lanes - 1) / lanes * lanes;
+    }
+    row[starts[experts]] = -1;  /* an expert of no pairs at the end reads this one */
+}
+
+/* A pair's rows of x (k floats) quantized for `kind`: into the GEMM's layout where row >= 0, else the GEMV's (scales
+ * rows of `per_row`). */
+static inline void quantize_pair(const float *x, int64_t k, int64_t kind, int64_t p, int64_t row, int8_t *q,
+                                 float *scales, float *sums, int64_t per_row, int8_t *gemm_q, float *gemm_scales,
+                                 float *gemm_sums) {
+    if (row >= 0)
+        block_gemm_quantize_row(x, k, row, gemm_q, gemm_scales, gemm_sums);
+    else
+        block_quantize_rows(x, 1, k, kind, q + p * k, scales + p * per_row, sums + p * per_row);
+}
+
+/* One group's sums [count][4] over an expert's pairs from `start`: the GEMM's where its rows are there. */
+static inline void expert_group_sums(const uint8_t *group, int64_t k, int64_t kind, int64_t start, int64_t count,
+                                     const int64_t *row, const int8_t *q, const float *scales, const float *sums,
+                                     int64_t per_row, const int8_t *gemm_q, const float *gemm_scales,
+                                     const float *gemm_sums, uint8_t *unpacked, float *out) {
+    if (row[start] >= 0) {
+        const int64_t lanes = block_gemm_tile_rows(kind), tile = row[start] / lanes;
+        block_gemm_group_sums(group, k, gemm_q + tile * lanes * k, gemm_scales + tile * lanes * (k / 32),
+                              gemm_sums + tile * lanes * (k / 32), count, kind, unpacked, out);
+    } else {
+        block_group_sums(group, k, q + start * k, scales + start * per_row, sums + start * per_row, count, kind, out);
+    }
+}
+
 void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int64_t experts,
                               const int64_t *expert_ids, const int64_t *starts, const int64_t *tokens,
                               const float *weights, const int64_t *gate_up, int64_t gate_up_kind,
@@ -393,10 +436,19 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
     const int64_t x_row = block_row_scales(hidden, gate_up_kind), act_row = block_row_scales(width, down_kind);
     const int64_t most = most_tokens(starts, experts);
     /* each pair's row of x and of activations, quantized per 32 columns as the kinds' GEMVs quantize them (x_row and
-     * act_row scales a row, and as many sums), grouped by expert */
+     * act_row scales a row, and as many sums), grouped by expert; an expert of many tokens', in the block GEMM's
+     * layout instead (gemm_rows) */
+    int64_t *x_at = malloc(sizeof(int64_t) * 2 * (pairs + 1)), *act_at = x_at + pairs + 1, x_padded, act_padded;
+    gemm_rows(starts, experts, gate_up_kind, x_at, &x_padded);
+    gemm_rows(starts, experts, down_kind, act_at, &act_padded);
     int8_t *xq = malloc(pairs * hidden), *aq = malloc(pairs * width);
     float *x_scales = malloc(sizeof(float) * 2 * pairs * x_row), *x_sums = x_scales + pairs * x_row;
     float *a_scales = malloc(sizeof(float) * 2 * pairs * act_row), *a_sums = a_scales + pairs * act_row;
+    int8_t *gemm_xq = calloc(x_padded * hidden + 1, 1), *gemm_aq = calloc(act_padded * width + 1, 1);
+    float *gemm_x_scales = calloc(2 * x_padded * (hidden / 32) + 1, sizeof(float));
+    float *gemm_x_sums = gemm_x_scales + x_padded * (hidden / 32);
+    float *gemm_a_scales = calloc(2 * act_padded * (width / 32) + 1, sizeof(float));
+    float *gemm_a_sums = gemm_a_scales + act_padded * (width / 32);
     float *activated = malloc(sizeof(float) * pairs * width);
     const int64_t gate_up_group = block_group_bytes(hidden, gate_up_kind);
     const int64_t down_group = block_group_bytes(width, down_kind);
@@ -404,47 +456,52 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
     {
         const int thread = team_member(), threads = team_size();
         float *gate = malloc(sizeof(float) * 8 * most), *up = gate + 4 * most;
+        uint8_t *unpacked = malloc(4 * (hidden > width ? hidden : width));
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++)
-            block_quantize_rows(x + tokens[p] * hidden, 1, hidden, gate_up_kind, xq + p * hidden,
-                                x_scales + p * x_row, x_sums + p * x_row);
+            quantize_pair(x + tokens[p] * hidden, hidden, gate_up_kind, p, x_at[p], xq, x_scales, x_sums, x_row,
+                          gemm_xq, gemm_x_scales, gemm_x_sums);
         int64_t first, last;
         thread_share(width / 4, thread, threads, &first, &last);
         for (int64_t e = 0; e < experts; e++) {
             const int64_t start = starts[e], count = starts[e + 1] - start, id = expert_ids[e];
             const uint8_t *weight = (const uint8_t *)(intptr_t)gate_up[id];
             const float *bias = gate_up_bias ? (const float *)(intptr_t)gate_up_bias[id] : NULL;
-            const int8_t *q = xq + start * hidden;
-            const float *dx = x_scales + start * x_row, *s = x_sums + start * x_row;
             for (int64_t b = first; b < last; b++) {
-                block_group_sums(weight + b * gate_up_group, hidden, q, dx, s, count, gate_up_kind, gate);
-                block_group_sums(weight + (b + width / 4) * gate_up_group, hidden, q, dx, s, count, gate_up_kind,
-                                 up);
+                expert_group_sums(weight + b * gate_up_group, hidden, gate_up_kind, start, count, x_at, xq, x_scales,
+                                  x_sums, x_row, gemm_xq, gemm_x_scales, gemm_x_sums, unpacked, gate);
+                expert_group_sums(weight + (b + width / 4) * gate_up_group, hidden, gate_up_kind, start, count, x_at,
+                                  xq, x_scales, x_sums, x_row, gemm_xq, gemm_x_scales, gemm_x_sums, unpacked, up);
                 activate_group(gate, up, count, bias, b, width, activation, limit, alpha, activated + start * width);
             }
         }
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++)
-            block_quantize_rows(activated + p * width, 1, width, down_kind, aq + p * width,
-                                a_scales + p * act_row, a_sums + p * act_row);
+            quantize_pair(activated + p * width, width, down_kind, p, act_at[p], aq, a_scales, a_sums, act_row,
+                          gemm_aq, gemm_a_scales, gemm_a_sums);
         thread_share(hidden / 4, thread, threads, &first, &last);
         for (int64_t e = 0; e < experts; e++) {
             const int64_t start = starts[e], count = starts[e + 1] - start, id = expert_ids[e];
             const uint8_t *weight = (const uint8_t *)(intptr_t)down[id];
             const float *bias = down_bias ? (const float *)(intptr_t)down_bias[id] : NULL;
-            const int8_t *q = aq + start * width;
-            const float *dx = a_scales + start * act_row, *s = a_sums + start * act_row;
             for (int64_t b = first; b < last; b++) {
-                block_group_sums(weight + b * down_group, width, q, dx, s, count, down_kind, gate);
+                expert_group_sums(weight + b * down_group, width, down_kind, start, count, act_at, aq, a_scales,
+                                  a_sums, act_row, gemm_aq, gemm_a_scales, gemm_a_sums, unpacked, gate);
                 add_routed_group(gate, count, start, bias, b, tokens, weights, hidden, out);
             }
         }
+        free(unpacked);
         free(gate);
     }
+    free(x_at);
     free(xq);
     free(aq);
     free(x_scales);
     free(a_scales);
+    free(gemm_xq);
+    free(gemm_aq);
+    free(gemm_x_scales);
+    free(gemm_a_scales);
     free(activated);
 }
