@@ -9,8 +9,8 @@ weights once at this machine's streaming rate.
   each expert's packed projections on infer's kernels (GEMV, tile GEMM, block GEMV and GEMM) from Python.
 - ``infer``: the same ``MoE`` as the engine runs it: every expert in one C call (``CpuKernels.moe_experts``) over
   the tiles' layout where the kernels have tiles (AMX or AVX512-BF16), else over ``pack_weights``' layout for the
-  experts of few tokens and any others as ``grouped``; over blocks, the experts of up to one block-GEMV pass of
-  tokens in the call and any others as ``grouped``.
+  experts of few tokens and any others as ``grouped``; over blocks, every expert in the call (where the block GEMM
+  runs on AMX, those of more than one block-GEMV pass of tokens as ``grouped``, but MXFP4 ones).
 - ``pack_weights``: the C call over ``pack_weights``' layout (the kernels' path without tiles) on this machine.
 - ``floor``: the active experts' bytes over the best rate at which infer's GEMV streamed a bf16 weight (one row of
   x) in reads sampled through the run.
