@@ -354,6 +354,47 @@ def test_gguf_mode_packs_each_layer_as_the_files_blocks_as_soon_as_it_is_read(fi
     assert stores_blocks(Path(path))
 
 
+@pytest.mark.parametrize("name", ["default", "kquants", "moe", "gemma3", "phi3"])
+def test_a_load_keeping_the_files_blocks_keeps_its_tables_as_them(files, name):
+    """The token embedding a file stores as blocks stays as them (``BlockEmbedding``: rows dequantized as looked up,
+    never the whole table as floats), a tied head multiplying the same blocks and an untied one its own; every row
+    looked up, scaled as the family scales it, and the head's weight are the float model's bit for bit."""
+    from infer.model.gguf_blocks import read_table
+    from infer.model.quantization import BlockEmbedding, model_weight_bytes
+
+    path = files[name]
+    packed = load_model(path, torch.float32, keep_gguf_blocks=True).model
+    float_model = load_model(path, torch.float32, read_gguf=True).model
+    table = read_table(resolve_model_path(path))
+    assert isinstance(packed.embed_tokens, BlockEmbedding) == (table is not None)
+    if table is None:  # a float table in this file: read as floats
+        return
+    vocab = float_model.embed_tokens.weight.shape[0]
+    ids = torch.tensor([[0, 5, 5, 1, vocab - 1, 6], [3, 2, vocab - 2, 8, 9, 4]])  # repeats, both ends, one group twice
+    assert torch.equal(packed.embed_tokens(ids), float_model.embed_tokens(ids))
+    assert torch.equal(packed.embed(ids[0]), float_model.embed(ids[0]))
+    assert isinstance(packed.lm_head, PackedLinear) and packed.lm_head.weight is None
+    assert (packed.lm_head.blocks is packed.embed_tokens.blocks) == packed.tie_word_embeddings
+    assert torch.equal(packed.head_weight(), float_model.head_weight())
+    held = model_weight_bytes(packed)  # the shared blocks once
+    assert held == model_weight_bytes(packed.layers) + sum(
+        p.numel() * p.element_size() for p in packed.norm.parameters()
+    ) + packed.embed_tokens.nbytes + (0 if packed.tie_word_embeddings else packed.lm_head.nbytes)
+
+
+def test_the_start_estimate_takes_a_table_kept_as_blocks_at_their_bytes():
+    """Where the load keeps a GGUF file's blocks (``keeps_blocks``), its ``Q8_0`` table costs 34 bytes a 32 weights
+    and a tied head nothing more; read as floats, float32's 4 bytes a weight plus the head packed as the mode packs."""
+    from infer.execution.paths import estimated_weight_bytes
+    from infer.model.loader import CheckpointMatrices
+
+    counts = CheckpointMatrices(table=64_000, table_dtype="Q8_0", matrices=10_000, tied=True, mxfp4=3_200)
+    kept = estimated_weight_bytes(counts, "bf16", torch.float32, keeps_blocks=True)
+    assert kept == 2 * 10_000 + 64_000 * 34 // 32 + 3_200 * 17 // 32
+    read = estimated_weight_bytes(counts, "bf16", torch.float32, keeps_blocks=False)
+    assert read == 2 * (10_000 + 3_200) + 4 * 64_000 + 2 * 64_000
+
+
 def test_a_moe_file_runs_its_experts_in_one_call_over_the_files_blocks(files, monkeypatch):
     """The Qwen3-MoE file with its blocks kept: steps run the experts in the one C call over the file's blocks
     (``Q4_0`` gate/up and ``Q8_0`` down in one layer, ``Q4_K`` and ``Q6_K`` in the other), with the logits of the

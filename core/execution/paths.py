@@ -555,9 +555,10 @@ def warn_if_memory_is_short(path: str, quantization: str, dtype: torch.dtype, ke
 def estimated_weight_bytes(counts, quantization: str, dtype: torch.dtype, keeps_blocks: bool = False) -> int | None:
     """What a checkpoint's weights take packed as ``quantization`` (``none``: ``dtype``'s), from its headers' counts
     (``infer.model.loader.checkpoint_matrices``; ``packed_weight_bytes``): MXFP4 experts at their own 4.25 bits a
-    weight where the load keeps them (``keeps_blocks``), else as the mode packs them. None where the mode is not
-    estimated."""
+    weight where the load keeps them (``keeps_blocks``), else as the mode packs them, and there a GGUF file's table
+    stored as blocks at their bytes (``BlockEmbedding``). None where the mode is not estimated."""
     from infer.kernels.cpu.blocks import bytes_per_weight
+    from infer.model.gguf_blocks import BLOCK_TYPES
     from infer.model.quantization import packed_weight_bytes
 
     kept = counts.mxfp4 if keeps_blocks else 0  # weights that stay MXFP4, the others dequantized and packed
@@ -565,8 +566,10 @@ def estimated_weight_bytes(counts, quantization: str, dtype: torch.dtype, keeps_
     if quantization == "none":
         needed = dtype.itemsize * (matrices + counts.table)
     else:
-        table_bytes = 2 if counts.table_dtype == "BF16" else 4
-        needed = packed_weight_bytes(quantization, matrices, counts.table, table_bytes, counts.tied)
+        table_kind = BLOCK_TYPES.get(counts.table_dtype) if keeps_blocks else None
+        table_bytes = 2 if counts.table_dtype == "BF16" else 4 if table_kind is None else bytes_per_weight(table_kind)
+        tied = counts.tied and table_kind is None  # a kept table's head multiplies its blocks
+        needed = packed_weight_bytes(quantization, matrices, counts.table, table_bytes, tied)
     if needed is None:
         return None
     return needed + int(kept * bytes_per_weight("mxfp4"))

@@ -332,8 +332,8 @@ class CausalLM(nn.Module):
     def head_weight(self) -> torch.Tensor:
         """The output head's weight ``[vocab, hidden]`` (a tensor-parallel rank's rows), float32 or bf16 as it is held:
         the embedding table where they are tied, else the head's own, given back by its packing where that holds it
-        alone (a copy: ``PackedLinear.full_weight``)."""
-        if self.tie_word_embeddings:
+        alone (a copy: ``PackedLinear.full_weight``; a table and head held as a GGUF file's blocks likewise)."""
+        if self.tie_word_embeddings and self.embed_tokens.weight is not None:  # (a BlockEmbedding holds none)
             return self.embed_tokens.weight
         head = self.lm_head
         return head.weight if isinstance(head, nn.Linear) else head.full_weight()

@@ -86,6 +86,18 @@ def read_projections(
     return blocks, others
 
 
+def read_table(path: Path) -> BlockWeight | None:
+    """The file's token embedding table (``token_embd.weight``) as its blocks, where it stores it as a ``BLOCK_TYPES``
+    type, else None (a float or other table, read as floats)."""
+    file = gguf_header(path)
+    tensor = file.tensors.get("token_embd.weight")
+    kind = None if tensor is None else BLOCK_TYPES.get(tensor.type_name)
+    if kind is None:
+        return None
+    rows = file.data(tensor)
+    return pack_blocks(rows, kind, len(rows))
+
+
 def projections_kept_as_blocks(path: Path, model: nn.Module, only: tuple[str, ...] | None = None) -> set[str]:
     """The module names of ``model``'s ``nn.Linear`` layers that ``read_projections`` keeps as the file's blocks."""
     file = gguf_header(path)

@@ -22,7 +22,7 @@ import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from infer.model import CausalLM, ModelArchitecture
 from infer.model.architecture import UnsupportedModelError
 from infer.model.gguf_config import VERSION as GGUF_CONFIG_VERSION
 from infer.model.gguf_config import complete_config, end_of_generation_ids
+
+if TYPE_CHECKING:
+    from infer.kernels.cpu.blocks import BlockWeight
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -305,7 +308,7 @@ def load_model(
 
     from infer.model.gguf_blocks import projections_kept_as_blocks, warn_dequantized
     from infer.model.gguf_weights import GgufTensors, converts_wrongly, reads_directly
-    from infer.model.quantization import GGUF_OTHERS
+    from infer.model.quantization import GGUF_OTHERS, BlockEmbedding, pack_as_blocks
 
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device) if isinstance(dtype, str) else dtype
@@ -326,6 +329,9 @@ def load_model(
         only = None if keep_gguf_blocks else CHECKPOINT_BLOCK_KINDS
         keeping = keep_gguf_blocks or keep_checkpoint_blocks
         kept = projections_kept_as_blocks(resolved, model, only) if keeping else set()
+        # the vocabulary tables the file stores as blocks stay so, whatever the layers' packing (None: read as floats)
+        table, head = _file_tables(resolved, model) if keeping else (None, None)
+        unread = [module for module in kept if module.startswith("layers.")]  # the head: below
         tensors: Mapping[str, torch.Tensor] = GgufTensors(
             resolved,
             [source for name, _ in model.named_parameters() for source in model.weight_map.hf_names(name)],
@@ -334,20 +340,38 @@ def load_model(
             model.num_kv_heads,
             unread=[
                 source
-                for module in kept
-                if module.startswith("layers.")  # the output head keeps its float weight beside its blocks
-                for source in model.weight_map.hf_names(f"{module}.weight")
+                for name in [f"{module}.weight" for module in unread]
+                + (["embed_tokens.weight"] if table is not None else [])
+                + (["lm_head.weight"] if head is not None else [])
+                for source in model.weight_map.hf_names(name)
             ],
         )
         others: dict[str, str] = {}  # projections the file stores as types the block kernels do not read
         if keeping:
             prepare_layer = _keeping_blocks(resolved, model, prepare_layer, others, only)
         model.load_hf_state_dict(tensors, prepare_layer, bf16_weights)
+        if table is not None:
+            model.embed_tokens = BlockEmbedding(table)
+        if head is not None:
+            pack_as_blocks(model, {"lm_head": head})
         warn_dequantized(resolved, others, GGUF_OTHERS)
     else:
         model.load_hf_state_dict(read_safetensors(model_dir), prepare_layer, bf16_weights, keep_checkpoint_blocks)
     name = path.lower() if path.lower() in ALIASES else Path(path).name
     return LoadedModel(model.eval(), tokenizer, hf_config, eos_token_ids(model_dir, hf_config, tokenizer), name)
+
+
+def _file_tables(gguf: Path, model: Any) -> tuple[BlockWeight | None, BlockWeight | None]:
+    """The embedding table and the output head of a GGUF file that a load keeping its blocks holds as those blocks,
+    each None where the file stores it as a type the block kernels do not read: a tied head is the table's blocks,
+    held once (``BlockEmbedding`` looks up rows in them, the head multiplies them)."""
+    from infer.model.gguf_blocks import read_projections, read_table
+
+    table = read_table(gguf)
+    if model.tie_word_embeddings:
+        return table, table
+    heads, _ = read_projections(gguf, model, within="lm_head")
+    return table, heads.get("lm_head")
 
 
 def _keeping_blocks(
@@ -454,8 +478,9 @@ class SafetensorsTensors(Mapping[str, torch.Tensor]):
 @dataclass(frozen=True, slots=True)
 class CheckpointMatrices:
     """A HF checkpoint's matrices, counted from its files' headers (no tensor read): the embedding table's weights
-    and dtype, the other matrices' weights (projections, an untied output head), whether the head is tied, and the
-    weights of those matrices stored as MXFP4 blocks (gpt-oss's experts; not in ``matrices``)."""
+    and dtype (a GGUF file's: its type), the other matrices' weights (projections, an untied output head), whether
+    the head is tied, and the weights of those matrices stored as MXFP4 blocks (gpt-oss's experts; not in
+    ``matrices``)."""
 
     table: int
     table_dtype: str
@@ -474,11 +499,13 @@ def checkpoint_matrices(model_dir: Path) -> CheckpointMatrices:
         from infer.model.gguf_blocks import gguf_header
 
         tensors = gguf_header(model_dir).tensors.values()
-        table = next((t.shape[0] * t.shape[1] for t in tensors if t.name == "token_embd.weight"), 0)
+        embedding = next((t for t in tensors if t.name == "token_embd.weight"), None)
+        table = 0 if embedding is None else embedding.shape[0] * embedding.shape[1]
         weights = {t.name: t.shape[0] * t.rows for t in tensors if len(t.shape) > 1 and t.name != "token_embd.weight"}
         mxfp4 = sum(weights[t.name] for t in tensors if t.name in weights and t.type_name == "MXFP4")
         head = any(tensor.name == "output.weight" for tensor in tensors)
-        return CheckpointMatrices(table, "F32", sum(weights.values()) - mxfp4, not head, mxfp4)
+        table_dtype = "F32" if embedding is None else embedding.type_name  # (read as float32, or kept as blocks)
+        return CheckpointMatrices(table, table_dtype, sum(weights.values()) - mxfp4, not head, mxfp4)
     table, table_dtype, matrices, mxfp4, head = 0, "", 0, 0, False
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(file, framework="pt", device="cpu") as tensors:

@@ -38,6 +38,7 @@ def call_max_block_tokens(kernels: CpuKernels, kinds: tuple[str, str], tokens: i
         return kernels.block_pass_rows
     return tokens
 
+
 if TYPE_CHECKING:
     from infer.distributed import TensorParallelGroup
     from infer.kernels.cpu import CpuKernels

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from infer.kernels.cpu.blocks import (
+    GROUP_ROWS,
     QUANTIZED_KINDS,
     BlockWeight,
     bytes_per_weight,
@@ -485,7 +486,8 @@ def quantize_model(model: nn.Module, mode: str, gguf: Path | None = None) -> nn.
     weight beside its packed copy (drafters slice rows of it; with tied embeddings it is the table), in bf16 where
     their values are bf16 values (``narrow_float_tables``), else float32.
     Mode ``gguf`` keeps the blocks of the GGUF file ``gguf`` (the model's own: ``model.path`` resolved), packing the
-    projections the file stores otherwise as ``q8_0``."""
+    projections the file stores otherwise as ``q8_0``. A head the load packed already (a GGUF file's, as its blocks)
+    stays as it is."""
     if mode == "none":
         return model
     blocks = None
@@ -539,18 +541,60 @@ def packed_bytes_per_weight(mode: str) -> float | None:
     return None
 
 
-def packed_weight_bytes(mode: str, matrices: int, table: int, table_bytes: int, tied: bool) -> int | None:
+def packed_weight_bytes(mode: str, matrices: int, table: int, table_bytes: float, tied: bool) -> int | None:
     """What a model's weights take packed for ``mode`` (resolved; None where ``packed_bytes_per_weight`` is):
     ``matrices`` weights of its projections and untied output head at the mode's bytes a weight, the embedding
-    table's ``table`` weights at ``table_bytes`` (a bf16 checkpoint's 2, else float32's 4), and a tied head's packed
-    copy of it. Norms and biases are left out: a start's estimate, made before the weights are read."""
+    table's ``table`` weights at ``table_bytes`` (a bf16 checkpoint's 2, float32's 4, a kept GGUF table's blocks'),
+    and a tied head's packed copy of it. Norms and biases are left out: a start's estimate, made before the weights
+    are read."""
     per_weight = packed_bytes_per_weight(mode)
     if per_weight is None:
         return None
-    return int(per_weight * (matrices + (table if tied else 0))) + table_bytes * table
+    return int(per_weight * (matrices + (table if tied else 0)) + table_bytes * table)
+
+
+class BlockEmbedding(nn.Module):
+    """A vocabulary table held as a GGUF file's blocks (``blocks``: ``[vocab, hidden]``, one kind), as llama.cpp holds
+    it: each lookup dequantizes the groups of rows its tokens fall in (``GROUP_ROWS``), float32 values as the file's
+    dequantization gives them, instead of the whole table held dequantized (gpt-oss's 201,088 x 2,880 table: 2.3 GB
+    as float32, 0.6 GB as ``Q8_0``). A tied output head packed from the same tensor shares ``blocks``. No
+    ``weight`` is held: ``full_weight`` dequantizes a copy."""
+
+    weight = None
+
+    def __init__(self, blocks: BlockWeight):
+        super().__init__()
+        self.blocks = blocks
+        self.num_embeddings, self.embedding_dim = blocks.out_features, blocks.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = GROUP_ROWS[self.blocks.kind]
+        flat = input_ids.reshape(-1)
+        groups, inverse = torch.unique(torch.div(flat, rows, rounding_mode="floor"), return_inverse=True)
+        values = dequantize_blocks(BlockWeight(self.blocks.data[groups], self.blocks.kind, len(groups) * rows))
+        return values[inverse * rows + flat % rows].reshape(*input_ids.shape, self.embedding_dim)
+
+    def full_weight(self) -> torch.Tensor:
+        """The table ``[vocab, hidden]`` in float32, a copy."""
+        return dequantize_blocks(self.blocks)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, kind={self.blocks.kind}"
 
 
 def model_weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's weights, packed ones included (a tied tensor counted once)."""
+    """Bytes of the model's weights, packed ones included (a tied tensor, or blocks a table and its head share,
+    counted once)."""
     total = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
-    return total + sum(module.nbytes for module in model.modules() if isinstance(module, PackedLinear))
+    packed = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    held = {id(module.blocks.data) for module in packed if module.blocks is not None}
+    tables = {
+        id(module.blocks.data): module.nbytes
+        for module in model.modules()
+        if isinstance(module, BlockEmbedding) and id(module.blocks.data) not in held
+    }
+    return total + sum(module.nbytes for module in packed) + sum(tables.values())
