@@ -59,10 +59,11 @@ ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma3_text": "gemm
 
 def write(folder: Path, out: Path, block_type: str) -> None:
     import gguf
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from safetensors import safe_open
 
     from infer.model.loader import DEFAULT_MODEL, resolve_model_path
+    from infer.testing.gguf_layouts import gpt_oss_tensors
 
     config = json.loads((folder / "config.json").read_text())
     arch = ARCHITECTURES[config["model_type"]]
@@ -99,7 +100,11 @@ def write(folder: Path, out: Path, block_type: str) -> None:
     per_expert = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # a checkpoint's per-expert tensors, to stack
     for name in sorted(tensors):
-        if arch == "gpt-oss" and add_gpt_oss(writer, gguf_name, tensors, name):
+        written = gpt_oss_tensors(name, lambda name: tensors[name].get_tensor(name)) if arch == "gpt-oss" else None
+        if written is not None:  # llama.cpp's own layout of this tensor
+            for hf_name, values, gguf_type in written:
+                raw_dtype = GGMLQuantizationType[gguf_type] if gguf_type != "F32" else None  # (F32: its values)
+                writer.add_tensor(gguf_name(hf_name), values, raw_dtype=raw_dtype)
             continue
         tensor = tensors[name].get_tensor(name).float().numpy()
         match = per_expert.match(name)
@@ -131,45 +136,6 @@ def write(folder: Path, out: Path, block_type: str) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=True)
     writer.close()
-
-
-def add_gpt_oss(writer, gguf_name, tensors: dict, name: str) -> bool:
-    """A gpt-oss tensor of OpenAI's layout as llama.cpp's converter writes it, where it writes it otherwise than any
-    architecture's (the experts' MXFP4 blocks, gate and up split, their biases, the sinks' name); whether it was."""
-    from gguf import GGMLQuantizationType
-
-    from infer.kernels.cpu.blocks import mxfp4_gguf_blocks
-
-    prefix, _, kind = name.rpartition("mlp.experts.")
-    if kind.endswith("_scales"):
-        return True  # with its blocks
-    if kind.endswith("_blocks"):
-        blocks = tensors[name].get_tensor(name)
-        scales_name = name.removesuffix("_blocks") + "_scales"
-        scales = tensors[scales_name].get_tensor(scales_name)
-        parts = {"down_proj": (blocks, scales)}
-        if kind.startswith("gate_up_proj"):  # gate's rows interleaved with up's
-            parts = {"gate_proj": (blocks[:, 0::2], scales[:, 0::2]), "up_proj": (blocks[:, 1::2], scales[:, 1::2])}
-        for projection, (part, part_scales) in parts.items():
-            raw = mxfp4_gguf_blocks(part, part_scales)
-            raw = raw.reshape(*raw.shape[:2], -1).numpy()
-            writer.add_tensor(
-                gguf_name(f"{prefix}mlp.experts.{projection}.weight"), raw, raw_dtype=GGMLQuantizationType.MXFP4
-            )
-        return True
-    if kind in ("gate_up_proj_bias", "down_proj_bias"):
-        values = np.ascontiguousarray(tensors[name].get_tensor(name).float().numpy())
-        parts = {"down_proj": values}
-        if kind == "gate_up_proj_bias":
-            parts = {"gate_proj": values[:, 0::2], "up_proj": values[:, 1::2]}
-        for projection, part in parts.items():
-            writer.add_tensor(gguf_name(f"{prefix}mlp.experts.{projection}.bias"), np.ascontiguousarray(part))
-        return True
-    if name.endswith("sinks"):
-        values = tensors[name].get_tensor(name).float().numpy()
-        writer.add_tensor(f"{gguf_name(name)}.weight", np.ascontiguousarray(values))
-        return True
-    return False
 
 
 def add(writer, name: str, values: np.ndarray, block_type: str, layers: int) -> None:

@@ -636,7 +636,7 @@ def write_converted_gpt_oss_gguf(folder: Path, path, template) -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from infer.kernels.cpu.blocks import mxfp4_gguf_blocks
+    from infer.testing.gguf_layouts import gpt_oss_tensors
 
     config = AutoConfig.from_pretrained(folder)
     metadata = {
@@ -652,33 +652,9 @@ def write_converted_gpt_oss_gguf(folder: Path, path, template) -> None:
     def tensors(add, vocab: int) -> None:
         stored = load_file(folder / "model.safetensors")
         for name, tensor in stored.items():
-            prefix, _, kind = name.rpartition("mlp.experts.")
-            if kind.endswith("_scales"):
-                continue  # with its blocks
-            if kind.endswith("_blocks"):
-                scales = stored[name.removesuffix("_blocks") + "_scales"]
-                parts = {"down_proj": (tensor, scales)}
-                if kind.startswith("gate_up_proj"):
-                    parts = {
-                        "gate_proj": (tensor[:, 0::2], scales[:, 0::2]),
-                        "up_proj": (tensor[:, 1::2], scales[:, 1::2]),
-                    }
-                for projection, (blocks, block_scales) in parts.items():
-                    raw = mxfp4_gguf_blocks(blocks, block_scales)  # [experts, rows, groups, 17]
-                    gguf_name = names.get_name(f"{prefix}mlp.experts.{projection}.weight", try_suffixes=(".weight",))
-                    add(gguf_name, "MXFP4", values=raw.reshape(*raw.shape[:2], -1).numpy())
-                continue
-            values = tensor.float().numpy()
-            if kind == "gate_up_proj_bias":
-                for projection, part in (("gate_proj", values[:, 0::2]), ("up_proj", values[:, 1::2])):
-                    gguf_name = names.get_name(f"{prefix}mlp.experts.{projection}.bias", try_suffixes=(".bias",))
-                    add(gguf_name, "F32", values=part)
-                continue
-            if kind == "down_proj_bias":
-                name = f"{prefix}mlp.experts.down_proj.bias"
-            elif name.endswith("sinks"):
-                name += ".weight"
-            add(names.get_name(name, try_suffixes=(".weight", ".bias")), "F32", values=values)
+            written = gpt_oss_tensors(name, stored.__getitem__)
+            for hf_name, values, gguf_type in [(name, tensor.float().numpy(), "F32")] if written is None else written:
+                add(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), gguf_type, values=values)
 
     write_tiny_gguf(path, template, "gpt-oss", metadata, 0, tensors)
 
