@@ -236,6 +236,7 @@ def write_mxfp4_gpt_oss(model_class, config, destination: Path) -> None:
         index.update(dict.fromkeys(tensors, file))
     (destination / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     saved = config.to_dict()
+    saved["architectures"] = [model_class.__name__]  # as OpenAI's config names it (llama.cpp's converter reads it)
     saved["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (destination / "config.json").write_text(json.dumps(saved, indent=2))
 
