@@ -27,6 +27,12 @@ from infer.model.layers import Linear, clamped_swiglu, gated_activation
 # 256 (32 an expert) 118 against 144 ms (``benchmarks/moe_layer.py``).
 KERNEL_MAX_TOKENS = 64
 
+if TYPE_CHECKING:
+    from infer.distributed import TensorParallelGroup
+    from infer.kernels.cpu import CpuKernels
+    from infer.model.spec import DecoderSpec, ExpertsSpec
+    from infer.model.step import ForwardStep
+
 
 def call_max_block_tokens(kernels: CpuKernels, kinds: tuple[str, str], tokens: int) -> int:
     """The most tokens an expert kept as blocks of ``kinds`` (gate_up's, down's) takes in the one C call of a step of
@@ -37,13 +43,6 @@ def call_max_block_tokens(kernels: CpuKernels, kinds: tuple[str, str], tokens: i
     if kernels.block_gemm == "amx-bf16" and set(kinds) != {"mxfp4"}:
         return kernels.block_pass_rows
     return tokens
-
-
-if TYPE_CHECKING:
-    from infer.distributed import TensorParallelGroup
-    from infer.kernels.cpu import CpuKernels
-    from infer.model.spec import DecoderSpec, ExpertsSpec
-    from infer.model.step import ForwardStep
 
 
 @dataclass(frozen=True, slots=True)
