@@ -395,6 +395,31 @@ def test_the_start_estimate_takes_a_table_kept_as_blocks_at_their_bytes():
     assert read == 2 * (10_000 + 3_200) + 4 * 64_000 + 2 * 64_000
 
 
+def test_auto_keeps_blocks_only_where_it_reads_the_file_itself(files, monkeypatch, caplog):
+    """Under ``auto`` a GGUF file read through transformers' conversion (any but gpt-oss) keeps nothing as blocks, so
+    its start estimate takes its table as float32; a safetensors folder without MXFP4 experts is not said to have
+    them."""
+    from types import SimpleNamespace
+
+    from infer.execution import paths
+
+    def keeps(path: str) -> bool:
+        return paths.keeps_checkpoint_blocks(
+            SimpleNamespace(model=SimpleNamespace(quantization="auto", path=path)), "bf16", sharded=False
+        )
+
+    assert not keeps(files["moe"]) and not keeps(DEFAULT_MODEL)
+    folder = str(hf_checkpoint_dir(files["phi3"]))  # a float safetensors folder
+    assert keeps(folder) and not paths.keeps_checkpoint_blocks(
+        SimpleNamespace(model=SimpleNamespace(quantization="bf16", path=folder)), "bf16", sharded=False
+    )
+    monkeypatch.setattr("infer.host.available_memory", lambda: 1)
+    with caplog.at_level("WARNING", logger="infer.execution"):
+        paths.warn_if_memory_is_short(folder, "bf16", torch.float32, keeps_blocks=True)
+    (record,) = caplog.records
+    assert "bf16 weights, more than" in record.message and "MXFP4" not in record.message
+
+
 def test_a_moe_file_runs_its_experts_in_one_call_over_the_files_blocks(files, monkeypatch):
     """The Qwen3-MoE file with its blocks kept: steps run the experts in the one C call over the file's blocks
     (``Q4_0`` gate/up and ``Q8_0`` down in one layer, ``Q4_K`` and ``Q6_K`` in the other), with the logits of the

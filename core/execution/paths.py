@@ -514,10 +514,18 @@ def load_for_stack(config, registry, device: torch.device, dtype: torch.dtype, s
 
 
 def keeps_checkpoint_blocks(config, quantization: str, sharded: bool) -> bool:
-    """Whether a load keeps the blocks a safetensors checkpoint stores (gpt-oss's MXFP4 experts: 4.25 bits a weight
-    on the block kernels, where bf16 takes 16) as they are: under ``model.quantization: auto`` where it packs the
-    model, on one rank. A mode named explicitly dequantizes them and packs them as it says."""
-    return config.model.quantization == "auto" and packs_as_read(quantization) and not sharded
+    """Whether a load keeps the blocks a checkpoint stores (gpt-oss's MXFP4 experts: 4.25 bits a weight on the block
+    kernels, where bf16 takes 16) as they are: under ``model.quantization: auto`` where it packs the model, on one
+    rank, from a safetensors folder or a GGUF file infer reads itself there (``converts_wrongly``: gpt-oss; its
+    tables too). Any other GGUF file is read through transformers' conversion, as floats. A mode named explicitly
+    dequantizes them and packs them as it says."""
+    from infer.model.gguf_weights import converts_wrongly, reads_directly
+    from infer.model.loader import resolve_model_path
+
+    if not (config.model.quantization == "auto" and packs_as_read(quantization) and not sharded):
+        return False
+    path = resolve_model_path(config.model.path)
+    return path.suffix != ".gguf" or (converts_wrongly(path) and reads_directly(path))
 
 
 def warn_if_memory_is_short(path: str, quantization: str, dtype: torch.dtype, keeps_blocks: bool = False) -> None:
@@ -546,7 +554,7 @@ def warn_if_memory_is_short(path: str, quantization: str, dtype: torch.dtype, ke
         path,
         needed / 2**30,
         ("float weights" if quantization == "none" else f"{quantization} weights")
-        + (" with MXFP4 experts" if keeps_blocks else ""),
+        + (" with MXFP4 experts" if keeps_blocks and counts.mxfp4 else ""),
         available / 2**30,
         hint,
     )
