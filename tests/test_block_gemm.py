@@ -1,8 +1,9 @@
-"""The block GEMM (``csrc/gemm_blocks.c``) over GGUF's ``Q4_0``, ``Q4_1`` and ``Q8_0`` blocks and ``Q4_K``/``Q6_K``
-super-blocks (alone and mixed in one weight), for steps of many rows: each design's sums are float64's over the values
-it multiplies (the dequantized blocks and the int8 activations the GEMV computes with, or both rounded to bf16 on AMX)
-on odd shapes, every SIMD build's int8 products agree with the portable C (and its K-quants with float64), and a
-model's prefill and 32-row decode steps give the GEMV's logits."""
+"""The block GEMM (``csrc/gemm_blocks.c``) over GGUF's ``Q4_0``, ``Q4_1``, ``Q8_0`` and MXFP4 blocks and
+``Q4_K``/``Q6_K`` super-blocks (alone and mixed in one weight), for steps of many rows: each design's sums are
+float64's over the values it multiplies (the dequantized blocks and the int8 activations the GEMV computes with, or
+both rounded to bf16 on AMX) on odd shapes, the int8 design's are the GEMVs' (K-quants' included), every SIMD build's
+int8 products agree with the portable C (and its K-quants with float64), and a model's prefill and 32-row decode steps
+give the GEMV's logits."""
 
 from __future__ import annotations
 
@@ -141,8 +142,20 @@ def test_kquant_block_gemm_keeps_the_gemv_up_to_16_rows_and_takes_its_large_step
         if expected is None:
             expected = kernels.gemm_blocks(x, packed, None, kernels.block_gemm)
         assert torch.equal(kernels.gemm_blocks(x, packed, None), expected), rows
-        if "int8" in kernels.block_gemm_designs:  # K-quants' int8 design is their GEMV
-            assert torch.equal(kernels.gemm_blocks(x, packed, None, "int8"), kernels.linear_blocks(x, packed, None))
+
+
+@pytest.mark.parametrize("kind", [*K_KINDS, "k_mixed"])
+def test_int8_block_gemm_over_kquants_gives_their_gemvs_sums(kernels, kind):
+    """The int8 design unpacks K-quant records into its own layout (Q6_K's two scales a block of 32 included): the
+    same int8 products as the K-quant GEMV, summed in another order."""
+    if "int8" not in kernels.block_gemm_designs:
+        pytest.skip(f"the int8 block GEMM does not run in this {kernels.simd} build")
+    packed, weight = kquant_weight(kind, 67, 1536, seed=4) if kind != "k_mixed" else kquant_weight(kind, 19, 768)
+    for rows in (9, 33, 70):
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)) * 3
+        torch.testing.assert_close(
+            kernels.gemm_blocks(x, packed, None, "int8"), kernels.linear_blocks(x, packed, None), atol=1e-4, rtol=1e-5
+        )
 
 
 def test_block_gemm_refuses_what_it_cannot_multiply(kernels):
@@ -184,7 +197,7 @@ def test_each_simd_build_of_the_int8_block_gemm_matches_the_portable_c(build, po
             assert torch.equal(
                 kernels.gemm_blocks(x, packed, bias), kernels.gemm_blocks(x.float(), packed, bias).bfloat16()
             )
-    for kind in [*K_KINDS, "k_mixed"]:  # the K-quant GEMV, against float64 as the native build's
+    for kind in [*K_KINDS, "k_mixed"]:  # the K-quant GEMV and past 16 rows the int8 design, against float64
         packed, weight = kquant_weight(kind, 67, 768, seed=2)
         for rows in (9, 16, 17, 33, 70):
             x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3

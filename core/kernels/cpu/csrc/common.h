@@ -270,15 +270,41 @@ INFER_HIDDEN void block_quantize_rows(const float *x, int64_t rows, int64_t k, i
 INFER_HIDDEN void block_group_sums(const uint8_t *group, int64_t k, const int8_t *xq, const float *dx,
                                    const float *s, int64_t rows, int64_t kind, float *sums);
 
+/* Rows of x in the block GEMM's int8 layout (gemm_blocks.c): q [tiles][k / 4][LANES][4] (LANES the tile's rows),
+ * and per row and block of 32 columns dx, s = dx sum(q) and sf = dx sum(q over its first 16 columns)
+ * [tiles][k / 32][LANES]; rows past the last zero. */
+typedef struct {
+    int8_t *q;
+    float *dx, *s, *sf;
+} int8_tiles;
+
+/* The same layout from row `row` (a tile's first) of `tiles` on, rows of k columns. */
+static inline int8_tiles int8_tiles_from(const int8_tiles *tiles, int64_t row, int64_t k) {
+    return (int8_tiles){tiles->q + row * k, tiles->dx + row * (k / 32), tiles->s + row * (k / 32),
+                        tiles->sf + row * (k / 32)};
+}
+
 /* The block GEMM's int8 design (gemm_blocks.c) for the same kernels: the rows of x a tile of its layout holds for a
- * kind (0: the design does not take the kind in this build: K-quants, plain C); row `row` of that layout (q
- * [tiles][k / 4][LANES][4], dx and s [tiles][k / 32][LANES], LANES the tile's rows; pad rows zeroed by the caller)
- * quantized from one row of x as the GEMV quantizes it (the same values); and one group's sums [rows][4] over the
- * `rows` rows from the layout's first tile, `unpacked` k * 4 bytes of scratch. Single-threaded. */
+ * kind (0: the design does not take the kind in this build: plain C); row `row` of that layout quantized from one row
+ * of x as the GEMV quantizes it (the same values); and one group's sums [rows][4] over the `rows` rows from the
+ * layout's first tile, `scratch` block_gemm_scratch_bytes(k) bytes. Single-threaded. */
 INFER_HIDDEN int64_t block_gemm_tile_rows(int64_t kind);
-INFER_HIDDEN void block_gemm_quantize_row(const float *x, int64_t k, int64_t row, int8_t *q, float *dx, float *s);
-INFER_HIDDEN void block_gemm_group_sums(const uint8_t *group, int64_t k, const int8_t *q, const float *dx,
-                                        const float *s, int64_t rows, int64_t kind, uint8_t *unpacked, float *sums);
+static inline int64_t block_gemm_scratch_bytes(int64_t k) { return 5 * k; }
+INFER_HIDDEN void block_gemm_quantize_row(const float *x, int64_t k, int64_t row, const int8_tiles *tiles);
+INFER_HIDDEN void block_gemm_group_sums(const uint8_t *group, int64_t k, const int8_tiles *tiles, int64_t rows,
+                                        int64_t kind, uint8_t *scratch, float *sums);
+
+/* Rows of x up to which K-quant weights keep their GEMV (gemv_kquants.c) rather than the block GEMM's int8 design:
+ * there the design's tiles of 16 rows are part empty and its unpacking of each group is shared by few rows
+ * (Qwen3-0.6B's projections, one thread: at 9-12 rows it took 1.2-1.5x the GEMV's time, at 16 0.85-1.0x;
+ * docs/performance.md). */
+#define KQUANT_GEMV_ROWS 16
+
+/* GGUF's K-quant super-blocks of 256 weights as the kernels hold them (gemv_kquants.c's top comment): a record's bytes
+ * (one weight row's 256 columns) and where its quants start (after d, dmin and the scales; after d and sc). */
+static inline int64_t kquant_record_bytes(int64_t kind) { return kind == KIND_Q6_K ? 210 : 144; }
+
+static inline int64_t kquant_quants_at(int64_t kind) { return kind == KIND_Q6_K ? 18 : 16; }
 
 /* A Q4_K record's 12 bytes of scales as sc[0..7] and m[0..7], a byte each (gemv_kquants.c's top comment): for the
  * K-quant GEMV and the block GEMM's dequantized panels. */

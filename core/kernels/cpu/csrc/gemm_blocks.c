@@ -21,9 +21,12 @@
  *   or d sc (q - 32)); Q4 rows each block's even columns, then its odd ones, which a record's nibbles give as
  *   16-bit indices in place.
  *
- * K-quant weights have no int8 design here: their GEMV (gemv_kquants.c) already multiplies int8 products over
- * passes of 8 rows of x against blocks of 16 weight rows, so steps of up to 16 rows, and steps where AMX does not
- * run, take it (at 16 rows the two split; at 64 AMX's panels took 0.29-0.48x its time, docs/performance.md).
+ * The int8 design reads K-quant weights too: a group's four rows' quants unpacked into the layout of the 32-block
+ * kinds (each block of 32 columns in order: a record holds them transposed) with a scale and an offset per block and
+ * row, Q4_K's d sc[j] and -dmin m[j] (its blocks are its sub-blocks), Q6_K's d sc of each half of the block (its
+ * sub-blocks of 16: the int32 sums scaled per half, the offsets -32 d sc taken over each half's sum of x, sf). The
+ * K-quant GEMV unpacks a weight row again for every pass of rows of x; this design unpacks a group once for every
+ * tile of a chunk (docs/performance.md).
  *
  * Rows of x go in chunks that stay in L2 while every panel or group of weights passes over them. */
 #include "common.h"
@@ -56,6 +59,28 @@ static inline void record_scales(const uint8_t *record, int kind, int q8_signed,
     }
 }
 
+/* A K-quant weight (gemv_kquants.c) as parts of one kind each: KIND_Q4_K or KIND_Q6_K alone, or a KIND_K_MIXED
+ * weight's header's parts (at most 7 fit its 128 bytes), each part's rows `ends[p - 1]` to `ends[p]`. */
+typedef struct {
+    int64_t count, kinds[7], ends[7];
+    const uint8_t *data[7];
+} kquant_parts;
+
+static inline kquant_parts read_kquant_parts(const uint8_t *w, int64_t kind, int64_t n_out, int64_t k) {
+    kquant_parts parts = {.count = 1, .kinds = {kind}, .ends = {n_out}, .data = {w}};
+    if (kind != KIND_K_MIXED) return parts;
+    const int64_t *header = (const int64_t *)w;
+    const uint8_t *data = w + 128;
+    parts.count = header[0];
+    for (int64_t p = 0, end = 0; p < parts.count; p++) {
+        parts.kinds[p] = header[1 + 2 * p];
+        parts.ends[p] = end += header[2 + 2 * p];
+        parts.data[p] = data;
+        data += header[2 + 2 * p] * (k / 256) * kquant_record_bytes(parts.kinds[p]);
+    }
+    return parts;
+}
+
 /* ---- int8 dot products ------------------------------------------------------------------------------------------ */
 
 #if INFER_AVX512 && defined(__AVX512BW__)
@@ -79,17 +104,16 @@ static inline void record_scales(const uint8_t *record, int kind, int q8_signed,
 #endif
 
 #if INT8_SIMD
-/* x's rows as the int8 kernels read them: q [tiles][k / 4][LANES][4] (the 4 columns of LANES rows in a register),
- * dx and s [tiles][k / 32][LANES]; rows past the last zero. */
+/* x's rows as the int8 kernels read them (int8_tiles, LANES rows a tile): `tiles` tiles, `blocks` blocks of 32. */
 typedef struct {
-    int8_t *q;
-    float *dx, *s;
+    int8_tiles at;
     int64_t tiles, blocks;
 } int8_rows;
 
 /* One row's block of 32 floats quantized as gemv_blocks.c's quantize_activations does (dx = amax / 127, q rounded
- * to nearest even; the same values), q into `out`, returning sum(q); dx into *dx. */
-static inline int quantize_block(const float *in, int8_t out[BLOCK], float *dx) {
+ * to nearest even; the same values), q into `out`, returning sum(q); dx into *dx, the sum of its first 16 q into
+ * *first. */
+static inline int quantize_block(const float *in, int8_t out[BLOCK], float *dx, int *first) {
     int sum = 0;
 #if INFER_AVX512
     const __m512 lo = _mm512_loadu_ps(in), hi = _mm512_loadu_ps(in + 16);
@@ -98,7 +122,8 @@ static inline int quantize_block(const float *in, int8_t out[BLOCK], float *dx) 
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, scale)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, scale));
     _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(qlo));
     _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtepi32_epi8(qhi));
-    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    *first = _mm512_reduce_add_epi32(qlo);
+    sum = *first + _mm512_reduce_add_epi32(qhi);
 #else
     float amax = 0.0f;
     for (int j = 0; j < BLOCK; j++) amax = fmaxf(amax, fabsf(in[j]));
@@ -106,6 +131,7 @@ static inline int quantize_block(const float *in, int8_t out[BLOCK], float *dx) 
     for (int j = 0; j < BLOCK; j++) {
         out[j] = (int8_t)nearbyintf(in[j] * inverse);
         sum += out[j];
+        if (j == BLOCK / 2 - 1) *first = sum;
     }
 #endif
     *dx = amax / 127.0f;
@@ -113,16 +139,19 @@ static inline int quantize_block(const float *in, int8_t out[BLOCK], float *dx) 
 }
 
 /* Row m of the layout (tile m / LANES, lane m % LANES) from one row of x (k floats). */
-static inline void quantize_row(const float *x, int64_t k, int64_t m, int8_t *q, float *dx, float *s) {
+static inline void quantize_row(const float *x, int64_t k, int64_t m, const int8_tiles *tiles) {
     const int64_t tile = m / LANES, lane = m % LANES, blocks = k / BLOCK;
     for (int64_t b = 0; b < blocks; b++) {
         int8_t values[BLOCK];
         float scale;
-        const int sum = quantize_block(x + b * BLOCK, values, &scale);
+        int first;
+        const int sum = quantize_block(x + b * BLOCK, values, &scale, &first);
         for (int j = 0; j < BLOCK; j += 4)
-            memcpy(q + ((tile * (k / 4) + b * 8 + j / 4) * LANES + lane) * 4, values + j, 4);
-        dx[(tile * blocks + b) * LANES + lane] = scale;
-        s[(tile * blocks + b) * LANES + lane] = scale * (float)sum;
+            memcpy(tiles->q + ((tile * (k / 4) + b * 8 + j / 4) * LANES + lane) * 4, values + j, 4);
+        const int64_t at = (tile * blocks + b) * LANES + lane;
+        tiles->dx[at] = scale;
+        tiles->s[at] = scale * (float)sum;
+        tiles->sf[at] = scale * (float)first;
     }
 }
 
@@ -130,12 +159,19 @@ static int8_rows quantize_rows(const float *x, int64_t rows, int64_t k) {
     int8_rows r;
     r.tiles = (rows + LANES - 1) / LANES;
     r.blocks = k / BLOCK;
-    r.q = calloc(r.tiles * LANES * k, 1);
-    r.dx = calloc(r.tiles * LANES * r.blocks, sizeof(float));
-    r.s = calloc(r.tiles * LANES * r.blocks, sizeof(float));
+    const int64_t scales = r.tiles * LANES * r.blocks;
+    r.at.q = calloc(r.tiles * LANES * k, 1);
+    r.at.dx = calloc(3 * scales, sizeof(float));
+    r.at.s = r.at.dx + scales;
+    r.at.sf = r.at.s + scales;
 #pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_ELEMENTS)
-    for (int64_t m = 0; m < rows; m++) quantize_row(x + m * k, k, m, r.q, r.dx, r.s);
+    for (int64_t m = 0; m < rows; m++) quantize_row(x + m * k, k, m, &r.at);
     return r;
+}
+
+static void free_rows(int8_rows *r) {
+    free(r->at.dx);
+    free(r->at.q);
 }
 
 /* A group's Q4 quants as bytes, [blocks][4 rows][32] (Q8_0's records hold theirs so already); MXFP4's codes as their
@@ -169,6 +205,148 @@ static void unpack_group(const uint8_t *group, int64_t blocks, int kind, uint8_t
 #endif
     }
 }
+
+/* One K-quant record's quants, 256 unsigned bytes, each block j of 32 columns in order at out + 128 j (its row's
+ * place in unpack_group's layout). The record holds column 32j + 4t + c beside x's byte 32t + 4j + c
+ * (gemv_kquants.c): its quants, read as 8 x 8 words of 4 bytes (t, j), are transposed. */
+static inline void kquant_quants_in_order(const uint8_t *quants, int kind, uint8_t *out) {
+#if INT8_SIMD == 512
+    const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    const __m512i packed[2] = {_mm512_loadu_si512(quants), _mm512_loadu_si512(quants + 64)};
+    const __m512i high = kind == KIND_Q6_K ? _mm512_loadu_si512(quants + 128) : _mm512_setzero_si512();
+    __m512i p[4];  /* x's bytes 64u ..: words (t, j), t = 2u, 2u + 1 */
+    for (int u = 0; u < 4; u++) {
+        p[u] = _mm512_and_si512(u < 2 ? packed[u & 1] : _mm512_srli_epi16(packed[u & 1], 4), nibble);
+        if (kind == KIND_Q6_K) {  /* the top two bits to bits 4-5 */
+            const __m512i shifted = u == 0   ? _mm512_slli_epi16(high, 4)
+                                    : u == 1 ? _mm512_slli_epi16(high, 2)
+                                    : u == 2 ? high
+                                             : _mm512_srli_epi16(high, 2);
+            p[u] = _mm512_ternarylogic_epi32(p[u], shifted, top, 0xF8);
+        }
+    }
+    /* words (j, t) at 4j + t for t < 4 (from p[0], p[1]) or t >= 4 (p[2], p[3]), j 0-3, then 4-7 */
+    const __m512i by_block = _mm512_set_epi32(27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0);
+    const __m512i by_block_high = _mm512_add_epi32(by_block, _mm512_set1_epi32(4));
+    const __m512i early_low = _mm512_permutex2var_epi32(p[0], by_block, p[1]);
+    const __m512i early_high = _mm512_permutex2var_epi32(p[0], by_block_high, p[1]);
+    const __m512i late_low = _mm512_permutex2var_epi32(p[2], by_block, p[3]);
+    const __m512i late_high = _mm512_permutex2var_epi32(p[2], by_block_high, p[3]);
+    /* two blocks a register, t 0-7 each */
+    const __m512i in_order = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i in_order_next = _mm512_add_epi32(in_order, _mm512_set1_epi32(8));
+    const __m512i blocks[4] = {_mm512_permutex2var_epi32(early_low, in_order, late_low),
+                               _mm512_permutex2var_epi32(early_low, in_order_next, late_low),
+                               _mm512_permutex2var_epi32(early_high, in_order, late_high),
+                               _mm512_permutex2var_epi32(early_high, in_order_next, late_high)};
+    for (int q = 0; q < 4; q++) {
+        _mm256_storeu_si256((__m256i *)(out + 2 * q * 128), _mm512_castsi512_si256(blocks[q]));
+        _mm256_storeu_si256((__m256i *)(out + (2 * q + 1) * 128), _mm512_extracti64x4_epi64(blocks[q], 1));
+    }
+#else
+    const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    __m256i r[8];  /* x's bytes 32t ..: words j 0-7 */
+    for (int t = 0; t < 8; t++) {
+        const int u = t / 2, h = t % 2;  /* x's 64-byte step and its half */
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(quants + 64 * (u & 1) + 32 * h));
+        r[t] = _mm256_and_si256(u < 2 ? packed : _mm256_srli_epi16(packed, 4), nibble);
+        if (kind == KIND_Q6_K) {
+            const __m256i high = _mm256_loadu_si256((const __m256i *)(quants + 128 + 32 * h));
+            const __m256i shifted = u == 0   ? _mm256_slli_epi16(high, 4)
+                                    : u == 1 ? _mm256_slli_epi16(high, 2)
+                                    : u == 2 ? high
+                                             : _mm256_srli_epi16(high, 2);
+            r[t] = _mm256_or_si256(r[t], _mm256_and_si256(shifted, top));
+        }
+    }
+    __m256i pairs[8], quads[8];  /* the 8 x 8 transpose: words, then pairs of them, then 128-bit halves */
+    for (int h = 0; h < 8; h += 4) {
+        pairs[h] = _mm256_unpacklo_epi32(r[h], r[h + 1]);
+        pairs[h + 1] = _mm256_unpackhi_epi32(r[h], r[h + 1]);
+        pairs[h + 2] = _mm256_unpacklo_epi32(r[h + 2], r[h + 3]);
+        pairs[h + 3] = _mm256_unpackhi_epi32(r[h + 2], r[h + 3]);
+        quads[h] = _mm256_unpacklo_epi64(pairs[h], pairs[h + 2]);      /* j 0 and 4 */
+        quads[h + 1] = _mm256_unpackhi_epi64(pairs[h], pairs[h + 2]);  /* j 1 and 5 */
+        quads[h + 2] = _mm256_unpacklo_epi64(pairs[h + 1], pairs[h + 3]);
+        quads[h + 3] = _mm256_unpackhi_epi64(pairs[h + 1], pairs[h + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_si256((__m256i *)(out + j * 128), _mm256_permute2x128_si256(quads[j], quads[4 + j], 0x20));
+        _mm256_storeu_si256((__m256i *)(out + (4 + j) * 128), _mm256_permute2x128_si256(quads[j], quads[4 + j], 0x31));
+    }
+#endif
+}
+
+/* One K-quant record's scales as unpack_kquants gives them: per block j, at scales[8 j] Q4_K's d sc[j] and at
+ * scales[8 j + 4] its -dmin m[j]; Q6_K's d sc of the block's first 16 columns and of its last 16. */
+static inline void kquant_block_scales(const uint8_t *record, int kind, float *scales) {
+    uint16_t halves[2];
+    memcpy(halves, record, 4);
+    const float d = half_to_float(halves[0]);
+    if (kind == KIND_Q4_K) {
+        uint64_t sc, m;
+        q4k_scales(record + 4, &sc, &m);
+        const float dmin = half_to_float(halves[1]);
+        for (int j = 0; j < 8; j++) {
+            scales[8 * j] = d * (float)((sc >> 8 * j) & 0xFF);
+            scales[8 * j + 4] = -dmin * (float)((m >> 8 * j) & 0xFF);
+        }
+    } else {
+        for (int j = 0; j < 8; j++) {
+            scales[8 * j] = d * (float)(int8_t)record[2 + j];
+            scales[8 * j + 4] = d * (float)(int8_t)record[10 + j];
+        }
+    }
+}
+
+/* A K-quant group's four weight rows (its first `rows` there, the others zero), each its `supers` records in turn,
+ * as unpack_group lays out the others' quants ([blocks][4 rows][32]), and 8 scales a block after them, at
+ * scratch + 128 blocks (kquant_block_scales, row i's at i and 4 + i). */
+static void unpack_kquants(const uint8_t *group, int64_t supers, int64_t rows, int kind, uint8_t *scratch) {
+    const int64_t size = kquant_record_bytes(kind);
+    float *scales = (float *)(scratch + supers * 8 * 128);
+    for (int64_t i = 0; i < 4; i++)
+        for (int64_t sb = 0; sb < supers; sb++) {
+            const uint8_t *record = group + (i * supers + sb) * size;
+            float values[64];
+            if (i < rows) {
+                kquant_quants_in_order(record + kquant_quants_at(kind), kind, scratch + sb * 8 * 128 + i * 32);
+                kquant_block_scales(record, kind, values);
+            } else {
+                for (int j = 0; j < 8; j++) memset(scratch + (sb * 8 + j) * 128 + i * 32, 0, 32);
+                memset(values, 0, sizeof values);
+            }
+            for (int j = 0; j < 8; j++) {
+                scales[(sb * 8 + j) * 8 + i] = values[8 * j];
+                scales[(sb * 8 + j) * 8 + 4 + i] = values[8 * j + 4];
+            }
+        }
+}
+
+/* A group's weights as the passes read them, into `scratch` (block_gemm_scratch_bytes(k)): Q8_0's records as they
+ * are (nothing to do), the other 32-block kinds' quants (unpack_group), a K-quant group's quants and scales
+ * (unpack_kquants; `rows` of its four rows there). */
+static inline void unpack_weights(const uint8_t *group, int64_t k, int64_t rows, int kind, uint8_t *scratch) {
+    if (kind == KIND_Q4_K || kind == KIND_Q6_K)
+        unpack_kquants(group, k / 256, rows, kind, scratch);
+    else if (kind != KIND_Q8_0)
+        unpack_group(group, k / BLOCK, kind, scratch);
+}
+
+/* Weight row i's scale d[i] and offset c[i] for block b of `blocks` (its dot product with that block of x is
+ * d[i] dx sum(q_w q_x) + c[i] s; Q6_K's for the block's last 16 columns, the first 16 added apart, group_pass_*). */
+static inline void block_scales(const uint8_t *group, const uint8_t *unpacked, int64_t blocks, int64_t b, int kind,
+                                float d[4], float c[4]) {
+    if (kind == KIND_Q4_K || kind == KIND_Q6_K) {
+        const float *scales = (const float *)(unpacked + blocks * 128) + b * 8;
+        for (int i = 0; i < 4; i++) {
+            d[i] = scales[kind == KIND_Q6_K ? 4 + i : i];
+            c[i] = kind == KIND_Q6_K ? -32.0f * d[i] : scales[4 + i];
+        }
+    } else {
+        record_scales(group + b * record_bytes(kind), kind, Q8_SIGNED, d, c);
+    }
+}
 #endif
 
 #if INT8_SIMD == 512
@@ -182,24 +360,25 @@ static inline __m512i dot_512(__m512i acc, __m512i u, __m512i s) {
 }
 
 /* sums[i][t] (lanes: the rows of tile t) = weight row i of the group . those rows of x, for `count` tiles (1 to
- * PASS_TILES, a constant once inlined) from xq (tile stride q_stride bytes, scales' s_stride floats). */
+ * PASS_TILES, a constant once inlined) of x from its first (tile stride q_stride bytes, scales' s_stride floats);
+ * `unpacked`: unpack_weights' scratch. Q6_K's two scales a block: the int32 sums of its first 16 columns scaled
+ * into the float ones before the last 16's, and its offsets -32 d over each half, c s + (c_first - c) sf. */
 static inline __attribute__((always_inline)) void group_pass_512(const uint8_t *group, const uint8_t *unpacked,
-                                                                 int64_t blocks, const int8_t *xq, int64_t q_stride,
-                                                                 const float *dx, const float *s, int64_t s_stride,
+                                                                 int64_t blocks, const int8_tiles *x,
+                                                                 int64_t q_stride, int64_t s_stride,
                                                                  __m512 sums[4][PASS_TILES], const int count,
                                                                  const int kind) {
-    const int64_t size = record_bytes(kind);
+    const float *kscales = kind == KIND_Q4_K || kind == KIND_Q6_K ? (const float *)(unpacked + blocks * 128) : NULL;
     for (int i = 0; i < 4; i++)
         for (int t = 0; t < count; t++) sums[i][t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *record = group + b * size;
-        const uint8_t *wq = kind == KIND_Q8_0 ? record + 8 : unpacked + b * 128;
+        const uint8_t *wq = kind == KIND_Q8_0 ? group + b * record_bytes(kind) + 8 : unpacked + b * 128;
         __m512i acc[4][PASS_TILES];
         for (int i = 0; i < 4; i++)
             for (int t = 0; t < count; t++) acc[i][t] = _mm512_setzero_si512();
         for (int step = 0; step < 8; step++) {
             __m512i xv[PASS_TILES];
-            for (int t = 0; t < count; t++) xv[t] = _mm512_loadu_si512(xq + t * q_stride + (b * 8 + step) * 64);
+            for (int t = 0; t < count; t++) xv[t] = _mm512_loadu_si512(x->q + t * q_stride + (b * 8 + step) * 64);
             for (int i = 0; i < 4; i++) {
                 int32_t word;
                 memcpy(&word, wq + i * 32 + step * 4, 4);
@@ -215,33 +394,47 @@ static inline __attribute__((always_inline)) void group_pass_512(const uint8_t *
                     for (int t = 0; t < count; t++) acc[i][t] = dot_512(acc[i][t], weights, xv[t]);
                 }
             }
+            if (kind == KIND_Q6_K && step == 3)  /* the first 16 columns done: their scale */
+                for (int t = 0; t < count; t++) {
+                    const __m512 dxv = _mm512_loadu_ps(x->dx + t * s_stride + b * LANES);
+                    for (int i = 0; i < 4; i++) {
+                        sums[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][t]),
+                                                     _mm512_mul_ps(_mm512_set1_ps(kscales[b * 8 + i]), dxv),
+                                                     sums[i][t]);
+                        acc[i][t] = _mm512_setzero_si512();
+                    }
+                }
         }
         float d[4], c[4];
-        record_scales(record, kind, Q8_SIGNED, d, c);
+        block_scales(group, unpacked, blocks, b, kind, d, c);
         for (int t = 0; t < count; t++) {
-            const __m512 dxv = _mm512_loadu_ps(dx + t * s_stride + b * LANES);
-            const __m512 sv = _mm512_loadu_ps(s + t * s_stride + b * LANES);
+            const __m512 dxv = _mm512_loadu_ps(x->dx + t * s_stride + b * LANES);
+            const __m512 sv = _mm512_loadu_ps(x->s + t * s_stride + b * LANES);
             for (int i = 0; i < 4; i++) {
                 sums[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][t]), _mm512_mul_ps(_mm512_set1_ps(d[i]), dxv),
                                              sums[i][t]);
                 if (kind != KIND_Q8_0 || !Q8_SIGNED) sums[i][t] = _mm512_fmadd_ps(_mm512_set1_ps(c[i]), sv, sums[i][t]);
+                if (kind == KIND_Q6_K)
+                    sums[i][t] = _mm512_fmadd_ps(_mm512_set1_ps(-32.0f * kscales[b * 8 + i] - c[i]),
+                                                 _mm512_loadu_ps(x->sf + t * s_stride + b * LANES), sums[i][t]);
             }
         }
     }
 }
 
-/* Four output columns' sums over 16 rows (sums[i], lane: the row) plus bias into y at rows m.., columns n..n+3:
- * transposed 4 x 4 within each 128-bit lane, so that each lane holds one row's four columns. */
-static inline void store_columns(__m512 sums[4], const float *bias, float *y, int64_t m, int64_t rows, int64_t n,
-                                 int64_t n_out) {
+/* Four output columns' sums over 16 rows (values[i], [lane]: the row) plus bias into y (rows `stride` wide) at rows
+ * m.., columns n..n+3 (of n_out): transposed 4 x 4 within each 128-bit lane, so that each lane holds one row's four
+ * columns. */
+static inline void store_columns(const float values[4][LANES], const float *bias, float *y, int64_t m, int64_t rows,
+                                 int64_t n, int64_t n_out, int64_t stride) {
     if (n + 4 > n_out || m + LANES > rows) {  /* the last group or tile: one value at a time */
-        float values[4][LANES];
-        for (int i = 0; i < 4; i++) _mm512_storeu_ps(values[i], sums[i]);
         for (int64_t lane = 0; lane < LANES && m + lane < rows; lane++)
             for (int64_t i = 0; i < 4 && n + i < n_out; i++)
-                y[(m + lane) * n_out + n + i] = values[i][lane] + (bias ? bias[n + i] : 0.0f);
+                y[(m + lane) * stride + n + i] = values[i][lane] + (bias ? bias[n + i] : 0.0f);
         return;
     }
+    __m512 sums[4];
+    for (int i = 0; i < 4; i++) sums[i] = _mm512_loadu_ps(values[i]);
     const __m512 t0 = _mm512_unpacklo_ps(sums[0], sums[1]), t1 = _mm512_unpackhi_ps(sums[0], sums[1]);
     const __m512 t2 = _mm512_unpacklo_ps(sums[2], sums[3]), t3 = _mm512_unpackhi_ps(sums[2], sums[3]);
     __m512 r[4];
@@ -252,10 +445,10 @@ static inline void store_columns(__m512 sums[4], const float *bias, float *y, in
     const __m512 add = bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(bias + n)) : _mm512_setzero_ps();
     for (int j = 0; j < 4; j++) {
         const __m512 out = _mm512_add_ps(r[j], add);
-        _mm_storeu_ps(y + (m + j) * n_out + n, _mm512_castps512_ps128(out));
-        _mm_storeu_ps(y + (m + 4 + j) * n_out + n, _mm512_extractf32x4_ps(out, 1));
-        _mm_storeu_ps(y + (m + 8 + j) * n_out + n, _mm512_extractf32x4_ps(out, 2));
-        _mm_storeu_ps(y + (m + 12 + j) * n_out + n, _mm512_extractf32x4_ps(out, 3));
+        _mm_storeu_ps(y + (m + j) * stride + n, _mm512_castps512_ps128(out));
+        _mm_storeu_ps(y + (m + 4 + j) * stride + n, _mm512_extractf32x4_ps(out, 1));
+        _mm_storeu_ps(y + (m + 8 + j) * stride + n, _mm512_extractf32x4_ps(out, 2));
+        _mm_storeu_ps(y + (m + 12 + j) * stride + n, _mm512_extractf32x4_ps(out, 3));
     }
 }
 #endif
@@ -271,23 +464,22 @@ static inline __m256i dot_256(__m256i acc, __m256i u, __m256i s) {
 
 /* group_pass_512 on AVX2 registers (8 rows a tile). */
 static inline __attribute__((always_inline)) void group_pass_256(const uint8_t *group, const uint8_t *unpacked,
-                                                                 int64_t blocks, const int8_t *xq, int64_t q_stride,
-                                                                 const float *dx, const float *s, int64_t s_stride,
+                                                                 int64_t blocks, const int8_tiles *x,
+                                                                 int64_t q_stride, int64_t s_stride,
                                                                  __m256 sums[4][PASS_TILES], const int count,
                                                                  const int kind) {
-    const int64_t size = record_bytes(kind);
+    const float *kscales = kind == KIND_Q4_K || kind == KIND_Q6_K ? (const float *)(unpacked + blocks * 128) : NULL;
     for (int i = 0; i < 4; i++)
         for (int t = 0; t < count; t++) sums[i][t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *record = group + b * size;
-        const uint8_t *wq = kind == KIND_Q8_0 ? record + 8 : unpacked + b * 128;
+        const uint8_t *wq = kind == KIND_Q8_0 ? group + b * record_bytes(kind) + 8 : unpacked + b * 128;
         __m256i acc[4][PASS_TILES];
         for (int i = 0; i < 4; i++)
             for (int t = 0; t < count; t++) acc[i][t] = _mm256_setzero_si256();
         for (int step = 0; step < 8; step++) {
             __m256i xv[PASS_TILES];
             for (int t = 0; t < count; t++)
-                xv[t] = _mm256_loadu_si256((const __m256i *)(xq + t * q_stride + (b * 8 + step) * 32));
+                xv[t] = _mm256_loadu_si256((const __m256i *)(x->q + t * q_stride + (b * 8 + step) * 32));
             for (int i = 0; i < 4; i++) {
                 int32_t word;
                 memcpy(&word, wq + i * 32 + step * 4, 4);
@@ -301,32 +493,45 @@ static inline __attribute__((always_inline)) void group_pass_256(const uint8_t *
                     for (int t = 0; t < count; t++) acc[i][t] = dot_256(acc[i][t], weights, xv[t]);
                 }
             }
+            if (kind == KIND_Q6_K && step == 3)
+                for (int t = 0; t < count; t++) {
+                    const __m256 dxv = _mm256_loadu_ps(x->dx + t * s_stride + b * LANES);
+                    for (int i = 0; i < 4; i++) {
+                        sums[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][t]),
+                                                     _mm256_mul_ps(_mm256_set1_ps(kscales[b * 8 + i]), dxv),
+                                                     sums[i][t]);
+                        acc[i][t] = _mm256_setzero_si256();
+                    }
+                }
         }
         float d[4], c[4];
-        record_scales(record, kind, Q8_SIGNED, d, c);
+        block_scales(group, unpacked, blocks, b, kind, d, c);
         for (int t = 0; t < count; t++) {
-            const __m256 dxv = _mm256_loadu_ps(dx + t * s_stride + b * LANES);
-            const __m256 sv = _mm256_loadu_ps(s + t * s_stride + b * LANES);
+            const __m256 dxv = _mm256_loadu_ps(x->dx + t * s_stride + b * LANES);
+            const __m256 sv = _mm256_loadu_ps(x->s + t * s_stride + b * LANES);
             for (int i = 0; i < 4; i++) {
                 sums[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][t]), _mm256_mul_ps(_mm256_set1_ps(d[i]), dxv),
                                              sums[i][t]);
                 if (kind != KIND_Q8_0 || !Q8_SIGNED) sums[i][t] = _mm256_fmadd_ps(_mm256_set1_ps(c[i]), sv, sums[i][t]);
+                if (kind == KIND_Q6_K)
+                    sums[i][t] = _mm256_fmadd_ps(_mm256_set1_ps(-32.0f * kscales[b * 8 + i] - c[i]),
+                                                 _mm256_loadu_ps(x->sf + t * s_stride + b * LANES), sums[i][t]);
             }
         }
     }
 }
 
 /* store_columns for 8 rows: each 128-bit half of the transposed registers one row's four columns. */
-static inline void store_columns(__m256 sums[4], const float *bias, float *y, int64_t m, int64_t rows, int64_t n,
-                                 int64_t n_out) {
+static inline void store_columns(const float values[4][LANES], const float *bias, float *y, int64_t m, int64_t rows,
+                                 int64_t n, int64_t n_out, int64_t stride) {
     if (n + 4 > n_out || m + LANES > rows) {
-        float values[4][LANES];
-        for (int i = 0; i < 4; i++) _mm256_storeu_ps(values[i], sums[i]);
         for (int64_t lane = 0; lane < LANES && m + lane < rows; lane++)
             for (int64_t i = 0; i < 4 && n + i < n_out; i++)
-                y[(m + lane) * n_out + n + i] = values[i][lane] + (bias ? bias[n + i] : 0.0f);
+                y[(m + lane) * stride + n + i] = values[i][lane] + (bias ? bias[n + i] : 0.0f);
         return;
     }
+    __m256 sums[4];
+    for (int i = 0; i < 4; i++) sums[i] = _mm256_loadu_ps(values[i]);
     const __m256 t0 = _mm256_unpacklo_ps(sums[0], sums[1]), t1 = _mm256_unpackhi_ps(sums[0], sums[1]);
     const __m256 t2 = _mm256_unpacklo_ps(sums[2], sums[3]), t3 = _mm256_unpackhi_ps(sums[2], sums[3]);
     __m256 r[4];
@@ -336,51 +541,62 @@ static inline void store_columns(__m256 sums[4], const float *bias, float *y, in
     r[3] = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t1), _mm256_castps_pd(t3)));
     const __m128 add = bias ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
     for (int j = 0; j < 4; j++) {
-        _mm_storeu_ps(y + (m + j) * n_out + n, _mm_add_ps(_mm256_castps256_ps128(r[j]), add));
-        _mm_storeu_ps(y + (m + 4 + j) * n_out + n, _mm_add_ps(_mm256_extractf128_ps(r[j], 1), add));
+        _mm_storeu_ps(y + (m + j) * stride + n, _mm_add_ps(_mm256_castps256_ps128(r[j]), add));
+        _mm_storeu_ps(y + (m + 4 + j) * stride + n, _mm_add_ps(_mm256_extractf128_ps(r[j], 1), add));
     }
 }
 #endif
 
 #if INT8_SIMD
-/* Every group of weights over every chunk of x's tiles, the groups split across the threads. */
+/* One group's sums over `count` tiles of x from its first (1 to PASS_TILES): values[t][i][lane], weight row i of the
+ * group against row `lane` of tile t; a copy of the pass for a full pass of tiles and one for a single tile. */
+static inline __attribute__((always_inline)) void group_tiles(const uint8_t *group, const uint8_t *unpacked,
+                                                              int64_t k, const int8_tiles *x, int count,
+                                                              float values[PASS_TILES][4][LANES], const int kind) {
+    const int64_t blocks = k / BLOCK, q_stride = k * LANES, s_stride = blocks * LANES;
+#if INT8_SIMD == 512
+    __m512 sums[4][PASS_TILES];
+    if (count == PASS_TILES)
+        group_pass_512(group, unpacked, blocks, x, q_stride, s_stride, sums, PASS_TILES, kind);
+    else
+        group_pass_512(group, unpacked, blocks, x, q_stride, s_stride, sums, 1, kind);
+    for (int t = 0; t < count; t++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(values[t][i], sums[i][t]);
+#else
+    __m256 sums[4][PASS_TILES];
+    group_pass_256(group, unpacked, blocks, x, q_stride, s_stride, sums, PASS_TILES, kind);
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(values[0][i], sums[i][0]);
+    (void)count;
+#endif
+}
+
+/* Weight rows [0, n_out) of one kind (a K-quant weight's each its records in turn) into y's columns [0, n_out) (rows
+ * of y `stride` wide; bias from its first): every group of four weight rows over every chunk of x's tiles, the
+ * groups split across the threads. */
 static inline __attribute__((always_inline)) void gemm_int8(const int8_rows *r, int64_t rows, int64_t k,
                                                             const uint8_t *w, const float *bias, float *y,
-                                                            int64_t n_out, const int kind) {
-    const int64_t blocks = r->blocks, groups = (n_out + 3) / 4, group_bytes = blocks * record_bytes(kind);
-    const int64_t q_stride = k * LANES, s_stride = blocks * LANES;
-    int64_t chunk = CHUNK_BYTES / q_stride;
+                                                            int64_t n_out, int64_t stride, const int kind) {
+    const int kquant = kind == KIND_Q4_K || kind == KIND_Q6_K;
+    const int64_t groups = (n_out + 3) / 4;
+    const int64_t group_bytes = kquant ? 4 * (k / 256) * kquant_record_bytes(kind) : r->blocks * record_bytes(kind);
+    int64_t chunk = CHUNK_BYTES / (k * LANES);
     chunk = chunk < PASS_TILES ? PASS_TILES : chunk / PASS_TILES * PASS_TILES;
 #pragma omp parallel if (r->tiles * n_out * k >= 65536)
     {
-        uint8_t *unpacked = kind == KIND_Q8_0 ? NULL : malloc(blocks * 128);
+        uint8_t *unpacked = kind == KIND_Q8_0 ? NULL : malloc(block_gemm_scratch_bytes(k));
         for (int64_t first = 0; first < r->tiles; first += chunk) {
             const int64_t last = first + chunk < r->tiles ? first + chunk : r->tiles;
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < groups; g++) {
                 const uint8_t *group = w + g * group_bytes;
-                if (unpacked) unpack_group(group, blocks, kind, unpacked);
+                unpack_weights(group, k, n_out - 4 * g, kind, unpacked);
                 for (int64_t t = first; t < last; t += PASS_TILES) {
                     const int count = last - t < PASS_TILES ? (int)(last - t) : PASS_TILES;
-                    const int8_t *xq = r->q + t * q_stride;
-                    const float *dx = r->dx + t * s_stride, *s = r->s + t * s_stride;
-#if INT8_SIMD == 512
-                    __m512 sums[4][PASS_TILES];
-                    if (count == PASS_TILES)
-                        group_pass_512(group, unpacked, blocks, xq, q_stride, dx, s, s_stride, sums, PASS_TILES, kind);
-                    else
-                        group_pass_512(group, unpacked, blocks, xq, q_stride, dx, s, s_stride, sums, 1, kind);
-                    for (int i = 0; i < count; i++) {
-                        __m512 columns[4] = {sums[0][i], sums[1][i], sums[2][i], sums[3][i]};
-                        store_columns(columns, bias, y, (t + i) * LANES, rows, g * 4, n_out);
-                    }
-#else
-                    __m256 sums[4][PASS_TILES];
-                    group_pass_256(group, unpacked, blocks, xq, q_stride, dx, s, s_stride, sums, PASS_TILES, kind);
-                    __m256 columns[4] = {sums[0][0], sums[1][0], sums[2][0], sums[3][0]};
-                    store_columns(columns, bias, y, t * LANES, rows, g * 4, n_out);
-                    (void)count;
-#endif
+                    const int8_tiles x = int8_tiles_from(&r->at, t * LANES, k);
+                    float values[PASS_TILES][4][LANES];
+                    group_tiles(group, unpacked, k, &x, count, values, kind);
+                    for (int i = 0; i < count; i++)
+                        store_columns(values[i], bias, y, (t + i) * LANES, rows, g * 4, n_out, stride);
                 }
             }
         }
@@ -391,17 +607,26 @@ static inline __attribute__((always_inline)) void gemm_int8(const int8_rows *r, 
 static void gemm_blocks_int8(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind,
                              const float *bias, float *y, int64_t n_out) {
     int8_rows r = quantize_rows(x, rows, k);
-    if (kind == KIND_Q4_0)  /* the kind a constant in each copy */
-        gemm_int8(&r, rows, k, w, bias, y, n_out, KIND_Q4_0);
-    else if (kind == KIND_Q4_1)
-        gemm_int8(&r, rows, k, w, bias, y, n_out, KIND_Q4_1);
-    else if (kind == KIND_MXFP4)
-        gemm_int8(&r, rows, k, w, bias, y, n_out, KIND_MXFP4);
-    else
-        gemm_int8(&r, rows, k, w, bias, y, n_out, KIND_Q8_0);
-    free(r.s);
-    free(r.dx);
-    free(r.q);
+    if (kind == KIND_Q4_K || kind == KIND_Q6_K || kind == KIND_K_MIXED) {  /* each part of one kind in turn */
+        const kquant_parts parts = read_kquant_parts(w, kind, n_out, k);
+        for (int64_t p = 0; p < parts.count; p++) {
+            const int64_t first = p ? parts.ends[p - 1] : 0, part_rows = parts.ends[p] - first;
+            const float *part_bias = bias ? bias + first : NULL;
+            if (parts.kinds[p] == KIND_Q4_K)
+                gemm_int8(&r, rows, k, parts.data[p], part_bias, y + first, part_rows, n_out, KIND_Q4_K);
+            else
+                gemm_int8(&r, rows, k, parts.data[p], part_bias, y + first, part_rows, n_out, KIND_Q6_K);
+        }
+    } else if (kind == KIND_Q4_0) {  /* the kind a constant in each copy */
+        gemm_int8(&r, rows, k, w, bias, y, n_out, n_out, KIND_Q4_0);
+    } else if (kind == KIND_Q4_1) {
+        gemm_int8(&r, rows, k, w, bias, y, n_out, n_out, KIND_Q4_1);
+    } else if (kind == KIND_MXFP4) {
+        gemm_int8(&r, rows, k, w, bias, y, n_out, n_out, KIND_MXFP4);
+    } else {
+        gemm_int8(&r, rows, k, w, bias, y, n_out, n_out, KIND_Q8_0);
+    }
+    free_rows(&r);
 }
 #endif
 
@@ -409,7 +634,7 @@ static void gemm_blocks_int8(const float *x, int64_t rows, int64_t k, const uint
 
 int64_t block_gemm_tile_rows(int64_t kind) {
 #if INT8_SIMD
-    return kind == KIND_Q4_0 || kind == KIND_Q4_1 || kind == KIND_Q8_0 || kind == KIND_MXFP4 ? LANES : 0;
+    return kind == KIND_K_MIXED ? 0 : LANES;
 #else
     (void)kind;
     return 0;
@@ -417,61 +642,50 @@ int64_t block_gemm_tile_rows(int64_t kind) {
 }
 
 #if INT8_SIMD
-void block_gemm_quantize_row(const float *x, int64_t k, int64_t row, int8_t *q, float *dx, float *s) {
-    quantize_row(x, k, row, q, dx, s);
+void block_gemm_quantize_row(const float *x, int64_t k, int64_t row, const int8_tiles *tiles) {
+    quantize_row(x, k, row, tiles);
 }
 
 /* The kind a constant in each copy, as gemm_blocks_int8. */
-static inline __attribute__((always_inline)) void group_sums_int8(const uint8_t *group, int64_t k, const int8_t *q,
-                                                                  const float *dx, const float *s, int64_t rows,
-                                                                  uint8_t *unpacked, float *out, const int kind) {
-    const int64_t blocks = k / BLOCK, tiles = (rows + LANES - 1) / LANES;
-    const int64_t q_stride = k * LANES, s_stride = blocks * LANES;
-    if (kind != KIND_Q8_0) unpack_group(group, blocks, kind, unpacked);
-    for (int64_t t = 0; t < tiles; t += PASS_TILES) {
-        const int count = tiles - t < PASS_TILES ? (int)(tiles - t) : PASS_TILES;
+static inline __attribute__((always_inline)) void group_sums_int8(const uint8_t *group, int64_t k,
+                                                                  const int8_tiles *tiles, int64_t rows,
+                                                                  uint8_t *scratch, float *out, const int kind) {
+    unpack_weights(group, k, 4, kind, scratch);
+    for (int64_t t = 0; t * LANES < rows; t += PASS_TILES) {
+        const int64_t left = (rows - t * LANES + LANES - 1) / LANES;
+        const int count = left < PASS_TILES ? (int)left : PASS_TILES;
+        const int8_tiles x = int8_tiles_from(tiles, t * LANES, k);
         float values[PASS_TILES][4][LANES];
-#if INT8_SIMD == 512
-        __m512 sums[4][PASS_TILES];
-        if (count == PASS_TILES)
-            group_pass_512(group, unpacked, blocks, q + t * q_stride, q_stride, dx + t * s_stride, s + t * s_stride,
-                           s_stride, sums, PASS_TILES, kind);
-        else
-            group_pass_512(group, unpacked, blocks, q + t * q_stride, q_stride, dx + t * s_stride, s + t * s_stride,
-                           s_stride, sums, 1, kind);
-        for (int j = 0; j < count; j++)
-            for (int i = 0; i < 4; i++) _mm512_storeu_ps(values[j][i], sums[i][j]);
-#else
-        __m256 sums[4][PASS_TILES];
-        group_pass_256(group, unpacked, blocks, q + t * q_stride, q_stride, dx + t * s_stride, s + t * s_stride,
-                       s_stride, sums, PASS_TILES, kind);
-        for (int i = 0; i < 4; i++) _mm256_storeu_ps(values[0][i], sums[i][0]);
-#endif
+        group_tiles(group, scratch, k, &x, count, values, kind);
         for (int j = 0; j < count; j++)
             for (int64_t lane = 0, row = (t + j) * LANES; lane < LANES && row < rows; lane++, row++)
                 for (int i = 0; i < 4; i++) out[row * 4 + i] = values[j][i][lane];
     }
 }
 
-void block_gemm_group_sums(const uint8_t *group, int64_t k, const int8_t *q, const float *dx, const float *s,
-                           int64_t rows, int64_t kind, uint8_t *unpacked, float *sums) {
+void block_gemm_group_sums(const uint8_t *group, int64_t k, const int8_tiles *tiles, int64_t rows, int64_t kind,
+                           uint8_t *scratch, float *sums) {
     if (kind == KIND_Q4_0)
-        group_sums_int8(group, k, q, dx, s, rows, unpacked, sums, KIND_Q4_0);
+        group_sums_int8(group, k, tiles, rows, scratch, sums, KIND_Q4_0);
     else if (kind == KIND_Q4_1)
-        group_sums_int8(group, k, q, dx, s, rows, unpacked, sums, KIND_Q4_1);
+        group_sums_int8(group, k, tiles, rows, scratch, sums, KIND_Q4_1);
     else if (kind == KIND_MXFP4)
-        group_sums_int8(group, k, q, dx, s, rows, unpacked, sums, KIND_MXFP4);
+        group_sums_int8(group, k, tiles, rows, scratch, sums, KIND_MXFP4);
+    else if (kind == KIND_Q4_K)
+        group_sums_int8(group, k, tiles, rows, scratch, sums, KIND_Q4_K);
+    else if (kind == KIND_Q6_K)
+        group_sums_int8(group, k, tiles, rows, scratch, sums, KIND_Q6_K);
     else
-        group_sums_int8(group, k, q, dx, s, rows, unpacked, sums, KIND_Q8_0);
+        group_sums_int8(group, k, tiles, rows, scratch, sums, KIND_Q8_0);
 }
 #else
-void block_gemm_quantize_row(const float *x, int64_t k, int64_t row, int8_t *q, float *dx, float *s) {
-    (void)x, (void)k, (void)row, (void)q, (void)dx, (void)s;
+void block_gemm_quantize_row(const float *x, int64_t k, int64_t row, const int8_tiles *tiles) {
+    (void)x, (void)k, (void)row, (void)tiles;
 }
 
-void block_gemm_group_sums(const uint8_t *group, int64_t k, const int8_t *q, const float *dx, const float *s,
-                           int64_t rows, int64_t kind, uint8_t *unpacked, float *sums) {
-    (void)group, (void)k, (void)q, (void)dx, (void)s, (void)rows, (void)kind, (void)unpacked, (void)sums;
+void block_gemm_group_sums(const uint8_t *group, int64_t k, const int8_tiles *tiles, int64_t rows, int64_t kind,
+                           uint8_t *scratch, float *sums) {
+    (void)group, (void)k, (void)tiles, (void)rows, (void)kind, (void)scratch, (void)sums;
 }
 #endif
 
@@ -624,30 +838,6 @@ static inline __attribute__((always_inline)) void dequantize_record(const uint8_
     }
 }
 
-/* A K-quant weight (gemv_kquants.c) as parts of one kind each: KIND_Q4_K or KIND_Q6_K alone, or a KIND_K_MIXED
- * weight's header's parts (at most 7 fit its 128 bytes), each part's rows `ends[p - 1]` to `ends[p]`. */
-typedef struct {
-    int64_t count, kinds[7], ends[7];
-    const uint8_t *data[7];
-} kquant_parts;
-
-static inline int64_t kquant_bytes(int64_t kind) { return kind == KIND_Q6_K ? 210 : 144; }
-
-static kquant_parts read_kquant_parts(const uint8_t *w, int64_t kind, int64_t n_out, int64_t k) {
-    kquant_parts parts = {.count = 1, .kinds = {kind}, .ends = {n_out}, .data = {w}};
-    if (kind != KIND_K_MIXED) return parts;
-    const int64_t *header = (const int64_t *)w;
-    const uint8_t *data = w + 128;
-    parts.count = header[0];
-    for (int64_t p = 0, end = 0; p < parts.count; p++) {
-        parts.kinds[p] = header[1 + 2 * p];
-        parts.ends[p] = end += header[2 + 2 * p];
-        parts.data[p] = data;
-        data += header[2 + 2 * p] * (k / 256) * kquant_bytes(parts.kinds[p]);
-    }
-    return parts;
-}
-
 /* One super-block of a K-quant row as bf16 in its record's order (position p at out[(p / 32) * stride + p % 32]:
  * 32 positions a tile row, a row of each of 8 k-tiles). Per 64-byte step u of the record, 32-bit lane l of the
  * quants belongs to block j = l % 8 (gemv_kquants.c): its 16-byte quarters take blocks 0-3 and 4-7 in turn. */
@@ -721,7 +911,7 @@ static inline __attribute__((always_inline)) void dequantize_unit(const uint8_t 
         }
         int64_t p = 0;
         while (n >= parts->ends[p]) p++;
-        const int64_t part = parts->kinds[p], size = kquant_bytes(part), first = p ? parts->ends[p - 1] : 0;
+        const int64_t part = parts->kinds[p], size = kquant_record_bytes(part), first = p ? parts->ends[p - 1] : 0;
         const uint8_t *record = parts->data[p] + ((n - first) * (k / 256) + b) * size;
         if (part == KIND_Q4_K)
             dequantize_super(record, rows, 1024, KIND_Q4_K);
@@ -949,6 +1139,7 @@ int64_t infer_block_gemm_runs(int64_t design) { return has_design(design); }
 /* The design infer_gemm_blocks takes for `design` (-1: the default for `rows` and `kind`). */
 static int64_t chosen_design(int64_t rows, int64_t kind, int64_t design) {
     const int kquant = kind == KIND_Q4_K || kind == KIND_Q6_K || kind == KIND_K_MIXED;
+    if ((design < 0 || !has_design(design)) && kquant && rows <= KQUANT_GEMV_ROWS) return BLOCK_GEMM_PORTABLE;
     if (design < 0 || !has_design(design))
         design = rows < (kind == KIND_Q4_0 || kind == KIND_Q4_1 ? AMX_MIN_ROWS_Q4 : AMX_MIN_ROWS) &&
                          has_design(BLOCK_GEMM_INT8)
@@ -956,7 +1147,7 @@ static int64_t chosen_design(int64_t rows, int64_t kind, int64_t design) {
                      : infer_block_gemm_kind();
     if (kind == KIND_MXFP4)  /* not among the AMX design's kinds */
         return has_design(BLOCK_GEMM_INT8) ? BLOCK_GEMM_INT8 : BLOCK_GEMM_PORTABLE;
-    return kquant && design == BLOCK_GEMM_INT8 ? BLOCK_GEMM_PORTABLE : design;  /* K-quants' int8: their GEMV */
+    return design;
 }
 
 void infer_gemm_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind, const float *bias,
@@ -974,7 +1165,7 @@ void infer_gemm_blocks(const float *x, int64_t rows, int64_t k, const uint8_t *w
         return;
     }
 #endif
-    infer_linear_blocks(x, rows, k, w, kind, bias, y, n_out);  /* plain C, K-quants' int8: the GEMV's arithmetic */
+    infer_linear_blocks(x, rows, k, w, kind, bias, y, n_out);  /* plain C, K-quants' few rows: the GEMV */
 }
 
 int64_t infer_dequantize_blocks_bf16(const uint8_t *w, int64_t kind, int64_t n_out, int64_t k, uint16_t *out) {

@@ -41,11 +41,6 @@
 #define KQ_ROW_TILE 64
 #define MIXED_HEADER 128
 
-static inline int64_t kquant_record_bytes(int64_t kind) { return kind == KIND_Q6_K ? 210 : 144; }
-
-/* Where a record's quants start: after d, dmin and the scales (Q4_K), after d and sc (Q6_K). */
-static inline int64_t kquant_quants_at(int kind) { return kind == KIND_Q6_K ? 18 : 16; }
-
 static inline float record_half(const uint8_t *record, int at) {
     uint16_t bits;
     memcpy(&bits, record + at, 2);

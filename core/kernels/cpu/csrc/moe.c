@@ -18,9 +18,9 @@
  * first one's, in groups of four output rows: each pair's row of x quantized per 32 columns once (in the layout the
  * gate/up kind's GEMV reads), that GEMV's integer dot products for a thread's gate and up groups, the activation on
  * their sums; then every pair's activations quantized for down's kind, and down's groups of a thread's output
- * columns. An expert of more tokens than one GEMV pass (prefill), in a 32-block kind, takes the block GEMM's int8
- * design instead (gemm_blocks.c): its rows quantized into that design's tiles (the same values), each group's quants
- * unpacked once and multiplied against every tile, where the GEMV would read the group again for each pass. */
+ * columns. An expert of more tokens than one GEMV pass (prefill) takes the block GEMM's int8 design instead
+ * (gemm_blocks.c): its rows quantized into that design's tiles (the same values), each group's quants unpacked once
+ * and multiplied against every tile, where the GEMV would read the group again for each pass. */
 #include "common.h"
 #include "tiles.h"
 
@@ -387,44 +387,61 @@ void infer_moe_experts_tiles(const float *x, int64_t hidden, int64_t width, int6
 
 /* ---- over GGUF's blocks (infer_moe_experts_blocks) -------------------------------------------------------------- */
 
-/* Where each pair's quantized rows sit: experts of more tokens than one GEMV pass, in a kind the block GEMM's int8
- * design takes, in that design's layout (`row[p]`: the pair's row there, each such expert's from a tile's first row;
- * `*padded`: the rows, tiles whole), the others in the GEMV's (row[p] = -1). */
+/* Where each pair's quantized rows sit: experts of more tokens than one GEMV pass (K-quants': KQUANT_GEMV_ROWS), in
+ * a kind the block GEMM's int8 design takes, in that design's layout (`row[p]`: the pair's row there, each such
+ * expert's from a tile's first row; `*padded`: the rows, tiles whole), the others in the GEMV's (row[p] = -1). */
 static void gemm_rows(const int64_t *starts, int64_t experts, int64_t kind, int64_t *row, int64_t *padded) {
     const int64_t lanes = block_gemm_tile_rows(kind);
     *padded = 0;
     for (int64_t e = 0; e < experts; e++) {
         const int64_t count = starts[e + 1] - starts[e];
-        const int gemm = lanes && count > infer_block_pass_rows();
+        const int gemm = lanes && count > (kind == KIND_Q4_K || kind == KIND_Q6_K ? KQUANT_GEMV_ROWS
+                                                                                    : infer_block_pass_rows());
         for (int64_t p = starts[e]; p < starts[e + 1]; p++) row[p] = gemm ? *padded + p - starts[e] : -1;
         if (gemm) *padded += (count + lanes - 1) / lanes * lanes;
     }
     row[starts[experts]] = -1;  /* an expert of no pairs at the end reads this one */
 }
 
-/* A pair's rows of x (k floats) quantized for `kind`: into the GEMM's layout where row >= 0, else the GEMV's (scales
- * rows of `per_row`). */
-static inline void quantize_pair(const float *x, int64_t k, int64_t kind, int64_t p, int64_t row, int8_t *q,
-                                 float *scales, float *sums, int64_t per_row, int8_t *gemm_q, float *gemm_scales,
-                                 float *gemm_sums) {
+/* Pairs' rows quantized as a kind's GEMV reads them: q [pairs, k], scales and sums [pairs, per_row]. */
+typedef struct {
+    int8_t *q;
+    float *scales, *sums;
+    int64_t per_row;
+} gemv_rows;
+
+/* A pair's row of x (k floats) quantized for `kind`: into the GEMM's layout where row >= 0, else the GEMV's. */
+static inline void quantize_pair(const float *x, int64_t k, int64_t kind, int64_t p, int64_t row,
+                                 const gemv_rows *gemv, const int8_tiles *gemm) {
     if (row >= 0)
-        block_gemm_quantize_row(x, k, row, gemm_q, gemm_scales, gemm_sums);
+        block_gemm_quantize_row(x, k, row, gemm);
     else
-        block_quantize_rows(x, 1, k, kind, q + p * k, scales + p * per_row, sums + p * per_row);
+        block_quantize_rows(x, 1, k, kind, gemv->q + p * k, gemv->scales + p * gemv->per_row,
+                            gemv->sums + p * gemv->per_row);
 }
 
 /* One group's sums [count][4] over an expert's pairs from `start`: the GEMM's where its rows are there. */
 static inline void expert_group_sums(const uint8_t *group, int64_t k, int64_t kind, int64_t start, int64_t count,
-                                     const int64_t *row, const int8_t *q, const float *scales, const float *sums,
-                                     int64_t per_row, const int8_t *gemm_q, const float *gemm_scales,
-                                     const float *gemm_sums, uint8_t *unpacked, float *out) {
+                                     const int64_t *row, const gemv_rows *gemv, const int8_tiles *gemm,
+                                     uint8_t *scratch, float *out) {
     if (row[start] >= 0) {
-        const int64_t lanes = block_gemm_tile_rows(kind), tile = row[start] / lanes;
-        block_gemm_group_sums(group, k, gemm_q + tile * lanes * k, gemm_scales + tile * lanes * (k / 32),
-                              gemm_sums + tile * lanes * (k / 32), count, kind, unpacked, out);
+        const int8_tiles tiles = int8_tiles_from(gemm, row[start], k);
+        block_gemm_group_sums(group, k, &tiles, count, kind, scratch, out);
     } else {
-        block_group_sums(group, k, q + start * k, scales + start * per_row, sums + start * per_row, count, kind, out);
+        block_group_sums(group, k, gemv->q + start * k, gemv->scales + start * gemv->per_row,
+                         gemv->sums + start * gemv->per_row, count, kind, out);
     }
+}
+
+/* The GEMM's layout for `padded` rows of k columns (zeroed), in one allocation from tiles.q. */
+static int8_tiles alloc_tiles(int64_t padded, int64_t k) {
+    const int64_t scales = padded * (k / 32);
+    int8_tiles tiles;
+    tiles.q = calloc(padded * k + sizeof(float) * 3 * scales + 64, 1);
+    tiles.dx = (float *)(tiles.q + (padded * k + 63) / 64 * 64);
+    tiles.s = tiles.dx + scales;
+    tiles.sf = tiles.s + scales;
+    return tiles;
 }
 
 void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int64_t experts,
@@ -441,14 +458,11 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
     int64_t *x_at = malloc(sizeof(int64_t) * 2 * (pairs + 1)), *act_at = x_at + pairs + 1, x_padded, act_padded;
     gemm_rows(starts, experts, gate_up_kind, x_at, &x_padded);
     gemm_rows(starts, experts, down_kind, act_at, &act_padded);
-    int8_t *xq = malloc(pairs * hidden), *aq = malloc(pairs * width);
-    float *x_scales = malloc(sizeof(float) * 2 * pairs * x_row), *x_sums = x_scales + pairs * x_row;
-    float *a_scales = malloc(sizeof(float) * 2 * pairs * act_row), *a_sums = a_scales + pairs * act_row;
-    int8_t *gemm_xq = calloc(x_padded * hidden + 1, 1), *gemm_aq = calloc(act_padded * width + 1, 1);
-    float *gemm_x_scales = calloc(2 * x_padded * (hidden / 32) + 1, sizeof(float));
-    float *gemm_x_sums = gemm_x_scales + x_padded * (hidden / 32);
-    float *gemm_a_scales = calloc(2 * act_padded * (width / 32) + 1, sizeof(float));
-    float *gemm_a_sums = gemm_a_scales + act_padded * (width / 32);
+    gemv_rows x_gemv = {malloc(pairs * hidden), malloc(sizeof(float) * 2 * pairs * x_row), NULL, x_row};
+    gemv_rows act_gemv = {malloc(pairs * width), malloc(sizeof(float) * 2 * pairs * act_row), NULL, act_row};
+    x_gemv.sums = x_gemv.scales + pairs * x_row;
+    act_gemv.sums = act_gemv.scales + pairs * act_row;
+    const int8_tiles x_gemm = alloc_tiles(x_padded, hidden), act_gemm = alloc_tiles(act_padded, width);
     float *activated = malloc(sizeof(float) * pairs * width);
     const int64_t gate_up_group = block_group_bytes(hidden, gate_up_kind);
     const int64_t down_group = block_group_bytes(width, down_kind);
@@ -456,11 +470,10 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
     {
         const int thread = team_member(), threads = team_size();
         float *gate = malloc(sizeof(float) * 8 * most), *up = gate + 4 * most;
-        uint8_t *unpacked = malloc(4 * (hidden > width ? hidden : width));
+        uint8_t *scratch = malloc(block_gemm_scratch_bytes(hidden > width ? hidden : width));
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++)
-            quantize_pair(x + tokens[p] * hidden, hidden, gate_up_kind, p, x_at[p], xq, x_scales, x_sums, x_row,
-                          gemm_xq, gemm_x_scales, gemm_x_sums);
+            quantize_pair(x + tokens[p] * hidden, hidden, gate_up_kind, p, x_at[p], &x_gemv, &x_gemm);
         int64_t first, last;
         thread_share(width / 4, thread, threads, &first, &last);
         for (int64_t e = 0; e < experts; e++) {
@@ -468,40 +481,37 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
             const uint8_t *weight = (const uint8_t *)(intptr_t)gate_up[id];
             const float *bias = gate_up_bias ? (const float *)(intptr_t)gate_up_bias[id] : NULL;
             for (int64_t b = first; b < last; b++) {
-                expert_group_sums(weight + b * gate_up_group, hidden, gate_up_kind, start, count, x_at, xq, x_scales,
-                                  x_sums, x_row, gemm_xq, gemm_x_scales, gemm_x_sums, unpacked, gate);
+                expert_group_sums(weight + b * gate_up_group, hidden, gate_up_kind, start, count, x_at, &x_gemv,
+                                  &x_gemm, scratch, gate);
                 expert_group_sums(weight + (b + width / 4) * gate_up_group, hidden, gate_up_kind, start, count, x_at,
-                                  xq, x_scales, x_sums, x_row, gemm_xq, gemm_x_scales, gemm_x_sums, unpacked, up);
+                                  &x_gemv, &x_gemm, scratch, up);
                 activate_group(gate, up, count, bias, b, width, activation, limit, alpha, activated + start * width);
             }
         }
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++)
-            quantize_pair(activated + p * width, width, down_kind, p, act_at[p], aq, a_scales, a_sums, act_row,
-                          gemm_aq, gemm_a_scales, gemm_a_sums);
+            quantize_pair(activated + p * width, width, down_kind, p, act_at[p], &act_gemv, &act_gemm);
         thread_share(hidden / 4, thread, threads, &first, &last);
         for (int64_t e = 0; e < experts; e++) {
             const int64_t start = starts[e], count = starts[e + 1] - start, id = expert_ids[e];
             const uint8_t *weight = (const uint8_t *)(intptr_t)down[id];
             const float *bias = down_bias ? (const float *)(intptr_t)down_bias[id] : NULL;
             for (int64_t b = first; b < last; b++) {
-                expert_group_sums(weight + b * down_group, width, down_kind, start, count, act_at, aq, a_scales,
-                                  a_sums, act_row, gemm_aq, gemm_a_scales, gemm_a_sums, unpacked, gate);
+                expert_group_sums(weight + b * down_group, width, down_kind, start, count, act_at, &act_gemv,
+                                  &act_gemm, scratch, gate);
                 add_routed_group(gate, count, start, bias, b, tokens, weights, hidden, out);
             }
         }
-        free(unpacked);
+        free(scratch);
         free(gate);
     }
     free(x_at);
-    free(xq);
-    free(aq);
-    free(x_scales);
-    free(a_scales);
-    free(gemm_xq);
-    free(gemm_aq);
-    free(gemm_x_scales);
-    free(gemm_a_scales);
+    free(x_gemv.q);
+    free(x_gemv.scales);
+    free(act_gemv.q);
+    free(act_gemv.scales);
+    free(x_gemm.q);
+    free(act_gemm.q);
     free(activated);
 }
