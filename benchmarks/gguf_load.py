@@ -57,6 +57,15 @@ GPT_OSS_KEYS = {
 ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}
 
 
+# The tokenizer's per-token arrays, padded with unused tokens where the folder's vocabulary is larger than the default
+# model's tokenizer (llama.cpp checks the embedding's rows against the token count).
+VOCAB_PADDING = {
+    "tokenizer.ggml.tokens": lambda index: f"[PAD{index}]",
+    "tokenizer.ggml.token_type": lambda index: 5,  # gguf.TokenType.UNUSED
+    "tokenizer.ggml.scores": lambda index: 0.0,
+}
+
+
 def write(folder: Path, out: Path, block_type: str) -> None:
     import gguf
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
@@ -69,11 +78,14 @@ def write(folder: Path, out: Path, block_type: str) -> None:
     arch = ARCHITECTURES[config["model_type"]]
     template = GGUFReader(resolve_model_path(DEFAULT_MODEL))
     writer = GGUFWriter(out, arch)
+    pads = config["vocab_size"] - len(template.fields["tokenizer.ggml.tokens"].contents())
     for name, field in template.fields.items():
         if name.startswith(("GGUF.", "llama.")) or name in ("general.architecture", "general.file_type"):
             continue
-        vtype = field.types[0]
-        writer.add_key_value(name, field.contents(), vtype, field.types[-1] if vtype == GGUFValueType.ARRAY else None)
+        vtype, contents = field.types[0], field.contents()
+        if pads > 0 and name in VOCAB_PADDING:  # as llama.cpp's converter pads a vocabulary to the embedding's rows
+            contents = contents + [VOCAB_PADDING[name](index) for index in range(pads)]
+        writer.add_key_value(name, contents, vtype, field.types[-1] if vtype == GGUFValueType.ARRAY else None)
     config.setdefault("num_experts", config.get("num_local_experts"))
     extra = {"qwen3moe": MOE_KEYS, "gemma3": GEMMA3_KEYS, "gpt-oss": GPT_OSS_KEYS}.get(arch, {})
     for key, field in {**SHAPE_KEYS, **extra}.items():

@@ -295,10 +295,14 @@ INFER_HIDDEN void block_gemm_group_sums(const uint8_t *group, int64_t k, const i
                                         int64_t kind, uint8_t *scratch, float *sums);
 
 /* Rows of x up to which K-quant weights keep their GEMV (gemv_kquants.c) rather than the block GEMM's int8 design:
- * there the design's tiles of 16 rows are part empty and its unpacking of each group is shared by few rows
- * (Qwen3-0.6B's projections, one thread: at 9-12 rows it took 1.2-1.5x the GEMV's time, at 16 0.85-1.0x;
- * docs/performance.md). */
+ * there the design's tiles are part empty and its unpacking of each group is shared by few rows. Qwen3-0.6B's
+ * projections, one thread (docs/performance.md): on AVX-512 at 12 rows it took 1.12-1.22x the GEMV's time, at 16
+ * 0.84-0.99x; on AVX2 (tiles of 8 rows) at 9 rows 1.2-1.4x, at 12 0.97-1.09x, at 16 0.71-0.85x. */
+#if INFER_AVX512
 #define KQUANT_GEMV_ROWS 16
+#else
+#define KQUANT_GEMV_ROWS 12
+#endif
 
 /* GGUF's K-quant super-blocks of 256 weights as the kernels hold them (gemv_kquants.c's top comment): a record's bytes
  * (one weight row's 256 columns) and where its quants start (after d, dmin and the scales; after d and sc). */
