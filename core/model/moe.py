@@ -37,9 +37,10 @@ if TYPE_CHECKING:
 def call_max_block_tokens(kernels: CpuKernels, kinds: tuple[str, str], tokens: int) -> int:
     """The most tokens an expert kept as blocks of ``kinds`` (gate_up's, down's) takes in the one C call of a step of
     ``tokens`` routed pairs: all of them (the call multiplies an expert of more than one block-GEMV pass on the block
-    GEMM's int8 design, or of a K-quant kind, more than 16 tokens, 12 in AVX2 builds: below, their GEMV is faster), except where the
-    block GEMM runs on AMX's bf16 tiles: there an expert of more than one GEMV pass (``block_pass_rows``) multiplies
-    faster through its own projections on that design, which reads every kind but MXFP4."""
+    GEMM's int8 design, or of a K-quant kind, more than 16 tokens, 12 in AVX2 builds: below, their GEMV is faster),
+    except where the block GEMM runs on AMX's bf16 tiles: there an expert of more than one GEMV pass
+    (``block_pass_rows``) multiplies faster through its own projections on that design, which reads every kind but
+    MXFP4."""
     if kernels.block_gemm == "amx-bf16" and set(kinds) != {"mxfp4"}:
         return kernels.block_pass_rows
     return tokens

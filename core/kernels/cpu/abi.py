@@ -592,11 +592,12 @@ class CpuKernels:
         ``x``'s dtype: float32, or bfloat16 rows in and out (a large step's between bf16 GEMMs; the ``amx-bf16`` design
         reads and writes them as they are, the others widen them). ``design`` (one of ``block_gemm_designs``; default:
         ``int8`` for up to 16 rows where it runs, else ``block_gemm``; K-quant weights keep ``portable`` up to 16
-        rows, 12 in AVX2 builds): ``amx-bf16`` multiplies on AMX's bf16 tiles over the weights dequantized to bf16 a panel at a time, ``x``
-        rounded to bf16; ``int8`` with integer dot products over ``x`` quantized per 32 columns as ``linear_blocks``
-        quantizes it (its arithmetic, summed in another order); ``portable`` is ``linear_blocks`` itself. K-quant
-        weights (``q4_k``, ``q6_k``, ``k_mixed``) take every design, ``int8`` over their records unpacked into its
-        layout. ``mxfp4`` weights, which ``amx-bf16`` does not read, take ``int8`` for any design where it runs."""
+        rows, 12 in AVX2 builds): ``amx-bf16`` multiplies on AMX's bf16 tiles over the weights dequantized to bf16 a
+        panel at a time, ``x`` rounded to bf16; ``int8`` with integer dot products over ``x`` quantized per 32
+        columns as ``linear_blocks`` quantizes it (its arithmetic, summed in another order); ``portable`` is
+        ``linear_blocks`` itself. K-quant weights (``q4_k``, ``q6_k``, ``k_mixed``) take every design, ``int8`` over
+        their records unpacked into its layout. ``mxfp4`` weights, which ``amx-bf16`` does not read, take ``int8``
+        for any design where it runs."""
         if design is not None and design not in self.block_gemm_designs:
             raise ValueError(
                 f"gemm_blocks design {design!r} does not run here; this {self.simd} build runs "

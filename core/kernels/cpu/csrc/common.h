@@ -323,6 +323,42 @@ static inline void q4k_scales(const uint8_t *packed, uint64_t *sc, uint64_t *m) 
     *m = ((low >> 4) & nibbles) | ((high & 0x0C0C0C0C0C0C0C0CULL) << 2);
 }
 
+/* The unsigned quants of a K-quant record's 64-byte step u (0-3: the weights beside x's bytes 64u .. 64u + 63,
+ * gemv_kquants.c's top comment), from its quants' two 64-byte halves `packed` and, for Q6_K, its 64 bytes of high
+ * bits (the top two bits of each to bits 4-5). */
+#if INFER_AVX512 && defined(__AVX512BW__)
+static inline __attribute__((always_inline)) __m512i kquant_step_512(const __m512i packed[2], __m512i high, int u,
+                                                                     int kind) {
+    __m512i w = _mm512_and_si512(u < 2 ? packed[u & 1] : _mm512_srli_epi16(packed[u & 1], 4), _mm512_set1_epi8(0x0F));
+    if (kind == KIND_Q6_K) {
+        const __m512i shifted = u == 0   ? _mm512_slli_epi16(high, 4)
+                                : u == 1 ? _mm512_slli_epi16(high, 2)
+                                : u == 2 ? high
+                                         : _mm512_srli_epi16(high, 2);
+        w = _mm512_ternarylogic_epi32(w, shifted, _mm512_set1_epi8(0x30), 0xF8);  /* w | (shifted & 0x30) */
+    }
+    return w;
+}
+#endif
+
+#if INFER_AVX2
+/* The same on AVX2 registers: half h (0, 1) of step u, the weights beside x's bytes 64u + 32h .. 64u + 32h + 31, read
+ * from the record's quants. */
+static inline __attribute__((always_inline)) __m256i kquant_step_256(const uint8_t *quants, int u, int h, int kind) {
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(quants + 64 * (u & 1) + 32 * h));
+    __m256i w = _mm256_and_si256(u < 2 ? packed : _mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));
+    if (kind == KIND_Q6_K) {
+        const __m256i high = _mm256_loadu_si256((const __m256i *)(quants + 128 + 32 * h));
+        const __m256i shifted = u == 0   ? _mm256_slli_epi16(high, 4)
+                                : u == 1 ? _mm256_slli_epi16(high, 2)
+                                : u == 2 ? high
+                                         : _mm256_srli_epi16(high, 2);
+        w = _mm256_or_si256(w, _mm256_and_si256(shifted, _mm256_set1_epi8(0x30)));
+    }
+    return w;
+}
+#endif
+
 /* infer_linear_blocks for the K-quant kinds (KIND_Q4_K, KIND_Q6_K, KIND_K_MIXED; gemv_kquants.c). */
 INFER_HIDDEN void linear_kquants(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t kind,
                                  const float *bias, float *y, int64_t n_out);

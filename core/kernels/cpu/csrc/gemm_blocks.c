@@ -211,20 +211,10 @@ static void unpack_group(const uint8_t *group, int64_t blocks, int kind, uint8_t
  * (gemv_kquants.c): its quants, read as 8 x 8 words of 4 bytes (t, j), are transposed. */
 static inline void kquant_quants_in_order(const uint8_t *quants, int kind, uint8_t *out) {
 #if INT8_SIMD == 512
-    const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     const __m512i packed[2] = {_mm512_loadu_si512(quants), _mm512_loadu_si512(quants + 64)};
     const __m512i high = kind == KIND_Q6_K ? _mm512_loadu_si512(quants + 128) : _mm512_setzero_si512();
     __m512i p[4];  /* x's bytes 64u ..: words (t, j), t = 2u, 2u + 1 */
-    for (int u = 0; u < 4; u++) {
-        p[u] = _mm512_and_si512(u < 2 ? packed[u & 1] : _mm512_srli_epi16(packed[u & 1], 4), nibble);
-        if (kind == KIND_Q6_K) {  /* the top two bits to bits 4-5 */
-            const __m512i shifted = u == 0   ? _mm512_slli_epi16(high, 4)
-                                    : u == 1 ? _mm512_slli_epi16(high, 2)
-                                    : u == 2 ? high
-                                             : _mm512_srli_epi16(high, 2);
-            p[u] = _mm512_ternarylogic_epi32(p[u], shifted, top, 0xF8);
-        }
-    }
+    for (int u = 0; u < 4; u++) p[u] = kquant_step_512(packed, high, u, kind);
     /* words (j, t) at 4j + t for t < 4 (from p[0], p[1]) or t >= 4 (p[2], p[3]), j 0-3, then 4-7 */
     const __m512i by_block = _mm512_set_epi32(27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0);
     const __m512i by_block_high = _mm512_add_epi32(by_block, _mm512_set1_epi32(4));
@@ -244,21 +234,8 @@ static inline void kquant_quants_in_order(const uint8_t *quants, int kind, uint8
         _mm256_storeu_si256((__m256i *)(out + (2 * q + 1) * 128), _mm512_extracti64x4_epi64(blocks[q], 1));
     }
 #else
-    const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
     __m256i r[8];  /* x's bytes 32t ..: words j 0-7 */
-    for (int t = 0; t < 8; t++) {
-        const int u = t / 2, h = t % 2;  /* x's 64-byte step and its half */
-        const __m256i packed = _mm256_loadu_si256((const __m256i *)(quants + 64 * (u & 1) + 32 * h));
-        r[t] = _mm256_and_si256(u < 2 ? packed : _mm256_srli_epi16(packed, 4), nibble);
-        if (kind == KIND_Q6_K) {
-            const __m256i high = _mm256_loadu_si256((const __m256i *)(quants + 128 + 32 * h));
-            const __m256i shifted = u == 0   ? _mm256_slli_epi16(high, 4)
-                                    : u == 1 ? _mm256_slli_epi16(high, 2)
-                                    : u == 2 ? high
-                                             : _mm256_srli_epi16(high, 2);
-            r[t] = _mm256_or_si256(r[t], _mm256_and_si256(shifted, top));
-        }
-    }
+    for (int t = 0; t < 8; t++) r[t] = kquant_step_256(quants, t / 2, t % 2, kind);
     __m256i pairs[8], quads[8];  /* the 8 x 8 transpose: words, then pairs of them, then 128-bit halves */
     for (int h = 0; h < 8; h += 4) {
         pairs[h] = _mm256_unpacklo_epi32(r[h], r[h + 1]);
@@ -349,6 +326,16 @@ static inline void block_scales(const uint8_t *group, const uint8_t *unpacked, i
 }
 #endif
 
+#if INT8_SIMD
+/* store_columns one value at a time: the last group's columns or the last tile's rows. */
+static void store_values(const float values[4][LANES], const float *bias, float *y, int64_t m, int64_t rows,
+                         int64_t n, int64_t n_out, int64_t stride) {
+    for (int64_t lane = 0; lane < LANES && m + lane < rows; lane++)
+        for (int64_t i = 0; i < 4 && n + i < n_out; i++)
+            y[(m + lane) * stride + n + i] = values[i][lane] + (bias ? bias[n + i] : 0.0f);
+}
+#endif
+
 #if INT8_SIMD == 512
 /* acc + unsigned bytes times signed bytes, summed by fours. */
 static inline __m512i dot_512(__m512i acc, __m512i u, __m512i s) {
@@ -427,10 +414,8 @@ static inline __attribute__((always_inline)) void group_pass_512(const uint8_t *
  * columns. */
 static inline void store_columns(const float values[4][LANES], const float *bias, float *y, int64_t m, int64_t rows,
                                  int64_t n, int64_t n_out, int64_t stride) {
-    if (n + 4 > n_out || m + LANES > rows) {  /* the last group or tile: one value at a time */
-        for (int64_t lane = 0; lane < LANES && m + lane < rows; lane++)
-            for (int64_t i = 0; i < 4 && n + i < n_out; i++)
-                y[(m + lane) * stride + n + i] = values[i][lane] + (bias ? bias[n + i] : 0.0f);
+    if (n + 4 > n_out || m + LANES > rows) {  /* the last group or tile */
+        store_values(values, bias, y, m, rows, n, n_out, stride);
         return;
     }
     __m512 sums[4];
@@ -524,10 +509,8 @@ static inline __attribute__((always_inline)) void group_pass_256(const uint8_t *
 /* store_columns for 8 rows: each 128-bit half of the transposed registers one row's four columns. */
 static inline void store_columns(const float values[4][LANES], const float *bias, float *y, int64_t m, int64_t rows,
                                  int64_t n, int64_t n_out, int64_t stride) {
-    if (n + 4 > n_out || m + LANES > rows) {
-        for (int64_t lane = 0; lane < LANES && m + lane < rows; lane++)
-            for (int64_t i = 0; i < 4 && n + i < n_out; i++)
-                y[(m + lane) * stride + n + i] = values[i][lane] + (bias ? bias[n + i] : 0.0f);
+    if (n + 4 > n_out || m + LANES > rows) {  /* the last group or tile */
+        store_values(values, bias, y, m, rows, n, n_out, stride);
         return;
     }
     __m256 sums[4];
@@ -845,7 +828,6 @@ static inline __attribute__((always_inline)) void dequantize_super(const uint8_t
                                                                    int64_t stride, int64_t kind) {
     const __m512i lanes_low = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m512i lanes_high = _mm512_add_epi32(lanes_low, _mm512_set1_epi32(4));
-    const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     uint16_t halves[2];
     memcpy(halves, record, 4);
     __m512 scaled;  /* per sub-block: Q4_K d sc[0..7], dmin m[0..7]; Q6_K d sc[0, 2, .., 14], d sc[1, 3, .., 15] */
@@ -859,18 +841,13 @@ static inline __attribute__((always_inline)) void dequantize_super(const uint8_t
         scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(record + 2)))),
                                _mm512_set1_ps(half_to_float(halves[0])));
     }
-    const uint8_t *quants = record + (kind == KIND_Q6_K ? 18 : 16);
+    const uint8_t *quants = record + kquant_quants_at(kind);
     const __m512i packed[2] = {_mm512_loadu_si512(quants), _mm512_loadu_si512(quants + 64)};
     const __m512i high = kind == KIND_Q6_K ? _mm512_loadu_si512(quants + 128) : _mm512_setzero_si512();
     for (int u = 0; u < 4; u++) {
-        __m512i w = _mm512_and_si512(u < 2 ? packed[u & 1] : _mm512_srli_epi16(packed[u & 1], 4), nibble);
+        const __m512i w = kquant_step_512(packed, high, u, kind);
         __m512 scale[2], offset[2];  /* weight = q scale - offset, quarters 0, 2 and 1, 3 */
-        if (kind == KIND_Q6_K) {  /* q's top two bits to bits 4-5; sub-blocks 2j (u < 2) or 2j + 1 */
-            const __m512i shifted = u == 0   ? _mm512_slli_epi16(high, 4)
-                                    : u == 1 ? _mm512_slli_epi16(high, 2)
-                                    : u == 2 ? high
-                                             : _mm512_srli_epi16(high, 2);
-            w = _mm512_ternarylogic_epi32(w, shifted, top, 0xF8);
+        if (kind == KIND_Q6_K) {  /* sub-blocks 2j (u < 2) or 2j + 1 */
             const __m512i base = _mm512_set1_epi32(u < 2 ? 0 : 8);
             scale[0] = _mm512_permutexvar_ps(_mm512_add_epi32(lanes_low, base), scaled);
             scale[1] = _mm512_permutexvar_ps(_mm512_add_epi32(lanes_high, base), scaled);

@@ -125,7 +125,6 @@ static inline __attribute__((always_inline)) void row_dot_avx512(const uint8_t *
                                                                  int64_t k, float sums[KQ_PASS_ROWS],
                                                                  const int count, const int kind) {
     const int64_t size = kquant_record_bytes(kind);
-    const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     __m512 acc[KQ_PASS_ROWS];
     for (int r = 0; r < count; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < supers; b++) {
@@ -153,20 +152,12 @@ static inline __attribute__((always_inline)) void row_dot_avx512(const uint8_t *
             scale_last = _mm512_shuffle_f32x4(scaled, scaled, 0xEE);
             offset = _mm512_mul_ps(scaled, _mm512_set1_ps(32.0f));
         }
-        const __m512i packed0 = _mm512_loadu_si512(quants), packed1 = _mm512_loadu_si512(quants + 64);
+        const __m512i packed[2] = {_mm512_loadu_si512(quants), _mm512_loadu_si512(quants + 64)};
         const __m512i high = kind == KIND_Q6_K ? _mm512_loadu_si512(quants + 128) : _mm512_setzero_si512();
         __m512i dots[KQ_PASS_ROWS];
         for (int r = 0; r < count; r++) dots[r] = _mm512_setzero_si512();
         for (int u = 0; u < 4; u++) {
-            const __m512i packed = u & 1 ? packed1 : packed0;
-            __m512i w = _mm512_and_si512(u < 2 ? packed : _mm512_srli_epi16(packed, 4), nibble);
-            if (kind == KIND_Q6_K) {  /* the top two bits to bits 4-5: w | (shifted & 0x30) */
-                const __m512i shifted = u == 0   ? _mm512_slli_epi16(high, 4)
-                                        : u == 1 ? _mm512_slli_epi16(high, 2)
-                                        : u == 2 ? high
-                                                 : _mm512_srli_epi16(high, 2);
-                w = _mm512_ternarylogic_epi32(w, shifted, top, 0xF8);
-            }
+            const __m512i w = kquant_step_512(packed, high, u, kind);
             for (int r = 0; r < count; r++) dots[r] = dot_u8s8_acc512(dots[r], w, xq + r * k + b * SUPER + 64 * u);
             if (kind == KIND_Q6_K && u == 1)  /* sub-blocks 2j done: scaled into the sums, 2j + 1 next */
                 for (int r = 0; r < count; r++) {
@@ -206,7 +197,6 @@ static inline __attribute__((always_inline)) void row_dot_avx2(const uint8_t *ro
                                                                float sums[KQ_PASS_ROWS], const int count,
                                                                const int kind) {
     const int64_t size = kquant_record_bytes(kind);
-    const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
     __m256 acc[KQ_PASS_ROWS];
     for (int r = 0; r < count; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < supers; b++) {
@@ -233,19 +223,7 @@ static inline __attribute__((always_inline)) void row_dot_avx2(const uint8_t *ro
         __m256i dots[KQ_PASS_ROWS];
         for (int r = 0; r < count; r++) dots[r] = _mm256_setzero_si256();
         for (int u = 0; u < 4; u++) {
-            __m256i w[2];
-            for (int h = 0; h < 2; h++) {
-                const __m256i packed = _mm256_loadu_si256((const __m256i *)(quants + 64 * (u & 1) + 32 * h));
-                w[h] = _mm256_and_si256(u < 2 ? packed : _mm256_srli_epi16(packed, 4), nibble);
-                if (kind == KIND_Q6_K) {
-                    const __m256i high = _mm256_loadu_si256((const __m256i *)(quants + 128 + 32 * h));
-                    const __m256i shifted = u == 0   ? _mm256_slli_epi16(high, 4)
-                                            : u == 1 ? _mm256_slli_epi16(high, 2)
-                                            : u == 2 ? high
-                                                     : _mm256_srli_epi16(high, 2);
-                    w[h] = _mm256_or_si256(w[h], _mm256_and_si256(shifted, top));
-                }
-            }
+            const __m256i w[2] = {kquant_step_256(quants, u, 0, kind), kquant_step_256(quants, u, 1, kind)};
             for (int r = 0; r < count; r++) {
                 const int8_t *x = xq + r * k + b * SUPER + 64 * u;
                 dots[r] = _mm256_add_epi32(dots[r], dot_pairs_256(w[0], x, w[1], x + 32));
