@@ -324,12 +324,13 @@ static inline void q4k_scales(const uint8_t *packed, uint64_t *sc, uint64_t *m) 
 }
 
 /* The unsigned quants of a K-quant record's 64-byte step u (0-3: the weights beside x's bytes 64u .. 64u + 63,
- * gemv_kquants.c's top comment), from its quants' two 64-byte halves `packed` and, for Q6_K, its 64 bytes of high
- * bits (the top two bits of each to bits 4-5). */
+ * gemv_kquants.c's top comment), from its quants' two 64-byte halves and, for Q6_K, its 64 bytes of high bits (the
+ * top two bits of each to bits 4-5). */
 #if INFER_AVX512 && defined(__AVX512BW__)
-static inline __attribute__((always_inline)) __m512i kquant_step_512(const __m512i packed[2], __m512i high, int u,
-                                                                     int kind) {
-    __m512i w = _mm512_and_si512(u < 2 ? packed[u & 1] : _mm512_srli_epi16(packed[u & 1], 4), _mm512_set1_epi8(0x0F));
+static inline __attribute__((always_inline)) __m512i kquant_step_512(__m512i first, __m512i second, __m512i high,
+                                                                     int u, int kind) {
+    const __m512i packed = u & 1 ? second : first;
+    __m512i w = _mm512_and_si512(u < 2 ? packed : _mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));
     if (kind == KIND_Q6_K) {
         const __m512i shifted = u == 0   ? _mm512_slli_epi16(high, 4)
                                 : u == 1 ? _mm512_slli_epi16(high, 2)

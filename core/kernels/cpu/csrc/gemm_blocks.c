@@ -211,10 +211,10 @@ static void unpack_group(const uint8_t *group, int64_t blocks, int kind, uint8_t
  * (gemv_kquants.c): its quants, read as 8 x 8 words of 4 bytes (t, j), are transposed. */
 static inline void kquant_quants_in_order(const uint8_t *quants, int kind, uint8_t *out) {
 #if INT8_SIMD == 512
-    const __m512i packed[2] = {_mm512_loadu_si512(quants), _mm512_loadu_si512(quants + 64)};
+    const __m512i first = _mm512_loadu_si512(quants), second = _mm512_loadu_si512(quants + 64);
     const __m512i high = kind == KIND_Q6_K ? _mm512_loadu_si512(quants + 128) : _mm512_setzero_si512();
     __m512i p[4];  /* x's bytes 64u ..: words (t, j), t = 2u, 2u + 1 */
-    for (int u = 0; u < 4; u++) p[u] = kquant_step_512(packed, high, u, kind);
+    for (int u = 0; u < 4; u++) p[u] = kquant_step_512(first, second, high, u, kind);
     /* words (j, t) at 4j + t for t < 4 (from p[0], p[1]) or t >= 4 (p[2], p[3]), j 0-3, then 4-7 */
     const __m512i by_block = _mm512_set_epi32(27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0);
     const __m512i by_block_high = _mm512_add_epi32(by_block, _mm512_set1_epi32(4));
@@ -842,10 +842,10 @@ static inline __attribute__((always_inline)) void dequantize_super(const uint8_t
                                _mm512_set1_ps(half_to_float(halves[0])));
     }
     const uint8_t *quants = record + kquant_quants_at(kind);
-    const __m512i packed[2] = {_mm512_loadu_si512(quants), _mm512_loadu_si512(quants + 64)};
+    const __m512i first = _mm512_loadu_si512(quants), second = _mm512_loadu_si512(quants + 64);
     const __m512i high = kind == KIND_Q6_K ? _mm512_loadu_si512(quants + 128) : _mm512_setzero_si512();
     for (int u = 0; u < 4; u++) {
-        const __m512i w = kquant_step_512(packed, high, u, kind);
+        const __m512i w = kquant_step_512(first, second, high, u, kind);
         __m512 scale[2], offset[2];  /* weight = q scale - offset, quarters 0, 2 and 1, 3 */
         if (kind == KIND_Q6_K) {  /* sub-blocks 2j (u < 2) or 2j + 1 */
             const __m512i base = _mm512_set1_epi32(u < 2 ? 0 : 8);

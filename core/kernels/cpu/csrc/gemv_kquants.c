@@ -152,12 +152,12 @@ static inline __attribute__((always_inline)) void row_dot_avx512(const uint8_t *
             scale_last = _mm512_shuffle_f32x4(scaled, scaled, 0xEE);
             offset = _mm512_mul_ps(scaled, _mm512_set1_ps(32.0f));
         }
-        const __m512i packed[2] = {_mm512_loadu_si512(quants), _mm512_loadu_si512(quants + 64)};
+        const __m512i first = _mm512_loadu_si512(quants), second = _mm512_loadu_si512(quants + 64);
         const __m512i high = kind == KIND_Q6_K ? _mm512_loadu_si512(quants + 128) : _mm512_setzero_si512();
         __m512i dots[KQ_PASS_ROWS];
         for (int r = 0; r < count; r++) dots[r] = _mm512_setzero_si512();
         for (int u = 0; u < 4; u++) {
-            const __m512i w = kquant_step_512(packed, high, u, kind);
+            const __m512i w = kquant_step_512(first, second, high, u, kind);
             for (int r = 0; r < count; r++) dots[r] = dot_u8s8_acc512(dots[r], w, xq + r * k + b * SUPER + 64 * u);
             if (kind == KIND_Q6_K && u == 1)  /* sub-blocks 2j done: scaled into the sums, 2j + 1 next */
                 for (int r = 0; r < count; r++) {
