@@ -285,9 +285,10 @@ static inline int8_tiles int8_tiles_from(const int8_tiles *tiles, int64_t row, i
 }
 
 /* The block GEMM's int8 design (gemm_blocks.c) for the same kernels: the rows of x a tile of its layout holds for a
- * kind (0: the design does not take the kind in this build: plain C); row `row` of that layout quantized from one row
- * of x as the GEMV quantizes it (the same values); and one group's sums [rows][4] over the `rows` rows from the
- * layout's first tile, `scratch` block_gemm_scratch_bytes(k) bytes. Single-threaded. */
+ * kind (0: the design does not take it: a mixed K-quant weight, or any kind in plain C); row `row` of that layout
+ * quantized from one row of x as the GEMV quantizes it (the same values); and one group's sums [rows][4] over the
+ * `rows` rows from the layout's first tile, `scratch` block_gemm_scratch_bytes(k) bytes (a group's quants unpacked,
+ * 4 k bytes, then a K-quant group's scales, 8 floats a block of 32). Single-threaded. */
 INFER_HIDDEN int64_t block_gemm_tile_rows(int64_t kind);
 static inline int64_t block_gemm_scratch_bytes(int64_t k) { return 5 * k; }
 INFER_HIDDEN void block_gemm_quantize_row(const float *x, int64_t k, int64_t row, const int8_tiles *tiles);
