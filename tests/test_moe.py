@@ -271,22 +271,23 @@ def test_experts_with_more_tokens_than_the_kernel_takes_run_expert_by_expert(ker
 def test_the_expert_kernel_on_each_simd_build_matches_this_cpus(kernels, build, simd_build):
     """The kernel's AVX2 code and its portable C against the build this CPU runs (where it has the flags), every
     weight storage (bf16 on the tiles where this CPU's kernels have them, and in ``pack_weights``' layout as the
-    other build packs it), experts taking 1 to 12 tokens (several GEMV passes)."""
+    other build packs it), experts taking 1 to 17 tokens (several GEMV passes; past the K-quant GEMV's 16 rows, the
+    block GEMM's int8 design)."""
     from infer.model.moe import ExpertGroups, Routing
 
     other = simd_build(build)
-    experts = torch.tensor([[0, 6]] * 11 + [[2, 6]])  # expert 0: 11 tokens, 2: one, 6: all twelve
-    groups = ExpertGroups.of(Routing(experts, torch.rand(12, 2)), 8)
+    experts = torch.tensor([[0, 6]] * 11 + [[2, 6]] + [[4, 6]] * 5)  # expert 0: 11 tokens, 2: one, 4: five, 6: all
+    groups = ExpertGroups.of(Routing(experts, torch.rand(17, 2)), 8)
     for mode, packer in (("fp16", kernels), ("bf16", kernels), ("bf16", other), ("int8", kernels)) + tuple(
         (blocks, kernels) for blocks in EXPERT_BLOCKS
     ):
         moe, _ = packed_moe(mode)
         moe.use_cpu_kernels(packer, gemv_rows=8)
         hidden = moe.experts[0].gate_up_proj.in_features
-        x = torch.randn(12, hidden, generator=torch.Generator().manual_seed(1))
-        outs = [torch.zeros(12, hidden), torch.zeros(12, hidden)]
+        x = torch.randn(17, hidden, generator=torch.Generator().manual_seed(1))
+        outs = [torch.zeros(17, hidden), torch.zeros(17, hidden)]
         for built, out in zip((kernels, other), outs, strict=True):
-            built.moe_experts(x, moe.packed, *groups.pick([0, 1, 2]), out, 1 << 30)  # the tiles: FMAs, as elsewhere
+            built.moe_experts(x, moe.packed, *groups.pick([0, 1, 2, 3]), out, 1 << 30)  # the tiles: FMAs, as elsewhere
         # blocks: sums in another order may round an activation to the next int8 step (about 0.2% of a result)
         atol = 2e-2 * float(outs[0].abs().max()) if mode in EXPERT_BLOCKS else 2e-5
         torch.testing.assert_close(*outs, atol=atol, rtol=2e-5)
