@@ -3,7 +3,7 @@ model output (``StepOutput``) that a drafter observes."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -139,6 +139,11 @@ class EngineStats:
     weighted_used_slots: float = 0.0
     weighted_reserved_slots: float = 0.0
     weighted_running: float = 0.0
+
+    def reset(self) -> None:
+        """Every total back to its start, in place (the engine's parts that count into this object keep it)."""
+        for item in fields(self):
+            setattr(self, item.name, item.default_factory() if item.default is MISSING else item.default)
 
     @property
     def kv_utilization(self) -> float:

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from infer.bench.ablate import CombinationResult, load_ablation
 from infer.bench.arrivals import arrival_offsets
 from infer.bench.hf_baseline import left_pad, own_output_length
-from infer.bench.runner import TokenizedRequest, run_workload
+from infer.bench.runner import TokenizedRequest, run_workload, warm_up
 from infer.bench.workloads import WorkloadError, build_workload, workload_options
 from infer.cli import main
 from infer.config import load_config
@@ -177,6 +177,34 @@ def test_runner_caps_requests_in_flight_at_the_batch_size(tiny_overrides):
     assert result.summary["batch_size"] == 2
 
 
+def test_a_warmed_up_engine_reports_the_timed_run_alone_with_the_same_tokens(tiny_overrides):
+    """The warm-up's requests leave no count behind and no prefix the workload's requests find (a radix cache on)."""
+    overrides = [*tiny_overrides, "prefix_cache.name=radix"]
+    results = []
+    for warm in (False, True):
+        engine = tiny_engine(overrides)
+        workload = build_workload(
+            "shared-prefix",
+            engine.tokenizer,
+            groups=2,
+            questions=3,
+            system_len=40,
+            question_len=8,
+            output_len=4,
+            batch_size=1,
+        )
+        if warm:
+            warm_up(engine, workload)
+        results.append(run_workload(engine, workload))
+        assert engine.stats.num_requests_finished == len(workload.requests)
+    cold, warmed = results
+    for key in ("requests", "prompt_tokens", "output_tokens", "prefill_tokens_computed", "prefix_hit_rate"):
+        assert warmed.summary[key] == cold.summary[key], key
+    assert 0 < warmed.summary["prefix_hit_rate"] < 1  # the groups' system prompts, found only from the timed run
+    tokens = [sorted((o.request_id, o.outputs[0].token_ids) for o in result.outputs) for result in results]
+    assert tokens[0] == tokens[1]
+
+
 def test_runner_adds_requests_at_their_arrival_times(tiny_overrides):
     engine = tiny_engine(tiny_overrides)
     workload = build_workload("chat", engine.tokenizer, num_requests=4, min_output_len=2, output_len=3, rate=10.0)
@@ -238,6 +266,7 @@ def test_bench_prints_the_table_and_writes_json_with_the_hf_baseline(tiny_overri
             "hf",
             "--hf-batch-size",
             "2",
+            "--warm-up",
             "--json",
             str(out),
         ],
@@ -265,6 +294,7 @@ def test_bench_prints_the_table_and_writes_json_with_the_hf_baseline(tiny_overri
     assert data["hf"]["generated_tokens"] >= requested
     assert data["infer_over_hf"] == pytest.approx(data["infer"]["output_tok_per_s"] / data["hf"]["output_tok_per_s"])
     assert data["workload"]["options"]["num_requests"] == 5 and data["dtype"] == "float32"
+    assert data["infer"]["requests"] == 5  # the warm-up's requests are not counted
 
 
 def test_vllm_baseline_without_vllms_python_is_a_usage_error_saying_how_to_get_one(tiny_overrides, monkeypatch):

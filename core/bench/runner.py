@@ -8,6 +8,7 @@ time the slot it takes became free), as vLLM's benchmark starts its clock after 
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -78,6 +79,28 @@ def run_workload(engine, workload: Workload, show_progress: bool = False) -> Run
     summary = summarize(outputs, engine, wall_time_s)
     summary["batch_size"] = workload.batch_size
     return RunResult(outputs, wall_time_s, summary)
+
+
+# Output tokens a warm-up request generates: its decode steps have the workload's batch sizes.
+WARM_UP_TOKENS = 4
+
+
+def warm_up(engine, workload: Workload) -> None:
+    """Run requests of the workload's prompt lengths and batch size through ``engine`` once, untimed, then start its
+    totals again (``Engine.reset_stats``), so that the timed run is not the engine's first meeting with steps of its
+    sizes (the heap growing to them, their first page faults): a vLLM baseline's timed run follows the profiling step
+    of its start and a warm-up generation. The prompts are random token ids, ``WARM_UP_TOKENS`` generated each: no
+    prefix of theirs is one of the workload's, so a prefix cache finds nothing of them in the timed run."""
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0, ignore_eos=True)
+    requests = [
+        TokenizedRequest(
+            f"warm-up-{index}", [rng.randrange(engine.vocab_size) for _ in request.prompt_token_ids], params, 0.0
+        )
+        for index, request in enumerate(tokenize_workload(engine, workload))
+    ]
+    replay(engine, requests, workload.batch_size)
+    engine.reset_stats()
 
 
 def replay(

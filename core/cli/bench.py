@@ -120,6 +120,12 @@ def command_line() -> str:
     show_default=True,
     help="dtype of the HF baseline (same: the engine's).",
 )
+@click.option(
+    "--warm-up",
+    is_flag=True,
+    help="Before the timed run, run requests of the workload's prompt lengths once on infer's engine (random tokens, "
+    "4 output tokens each), untimed and not counted: the baselines' timed runs follow a warm-up too.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
 def bench(
     config: str,
@@ -132,6 +138,7 @@ def bench(
     llama_server_args: str,
     hf_batch_size: int,
     hf_dtype: str,
+    warm_up: bool,
     json_path: Path | None,
     **flags,
 ) -> None:
@@ -143,6 +150,7 @@ def bench(
         write_json,
     )
     from infer.bench.runner import run_workload, tokenize_workload
+    from infer.bench.runner import warm_up as warm_up_engine
     from infer.config import load_config
     from infer.engine.engine import Engine
 
@@ -165,6 +173,9 @@ def bench(
     engine = Engine(resolved)
     click.echo(engine.pool_plan.describe(), err=True)
     workload = workload_from_flags(workload_name, engine.tokenizer, flags)
+    if warm_up:
+        click.echo(f"warming up on {len(workload.requests)} requests of the workload's prompt lengths ...", err=True)
+        warm_up_engine(engine, workload)
     click.echo(f"running {len(workload.requests)} {workload_name} requests ...", err=True)
     result = run_workload(engine, workload, show_progress=True)
     summary = result.summary

@@ -503,6 +503,13 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reset_stats(self) -> None:
+        """Start the totals (``stats``, the execution paths' step counts, the ranks' collective counters) again from
+        zero, as after the engine started; what the prefix cache holds stays."""
+        self.stats.reset()
+        self.executor.counts.clear()
+        self.ranks.reset_counters()
+
     def check_idle(self) -> None:
         """Integrity check when no request is left: every block is free or held by the prefix cache alone."""
         if self.has_unfinished():
