@@ -278,6 +278,17 @@ typedef struct {
     float *dx, *s, *sf;
 } int8_tiles;
 
+/* The layout for `rows` rows (whole tiles) of k columns, zeroed, in one allocation from q (free q alone). */
+static inline int8_tiles int8_tiles_alloc(int64_t rows, int64_t k) {
+    const int64_t scales = rows * (k / 32);
+    int8_tiles tiles;
+    tiles.q = calloc(rows * k + sizeof(float) * 3 * scales + 64, 1);
+    tiles.dx = (float *)(tiles.q + (rows * k + 63) / 64 * 64);
+    tiles.s = tiles.dx + scales;
+    tiles.sf = tiles.s + scales;
+    return tiles;
+}
+
 /* The same layout from row `row` (a tile's first) of `tiles` on, rows of k columns. */
 static inline int8_tiles int8_tiles_from(const int8_tiles *tiles, int64_t row, int64_t k) {
     return (int8_tiles){tiles->q + row * k, tiles->dx + row * (k / 32), tiles->s + row * (k / 32),

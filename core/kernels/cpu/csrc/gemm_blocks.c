@@ -160,19 +160,10 @@ static int8_rows quantize_rows(const float *x, int64_t rows, int64_t k) {
     int8_rows r;
     r.tiles = (rows + LANES - 1) / LANES;
     r.blocks = k / BLOCK;
-    const int64_t scales = r.tiles * LANES * r.blocks;
-    r.at.q = calloc(r.tiles * LANES * k, 1);
-    r.at.dx = calloc(3 * scales, sizeof(float));
-    r.at.s = r.at.dx + scales;
-    r.at.sf = r.at.s + scales;
+    r.at = int8_tiles_alloc(r.tiles * LANES, k);
 #pragma omp parallel for schedule(static) if (rows * k >= PARALLEL_ELEMENTS)
     for (int64_t m = 0; m < rows; m++) quantize_row(x + m * k, k, m, &r.at);
     return r;
-}
-
-static void free_rows(int8_rows *r) {
-    free(r->at.dx);
-    free(r->at.q);
 }
 
 /* A group's Q4 quants as bytes, [blocks][4 rows][32] (Q8_0's records hold theirs so already); MXFP4's codes as their
@@ -610,7 +601,7 @@ static void gemm_blocks_int8(const float *x, int64_t rows, int64_t k, const uint
     } else {
         gemm_int8(&r, rows, k, w, bias, y, n_out, n_out, KIND_Q8_0);
     }
-    free_rows(&r);
+    free(r.at.q);
 }
 #endif
 

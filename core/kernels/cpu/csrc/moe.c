@@ -433,17 +433,6 @@ static inline void expert_group_sums(const uint8_t *group, int64_t k, int64_t ki
     }
 }
 
-/* The GEMM's layout for `padded` rows of k columns (zeroed), in one allocation from tiles.q. */
-static int8_tiles alloc_tiles(int64_t padded, int64_t k) {
-    const int64_t scales = padded * (k / 32);
-    int8_tiles tiles;
-    tiles.q = calloc(padded * k + sizeof(float) * 3 * scales + 64, 1);
-    tiles.dx = (float *)(tiles.q + (padded * k + 63) / 64 * 64);
-    tiles.s = tiles.dx + scales;
-    tiles.sf = tiles.s + scales;
-    return tiles;
-}
-
 void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int64_t experts,
                               const int64_t *expert_ids, const int64_t *starts, const int64_t *tokens,
                               const float *weights, const int64_t *gate_up, int64_t gate_up_kind,
@@ -462,7 +451,7 @@ void infer_moe_experts_blocks(const float *x, int64_t hidden, int64_t width, int
     gemv_rows act_gemv = {malloc(pairs * width), malloc(sizeof(float) * 2 * pairs * act_row), NULL, act_row};
     x_gemv.sums = x_gemv.scales + pairs * x_row;
     act_gemv.sums = act_gemv.scales + pairs * act_row;
-    const int8_tiles x_gemm = alloc_tiles(x_padded, hidden), act_gemm = alloc_tiles(act_padded, width);
+    const int8_tiles x_gemm = int8_tiles_alloc(x_padded, hidden), act_gemm = int8_tiles_alloc(act_padded, width);
     float *activated = malloc(sizeof(float) * pairs * width);
     const int64_t gate_up_group = block_group_bytes(hidden, gate_up_kind);
     const int64_t down_group = block_group_bytes(width, down_kind);
