@@ -205,6 +205,27 @@ def test_a_warmed_up_engine_reports_the_timed_run_alone_with_the_same_tokens(tin
     assert tokens[0] == tokens[1]
 
 
+def test_a_warm_up_writes_every_block_the_timed_run_takes(tiny_overrides):
+    """The timed run's requests take only blocks the warm-up's took before them: a CPU pool's pages are mapped in as
+    its blocks are first written, so the timed run pays no first write (as a baseline's zeroed pool)."""
+    engine = tiny_engine(tiny_overrides)
+    warm, timed = set(), set()
+    taken = warm
+    allocate = engine.allocator.allocate
+
+    def recording(n: int):
+        blocks = allocate(n)
+        taken.update(blocks or ())
+        return blocks
+
+    engine.allocator.allocate = recording
+    workload = build_workload("chat", engine.tokenizer, num_requests=6, min_output_len=8, output_len=60, seed=3)
+    warm_up(engine, workload)
+    taken = timed
+    run_workload(engine, workload)
+    assert timed and timed <= warm, sorted(timed - warm)
+
+
 def test_runner_adds_requests_at_their_arrival_times(tiny_overrides):
     engine = tiny_engine(tiny_overrides)
     workload = build_workload("chat", engine.tokenizer, num_requests=4, min_output_len=2, output_len=3, rate=10.0)

@@ -81,21 +81,22 @@ def run_workload(engine, workload: Workload, show_progress: bool = False) -> Run
     return RunResult(outputs, wall_time_s, summary)
 
 
-# Output tokens a warm-up request generates: its decode steps have the workload's batch sizes.
-WARM_UP_TOKENS = 4
-
-
 def warm_up(engine, workload: Workload) -> None:
-    """Run requests of the workload's prompt lengths and batch size through ``engine`` once, untimed, then start its
-    totals again (``Engine.reset_stats``), so that the timed run is not the engine's first meeting with steps of its
-    sizes (the heap growing to them, their first page faults): a vLLM baseline's timed run follows the profiling step
-    of its start and a warm-up generation. The prompts are random token ids, ``WARM_UP_TOKENS`` generated each: no
-    prefix of theirs is one of the workload's, so a prefix cache finds nothing of them in the timed run."""
+    """Run requests of the workload's prompt and output lengths and batch size through ``engine`` once, untimed, then
+    start its totals again (``Engine.reset_stats``), so that the timed run is not the engine's first meeting with
+    steps of its sizes: the heap has grown to them, and the KV pool's pages that its blocks lie on have been written
+    (a CPU pool is mapped in as its blocks are first written, ``infer.host.zeroed_pages``, and the ``paged``
+    allocator hands the most recently freed blocks out first, so the timed run's blocks are the warm-up's), as a vLLM
+    baseline's timed run follows its start, which zeroes its whole pool, and a warm-up generation. The prompts are
+    random token ids: no prefix of theirs is one of the workload's, so a prefix cache finds nothing of them in the
+    timed run."""
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0, ignore_eos=True)
     requests = [
         TokenizedRequest(
-            f"warm-up-{index}", [rng.randrange(engine.vocab_size) for _ in request.prompt_token_ids], params, 0.0
+            f"warm-up-{index}",
+            [rng.randrange(engine.vocab_size) for _ in request.prompt_token_ids],
+            SamplingParams(max_tokens=request.params.max_tokens, temperature=0.0, ignore_eos=True),
+            0.0,
         )
         for index, request in enumerate(tokenize_workload(engine, workload))
     ]

@@ -123,8 +123,8 @@ def command_line() -> str:
 @click.option(
     "--warm-up",
     is_flag=True,
-    help="Before the timed run, run requests of the workload's prompt lengths once on infer's engine (random tokens, "
-    "4 output tokens each), untimed and not counted: the baselines' timed runs follow a warm-up too.",
+    help="Before the timed run, run requests of the workload's prompt and output lengths once on infer's engine "
+    "(random tokens), untimed and not counted: the baselines' timed runs follow a warm-up too.",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results here.")
 def bench(
@@ -174,7 +174,7 @@ def bench(
     click.echo(engine.pool_plan.describe(), err=True)
     workload = workload_from_flags(workload_name, engine.tokenizer, flags)
     if warm_up:
-        click.echo(f"warming up on {len(workload.requests)} requests of the workload's prompt lengths ...", err=True)
+        click.echo(f"warming up on {len(workload.requests)} requests of the workload's lengths ...", err=True)
         warm_up_engine(engine, workload)
     click.echo(f"running {len(workload.requests)} {workload_name} requests ...", err=True)
     result = run_workload(engine, workload, show_progress=True)
