@@ -82,6 +82,17 @@ def test_silu_mul_over_bf16_rows_is_the_float32_result_rounded(kernels, width):
     torch.testing.assert_close(out.float(), expected.float(), atol=1e-6, rtol=8e-3)  # at most one bf16 step apart
 
 
+@pytest.mark.parametrize("activation", ["silu_mul", "gelu_tanh_mul"])
+@pytest.mark.parametrize("width", DIMS)
+def test_a_gated_activation_over_bf16_rows_is_its_float32_kernels_result_rounded(kernels, activation, width):
+    """bf16 in and out (between two bf16 GEMMs): the float32 kernel's value over the same rows, rounded once."""
+    gate_up = randn(70, 2 * width, seed=4, scale=8.0).to(torch.bfloat16)
+    gated = getattr(kernels, activation)
+    out = gated(gate_up)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, gated(gate_up.float()).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("width", DIMS)
 def test_silu_mul_matches_torch_over_the_whole_range(kernels, width):
     gate_up = randn(9, 2 * width, seed=4, scale=8.0)

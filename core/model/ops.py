@@ -116,11 +116,11 @@ class StepOps:
         return silu_and_mul(gate_up) if self.kernels is None else self.kernels.silu_mul(gate_up)
 
     def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-        """``act(gate) * up`` for ``gate_up`` ``[T, 2 * width]`` (``infer.model.layers.gated_activation``); SwiGLU,
-        and GeGLU over float32 rows, on the kernels where they run."""
+        """``act(gate) * up`` for ``gate_up`` ``[T, 2 * width]`` (``infer.model.layers.gated_activation``); SwiGLU
+        and GeGLU, over float32 rows or a bf16 GEMM's bf16 rows, on the kernels where they run."""
         if activation == "silu":
             return self.silu_mul(gate_up)
-        if activation == "gelu_tanh" and self.kernels is not None and gate_up.dtype == torch.float32:
+        if activation == "gelu_tanh" and self.kernels is not None and gate_up.dtype in (torch.float32, torch.bfloat16):
             return self.kernels.gelu_tanh_mul(gate_up)
         if self.gemm_dtype is not None and gate_up.dtype == self.gemm_dtype:
             return gated_activation(gate_up.float(), activation).to(self.gemm_dtype)

@@ -75,6 +75,7 @@ _SIGNATURES = {
     "infer_silu_mul": [_POINTER, _POINTER, _INT, _INT],
     "infer_gelu_tanh_mul": [_POINTER, _POINTER, _INT, _INT],
     "infer_silu_mul_bf16": [_POINTER, _POINTER, _INT, _INT],
+    "infer_gelu_tanh_mul_bf16": [_POINTER, _POINTER, _INT, _INT],
     "infer_rope": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_rope_widen": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "infer_rope_norms": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT]
@@ -833,23 +834,24 @@ class CpuKernels:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 * width]`` (gate first) -> ``[rows, width]``: float32,
         or bfloat16 in and out (between two bf16 GEMMs; computed in float32, rounded once)."""
+        return self._gated_mul(gate_up, self._silu_mul, self._silu_mul_bf16)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` for ``gate_up`` ``[rows, 2 * width]`` (gate first) -> ``[rows, width]``: GeGLU's
+        activation, computed as ``gate * sigmoid(2u)`` with ``u`` GELU's tanh argument; float32, or bfloat16 in and
+        out as ``silu_mul``."""
+        return self._gated_mul(gate_up, self._gelu_tanh_mul, self._gelu_tanh_mul_bf16)
+
+    @staticmethod
+    def _gated_mul(gate_up: torch.Tensor, float32_call, bf16_call) -> torch.Tensor:
         bf16 = gate_up.dtype == torch.bfloat16
         if not bf16:
             check_flat(gate_up)
         elif gate_up.device.type != "cpu" or not gate_up.is_contiguous():
-            raise ValueError("the CPU kernels' SiLU needs contiguous float32 or bfloat16 CPU rows")
+            raise ValueError("the CPU kernels' gated activations need contiguous float32 or bfloat16 CPU rows")
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((rows, width), dtype=gate_up.dtype)
-        (self._silu_mul_bf16 if bf16 else self._silu_mul)(gate_up.data_ptr(), out.data_ptr(), rows, width)
-        return out
-
-    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``gelu_tanh(gate) * up`` for float32 ``gate_up`` ``[rows, 2 * width]`` (gate first) -> ``[rows, width]``:
-        GeGLU's activation, computed as ``gate * sigmoid(2u)`` with ``u`` GELU's tanh argument."""
-        check_flat(gate_up)
-        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty((rows, width), dtype=torch.float32)
-        self._gelu_tanh_mul(gate_up.data_ptr(), out.data_ptr(), rows, width)
+        (bf16_call if bf16 else float32_call)(gate_up.data_ptr(), out.data_ptr(), rows, width)
         return out
 
     def rope_(

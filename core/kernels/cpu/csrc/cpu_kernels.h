@@ -185,6 +185,9 @@ void infer_gelu_tanh_mul(const float *gate_up, float *out, int64_t rows, int64_t
  * float. */
 void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width);
 
+/* infer_gelu_tanh_mul over bfloat16 rows into bfloat16, computed in float. */
+void infer_gelu_tanh_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width);
+
 /* qkv: tokens x row_stride floats, Q heads then K heads (head_dim each) first. Rotates those num_heads heads of
  * every token in place at positions[t], HF's half-split layout (pairs i, i + head_dim / 2), with cos / signed-sin
  * tables ([max_positions, head_dim], sin's first half negated): x * cos + swap_halves(x) * sin. */

@@ -138,7 +138,10 @@ void gated_mul_rows(const float *gate_up, void *out, int64_t rows, int64_t width
         gated_mul(gate_up, out, rows, width, 0, 0);
 }
 
-void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width) {
+/* gated_mul over bf16 rows, bf16 out (between two bf16 GEMMs): each value computed in float32 as gated_mul computes
+ * it, then rounded once. */
+static inline __attribute__((always_inline)) void gated_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows,
+                                                                 int64_t width, const int gelu) {
 #pragma omp parallel for if (rows * width >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + r * 2 * width, *up = gate + width;
@@ -148,26 +151,40 @@ void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, i
         const __m512 one = _mm512_set1_ps(1.0f);
         for (; i + 16 <= width; i += 16) {
             const __m512 g = bf16x16_load(gate + i);
-            const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            const __m512 z = gelu ? _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_mul_ps(g, g), _mm512_set1_ps(GELU_C3),
+                                                                     _mm512_set1_ps(GELU_C1)))
+                                  : g;
+            const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
             _mm256_storeu_si256((__m256i *)(y + i), bf16x16_from(_mm512_mul_ps(_mm512_mul_ps(g, sig),
                                                                                 bf16x16_load(up + i))));
         }
 #endif
 #if INFER_AVX2
-        /* as infer_silu_mul computes it (exp8), so the float32 and the bf16 paths agree before the rounding */
+        /* as gated_mul computes it (exp8), so the float32 and the bf16 paths agree before the rounding */
         for (; i + 8 <= width; i += 8) {
             const __m256 one8 = _mm256_set1_ps(1.0f), g = bf16x8_load(gate + i);
-            const __m256 sig = _mm256_div_ps(one8, _mm256_add_ps(one8, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            const __m256 z = gelu ? _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(GELU_C3),
+                                                                     _mm256_set1_ps(GELU_C1)))
+                                  : g;
+            const __m256 sig = _mm256_div_ps(one8, _mm256_add_ps(one8, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
             float values[8];
             _mm256_storeu_ps(values, _mm256_mul_ps(_mm256_mul_ps(g, sig), bf16x8_load(up + i)));
             floats_to_bf16(values, y + i, 8);
         }
 #endif
         for (; i < width; i++) {
-            const float g = bf16_to_float(gate[i]);
-            y[i] = float_to_bf16(g / (1.0f + expf(-g)) * bf16_to_float(up[i]));
+            const float g = bf16_to_float(gate[i]), z = gelu ? g * (g * g * GELU_C3 + GELU_C1) : g;
+            y[i] = float_to_bf16(g / (1.0f + expf(-z)) * bf16_to_float(up[i]));
         }
     }
+}
+
+void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width) {
+    gated_mul_bf16(gate_up, out, rows, width, 0);
+}
+
+void infer_gelu_tanh_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width) {
+    gated_mul_bf16(gate_up, out, rows, width, 1);
 }
 
 /* ---- RoPE and the KV write -------------------------------------------------------------------------------------- */
