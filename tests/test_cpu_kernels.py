@@ -101,9 +101,10 @@ def test_silu_mul_matches_torch_over_the_whole_range(kernels, width):
     torch.testing.assert_close(kernels.silu_mul(gate_up), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [8, 64, 128])
-def test_rope_rotates_q_and_k_in_place_and_leaves_v(kernels, head_dim):
-    inverse = default_inverse_frequencies(10000.0, head_dim)
+@pytest.mark.parametrize("head_dim, rotary_dim", [(8, 8), (64, 64), (128, 128), (64, 48), (128, 96), (8, 4)])
+def test_rope_rotates_q_and_k_in_place_and_leaves_v(kernels, head_dim, rotary_dim):
+    """Each Q and K head's first ``rotary_dim`` values rotate (partial rotary: Phi-3's), the rest and V pass."""
+    inverse = default_inverse_frequencies(10000.0, rotary_dim)
     rotary = RotaryEmbedding(inverse, 4096, torch.device("cpu"))
     num_heads, num_kv_heads = 6, 2
     qkv = randn(5, (num_heads + 2 * num_kv_heads) * head_dim, seed=5)
@@ -130,6 +131,13 @@ def test_rope_widened_is_the_bf16_rows_widened_then_rotated(kernels, tokens):
     assert out.dtype == torch.float32 and torch.equal(out, expected)
     with pytest.raises(ValueError, match="bfloat16"):
         kernels.rope_widened(qkv.float(), positions, rotary.cos, rotary.sin, num_heads, head_dim)
+    partial = RotaryEmbedding(default_inverse_frequencies(10000.0, 48), 4096, torch.device("cpu"))
+    expected = qkv.float()
+    kernels.rope_(expected, positions, partial.cos, partial.sin, num_heads + num_kv_heads, head_dim)
+    out = kernels.rope_widened(qkv, positions, partial.cos, partial.sin, num_heads + num_kv_heads, head_dim)
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="tables"):
+        kernels.rope_(expected, positions, partial.cos[:, :47], partial.sin[:, :47], num_heads, head_dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -60,9 +60,11 @@ class StepOps:
         kernels: rotated in place, a view of the returned ``qkv``; a bf16 output widened and rotated in one pass).
         ``rotary``: a layer's own table instead of the step's. ``head_norms`` ``(q_norm, k_norm, q_heads)``: each
         head RMSNormed before its rotation (``head_norms``), in the same pass with the kernels. A table narrower
-        than the heads (partial rotary) rotates in torch."""
+        than the heads (partial rotary) rotates each head's first ``rotary_dim`` values, on the kernels too, but
+        with head norms in torch."""
         table = rotary or self.rotary
-        if self.kernels is None or table.rotary_dim != head_dim:
+        partial = table.rotary_dim != head_dim
+        if self.kernels is None or (partial and head_norms is not None):
             if head_norms is not None:
                 q_norm, k_norm, q_heads = head_norms
                 qkv = self.head_norms(qkv, q_norm, k_norm, q_heads, num_heads - q_heads)

@@ -76,8 +76,8 @@ _SIGNATURES = {
     "infer_gelu_tanh_mul": [_POINTER, _POINTER, _INT, _INT],
     "infer_silu_mul_bf16": [_POINTER, _POINTER, _INT, _INT],
     "infer_gelu_tanh_mul_bf16": [_POINTER, _POINTER, _INT, _INT],
-    "infer_rope": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
-    "infer_rope_widen": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
+    "infer_rope": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT],
+    "infer_rope_widen": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT],
     "infer_rope_norms": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT]
     + [_POINTER, _POINTER, _FLOAT],
     "infer_write_kv": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
@@ -864,7 +864,8 @@ class CpuKernels:
         head_dim: int,
     ) -> None:
         """Rotate the first ``num_heads`` heads of each row of ``qkv`` ``[T, width]`` in place, by the tables
-        ``cos``/``sin`` ``[max_positions, head_dim]`` (``RotaryEmbedding``'s, sin's first half negated)."""
+        ``cos``/``sin`` ``[max_positions, rotary_dim]`` (``RotaryEmbedding``'s, sin's first half negated): each
+        head's first ``rotary_dim`` values, the rest as they are (partial rotary)."""
         if qkv.dtype != torch.float32 or qkv.stride(1) != 1 or positions.dtype != torch.int64:
             raise ValueError("the CPU kernels' RoPE needs float32 rows with contiguous columns and int64 positions")
         self._rope(
@@ -876,6 +877,7 @@ class CpuKernels:
             qkv.stride(0),
             num_heads,
             head_dim,
+            rotary_table_width(cos, sin, head_dim),
         )
 
     def rope_widened(
@@ -902,6 +904,7 @@ class CpuKernels:
             qkv.shape[1],
             num_heads,
             head_dim,
+            rotary_table_width(cos, sin, head_dim),
         )
         return out
 
@@ -1267,3 +1270,22 @@ def check_rows(x: torch.Tensor) -> None:
             f"the CPU kernels need float32 CPU rows of contiguous heads, got {x.dtype} on {x.device} "
             f"with strides {x.stride()}"
         )
+
+
+def rotary_table_width(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> int:
+    """The rotated values a head has under the RoPE tables ``cos``/``sin`` ``[max_positions, rotary_dim]``
+    (contiguous float32, ``rotary_dim`` even and at most ``head_dim``)."""
+    rotary_dim = cos.shape[-1]
+    if (
+        cos.shape != sin.shape
+        or cos.dtype != torch.float32
+        or sin.dtype != torch.float32
+        or not (cos.is_contiguous() and sin.is_contiguous())
+        or rotary_dim % 2
+        or rotary_dim > head_dim
+    ):
+        raise ValueError(
+            f"the CPU kernels' RoPE needs contiguous float32 tables of the same shape, [positions, an even width "
+            f"up to head_dim {head_dim}]; got cos {tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} {sin.dtype}"
+        )
+    return rotary_dim

@@ -189,15 +189,17 @@ void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, i
 void infer_gelu_tanh_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width);
 
 /* qkv: tokens x row_stride floats, Q heads then K heads (head_dim each) first. Rotates those num_heads heads of
- * every token in place at positions[t], HF's half-split layout (pairs i, i + head_dim / 2), with cos / signed-sin
- * tables ([max_positions, head_dim], sin's first half negated): x * cos + swap_halves(x) * sin. */
+ * every token in place at positions[t], HF's half-split layout over each head's first rotary_dim values (pairs i,
+ * i + rotary_dim / 2; the rest pass: partial rotary), with cos / signed-sin tables ([max_positions, rotary_dim],
+ * sin's first half negated): x * cos + swap_halves(x) * sin. */
 void infer_rope(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
-                int64_t tokens, int64_t row_stride, int64_t num_heads, int64_t head_dim);
+                int64_t tokens, int64_t row_stride, int64_t num_heads, int64_t head_dim, int64_t rotary_dim);
 
 /* infer_rope over a bf16 GEMM's output: out (tokens x width, float32, contiguous) = qkv (bfloat16, the same shape)
  * widened, the first num_heads heads of each row rotated. */
 void infer_rope_widen(const uint16_t *qkv, float *out, const int64_t *positions, const float *cos_table,
-                      const float *sin_table, int64_t tokens, int64_t width, int64_t num_heads, int64_t head_dim);
+                      const float *sin_table, int64_t tokens, int64_t width, int64_t num_heads, int64_t head_dim,
+                      int64_t rotary_dim);
 
 /* infer_rope with each of the num_heads heads RMSNormed over head_dim before its rotation, in the same pass: the
  * first q_heads by q_norm, the rest by k_norm ([head_dim] float32 each), eps as the layer norms' (Qwen3's and Gemma

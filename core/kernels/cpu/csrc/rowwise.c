@@ -206,11 +206,11 @@ static inline void rotate_row(float *row, const float *c, const float *s, int64_
 }
 
 void infer_rope(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
-                int64_t tokens, int64_t row_stride, int64_t num_heads, int64_t head_dim) {
+                int64_t tokens, int64_t row_stride, int64_t num_heads, int64_t head_dim, int64_t rotary_dim) {
 #pragma omp parallel for if (tokens >= 16)
     for (int64_t t = 0; t < tokens; t++)
-        rotate_row(qkv + t * row_stride, cos_table + positions[t] * head_dim, sin_table + positions[t] * head_dim,
-                   num_heads, head_dim, head_dim);
+        rotate_row(qkv + t * row_stride, cos_table + positions[t] * rotary_dim, sin_table + positions[t] * rotary_dim,
+                   num_heads, head_dim, rotary_dim);
 }
 
 /* One head RMSNormed over head_dim, w * (x * rsqrt(mean(x^2) + eps)), then rotated as rotate_row rotates it, while
@@ -263,12 +263,13 @@ void infer_rope_norms(const uint16_t *from, float *qkv, const int64_t *positions
 
 /* One pass: each row widened, then rotated while it is in L1. */
 void infer_rope_widen(const uint16_t *qkv, float *out, const int64_t *positions, const float *cos_table,
-                      const float *sin_table, int64_t tokens, int64_t width, int64_t num_heads, int64_t head_dim) {
+                      const float *sin_table, int64_t tokens, int64_t width, int64_t num_heads, int64_t head_dim,
+                      int64_t rotary_dim) {
 #pragma omp parallel for if (tokens >= 16)
     for (int64_t t = 0; t < tokens; t++) {
         bf16_to_floats(qkv + t * width, out + t * width, width);
-        rotate_row(out + t * width, cos_table + positions[t] * head_dim, sin_table + positions[t] * head_dim,
-                   num_heads, head_dim, head_dim);
+        rotate_row(out + t * width, cos_table + positions[t] * rotary_dim, sin_table + positions[t] * rotary_dim,
+                   num_heads, head_dim, rotary_dim);
     }
 }
 
