@@ -63,26 +63,30 @@ void infer_add_rms_norm_mixed(float *residual, const void *delta, int64_t delta_
 #define GELU_C1 1.5957691216057308f
 #define GELU_C3 0.07135481627159589f
 
-/* gate_up: rows x (2 * width), gate first; out: rows x width, act(gate) * up with act SiLU or, with `gelu`, GELU's
- * tanh form, as floats or, with `bf16_out`, each value rounded to bfloat16 as it is stored (the next bf16 GEMM's
- * input; the same values as rounding the float result). */
-static inline __attribute__((always_inline)) void gated_mul(const float *gate_up, void *out, int64_t rows,
-                                                            int64_t width, const int gelu, const int bf16_out) {
+/* gate_up: rows x (2 * width), gate first, as floats or, with `bf16_in`, bfloat16 (a bf16 GEMM's output, widened as
+ * it is read); out: rows x width, act(gate) * up with act SiLU or, with `gelu`, GELU's tanh form, as floats or, with
+ * `bf16_out`, each value rounded to bfloat16 as it is stored (the next bf16 GEMM's input; the same values as rounding
+ * the float result). One body for every form, so the float32 and the bf16 paths agree before the rounding. */
+static inline __attribute__((always_inline)) void gated_mul(const void *gate_up, void *out, int64_t rows,
+                                                            int64_t width, const int gelu, const int bf16_in,
+                                                            const int bf16_out) {
 #pragma omp parallel for if (rows * width >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
-        const float *gate = gate_up + r * 2 * width, *up = gate + width;
+        const float *gate = (const float *)gate_up + r * 2 * width, *up = gate + width;
+        const uint16_t *gate_b = (const uint16_t *)gate_up + r * 2 * width, *up_b = gate_b + width;
         float *y = (float *)out + r * width;
         uint16_t *yb = (uint16_t *)out + r * width;
         int64_t i = 0;
 #if INFER_AVX512
         for (; i + 16 <= width; i += 16) {
-            const __m512 g = _mm512_loadu_ps(gate + i);
+            const __m512 g = bf16_in ? bf16x16_load(gate_b + i) : _mm512_loadu_ps(gate + i);
+            const __m512 u = bf16_in ? bf16x16_load(up_b + i) : _mm512_loadu_ps(up + i);
             const __m512 one = _mm512_set1_ps(1.0f);
             const __m512 z = gelu ? _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_mul_ps(g, g), _mm512_set1_ps(GELU_C3),
                                                                      _mm512_set1_ps(GELU_C1)))
                                   : g;
             const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
-            const __m512 value = _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_loadu_ps(up + i));
+            const __m512 value = _mm512_mul_ps(_mm512_mul_ps(g, sig), u);
             if (bf16_out)
                 _mm256_storeu_si256((__m256i *)(yb + i), bf16x16_from(value));
             else
@@ -92,12 +96,13 @@ static inline __attribute__((always_inline)) void gated_mul(const float *gate_up
 #if INFER_AVX2
         const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
         for (; i + 8 <= width; i += 8) {
-            __m256 g = _mm256_loadu_ps(gate + i);
+            const __m256 g = bf16_in ? bf16x8_load(gate_b + i) : _mm256_loadu_ps(gate + i);
+            const __m256 u = bf16_in ? bf16x8_load(up_b + i) : _mm256_loadu_ps(up + i);
             const __m256 z = gelu ? _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(GELU_C3),
                                                                      _mm256_set1_ps(GELU_C1)))
                                   : g;
-            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, z))));
-            const __m256 value = _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i));
+            const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, z))));
+            const __m256 value = _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
             if (bf16_out) {
                 float values[8];
                 _mm256_storeu_ps(values, value);
@@ -108,8 +113,9 @@ static inline __attribute__((always_inline)) void gated_mul(const float *gate_up
         }
 #endif
         for (; i < width; i++) {
-            const float g = gate[i], z = gelu ? g * (g * g * GELU_C3 + GELU_C1) : g;
-            const float value = g / (1.0f + expf(-z)) * up[i];
+            const float g = bf16_in ? bf16_to_float(gate_b[i]) : gate[i], u = bf16_in ? bf16_to_float(up_b[i]) : up[i];
+            const float z = gelu ? g * (g * g * GELU_C3 + GELU_C1) : g;
+            const float value = g / (1.0f + expf(-z)) * u;
             if (bf16_out)
                 yb[i] = float_to_bf16(value);
             else
@@ -119,72 +125,31 @@ static inline __attribute__((always_inline)) void gated_mul(const float *gate_up
 }
 
 void infer_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t width) {
-    gated_mul(gate_up, out, rows, width, 0, 0);
+    gated_mul(gate_up, out, rows, width, 0, 0, 0);
 }
 
 void infer_gelu_tanh_mul(const float *gate_up, float *out, int64_t rows, int64_t width) {
-    gated_mul(gate_up, out, rows, width, 1, 0);
+    gated_mul(gate_up, out, rows, width, 1, 0, 0);
 }
 
 void gated_mul_rows(const float *gate_up, void *out, int64_t rows, int64_t width, int64_t activation, int bf16_out) {
     const int gelu = activation == ACT_GELU_TANH;
     if (gelu && bf16_out)
-        gated_mul(gate_up, out, rows, width, 1, 1);
+        gated_mul(gate_up, out, rows, width, 1, 0, 1);
     else if (gelu)
-        gated_mul(gate_up, out, rows, width, 1, 0);
+        gated_mul(gate_up, out, rows, width, 1, 0, 0);
     else if (bf16_out)
-        gated_mul(gate_up, out, rows, width, 0, 1);
+        gated_mul(gate_up, out, rows, width, 0, 0, 1);
     else
-        gated_mul(gate_up, out, rows, width, 0, 0);
-}
-
-/* gated_mul over bf16 rows, bf16 out (between two bf16 GEMMs): each value computed in float32 as gated_mul computes
- * it, then rounded once. */
-static inline __attribute__((always_inline)) void gated_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows,
-                                                                 int64_t width, const int gelu) {
-#pragma omp parallel for if (rows * width >= PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *gate = gate_up + r * 2 * width, *up = gate + width;
-        uint16_t *y = out + r * width;
-        int64_t i = 0;
-#if INFER_AVX512
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; i + 16 <= width; i += 16) {
-            const __m512 g = bf16x16_load(gate + i);
-            const __m512 z = gelu ? _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_mul_ps(g, g), _mm512_set1_ps(GELU_C3),
-                                                                     _mm512_set1_ps(GELU_C1)))
-                                  : g;
-            const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
-            _mm256_storeu_si256((__m256i *)(y + i), bf16x16_from(_mm512_mul_ps(_mm512_mul_ps(g, sig),
-                                                                                bf16x16_load(up + i))));
-        }
-#endif
-#if INFER_AVX2
-        /* as gated_mul computes it (exp8), so the float32 and the bf16 paths agree before the rounding */
-        for (; i + 8 <= width; i += 8) {
-            const __m256 one8 = _mm256_set1_ps(1.0f), g = bf16x8_load(gate + i);
-            const __m256 z = gelu ? _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(GELU_C3),
-                                                                     _mm256_set1_ps(GELU_C1)))
-                                  : g;
-            const __m256 sig = _mm256_div_ps(one8, _mm256_add_ps(one8, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
-            float values[8];
-            _mm256_storeu_ps(values, _mm256_mul_ps(_mm256_mul_ps(g, sig), bf16x8_load(up + i)));
-            floats_to_bf16(values, y + i, 8);
-        }
-#endif
-        for (; i < width; i++) {
-            const float g = bf16_to_float(gate[i]), z = gelu ? g * (g * g * GELU_C3 + GELU_C1) : g;
-            y[i] = float_to_bf16(g / (1.0f + expf(-z)) * bf16_to_float(up[i]));
-        }
-    }
+        gated_mul(gate_up, out, rows, width, 0, 0, 0);
 }
 
 void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width) {
-    gated_mul_bf16(gate_up, out, rows, width, 0);
+    gated_mul(gate_up, out, rows, width, 0, 1, 1);
 }
 
 void infer_gelu_tanh_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width) {
-    gated_mul_bf16(gate_up, out, rows, width, 1);
+    gated_mul(gate_up, out, rows, width, 1, 1, 1);
 }
 
 /* ---- RoPE and the KV write -------------------------------------------------------------------------------------- */
