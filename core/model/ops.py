@@ -124,8 +124,6 @@ class StepOps:
             return self.silu_mul(gate_up)
         if activation == "gelu_tanh" and self.kernels is not None and gate_up.dtype in (torch.float32, torch.bfloat16):
             return self.kernels.gelu_tanh_mul(gate_up)
-        if self.gemm_dtype is not None and gate_up.dtype == self.gemm_dtype:
-            return gated_activation(gate_up.float(), activation).to(self.gemm_dtype)
         return gated_activation(gate_up, activation)
 
     def head_norms(
