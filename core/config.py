@@ -162,6 +162,14 @@ class ExecutionConfig(BaseModel):
         "weights (float32 inputs). Either way the weights are held once. auto: float32 where measured faster on "
         "this CPU (cached).",
     )
+    head_screen: bool = Field(
+        True,
+        description="With a bf16 output head on infer's CPU kernels: steps of a few greedy rows that ask for "
+        "nothing but their token (no logprobs, logit_bias, grammar or pending min_tokens) read an int8 copy of "
+        "the head (one byte a weight, held beside it) and compute only the tokens that could be the largest "
+        "exactly: the same tokens, the head read at half the bytes (infer.model.head_screen). false: the bf16 "
+        "head for every row.",
+    )
     reuse_freed_memory: bool = Field(
         True,
         description="On a CPU: glibc's malloc keeps freed memory for the next step's tensors (blocks under 32 "

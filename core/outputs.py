@@ -176,7 +176,9 @@ class BatchRows:
 
 @dataclass(slots=True)
 class StepOutput:
-    logits: torch.Tensor  # [num_rows, vocab] float32
+    # [num_rows, vocab] float32; valid until the runner's next step, which may write the same buffer
+    # (``ModelRunner.logits_buffer``)
+    logits: torch.Tensor
     rows: list[BatchRows]
     # When a drafter needs them: the final hidden state of every token of the step, [num_tokens, hidden], and where
     # each scheduled sequence's tokens sit in it (``token_rows``; there ``first_position`` is the position of the

@@ -787,3 +787,27 @@ def test_prefill_steps_reuse_freed_memory_instead_of_faulting_it_in_again():
 
     plain, reused = faults_per_generate("false"), faults_per_generate("true")
     assert plain > 2_000 and reused * 5 < plain, (plain, reused)
+
+
+@pytest.mark.parametrize("quantization", ["none", "bf16"])
+def test_a_large_steps_logits_are_written_to_one_buffer_kept_for_the_next(bf16_valued_model_dir, quantization):
+    """Logits past what malloc keeps for reuse go to the runner's buffer, the same memory every step, with the values
+    a fresh tensor gets; small ones and very large ones (prompt logprobs) get their own."""
+    from infer.execution.runner import LOGITS_BUFFER_ROWS
+    from infer.host import HEAP_MMAP_THRESHOLD
+
+    model_config = {"path": bf16_valued_model_dir, "quantization": quantization, "max_model_len": 64}
+    llm = LLM(model=model_config, cache={"num_blocks": 8})
+    runner = llm.engine.runner
+    model = runner.model
+    rows = -(-HEAP_MMAP_THRESHOLD // (4 * model.vocab_size))
+    assert runner.logits_buffer(rows - 1) is None and runner.logits_buffer(LOGITS_BUFFER_ROWS + 1) is None
+    hidden = torch.randn(rows, model.lm_head.in_features)
+    first = model.compute_logits(hidden, None, runner.logits_buffer(rows))
+    assert first.data_ptr() == runner.logits_held.data_ptr()
+    torch.testing.assert_close(first, model.compute_logits(hidden), rtol=1e-6, atol=1e-6)
+    more = torch.randn(rows + 8, model.lm_head.in_features)
+    grown = model.compute_logits(more, None, runner.logits_buffer(rows + 8))  # the buffer grows to the larger step
+    assert grown.data_ptr() == runner.logits_held.data_ptr() and runner.logits_rows_held == rows + 8
+    assert runner.logits_buffer(rows).data_ptr() == grown.data_ptr()
+    torch.testing.assert_close(grown, model.compute_logits(more), rtol=1e-6, atol=1e-6)

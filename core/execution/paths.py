@@ -403,7 +403,10 @@ def build_executor(
     gemm = None
     if kernels is not None and quantization == "bf16":
         gemm = choose_gemm(execution.large_gemm, model, kernels, execution.recalibrate)
-    return Executor.for_model(model, kernels, execution.paths, max_tokens, gemm)
+    executor = Executor.for_model(model, kernels, execution.paths, max_tokens, gemm)
+    if execution.head_screen:
+        model.screen_head(kernels)
+    return executor
 
 
 def build_attention(

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from infer.kernels.cpu import ACTIVATIONS, FusedLayer
+from infer.model.head_screen import HeadScreen
 from infer.model.hf_weights import WeightMap, load_hf_state_dict
 from infer.model.layers import Embedding, Linear, RMSNorm, gated_activation
 from infer.model.moe import MoE
@@ -272,6 +273,8 @@ class CausalLM(nn.Module):
         # Sharded (``infer.model.sharding.shard_model``): the layers hold this rank's heads and ``lm_head`` its slice of
         # the vocabulary, whose logits rank 0 gathers.
         self.tensor_parallel: TensorParallelGroup | None = None
+        # Greedy rows' int8 copy of the head (``screen_head``).
+        self.head_screen: HeadScreen | None = None
 
     @property
     def layer_attention(self):
@@ -338,12 +341,48 @@ class CausalLM(nn.Module):
         head = self.lm_head
         return head.weight if isinstance(head, nn.Linear) else head.full_weight()
 
+    def screen_head(self, kernels: CpuKernels | None) -> bool:
+        """Keep an int8 copy of the output head for greedy rows (``infer.model.head_screen.HeadScreen``) where the
+        head is bf16 on ``kernels`` and not sharded; ``kernels`` None drops it. Whether the head is screened."""
+        head = self.lm_head
+        self.head_screen = None
+        if kernels is None or self.tensor_parallel is not None or getattr(head, "mode", None) != "bf16":
+            return False
+        if head.kernels is None or (head.tile_weight is None and head.kernel_weight is None):
+            return False
+        table = self.embed_tokens.weight if self.tie_word_embeddings else None
+        tied_rows = table is not None and table.dtype == torch.bfloat16 and table.is_contiguous()
+        self.head_screen = HeadScreen(head, kernels, table if tied_rows else None)
+        return True
+
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, argmax_rows: list[int] | None = None, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Vocabulary logits ``[N, vocab]`` in float32 for hidden states ``[N, hidden]`` from ``forward``. Sharded:
-        a collective every rank calls; rank 0 gets the logits, the others None."""
-        logits = self.lm_head(hidden).float()
-        return logits if self.tensor_parallel is None else self.tensor_parallel.gather_vocabulary(logits)
+        a collective every rank calls; rank 0 gets the logits, the others None.
+
+        ``argmax_rows``: rows whose caller reads only their first maximum (greedy, nothing else asked). Where the
+        head is screened (``screen_head``) and they are few enough for the GEMV (``HeadScreen.max_rows``), those rows
+        come from the screen: their first maximum is the full head's, their other logits approximate. ``into``: a
+        float32 buffer ``[N, vocab]`` the head may write the logits to (the runner's, reused every step: 64 rows
+        of a 151,936-token vocabulary are 39 MB, past what malloc keeps, mapped and faulted in afresh otherwise)."""
+        screen = self.head_screen
+        if screen is None or not argmax_rows or len(argmax_rows) > screen.max_rows:
+            if into is not None and self.tensor_parallel is None:
+                return self.lm_head(hidden, into=into).float()
+            logits = self.lm_head(hidden).float()
+            return logits if self.tensor_parallel is None else self.tensor_parallel.gather_vocabulary(logits)
+        if len(argmax_rows) == hidden.shape[0]:
+            return screen.logits(hidden)
+        logits = torch.empty((hidden.shape[0], self.vocab_size), dtype=torch.float32)
+        screened = torch.tensor(argmax_rows, dtype=torch.int64)
+        full = torch.ones(hidden.shape[0], dtype=torch.bool)
+        full[screened] = False
+        rest = full.nonzero().flatten()
+        logits[screened] = screen.logits(hidden.index_select(0, screened))
+        logits[rest] = self.lm_head(hidden.index_select(0, rest)).float()
+        return logits
 
     def load_hf_state_dict(
         self,

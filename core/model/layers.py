@@ -15,6 +15,14 @@ class Linear(nn.Linear):
     def reset_parameters(self) -> None:
         pass
 
+    def forward(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias``; written to ``into`` (``[rows, out_features]``, contiguous) where it is given and
+        the dtypes agree, so a caller can keep one buffer for a large result (the output head's logits)."""
+        if into is None or not (x.dtype == self.weight.dtype == into.dtype) or x.dim() != 2:
+            return super().forward(x)
+        torch.matmul(x, self.weight.t(), out=into)
+        return into if self.bias is None else into.add_(self.bias)
+
 
 class Embedding(nn.Embedding):
     """``nn.Embedding`` whose weights start uninitialized (see ``Linear``)."""

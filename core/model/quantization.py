@@ -336,7 +336,10 @@ class PackedLinear(nn.Module):
             return unpack_tiles(tiles) if self.kernels is None else self.kernels.unpack_tiles(tiles)
         return self.packed.to_dense() if self.packed.is_mkldnn else self.packed
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias``. ``into``: a buffer ``[rows, out_features]`` the tiles write their result to
+        where they multiply ``x`` and its dtype is the result's (a caller's buffer for the output head's logits,
+        reused every step instead of mapped and faulted in afresh); other paths return a new tensor."""
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the engine's tokens are already flat
         rows = flat.shape[0]
         if self.blocks is not None:
@@ -344,7 +347,8 @@ class PackedLinear(nn.Module):
         elif self.tile_weight is not None and (rows <= TILE_MAX_ROWS or self.tiles_only):
             fma = self.tile_fma or (rows <= self.kernels.pass_rows and self.kernels.tile_fma)  # the GEMV: float32
             rows_in = flat if flat.dtype == torch.bfloat16 else flat.float()  # float32 or bf16 rows
-            out = self.kernels.linear_tiles(rows_in, self.tile_weight, self.bias, fma)
+            usable = into is not None and into.dtype == rows_in.dtype and x.dim() == 2
+            out = self.kernels.linear_tiles(rows_in, self.tile_weight, self.bias, fma, into if usable else None)
         elif self.kernels is not None and rows <= self.gemv_rows and self.kernel_weight is not None:
             out = self.kernels.linear(flat.float(), self.kernel_weight, self.kernel_scales, self.bias).to(x.dtype)
         elif self.mode == "bf16":  # bf16 rows in, bf16 rows out (``StepOps.gemm_dtype``); else float32

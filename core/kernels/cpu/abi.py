@@ -139,6 +139,7 @@ _SIGNATURES = {
     ],
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
     "infer_argmax_rows": [_POINTER, _INT, _INT, _INT, _POINTER],
+    "infer_screen_rows": [_POINTER, _INT, _INT, _POINTER, _INT, _INT, _POINTER, _POINTER, _INT, _INT, _POINTER],
     "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
     "infer_unpack_tiles": [_POINTER, _INT, _INT, _POINTER],
     "infer_flash_attention": [
@@ -660,14 +661,20 @@ class CpuKernels:
         return BlockWeight(data, kind, out_features)
 
     def linear_tiles(
-        self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None, fma: bool = False
+        self,
+        x: torch.Tensor,
+        tiles: torch.Tensor,
+        bias: torch.Tensor | None,
+        fma: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` for rows ``x`` ``[rows, k]`` (float32 or bfloat16, contiguous; rounded to bf16)
         and a bf16 weight packed by ``pack_tiles``, accumulated in float32, in ``x``'s dtype: on AMX's tiles or with
         AVX512-BF16's dot products (``tiles``), the same arithmetic in plain C elsewhere (slow: the reference). Any
         number of rows; from about a dozen it beats oneDNN's bf16 GEMM on the model's shapes with float32 rows
         (docs/performance.md). ``fma`` (needs ``tile_fma``): ``x`` is not rounded; float32 FMAs over the widened
-        bf16 weights instead, faster where the CPU's float32 rate is more than half its bf16 dot products'."""
+        bf16 weights instead, faster where the CPU's float32 rate is more than half its bf16 dot products'. ``out``:
+        where the result goes (``[rows, n]``, ``x``'s dtype, contiguous), else a new tensor."""
         if fma and not self.tile_fma:
             raise ValueError(f"linear_tiles' float32 FMAs need an AVX-512 build of the kernels, not {self.simd}")
         if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or not x.is_contiguous():
@@ -681,7 +688,10 @@ class CpuKernels:
             raise ValueError(
                 f"linear_tiles: x {tuple(x.shape)} and bias do not fit weights [{out_features}, {in_features}]"
             )
-        out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+        if out is None:
+            out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+        elif out.dtype != x.dtype or tuple(out.shape) != (x.shape[0], out_features) or not out.is_contiguous():
+            raise ValueError(f"linear_tiles' out must be contiguous {x.dtype} [{x.shape[0]}, {out_features}]")
         bf16 = x.dtype == torch.bfloat16
         self._linear_tiles(
             x.data_ptr(),
@@ -963,6 +973,42 @@ class CpuKernels:
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         self._argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr())
         return out
+
+    def screen_rows(
+        self, x: torch.Tensor, logits: torch.Tensor, bounds: torch.Tensor, weight: torch.Tensor, cap: int
+    ) -> torch.Tensor:
+        """Greedy rows over an int8 copy of the output head (``infer.model.head_screen.HeadScreen``): ``logits``
+        ``[rows, n]`` (float32, contiguous columns) as the copy gave them for ``x`` ``[rows, k]``, each within
+        ``bounds[j] * |x|_1`` of the bf16 head's; every token whose upper bound reaches the row's largest lower bound
+        gets its exact logit from ``weight``, the bf16 head as plain rows ``[n, k]`` (a tied head's embedding
+        table), in ``pack_tiles``' layout (5-D and more) or ``pack_weights``' (3-D), in place: the row's first maximum
+        is then the full head's. Returns each row's candidates (int64), -1 for a row with more than ``cap`` of them
+        (left as it was: the caller's full head)."""
+        check_flat(x)
+        rows, k = x.shape
+        n = logits.shape[1]
+        if logits.dtype != torch.float32 or logits.stride(1) != 1 or tuple(logits.shape) != (rows, n):
+            raise ValueError("the head screen needs float32 logits [rows, vocab] with contiguous columns")
+        if bounds.dtype != torch.float32 or not bounds.is_contiguous() or bounds.numel() != n:
+            raise ValueError(f"the head screen needs {n} float32 bounds, one per token")
+        if weight.dtype != torch.bfloat16 or not weight.is_contiguous() or weight.numel() != n * k:
+            raise ValueError(f"the head screen needs the bf16 head [{n}, {k}], packed and contiguous")
+        layout = 2 if weight.dim() == 2 else 0 if weight.dim() >= 5 else 1
+        counts = torch.empty(rows, dtype=torch.int64)
+        self._screen_rows(
+            x.data_ptr(),
+            rows,
+            k,
+            logits.data_ptr(),
+            n,
+            logits.stride(0),
+            bounds.data_ptr(),
+            weight.data_ptr(),
+            layout,
+            cap,
+            counts.data_ptr(),
+        )
+        return counts
 
     def apply_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
         """Forbidden tokens of ``bitmask[i]`` (int32 ``[n, words]``, ``infer.guide``'s layout) to -inf in row

@@ -73,3 +73,125 @@ void infer_argmax_rows(const float *logits, int64_t rows, int64_t cols, int64_t 
 #endif
     }
 }
+
+/* ---- greedy rows over a screened output head (infer.model.screen.HeadScreen) ----------------------------------------
+ *
+ * `logits` holds each row's logits as an int8 copy of the head computes them (a_j, within bounds[j] * |x|_1 of the
+ * bf16 head's x . w_j, float32 rounding of both sides included). The token a row's greedy choice can be is one whose
+ * upper bound a_j + bounds[j] * |x|_1 reaches the largest lower bound a_i - bounds[i] * |x|_1: the first pass finds
+ * that lower bound, the second counts those candidates and the third computes their logits exactly from the bf16
+ * head (float32 sums), in place. Every other token's approximate logit stays below its upper bound, below the lower
+ * bound, below the exact logit of the token that set it: the row's first maximum is then the full head's. A row
+ * with more than `cap` candidates (x near zero, a NaN, a head whose int8 copy is far off) is left approximate with
+ * counts[r] = -1, for the caller's full head; else counts[r] is its candidates. */
+
+/* a_j's own float32 rounding beyond the bound (the final scale's product): 2^-20 of |a_j|. */
+#define SCREEN_RELATIVE 9.5367431640625e-07f
+
+static inline float screen_l1(const float *x, int64_t k) {
+    double total = 0.0;
+    for (int64_t i = 0; i < k; i++) total += fabs((double)x[i]);
+    return (float)(total * (1.0 + 1e-6)); /* rounded up past the double sum's and the conversion's error */
+}
+
+/* x . w_j in float32 over the bf16 head: plain rows ([n][k], a tied head's embedding table; layout 2), pack_tiles'
+ * layout ([n / 32][k / 32][2][16][16][2]; layout 0) or pack_weights' ([n / 4][k / 8][4][8]; layout 1). */
+static float screen_exact(const float *x, int64_t k, const uint16_t *w, int64_t layout, int64_t j) {
+    float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (layout == 2) {
+        const uint16_t *wj = w + j * k;
+        int64_t i = 0;
+#if INFER_AVX512
+        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (; i + 32 <= k; i += 32)
+            for (int s = 0; s < 2; s++)
+                acc[s] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16 * s), bf16x16_load(wj + i + 16 * s), acc[s]);
+        sums[0] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+#endif
+        for (; i < k; i++) sums[i & 3] += x[i] * bf16_to_float(wj[i]);
+    } else if (layout == 0) {
+        const uint16_t *base = w + (j / 32) * (k / 32) * 1024 + ((j % 32) / 16) * 512 + (j % 16) * 2;
+        for (int64_t t = 0; t < k / 32; t++)
+            for (int p = 0; p < 16; p++) {
+                const uint16_t *pair = base + t * 1024 + p * 32;
+                const float *xs = x + t * 32 + 2 * p;
+                sums[p & 1] += xs[0] * bf16_to_float(pair[0]);
+                sums[2 + (p & 1)] += xs[1] * bf16_to_float(pair[1]);
+            }
+    } else {
+        const uint16_t *base = w + (j / 4) * 4 * k + (j % 4) * 8;
+        for (int64_t c = 0; c < k / 8; c++)
+            for (int e = 0; e < 8; e++) sums[e & 3] += x[c * 8 + e] * bf16_to_float(base[c * 32 + e]);
+    }
+    return (sums[0] + sums[1]) + (sums[2] + sums[3]);
+}
+
+/* The row's largest lower bound a_j - bounds[j] * l1 - |a_j| * SCREEN_RELATIVE (-inf where none is a number). */
+static float screen_floor(const float *row, const float *bounds, int64_t n, float l1) {
+    float floor = -INFINITY;
+    int64_t j = 0;
+#if INFER_AVX512
+    const __m512 scale = _mm512_set1_ps(l1), relative = _mm512_set1_ps(SCREEN_RELATIVE);
+    __m512 best[2] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY)};
+    for (; j + 32 <= n; j += 32)
+        for (int s = 0; s < 2; s++) {
+            const __m512 a = _mm512_loadu_ps(row + j + 16 * s);
+            const __m512 lower = _mm512_fnmadd_ps(_mm512_abs_ps(a), relative,
+                                                  _mm512_fnmadd_ps(_mm512_loadu_ps(bounds + j + 16 * s), scale, a));
+            best[s] = _mm512_max_ps(lower, best[s]);  /* a NaN lower keeps best */
+        }
+    floor = _mm512_reduce_max_ps(_mm512_max_ps(best[0], best[1]));
+#endif
+    for (; j < n; j++) {
+        const float lower = row[j] - bounds[j] * l1 - fabsf(row[j]) * SCREEN_RELATIVE;
+        floor = lower > floor ? lower : floor;
+    }
+    return floor;
+}
+
+/* The tokens whose upper bound reaches `floor`, into `out` (room for cap + 16); their count, or -1 past `cap`. */
+static int64_t screen_candidates(const float *row, const float *bounds, int64_t n, float l1, float floor,
+                                 int64_t cap, int32_t *out) {
+    int64_t count = 0, j = 0;
+#if INFER_AVX512
+    const __m512 scale = _mm512_set1_ps(l1), relative = _mm512_set1_ps(SCREEN_RELATIVE);
+    const __m512 target = _mm512_set1_ps(floor);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; j + 16 <= n; j += 16) {
+        const __m512 a = _mm512_loadu_ps(row + j);
+        const __m512 upper = _mm512_fmadd_ps(_mm512_abs_ps(a), relative,
+                                             _mm512_fmadd_ps(_mm512_loadu_ps(bounds + j), scale, a));
+        const __mmask16 reach = _mm512_cmp_ps_mask(upper, target, _CMP_GE_OQ);
+        if (reach) {
+            _mm512_mask_compressstoreu_epi32(out + count, reach,
+                                             _mm512_add_epi32(lanes, _mm512_set1_epi32((int32_t)j)));
+            count += __builtin_popcount(reach);
+            if (count > cap) return -1;
+        }
+    }
+#endif
+    for (; j < n; j++)
+        if (row[j] + bounds[j] * l1 + fabsf(row[j]) * SCREEN_RELATIVE >= floor) {
+            out[count++] = (int32_t)j;
+            if (count > cap) return -1;
+        }
+    return count;
+}
+
+void infer_screen_rows(const float *x, int64_t rows, int64_t k, float *logits, int64_t n, int64_t logits_stride,
+                       const float *bounds, const uint16_t *weight, int64_t layout, int64_t cap, int64_t *counts) {
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * k;
+        float *row = logits + r * logits_stride;
+        const float l1 = screen_l1(xr, k);
+        const float floor = screen_floor(row, bounds, n, l1);
+        int32_t *found = malloc((size_t)(cap + 16) * sizeof(int32_t));
+        const int64_t count = found != NULL && l1 == l1 && floor > -INFINITY
+                                  ? screen_candidates(row, bounds, n, l1, floor, cap, found)
+                                  : -1;
+        for (int64_t c = 0; c < count; c++) row[found[c]] = screen_exact(xr, k, weight, layout, found[c]);
+        counts[r] = count;
+        free(found);
+    }
+}

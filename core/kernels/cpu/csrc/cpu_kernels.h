@@ -363,5 +363,9 @@ void infer_apply_bitmask(float *logits, int64_t row_stride, const int32_t *bitma
 /* out[r] = the index of the first maximum of logits row r (cols >= 1 floats, rows row_stride apart); a row with a
  * NaN gives its first NaN. */
 void infer_argmax_rows(const float *logits, int64_t rows, int64_t cols, int64_t row_stride, int64_t *out);
+/* Greedy rows over an int8 copy of the output head: the candidates' logits computed exactly from the bf16 head in
+ * place (argmax.c). */
+void infer_screen_rows(const float *x, int64_t rows, int64_t k, float *logits, int64_t n, int64_t logits_stride,
+                       const float *bounds, const uint16_t *weight, int64_t layout, int64_t cap, int64_t *counts);
 
 #endif

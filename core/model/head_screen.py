@@ -1,0 +1,86 @@
+"""Greedy rows over an int8 copy of the output head, choosing the token the bf16 head would.
+
+A greedy row that asks for nothing but its token (no logprobs, no logit bias, no grammar, no ``min_tokens`` ban) needs
+only the index of its largest logit. A step of a few rows reads the whole head for it: Qwen3-0.6B's 151,936 x 1,024
+bf16 head is 311 MB, a quarter of what a decode token reads. ``HeadScreen`` keeps an int8 copy of the head (one
+scale per row: 156 MB) and multiplies the rows over it on the GEMV; each approximate logit ``a_j`` lies within
+``bounds[j] * |x|_1`` of the bf16 head's, where ``bounds[j]`` is the row's largest quantization error (measured, not
+assumed) plus the float32 rounding of both sums. Every token whose upper bound reaches the largest lower bound gets
+its exact logit from the bf16 head (``CpuKernels.screen_rows``); no other token can be the maximum, so the row's first
+maximum is the full head's, up to the float32 rounding that already separates two orders of summation. A row with
+too many candidates (its hidden state near zero, a NaN) is left to the full head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infer.kernels.cpu.packing import pack_scales, pack_weights
+
+# Weights of the head quantized at a time while building the copy: float64 errors of 8,192 x 1,024 weights are
+# 64 MiB, not the whole head's 1.2 GiB.
+BUILD_ROWS = 8192
+# A row's candidates past this share of the vocabulary send it to the full head.
+MAX_CANDIDATE_SHARE = 1 / 64
+
+
+class HeadScreen:
+    """An int8 copy of a bf16 output head ``head`` (a ``PackedLinear`` on the CPU kernels, holding its weight in
+    ``pack_tiles``' or ``pack_weights``' layout) and the bound of each row's error. ``logits`` gives float32 logits
+    whose first maximum per row is the full head's; tokens other than the candidates hold approximate logits."""
+
+    def __init__(self, head, kernels, table: torch.Tensor | None = None):
+        """``table``: the same bf16 weight as plain rows ``[vocab, hidden]`` (a tied head's embedding table), where
+        the candidates' exact logits read 2 KB a token instead of gathering it from the head's packed layout."""
+        self.head = head
+        self.kernels = kernels
+        self.exact = head.tile_weight if head.tile_weight is not None else head.kernel_weight
+        if self.exact is None or self.exact.dtype != torch.bfloat16:
+            raise ValueError("a head screen needs a bf16 head packed for the CPU kernels")
+        weight = head.bf16_weight()
+        if table is not None:
+            if table.dtype != torch.bfloat16 or table.shape != weight.shape or not table.is_contiguous():
+                raise ValueError(f"a head screen's table must be the head's bf16 rows {tuple(weight.shape)}")
+            self.exact = table
+        vocab, hidden = weight.shape
+        quantized = torch.empty((vocab, hidden), dtype=torch.int8)
+        scales = torch.empty(vocab, dtype=torch.float32)
+        errors = torch.empty(vocab, dtype=torch.float64)
+        for start in range(0, vocab, BUILD_ROWS):
+            rows = weight[start : start + BUILD_ROWS].float()
+            if not torch.isfinite(rows).all():
+                raise ValueError("a head screen needs finite head weights")
+            scale = (rows.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+            q = torch.round(rows / scale[:, None]).clamp(-127, 127)
+            quantized[start : start + BUILD_ROWS] = q.to(torch.int8)
+            scales[start : start + BUILD_ROWS] = scale
+            errors[start : start + BUILD_ROWS] = (rows.double() - scale.double()[:, None] * q.double()).abs().amax(1)
+        # Float32 sums of k products err by at most k * 2^-24 of the sum of their magnitudes: for the int8 sum,
+        # 127 * scale * |x|_1, for the exact one at most as much (the bf16 weights are within the int8 error of it);
+        # twice (k + 16) for headroom over the sums' last adds, and 0.1% over all of it.
+        rounding = 2 * (hidden + 16) * 2.0**-24 * 127 * scales.double()
+        self.bounds = ((errors + 2 * rounding) * 1.001).float()
+        self.weight = pack_weights(quantized)
+        self.scales = pack_scales(scales[:, None].contiguous())
+        self.cap = max(16, int(vocab * MAX_CANDIDATE_SHARE))
+        # Rows it takes at once: the GEMV's one pass over the copy (more rows would read it again per pass, where the
+        # full head's GEMM reads the bf16 head once).
+        self.max_rows = kernels.pass_rows
+        self.vocab, self.hidden = vocab, hidden
+        self.nbytes = self.weight.numel() + self.scales.numel() * 4 + self.bounds.numel() * 4
+        self.rows_screened = 0
+        self.rows_to_full_head = 0
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]`` of hidden states ``[rows, hidden]`` whose first maximum per row is the
+        full head's: the int8 copy's, the candidates' computed exactly; rows the screen cannot settle take the full
+        head."""
+        x = hidden.float().contiguous()
+        logits = self.kernels.linear(x, self.weight, self.scales, None)
+        counts = self.kernels.screen_rows(x, logits, self.bounds, self.exact, self.cap)
+        unsettled = (counts < 0).nonzero().flatten()
+        self.rows_screened += x.shape[0] - len(unsettled)
+        if len(unsettled):
+            self.rows_to_full_head += len(unsettled)
+            logits[unsettled] = self.head(x.index_select(0, unsettled)).float()
+        return logits
