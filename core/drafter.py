@@ -167,8 +167,9 @@ class TargetModel(Protocol):
     def run_layers(self, hidden: torch.Tensor, layers, step: Any) -> torch.Tensor:
         """``layers`` over ``hidden`` [tokens, hidden], then the final norm."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Output-head logits of final hidden states."""
+    def compute_logits(self, hidden: torch.Tensor, argmax_rows: list[int] | None = None) -> torch.Tensor:
+        """Output-head logits of final hidden states; ``argmax_rows`` are read only for their first maximum (the
+        model may give them from its head's screen: ``infer.model.CausalLM.compute_logits``)."""
 
 
 @dataclass(frozen=True)

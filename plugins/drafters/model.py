@@ -72,8 +72,8 @@ class TargetLayers:
         target = self.target
         return target.run_layers(target.embed(input_ids), target.layers[: self.num_layers], step)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, argmax_rows: list[int] | None = None) -> torch.Tensor:
+        return self.target.compute_logits(hidden, argmax_rows)
 
 
 @dataclass(slots=True)
@@ -121,6 +121,8 @@ class ModelDrafter(Drafter):
             )
         draft = context.quantize(model)
         executor = context.executor.for_another(draft)  # the target's kernels and paths, if it runs on them
+        if getattr(context.target, "head_screen", None) is not None:  # greedy guesses through its head's screen too
+            draft.screen_head(executor.kernels)
         attention = context.build_attention(
             draft.num_heads, draft.num_kv_heads, draft.head_dim, draft.layer_attention, draft.attention_sinks
         )
@@ -180,7 +182,7 @@ class ModelDrafter(Drafter):
 
     def _forward(self, seqs, token_lists: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Run the draft over each sequence's tokens (writing their KV); logits ``[len(seqs), vocab]`` of each
-        sequence's last token."""
+        sequence's last token, those of sequences guessed by argmax read only for it (a screened head's)."""
         metadata = AttentionMetadata.build(
             [seq.block_table for seq in seqs], starts, [len(t) for t in token_lists], self.block_size, self.device
         )
@@ -190,7 +192,8 @@ class ModelDrafter(Drafter):
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64, device=self.device)
         hidden = self.draft(input_ids, step)
         last = (metadata.query_start_loc[1:] - 1).to(torch.int64)
-        return self.draft.compute_logits(hidden.index_select(0, last))[:, : self.vocab_size].float()
+        greedy = [row for row, seq in enumerate(seqs) if not self.config.sampling or seq.params.greedy]
+        return self.draft.compute_logits(hidden.index_select(0, last), greedy)[:, : self.vocab_size].float()
 
     def _choose(self, sequences, active, logits: torch.Tensor, drafts, probs) -> None:
         """Append each active sequence's next guess: the argmax, or a sample from q for sampled requests."""
