@@ -128,17 +128,17 @@ def test_the_screen_refuses_a_head_it_cannot_read(kernels):
 
 
 def test_greedy_requests_decode_the_same_tokens_through_the_screen(bf16_valued_model_dir):
-    """A batch of greedy requests beside ones the screen must leave to the full head (logprobs, a pending
-    min_tokens ban, a logit bias, sampling): every output equals the engine's without the screen."""
-    prompts = [f"Write about lighthouse number {i}." for i in range(6)]
-    params = [
-        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    """Greedy requests alone (every step screened), then beside ones the screen must leave to the full head
+    (logprobs, a pending min_tokens ban, a logit bias, sampling; their steps read the full head): every output equals
+    the engine's without the screen."""
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    others = [
         SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True),
         SamplingParams(max_tokens=24, temperature=0.0, min_tokens=8),
         SamplingParams(max_tokens=24, temperature=0.0, logit_bias={11: 5.0}, ignore_eos=True),
         SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
     ]
+    prompts = [f"Write about lighthouse number {i}." for i in range(6)]
     results = {}
     for screen in (True, False):
         llm = LLM(
@@ -146,16 +146,40 @@ def test_greedy_requests_decode_the_same_tokens_through_the_screen(bf16_valued_m
             cache={"num_blocks": 64},
             execution={"head_screen": screen},
         )
-        outputs = llm.generate(prompts, params)
-        results[screen] = [(out.outputs[0].token_ids, out.outputs[0].logprobs) for out in outputs]
+        alone = llm.generate(prompts[:3], greedy)
         model_screen = llm.engine.runner.model.head_screen
+        if screen and llm.engine.executor.kernels is None:
+            pytest.skip("infer's CPU kernels do not run here: no screen")
+        screened = model_screen.rows_screened if screen else 0
+        mixed = llm.generate(prompts, [greedy, greedy, *others])
+        results[screen] = [(out.outputs[0].token_ids, out.outputs[0].logprobs) for out in alone + mixed]
         if screen:
-            if llm.engine.executor.kernels is None:
-                pytest.skip("infer's CPU kernels do not run here: no screen")
-            assert model_screen is not None and model_screen.rows_screened >= 2 * 24
+            assert screened >= 3 * 24 and model_screen.rows_to_full_head == 0
         else:
             assert model_screen is None
     assert results[True] == results[False]
+
+
+def test_only_rows_read_for_their_first_maximum_are_screened():
+    from infer.execution.runner import ModelRunner
+    from infer.outputs import BatchRows
+    from infer.sequence import Sequence
+
+    def row(start: int, count: int, params: SamplingParams, generated: int = 10) -> BatchRows:
+        seq = Sequence("r", [1, 2, 3], params)
+        return BatchRows(seq, start, count, seq.num_prompt_tokens + generated)
+
+    rows = [
+        row(0, 2, SamplingParams(temperature=0.0)),
+        row(2, 1, SamplingParams(temperature=0.0, logprobs=0)),
+        row(3, 1, SamplingParams(temperature=0.0, logit_bias={5: 1.0})),
+        row(4, 1, SamplingParams(temperature=0.7)),
+        row(5, 1, SamplingParams(temperature=0.0, max_tokens=32, min_tokens=20)),
+        row(6, 1, SamplingParams(temperature=0.0, min_tokens=10)),
+        row(7, 1, SamplingParams(temperature=0.0)),
+    ]
+    rows[-1].seq.matcher = object()  # a grammar masks the row
+    assert ModelRunner.argmax_rows(rows) == [0, 1, 6]
 
 
 def test_a_draft_model_guesses_through_its_own_screened_head(bf16_valued_model_dir):

@@ -363,26 +363,18 @@ class CausalLM(nn.Module):
         a collective every rank calls; rank 0 gets the logits, the others None.
 
         ``argmax_rows``: rows whose caller reads only their first maximum (greedy, nothing else asked). Where the
-        head is screened (``screen_head``) and they are few enough for the GEMV (``HeadScreen.max_rows``), those rows
-        come from the screen: their first maximum is the full head's, their other logits approximate. ``into``: a
+        head is screened (``screen_head``), every row is one of them and they are few enough for the GEMV
+        (``HeadScreen.max_rows``), the rows come from the screen: their first maximum is the full head's, their other
+        logits approximate (a step with other rows reads the full head once for all). ``into``: a
         float32 buffer ``[N, vocab]`` the head may write the logits to (the runner's, reused every step: 64 rows
         of a 151,936-token vocabulary are 39 MB, past what malloc keeps, mapped and faulted in afresh otherwise)."""
-        screen = self.head_screen
-        if screen is None or not argmax_rows or len(argmax_rows) > screen.max_rows:
-            if into is not None and self.tensor_parallel is None:
-                return self.lm_head(hidden, into=into).float()
-            logits = self.lm_head(hidden).float()
-            return logits if self.tensor_parallel is None else self.tensor_parallel.gather_vocabulary(logits)
-        if len(argmax_rows) == hidden.shape[0]:
+        screen, rows = self.head_screen, hidden.shape[0]
+        if screen is not None and argmax_rows is not None and len(argmax_rows) == rows <= screen.max_rows:
             return screen.logits(hidden)
-        logits = torch.empty((hidden.shape[0], self.vocab_size), dtype=torch.float32)
-        screened = torch.tensor(argmax_rows, dtype=torch.int64)
-        full = torch.ones(hidden.shape[0], dtype=torch.bool)
-        full[screened] = False
-        rest = full.nonzero().flatten()
-        logits[screened] = screen.logits(hidden.index_select(0, screened))
-        logits[rest] = self.lm_head(hidden.index_select(0, rest)).float()
-        return logits
+        if into is not None and self.tensor_parallel is None:
+            return self.lm_head(hidden, into=into).float()
+        logits = self.lm_head(hidden).float()
+        return logits if self.tensor_parallel is None else self.tensor_parallel.gather_vocabulary(logits)
 
     def load_hf_state_dict(
         self,
