@@ -144,7 +144,8 @@ def test_greedy_requests_decode_the_same_tokens_through_the_screen(bf16_valued_m
         llm = LLM(
             model={"path": bf16_valued_model_dir, "quantization": "bf16", "max_model_len": 256},
             cache={"num_blocks": 64},
-            execution={"head_screen": screen},
+            # fixed paths: a calibration measured on a busy machine may choose others for the second engine
+            execution={"head_screen": screen, "fused_max_tokens": 16, "large_gemm": "bf16"},
         )
         alone = llm.generate(prompts[:3], greedy)
         model_screen = llm.engine.runner.model.head_screen
@@ -188,6 +189,7 @@ def test_a_draft_model_guesses_through_its_own_screened_head(bf16_valued_model_d
     prompts = [f"Tell me about bridge number {i}." for i in range(3)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     common = {"model": {"path": bf16_valued_model_dir, "quantization": "bf16", "max_model_len": 256}}
+    common["execution"] = {"fused_max_tokens": 16, "large_gemm": "bf16"}  # the same paths in both engines
     alone = LLM(**common, cache={"num_blocks": 64})
     expected = [out.outputs[0].token_ids for out in alone.generate(prompts, params)]
     if alone.engine.runner.model.head_screen is None:
@@ -201,3 +203,16 @@ def test_a_draft_model_guesses_through_its_own_screened_head(bf16_valued_model_d
     assert stats.num_accepted_tokens - stats.num_verify_passes >= 0.9 * stats.num_draft_tokens > 0
     draft_screen = drafting.engine.drafter.draft.head_screen
     assert draft_screen is not None and draft_screen.rows_screened >= stats.num_draft_tokens
+
+
+def test_a_head_with_a_nan_or_an_infinity_is_refused(kernels):
+    for bad in (float("nan"), float("inf")):
+        weight = near_tie_head()
+        weight[77, 5] = bad
+        linear = Linear(HIDDEN, VOCAB, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(weight.float())
+        head = PackedLinear(linear, "bf16")
+        head.use_cpu_kernels(kernels, gemv_rows=8)
+        with pytest.raises(ValueError, match="finite head weights"):
+            HeadScreen(head, kernels)

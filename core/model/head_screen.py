@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from infer.kernels.cpu.packing import pack_scales, pack_weights
+from infer.kernels.cpu.packing import pack_scales
 
-# Weights of the head quantized at a time while building the copy: float64 errors of 8,192 x 1,024 weights are
-# 64 MiB, not the whole head's 1.2 GiB.
-BUILD_ROWS = 8192
 # A row's candidates past this share of the vocabulary send it to the full head.
 MAX_CANDIDATE_SHARE = 1 / 64
 
@@ -43,24 +40,14 @@ class HeadScreen:
                 raise ValueError(f"a head screen's table must be the head's bf16 rows {tuple(weight.shape)}")
             self.exact = table
         vocab, hidden = weight.shape
-        quantized = torch.empty((vocab, hidden), dtype=torch.int8)
-        scales = torch.empty(vocab, dtype=torch.float32)
-        errors = torch.empty(vocab, dtype=torch.float64)
-        for start in range(0, vocab, BUILD_ROWS):
-            rows = weight[start : start + BUILD_ROWS].float()
-            if not torch.isfinite(rows).all():
-                raise ValueError("a head screen needs finite head weights")
-            scale = (rows.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-            q = torch.round(rows / scale[:, None]).clamp(-127, 127)
-            quantized[start : start + BUILD_ROWS] = q.to(torch.int8)
-            scales[start : start + BUILD_ROWS] = scale
-            errors[start : start + BUILD_ROWS] = (rows.double() - scale.double()[:, None] * q.double()).abs().amax(1)
         # Float32 sums of k products err by at most k * 2^-24 of the sum of their magnitudes: for the int8 sum,
         # 127 * scale * |x|_1, for the exact one at most as much (the bf16 weights are within the int8 error of it);
-        # twice (k + 16) for headroom over the sums' last adds, and 0.1% over all of it.
-        rounding = 2 * (hidden + 16) * 2.0**-24 * 127 * scales.double()
-        self.bounds = ((errors + 2 * rounding) * 1.001).float()
-        self.weight = pack_weights(quantized)
+        # each doubled, (k + 16) for headroom over the sums' last adds; the C side adds 0.1% over all of it.
+        rounding = 2 * 2 * (hidden + 16) * 2.0**-24 * 127
+        quantized, scales, self.bounds = kernels.screen_quantize(weight.contiguous(), rounding)
+        if not torch.isfinite(scales).all():
+            raise ValueError("a head screen needs finite head weights")
+        self.weight = quantized
         self.scales = pack_scales(scales[:, None].contiguous())
         self.cap = max(16, int(vocab * MAX_CANDIDATE_SHARE))
         # Rows it takes at once: the GEMV's one pass over the copy (more rows would read it again per pass, where the

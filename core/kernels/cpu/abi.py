@@ -27,7 +27,7 @@ from infer.kernels.cpu.blocks import (
     BlockWeight,
     well_formed,
 )
-from infer.kernels.cpu.packing import packed_shape, tiles_shape
+from infer.kernels.cpu.packing import can_pack, packed_shape, tiles_shape
 
 if TYPE_CHECKING:
     from infer.attention import AttentionMetadata
@@ -140,6 +140,7 @@ _SIGNATURES = {
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
     "infer_argmax_rows": [_POINTER, _INT, _INT, _INT, _POINTER],
     "infer_screen_rows": [_POINTER, _INT, _INT, _POINTER, _INT, _INT, _POINTER, _POINTER, _INT, _INT, _POINTER],
+    "infer_screen_quantize": [_POINTER, _INT, _INT, ctypes.c_double, _POINTER, _POINTER, _POINTER],
     "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
     "infer_unpack_tiles": [_POINTER, _INT, _INT, _POINTER],
     "infer_flash_attention": [
@@ -1009,6 +1010,24 @@ class CpuKernels:
             counts.data_ptr(),
         )
         return counts
+
+    def screen_quantize(self, weight: torch.Tensor, rounding: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head screen's int8 copy of a bf16 head ``weight`` ``[n, k]`` (plain rows, contiguous): the int8
+        weights in ``pack_weights``' layout, each row's float32 scale (its largest magnitude / 127), and each row's
+        bound: its largest difference between a weight and its int8 value times the scale, plus ``rounding`` scales,
+        times 1.001 (``infer.model.head_screen.HeadScreen``). A row holding a NaN or an infinity gets a NaN scale."""
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
+            raise ValueError("the head screen quantizes a contiguous bf16 weight [n, k]")
+        n, k = weight.shape
+        if not can_pack(n, k):
+            raise ValueError(f"the head screen's int8 copy needs n % 4 == 0 and k % 8 == 0, got [{n}, {k}]")
+        quantized = torch.empty((n // 4, k // 8, 4, 8), dtype=torch.int8)
+        scales = torch.empty(n, dtype=torch.float32)
+        bounds = torch.empty(n, dtype=torch.float32)
+        self._screen_quantize(
+            weight.data_ptr(), n, k, rounding, quantized.data_ptr(), scales.data_ptr(), bounds.data_ptr()
+        )
+        return quantized, scales, bounds
 
     def apply_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
         """Forbidden tokens of ``bitmask[i]`` (int32 ``[n, words]``, ``infer.guide``'s layout) to -inf in row
