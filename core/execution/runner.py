@@ -151,7 +151,9 @@ class ModelRunner:
         prompt_indices, prompt_rows = self.prompt_logits_rows(scheduled)
         self.ranks.send_step(scheduled, input_ids, indices + prompt_indices)
         try:
-            hidden, logits = self.forward(input_ids, metadata, indices + prompt_indices, self.argmax_rows(rows))
+            screened = getattr(self.model, "head_screen", None) is not None
+            argmax_rows = self.argmax_rows(rows) if screened else None
+            hidden, logits = self.forward(input_ids, metadata, indices + prompt_indices, argmax_rows)
         except RuntimeError as error:  # sharded: a collective failed, a rank is gone
             if not self.ranks.sharded:
                 raise

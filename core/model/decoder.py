@@ -351,7 +351,12 @@ class CausalLM(nn.Module):
         if head.kernels is None or (head.tile_weight is None and head.kernel_weight is None):
             return False
         table = self.embed_tokens.weight if self.tie_word_embeddings else None
-        tied_rows = table is not None and table.dtype == torch.bfloat16 and table.is_contiguous()
+        tied_rows = (
+            table is not None
+            and table.dtype == torch.bfloat16
+            and table.is_contiguous()
+            and tuple(table.shape) == (head.out_features, head.in_features)
+        )
         self.head_screen = HeadScreen(head, kernels, table if tied_rows else None)
         return True
 
