@@ -91,6 +91,20 @@ def test_the_candidates_logits_are_exact_from_each_layout_of_the_head(kernels, l
     assert torch.equal(logits.argmax(dim=1), exact.argmax(dim=1))
 
 
+@pytest.mark.parametrize("build", ["avx2", "portable"])
+def test_each_simd_build_chooses_the_tokens_the_bf16_head_chooses(kernels, simd_build, build):
+    other = simd_build(build)
+    weight = near_tie_head(seed=11)
+    quantized, scales, bounds = other.screen_quantize(weight, 1e-3)
+    expected = kernels.screen_quantize(weight, 1e-3)
+    assert torch.equal(quantized, expected[0]) and torch.equal(scales, expected[1])
+    torch.testing.assert_close(bounds, expected[2], rtol=1e-4, atol=0)  # float32 differences, fused or not
+    _, screen = screened_head(other, weight)
+    x = hidden_rows(12, weight, seed=12)
+    chosen = torch.cat([screen.logits(x[i : i + screen.max_rows]).argmax(dim=1) for i in range(0, 12, screen.max_rows)])
+    assert torch.equal(chosen, (x.double() @ weight.double().T).argmax(dim=1))
+
+
 def test_the_portable_build_screens_as_the_vector_one(kernels, simd_build):
     portable = simd_build("portable")
     weight = near_tie_head(seed=7)
