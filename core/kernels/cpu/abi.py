@@ -140,7 +140,7 @@ _SIGNATURES = {
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
     "infer_argmax_rows": [_POINTER, _INT, _INT, _INT, _POINTER],
     "infer_screen_rows": [_POINTER, _INT, _INT, _POINTER, _INT, _INT, _POINTER, _POINTER, _INT, _INT, _POINTER],
-    "infer_screen_quantize": [_POINTER, _INT, _INT, ctypes.c_double, _POINTER, _POINTER, _POINTER],
+    "infer_screen_quantize": [_POINTER, _INT, _INT, _FLOAT, _POINTER, _POINTER, _POINTER],
     "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
     "infer_unpack_tiles": [_POINTER, _INT, _INT, _POINTER],
     "infer_flash_attention": [

@@ -201,7 +201,7 @@ void infer_screen_rows(const float *x, int64_t rows, int64_t k, float *logits, i
  * between a weight and its int8 value times the scale, plus `rounding` scales (the float32 sums' rounding), times
  * 1.001. The differences are computed in float32: each within 2^-24 of 127 scales of the exact one, far inside the
  * 0.1%. A row holding a NaN or an infinity gets a NaN scale and bound. Rows in parallel. */
-void infer_screen_quantize(const uint16_t *w, int64_t n, int64_t k, double rounding, int8_t *q, float *scales,
+void infer_screen_quantize(const uint16_t *w, int64_t n, int64_t k, float rounding, int8_t *q, float *scales,
                            float *bounds) {
 #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; j++) {

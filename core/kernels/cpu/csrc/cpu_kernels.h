@@ -368,7 +368,7 @@ void infer_argmax_rows(const float *logits, int64_t rows, int64_t cols, int64_t 
 void infer_screen_rows(const float *x, int64_t rows, int64_t k, float *logits, int64_t n, int64_t logits_stride,
                        const float *bounds, const uint16_t *weight, int64_t layout, int64_t cap, int64_t *counts);
 /* The screen's int8 copy of a bf16 head [n][k]: int8 weights in pack_weights' layout, a scale and a bound per row. */
-void infer_screen_quantize(const uint16_t *w, int64_t n, int64_t k, double rounding, int8_t *q, float *scales,
+void infer_screen_quantize(const uint16_t *w, int64_t n, int64_t k, float rounding, int8_t *q, float *scales,
                            float *bounds);
 
 #endif
