@@ -65,9 +65,8 @@ class ModelRunner:
         # The engine's ranks (``infer.distributed.SingleProcess``, or rank 0's ``TensorParallel`` of a sharded model):
         # each step's plan goes to the other ranks first, which run the same forward pass.
         self.ranks = ranks if ranks is not None else SingleProcess()
-        # The large steps' logits buffer (``logits_buffer``) and its rows.
+        # The large steps' logits buffer (``logits_buffer``).
         self.logits_held: torch.Tensor | None = None
-        self.logits_rows_held = 0
 
     def build_metadata(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
         input_ids: list[int] = []
@@ -218,9 +217,8 @@ class ModelRunner:
         vocab = self.model.vocab_size
         if rows > LOGITS_BUFFER_ROWS or rows * vocab * 4 < HEAP_MMAP_THRESHOLD:
             return None
-        if self.logits_rows_held < rows:
+        if self.logits_held is None or self.logits_held.shape[0] < rows:
             self.logits_held = torch.empty((rows, vocab), dtype=torch.float32)
-            self.logits_rows_held = rows
         return self.logits_held[:rows]
 
     @staticmethod

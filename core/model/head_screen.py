@@ -34,12 +34,13 @@ class HeadScreen:
         self.exact = head.tile_weight if head.tile_weight is not None else head.kernel_weight
         if self.exact is None or self.exact.dtype != torch.bfloat16:
             raise ValueError("a head screen needs a bf16 head packed for the CPU kernels")
-        weight = head.bf16_weight()
+        vocab, hidden = head.out_features, head.in_features
         if table is not None:
-            if table.dtype != torch.bfloat16 or table.shape != weight.shape or not table.is_contiguous():
-                raise ValueError(f"a head screen's table must be the head's bf16 rows {tuple(weight.shape)}")
+            if table.dtype != torch.bfloat16 or tuple(table.shape) != (vocab, hidden) or not table.is_contiguous():
+                raise ValueError(f"a head screen's table must be the head's bf16 rows {(vocab, hidden)}")
             self.exact = table
-        vocab, hidden = weight.shape
+        # the copy is quantized from the plain rows: the table where there is one, else the head unpacked once
+        weight = table if table is not None else head.bf16_weight()
         # Float32 sums of k products err by at most k * 2^-24 of the sum of their magnitudes: for the int8 sum,
         # 127 * scale * |x|_1, for the exact one at most as much (the bf16 weights are within the int8 error of it);
         # each doubled, (k + 16) for headroom over the sums' last adds; the C side adds 0.1% over all of it.

@@ -74,12 +74,12 @@ void infer_argmax_rows(const float *logits, int64_t rows, int64_t cols, int64_t 
     }
 }
 
-/* ---- greedy rows over a screened output head (infer.model.screen.HeadScreen) ----------------------------------------
+/* ---- greedy rows over a screened output head (infer.model.head_screen.HeadScreen) -----------------------------------
  *
  * `logits` holds each row's logits as an int8 copy of the head computes them (a_j, within bounds[j] * |x|_1 of the
  * bf16 head's x . w_j, float32 rounding of both sides included). The token a row's greedy choice can be is one whose
  * upper bound a_j + bounds[j] * |x|_1 reaches the largest lower bound a_i - bounds[i] * |x|_1: the first pass finds
- * that lower bound, the second counts those candidates and the third computes their logits exactly from the bf16
+ * that lower bound, the second collects those candidates and the third computes their logits exactly from the bf16
  * head (float32 sums), in place. Every other token's approximate logit stays below its upper bound, below the lower
  * bound, below the exact logit of the token that set it: the row's first maximum is then the full head's. A row
  * with more than `cap` candidates (x near zero, a NaN, a head whose int8 copy is far off) is left approximate with
