@@ -1,5 +1,5 @@
 """What this host is (its CPU's feature flags), where infer keeps files on it (the cache directory), and how it
-maps large zeroed memory (the KV pool).
+maps large memory (the KV pool, the weights the kernels stream) on huge pages.
 
 Imports nothing of infer's: the loader, the CPU kernels' build and the execution layer all ask it.
 """
@@ -104,12 +104,17 @@ def trim_heap() -> None:
         pass
 
 
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most aarch64 kernels
+
+
 def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor of ``shape`` over its own anonymous memory mapping, whose pages the kernel zeroes as they
     are first written: nothing is written at allocation (``torch.zeros`` of a 10 GiB KV pool writes all of it, about
     3 s), and a pool's pages become resident as its blocks are first used. The mapping is advised for transparent
     huge pages where the kernel offers them on request (``/sys/kernel/mm/transparent_hugepage/enabled``: madvise),
-    so a first write faults in 2 MiB at once. It is unmapped when the tensor and its views are gone."""
+    and a tensor of at least a huge page starts on a huge page's boundary (the mapping one huge page longer, its
+    head never touched), so a first write faults in 2 MiB at once and the tensor's every whole 2 MiB is one TLB
+    entry. It is unmapped when the tensor and its views are gone."""
     import mmap
 
     import torch
@@ -117,10 +122,34 @@ def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     count = math.prod(shape)
     if count == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):  # (a platform without anonymous mappings: plain zeros)
         return torch.zeros(shape, dtype=dtype)
-    mapping = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    nbytes = count * dtype.itemsize
+    slack = HUGE_PAGE if nbytes >= HUGE_PAGE else 0
+    mapping = mmap.mmap(-1, nbytes + slack, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mapping.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
+    offset = -ctypes.addressof(ctypes.c_char.from_buffer(mapping)) % HUGE_PAGE if slack else 0
+    return torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset).view(shape)
+
+
+def streamed_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor for weights that the kernels read whole at every step (packed projections, an
+    output head's copies): from ``zeroed_pages`` when it spans a huge page, so the stream crosses a 2 MiB page where
+    it would cross 512 of 4 KiB, each a TLB miss and, in a virtual machine, a two-level page walk; smaller ones from
+    torch's allocator. On 2 cores of an Intel Xeon with AMX under a hypervisor the bf16 GEMV over Qwen3-0.6B's qkv
+    projection read 22.7 GB/s of 4 KiB pages and 28.7 GB/s of huge pages (docs/performance.md)."""
+    import torch
+
+    if math.prod(shape) * dtype.itemsize < HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype)
+    return zeroed_pages(shape, dtype)
+
+
+def streamed_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (CPU) as ``streamed_empty`` would hold it: a contiguous copy on huge pages where it spans one,
+    else ``tensor.contiguous()``."""
+    if tensor.numel() * tensor.element_size() < HUGE_PAGE:
+        return tensor.contiguous()
+    return streamed_empty(tuple(tensor.shape), tensor.dtype).copy_(tensor)
 
 
 def cores_per_process(num_processes: int) -> int:

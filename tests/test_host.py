@@ -1,5 +1,5 @@
-"""``infer.host``: the KV pool's memory (zeroed pages the kernel maps in as they are first written), and the heap's
-freed pages handed back during a load."""
+"""``infer.host``: the KV pool's memory (zeroed pages the kernel maps in as they are first written), the streamed
+weights' huge pages, and the heap's freed pages handed back during a load."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from infer.host import trim_heap, zeroed_pages
+from infer.host import HUGE_PAGE, streamed_copy, streamed_empty, trim_heap, zeroed_pages
 
 
 def resident_bytes() -> int:
@@ -34,6 +34,49 @@ def test_zeroed_pages_become_resident_only_when_written():
     pool[: size // 8].fill_(1.0)  # half of it written
     assert resident_bytes() - before >= size // 2 - (8 << 20)
     assert pool[size // 8 :].abs().sum().item() == 0 and pool.sum().item() == size // 8
+
+
+def test_large_mappings_start_on_a_huge_page_and_small_weights_stay_on_the_heap():
+    for count in (HUGE_PAGE // 2, 3 * HUGE_PAGE // 2 + 6, 5 * HUGE_PAGE // 2):  # bytes of bf16: 1, 3 and 5 MiB (+12)
+        tensor = zeroed_pages((count,), torch.bfloat16)
+        assert tensor.numel() == count and not tensor.any()
+        if count * 2 >= HUGE_PAGE:
+            assert tensor.data_ptr() % HUGE_PAGE == 0
+        tensor[-1] = 1.0  # the mapping's last element is the tensor's: the slack lies before it
+        assert tensor.sum().item() == 1.0
+    small = streamed_empty((HUGE_PAGE // 8,), torch.float32)  # a quarter of a huge page: torch's allocator
+    large = streamed_empty((HUGE_PAGE // 2, 2), torch.int8)
+    assert small.untyped_storage().nbytes() == HUGE_PAGE // 2 and large.data_ptr() % HUGE_PAGE == 0
+    weight = torch.randn(1024, 2048).to(torch.bfloat16).t()  # not contiguous
+    copied = streamed_copy(weight)
+    assert copied.is_contiguous() and torch.equal(copied, weight) and copied.data_ptr() % HUGE_PAGE == 0
+    assert torch.equal(streamed_copy(weight[:8]), weight[:8]) and streamed_copy(weight[:8]).is_contiguous()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the mappings' huge pages from /proc")
+def test_packed_weights_lie_on_huge_pages_where_the_kernel_offers_them():
+    """A tile-packed projection of 8 MiB is backed by transparent huge pages when the kernel grants them on
+    request; where it grants none (``never``, or no free huge page), it still equals the plain packing."""
+    from infer.kernels.cpu.packing import pack_tiles, unpack_tiles
+
+    weight = torch.randn(4096, 1024).to(torch.bfloat16)
+    tiles = pack_tiles(weight)
+    assert torch.equal(unpack_tiles(tiles), weight) and tiles.data_ptr() % HUGE_PAGE == 0
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as mode:
+        if "[never]" in mode.read():
+            pytest.skip("transparent huge pages are off on this host")
+    start = tiles.data_ptr()
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.read().splitlines()
+    huge = 0
+    for i, line in enumerate(lines):
+        fields = line.split()
+        if "-" in fields[0] and int(fields[0].split("-")[0], 16) <= start < int(fields[0].split("-")[1], 16):
+            huge = next(int(entry.split()[1]) for entry in lines[i + 1 :] if entry.startswith("AnonHugePages:"))
+            break
+    if huge == 0:
+        pytest.skip("the kernel granted no huge page (none free, or defragmentation off)")
+    assert huge * 1024 >= 6 * HUGE_PAGE // 2  # 3 of the 4 whole huge pages at least
 
 
 def test_a_cpu_backend_allocates_its_pool_over_zeroed_pages(monkeypatch):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infer.host import streamed_empty
 from infer.kernels.cpu.blocks import (
     BLOCK,
     BLOCK_COLUMNS,
@@ -651,7 +652,7 @@ class CpuKernels:
         out_features, in_features = weight.shape
         group_rows = GROUP_ROWS[kind]
         groups = -(-out_features // group_rows)
-        data = torch.empty((groups, in_features // BLOCK, RECORD_BYTES[kind]), dtype=torch.uint8)
+        data = streamed_empty((groups, in_features // BLOCK, RECORD_BYTES[kind]), torch.uint8)
         # A few MB of float32 rows at a time (whole groups): a bf16 weight is never widened whole (an output head
         # of 152k x 4,096 would take 2.5 GB).
         step = max(1, QUANTIZE_CHUNK // in_features // group_rows) * group_rows
@@ -1021,7 +1022,7 @@ class CpuKernels:
         n, k = weight.shape
         if not can_pack(n, k):
             raise ValueError(f"the head screen's int8 copy needs n % 4 == 0 and k % 8 == 0, got [{n}, {k}]")
-        quantized = torch.empty((n // 4, k // 8, 4, 8), dtype=torch.int8)
+        quantized = streamed_empty((n // 4, k // 8, 4, 8), torch.int8)
         scales = torch.empty(n, dtype=torch.float32)
         bounds = torch.empty(n, dtype=torch.float32)
         self._screen_quantize(

@@ -1,9 +1,12 @@
 """Weights laid out for the CPU kernels' GEMV: blocks of four output rows, each one sequential stream, in fp16, bf16
-or int8 (with per-group scales beside them). ``infer.model.quantization`` packs its linears with these."""
+or int8 (with per-group scales beside them), and for the tile GEMM; on huge pages where they span one
+(``infer.host.streamed_empty``). ``infer.model.quantization`` packs its linears with these."""
 
 from __future__ import annotations
 
 import torch
+
+from infer.host import streamed_empty
 
 
 def can_pack(out_features: int, in_features: int, group: int = 8) -> bool:
@@ -24,7 +27,8 @@ def pack_weights(weight: torch.Tensor) -> torch.Tensor:
             f"pack_weights needs out_features % 4 == 0 and in_features % 8 == 0, got {tuple(weight.shape)}"
         )
     blocks = weight.detach().view(out_features // 4, 4, in_features // 8, 8)
-    return blocks.permute(0, 2, 1, 3).contiguous()
+    packed = streamed_empty((out_features // 4, in_features // 8, 4, 8), weight.dtype)
+    return packed.copy_(blocks.permute(0, 2, 1, 3))
 
 
 def pack_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -64,8 +68,9 @@ def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
         )
     # Each pair moves as one int32: the permuted copy then moves 4-byte elements, not 2-byte ones (2.5x faster).
     pairs = weight.detach().contiguous().view(torch.int32).reshape(out_features // TILE, 2, 16, in_features // TILE, 16)
-    tiles = pairs.permute(0, 3, 1, 4, 2).contiguous().view(torch.bfloat16)
-    return tiles.view(out_features // TILE, in_features // TILE, 2, 16, 16, 2)
+    tiles = streamed_empty((out_features // TILE, in_features // TILE, 2, 16, 16, 2), torch.bfloat16)
+    tiles.view(torch.int32).view(tiles.shape[:5]).copy_(pairs.permute(0, 3, 1, 4, 2))
+    return tiles
 
 
 def unpack_tiles(tiles: torch.Tensor) -> torch.Tensor:
