@@ -811,3 +811,40 @@ def test_a_large_steps_logits_are_written_to_one_buffer_kept_for_the_next(bf16_v
     assert grown.data_ptr() == runner.logits_held.data_ptr() and runner.logits_held.shape[0] == rows + 8
     assert runner.logits_buffer(rows).data_ptr() == grown.data_ptr()
     torch.testing.assert_close(grown, model.compute_logits(more), rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+def test_large_steps_over_weights_that_every_step_multiplies_on_tiles_take_the_fused_layers(
+    bf16_valued_model_dir, caplog
+):
+    """Where every projection multiplies inputs of any rows on its tiles (AMX, or the tiles' float32 FMAs), a
+    prefill above ``fused_max_tokens`` runs the layers' dense parts in the two C calls around the backend's
+    attention, and its greedy tokens equal the op-by-op path's; ``fused_max_tokens: 0`` still keeps it op by op."""
+    kernels = cpu_kernels.load(True)
+    if not kernels.tiles:
+        pytest.skip(f"no tile kernels in this {kernels.simd} build (AMX or AVX512-BF16)")
+    if not kernels.amx and not kernels.tile_fma:
+        pytest.skip("neither AMX nor the tiles' float32 FMAs: large steps stay on oneDNN")
+    gemm = "execution.large_gemm=bf16" if kernels.amx else "execution.large_gemm=float32"
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = " ".join(f"w{i}" for i in range(40))
+    tokens = {}
+    for paths in ("[fused-stack,fused-layers,torch]", "[fused-stack,torch]"):
+        llm = _auto_llm(
+            bf16_valued_model_dir,
+            "model.quantization=bf16",
+            "execution.fused_max_tokens=8",
+            gemm,
+            f"execution.paths={paths}",
+        )
+        assert all(layer.fuses_any_step for layer in llm.engine.model.layers)
+        with caplog.at_level(logging.DEBUG, logger="infer.execution"):
+            caplog.clear()
+            tokens[paths] = llm.generate([prompt], params)[0].token_ids
+        prefill = next(record.getMessage() for record in caplog.records if record.name == "infer.execution")
+        expected = "-> fused-layers" if "fused-layers" in paths else "-> torch"
+        assert expected in prefill and "> fused_max_tokens 8" in prefill
+    assert tokens["[fused-stack,fused-layers,torch]"] == tokens["[fused-stack,torch]"]
+    never = _auto_llm(bf16_valued_model_dir, "model.quantization=bf16", "execution.fused_max_tokens=0", gemm)
+    never.generate([prompt], params)
+    assert set(never.engine.executor.counts) == {"torch"}

@@ -133,7 +133,7 @@ class FusedLayersPath(ExecutionPath):
     def refusal(self, layers, step) -> str | None:
         if step.ops.kernels is None:
             return "no CPU kernels in this step (they run float32 on a CPU; model.cpu_kernels)"
-        if step.num_tokens > self.max_tokens:
+        if step.num_tokens > self.max_tokens and not (self.max_tokens > 0 and self.takes_large_steps(layers)):
             return f"{step.num_tokens} tokens > fused_max_tokens {self.max_tokens}"
         if layers and layers[0].self_attn.tensor_parallel is not None:
             return "tensor-parallel layers (an all-reduce follows the output and the down projection)"
@@ -142,6 +142,13 @@ class FusedLayersPath(ExecutionPath):
                 return "layers the fused C layer does not compute (experts, another activation, norms of two eps)"
             return "projections not packed for the kernels (model.quantization fp16 or int8, shapes the GEMV takes)"
         return None
+
+    def takes_large_steps(self, layers: Sequence[DecoderLayer]) -> bool:
+        """Whether steps past ``max_tokens`` run here too: where every projection multiplies inputs of any rows on
+        its tiles (AMX's, or float32 FMAs: ``PackedLinear.tiles_only``), the C calls run the very GEMM the torch path
+        would, and the norms, RoPE and activation around it in C instead of a dozen torch ops a layer (the
+        Qwen3-0.6B shape's 512-token prefill spent 17% of its time in those; docs/performance.md)."""
+        return bool(layers) and all(layer.fused is not None and layer.fuses_any_step for layer in layers)
 
     def run(self, layers, hidden, step) -> tuple[torch.Tensor, torch.Tensor]:
         residual, delta = hidden, None  # the embedding is the residual stream; the first layer adds nothing
@@ -168,6 +175,11 @@ class FusedStackPath(FusedLayersPath):
     def __init__(self, max_tokens: int):
         super().__init__(max_tokens)
         self._stacks: dict[tuple[int, ...], FusedStack] = {}  # by the layers' ids: built once per list of layers
+
+    def takes_large_steps(self, layers: Sequence[DecoderLayer]) -> bool:
+        """Never: a large prefill's attention goes faster through the backend's own kernels (infer's flash attention)
+        than inside the one call."""
+        return False
 
     def refusal(self, layers, step) -> str | None:
         reason = super().refusal(layers, step)

@@ -126,6 +126,9 @@ class DecoderLayer(nn.Module):
         # The layer's dense parts as CPU kernel calls over packed copies of its weights (``use_cpu_kernels``); the
         # execution layer runs steps of a few tokens through it.
         self.fused: FusedLayer | None = None
+        # every projection multiplies inputs of any rows on its tiles (``PackedLinear.tiles_only``): the fused C calls
+        # run the op-by-op path's GEMM at any step size (``infer.execution.paths.FusedLayersPath``)
+        self.fuses_any_step = False
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, step: ForwardStep
@@ -195,6 +198,7 @@ class DecoderLayer(nn.Module):
             )
         if attn.rotary is not None:  # the layer's own table (Gemma 3's global layers)
             extra["rotary"] = (attn.rotary.cos, attn.rotary.sin)
+        self.fuses_any_step = all(getattr(projection, "tiles_only", False) for projection in projections)
         self.fused = FusedLayer(
             kernels,
             weights,
