@@ -6,7 +6,7 @@ from memory (each shape in enough copies to fill 256 MB, passed over in turn): G
 (``time.thread_time``), which a busy machine disturbs less; more threads in wall-clock time.
 
     OMP_NUM_THREADS=1 python benchmarks/tile_gemv.py
-    OMP_NUM_THREADS=2 python benchmarks/tile_gemv.py --rows 1 8
+    OMP_NUM_THREADS=2 python benchmarks/tile_gemv.py --rows 1 8 [--small-pages]
 """
 
 from __future__ import annotations
@@ -40,6 +40,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument(
+        "--small-pages",
+        action="store_true",
+        help="copy the packed weights into torch's allocator (4 KiB pages where transparent huge pages are granted "
+        "only on request) instead of the huge pages the packing puts them on",
+    )
     args = parser.parse_args()
     kernels = cpu_kernels.load(True)
     threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or os.cpu_count()
@@ -56,6 +62,8 @@ def main() -> None:
         streams = [cpu_kernels.pack_weights(weight) for weight in plain]
         tiles = [cpu_kernels.pack_tiles(weight) for weight in plain]
         del plain
+        if args.small_pages:
+            streams, tiles = [weight.clone() for weight in streams], [weight.clone() for weight in tiles]
         for rows in args.rows:
             x = torch.randn(rows, k)
             calls = {

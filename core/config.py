@@ -141,7 +141,9 @@ class ExecutionConfig(BaseModel):
         ["fused-stack", "fused-layers", "torch"],
         description="Execution paths in the order each step asks them; the first that accepts runs it. fused-stack: "
         "all layers in one C call (CPU kernels, packed weights, attention cpu); fused-layers: two C "
-        "calls per layer around the backend's attention; torch: op by op, accepts every step (last).",
+        "calls per layer around the backend's attention, also for steps past fused_max_tokens where every "
+        "projection multiplies on its tiles (AMX, or their float32 FMAs); torch: op by op, accepts every step "
+        "(last).",
     )
     fused_max_tokens: int | Literal["auto"] = Field(
         "auto",

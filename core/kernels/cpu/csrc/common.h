@@ -228,11 +228,11 @@ static inline float exp_shifted_sum(float *x, int64_t n, float shift) {
 
 /* ---- shared between operations ---------------------------------------------------------------------------------- */
 
-/* infer_silu_mul (activation ACT_SILU) or infer_gelu_tanh_mul (ACT_GELU_TANH) of float32 rows or, with `bf16_in`,
- * bf16 ones (a bf16 GEMM's output) into float32 rows or, with `bf16_out`, bf16 ones (rowwise.c): a fused layer's
- * activation, the next bf16 GEMM's input where that rounds it anyway. */
-INFER_HIDDEN void gated_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t width, int64_t activation,
-                                 int bf16_in, int bf16_out);
+/* infer_silu_mul (activation ACT_SILU) or infer_gelu_tanh_mul (ACT_GELU_TANH) into float32 rows or, with
+ * `bf16_out`, bf16 ones (rowwise.c): a fused layer's activation, the next bf16 GEMM's input where that rounds it
+ * anyway. */
+INFER_HIDDEN void gated_mul_rows(const float *gate_up, void *out, int64_t rows, int64_t width, int64_t activation,
+                                 int bf16_out);
 
 /* The GEMV's sums for one block of four output rows of a packed weight (gemv.c's layout, stored as `kind`; int8 with
  * the block's `scales`, a scale per `group` weights of a row) and `rows` rows of x (k floats each): sums [rows][4].

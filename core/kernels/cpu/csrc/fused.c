@@ -11,15 +11,14 @@ static inline int tiles_take_bf16(const uint16_t *tiles, int64_t tiles_fma, int6
     return tiles && !tiles_fma && rows > PASS_ROWS;
 }
 
-/* A projection of a layer, its weights stored as `kind` (`x` float32, or bf16 where tiles_take_bf16; `y` float32,
- * or bf16 with `y_bf16`, which only the tiles take). A bf16 projection with tiles has them as its only copy (`w`
- * NULL): up to PASS_ROWS rows take their GEMV (float32 x and FMAs, the arithmetic of infer_linear_bf16), more the
- * tile GEMM. */
+/* A projection of a layer, its weights stored as `kind` (`x` float32, or bf16 where tiles_take_bf16). A bf16
+ * projection with tiles has them as its only copy (`w` NULL): up to PASS_ROWS rows take their GEMV (float32 x and
+ * FMAs, the arithmetic of infer_linear_bf16), more the tile GEMM. */
 static void layer_linear(const void *w, int64_t kind, const float *scales, int64_t groups, const uint16_t *tiles,
                          int64_t tiles_fma, const void *x, int x_bf16, int64_t rows, int64_t k, const float *bias,
-                         void *y, int y_bf16, int64_t n_out) {
+                         float *y, int64_t n_out) {
     if (tiles)
-        infer_linear_tiles(x, x_bf16, rows, k, tiles, bias, y, y_bf16, n_out, tiles_fma || rows <= PASS_ROWS);
+        infer_linear_tiles(x, x_bf16, rows, k, tiles, bias, y, 0, n_out, tiles_fma || rows <= PASS_ROWS);
     else if (kind == KIND_I8)
         infer_linear_i8(x, rows, k, w, scales, groups, bias, y, n_out);
     else if (kind == KIND_BF16)
@@ -41,7 +40,7 @@ void infer_layer_attention_input(const infer_layer *layer, int64_t tokens, float
     void *normed = malloc((bf16 ? sizeof(uint16_t) : sizeof(float)) * tokens * layer->hidden);
     infer_add_rms_norm_mixed(residual, delta, 0, normed, bf16, layer->input_norm, tokens, layer->hidden, layer->eps);
     layer_linear(layer->qkv, layer->qkv_kind, layer->qkv_scales, layer->qkv_groups, layer->qkv_tiles,
-                 layer->tiles_fma, normed, bf16, tokens, layer->hidden, layer->qkv_bias, qkv, 0, layer->qkv_width);
+                 layer->tiles_fma, normed, bf16, tokens, layer->hidden, layer->qkv_bias, qkv, layer->qkv_width);
     const int own_table = layer->cos_table != NULL;
     rope_layer_heads(qkv, positions, own_table ? layer->cos_table : cos_table,
                      own_table ? layer->sin_table : sin_table, tokens, layer->qkv_width,
@@ -56,26 +55,22 @@ void infer_layer_feed_forward(const infer_layer *layer, int64_t tokens, const fl
     const int64_t hidden = layer->hidden, intermediate = layer->intermediate;
     const int normed_bf16 = tiles_take_bf16(layer->gate_up_tiles, layer->tiles_fma, tokens);
     const int activated_bf16 = tiles_take_bf16(layer->down_tiles, layer->tiles_fma, tokens);
-    /* where the gate/up GEMM takes bf16 rows it gives bf16 rows too, as the op-by-op path's does: half the bytes
-     * written and read again by the activation (512 rows of Qwen3-0.6B: 6 MB, not 12) */
-    const int gate_up_bf16 = normed_bf16;
     float *projected = malloc(sizeof(float) * tokens * hidden);
     void *normed = malloc((normed_bf16 ? sizeof(uint16_t) : sizeof(float)) * tokens * hidden);
-    void *gate_up = malloc((gate_up_bf16 ? sizeof(uint16_t) : sizeof(float)) * tokens * 2 * intermediate);
+    float *gate_up = malloc(sizeof(float) * tokens * 2 * intermediate);
     void *activated = malloc((activated_bf16 ? sizeof(uint16_t) : sizeof(float)) * tokens * intermediate);
     layer_linear(layer->o, layer->o_kind, layer->o_scales, layer->o_groups, layer->o_tiles, layer->tiles_fma,
-                 attended, 0, tokens, layer->q_width, layer->o_bias, projected, 0, hidden);
+                 attended, 0, tokens, layer->q_width, layer->o_bias, projected, hidden);
     if (layer->attn_out_norm)  /* normed in place: without a delta the rows are read before they are written */
         infer_add_rms_norm(projected, NULL, projected, layer->attn_out_norm, tokens, hidden, layer->eps);
     infer_add_rms_norm_mixed(residual, projected, 0, normed, normed_bf16, layer->post_norm, tokens, hidden,
                              layer->eps);
     layer_linear(layer->gate_up, layer->gate_up_kind, layer->gate_up_scales, layer->gate_up_groups,
                  layer->gate_up_tiles, layer->tiles_fma, normed, normed_bf16, tokens, hidden, layer->gate_up_bias,
-                 gate_up, gate_up_bf16, 2 * intermediate);
-    gated_mul_rows(gate_up, activated, tokens, intermediate, layer->activation, gate_up_bf16, activated_bf16);
+                 gate_up, 2 * intermediate);
+    gated_mul_rows(gate_up, activated, tokens, intermediate, layer->activation, activated_bf16);
     layer_linear(layer->down, layer->down_kind, layer->down_scales, layer->down_groups, layer->down_tiles,
-                 layer->tiles_fma, activated, activated_bf16, tokens, intermediate, layer->down_bias, delta, 0,
-                 hidden);
+                 layer->tiles_fma, activated, activated_bf16, tokens, intermediate, layer->down_bias, delta, hidden);
     if (layer->mlp_out_norm) infer_add_rms_norm(delta, NULL, delta, layer->mlp_out_norm, tokens, hidden, layer->eps);
     free(activated);
     free(gate_up);
@@ -150,14 +145,14 @@ void infer_draft_head_step(const infer_draft_head *head, const infer_layer *laye
                            1, hidden, head->eps);
     }
     layer_linear(head->fc, head->fc_kind, head->fc_scales, head->fc_groups, NULL, 0, pairs, 0, tokens, 2 * hidden,
-                 head->fc_bias, x, 0, hidden);
+                 head->fc_bias, x, hidden);
     const int64_t own_layer = 0;
     infer_layers_few(layer, &own_layer, 1, tokens, x, delta, positions, cos_table, sin_table, kv, 0, step);
     for (int64_t s = 0; s < seqs; s++)
         infer_add_rms_norm(x + last_rows[s] * hidden, delta + last_rows[s] * hidden, predicted + s * hidden,
                            head->norm, 1, hidden, head->eps);
     layer_linear(head->out, head->out_kind, head->out_scales, head->out_groups, NULL, 0, predicted, 0, seqs, hidden,
-                 NULL, logits, 0, vocab);
+                 NULL, logits, vocab);
     for (int64_t s = 0; s < seqs; s++)
         top_guesses(logits + s * vocab, vocab, width, guesses + s * width, confidence + s * width);
     free(logits);

@@ -132,15 +132,16 @@ void infer_gelu_tanh_mul(const float *gate_up, float *out, int64_t rows, int64_t
     gated_mul(gate_up, out, rows, width, 1, 0, 0);
 }
 
-void gated_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t width, int64_t activation, int bf16_in,
-                    int bf16_out) {
+void gated_mul_rows(const float *gate_up, void *out, int64_t rows, int64_t width, int64_t activation, int bf16_out) {
     const int gelu = activation == ACT_GELU_TANH;
-    /* each combination a constant copy: the flags tested once per call, not per element */
-#define GATED_MUL_CASE(g, in, o) \
-    if (gelu == g && !bf16_in == !in && !bf16_out == !o) { gated_mul(gate_up, out, rows, width, g, in, o); return; }
-    GATED_MUL_CASE(0, 0, 0) GATED_MUL_CASE(0, 0, 1) GATED_MUL_CASE(0, 1, 1) GATED_MUL_CASE(0, 1, 0)
-    GATED_MUL_CASE(1, 0, 0) GATED_MUL_CASE(1, 0, 1) GATED_MUL_CASE(1, 1, 1) GATED_MUL_CASE(1, 1, 0)
-#undef GATED_MUL_CASE
+    if (gelu && bf16_out)
+        gated_mul(gate_up, out, rows, width, 1, 0, 1);
+    else if (gelu)
+        gated_mul(gate_up, out, rows, width, 1, 0, 0);
+    else if (bf16_out)
+        gated_mul(gate_up, out, rows, width, 0, 0, 1);
+    else
+        gated_mul(gate_up, out, rows, width, 0, 0, 0);
 }
 
 void infer_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t width) {
