@@ -33,6 +33,7 @@ PREFILL_CASES = {
     "prefill 1 x 512 fresh": ([512], [512]),
     "prefill 4 x 512 fresh": ([512] * 4, [512] * 4),
     "prefill 512 after 512 cached": ([512], [1024]),
+    "prefill 40 x 50 fresh": ([50] * 40, [50] * 40),
 }
 DECODE_CASES = {"decode 64 x 128": (64, 128), "decode 16 x 1024": (16, 1024)}
 
