@@ -41,8 +41,8 @@ typedef struct {
 
 /* `buffer`'s memory, at least `bytes` of it (NULL when out of memory). A large step's gate/up rows (50 MB of float32
  * at 2,048 tokens of Qwen3-0.6B, 110 MB of Gemma 3 1B) are past the 32 MiB up to which malloc reuses freed memory:
- * a fresh buffer for each layer was mapped and faulted in anew, and a prefill step of 40 prompts of 50 tokens took
- * 1.5x the time of the same step op by op (docs/performance.md). */
+ * a fresh buffer for each layer would be mapped and faulted in anew, which takes Gemma 3's prefill step of 40
+ * prompts of 50 tokens to 1.35x the time of the same step op by op (docs/performance.md). */
 static void *hold(held_buffer *buffer, size_t bytes) {
     if (bytes > buffer->bytes) {
         free(buffer->data);
