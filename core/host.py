@@ -144,14 +144,6 @@ def streamed_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return zeroed_pages(shape, dtype)
 
 
-def streamed_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (CPU) as ``streamed_empty`` would hold it: a contiguous copy on huge pages where it spans one,
-    else ``tensor.contiguous()``."""
-    if tensor.numel() * tensor.element_size() < HUGE_PAGE:
-        return tensor.contiguous()
-    return streamed_empty(tuple(tensor.shape), tensor.dtype).copy_(tensor)
-
-
 def cores_per_process(num_processes: int) -> int:
     """This process's cores shared evenly among ``num_processes`` processes (at least one each)."""
     return max(1, len(os.sched_getaffinity(0)) // num_processes)

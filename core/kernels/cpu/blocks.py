@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from infer.host import streamed_copy
+from infer.host import streamed_empty
 
 BLOCK = 32  # weights per block
 SUPER_BLOCK = 256  # weights per K-quant super-block
@@ -114,7 +114,9 @@ def pack_blocks(raw: torch.Tensor | np.ndarray, kind: str, out_features: int) ->
     else:  # nibbles of columns j and 16 + j -> rows 0 and 2 (1 and 3) of column j in one byte
         values = torch.cat([quants & 0x0F, quants >> 4], dim=-1)  # [groups, blocks, 4, 32]
         quants = values[:, :, 0:2] | (values[:, :, 2:4] << 4)
-    return BlockWeight(streamed_copy(torch.cat([scales, quants.reshape(*shape, -1)], dim=-1)), kind, out_features)
+    quants = quants.reshape(*shape, -1)
+    data = streamed_empty((*shape, scales.shape[-1] + quants.shape[-1]), torch.uint8)
+    return BlockWeight(torch.cat([scales, quants], dim=-1, out=data), kind, out_features)
 
 
 def mxfp4_gguf_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -267,8 +269,9 @@ def pack_kquants(raw: torch.Tensor | np.ndarray, kind: str, out_features: int) -
         top = steps >> 4
         high = top[:, 0] | (top[:, 1] << 2) | (top[:, 2] << 4) | (top[:, 3] << 6)
         record = [blocks[:, 208:210], blocks[:, 192:208][:, Q6_K_SCALE_ORDER], quants, high]  # d, sc, quants, high
-    data = torch.from_numpy(np.concatenate(record, axis=1)).view(out_features, -1, RECORD_BYTES[kind])
-    return BlockWeight(streamed_copy(data), kind, out_features)
+    data = streamed_empty((len(blocks), RECORD_BYTES[kind]), torch.uint8)
+    np.concatenate(record, axis=1, out=data.numpy())
+    return BlockWeight(data.view(out_features, -1, RECORD_BYTES[kind]), kind, out_features)
 
 
 def _byte_rows(raw: torch.Tensor | np.ndarray, out_features: int) -> np.ndarray:
@@ -299,7 +302,8 @@ def pack_mixed_kquants(parts: list[tuple[torch.Tensor | np.ndarray, str, int]]) 
         raise ValueError(f"a mixed weight holds at most {(MIXED_HEADER_BYTES // 8 - 1) // 2} runs, got {len(packed)}")
     header = torch.zeros(MIXED_HEADER_BYTES // 8, dtype=torch.int64)
     header[: len(entries)] = torch.tensor(entries)
-    data = streamed_copy(torch.cat([header.view(torch.uint8), *(weight.data.reshape(-1) for weight in packed)]))
+    pieces = [header.view(torch.uint8), *(weight.data.reshape(-1) for weight in packed)]
+    data = torch.cat(pieces, out=streamed_empty((sum(piece.numel() for piece in pieces),), torch.uint8))
     parts = tuple((weight.kind, weight.out_features) for weight in packed)
     return BlockWeight(data, "k_mixed", sum(weight.out_features for weight in packed), parts)
 
