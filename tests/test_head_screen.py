@@ -118,6 +118,28 @@ def test_the_portable_build_screens_as_the_vector_one(kernels, simd_build):
     assert torch.equal(plain.argmax(dim=1), vector.argmax(dim=1))
 
 
+def test_the_vnni_gemv_stays_within_its_rounding_steps(kernels):
+    """The int8 copy times x rounded to int16 (AVX512-VNNI): each logit within steps[r] * extra[j] of the copy times
+    x exactly, steps[r] no smaller than the rounding of any element of row r, and the screen over it choosing the
+    bf16 head's tokens for rows with an outlier element (a real model's hidden state: one element 40x the rest)."""
+    if not kernels.screen_vnni:
+        pytest.skip(f"this CPU's build has no AVX512-VNNI ({kernels.simd}); the screen multiplies x as it is")
+    weight = near_tie_head(seed=13)
+    _, screen = screened_head(kernels, weight)
+    x = hidden_rows(8, weight, seed=14)
+    x[:, 3] = 40 * x.abs().amax()
+    logits, steps = kernels.screen_gemv(x, screen.weight, screen.scales)
+    copy = kernels.linear(torch.eye(HIDDEN), screen.weight, screen.scales, None).double()  # [HIDDEN, VOCAB]
+    exact_copy = x.double() @ copy
+    assert ((logits.double() - exact_copy).abs() <= steps.double()[:, None] * screen.extra.double()[None, :]).all()
+    unit = x.abs().amax(dim=1, keepdim=True).double() / 32767
+    rounded = torch.round(x.double() / unit) * unit
+    assert ((rounded - x.double()).abs().amax(dim=1) <= steps.double()).all() and (steps > 0).all()
+    reference = (x.double() @ weight.double().T).argmax(dim=1)
+    assert torch.equal(screen.logits(x).argmax(dim=1), reference)
+    assert screen.rows_screened == 8 and screen.rows_to_full_head == 0
+
+
 def test_a_row_the_screen_cannot_settle_takes_the_full_head(kernels):
     weight = near_tie_head(seed=9)
     head, screen = screened_head(kernels, weight)

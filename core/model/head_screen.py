@@ -8,7 +8,9 @@ scale per row: 156 MB) and multiplies the rows over it on the GEMV; each approxi
 assumed) plus the float32 rounding of both sums. Every token whose upper bound reaches the largest lower bound gets
 its exact logit from the bf16 head (``CpuKernels.screen_rows``); no other token can be the maximum, so the row's first
 maximum is the full head's, up to the float32 rounding that already separates two orders of summation. A row with
-too many candidates (its hidden state near zero, a NaN) is left to the full head.
+too many candidates (its hidden state near zero, a NaN) is left to the full head. On AVX512-VNNI the copy multiplies
+each row of x rounded to int16 (``CpuKernels.screen_gemv``: integer dot products, a third of the instructions), and
+each bound grows by the row's rounding step times the token's int8 row's L1 norm (``extra``).
 """
 
 from __future__ import annotations
@@ -50,12 +52,19 @@ class HeadScreen:
             raise ValueError("a head screen needs finite head weights")
         self.weight = quantized
         self.scales = pack_scales(scales[:, None].contiguous())
+        # On AVX512-VNNI the copy multiplies x rounded to int16 (``CpuKernels.screen_gemv``): each bound grows by the
+        # row's rounding step times the L1 norm of the token's int8 row, here rounded up past float32's sums.
+        self.extra = None
+        if kernels.screen_vnni:
+            magnitudes = quantized.abs().sum((1, 3), dtype=torch.int64).flatten().double()
+            self.extra = (magnitudes * scales.double() * (1 + 1e-5)).float()
         self.cap = max(16, int(vocab * MAX_CANDIDATE_SHARE))
         # Rows it takes at once: the GEMV's one pass over the copy (more rows would read it again per pass, where the
         # full head's GEMM reads the bf16 head once).
         self.max_rows = kernels.pass_rows
         self.vocab, self.hidden = vocab, hidden
-        self.nbytes = self.weight.numel() + self.scales.numel() * 4 + self.bounds.numel() * 4
+        self.nbytes = self.weight.numel() + (self.scales.numel() + self.bounds.numel()) * 4
+        self.nbytes += 0 if self.extra is None else self.extra.numel() * 4
         self.rows_screened = 0
         self.rows_to_full_head = 0
 
@@ -64,8 +73,13 @@ class HeadScreen:
         full head's: the int8 copy's, the candidates' computed exactly; rows the screen cannot settle take the full
         head."""
         x = hidden.float().contiguous()
-        logits = self.kernels.linear(x, self.weight, self.scales, None)
-        counts = self.kernels.screen_rows(x, logits, self.bounds, self.exact, self.cap)
+        rounded = self.kernels.screen_gemv(x, self.weight, self.scales) if self.extra is not None else None
+        if rounded is not None:
+            logits, steps = rounded
+            counts = self.kernels.screen_rows(x, logits, self.bounds, self.exact, self.cap, self.extra, steps)
+        else:
+            logits = self.kernels.linear(x, self.weight, self.scales, None)
+            counts = self.kernels.screen_rows(x, logits, self.bounds, self.exact, self.cap)
         unsettled = (counts < 0).nonzero().flatten()
         self.rows_screened += x.shape[0] - len(unsettled)
         if len(unsettled):

@@ -140,7 +140,21 @@ _SIGNATURES = {
     ],
     "infer_apply_bitmask": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT],
     "infer_argmax_rows": [_POINTER, _INT, _INT, _INT, _POINTER],
-    "infer_screen_rows": [_POINTER, _INT, _INT, _POINTER, _INT, _INT, _POINTER, _POINTER, _INT, _INT, _POINTER],
+    "infer_screen_rows": [
+        _POINTER,
+        _INT,
+        _INT,
+        _POINTER,
+        _INT,
+        _INT,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _INT,
+        _INT,
+        _POINTER,
+    ],
     "infer_screen_quantize": [_POINTER, _INT, _INT, _FLOAT, _POINTER, _POINTER, _POINTER],
     "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
     "infer_unpack_tiles": [_POINTER, _INT, _INT, _POINTER],
@@ -528,6 +542,13 @@ class CpuKernels:
         self._quantize_blocks = library.infer_quantize_blocks
         self._quantize_blocks.argtypes = [_POINTER, _INT, _INT, _INT, _POINTER]
         self._quantize_blocks.restype = _INT
+        self._screen_gemv = library.infer_screen_gemv
+        self._screen_gemv.argtypes = [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _POINTER]
+        self._screen_gemv.restype = _INT
+        # Whether ``screen_gemv`` runs here (AVX512-VNNI builds).
+        screen_vnni = library.infer_screen_vnni
+        screen_vnni.argtypes, screen_vnni.restype = [], _INT
+        self.screen_vnni = screen_vnni() == 1
         # How ``linear_tiles`` multiplies: "AMX tiles" (the build has AMX and the OS lets this process use it),
         # "AVX512-BF16" (its dot products), or None (plain C, the slow reference).
         self.tiles = TILE_KINDS[tile_kind()]
@@ -977,15 +998,23 @@ class CpuKernels:
         return out
 
     def screen_rows(
-        self, x: torch.Tensor, logits: torch.Tensor, bounds: torch.Tensor, weight: torch.Tensor, cap: int
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        bounds: torch.Tensor,
+        weight: torch.Tensor,
+        cap: int,
+        extra: torch.Tensor | None = None,
+        steps: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Greedy rows over an int8 copy of the output head (``infer.model.head_screen.HeadScreen``): ``logits``
         ``[rows, n]`` (float32, contiguous columns) as the copy gave them for ``x`` ``[rows, k]``, each within
-        ``bounds[j] * |x|_1`` of the bf16 head's; every token whose upper bound reaches the row's largest lower bound
-        gets its exact logit from ``weight``, the bf16 head as plain rows ``[n, k]`` (a tied head's embedding
-        table), in ``pack_tiles``' layout (5-D and more) or ``pack_weights``' (3-D), in place: the row's first maximum
-        is then the full head's. Returns each row's candidates (int64), -1 for a row with more than ``cap`` of them
-        (left as it was: the caller's full head)."""
+        ``bounds[j] * |x|_1`` of the bf16 head's, plus ``extra[j] * steps[r]`` where the copy multiplied x rounded
+        (``screen_gemv``: ``extra`` the int8 rows' L1 norms, ``steps`` its rows' rounding steps); every token whose
+        upper bound reaches the row's largest lower bound gets its exact logit from ``weight``, the bf16 head as
+        plain rows ``[n, k]`` (a tied head's embedding table), in ``pack_tiles``' layout (5-D and more) or
+        ``pack_weights``' (3-D), in place: the row's first maximum is then the full head's. Returns each row's
+        candidates (int64), -1 for a row with more than ``cap`` of them (left as it was: the caller's full head)."""
         check_flat(x)
         rows, k = x.shape
         n = logits.shape[1]
@@ -995,6 +1024,12 @@ class CpuKernels:
             raise ValueError(f"the head screen needs {n} float32 bounds, one per token")
         if weight.dtype != torch.bfloat16 or not weight.is_contiguous() or weight.numel() != n * k:
             raise ValueError(f"the head screen needs the bf16 head [{n}, {k}], packed and contiguous")
+        if (extra is None) != (steps is None):
+            raise ValueError("the head screen's extra bounds and rounding steps go together")
+        if extra is not None and (extra.dtype != torch.float32 or not extra.is_contiguous() or extra.numel() != n):
+            raise ValueError(f"the head screen needs {n} float32 extra bounds, one per token")
+        if steps is not None and (steps.dtype != torch.float32 or not steps.is_contiguous() or steps.numel() != rows):
+            raise ValueError(f"the head screen needs {rows} float32 rounding steps, one per row")
         layout = 2 if weight.dim() == 2 else 0 if weight.dim() >= 5 else 1
         counts = torch.empty(rows, dtype=torch.int64)
         self._screen_rows(
@@ -1005,12 +1040,43 @@ class CpuKernels:
             n,
             logits.stride(0),
             bounds.data_ptr(),
+            address(extra),
+            address(steps),
             weight.data_ptr(),
             layout,
             cap,
             counts.data_ptr(),
         )
         return counts
+
+    def screen_gemv(
+        self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The head screen's int8 copy (``screen_quantize``'s weights and ``pack_scales``' per-row scales) times
+        ``x`` ``[rows, k]`` (float32, contiguous) with each row of x rounded to int16 (its largest magnitude to
+        32,767) on AVX512-VNNI's integer dot products: float32 logits ``[rows, n]`` and each row's rounding step (no
+        element of the rounded row lies further from x), for ``screen_rows``' ``steps``. None where this build has
+        no AVX512-VNNI (``screen_vnni``)."""
+        check_flat(x)
+        check_packed(packed, scales)
+        if packed.dtype != torch.int8 or scales.shape[1] != 1:
+            raise ValueError("the screen's GEMV takes int8 weights with one scale per row")
+        out_features, in_features = packed_shape(packed)
+        if x.shape[1] != in_features:
+            raise ValueError(f"the screen's GEMV needs rows of {in_features} values, got {x.shape[1]}")
+        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        steps = torch.empty(x.shape[0], dtype=torch.float32)
+        ran = self._screen_gemv(
+            x.data_ptr(),
+            x.shape[0],
+            in_features,
+            packed.data_ptr(),
+            scales.data_ptr(),
+            out.data_ptr(),
+            out_features,
+            steps.data_ptr(),
+        )
+        return (out, steps) if ran else None
 
     def screen_quantize(self, weight: torch.Tensor, rounding: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The head screen's int8 copy of a bf16 head ``weight`` ``[n, k]`` (plain rows, contiguous): the int8

@@ -83,7 +83,9 @@ void infer_argmax_rows(const float *logits, int64_t rows, int64_t cols, int64_t 
  * head (float32 sums), in place. Every other token's approximate logit stays below its upper bound, below the lower
  * bound, below the exact logit of the token that set it: the row's first maximum is then the full head's. A row
  * with more than `cap` candidates (x near zero, a NaN, a head whose int8 copy is far off) is left approximate with
- * counts[r] = -1, for the caller's full head; else counts[r] is its candidates. */
+ * counts[r] = -1, for the caller's full head; else counts[r] is its candidates. Where the copy multiplied x rounded
+ * (infer_screen_gemv), each bound grows by extra[j] (the L1 norm of the int8 row w_j as the copy holds it) times
+ * steps[r] (how far the rounded row lies from x in any element); steps NULL: x as it is. */
 
 /* a_j's own float32 rounding beyond the bound (the final scale's product): 2^-20 of |a_j|. */
 #define SCREEN_RELATIVE 9.5367431640625e-07f
@@ -126,41 +128,45 @@ static float screen_exact(const float *x, int64_t k, const uint16_t *w, int64_t 
     return (sums[0] + sums[1]) + (sums[2] + sums[3]);
 }
 
-/* The row's largest lower bound a_j - bounds[j] * l1 - |a_j| * SCREEN_RELATIVE (-inf where none is a number). */
-static float screen_floor(const float *row, const float *bounds, int64_t n, float l1) {
+/* The row's largest lower bound a_j - bounds[j] * l1 - extra[j] * step - |a_j| * SCREEN_RELATIVE (-inf where none
+ * is a number). */
+static float screen_floor(const float *row, const float *bounds, const float *extra, float step, int64_t n,
+                          float l1) {
     float floor = -INFINITY;
     int64_t j = 0;
 #if INFER_AVX512
-    const __m512 scale = _mm512_set1_ps(l1), relative = _mm512_set1_ps(SCREEN_RELATIVE);
+    const __m512 scale = _mm512_set1_ps(l1), relative = _mm512_set1_ps(SCREEN_RELATIVE), unit = _mm512_set1_ps(step);
     __m512 best[2] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY)};
     for (; j + 32 <= n; j += 32)
         for (int s = 0; s < 2; s++) {
             const __m512 a = _mm512_loadu_ps(row + j + 16 * s);
-            const __m512 lower = _mm512_fnmadd_ps(_mm512_abs_ps(a), relative,
-                                                  _mm512_fnmadd_ps(_mm512_loadu_ps(bounds + j + 16 * s), scale, a));
+            const __m512 own = _mm512_fmadd_ps(_mm512_loadu_ps(extra + j + 16 * s), unit,
+                                               _mm512_mul_ps(_mm512_loadu_ps(bounds + j + 16 * s), scale));
+            const __m512 lower = _mm512_fnmadd_ps(_mm512_abs_ps(a), relative, _mm512_sub_ps(a, own));
             best[s] = _mm512_max_ps(lower, best[s]);  /* a NaN lower keeps best */
         }
     floor = _mm512_reduce_max_ps(_mm512_max_ps(best[0], best[1]));
 #endif
     for (; j < n; j++) {
-        const float lower = row[j] - bounds[j] * l1 - fabsf(row[j]) * SCREEN_RELATIVE;
+        const float lower = row[j] - (bounds[j] * l1 + extra[j] * step) - fabsf(row[j]) * SCREEN_RELATIVE;
         floor = lower > floor ? lower : floor;
     }
     return floor;
 }
 
 /* The tokens whose upper bound reaches `floor`, into `out` (room for cap + 16); their count, or -1 past `cap`. */
-static int64_t screen_candidates(const float *row, const float *bounds, int64_t n, float l1, float floor,
-                                 int64_t cap, int32_t *out) {
+static int64_t screen_candidates(const float *row, const float *bounds, const float *extra, float step, int64_t n,
+                                 float l1, float floor, int64_t cap, int32_t *out) {
     int64_t count = 0, j = 0;
 #if INFER_AVX512
-    const __m512 scale = _mm512_set1_ps(l1), relative = _mm512_set1_ps(SCREEN_RELATIVE);
+    const __m512 scale = _mm512_set1_ps(l1), relative = _mm512_set1_ps(SCREEN_RELATIVE), unit = _mm512_set1_ps(step);
     const __m512 target = _mm512_set1_ps(floor);
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (; j + 16 <= n; j += 16) {
         const __m512 a = _mm512_loadu_ps(row + j);
-        const __m512 upper = _mm512_fmadd_ps(_mm512_abs_ps(a), relative,
-                                             _mm512_fmadd_ps(_mm512_loadu_ps(bounds + j), scale, a));
+        const __m512 own = _mm512_fmadd_ps(_mm512_loadu_ps(extra + j), unit,
+                                           _mm512_mul_ps(_mm512_loadu_ps(bounds + j), scale));
+        const __m512 upper = _mm512_fmadd_ps(_mm512_abs_ps(a), relative, _mm512_add_ps(a, own));
         const __mmask16 reach = _mm512_cmp_ps_mask(upper, target, _CMP_GE_OQ);
         if (reach) {
             _mm512_mask_compressstoreu_epi32(out + count, reach,
@@ -171,7 +177,7 @@ static int64_t screen_candidates(const float *row, const float *bounds, int64_t 
     }
 #endif
     for (; j < n; j++)
-        if (row[j] + bounds[j] * l1 + fabsf(row[j]) * SCREEN_RELATIVE >= floor) {
+        if (row[j] + (bounds[j] * l1 + extra[j] * step) + fabsf(row[j]) * SCREEN_RELATIVE >= floor) {
             out[count++] = (int32_t)j;
             if (count > cap) return -1;
         }
@@ -179,16 +185,19 @@ static int64_t screen_candidates(const float *row, const float *bounds, int64_t 
 }
 
 void infer_screen_rows(const float *x, int64_t rows, int64_t k, float *logits, int64_t n, int64_t logits_stride,
-                       const float *bounds, const uint16_t *weight, int64_t layout, int64_t cap, int64_t *counts) {
+                       const float *bounds, const float *extra, const float *steps, const uint16_t *weight,
+                       int64_t layout, int64_t cap, int64_t *counts) {
 #pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * k;
         float *row = logits + r * logits_stride;
-        const float l1 = screen_l1(xr, k);
-        const float floor = screen_floor(row, bounds, n, l1);
+        const float l1 = screen_l1(xr, k), step = steps ? steps[r] : 0.0f;
+        /* without steps, extra[j] * 0 adds nothing: bounds stands in for the array */
+        const float *own_extra = steps ? extra : bounds;
+        const float floor = step == step ? screen_floor(row, bounds, own_extra, step, n, l1) : -INFINITY;
         int32_t *found = malloc((size_t)(cap + 16) * sizeof(int32_t));
         const int64_t count = found != NULL && l1 == l1 && floor > -INFINITY
-                                  ? screen_candidates(row, bounds, n, l1, floor, cap, found)
+                                  ? screen_candidates(row, bounds, own_extra, step, n, l1, floor, cap, found)
                                   : -1;
         for (int64_t c = 0; c < count; c++) row[found[c]] = screen_exact(xr, k, weight, layout, found[c]);
         counts[r] = count;

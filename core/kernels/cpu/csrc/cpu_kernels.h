@@ -366,7 +366,14 @@ void infer_argmax_rows(const float *logits, int64_t rows, int64_t cols, int64_t 
 /* Greedy rows over an int8 copy of the output head: the candidates' logits computed exactly from the bf16 head in
  * place (argmax.c). */
 void infer_screen_rows(const float *x, int64_t rows, int64_t k, float *logits, int64_t n, int64_t logits_stride,
-                       const float *bounds, const uint16_t *weight, int64_t layout, int64_t cap, int64_t *counts);
+                       const float *bounds, const float *extra, const float *steps, const uint16_t *weight,
+                       int64_t layout, int64_t cap, int64_t *counts);
+/* The screen's int8 copy times x rounded to int16 on AVX512-VNNI (gemv.c): y [rows][n_out] and each row's rounding
+ * step; returns 0 (nothing written) in builds without AVX512-VNNI or out of memory. */
+int64_t infer_screen_gemv(const float *x, int64_t rows, int64_t k, const int8_t *w, const float *scales, float *y,
+                          int64_t n_out, float *steps);
+/* Whether infer_screen_gemv runs in this build (1: AVX512-VNNI). */
+int64_t infer_screen_vnni(void);
 /* The screen's int8 copy of a bf16 head [n][k]: int8 weights in pack_weights' layout, a scale and a bound per row. */
 void infer_screen_quantize(const uint16_t *w, int64_t n, int64_t k, float rounding, int8_t *q, float *scales,
                            float *bounds);

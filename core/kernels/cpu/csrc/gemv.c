@@ -308,3 +308,115 @@ void infer_linear_i8(const float *x, int64_t rows, int64_t k, const int8_t *w, c
 }
 
 int64_t infer_pass_rows(void) { return PASS_ROWS; }
+
+/* ---- the head screen's GEMV on AVX512-VNNI (infer.model.head_screen.HeadScreen) ----------------------------------
+ *
+ * The int8 GEMV above widens every weight to float32 and runs an FMA per weight: on an AMX Xeon that is 16 GB/s of
+ * weights a core with the weights in L2, below what the memory gives one core (the screen's Qwen3-1.7B head, 311 MB,
+ * took 12.8 ms of a 102 ms decode step). Here each row of x is rounded to int16 once (its largest magnitude to
+ * 32,767) and each 32-byte chunk of four output rows' 8 weights is widened to int16 and multiplied on one VPDPWSSD
+ * per row of x: 16 int32 lanes, a 128-bit lane per output row. The sums are exact integers: a lane adds two products
+ * of at most 127 x 32,767 a chunk, and the int32 sums go into float32 every SCREEN_FLUSH columns (256 products a
+ * lane, below 2^31). steps[r] bounds how far row r's rounded x lies from x in any element (0.51 of its unit: half a
+ * unit plus the division's float32 rounding); the screen widens each token's bound by steps[r] times the L1 norm of
+ * its int8 row (infer_screen_rows' `extra`). */
+#if INFER_AVX512_VNNI
+#define SCREEN_FLUSH 1024
+
+/* sums[r][i] = xq[r] . (int8 row i of the block) for `count` rows of xq (int16, k each; 1 to PASS_ROWS, a constant
+ * once inlined), the int32 sums of each SCREEN_FLUSH columns added in float32. */
+static inline __attribute__((always_inline)) void screen_block_vnni(const int16_t *xq, int64_t k, const int8_t *block,
+                                                                    float sums[PASS_ROWS][4], const int count) {
+    __m512 total[PASS_ROWS];
+    for (int r = 0; r < count; r++) total[r] = _mm512_setzero_ps();
+    for (int64_t from = 0; from < k; from += SCREEN_FLUSH) {
+        const int64_t to = from + SCREEN_FLUSH < k ? from + SCREEN_FLUSH : k;
+        __m512i acc[PASS_ROWS];
+        for (int r = 0; r < count; r++) acc[r] = _mm512_setzero_si512();
+        for (int64_t c = from; c < to; c += 8) {
+            const int8_t *chunk = block + c * 4;
+            if (c % 16 == 0) gemv_prefetch((const char *)chunk);  /* once a 64-byte line */
+            const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)chunk));
+            for (int r = 0; r < count; r++) {
+                const __m512i xv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xq + r * k + c)));
+                acc[r] = _mm512_dpwssd_epi32(acc[r], w, xv);
+            }
+        }
+        for (int r = 0; r < count; r++) total[r] = _mm512_add_ps(total[r], _mm512_cvtepi32_ps(acc[r]));
+    }
+    for (int r = 0; r < count; r++) {
+        float lanes[16];
+        _mm512_storeu_ps(lanes, total[r]);
+        for (int i = 0; i < 4; i++)
+            sums[r][i] = (lanes[4 * i] + lanes[4 * i + 1]) + (lanes[4 * i + 2] + lanes[4 * i + 3]);
+    }
+}
+
+/* Row x (k floats) rounded to int16 in units of its largest magnitude / 32,767 into xq; returns the unit (0 for a
+ * zero row, NaN for a row holding a NaN or an infinity). */
+static float screen_round_row(const float *x, int64_t k, int16_t *xq) {
+    float largest = 0.0f;
+    for (int64_t i = 0; i < k; i++) {
+        const float magnitude = fabsf(x[i]);
+        if (!(magnitude <= 3.4028234663852886e38f)) {
+            memset(xq, 0, sizeof(int16_t) * k);
+            return NAN;
+        }
+        largest = magnitude > largest ? magnitude : largest;
+    }
+    if (largest == 0.0f) {
+        memset(xq, 0, sizeof(int16_t) * k);
+        return 0.0f;
+    }
+    const float unit = largest / 32767.0f;
+    for (int64_t i = 0; i < k; i++) {
+        const float q = nearbyintf(x[i] / unit);
+        xq[i] = (int16_t)(q > 32767.0f ? 32767.0f : q < -32767.0f ? -32767.0f : q);
+    }
+    return unit;
+}
+#endif
+
+int64_t infer_screen_vnni(void) { return INFER_AVX512_VNNI; }
+
+int64_t infer_screen_gemv(const float *x, int64_t rows, int64_t k, const int8_t *w, const float *scales, float *y,
+                          int64_t n_out, float *steps) {
+#if INFER_AVX512_VNNI
+    int16_t *xq = malloc(sizeof(int16_t) * rows * k);
+    float *units = malloc(sizeof(float) * rows);
+    if (!xq || !units) {
+        free(xq);
+        free(units);
+        return 0;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        units[r] = screen_round_row(x + r * k, k, xq + r * k);
+        steps[r] = 0.51f * units[r];
+    }
+    const int64_t blocks = n_out / 4;
+#pragma omp parallel for schedule(static) if (rows * n_out * k >= 65536)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int8_t *block = w + b * 4 * k;
+        for (int64_t m = 0; m < rows;) {
+            const int count = pass_rows(rows - m);
+            float sums[PASS_ROWS][4];
+            switch (count) {  /* a constant count per copy: its accumulators stay in registers */
+#define SCREEN_CASE(n) case n: screen_block_vnni(xq + m * k, k, block, sums, n); break;
+                SCREEN_CASE(1) SCREEN_CASE(2) SCREEN_CASE(3) SCREEN_CASE(4)
+                SCREEN_CASE(5) SCREEN_CASE(6) SCREEN_CASE(7) SCREEN_CASE(8)
+#undef SCREEN_CASE
+            }
+            for (int r = 0; r < count; r++)
+                for (int i = 0; i < 4; i++)
+                    y[(m + r) * n_out + b * 4 + i] = sums[r][i] * units[m + r] * scales[b * 4 + i];
+            m += count;
+        }
+    }
+    free(xq);
+    free(units);
+    return 1;
+#else
+    (void)x, (void)rows, (void)k, (void)w, (void)scales, (void)y, (void)n_out, (void)steps;
+    return 0;
+#endif
+}

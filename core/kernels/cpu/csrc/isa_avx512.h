@@ -2,7 +2,8 @@
  * horizontal sums and maxima, lane masks.
  *
  * INFER_AVX512 is 1 in builds for AVX-512 (F; every such build also has AVX2, whose helpers these use), and
- * INFER_AVX512_BF16 where it has AVX512-BF16's dot products (VDPBF16PS) too. The operations test these rather than
+ * INFER_AVX512_BF16 where it has AVX512-BF16's dot products (VDPBF16PS) too, INFER_AVX512_VNNI where it has
+ * AVX512-VNNI's integer dot products (VPDPWSSD). The operations test these rather than
  * the compiler's macros. Include after isa_avx2.h. */
 #ifndef INFER_ISA_AVX512_H
 #define INFER_ISA_AVX512_H
@@ -17,6 +18,12 @@
 #define INFER_AVX512_BF16 1
 #else
 #define INFER_AVX512_BF16 0
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define INFER_AVX512_VNNI 1
+#else
+#define INFER_AVX512_VNNI 0
 #endif
 
 #if INFER_AVX512
