@@ -82,8 +82,10 @@ def gemm_rows(builds: dict, shape: str, rows: list[int], repeats: int, clock) ->
             print(f"| {name} | {m} | {cells} | {n * k * 2 / ours / 1e9:.1f} | {2 * m * n * k / ours / 1e12:.2f} |")
 
 
-def attention_contexts(builds: dict, sequences: int, contexts: list[int], repeats: int, clock) -> None:
-    print(f"\n{sequences} sequences, {LAYERS} layers' pools, {HEADS} query / {KV_HEADS} KV heads of {HEAD_DIM}")
+def attention_contexts(builds: dict, sequences: int, contexts: list[int], repeats: int, clock, in_order: bool) -> None:
+    placed = "in order" if in_order else "scattered at random"
+    heads = f"{HEADS} query / {KV_HEADS} KV heads of {HEAD_DIM}"
+    print(f"\n{sequences} sequences, {LAYERS} layers' pools, {heads}, blocks {placed}")
     print("| keys | " + " | ".join(f"{name} ms" for name in builds) + " | GB/s of K/V |")
     print("|---" * (len(builds) + 2) + "|")
     generator = torch.Generator().manual_seed(0)
@@ -91,7 +93,7 @@ def attention_contexts(builds: dict, sequences: int, contexts: list[int], repeat
         per_sequence = -(-context // BLOCK)
         blocks = sequences * per_sequence + 1
         pools = [torch.randn(2, blocks, BLOCK, KV_HEADS, HEAD_DIM).to(torch.bfloat16) for _ in range(LAYERS)]
-        order = torch.randperm(blocks - 1, generator=generator)
+        order = torch.arange(blocks - 1) if in_order else torch.randperm(blocks - 1, generator=generator)
         tables = order[: sequences * per_sequence].view(sequences, per_sequence).to(torch.int32)
         q, out = torch.randn(sequences, HEADS, HEAD_DIM), torch.empty(sequences, HEADS, HEAD_DIM)
         plan = KernelAttentionPlan(
@@ -123,6 +125,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--skip-gemm", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
+    parser.add_argument(
+        "--blocks-in-order",
+        action="store_true",
+        help="each sequence's blocks side by side, one sequence after another (a fresh engine's prompts)",
+    )
     args = parser.parse_args()
     kernels = cpu_kernels.load(True)
     if not kernels.tiles:
@@ -135,7 +142,7 @@ def main() -> None:
     if not args.skip_gemm:
         gemm_rows(builds, args.shape, args.rows, args.repeats, clock)
     if not args.skip_attention:
-        attention_contexts(builds, args.sequences, args.contexts, args.repeats, clock)
+        attention_contexts(builds, args.sequences, args.contexts, args.repeats, clock, args.blocks_in_order)
 
 
 if __name__ == "__main__":
