@@ -95,10 +95,11 @@ def test_the_candidates_logits_are_exact_from_each_layout_of_the_head(kernels, l
 def test_each_simd_build_chooses_the_tokens_the_bf16_head_chooses(kernels, simd_build, build):
     other = simd_build(build)
     weight = near_tie_head(seed=11)
-    quantized, scales, bounds = other.screen_quantize(weight, 1e-3)
+    quantized, scales, bounds, norms = other.screen_quantize(weight, 1e-3)
     expected = kernels.screen_quantize(weight, 1e-3)
     assert torch.equal(quantized, expected[0]) and torch.equal(scales, expected[1])
     torch.testing.assert_close(bounds, expected[2], rtol=1e-4, atol=0)  # float32 differences, fused or not
+    assert torch.equal(norms, expected[3])
     _, screen = screened_head(other, weight)
     x = hidden_rows(12, weight, seed=12)
     chosen = torch.cat([screen.logits(x[i : i + screen.max_rows]).argmax(dim=1) for i in range(0, 12, screen.max_rows)])
@@ -130,6 +131,8 @@ def test_the_vnni_gemv_stays_within_its_rounding_steps(kernels):
     x[:, 3] = 40 * x.abs().amax()
     logits, steps = kernels.screen_gemv(x, screen.weight, screen.scales)
     copy = kernels.linear(torch.eye(HIDDEN), screen.weight, screen.scales, None).double()  # [HIDDEN, VOCAB]
+    norms = copy.abs().sum(dim=0)
+    assert (screen.extra.double() >= norms).all() and (screen.extra.double() <= norms * (1 + 2e-5)).all()
     exact_copy = x.double() @ copy
     assert ((logits.double() - exact_copy).abs() <= steps.double()[:, None] * screen.extra.double()[None, :]).all()
     unit = x.abs().amax(dim=1, keepdim=True).double() / 32767

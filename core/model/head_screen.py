@@ -47,17 +47,14 @@ class HeadScreen:
         # 127 * scale * |x|_1, for the exact one at most as much (the bf16 weights are within the int8 error of it);
         # each doubled, (k + 16) for headroom over the sums' last adds; the C side adds 0.1% over all of it.
         rounding = 2 * 2 * (hidden + 16) * 2.0**-24 * 127
-        quantized, scales, self.bounds = kernels.screen_quantize(weight.contiguous(), rounding)
+        quantized, scales, self.bounds, norms = kernels.screen_quantize(weight.contiguous(), rounding)
         if not torch.isfinite(scales).all():
             raise ValueError("a head screen needs finite head weights")
         self.weight = quantized
         self.scales = pack_scales(scales[:, None].contiguous())
         # On AVX512-VNNI the copy multiplies x rounded to int16 (``CpuKernels.screen_gemv``): each bound grows by the
-        # row's rounding step times the L1 norm of the token's int8 row, here rounded up past float32's sums.
-        self.extra = None
-        if kernels.screen_vnni:
-            magnitudes = quantized.abs().sum((1, 3), dtype=torch.int64).flatten().double()
-            self.extra = (magnitudes * scales.double() * (1 + 1e-5)).float()
+        # row's rounding step times the L1 norm of the token's int8 row.
+        self.extra = norms if kernels.screen_vnni else None
         self.cap = max(16, int(vocab * MAX_CANDIDATE_SHARE))
         # Rows it takes at once: the GEMV's one pass over the copy (more rows would read it again per pass, where the
         # full head's GEMM reads the bf16 head once).

@@ -155,7 +155,7 @@ _SIGNATURES = {
         _INT,
         _POINTER,
     ],
-    "infer_screen_quantize": [_POINTER, _INT, _INT, _FLOAT, _POINTER, _POINTER, _POINTER],
+    "infer_screen_quantize": [_POINTER, _INT, _INT, _FLOAT, _POINTER, _POINTER, _POINTER, _POINTER],
     "infer_linear_tiles": [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
     "infer_unpack_tiles": [_POINTER, _INT, _INT, _POINTER],
     "infer_flash_attention": [
@@ -1078,23 +1078,33 @@ class CpuKernels:
         )
         return (out, steps) if ran else None
 
-    def screen_quantize(self, weight: torch.Tensor, rounding: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def screen_quantize(
+        self, weight: torch.Tensor, rounding: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The head screen's int8 copy of a bf16 head ``weight`` ``[n, k]`` (plain rows, contiguous): the int8
-        weights in ``pack_weights``' layout, each row's float32 scale (its largest magnitude / 127), and each row's
+        weights in ``pack_weights``' layout, each row's float32 scale (its largest magnitude / 127), each row's
         bound: its largest difference between a weight and its int8 value times the scale, plus ``rounding`` scales,
-        times 1.001 (``infer.model.head_screen.HeadScreen``). A row holding a NaN or an infinity gets a NaN scale."""
+        times 1.001, and each row's norm: the L1 norm of its int8 values times the scale, rounded up by 1e-5
+        (``screen_rows``' ``extra``; ``infer.model.head_screen.HeadScreen``). A row holding a NaN or an infinity gets
+        a NaN scale."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
             raise ValueError("the head screen quantizes a contiguous bf16 weight [n, k]")
         n, k = weight.shape
         if not can_pack(n, k):
             raise ValueError(f"the head screen's int8 copy needs n % 4 == 0 and k % 8 == 0, got [{n}, {k}]")
         quantized = streamed_empty((n // 4, k // 8, 4, 8), torch.int8)
-        scales = torch.empty(n, dtype=torch.float32)
-        bounds = torch.empty(n, dtype=torch.float32)
+        scales, bounds, norms = (torch.empty(n, dtype=torch.float32) for _ in range(3))
         self._screen_quantize(
-            weight.data_ptr(), n, k, rounding, quantized.data_ptr(), scales.data_ptr(), bounds.data_ptr()
+            weight.data_ptr(),
+            n,
+            k,
+            rounding,
+            quantized.data_ptr(),
+            scales.data_ptr(),
+            bounds.data_ptr(),
+            norms.data_ptr(),
         )
-        return quantized, scales, bounds
+        return quantized, scales, bounds, norms
 
     def apply_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
         """Forbidden tokens of ``bitmask[i]`` (int32 ``[n, words]``, ``infer.guide``'s layout) to -inf in row

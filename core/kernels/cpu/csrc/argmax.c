@@ -206,17 +206,18 @@ void infer_screen_rows(const float *x, int64_t rows, int64_t k, float *logits, i
 }
 
 /* The screen's int8 copy of a bf16 head w [n][k] (row-major): each row's scale (its largest magnitude / 127), its
- * weights rounded to int8 in pack_weights' layout ([n / 4][k / 8][4][8]), and its bound: the largest difference
+ * weights rounded to int8 in pack_weights' layout ([n / 4][k / 8][4][8]), its bound: the largest difference
  * between a weight and its int8 value times the scale, plus `rounding` scales (the float32 sums' rounding), times
- * 1.001. The differences are computed in float32: each within 2^-24 of 127 scales of the exact one, far inside the
+ * 1.001, and its norm: the L1 norm of its int8 values times the scale, rounded up by 1e-5 (infer_screen_rows'
+ * `extra`). The differences are computed in float32: each within 2^-24 of 127 scales of the exact one, far inside the
  * 0.1%. A row holding a NaN or an infinity gets a NaN scale and bound. Rows in parallel. */
 void infer_screen_quantize(const uint16_t *w, int64_t n, int64_t k, float rounding, int8_t *q, float *scales,
-                           float *bounds) {
+                           float *bounds, float *norms) {
 #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; j++) {
         const uint16_t *row = w + j * k;
         int8_t *block = q + (j / 4) * 4 * k + (j % 4) * 8;
-        float largest = 0.0f, error = 0.0f;
+        float largest = 0.0f, error = 0.0f, size = 0.0f;  /* size: the sum of |q| (whole numbers, exact) */
         int finite = 1;
         int64_t i = 0;
 #if INFER_AVX512
@@ -236,7 +237,7 @@ void infer_screen_quantize(const uint16_t *w, int64_t n, int64_t k, float roundi
             largest = magnitude > largest ? magnitude : largest;
         }
         if (!finite) {  /* the caller refuses such a head */
-            scales[j] = bounds[j] = NAN;
+            scales[j] = bounds[j] = norms[j] = NAN;
             continue;
         }
         float scale = largest / 127.0f;
@@ -244,7 +245,7 @@ void infer_screen_quantize(const uint16_t *w, int64_t n, int64_t k, float roundi
         i = 0;
 #if INFER_AVX512
         const __m512 divisor = _mm512_set1_ps(scale), bound = _mm512_set1_ps(127.0f);
-        __m512 worst = _mm512_setzero_ps();
+        __m512 worst = _mm512_setzero_ps(), sizes = _mm512_setzero_ps();
         for (; i + 8 <= k; i += 8) {  /* one 8-weight chunk of pack_weights' layout, in the low half */
             const __m512 value = _mm512_castps256_ps512(bf16x8_load(row + i));
             __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(value, divisor), _MM_FROUND_TO_NEAREST_INT);
@@ -252,8 +253,10 @@ void infer_screen_quantize(const uint16_t *w, int64_t n, int64_t k, float roundi
             _mm_storel_epi64((__m128i *)(block + (i / 8) * 32), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rounded)));
             const __m512 off = _mm512_abs_ps(_mm512_fnmadd_ps(divisor, rounded, value));
             worst = _mm512_mask_max_ps(worst, 0x00FF, worst, off);
+            sizes = _mm512_mask_add_ps(sizes, 0x00FF, sizes, _mm512_abs_ps(rounded));
         }
         error = _mm512_reduce_max_ps(worst);
+        size = _mm512_reduce_add_ps(sizes);
 #endif
         for (; i < k; i++) {
             const float value = bf16_to_float(row[i]);
@@ -262,8 +265,10 @@ void infer_screen_quantize(const uint16_t *w, int64_t n, int64_t k, float roundi
             block[(i / 8) * 32 + i % 8] = (int8_t)rounded;
             const float off = fabsf(value - scale * rounded);
             error = off > error ? off : error;
+            size += fabsf(rounded);
         }
         scales[j] = scale;
         bounds[j] = (float)(((double)error + rounding * (double)scale) * 1.001);
+        norms[j] = (float)((double)size * (double)scale * (1.0 + 1e-5));
     }
 }

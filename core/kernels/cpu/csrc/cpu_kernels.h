@@ -374,8 +374,9 @@ int64_t infer_screen_gemv(const float *x, int64_t rows, int64_t k, const int8_t 
                           int64_t n_out, float *steps);
 /* Whether infer_screen_gemv runs in this build (1: AVX512-VNNI). */
 int64_t infer_screen_vnni(void);
-/* The screen's int8 copy of a bf16 head [n][k]: int8 weights in pack_weights' layout, a scale and a bound per row. */
+/* The screen's int8 copy of a bf16 head [n][k]: int8 weights in pack_weights' layout, a scale, a bound and the int8
+ * row's L1 norm per row. */
 void infer_screen_quantize(const uint16_t *w, int64_t n, int64_t k, float rounding, int8_t *q, float *scales,
-                           float *bounds);
+                           float *bounds, float *norms);
 
 #endif
