@@ -311,15 +311,16 @@ int64_t infer_pass_rows(void) { return PASS_ROWS; }
 
 /* ---- the head screen's GEMV on AVX512-VNNI (infer.model.head_screen.HeadScreen) ----------------------------------
  *
- * The int8 GEMV above widens every weight to float32 and runs an FMA per weight: on an AMX Xeon that is 16 GB/s of
- * weights a core with the weights in L2, below what the memory gives one core (the screen's Qwen3-1.7B head, 311 MB,
- * took 12.8 ms of a 102 ms decode step). Here each row of x is rounded to int16 once (its largest magnitude to
+ * The int8 GEMV above widens every weight to float32 and runs an FMA per weight, more instructions a byte than the
+ * memory's rate leaves room for (the screen's Qwen3-1.7B head, 311 MB, took 12.8 ms of a 102 ms decode step on 2
+ * cores of an AMX Xeon). Here each row of x is rounded to int16 once (its largest magnitude to
  * 32,767) and each 32-byte chunk of four output rows' 8 weights is widened to int16 and multiplied on one VPDPWSSD
  * per row of x: 16 int32 lanes, a 128-bit lane per output row. The sums are exact integers: a lane adds two products
  * of at most 127 x 32,767 a chunk, and the int32 sums go into float32 every SCREEN_FLUSH columns (256 products a
  * lane, below 2^31). steps[r] bounds how far row r's rounded x lies from x in any element (0.51 of its unit: half a
  * unit plus the division's float32 rounding); the screen widens each token's bound by steps[r] times the L1 norm of
- * its int8 row (infer_screen_rows' `extra`). */
+ * its int8 row (infer_screen_rows' `extra`). There, 1.10-1.17x less time a call at 1 row and 1.19-1.29x at 4 on
+ * Qwen3's and Gemma 3's heads (benchmarks/head_screen.py). */
 #if INFER_AVX512_VNNI
 #define SCREEN_FLUSH 1024
 
