@@ -72,11 +72,10 @@ class HeadScreen:
         x = hidden.float().contiguous()
         rounded = self.kernels.screen_gemv(x, self.weight, self.scales) if self.extra is not None else None
         if rounded is not None:
-            logits, steps = rounded
-            counts = self.kernels.screen_rows(x, logits, self.bounds, self.exact, self.cap, self.extra, steps)
-        else:
-            logits = self.kernels.linear(x, self.weight, self.scales, None)
-            counts = self.kernels.screen_rows(x, logits, self.bounds, self.exact, self.cap)
+            (logits, steps), extra = rounded, self.extra
+        else:  # x as it is: the bounds need nothing more
+            logits, steps, extra = self.kernels.linear(x, self.weight, self.scales, None), None, None
+        counts = self.kernels.screen_rows(x, logits, self.bounds, self.exact, self.cap, extra, steps)
         unsettled = (counts < 0).nonzero().flatten()
         self.rows_screened += x.shape[0] - len(unsettled)
         if len(unsettled):
